@@ -1,0 +1,27 @@
+"""cpullm: run small language models fast on the CPU, from Hugging Face checkpoints.
+
+    import cpullm
+    model = cpullm.load("path/to/model_dir", quant="int8")
+    for piece in model.generate("The capital of France is", max_new_tokens=16):
+        print(piece, end="")
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .errors import CpullmError  # noqa: E402
+
+
+def load(path, quant: str = "int8", threads: int | None = None, **kwargs):
+    """Load a model directory (or a model-store name) and return a ready :class:`cpullm.model.Model`.
+
+    ``quant`` is ``"int8"`` (default: INT8 weights, one scale per block of 32) or ``"f32"`` (reference).
+    ``threads`` defaults to the number of physical cores. Other keyword arguments are passed to
+    :meth:`cpullm.model.Model.load` (``n_ctx``, ``cache_dir``, ``use_cache``, ``mlock``, ``mmap``).
+    """
+    from .model import Model
+
+    return Model.load(path, quant=quant, threads=threads, **kwargs)
+
+
+__all__ = ["load", "CpullmError", "__version__"]

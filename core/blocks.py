@@ -1,0 +1,220 @@
+"""Shared builders every family composes: norms, RoPE variants, attention, MLP, decoder layers,
+the head, and the Gated DeltaNet mixer. Canonical weight names used here:
+
+    embed, final_norm, lm_head
+    layers.{i}.attn_norm  layers.{i}.mlp_norm  [layers.{i}.post_attn_norm  layers.{i}.post_mlp_norm]
+    layers.{i}.attn.{q,k,v,o}_proj  [.{q,k,v}_bias]  [.q_norm .k_norm]
+    layers.{i}.mlp.{gate,up,down}_proj
+    layers.{i}.linear_attn.{in_qkv,in_z,in_b,in_a,conv,dt_bias,A_log,norm,out_proj}
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .errors import UnsupportedConfigError
+from .family import RopeSpec
+from .ir import GraphBuilder, Op
+
+# ---------------------------------------------------------------------------------------------
+# RoPE
+# ---------------------------------------------------------------------------------------------
+
+
+def default_inv_freq(theta: float, rotary_dim: int) -> np.ndarray:
+    """(rotary_dim/2,) float32: 1 / theta^(2i/d), computed in float32 as transformers does."""
+    exponent = np.arange(0, rotary_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(rotary_dim)
+    return (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
+
+
+def _llama3_inv_freq(inv: np.ndarray, p: dict) -> np.ndarray:
+    factor = float(p["factor"])
+    low = float(p.get("low_freq_factor", 1.0))
+    high = float(p.get("high_freq_factor", 4.0))
+    orig = float(p["original_max_position_embeddings"])
+    low_wl, high_wl = orig / low, orig / high
+    wavelen = 2 * math.pi / inv
+    inv_l = np.where(wavelen > low_wl, inv / factor, inv)
+    smooth = (orig / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+    medium = (wavelen >= high_wl) & (wavelen <= low_wl)
+    return np.where(medium, smoothed, inv_l).astype(np.float32)
+
+
+def rope_parameters(config: dict, layer_type: str | None = None) -> dict:
+    """The RoPE settings for one layer type, from either checkpoint layout:
+
+    transformers 5: ``rope_parameters`` (flat, or nested by layer type: {"full_attention": {...}});
+    legacy: ``rope_theta`` + ``rope_scaling`` (+ ``rope_local_base_freq`` handled by the family).
+    Returns a dict with at least ``rope_type`` and ``rope_theta``.
+    """
+    rp = config.get("rope_parameters")
+    if isinstance(rp, dict) and rp:
+        if layer_type is not None and isinstance(rp.get(layer_type), dict):
+            rp = rp[layer_type]
+        elif all(isinstance(v, dict) for v in rp.values()):
+            rp = next(iter(rp.values()))
+        out = dict(rp)
+        out.setdefault("rope_type", out.get("type", "default"))
+        if "rope_theta" not in out:
+            out["rope_theta"] = config.get("rope_theta", 10000.0)
+        return out
+    out = {"rope_type": "default", "rope_theta": config.get("rope_theta", 10000.0)}
+    scaling = config.get("rope_scaling")
+    if isinstance(scaling, dict):
+        out.update(scaling)
+        out["rope_type"] = scaling.get("rope_type", scaling.get("type", "default"))
+    return out
+
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def make_rope(params: dict, head_dim: int, partial_rotary_factor: float = 1.0) -> RopeSpec:
+    """RopeSpec from rope parameters; an unknown ``rope_type`` fails at load, naming the key."""
+    rope_type = params.get("rope_type", "default")
+    factor = params.get("partial_rotary_factor", partial_rotary_factor)
+    rotary_dim = int(head_dim * float(factor))
+    theta = float(params["rope_theta"])
+    inv = default_inv_freq(theta, rotary_dim)
+    if rope_type == "default":
+        pass
+    elif rope_type == "linear":
+        inv = (inv / np.float32(params["factor"])).astype(np.float32)
+    elif rope_type == "llama3":
+        inv = _llama3_inv_freq(inv, params)
+    else:
+        raise UnsupportedConfigError(
+            f"config key 'rope_scaling.rope_type' (or rope_parameters) = {rope_type!r} is not "
+            f"supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    return RopeSpec(theta=theta, rotary_dim=rotary_dim, inv_freq=tuple(float(x) for x in inv),
+                    attention_scaling=1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Elementary blocks
+# ---------------------------------------------------------------------------------------------
+
+
+def embed(g: GraphBuilder, hidden: int, scale: float = 1.0) -> str:
+    return g.add("embed", Op.EMBED, [], width=hidden, weights={"table": "embed"},
+                 group="embedding", scale=float(scale))
+
+
+def rmsnorm(g: GraphBuilder, name: str, x: str, weight: str, eps: float, group_size: int | None = None) -> str:
+    """RMSNorm over the last dim, or over each group of ``group_size`` columns (per-head norms).
+    Zero-centred (1 + w) weights are folded by the weight map (ADD_ONE), never here."""
+    width = g.width(x)
+    return g.add(name, Op.RMSNORM, [x], weights={"weight": weight}, group="norm",
+                 eps=float(eps), group_size=int(group_size or width))
+
+
+def linear(g: GraphBuilder, name: str, x: str, weight: str, out_features: int,
+           bias: str | None = None, group: str = "") -> str:
+    w = {"weight": weight}
+    if bias:
+        w["bias"] = bias
+    return g.add(name, Op.LINEAR, [x], width=out_features, weights=w, group=group)
+
+
+def rope(g: GraphBuilder, name: str, x: str, n_heads: int, head_dim: int, spec: RopeSpec) -> str:
+    return g.add(name, Op.ROPE, [x], group="rope", n_heads=n_heads, head_dim=head_dim,
+                 rotary_dim=spec.rotary_dim, inv_freq=spec.inv_freq,
+                 attention_scaling=spec.attention_scaling)
+
+
+def glu_mlp(g: GraphBuilder, i: int, x: str, hidden: int, intermediate: int, act: str) -> str:
+    """down(act(gate(x)) * up(x)); gate and up share an input and are fused by the compiler."""
+    p = f"layers.{i}.mlp"
+    gate = linear(g, f"{p}.gate_proj", x, f"{p}.gate_proj", intermediate, group="mlp_up")
+    up = linear(g, f"{p}.up_proj", x, f"{p}.up_proj", intermediate, group="mlp_up")
+    h = g.add(f"{p}.act", Op.GLU, [gate, up], group="mlp_act", act=act)
+    return linear(g, f"{p}.down_proj", h, f"{p}.down_proj", hidden, group="mlp_down")
+
+
+def attention(g: GraphBuilder, i: int, x: str, *, hidden: int, n_heads: int, n_kv_heads: int,
+              head_dim: int, rope_spec: RopeSpec | None, scale: float, qkv_bias: bool = False,
+              o_bias: bool = False, qk_norm_eps: float | None = None, softcap: float = 0.0, window: int = 0,
+              output_gate: bool = False) -> str:
+    """Grouped-query self-attention with the options the families need.
+
+    output_gate: the q projection's rows are [q (n_heads*head_dim) | gate (n_heads*head_dim)]
+    (the family's weight map puts them in that order); the output is o_proj(attn * sigmoid(gate)).
+    """
+    p = f"layers.{i}.attn"
+    q_width = n_heads * head_dim
+    kv_width = n_kv_heads * head_dim
+    bias = (lambda n: f"{p}.{n}_bias") if qkv_bias else (lambda n: None)
+    q_out = linear(g, f"{p}.q_proj", x, f"{p}.q_proj", q_width * (2 if output_gate else 1),
+                   bias=bias("q"), group="qkv")
+    k = linear(g, f"{p}.k_proj", x, f"{p}.k_proj", kv_width, bias=bias("k"), group="qkv")
+    v = linear(g, f"{p}.v_proj", x, f"{p}.v_proj", kv_width, bias=bias("v"), group="qkv")
+    gate = None
+    if output_gate:
+        q = g.add(f"{p}.q", Op.SLICE, [q_out], width=q_width, group="qkv", start=0)
+        gate = g.add(f"{p}.gate", Op.SLICE, [q_out], width=q_width, group="qkv", start=q_width)
+    else:
+        q = q_out
+    if qk_norm_eps is not None:
+        q = rmsnorm(g, f"{p}.q_norm", q, f"{p}.q_norm", qk_norm_eps, group_size=head_dim)
+        k = rmsnorm(g, f"{p}.k_norm", k, f"{p}.k_norm", qk_norm_eps, group_size=head_dim)
+    if rope_spec is not None:
+        q = rope(g, f"{p}.q_rope", q, n_heads, head_dim, rope_spec)
+        k = rope(g, f"{p}.k_rope", k, n_kv_heads, head_dim, rope_spec)
+    a = g.add(f"{p}.sdpa", Op.ATTENTION, [q, k, v], width=q_width, group="attention",
+              n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, scale=float(scale),
+              softcap=float(softcap or 0.0), window=int(window or 0), layer=i)
+    if gate is not None:
+        a = g.add(f"{p}.gated", Op.SIGMOID_MUL, [a, gate], group="attention")
+    return linear(g, f"{p}.o_proj", a, f"{p}.o_proj", hidden, group="o_proj",
+                  bias=f"{p}.o_bias" if o_bias else None)
+
+
+def gated_delta(g: GraphBuilder, i: int, x: str, *, hidden: int, n_k_heads: int, k_head_dim: int,
+                n_v_heads: int, v_head_dim: int, conv_kernel: int, norm_eps: float) -> str:
+    """Gated DeltaNet linear attention (Qwen3.5-style), with a causal depthwise conv state and a
+    fixed-size recurrent state per layer. The projections are ordinary LINEAR nodes; the mixer is
+    one GATED_DELTA node whose reference kernel lives in cpullm.kernels.gated_delta."""
+    p = f"layers.{i}.linear_attn"
+    key_dim, value_dim = n_k_heads * k_head_dim, n_v_heads * v_head_dim
+    conv_dim = 2 * key_dim + value_dim
+    qkv = linear(g, f"{p}.in_qkv", x, f"{p}.in_qkv", conv_dim, group="linear_attn_proj")
+    z = linear(g, f"{p}.in_z", x, f"{p}.in_z", value_dim, group="linear_attn_proj")
+    b = linear(g, f"{p}.in_b", x, f"{p}.in_b", n_v_heads, group="linear_attn_proj")
+    a = linear(g, f"{p}.in_a", x, f"{p}.in_a", n_v_heads, group="linear_attn_proj")
+    o = g.add(f"{p}.mixer", Op.GATED_DELTA, [qkv, z, b, a], width=value_dim, group="linear_attn",
+              weights={"conv": f"{p}.conv", "dt_bias": f"{p}.dt_bias", "A_log": f"{p}.A_log",
+                       "norm": f"{p}.norm"},
+              n_k_heads=n_k_heads, k_head_dim=k_head_dim, n_v_heads=n_v_heads,
+              v_head_dim=v_head_dim, conv_kernel=conv_kernel, eps=float(norm_eps), layer=i)
+    return linear(g, f"{p}.out_proj", o, f"{p}.out_proj", hidden, group="linear_attn_proj")
+
+
+def decoder_layer(g: GraphBuilder, i: int, h: str, mixer, mlp, eps: float, sandwich: bool = False) -> str:
+    """Pre-norm layer: h += mixer(norm(h)); h += mlp(norm(h)).
+
+    sandwich (Gemma 2/3): h += post_attn_norm(mixer(attn_norm(h))); h += post_mlp_norm(mlp(mlp_norm(h))).
+    ``mixer`` and ``mlp`` are ``(g, i, x) -> value`` callables.
+    """
+    p = f"layers.{i}"
+    x = rmsnorm(g, f"{p}.attn_norm", h, f"{p}.attn_norm", eps)
+    a = mixer(g, i, x)
+    if sandwich:
+        a = rmsnorm(g, f"{p}.post_attn_norm", a, f"{p}.post_attn_norm", eps)
+    h = g.add(f"{p}.attn_residual", Op.ADD, [h, a], group="residual")
+    x = rmsnorm(g, f"{p}.mlp_norm", h, f"{p}.mlp_norm", eps)
+    m = mlp(g, i, x)
+    if sandwich:
+        m = rmsnorm(g, f"{p}.post_mlp_norm", m, f"{p}.post_mlp_norm", eps)
+    return g.add(f"{p}.mlp_residual", Op.ADD, [h, m], group="residual")
+
+
+def lm_head(g: GraphBuilder, h: str, vocab: int, eps: float, final_softcap: float = 0.0) -> str:
+    """Final norm, lm_head (tied or not: the weight map decides), optional logit soft-capping."""
+    x = g.begin_head(h)
+    x = rmsnorm(g, "final_norm", x, "final_norm", eps)
+    logits = linear(g, "lm_head", x, "lm_head", vocab, group="lm_head")
+    if final_softcap:
+        logits = g.add("final_softcap", Op.SOFTCAP, [logits], group="lm_head", cap=float(final_softcap))
+    return logits

@@ -1,0 +1,67 @@
+"""Options shared by the commands that load a model."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def positive_int(text: str) -> int:
+    v = int(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None,
+                   help="model directory or store name (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--quant", choices=["int8", "f32"], default="int8", help="weight format (default int8)")
+    p.add_argument("--threads", type=positive_int, default=None, help="threads (default: physical cores)")
+    p.add_argument("--ctx", type=positive_int, default=None, help="context length (default: min(4096, model max))")
+    p.add_argument("--cache-dir", default=None, help="execution cache root (default ~/.cache/cpullm, or $CPULLM_CACHE_DIR)")
+    p.add_argument("--no-cache", action="store_true", help="compile without reading or writing the execution cache")
+    p.add_argument("--mlock", action="store_true", help="keep the weights resident in RAM")
+    p.add_argument("--mmap", dest="mmap", action="store_true", default=True, help="map the cached program (default)")
+    p.add_argument("--no-mmap", dest="mmap", action="store_false", help="read the cached program into memory")
+
+
+def add_sampling_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def load_model(args):
+    import cpullm
+
+    name = args.model
+    if name is None:
+        from cpullm.store import ensure_default_model
+        name = ensure_default_model(progress=progress_printer("default model"))
+    return cpullm.load(name, quant=args.quant, threads=args.threads, n_ctx=args.ctx,
+                       cache_dir=args.cache_dir, use_cache=not args.no_cache, mlock=args.mlock,
+                       mmap=args.mmap)
+
+
+def progress_printer(label: str):
+    """A callback (message, fraction) that draws a one-line progress bar on stderr."""
+    state = {"last": None}
+
+    def cb(message: str, fraction: float | None = None):
+        if fraction is None:
+            print(f"cpullm: {label}: {message}", file=sys.stderr, flush=True)
+            return
+        width = 30
+        filled = int(width * max(0.0, min(1.0, fraction)))
+        line = f"\rcpullm: {label}: [{'#' * filled}{'.' * (width - filled)}] {fraction * 100:5.1f}% {message[:40]:<40}"
+        if line != state["last"]:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            state["last"] = line
+        if fraction >= 1.0:
+            sys.stderr.write("\n")
+
+    return cb

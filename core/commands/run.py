@@ -1,0 +1,58 @@
+"""``cpullm run``: generate text from a prompt, streaming, with a one-line summary."""
+from __future__ import annotations
+
+import json
+import sys
+
+from .common import add_model_options, add_sampling_options, load_model
+
+
+def add_parser(sub):
+    p = sub.add_parser("run", help="generate text from a prompt")
+    add_model_options(p)
+    p.add_argument("-p", "--prompt", required=True, help="the prompt text")
+    p.add_argument("-n", "--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--prompt-cache", default=None, metavar="FILE",
+                   help="save/restore the KV cache of the prompt in FILE")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    add_sampling_options(p)
+    return p
+
+
+def run(args) -> int:
+    from cpullm.errors import PromptError
+    from cpullm.generate import GenerationStats
+
+    if args.max_tokens <= 0:
+        raise PromptError(f"-n must be >= 1, got {args.max_tokens}")
+    if not args.prompt.strip():
+        raise PromptError("the prompt is empty: give some text with -p")
+    model = load_model(args)
+    if args.prompt_cache:
+        model.use_prompt_cache(args.prompt_cache)
+    stats = GenerationStats()
+    pieces = model.generate(args.prompt, max_new_tokens=args.max_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            repetition_penalty=args.repetition_penalty, seed=args.seed,
+                            stop=args.stop, chat=args.chat, system=args.system, stats=stats)
+    if args.json:
+        text = "".join(pieces)
+        out = {"model": str(model.model_dir), "family": model.family.name, "quant": model.quant,
+               "text": text, "cache": model.cache_status, **stats.as_dict()}
+        if args.prompt_cache:
+            model.save_prompt_cache()
+        print(json.dumps(out, ensure_ascii=False))
+        return 0
+    for piece in pieces:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    if args.prompt_cache:
+        model.save_prompt_cache()
+    sys.stdout.write("\n")
+    print(f"[{stats.prompt_tokens} prompt tokens, prefill {stats.prefill_tps:.1f} tok/s, "
+          f"{stats.generated_tokens} generated, decode {stats.decode_tps:.1f} tok/s, "
+          f"{model.quant}, {model.threads} threads, cache {model.cache_status}]", file=sys.stderr)
+    return 0

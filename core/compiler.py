@@ -1,0 +1,338 @@
+"""IR + weights -> ExecutionProgram: fuse, quantize, pack, pick kernels, plan every buffer.
+
+The program is plain arrays plus a JSON-able ``meta`` dict, so the execution cache stores it
+without pickle (cpullm.cache_format) and maps it back.
+
+Passes:
+1. fuse   LINEAR nodes of one section that read the same value become one matrix (q/k/v,
+          gate/up, Gated DeltaNet input projections); each member's output is a column view.
+2. pack   weights into flat blobs: ``wq`` int8 + ``ws`` float32 scales (q8, block 32) or ``wf``
+          float32; tied tensors are packed once (embedding and lm_head share one matrix).
+3. plan   arena offsets by liveness (first fit); state regions for KV caches (full or ring) and
+          linear-attention states.
+4. emit   the instruction table (see cpullm.kernels.interpreter for the column layout).
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Callable
+
+import attrs
+import numpy as np
+
+from .ir import Graph, GraphError, Node, Op, VIEW_OPS
+
+QUANT_MODES = ("int8", "f32")
+HEAD_ROWS = 16          # head (final norm + lm_head) runs on at most this many rows at once
+DEFAULT_CHUNK = 512     # prefill rows per chunk
+
+
+@attrs.define
+class Program:
+    """What the executor runs. ``arrays`` are flat numpy arrays; ``meta`` is JSON-able."""
+
+    arrays: dict
+    meta: dict
+
+    @property
+    def I(self):
+        return self.arrays["I"]
+
+    @property
+    def F(self):
+        return self.arrays["F"]
+
+
+def _align(n: int, a: int = 16) -> int:
+    return (n + a - 1) // a * a
+
+
+class _Blob:
+    """Append-only flat buffer builder for one dtype."""
+
+    def __init__(self, dtype):
+        self.parts, self.size, self.dtype = [], 0, dtype
+
+    def add(self, arr: np.ndarray) -> int:
+        arr = np.ascontiguousarray(arr, dtype=self.dtype).reshape(-1)
+        off = self.size
+        pad = _align(arr.size) - arr.size
+        self.parts.append(arr)
+        if pad:
+            self.parts.append(np.zeros(pad, self.dtype))
+        self.size += arr.size + pad
+        return off
+
+    def build(self) -> np.ndarray:
+        if not self.parts:
+            return np.zeros(16, self.dtype)
+        return np.concatenate(self.parts)
+
+
+@attrs.define
+class _Phys:
+    """A physical op to emit: one IR node, or a fused group of LINEAR nodes."""
+
+    nodes: list            # member IR nodes (1 unless fused)
+    output: str            # value holding the (fused) output
+    width: int
+
+
+def _fuse_linears(graph: Graph) -> tuple[list[_Phys], dict]:
+    """Group LINEARs reading the same value in one section; returns physical ops and the views
+    {member output: (fused output, column start)}."""
+    groups: dict[tuple, list[Node]] = {}
+    for n in graph.nodes:
+        if n.op == Op.LINEAR and n.name != "lm_head":
+            groups.setdefault((n.section, n.inputs[0]), []).append(n)
+    views, emitted, phys = {}, set(), []
+    for n in graph.nodes:
+        if n.name in emitted:
+            continue
+        key = (n.section, n.inputs[0]) if n.op == Op.LINEAR and n.name != "lm_head" else None
+        members = groups.get(key, [n]) if key else [n]
+        if len(members) > 1:
+            fused = "+".join(m.name for m in members)
+            start = 0
+            for m in members:
+                views[m.output] = (fused, start)
+                start += m.width
+                emitted.add(m.name)
+            phys.append(_Phys(nodes=members, output=fused, width=start))
+        else:
+            emitted.add(n.name)
+            phys.append(_Phys(nodes=[n], output=n.output, width=n.width))
+    return phys, views
+
+
+def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 4096,
+                  max_chunk: int = DEFAULT_CHUNK, kernels: list | None = None,
+                  quantize: Callable | None = None, progress: Callable | None = None) -> Program:
+    """Compile ``graph`` with ``weights`` (cpullm.weightmap.ResolvedWeights).
+
+    ``quant``: "int8" (q8 block-32 weights for every LINEAR and the embedding) or "f32".
+    ``kernels``: KernelSpecs from plugins; the first whose ``supports(node)`` is true replaces
+    the reference kernel of that node.
+    """
+    from .kernels import interpreter as K
+    from .kernels.q8 import quantize_weight_q8
+
+    if quant not in QUANT_MODES:
+        from .errors import ConfigError
+        raise ConfigError(f"quant must be one of {', '.join(QUANT_MODES)}, not {quant!r}")
+    quantize = quantize or quantize_weight_q8
+    kernels = kernels or []
+    phys, views = _fuse_linears(graph)
+    nodes_by_out = {n.output: n for n in graph.nodes}
+
+    # ---- value layout: base buffer + column offset; views resolve to their base --------------
+    def base_of(value: str) -> tuple[str, int]:
+        if value in views:
+            return views[value]
+        n = nodes_by_out.get(value)
+        if n is not None and n.op in VIEW_OPS:
+            b, c = base_of(n.inputs[0])
+            return b, c + n.attr("start")
+        return value, 0
+
+    widths = {p.output: p.width for p in phys if p.nodes[0].op not in VIEW_OPS}
+    section_of = {p.output: p.nodes[0].section for p in phys}
+
+    # ---- liveness over physical ops (views keep their base alive) ----------------------------
+    order = [p for p in phys if p.nodes[0].op not in VIEW_OPS]
+    last_use: dict[str, int] = {}
+    for idx, p in enumerate(order):
+        for m in p.nodes:
+            for inp in m.inputs:
+                last_use[base_of(inp)[0]] = idx
+    head_end = len(order)
+    hidden_base = base_of(graph.hidden)[0]
+    last_use[hidden_base] = head_end            # the head re-reads hidden for each row group
+    last_use[base_of(graph.output)[0]] = head_end
+
+    offsets, free, arena_size = {}, [], 0       # free: list of (offset, size)
+    for idx, p in enumerate(order):
+        rows = max_chunk if section_of[p.output] == "body" else HEAD_ROWS
+        size = _align(rows * widths[p.output], 64)
+        spot = None
+        for j, (off, sz) in enumerate(free):
+            if sz >= size:
+                spot = off
+                if sz == size:
+                    free.pop(j)
+                else:
+                    free[j] = (off + size, sz - size)
+                break
+        if spot is None:
+            spot, arena_size = arena_size, arena_size + size
+        offsets[p.output] = spot
+        for m in p.nodes:
+            for inp in m.inputs:
+                b = base_of(inp)[0]
+                if last_use.get(b) == idx and b in offsets and b not in (hidden_base,):
+                    free.append((offsets[b], _align((max_chunk if section_of[b] == "body" else HEAD_ROWS) * widths[b], 64)))
+                    last_use[b] = -1
+        free.sort()
+        free = _merge(free)
+
+    def loc(value: str) -> tuple[int, int]:
+        b, c = base_of(value)
+        return offsets[b] + c, widths[b]
+
+    # ---- weights ---------------------------------------------------------------------------
+    wq, ws, wf = _Blob(np.int8), _Blob(np.float32), _Blob(np.float32)
+    packed: dict[tuple, tuple] = {}    # (sources, kind) -> (kind, w_off, s_off, Kp)
+    fparams: dict[str, int] = {}
+
+    def f32_param(canonical: str) -> int:
+        key = weights.source_of(canonical) if canonical in weights else canonical
+        if key not in fparams:
+            fparams[key] = wf.add(weights.get(canonical))
+        return fparams[key]
+
+    def pack_matrix(canonicals: list[str]) -> tuple:
+        key = (tuple(weights.source_of(c) for c in canonicals), quant)
+        if key in packed:
+            return packed[key]
+        mats = [weights.get(c) for c in canonicals]
+        mat = mats[0] if len(mats) == 1 else np.concatenate(mats, axis=0)
+        N, Kdim = mat.shape
+        if quant == "int8":
+            q, s = quantize(np.ascontiguousarray(mat, dtype=np.float32))
+            packed[key] = (K.WEIGHT_Q8, wq.add(q), ws.add(s), q.shape[1], N)
+        else:
+            packed[key] = (K.WEIGHT_F32, wf.add(mat), -1, Kdim, N)
+        if progress:
+            progress(canonicals[0])
+        return packed[key]
+
+    # ---- state -------------------------------------------------------------------------------
+    state_regions, state_size = [], 0
+
+    def add_state(node: Node, floats: int, kind: str, **info) -> int:
+        nonlocal state_size
+        off = state_size
+        state_size = _align(state_size + floats, 64)
+        state_regions.append({"node": node.name, "kind": kind, "offset": off, "floats": floats, **info})
+        return off
+
+    # ---- emit ------------------------------------------------------------------------------
+    rows_I, rows_F, names, groups, impls, external = [], [], [], [], [], {}
+    max_k, embed_rows = 32, 0
+    for p in order:
+        n = p.nodes[0]
+        Ir = np.full(K.NI, -1, np.int64)
+        Fr = np.zeros(K.NF, np.float64)
+        Ir[0], Ir[1], Ir[2] = int(n.op), 0, 0 if n.section == "body" else 1
+        out_off, out_st = loc(p.output)
+        if n.op == Op.LINEAR:
+            x_off, x_st = loc(n.inputs[0])
+            Kdim = nodes_by_out[n.inputs[0]].width
+            kind, w_off, s_off, Kp, _ = pack_matrix([m.weight("weight") for m in p.nodes])
+            bias_off = -1
+            if any(m.weight("bias") for m in p.nodes):
+                bias = np.concatenate([weights.get(m.weight("bias")) if m.weight("bias")
+                                       else np.zeros(m.width, np.float32) for m in p.nodes])
+                bias_off = wf.add(bias)
+            Ir[3:14] = [x_off, x_st, out_off, out_st, Kdim, p.width, kind, w_off, s_off, Kp, bias_off]
+            max_k = max(max_k, Kp)
+        elif n.op == Op.EMBED:
+            kind, w_off, s_off, Kp, embed_rows = pack_matrix([n.weight("table")])
+            Ir[3:10] = [out_off, out_st, n.width, kind, w_off, s_off, Kp]
+            Fr[0] = n.attr("scale", 1.0)
+        elif n.op == Op.RMSNORM:
+            x_off, x_st = loc(n.inputs[0])
+            Ir[3:10] = [x_off, x_st, out_off, out_st, n.width, n.attr("group_size"), f32_param(n.weight("weight"))]
+            Fr[0] = n.attr("eps")
+        elif n.op == Op.ROPE:
+            x_off, x_st = loc(n.inputs[0])
+            inv = np.asarray(n.attr("inv_freq"), np.float32)
+            Ir[3:11] = [x_off, x_st, out_off, out_st, n.attr("n_heads"), n.attr("head_dim"),
+                        n.attr("rotary_dim"), wf.add(inv)]
+            Fr[0] = n.attr("attention_scaling", 1.0)
+        elif n.op == Op.ATTENTION:
+            (q_off, q_st), (k_off, k_st), (v_off, v_st) = (loc(i) for i in n.inputs)
+            nkv, hd, window = n.attr("n_kv_heads"), n.attr("head_dim"), n.attr("window")
+            cap = n_ctx if not window else min(n_ctx, window + max_chunk)
+            c_off = add_state(n, 2 * nkv * cap * hd, "kv", cap=cap, n_kv_heads=nkv, head_dim=hd,
+                              window=window, layer=n.attr("layer"))
+            Ir[3:16] = [q_off, q_st, k_off, k_st, v_off, v_st, out_off, out_st, n.attr("n_heads"),
+                        nkv, hd, c_off, cap]
+            Fr[0:3] = [n.attr("scale"), n.attr("softcap"), window]
+        elif n.op == Op.GLU:
+            (g_off, g_st), (u_off, u_st) = (loc(i) for i in n.inputs)
+            act = {"silu": 0, "gelu_tanh": 1}[n.attr("act")]
+            Ir[3:11] = [g_off, g_st, u_off, u_st, out_off, out_st, n.width, act]
+        elif n.op in (Op.ADD, Op.SIGMOID_MUL):
+            (a_off, a_st), (b_off, b_st) = (loc(i) for i in n.inputs)
+            Ir[3:10] = [a_off, a_st, b_off, b_st, out_off, out_st, n.width]
+        elif n.op in (Op.SOFTCAP, Op.SCALE):
+            x_off, x_st = loc(n.inputs[0])
+            Ir[3:8] = [x_off, x_st, out_off, out_st, n.width]
+            Fr[0] = n.attr("cap") if n.op == Op.SOFTCAP else n.attr("scale")
+        elif n.op == Op.SELECT_ROWS:
+            x_off, x_st = loc(n.inputs[0])
+            Ir[3:8] = [x_off, x_st, out_off, out_st, n.width]
+        elif n.op == Op.GATED_DELTA:
+            locs = [loc(i) for i in n.inputs]
+            nk, dk, nv, dv, ck = (n.attr(a) for a in ("n_k_heads", "k_head_dim", "n_v_heads", "v_head_dim", "conv_kernel"))
+            conv = weights.get(n.weight("conv")).reshape(2 * nk * dk + nv * dv, ck)
+            from .kernels.gated_delta import state_size as gd_state
+            s_off = add_state(n, gd_state(nk, dk, nv, dv, ck), "linear", layer=n.attr("layer"))
+            Ir[3:23] = [*locs[0], *locs[1], *locs[2], *locs[3], out_off, out_st, nk, dk, nv, dv, ck,
+                        wf.add(conv), f32_param(n.weight("dt_bias")), f32_param(n.weight("A_log")),
+                        f32_param(n.weight("norm")), s_off]
+            Fr[0] = n.attr("eps")
+        else:
+            raise GraphError(f"{n.name}: the compiler has no emitter for op {n.op.name}")
+        for spec in kernels:
+            if int(spec.op) == int(n.op) and spec.supports(n):
+                Ir[1] = 1
+                external[len(rows_I)] = spec.name
+                break
+        rows_I.append(Ir)
+        rows_F.append(Fr)
+        names.append(p.output)
+        groups.append(n.group or n.op.name.lower())
+
+    logits_off, _ = loc(graph.output)
+    hidden_off, hidden_st = loc(graph.hidden)
+    first_head = next(i for i, row in enumerate(rows_I) if row[2] == 1)
+    meta = {
+        "names": names,
+        "groups": groups,
+        "external": {str(k): v for k, v in external.items()},
+        "first_head": first_head,
+        "logits_offset": logits_off,
+        "vocab": nodes_by_out[graph.output].width,
+        "hidden_offset": hidden_off,
+        "hidden_width": nodes_by_out[graph.hidden].width,
+        "arena_floats": int(arena_size),
+        "state_floats": int(state_size),
+        "state_regions": state_regions,
+        "max_chunk": int(max_chunk),
+        "head_rows": HEAD_ROWS,
+        "n_ctx": int(n_ctx),
+        "quant": quant,
+        "max_k": int(max_k),
+        "embed_rows": int(embed_rows),
+    }
+    arrays = {
+        "I": np.stack(rows_I), "F": np.stack(rows_F),
+        "wq": wq.build(), "ws": ws.build(), "wf": wf.build(),
+    }
+    return Program(arrays=arrays, meta=meta)
+
+
+def _merge(free: list) -> list:
+    out = []
+    for off, sz in free:
+        if out and out[-1][0] + out[-1][1] == off:
+            out[-1] = (out[-1][0], out[-1][1] + sz)
+        else:
+            out.append((off, sz))
+    return out
+
+
+def graph_hash(graph: Graph) -> str:
+    return hashlib.sha256(graph.dump().encode()).hexdigest()[:16]

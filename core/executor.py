@@ -1,0 +1,200 @@
+"""Runs an ExecutionProgram: batched prefill (matrix-matrix) and one-token decode.
+
+Decode is one compiled call for the whole token (every layer and the head) unless a plugin kernel
+replaces an op, in which case the token runs as a few segments between those kernels. Prefill
+runs chunks of up to ``max_chunk`` tokens: LINEAR ops as batched matmuls, everything else
+through the same interpreter, then the head on the rows asked for, ``head_rows`` at a time.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .compiler import Program
+from .errors import ContextOverflowError, PromptError
+from .kernels import interpreter as K
+from .kernels.q8 import matmul_f32, matmul_q8
+
+
+class Executor:
+    def __init__(self, program: Program, kernels: dict | None = None):
+        self.program = program
+        a = program.arrays
+        m = program.meta
+        self.I, self.F = a["I"], a["F"]
+        self.wq, self.ws, self.wf = a["wq"], a["ws"], a["wf"]
+        self.n_instr = len(self.I)
+        self.first_head = m["first_head"]
+        self.n_ctx = m["n_ctx"]
+        self.max_chunk = m["max_chunk"]
+        self.head_rows = m["head_rows"]
+        self.vocab = m["vocab"]
+        self.arena = np.zeros(m["arena_floats"], np.float32)
+        self.state = np.zeros(max(m["state_floats"], 16), np.float32)
+        self.xq = np.zeros(m["max_k"], np.int8)
+        self.xs = np.zeros(m["max_k"] // 32, np.float32)
+        self.tokens = np.zeros(self.max_chunk, np.int64)
+        self.rt = np.zeros(4, np.int64)
+        self.n_past = 0
+        kernels = kernels or {}
+        self.external = {int(r): kernels[name] for r, name in m["external"].items() if name in kernels}
+        missing = set(m["external"].values()) - set(kernels)
+        if missing:
+            from .errors import PluginError
+            raise PluginError(f"the program uses plugin kernels that are not installed: {sorted(missing)}; "
+                              "install the plugin again or clear the cache (`cpullm cache clear`)")
+        self.linear_rows = np.nonzero(self.I[:, 0] == K.OP_LINEAR)[0]
+        self._decode_segments = self._segments(0, self.n_instr, batched=False)
+        self._body_segments = self._segments(0, self.first_head, batched=True)
+        self._head_segments = self._segments(self.first_head, self.n_instr, batched=True)
+        self._head_segments_1 = self._segments(self.first_head, self.n_instr, batched=False)
+        self.profile: dict | None = None
+
+    # ---- segmentation -------------------------------------------------------------------------
+    def _segments(self, start: int, end: int, batched: bool) -> list:
+        """[("interp", a, b) | ("linear", r) | ("external", r)] covering [start, end)."""
+        out, a = [], start
+        for r in range(start, end):
+            special = None
+            if r in self.external:
+                special = ("external", r)
+            elif batched and self.I[r, 0] == K.OP_LINEAR:
+                special = ("linear", r)
+            if special:
+                if a < r:
+                    out.append(("interp", a, r))
+                out.append(special)
+                a = r + 1
+        if a < end:
+            out.append(("interp", a, end))
+        return out
+
+    def _run_segments(self, segments, T: int):
+        prof = self.profile
+        for seg in segments:
+            t0 = time.perf_counter() if prof is not None else 0.0
+            if seg[0] == "interp":
+                if prof is not None:          # per instruction, for the per-op profile
+                    for r in range(seg[1], seg[2]):
+                        t1 = time.perf_counter()
+                        self._interp(r, r + 1)
+                        prof[r] = prof.get(r, 0.0) + time.perf_counter() - t1
+                    continue
+                self._interp(seg[1], seg[2])
+            elif seg[0] == "linear":
+                self._linear_batched(seg[1])
+            else:
+                self._external(seg[1])
+            if prof is not None:
+                prof[seg[1]] = prof.get(seg[1], 0.0) + time.perf_counter() - t0
+
+    def _interp(self, a: int, b: int):
+        K.run(self.I, self.F, a, b, self.tokens, self.rt, self.arena, self.state,
+              self.wq, self.ws, self.wf, self.xq, self.xs)
+
+    def _rows(self, r: int) -> int:
+        return int(self.rt[0] if self.I[r, 2] == 0 else self.rt[3])
+
+    def _linear_batched(self, r: int):
+        I = self.I[r]
+        x_off, x_st, o_off, o_st, Kd, N, kind, w_off, s_off, Kp, b_off = (int(v) for v in I[3:14])
+        T = self._rows(r)
+        x = self.arena[x_off: x_off + T * x_st].reshape(T, x_st)[:, :Kd]
+        out = np.empty((T, N), np.float32)
+        if kind == K.WEIGHT_Q8:
+            w = self.wq[w_off: w_off + N * Kp].reshape(N, Kp)
+            s = self.ws[s_off: s_off + N * (Kp // 32)].reshape(N, Kp // 32)
+            matmul_q8(np.ascontiguousarray(x), w, s, out)
+        else:
+            w = self.wf[w_off: w_off + N * Kd].reshape(N, Kd)
+            matmul_f32(np.ascontiguousarray(x), w, out)
+        if b_off >= 0:
+            out += self.wf[b_off: b_off + N]
+        self.arena[o_off: o_off + T * o_st].reshape(T, o_st)[:, :N] = out
+
+    def _external(self, r: int):
+        fn = self.external[r]
+        I, F = self.I[r], self.F[r]
+        T = self._rows(r)
+        if I[0] == K.OP_GATED_DELTA:
+            fn(self.arena, self.state, self.wf, *(int(v) for v in I[3:23]), float(F[0]), T)
+        else:  # pragma: no cover - guarded by EXTERNAL_SIGNATURES at compile time
+            raise RuntimeError(f"no external calling convention for opcode {I[0]}")
+
+    # ---- public -------------------------------------------------------------------------------
+    def reset(self):
+        """Forget the sequence: positions restart at 0 and linear-attention states are zeroed."""
+        self.n_past = 0
+        for reg in self.program.meta["state_regions"]:
+            if reg["kind"] == "linear":
+                self.state[reg["offset"]: reg["offset"] + reg["floats"]] = 0.0
+
+    def _check_room(self, n: int):
+        if self.n_past + n > self.n_ctx:
+            raise ContextOverflowError(
+                f"{self.n_past + n} tokens do not fit in the context of {self.n_ctx}; "
+                f"shorten the prompt or load with a larger n_ctx (cpullm.load(..., n_ctx=N) / --ctx N)")
+
+    def prefill(self, tokens, all_logits: bool = False) -> np.ndarray:
+        """Run ``tokens`` after the current sequence. Returns float32 logits (T, vocab) if
+        ``all_logits`` else (vocab,) for the last token."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if tokens.size == 0:
+            raise PromptError("the prompt is empty: give at least one token")
+        if tokens.min() < 0 or tokens.max() >= self._embed_rows():
+            raise PromptError(f"token id out of range 0..{self._embed_rows() - 1}")
+        self._check_room(tokens.size)
+        outs = []
+        for c0 in range(0, tokens.size, self.max_chunk):
+            chunk = tokens[c0: c0 + self.max_chunk]
+            T = chunk.size
+            self.tokens[:T] = chunk
+            self.rt[:] = (T, self.n_past, 0, 0)
+            self._run_segments(self._body_segments, T)
+            self.n_past += T
+            last_chunk = c0 + self.max_chunk >= tokens.size
+            if all_logits:
+                outs.append(self._head(0, T))
+            elif last_chunk:
+                outs.append(self._head(T - 1, 1)[0])
+        return np.concatenate(outs) if all_logits else outs[-1]
+
+    def _head(self, row0: int, n: int) -> np.ndarray:
+        out = np.empty((n, self.vocab), np.float32)
+        lo = self.program.meta["logits_offset"]
+        for g0 in range(0, n, self.head_rows):
+            rows = min(self.head_rows, n - g0)
+            self.rt[2], self.rt[3] = row0 + g0, rows
+            self._run_segments(self._head_segments if rows > 1 else self._head_segments_1, rows)
+            out[g0: g0 + rows] = self.arena[lo: lo + rows * self.vocab].reshape(rows, self.vocab)
+        return out
+
+    def decode(self, token: int) -> np.ndarray:
+        """One token at position n_past; returns its logits (vocab,) (a view, copy to keep)."""
+        self._check_room(1)
+        self.tokens[0] = token
+        self.rt[:] = (1, self.n_past, 0, 1)
+        if len(self._decode_segments) == 1 and self.profile is None:
+            self._interp(0, self.n_instr)
+        else:
+            self._run_segments(self._decode_segments, 1)
+        self.n_past += 1
+        lo = self.program.meta["logits_offset"]
+        return self.arena[lo: lo + self.vocab]
+
+    def _embed_rows(self) -> int:
+        return int(self.program.meta.get("embed_rows", self.vocab))
+
+    # ---- profile ------------------------------------------------------------------------------
+    def start_profile(self):
+        self.profile = {}
+
+    def stop_profile(self) -> dict:
+        """Seconds per profile group (qkv, attention, o_proj, mlp_up, ...) since start_profile."""
+        prof, self.profile = self.profile or {}, None
+        groups = self.program.meta["groups"]
+        out: dict[str, float] = {}
+        for r, sec in prof.items():
+            out[groups[r]] = out.get(groups[r], 0.0) + sec
+        return out

@@ -1,0 +1,166 @@
+"""The IR: a small closed set of ops over named values of shape (T, width).
+
+Every value is a float32 matrix with one row per token (T rows in the body, the selected rows in
+the head). Nodes are frozen and named ``"layers.{i}.{block}.{op}"`` so a graph dump diffs and a
+profile reads by name. Families never define ops: they compose :mod:`cpullm.blocks`.
+"""
+from __future__ import annotations
+
+import enum
+import json
+import os
+from typing import Any
+
+import attrs
+
+from .errors import CpullmError
+
+
+class Op(enum.IntEnum):
+    """The closed op set. Values are stable: they are the interpreter's opcodes."""
+
+    EMBED = 1        # ()               -> (T, H)       weights: table; attrs: scale
+    RMSNORM = 2      # (x)              -> x.shape      weights: weight; attrs: eps, group
+    LINEAR = 3       # (x (T,K))        -> (T, N)       weights: weight (N,K), [bias (N,)]
+    ROPE = 4         # (x (T,h*d))      -> same         attrs: n_heads, head_dim, rope (RopeSpec)
+    ATTENTION = 5    # (q, k, v)        -> (T, nh*hd)   attrs: n_heads, n_kv_heads, head_dim, scale, softcap, window
+    GLU = 6          # (gate, up)       -> gate.shape   attrs: act ("silu" | "gelu_tanh")
+    ADD = 7          # (a, b)           -> a.shape
+    SIGMOID_MUL = 8  # (x, gate)        -> x.shape      x * sigmoid(gate)
+    SOFTCAP = 9      # (x)              -> x.shape      attrs: cap: cap * tanh(x / cap)
+    SLICE = 10       # (x)              -> (T, width)   attrs: start (column view, no copy)
+    SELECT_ROWS = 11 # (x)              -> (R, width)   head entry: the rows the executor asks for
+    GATED_DELTA = 12 # (qkv, z, b, a)   -> (T, nv*dv)   linear attention (Gated DeltaNet) with conv + recurrent state
+    SCALE = 13       # (x)              -> x.shape      attrs: scale
+
+
+# Ops whose output is a view of their input (no buffer of their own).
+VIEW_OPS = {Op.SLICE}
+
+
+def _freeze(v: Any):
+    if isinstance(v, dict):
+        return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+    if isinstance(v, (list, tuple)):
+        return tuple(_freeze(x) for x in v)
+    return v
+
+
+@attrs.define(frozen=True)
+class Node:
+    name: str                       # "layers.3.attn.q_proj"
+    op: Op
+    inputs: tuple                   # value names
+    output: str                     # value name (== name unless a view)
+    width: int                      # columns of the output
+    weights: tuple = ()             # ((role, canonical tensor name), ...)
+    attrs: tuple = ()               # ((key, value), ...) frozen
+    section: str = "body"           # "body" (every token) | "head" (selected rows only)
+    group: str = ""                 # profile group: "qkv", "attention", "o_proj", "mlp_up", ...
+
+    def attr(self, key: str, default=None):
+        for k, v in self.attrs:
+            if k == key:
+                return v
+        return default
+
+    def weight(self, role: str, default=None):
+        for r, w in self.weights:
+            if r == role:
+                return w
+        return default
+
+
+class GraphError(CpullmError):
+    """An IR graph is malformed (a bug in a family plugin, reported with the node name)."""
+
+
+@attrs.define
+class Graph:
+    nodes: list
+    output: str                      # final value (logits)
+    hidden: str                      # last body value (input of the head's SELECT_ROWS)
+    meta: dict = attrs.field(factory=dict)
+
+    def node(self, name: str) -> Node:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+    def dump(self) -> str:
+        """A stable text form, one node per line, for diffs and for the cache key."""
+        lines = []
+        for n in self.nodes:
+            a = json.dumps([list(x) for x in n.attrs], default=str, sort_keys=True)
+            w = ",".join(f"{r}={t}" for r, t in n.weights)
+            lines.append(f"{n.section} {n.name} = {n.op.name}({', '.join(n.inputs)}) "
+                         f"width={n.width} w[{w}] {a} group={n.group}")
+        return "\n".join(lines)
+
+    def validate(self) -> None:
+        """Check names are unique, inputs are defined before use, widths agree."""
+        defined: dict[str, Node] = {}
+        names = set()
+        for n in self.nodes:
+            if n.name in names:
+                raise GraphError(f"duplicate node name {n.name!r}")
+            names.add(n.name)
+            if not isinstance(n.op, Op):
+                raise GraphError(f"{n.name}: unknown op {n.op!r}")
+            for i in n.inputs:
+                if i not in defined:
+                    raise GraphError(f"{n.name}: input {i!r} is used before it is defined")
+                if n.section == "body" and defined[i].section == "head":
+                    raise GraphError(f"{n.name}: a body node cannot read head value {i!r}")
+            if n.width <= 0:
+                raise GraphError(f"{n.name}: width must be positive")
+            w = [defined[i].width for i in n.inputs]
+            if n.op in (Op.ADD, Op.GLU, Op.SIGMOID_MUL) and len(set(w)) != 1:
+                raise GraphError(f"{n.name}: {n.op.name} inputs have different widths {w}")
+            if n.op == Op.SLICE and n.attr("start") + n.width > w[0]:
+                raise GraphError(f"{n.name}: slice runs past its input")
+            if n.op == Op.SELECT_ROWS and n.section != "head":
+                raise GraphError(f"{n.name}: SELECT_ROWS starts the head section")
+            defined[n.output] = n
+        if self.output not in defined or self.hidden not in defined:
+            raise GraphError("graph output or hidden value is not defined")
+
+
+class GraphBuilder:
+    """Appends named nodes; every method returns the output value name."""
+
+    def __init__(self):
+        self.nodes: list[Node] = []
+        self.widths: dict[str, int] = {}
+        self.section = "body"
+        self.meta: dict = {}
+        self.hidden: str | None = None
+
+    def add(self, name: str, op: Op, inputs=(), width: int | None = None, weights=None,
+            group: str = "", **attributes) -> str:
+        if width is None:
+            width = self.widths[inputs[0]]
+        node = Node(name=name, op=op, inputs=tuple(inputs), output=name, width=int(width),
+                    weights=tuple((weights or {}).items()), attrs=_freeze(attributes),
+                    section=self.section, group=group)
+        self.nodes.append(node)
+        self.widths[name] = int(width)
+        return name
+
+    def width(self, value: str) -> int:
+        return self.widths[value]
+
+    def begin_head(self, hidden: str) -> str:
+        """End the per-token body; the head runs on the rows the executor selects."""
+        self.hidden = hidden
+        self.section = "head"
+        return self.add("head.select", Op.SELECT_ROWS, [hidden], group="lm_head")
+
+    def build(self, output: str) -> Graph:
+        if self.hidden is None:
+            raise GraphError("the graph has no head: call begin_head(hidden) before the final norm")
+        g = Graph(nodes=list(self.nodes), output=output, hidden=self.hidden, meta=dict(self.meta))
+        if os.environ.get("CPULLM_VALIDATE", "1") != "0":
+            g.validate()
+        return g

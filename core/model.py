@@ -1,0 +1,218 @@
+"""Model: the public object returned by ``cpullm.load``.
+
+Resolve the family -> typed Args -> TensorStore -> weight map -> IR graph -> ExecutionProgram
+(compiled, or mapped back from the execution cache) -> Executor; plus tokenizer and generation.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from . import plugins
+from .compiler import DEFAULT_CHUNK, QUANT_MODES, Program, compile_graph
+from .errors import ConfigError, ContextOverflowError, ModelNotFoundError, PromptError
+from .executor import Executor
+from .family import read_config
+from .generate import GenerationStats, generate_ids, generate_text
+from .ir import GraphBuilder
+from .sampling import SamplingParams
+from .tensors import TensorStore
+from .tokenize import Tokenizer
+
+DEFAULT_CTX = 4096
+
+
+def notice(msg: str) -> None:
+    """A one-line notice to stderr (the CLI and the API share it)."""
+    if os.environ.get("CPULLM_QUIET") != "1":
+        print(f"cpullm: {msg}", file=sys.stderr, flush=True)
+
+
+def resolve_model_dir(path) -> Path:
+    """A directory path, or a model-store name (``cpullm pull NAME``)."""
+    p = Path(os.path.expanduser(str(path)))
+    if p.is_dir():
+        return p
+    if p.exists():
+        raise ModelNotFoundError(f"{p} is a file; give the model directory (with config.json and "
+                                 "*.safetensors), or convert a .gguf with `cpullm convert`")
+    try:
+        from .store import resolve_model
+    except ImportError:  # pragma: no cover - the store ships with the core
+        resolve_model = None
+    if resolve_model is not None and "/" not in str(path) and not p.is_absolute():
+        return resolve_model(str(path))
+    raise ModelNotFoundError(f"model directory {p} does not exist; give a path to a Hugging Face "
+                             "checkpoint directory or a name from `cpullm models`")
+
+
+class Model:
+    def __init__(self, *, model_dir, config, family, args, graph, program, executor, tokenizer,
+                 quant, threads, cache_status, load_s, kernels, weights_info):
+        self.model_dir = model_dir
+        self.config = config
+        self.family = family
+        self.args = args
+        self.graph = graph
+        self.program = program
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.quant = quant
+        self.threads = threads
+        self.cache_status = cache_status
+        self.load_s = load_s
+        self.kernels = kernels
+        self.weights_info = weights_info
+        self.eos_token_ids = _eos_ids(config, tokenizer)
+        self.n_ctx = executor.n_ctx
+        self._seq: list[int] = []          # tokens currently in the KV cache
+
+    # ---- loading ---------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path, quant: str = "int8", threads: int | None = None, n_ctx: int | None = None,
+             cache_dir=None, use_cache: bool = True, max_chunk: int = DEFAULT_CHUNK,
+             mlock: bool = False, mmap: bool = True, plugin_kernels: bool = True) -> "Model":
+        from .kernels.numba_setup import configure
+
+        t0 = time.perf_counter()
+        if quant not in QUANT_MODES:
+            raise ConfigError(f"quant must be one of {', '.join(QUANT_MODES)}, not {quant!r}")
+        threads = configure(threads)
+        model_dir = resolve_model_dir(path)
+        config = read_config(model_dir)
+        registry = plugins.discover()
+        family = registry.family_for(config)
+        args = family.args(config)
+        store = TensorStore(model_dir)
+        weights = family.weight_map(args).resolve(store, args)
+        if weights.ignored:
+            notice(f"ignoring {len(weights.ignored)} tensors this runtime does not use "
+                   f"(e.g. {weights.ignored[0]}): only the text model runs")
+        g = GraphBuilder()
+        graph = family.build_graph(args, g)
+        ctx = int(n_ctx or min(DEFAULT_CTX, int(getattr(args, "max_position_embeddings", 0) or DEFAULT_CTX)))
+        if ctx <= 0:
+            raise ConfigError(f"n_ctx must be positive, got {ctx}")
+        specs = list(registry.kernels) if plugin_kernels else []
+        kernels = {k.name: k for k in specs}
+        build = lambda: compile_graph(graph, weights, quant=quant, n_ctx=ctx, max_chunk=max_chunk,
+                                      kernels=specs)
+        program, cache_status = _program_from_cache(
+            build, model_dir=model_dir, config=config, family=family, graph=graph, weights=weights,
+            store=store, quant=quant, n_ctx=ctx, max_chunk=max_chunk, kernels=specs,
+            cache_dir=cache_dir, use_cache=use_cache, mmap=mmap)
+        if mlock:
+            from .memory import mlock_arrays
+            mlock_arrays(program.arrays.values(), warn=notice)
+        executor = Executor(program, {k: v.fn for k, v in kernels.items()})
+        tokenizer = Tokenizer(model_dir)
+        weights_info = {"checkpoint_bytes": store.nbytes()}
+        return cls(model_dir=model_dir, config=config, family=family, args=args, graph=graph,
+                   program=program, executor=executor, tokenizer=tokenizer, quant=quant,
+                   threads=threads, cache_status=cache_status, load_s=time.perf_counter() - t0,
+                   kernels=kernels, weights_info=weights_info)
+
+    # ---- forward -----------------------------------------------------------------------------
+    def _check_fits(self, n: int):
+        if n > self.n_ctx:
+            raise ContextOverflowError(
+                f"the prompt has {n} tokens but the context holds {self.n_ctx}; shorten it or load "
+                f"with a larger n_ctx (--ctx N)")
+
+    def _start_sequence(self, ids: list[int]) -> int:
+        """Reset the cache for a new sequence; returns how many leading tokens are reused (0 here;
+        the prompt cache overrides this)."""
+        self.executor.reset()
+        self._seq = list(ids)
+        return 0
+
+    def logits(self, ids) -> np.ndarray:
+        """float32 (T, vocab): logits at every position of a fresh sequence ``ids``."""
+        ids = [int(i) for i in ids]
+        if not ids:
+            raise PromptError("logits() needs at least one token id")
+        self._check_fits(len(ids))
+        self.executor.reset()
+        self._seq = list(ids)
+        return self.executor.prefill(ids, all_logits=True)
+
+    # ---- generation ----------------------------------------------------------------------------
+    def _prompt_ids(self, prompt, chat: bool = False, system: str | None = None) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt.strip() and not chat:
+                raise PromptError("the prompt is empty: give some text (-p 'Hello')")
+            if chat:
+                from .chat import render_chat
+                text = render_chat(self, [*([{"role": "system", "content": system}] if system else []),
+                                          {"role": "user", "content": prompt}])
+                return self.tokenizer.encode(text, add_special_tokens=False)
+            return self.tokenizer.encode(prompt)
+        ids = [int(i) for i in prompt]
+        if not ids:
+            raise PromptError("the prompt is empty: give at least one token id")
+        return ids
+
+    def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                 seed: int | None = None, stop: list[str] | None = None, chat: bool = False,
+                 system: str | None = None, stats: GenerationStats | None = None) -> Iterator[str]:
+        """Yield text pieces for ``prompt`` (text or token ids)."""
+        params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed).validate()
+        ids = self._prompt_ids(prompt, chat=chat, system=system)
+        return generate_text(self, ids, max_new_tokens, params, stop=stop, stats=stats)
+
+    def generate_ids(self, prompt_ids, max_new_tokens: int = 128, temperature: float = 0.0,
+                     top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                     repetition_penalty: float = 1.0, seed: int | None = None,
+                     stats: GenerationStats | None = None, ignore_eos: bool = False) -> Iterator[int]:
+        """Yield token ids from the same sampler as :meth:`generate` (``ignore_eos``: never stop
+        early, as a reference comparison with EOS disabled needs)."""
+        params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed).validate()
+        return generate_ids(self, self._prompt_ids(prompt_ids), max_new_tokens, params, stats,
+                            stop_ids=() if ignore_eos else None)
+
+    # ---- reporting --------------------------------------------------------------------------------
+    def info(self) -> dict:
+        from .memory import memory_report
+        a = self.args
+        return {
+            "model_dir": str(self.model_dir),
+            "family": self.family.name,
+            "plugin": self.family.plugin,
+            "model_type": self.config.get("model_type"),
+            "params": int(self.program.meta.get("params", 0)),
+            "quant": self.quant,
+            "threads": self.threads,
+            "n_ctx": self.n_ctx,
+            "layers": getattr(a, "num_hidden_layers", None),
+            "vocab": self.program.meta["vocab"],
+            "cache": self.cache_status,
+            "load_s": self.load_s,
+            "memory": memory_report(self),
+        }
+
+
+def _eos_ids(config: dict, tokenizer) -> list[int]:
+    ids: list[int] = []
+    for src in (config, config.get("text_config") or {}, config.get("_generation_config") or {}):
+        v = src.get("eos_token_id")
+        if isinstance(v, int):
+            ids.append(v)
+        elif isinstance(v, list):
+            ids.extend(int(x) for x in v if isinstance(x, int))
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(ids))
+
+
+def _program_from_cache(build, **kw) -> tuple[Program, str]:
+    """The execution cache (cpullm.cache_format) when enabled, else a fresh compile."""
+    if not kw.get("use_cache"):
+        return build(), "OFF"
+    from .cache_format import load_or_build
+    return load_or_build(build, **kw)

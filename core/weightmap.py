@@ -1,0 +1,170 @@
+"""Declarative weight maps: checkpoint tensor names -> canonical names, as data.
+
+A family writes its map as a list of rules::
+
+    WeightMap(
+        rules=[
+            W("embed", "model.embed_tokens.weight", shape=(V, H)),
+            W("layers.{i}.attn_norm", "model.layers.{i}.input_layernorm.weight", shape=(H,)),
+            W("layers.{i}.mlp_norm", "model.layers.{i}.post_attention_layernorm.weight",
+              shape=(H,), transform=ADD_ONE),
+            W("lm_head", "lm_head.weight", shape=(V, H), tied_to="embed"),
+        ],
+        n_layers=L,
+        aliases=[("model.language_model.", "model.")],   # other prefixes real checkpoints use
+        ignore=[r"^model\\.visual\\.", r"^mtp\\."],         # present on purpose, not needed
+    )
+
+``resolve(store)`` checks everything at once: every missing tensor, every unexpected one and
+every wrong shape appear in a single WeightMapError. Transforms run once, from the stored tensor
+to the canonical one; the canonical tensors are never transformed again.
+"""
+from __future__ import annotations
+
+import re
+from typing import Callable
+
+import attrs
+import numpy as np
+
+from .errors import WeightMapError
+
+
+@attrs.define(frozen=True)
+class Transform:
+    """A named, pure function ``(array f32, args) -> array f32`` applied once at load."""
+
+    name: str
+    fn: Callable
+
+    def __call__(self, arr, args=None):
+        return self.fn(arr, args)
+
+
+ADD_ONE = Transform("add_one", lambda w, args: w + np.float32(1.0))   # zero-centred RMSNorm weight
+
+
+@attrs.define(frozen=True)
+class W:
+    """One canonical tensor: where it comes from, its stored shape, an optional transform.
+
+    ``{i}`` in both names expands over the layers (or over ``layers`` if given). ``tied_to`` names
+    the canonical tensor used when the source is absent (tied embeddings). ``optional`` tensors may
+    be absent (biases a config may or may not enable are better made explicit by the family)."""
+
+    canonical: str
+    source: str | None        # None: never stored (always tied_to another tensor)
+    shape: tuple | None = None
+    transform: Transform | None = None
+    tied_to: str | None = None
+    optional: bool = False
+    layers: tuple | None = None
+
+
+@attrs.define
+class WeightMap:
+    rules: list
+    n_layers: int = 0
+    aliases: list = attrs.field(factory=list)   # (prefix found in checkpoints, prefix used in rules)
+    ignore: list = attrs.field(factory=list)    # regexes of tensors deliberately unused
+
+    def expand(self) -> list[W]:
+        out = []
+        for r in self.rules:
+            if "{i}" in r.canonical:
+                for i in (r.layers if r.layers is not None else range(self.n_layers)):
+                    out.append(attrs.evolve(
+                        r, canonical=r.canonical.format(i=i),
+                        source=r.source.format(i=i) if r.source else None,
+                        tied_to=r.tied_to.format(i=i) if r.tied_to else None, layers=None))
+            else:
+                out.append(r)
+        return out
+
+    def _normalise(self, name: str) -> str:
+        for found, used in self.aliases:
+            if name.startswith(found):
+                return used + name[len(found):]
+        return name
+
+    def resolve(self, store, args=None) -> "ResolvedWeights":
+        """Match rules to the store's tensors; raise one WeightMapError listing every problem."""
+        by_norm: dict[str, str] = {}
+        for name in store.names():
+            by_norm.setdefault(self._normalise(name), name)
+        ignore = [re.compile(p) for p in self.ignore]
+        rules = self.expand()
+        missing, bad_shape, used = [], [], set()
+        found: dict[str, tuple] = {}
+        for r in rules:
+            stored = by_norm.get(r.source) if r.source else None
+            if stored is None:
+                if r.tied_to or r.optional:
+                    continue
+                missing.append(r.source)
+                continue
+            used.add(stored)
+            if r.shape is not None and tuple(store.shape(stored)) != tuple(r.shape):
+                bad_shape.append(f"{stored}: expected {tuple(r.shape)}, found {tuple(store.shape(stored))}")
+                continue
+            found[r.canonical] = (stored, r.transform)
+        ties = {}
+        for r in rules:
+            if r.canonical not in found and r.tied_to:
+                if r.tied_to not in found:
+                    missing.append(r.source or r.canonical)
+                else:
+                    ties[r.canonical] = r.tied_to
+        ignored = [n for n in store.names() if n not in used and any(p.search(n) for p in ignore)]
+        unused = [n for n in store.names() if n not in used and n not in ignored]
+        problems = []
+        if missing:
+            problems.append(f"missing tensors ({len(missing)}): " + ", ".join(missing))
+        if bad_shape:
+            problems.append(f"wrong shapes ({len(bad_shape)}): " + "; ".join(bad_shape))
+        if unused:
+            problems.append(f"unexpected tensors ({len(unused)}): " + ", ".join(sorted(unused)))
+        if problems:
+            raise WeightMapError(
+                "the checkpoint does not match the family's weight map: " + " | ".join(problems)
+                + ". Check that config.json belongs to these weights (layer count, head counts, "
+                "sizes) and that the right family plugin is installed")
+        return ResolvedWeights(store=store, found=found, ties=ties, ignored=ignored, args=args)
+
+
+@attrs.define
+class ResolvedWeights:
+    """Canonical name -> tensor, loaded lazily (one tensor at a time, float32)."""
+
+    store: object
+    found: dict
+    ties: dict
+    ignored: list
+    args: object = None
+
+    def names(self) -> list[str]:
+        return list(self.found) + list(self.ties)
+
+    def __contains__(self, canonical: str) -> bool:
+        return canonical in self.found or canonical in self.ties
+
+    def is_tied(self, canonical: str) -> bool:
+        return canonical in self.ties
+
+    def source_of(self, canonical: str) -> str:
+        canonical = self.ties.get(canonical, canonical)
+        return self.found[canonical][0]
+
+    def get(self, canonical: str) -> np.ndarray:
+        canonical = self.ties.get(canonical, canonical)
+        stored, transform = self.found[canonical]
+        arr = self.store.get(stored)
+        if transform is not None:
+            arr = np.ascontiguousarray(transform(arr, self.args), dtype=np.float32)
+        return arr
+
+    def fingerprint(self) -> list:
+        """What the mapping did, for cache keys: (canonical, source, transform name)."""
+        out = [[c, s, t.name if t else None] for c, (s, t) in sorted(self.found.items())]
+        out += [[c, "tied:" + t, None] for c, t in sorted(self.ties.items())]
+        return out

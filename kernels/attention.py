@@ -1,0 +1,110 @@
+"""Causal grouped-query attention over a per-layer KV cache (full or sliding-window ring).
+
+Cache region of one layer inside the flat ``state`` array, at ``c_off``:
+    K: (n_kv, cap, head_dim)  then  V: (n_kv, cap, head_dim)
+Position p lives in slot ``p % cap``. A full-attention layer has cap = n_ctx; a sliding-window layer
+has cap = window + max_chunk, so a whole prefill chunk fits beside the window it looks back on.
+Query row t (position pos0 + t) attends to positions [lo, pos0 + t], lo = max(0, p - window + 1)
+for window > 0, else 0. Query head h reads KV head h // (n_heads // n_kv).
+Softmax is computed online (running max and sum) in float32, with optional tanh soft-capping.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+
+@njit(cache=True)
+def kv_write(arena, state, k_off, k_st, v_off, v_st, n_kv, head_dim, c_off, cap, pos0, T):
+    """Copy the T new key/value rows into their cache slots."""
+    v_base = c_off + n_kv * cap * head_dim
+    for t in range(T):
+        slot = (pos0 + t) % cap
+        for h in range(n_kv):
+            dst = h * cap * head_dim + slot * head_dim
+            src_k = k_off + t * k_st + h * head_dim
+            src_v = v_off + t * v_st + h * head_dim
+            for d in range(head_dim):
+                state[c_off + dst + d] = arena[src_k + d]
+                state[v_base + dst + d] = arena[src_v + d]
+
+
+@njit(cache=True, fastmath=True)
+def _attend_one(arena, state, q, o, kv_h, head_dim, c_off, cap, v_base, lo, hi, scale, softcap, acc):
+    m = np.float32(-3.0e38)
+    s = np.float32(0.0)
+    for d in range(head_dim):
+        acc[d] = np.float32(0.0)
+    for p in range(lo, hi + 1):
+        slot = p % cap
+        kb = c_off + kv_h * cap * head_dim + slot * head_dim
+        dot = np.float32(0.0)
+        for d in range(head_dim):
+            dot += arena[q + d] * state[kb + d]
+        sc = dot * np.float32(scale)
+        if softcap > 0.0:
+            sc = np.float32(softcap) * np.tanh(sc / np.float32(softcap))
+        vb = v_base + kv_h * cap * head_dim + slot * head_dim
+        if sc > m:
+            corr = np.exp(m - sc)
+            s = s * corr + np.float32(1.0)
+            for d in range(head_dim):
+                acc[d] = acc[d] * corr + state[vb + d]
+            m = sc
+        else:
+            e = np.exp(sc - m)
+            s += e
+            for d in range(head_dim):
+                acc[d] += e * state[vb + d]
+    inv = np.float32(1.0) / s
+    for d in range(head_dim):
+        arena[o + d] = acc[d] * inv
+
+
+@njit(cache=True, parallel=True)
+def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
+              n_heads, n_kv, head_dim, c_off, cap, scale, softcap, window, pos0, T):
+    """Write the new K/V rows, then attend every (query row, head) pair in parallel."""
+    kv_write(arena, state, k_off, k_st, v_off, v_st, n_kv, head_dim, c_off, cap, pos0, T)
+    group = n_heads // n_kv
+    v_base = c_off + n_kv * cap * head_dim
+    for job in prange(T * n_heads):
+        t = job // n_heads
+        h = job % n_heads
+        p = pos0 + t
+        lo = 0
+        if window > 0:
+            lo = max(0, p - window + 1)
+        acc = np.empty(head_dim, dtype=np.float32)
+        _attend_one(arena, state, q_off + t * q_st + h * head_dim, o_off + t * o_st + h * head_dim,
+                    h // group, head_dim, c_off, cap, v_base, lo, p, scale, softcap, acc)
+
+
+def attention_ref(q, k, v, n_heads, n_kv, head_dim, scale, softcap=0.0, window=0, pos0=0,
+                  k_past=None, v_past=None):
+    """q (T, nh*hd), k/v (T, nkv*hd) for positions pos0.., with optional past k/v (pos0, nkv*hd).
+    Returns (T, nh*hd), computed as transformers' eager attention (scale, softcap, mask, softmax)."""
+    T = q.shape[0]
+    if k_past is not None:
+        k = np.concatenate([k_past, k])
+        v = np.concatenate([v_past, v])
+    L = k.shape[0]
+    qh = q.reshape(T, n_heads, head_dim).transpose(1, 0, 2).astype(np.float64)
+    kh = k.reshape(L, n_kv, head_dim).transpose(1, 0, 2).astype(np.float64)
+    vh = v.reshape(L, n_kv, head_dim).transpose(1, 0, 2).astype(np.float64)
+    g = n_heads // n_kv
+    kh = np.repeat(kh, g, axis=0)
+    vh = np.repeat(vh, g, axis=0)
+    scores = qh @ kh.transpose(0, 2, 1) * scale
+    if softcap:
+        scores = softcap * np.tanh(scores / softcap)
+    qpos = np.arange(T)[:, None] + pos0
+    kpos = np.arange(L)[None, :]
+    allowed = kpos <= qpos
+    if window:
+        allowed &= kpos > qpos - window
+    scores = np.where(allowed[None], scores, -np.inf)
+    scores -= scores.max(-1, keepdims=True)
+    p = np.exp(scores)
+    p /= p.sum(-1, keepdims=True)
+    return (p @ vh).transpose(1, 0, 2).reshape(T, n_heads * head_dim).astype(np.float32)

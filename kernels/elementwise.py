@@ -1,0 +1,110 @@
+"""Row-wise elementwise kernels over strided (T, width) views of a flat float32 arena.
+
+Each op has a serial row-range kernel (decode: T is 1, a parallel launch would cost more than the
+work), a parallel one over rows (prefill), and a numpy reference ``*_ref`` on 2-D arrays.
+Operands are addressed as (offset, row stride) into ``arena`` so the interpreter needs no views.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit, prange
+
+ACT_SILU = 0
+ACT_GELU_TANH = 1
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+@njit(cache=True, fastmath=True, inline="always")
+def _act(x, act):
+    if act == ACT_SILU:
+        return x / (np.float32(1.0) + np.exp(-x))
+    inner = np.float32(_SQRT_2_OVER_PI) * (x + np.float32(0.044715) * x * x * x)
+    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))
+
+
+# ---- GLU: out = act(gate) * up ---------------------------------------------------------------
+@njit(cache=True, fastmath=True)
+def glu_rows(arena, g_off, g_st, u_off, u_st, o_off, o_st, width, act, r0, r1):
+    for t in range(r0, r1):
+        g, u, o = g_off + t * g_st, u_off + t * u_st, o_off + t * o_st
+        for j in range(width):
+            arena[o + j] = _act(arena[g + j], act) * arena[u + j]
+
+
+@njit(cache=True, parallel=True)
+def glu_par(arena, g_off, g_st, u_off, u_st, o_off, o_st, width, act, T):
+    for t in prange(T):
+        glu_rows(arena, g_off, g_st, u_off, u_st, o_off, o_st, width, act, t, t + 1)
+
+
+def glu_ref(gate: np.ndarray, up: np.ndarray, act: int) -> np.ndarray:
+    g = gate.astype(np.float64)
+    if act == ACT_SILU:
+        a = g / (1.0 + np.exp(-g))
+    else:
+        a = 0.5 * g * (1.0 + np.tanh(_SQRT_2_OVER_PI * (g + 0.044715 * g ** 3)))
+    return (a * up).astype(np.float32)
+
+
+# ---- binary ops: ADD, SIGMOID_MUL -----------------------------------------------------------
+BIN_ADD = 0
+BIN_SIGMOID_MUL = 1
+
+
+@njit(cache=True, fastmath=True)
+def binary_rows(arena, a_off, a_st, b_off, b_st, o_off, o_st, width, kind, r0, r1):
+    for t in range(r0, r1):
+        a, b, o = a_off + t * a_st, b_off + t * b_st, o_off + t * o_st
+        if kind == BIN_ADD:
+            for j in range(width):
+                arena[o + j] = arena[a + j] + arena[b + j]
+        else:
+            for j in range(width):
+                arena[o + j] = arena[a + j] / (np.float32(1.0) + np.exp(-arena[b + j]))
+
+
+@njit(cache=True, parallel=True)
+def binary_par(arena, a_off, a_st, b_off, b_st, o_off, o_st, width, kind, T):
+    for t in prange(T):
+        binary_rows(arena, a_off, a_st, b_off, b_st, o_off, o_st, width, kind, t, t + 1)
+
+
+def binary_ref(a: np.ndarray, b: np.ndarray, kind: int) -> np.ndarray:
+    if kind == BIN_ADD:
+        return (a + b).astype(np.float32)
+    return (a / (1.0 + np.exp(-b.astype(np.float64)))).astype(np.float32)
+
+
+# ---- unary ops: SOFTCAP, SCALE --------------------------------------------------------------
+UN_SOFTCAP = 0
+UN_SCALE = 1
+
+
+@njit(cache=True, fastmath=True)
+def unary_rows(arena, x_off, x_st, o_off, o_st, width, kind, c, r0, r1):
+    cf = np.float32(c)
+    for t in range(r0, r1):
+        x, o = x_off + t * x_st, o_off + t * o_st
+        if kind == UN_SOFTCAP:
+            for j in range(width):
+                arena[o + j] = cf * np.tanh(arena[x + j] / cf)
+        else:
+            for j in range(width):
+                arena[o + j] = arena[x + j] * cf
+
+
+def unary_ref(x: np.ndarray, kind: int, c: float) -> np.ndarray:
+    if kind == UN_SOFTCAP:
+        return (c * np.tanh(x.astype(np.float64) / c)).astype(np.float32)
+    return (x * np.float32(c)).astype(np.float32)
+
+
+# ---- copying rows (SELECT_ROWS) ---------------------------------------------------------------
+@njit(cache=True)
+def copy_rows(arena, x_off, x_st, o_off, o_st, width, row0, n):
+    for t in range(n):
+        x, o = x_off + (row0 + t) * x_st, o_off + t * o_st
+        for j in range(width):
+            arena[o + j] = arena[x + j]

@@ -1,0 +1,39 @@
+"""RMSNorm over rows, or over groups of columns (per-head q/k norms), float32 in and out.
+
+``out = x * rsqrt(mean(x^2) + eps) * w``; zero-centred (1 + w) weights arrive already folded.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+
+@njit(cache=True, fastmath=True)
+def rmsnorm_rows(arena, x_off, x_st, o_off, o_st, width, group, wf, w_off, eps, r0, r1):
+    n_groups = width // group
+    for t in range(r0, r1):
+        for gi in range(n_groups):
+            x = x_off + t * x_st + gi * group
+            o = o_off + t * o_st + gi * group
+            ss = np.float32(0.0)
+            for j in range(group):
+                v = arena[x + j]
+                ss += v * v
+            inv = np.float32(1.0) / np.sqrt(ss / np.float32(group) + np.float32(eps))
+            for j in range(group):
+                arena[o + j] = arena[x + j] * inv * wf[w_off + j]
+
+
+@njit(cache=True, parallel=True)
+def rmsnorm_par(arena, x_off, x_st, o_off, o_st, width, group, wf, w_off, eps, T):
+    for t in prange(T):
+        rmsnorm_rows(arena, x_off, x_st, o_off, o_st, width, group, wf, w_off, eps, t, t + 1)
+
+
+def rmsnorm_ref(x: np.ndarray, w: np.ndarray, eps: float, group: int | None = None) -> np.ndarray:
+    """x (T, width), w (group,) -> (T, width)."""
+    T, width = x.shape
+    group = group or width
+    xg = x.reshape(T, width // group, group).astype(np.float32)
+    ms = np.mean(xg * xg, axis=-1, keepdims=True)
+    return (xg / np.sqrt(ms + np.float32(eps)) * w).reshape(T, width).astype(np.float32)

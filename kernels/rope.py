@@ -1,0 +1,55 @@
+"""Rotary position embedding, NeoX / rotate_half style (dim i pairs with i + rotary_dim/2).
+
+Angles are ``float32(pos) * inv_freq`` in float32, as transformers computes them; dims past
+``rotary_dim`` (partial rotary) pass through unchanged.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+
+@njit(cache=True, fastmath=False)
+def rope_rows(arena, x_off, x_st, o_off, o_st, n_heads, head_dim, rotary_dim, wf, f_off,
+              att_scale, pos0, r0, r1):
+    half = rotary_dim // 2
+    for t in range(r0, r1):
+        pos = np.float32(pos0 + t)
+        for h in range(n_heads):
+            x = x_off + t * x_st + h * head_dim
+            o = o_off + t * o_st + h * head_dim
+            for i in range(half):
+                ang = pos * wf[f_off + i]
+                c = np.float32(np.cos(ang)) * np.float32(att_scale)
+                s = np.float32(np.sin(ang)) * np.float32(att_scale)
+                x1 = arena[x + i]
+                x2 = arena[x + i + half]
+                arena[o + i] = x1 * c - x2 * s
+                arena[o + i + half] = x2 * c + x1 * s
+            for i in range(rotary_dim, head_dim):
+                arena[o + i] = arena[x + i]
+
+
+@njit(cache=True, parallel=True)
+def rope_par(arena, x_off, x_st, o_off, o_st, n_heads, head_dim, rotary_dim, wf, f_off,
+             att_scale, pos0, T):
+    for t in prange(T):
+        rope_rows(arena, x_off, x_st, o_off, o_st, n_heads, head_dim, rotary_dim, wf, f_off,
+                  att_scale, pos0, t, t + 1)
+
+
+def rope_ref(x: np.ndarray, positions: np.ndarray, n_heads: int, head_dim: int,
+             inv_freq: np.ndarray, att_scale: float = 1.0) -> np.ndarray:
+    """x (T, n_heads*head_dim), positions (T,) -> rotated copy."""
+    rd = 2 * len(inv_freq)
+    T = x.shape[0]
+    xh = x.reshape(T, n_heads, head_dim).astype(np.float32)
+    ang = positions.astype(np.float32)[:, None] * inv_freq.astype(np.float32)[None, :]
+    emb = np.concatenate([ang, ang], axis=-1)
+    cos = (np.cos(emb) * att_scale).astype(np.float32)[:, None, :]
+    sin = (np.sin(emb) * att_scale).astype(np.float32)[:, None, :]
+    rot = xh[..., :rd]
+    rotate_half = np.concatenate([-rot[..., rd // 2:], rot[..., : rd // 2]], axis=-1)
+    out = xh.copy()
+    out[..., :rd] = rot * cos + rotate_half * sin
+    return out.reshape(T, n_heads * head_dim)

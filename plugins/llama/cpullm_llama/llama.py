@@ -1,0 +1,99 @@
+"""Llama (Llama 2, Llama 3.x, SmolLM2, ...): model_type ``llama``.
+
+Pre-norm decoder, RMSNorm (w * n), RoPE (default / linear / llama3 scaling), GQA, SiLU-gated MLP,
+optional attention biases, tied or untied lm_head. Reads both config layouts: the Hub's legacy
+``rope_theta`` / ``rope_scaling`` and transformers 5's ``rope_parameters``.
+"""
+from __future__ import annotations
+
+import attrs
+
+from cpullm import blocks
+from cpullm.family import Args, FamilySpec, require
+from cpullm.ir import GraphBuilder
+from cpullm.weightmap import W, WeightMap
+
+
+@attrs.define
+class LlamaArgs(Args):
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    vocab_size: int = 32000
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    rope: object = None                 # derived: cpullm.family.RopeSpec
+
+    def derive(self, config: dict) -> None:
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        require(self.hidden_act == "silu", "hidden_act", self.hidden_act, "silu")
+        require(not self.mlp_bias, "mlp_bias", self.mlp_bias, "false")
+        require(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
+                self.num_key_value_heads, "a divisor of num_attention_heads")
+        self.rope = blocks.make_rope(blocks.rope_parameters(config), self.head_dim)
+
+
+def weight_map(a: LlamaArgs) -> WeightMap:
+    H, V, I = a.hidden_size, a.vocab_size, a.intermediate_size
+    q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+    L = "model.layers.{i}."
+    rules = [
+        W("embed", "model.embed_tokens.weight", (V, H)),
+        W("final_norm", "model.norm.weight", (H,)),
+        W("lm_head", None if a.tie_word_embeddings else "lm_head.weight", (V, H), tied_to="embed"
+          if a.tie_word_embeddings else None),
+        W("layers.{i}.attn_norm", L + "input_layernorm.weight", (H,)),
+        W("layers.{i}.mlp_norm", L + "post_attention_layernorm.weight", (H,)),
+        W("layers.{i}.attn.q_proj", L + "self_attn.q_proj.weight", (q, H)),
+        W("layers.{i}.attn.k_proj", L + "self_attn.k_proj.weight", (kv, H)),
+        W("layers.{i}.attn.v_proj", L + "self_attn.v_proj.weight", (kv, H)),
+        W("layers.{i}.attn.o_proj", L + "self_attn.o_proj.weight", (H, q)),
+        W("layers.{i}.mlp.gate_proj", L + "mlp.gate_proj.weight", (I, H)),
+        W("layers.{i}.mlp.up_proj", L + "mlp.up_proj.weight", (I, H)),
+        W("layers.{i}.mlp.down_proj", L + "mlp.down_proj.weight", (H, I)),
+    ]
+    if a.attention_bias:
+        rules += [W("layers.{i}.attn.q_bias", L + "self_attn.q_proj.bias", (q,)),
+                  W("layers.{i}.attn.k_bias", L + "self_attn.k_proj.bias", (kv,)),
+                  W("layers.{i}.attn.v_bias", L + "self_attn.v_proj.bias", (kv,)),
+                  W("layers.{i}.attn.o_bias", L + "self_attn.o_proj.bias", (H,))]
+    ignore = [r"^lm_head\.weight$"] if a.tie_word_embeddings else []
+    ignore.append(r"rotary_emb\.inv_freq$")        # buffers some old checkpoints saved
+    return WeightMap(rules=rules, n_layers=a.num_hidden_layers, ignore=ignore)
+
+
+def build_graph(a: LlamaArgs, g: GraphBuilder):
+    def mixer(g, i, x):
+        return blocks.attention(g, i, x, hidden=a.hidden_size, n_heads=a.num_attention_heads,
+                                n_kv_heads=a.num_key_value_heads, head_dim=a.head_dim,
+                                rope_spec=a.rope, scale=a.head_dim ** -0.5, qkv_bias=a.attention_bias,
+                                o_bias=a.attention_bias)
+
+    def mlp(g, i, x):
+        return blocks.glu_mlp(g, i, x, a.hidden_size, a.intermediate_size, act="silu")
+
+    h = blocks.embed(g, a.hidden_size)
+    for i in range(a.num_hidden_layers):
+        h = blocks.decoder_layer(g, i, h, mixer, mlp, a.rms_norm_eps)
+    return g.build(blocks.lm_head(g, h, a.vocab_size, a.rms_norm_eps))
+
+
+FAMILY = FamilySpec(
+    name="llama",
+    model_types=("llama",),
+    architectures=("LlamaForCausalLM",),
+    args_class=LlamaArgs,
+    weight_map=weight_map,
+    build_graph=build_graph,
+    description="Llama 2/3.x, SmolLM2 and other LlamaForCausalLM checkpoints",
+)

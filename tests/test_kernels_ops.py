@@ -1,0 +1,135 @@
+"""Every non-matmul numba kernel against its numpy reference (odd sizes, strided operands)."""
+import numpy as np
+import pytest
+
+from cpullm.ir import Op
+from cpullm.kernels import attention as A
+from cpullm.kernels import elementwise as E
+from cpullm.kernels import gated_delta as G
+from cpullm.kernels import interpreter as K
+from cpullm.kernels import norm as N
+from cpullm.kernels import rope as R
+
+rng = np.random.default_rng(0)
+
+
+def _arena_with(*mats, extra=0):
+    """Place (T, w) matrices in one flat arena with a row stride wider than w (like fused outputs)."""
+    offs, pos = [], 0
+    for m in mats:
+        offs.append(pos)
+        pos += m.shape[0] * (m.shape[1] + 3)
+    arena = np.zeros(pos + extra, np.float32)
+    for m, o in zip(mats, offs):
+        st = m.shape[1] + 3
+        arena[o: o + m.shape[0] * st].reshape(m.shape[0], st)[:, : m.shape[1]] = m
+    return arena, offs, pos
+
+
+def _view(arena, off, T, st, w):
+    return arena[off: off + T * st].reshape(T, st)[:, :w]
+
+
+def test_opcodes_match_ir():
+    for name in ("EMBED", "RMSNORM", "LINEAR", "ROPE", "ATTENTION", "GLU", "ADD", "SIGMOID_MUL",
+                 "SOFTCAP", "SELECT_ROWS", "GATED_DELTA", "SCALE"):
+        assert getattr(K, f"OP_{name}") == int(getattr(Op, name))
+
+
+@pytest.mark.parametrize("T,width,group", [(1, 37, 37), (5, 64, 16), (9, 96, 96)])
+@pytest.mark.parametrize("parallel", [False, True])
+def test_rmsnorm(T, width, group, parallel):
+    x = rng.standard_normal((T, width)).astype(np.float32)
+    w = rng.standard_normal(group).astype(np.float32)
+    arena, (xo,), end = _arena_with(x, extra=T * width)
+    if parallel:
+        N.rmsnorm_par(arena, xo, width + 3, end, width, width, group, w, 0, 1e-6, T)
+    else:
+        N.rmsnorm_rows(arena, xo, width + 3, end, width, width, group, w, 0, 1e-6, 0, T)
+    got = arena[end: end + T * width].reshape(T, width)
+    np.testing.assert_allclose(got, N.rmsnorm_ref(x, w, 1e-6, group), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rotary_dim", [16, 8])
+def test_rope(rotary_dim):
+    T, nh, hd, pos0 = 6, 3, 16, 11
+    x = rng.standard_normal((T, nh * hd)).astype(np.float32)
+    inv = (1.0 / 10000 ** (np.arange(0, rotary_dim, 2) / rotary_dim)).astype(np.float32)
+    arena, (xo,), end = _arena_with(x, extra=T * nh * hd)
+    R.rope_par(arena, xo, nh * hd + 3, end, nh * hd, nh, hd, rotary_dim, inv, 0, 1.0, pos0, T)
+    got = arena[end: end + T * nh * hd].reshape(T, nh * hd)
+    np.testing.assert_allclose(got, R.rope_ref(x, np.arange(pos0, pos0 + T), nh, hd, inv), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window,softcap,chunks", [(0, 0.0, [7, 1, 1, 5]), (4, 0.0, [9, 1, 1, 3]), (0, 20.0, [3, 1])])
+def test_attention_prefill_then_decode(window, softcap, chunks):
+    nh, nkv, hd = 6, 2, 8
+    total = sum(chunks)
+    q = rng.standard_normal((total, nh * hd)).astype(np.float32)
+    k = rng.standard_normal((total, nkv * hd)).astype(np.float32)
+    v = rng.standard_normal((total, nkv * hd)).astype(np.float32)
+    ref = A.attention_ref(q, k, v, nh, nkv, hd, 0.3, softcap, window)
+    cap = (window + max(chunks)) if window else 64
+    state = np.zeros(2 * nkv * cap * hd, np.float32)
+    pos, outs = 0, []
+    for T in chunks:
+        arena, (qo, ko, vo), end = _arena_with(q[pos:pos + T], k[pos:pos + T], v[pos:pos + T], extra=T * nh * hd)
+        A.attention(arena, state, qo, nh * hd + 3, ko, nkv * hd + 3, vo, nkv * hd + 3, end, nh * hd,
+                    nh, nkv, hd, 0, cap, 0.3, softcap, window, pos, T)
+        outs.append(arena[end: end + T * nh * hd].reshape(T, nh * hd).copy())
+        pos += T
+    np.testing.assert_allclose(np.concatenate(outs), ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("act", [E.ACT_SILU, E.ACT_GELU_TANH])
+def test_glu(act):
+    T, w = 4, 45
+    g, u = rng.standard_normal((2, T, w)).astype(np.float32)
+    arena, (go, uo), end = _arena_with(g, u, extra=T * w)
+    E.glu_par(arena, go, w + 3, uo, w + 3, end, w, w, act, T)
+    np.testing.assert_allclose(arena[end:end + T * w].reshape(T, w), E.glu_ref(g, u, act), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", [E.BIN_ADD, E.BIN_SIGMOID_MUL])
+def test_binary(kind):
+    T, w = 3, 33
+    a, b = rng.standard_normal((2, T, w)).astype(np.float32)
+    arena, (ao, bo), end = _arena_with(a, b, extra=T * w)
+    E.binary_rows(arena, ao, w + 3, bo, w + 3, end, w, w, kind, 0, T)
+    np.testing.assert_allclose(arena[end:end + T * w].reshape(T, w), E.binary_ref(a, b, kind), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind,c", [(E.UN_SOFTCAP, 5.0), (E.UN_SCALE, 0.7)])
+def test_unary(kind, c):
+    T, w = 2, 19
+    x = (rng.standard_normal((T, w)) * 8).astype(np.float32)
+    arena, (xo,), end = _arena_with(x, extra=T * w)
+    E.unary_rows(arena, xo, w + 3, end, w, w, kind, c, 0, T)
+    np.testing.assert_allclose(arena[end:end + T * w].reshape(T, w), E.unary_ref(x, kind, c), rtol=1e-5, atol=1e-5)
+
+
+def test_gated_delta_prefill_then_decode_matches_reference():
+    nk, dk, nv, dv, K = 2, 8, 4, 6, 4
+    C = 2 * nk * dk + nv * dv
+    T1, T2 = 7, 3
+    T = T1 + T2
+    qkv = rng.standard_normal((T, C)).astype(np.float32)
+    z = rng.standard_normal((T, nv * dv)).astype(np.float32)
+    b = rng.standard_normal((T, nv)).astype(np.float32)
+    a = rng.standard_normal((T, nv)).astype(np.float32)
+    conv_w = (rng.standard_normal((C, K)) * 0.5).astype(np.float32)
+    dt = rng.standard_normal(nv).astype(np.float32)
+    alog = np.log(rng.uniform(1, 8, nv)).astype(np.float32)
+    norm_w = rng.standard_normal(dv).astype(np.float32)
+    ref, _, _ = G.gated_delta_ref(qkv, z, b, a, conv_w, dt, alog, norm_w, nk, dk, nv, dv, 1e-6)
+    wf = np.concatenate([conv_w.ravel(), dt, alog, norm_w]).astype(np.float32)
+    offs = np.cumsum([0, conv_w.size, nv, nv])
+    state = np.zeros(G.state_size(nk, dk, nv, dv, K), np.float32)
+    outs = []
+    for lo, hi in ((0, T1), (T1, T1 + 1), (T1 + 1, T)):
+        n = hi - lo
+        arena, (qo, zo, bo, ao), end = _arena_with(qkv[lo:hi], z[lo:hi], b[lo:hi], a[lo:hi], extra=n * nv * dv)
+        G.gated_delta(arena, state, wf, qo, C + 3, zo, nv * dv + 3, bo, nv + 3, ao, nv + 3, end, nv * dv,
+                      nk, dk, nv, dv, K, offs[0], offs[1], offs[2], offs[3], 0, 1e-6, n)
+        outs.append(arena[end:end + n * nv * dv].reshape(n, nv * dv).copy())
+    np.testing.assert_allclose(np.concatenate(outs), ref, rtol=2e-4, atol=2e-5)
