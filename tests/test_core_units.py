@@ -1,0 +1,199 @@
+"""TensorStore, weight maps, IR validation and the compiler's plans, on small synthetic inputs."""
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from cpullm import blocks
+from cpullm.compiler import compile_graph
+from cpullm.errors import CheckpointError, WeightMapError
+from cpullm.ir import GraphBuilder, GraphError, Op
+from cpullm.tensors import TensorStore
+from cpullm.weightmap import ADD_ONE, W, WeightMap
+
+
+def _write(path, tensors):
+    """tensors: name -> (dtype string, np array of the stored bytes)."""
+    header, blobs, off = {}, [], 0
+    for name, (dt, arr) in tensors.items():
+        b = np.ascontiguousarray(arr).tobytes()
+        header[name] = {"dtype": dt, "shape": list(arr.shape), "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    h = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
+def test_tensorstore_dtypes_and_shards(tmp_path):
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    bf16 = (a.view(np.uint32) >> 16).astype(np.uint16)
+    _write(tmp_path / "model-00001-of-00002.safetensors", {"a": ("F32", a), "b": ("F16", a.astype(np.float16))})
+    _write(tmp_path / "model-00002-of-00002.safetensors", {"c": ("BF16", bf16)})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "a": "model-00001-of-00002.safetensors", "b": "model-00001-of-00002.safetensors",
+        "c": "model-00002-of-00002.safetensors"}}))
+    st = TensorStore(tmp_path)
+    assert sorted(st.names()) == ["a", "b", "c"]
+    for n in "abc":
+        np.testing.assert_array_equal(st.get(n), a)
+        assert st.get(n).dtype == np.float32
+    assert st.raw("a").base is not None          # a view into the mapping, not a copy
+
+
+def test_tensorstore_missing_shard(tmp_path):
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"a": "x.safetensors"}}))
+    with pytest.raises(CheckpointError, match="missing: x.safetensors"):
+        TensorStore(tmp_path)
+
+
+def test_tensorstore_overlap_and_size_mismatch(tmp_path):
+    f = tmp_path / "model.safetensors"
+    h = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+         "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}
+    hb = json.dumps(h).encode()
+    f.write_bytes(struct.pack("<Q", len(hb)) + hb + bytes(12))
+    with pytest.raises(CheckpointError, match="overlap"):
+        TensorStore(tmp_path)
+    h = {"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}
+    hb = json.dumps(h).encode()
+    f.write_bytes(struct.pack("<Q", len(hb)) + hb + bytes(8))
+    with pytest.raises(CheckpointError, match="needs 12 bytes"):
+        TensorStore(tmp_path)
+
+
+def test_no_safetensors_names_convert(tmp_path):
+    with pytest.raises(CheckpointError, match="cpullm convert"):
+        TensorStore(tmp_path)
+
+
+class _Store:
+    def __init__(self, tensors):
+        self.t = tensors
+
+    def names(self):
+        return list(self.t)
+
+    def shape(self, n):
+        return self.t[n].shape
+
+    def get(self, n):
+        return self.t[n]
+
+
+def test_weightmap_aliases_ignore_ties_and_transform_once():
+    store = _Store({"language_model.model.norm.weight": np.zeros(4, np.float32),
+                    "language_model.model.embed.weight": np.ones((3, 4), np.float32),
+                    "vision_tower.x": np.zeros(1, np.float32)})
+    wm = WeightMap(rules=[W("final_norm", "model.norm.weight", (4,), transform=ADD_ONE),
+                          W("embed", "model.embed.weight", (3, 4)),
+                          W("lm_head", None, (3, 4), tied_to="embed")],
+                   aliases=[("language_model.model.", "model.")], ignore=[r"^vision_tower\."])
+    r = wm.resolve(store)
+    np.testing.assert_array_equal(r.get("final_norm"), np.ones(4))
+    np.testing.assert_array_equal(r.get("final_norm"), np.ones(4))    # still once, not twice
+    assert r.is_tied("lm_head") and r.ignored == ["vision_tower.x"]
+    np.testing.assert_array_equal(r.get("lm_head"), r.get("embed"))
+
+
+def test_weightmap_reports_everything_at_once():
+    store = _Store({"model.a": np.zeros((2, 2), np.float32), "model.zzz": np.zeros(1, np.float32)})
+    wm = WeightMap(rules=[W("a", "model.a", (3, 2)), W("b", "model.b", (2,)), W("layers.{i}.c", "model.l.{i}.c")],
+                   n_layers=2)
+    with pytest.raises(WeightMapError) as ei:
+        wm.resolve(store)
+    msg = str(ei.value)
+    for part in ("model.b", "model.l.0.c", "model.l.1.c", "model.a: expected (3, 2)", "model.zzz"):
+        assert part in msg
+
+
+def test_graph_validate_catches_errors():
+    g = GraphBuilder()
+    x = blocks.embed(g, 8)
+    g.add("bad", Op.ADD, [x, "nowhere"], width=8)
+    h = g.begin_head("bad")
+    with pytest.raises(GraphError, match="used before it is defined"):
+        g.build(h)
+    g = GraphBuilder()
+    x = blocks.embed(g, 8)
+    with pytest.raises(GraphError, match="no head"):
+        g.build(x)
+
+
+class _Weights:
+    """ResolvedWeights stand-in: canonical name -> array."""
+
+    def __init__(self, arrays):
+        self.arrays = arrays
+
+    def __contains__(self, n):
+        return n in self.arrays
+
+    def source_of(self, n):
+        return n
+
+    def get(self, n):
+        return self.arrays[n]
+
+
+def _tiny_graph():
+    g = GraphBuilder()
+    H, V, I = 32, 50, 48
+    spec = blocks.make_rope({"rope_type": "default", "rope_theta": 1e4}, 8)
+
+    def mixer(g, i, x):
+        return blocks.attention(g, i, x, hidden=H, n_heads=4, n_kv_heads=2, head_dim=8,
+                                rope_spec=spec, scale=8 ** -0.5)
+
+    def mlp(g, i, x):
+        return blocks.glu_mlp(g, i, x, H, I, "silu")
+
+    h = blocks.embed(g, H)
+    for i in range(2):
+        h = blocks.decoder_layer(g, i, h, mixer, mlp, 1e-5)
+    graph = g.build(blocks.lm_head(g, h, V, 1e-5))
+    rng = np.random.default_rng(0)
+    shapes = {"embed": (V, H), "final_norm": (H,), "lm_head": (V, H)}
+    for i in range(2):
+        p = f"layers.{i}"
+        shapes.update({f"{p}.attn_norm": (H,), f"{p}.mlp_norm": (H,), f"{p}.attn.q_proj": (32, H),
+                       f"{p}.attn.k_proj": (16, H), f"{p}.attn.v_proj": (16, H), f"{p}.attn.o_proj": (H, 32),
+                       f"{p}.mlp.gate_proj": (I, H), f"{p}.mlp.up_proj": (I, H), f"{p}.mlp.down_proj": (H, I)})
+    return graph, _Weights({k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()})
+
+
+def test_compiler_fuses_qkv_and_gate_up():
+    graph, w = _tiny_graph()
+    prog = compile_graph(graph, w, quant="f32", n_ctx=64, max_chunk=8)
+    names = prog.meta["names"]
+    assert "layers.0.attn.q_proj+layers.0.attn.k_proj+layers.0.attn.v_proj" in names
+    assert "layers.1.mlp.gate_proj+layers.1.mlp.up_proj" in names
+    assert sum(1 for r in prog.I if r[0] == int(Op.LINEAR)) == 2 * 4 + 1
+
+
+def test_compiler_live_buffers_never_overlap():
+    """Replay the plan: at every instruction, the buffers it reads and writes are disjoint."""
+    graph, w = _tiny_graph()
+    prog = compile_graph(graph, w, quant="f32", n_ctx=64, max_chunk=8)
+    assert prog.meta["arena_floats"] < sum(n.width for n in graph.nodes) * 8   # buffers are reused
+    from cpullm.executor import Executor
+    ex = Executor(prog)
+    ex.prefill([1, 2, 3, 4, 5])
+    a = ex.prefill([6], all_logits=True)
+    ex.reset()
+    b = ex.prefill([1, 2, 3, 4, 5, 6], all_logits=True)[-1:]
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_tied_embedding_packed_once():
+    graph, w = _tiny_graph()
+
+    class Tied(_Weights):
+        def source_of(self, n):
+            return "embed" if n == "lm_head" else n
+
+        def get(self, n):
+            return self.arrays["embed" if n == "lm_head" else n]
+    prog = compile_graph(graph, Tied(w.arrays), quant="int8", n_ctx=64, max_chunk=8)
+    untied = compile_graph(graph, w, quant="int8", n_ctx=64, max_chunk=8)
+    assert prog.arrays["wq"].size < untied.arrays["wq"].size
