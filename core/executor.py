@@ -14,6 +14,7 @@ import numpy as np
 from .compiler import Program
 from .errors import ContextOverflowError, PromptError
 from .kernels import interpreter as K
+from .kernels.attention import attention_batched
 from .kernels.q8 import matmul_f32, matmul_q8
 
 
@@ -53,7 +54,8 @@ class Executor:
 
     # ---- segmentation -------------------------------------------------------------------------
     def _segments(self, start: int, end: int, batched: bool) -> list:
-        """[("interp", a, b) | ("linear", r) | ("external", r)] covering [start, end)."""
+        """[("interp", a, b) | ("linear", r) | ("attention", r) | ("external", r)] covering
+        [start, end). Batched segments run matmuls and attention as BLAS products."""
         out, a = [], start
         for r in range(start, end):
             special = None
@@ -61,6 +63,8 @@ class Executor:
                 special = ("external", r)
             elif batched and self.I[r, 0] == K.OP_LINEAR:
                 special = ("linear", r)
+            elif batched and self.I[r, 0] == K.OP_ATTENTION:
+                special = ("attention", r)
             if special:
                 if a < r:
                     out.append(("interp", a, r))
@@ -84,6 +88,8 @@ class Executor:
                 self._interp(seg[1], seg[2])
             elif seg[0] == "linear":
                 self._linear_batched(seg[1])
+            elif seg[0] == "attention":
+                self._attention_batched(seg[1])
             else:
                 self._external(seg[1])
             if prof is not None:
@@ -112,6 +118,11 @@ class Executor:
         if b_off >= 0:
             out += self.wf[b_off: b_off + N]
         self.arena[o_off: o_off + T * o_st].reshape(T, o_st)[:, :N] = out
+
+    def _attention_batched(self, r: int):
+        I, F = self.I[r], self.F[r]
+        attention_batched(self.arena, self.state, *(int(v) for v in I[3:16]), float(F[0]), float(F[1]),
+                          int(F[2]), int(self.rt[1]), self._rows(r))
 
     def _external(self, r: int):
         fn = self.external[r]
@@ -182,6 +193,33 @@ class Executor:
         self.n_past += 1
         lo = self.program.meta["logits_offset"]
         return self.arena[lo: lo + self.vocab]
+
+    # ---- state save / restore (prompt cache) -------------------------------------------------
+    def state_region(self, reg: dict) -> np.ndarray:
+        """The float32 view of one ``meta["state_regions"]`` entry: for a KV region shaped
+        (2, n_kv_heads, cap, head_dim) (K then V; position p in slot p % cap), for a
+        linear-attention region flat (floats,)."""
+        a = self.state[reg["offset"]: reg["offset"] + reg["floats"]]
+        if reg["kind"] == "kv":
+            return a.reshape(2, reg["n_kv_heads"], reg["cap"], reg["head_dim"])
+        return a
+
+    def read_kv(self, reg: dict, lo: int, hi: int) -> np.ndarray:
+        """A copy of the keys and values of positions [lo, hi): (2, n_kv_heads, hi - lo, head_dim).
+        The caller makes sure the region still holds them (hi - lo <= cap, hi <= n_past)."""
+        slots = np.arange(lo, hi) % reg["cap"]
+        return self.state_region(reg)[:, :, slots, :].copy()
+
+    def write_kv(self, reg: dict, lo: int, kv: np.ndarray) -> None:
+        """Put keys and values of positions [lo, lo + kv.shape[2]) into their slots."""
+        slots = np.arange(lo, lo + kv.shape[2]) % reg["cap"]
+        self.state_region(reg)[:, :, slots, :] = kv
+
+    def set_position(self, n_past: int) -> None:
+        """Continue the sequence after ``n_past`` tokens whose state was restored."""
+        if not 0 <= n_past <= self.n_ctx:
+            raise ContextOverflowError(f"position {n_past} is outside the context of {self.n_ctx}")
+        self.n_past = int(n_past)
 
     def _embed_rows(self) -> int:
         return int(self.program.meta.get("embed_rows", self.vocab))

@@ -108,3 +108,42 @@ def attention_ref(q, k, v, n_heads, n_kv, head_dim, scale, softcap=0.0, window=0
     p = np.exp(scores)
     p /= p.sum(-1, keepdims=True)
     return (p @ vh).transpose(1, 0, 2).reshape(T, n_heads * head_dim).astype(np.float32)
+
+
+def attention_batched(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
+                      n_heads, n_kv, head_dim, c_off, cap, scale, softcap, window, pos0, T):
+    """Prefill form of :func:`attention` (same arguments, same result): the score and value
+    products of all T query rows run as batched matrix products (BLAS) per KV head group."""
+    kv_write(arena, state, k_off, k_st, v_off, v_st, n_kv, head_dim, c_off, cap, pos0, T)
+    g = n_heads // n_kv
+    end = pos0 + T
+    lo = max(0, pos0 - window + 1) if window > 0 else 0
+    positions = np.arange(lo, end)
+    L = positions.size
+    kc = state[c_off: c_off + n_kv * cap * head_dim].reshape(n_kv, cap, head_dim)
+    vc = state[c_off + n_kv * cap * head_dim: c_off + 2 * n_kv * cap * head_dim].reshape(n_kv, cap, head_dim)
+    s0 = lo % cap
+    if s0 + L <= cap:                      # contiguous slots: views, no gather
+        keys, values = kc[:, s0: s0 + L], vc[:, s0: s0 + L]
+    else:
+        slots = positions % cap
+        keys, values = kc[:, slots], vc[:, slots]
+    q = arena[q_off: q_off + T * q_st].reshape(T, q_st)[:, : n_heads * head_dim]
+    q = q.reshape(T, n_kv, g, head_dim).transpose(1, 2, 0, 3).reshape(n_kv, g * T, head_dim)
+    scores = np.matmul(q, keys.transpose(0, 2, 1))                    # (n_kv, g*T, L)
+    scores *= np.float32(scale)
+    if softcap > 0.0:
+        np.tanh(scores / np.float32(softcap), out=scores)
+        scores *= np.float32(softcap)
+    qpos = np.arange(pos0, end)[:, None]
+    allowed = positions[None, :] <= qpos
+    if window > 0:
+        allowed &= positions[None, :] > qpos - window
+    scores = scores.reshape(n_kv, g, T, L)
+    scores[:, :, ~allowed] = -np.inf
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = np.matmul(scores.reshape(n_kv, g * T, L), values)          # (n_kv, g*T, hd)
+    out = out.reshape(n_kv, g, T, head_dim).transpose(2, 0, 1, 3).reshape(T, n_heads * head_dim)
+    arena[o_off: o_off + T * o_st].reshape(T, o_st)[:, : n_heads * head_dim] = out

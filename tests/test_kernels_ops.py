@@ -61,8 +61,10 @@ def test_rope(rotary_dim):
     np.testing.assert_allclose(got, R.rope_ref(x, np.arange(pos0, pos0 + T), nh, hd, inv), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("window,softcap,chunks", [(0, 0.0, [7, 1, 1, 5]), (4, 0.0, [9, 1, 1, 3]), (0, 20.0, [3, 1])])
-def test_attention_prefill_then_decode(window, softcap, chunks):
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("window,softcap,chunks", [(0, 0.0, [7, 1, 1, 5]), (4, 0.0, [9, 1, 1, 3]),
+                                                   (3, 0.0, [2, 6, 1, 5, 4]), (0, 20.0, [3, 1])])
+def test_attention_prefill_then_decode(window, softcap, chunks, batched):
     nh, nkv, hd = 6, 2, 8
     total = sum(chunks)
     q = rng.standard_normal((total, nh * hd)).astype(np.float32)
@@ -74,7 +76,8 @@ def test_attention_prefill_then_decode(window, softcap, chunks):
     pos, outs = 0, []
     for T in chunks:
         arena, (qo, ko, vo), end = _arena_with(q[pos:pos + T], k[pos:pos + T], v[pos:pos + T], extra=T * nh * hd)
-        A.attention(arena, state, qo, nh * hd + 3, ko, nkv * hd + 3, vo, nkv * hd + 3, end, nh * hd,
+        fn = A.attention_batched if batched else A.attention
+        fn(arena, state, qo, nh * hd + 3, ko, nkv * hd + 3, vo, nkv * hd + 3, end, nh * hd,
                     nh, nkv, hd, 0, cap, 0.3, softcap, window, pos, T)
         outs.append(arena[end: end + T * nh * hd].reshape(T, nh * hd).copy())
         pos += T
