@@ -1,12 +1,28 @@
 """The whole plugin contract of cpullm.
 
-A plugin is a module registered under the entry-point group ``cpullm``::
+A plugin is a module registered under the entry-point group ``cpullm`` of its distribution::
 
     [project.entry-points.cpullm]
     mymodel = "cpullm_mymodel.plugin"
 
-and implements any of the hooks below with ``@cpullm.hookimpl``. Each hook's docstring is its
-documentation. Plugins must import cheaply: build nothing heavy at import time.
+and implements any of the hooks below, each marked with ``@hookimpl``::
+
+    from cpullm.hookspecs import hookimpl
+
+    @hookimpl
+    def cpullm_families():
+        from .mymodel import FAMILY      # import lazily: listing plugins must stay cheap
+        return [FAMILY]
+
+Each hook's docstring is its documentation (CONTRIBUTING.md walks through them). Rules that hold
+for every hook:
+
+* Plugins import cheaply: build nothing heavy at import time (no numba compilation, no arrays).
+* Hooks are called once per process, when plugins are first discovered
+  (:func:`cpullm.plugins.discover`), and take no arguments.
+* A plugin that raises on import or in a hook, misspells a hook name, forgets ``@hookimpl``, or
+  returns anything but a list of the documented type is *reported* (``cpullm families`` shows
+  its error) and contributes nothing; every other plugin keeps working.
 """
 from __future__ import annotations
 
@@ -18,13 +34,34 @@ hookimpl = pluggy.HookimplMarker("cpullm")
 
 @hookspec
 def cpullm_families():
-    """Return a list of :class:`cpullm.family.FamilySpec`, one per ``model_type`` family.
+    """Return a list of :class:`cpullm.family.FamilySpec`, one per family (a set of
+    ``model_type`` strings sharing one implementation).
 
-    A FamilySpec names the ``model_type`` strings (and optionally ``architectures``) it handles,
-    its typed ``Args`` class (built by ``Args.from_config(config)``), its declarative weight map
-    (``weight_map(args) -> cpullm.weightmap.WeightMap``) and its graph builder
-    (``build_graph(args, g: cpullm.ir.GraphBuilder)``), which assembles the model from the shared
-    blocks in :mod:`cpullm.blocks`. Called once per process when families are first listed.
+    A FamilySpec declares:
+
+    * ``name``: short name shown by ``cpullm families`` and in ``model.info()``;
+    * ``model_types``: the config.json ``model_type`` values it handles (a tuple of str), and
+      optionally ``architectures`` (config ``architectures`` names, used when no family claims
+      the model_type);
+    * ``args_class``: a subclass of :class:`cpullm.family.Args` (``@attrs.define``, fields named
+      after config keys). ``Args.from_config(config)`` keeps the known keys and ignores the rest;
+      ``derive(config)`` fills derived defaults and must *refuse at load* any setting the family
+      cannot run faithfully (unknown ``rope_type``, unsupported ``layer_types`` entry, ...) by
+      raising :class:`cpullm.errors.UnsupportedConfigError` naming the config key
+      (:func:`cpullm.family.require` does this in one line);
+    * ``weight_map(args) -> cpullm.weightmap.WeightMap``: checkpoint tensor names to canonical
+      names, as data. Every checkpoint tensor must be mapped or listed in ``ignore``; loading
+      reports every missing, unexpected or mis-shaped tensor in one WeightMapError;
+    * ``build_graph(args, g: cpullm.ir.GraphBuilder) -> cpullm.ir.Graph``: assembles the model
+      from the shared blocks in :mod:`cpullm.blocks` and returns ``g.build(logits)``. Families
+      never define ops;
+    * ``priority`` (default 0): when two installed families claim the same ``model_type`` (or
+      architecture), the higher priority wins; a tie goes to the plugin distribution name in
+      alphabetical order, then to the family name. The conflict is never silent: it is warned
+      about (:class:`cpullm.plugins.PluginConflictWarning`) and listed by ``cpullm families``;
+    * ``description``: one line for ``cpullm families``.
+
+    ``plugin`` and ``plugin_version`` are filled in by cpullm from the distribution.
     """
 
 
@@ -32,8 +69,14 @@ def cpullm_families():
 def cpullm_kernels():
     """Return a list of :class:`cpullm.family.KernelSpec`: optional fused kernels.
 
-    A KernelSpec replaces the core's reference kernel for one IR op (``op``) on the nodes for which
-    ``supports(node)`` is true. Its ``fn`` takes exactly the arguments of the reference kernel it
-    replaces (listed in :data:`cpullm.kernels.interpreter.EXTERNAL_SIGNATURES`), so the executor can
-    call either, and the conformance kit compares them. ``version`` enters the execution-cache key.
+    A KernelSpec replaces the core's reference kernel for one IR op (``op``, a
+    :class:`cpullm.ir.Op`) on the nodes for which ``supports(node)`` is true. Only the ops listed
+    in :data:`cpullm.kernels.interpreter.EXTERNAL_SIGNATURES` can be replaced (any other ``op`` is
+    reported as a plugin error). ``fn`` takes exactly the arguments of the reference kernel it
+    replaces (listed there), writes its output in place like it, and is called by the executor
+    in prefill (T rows) and in decode (one row). ``name`` must be unique across plugins (prefix it
+    with the plugin's name); ``version`` enters the execution-cache key, so bump it whenever the
+    kernel's results change. Kernels apply to every family whose graph has a supported node,
+    not only the plugin's own. ``cpullm.testing.check_plugin_kernels`` compares each kernel with
+    the reference kernel, in prefill and decode; every kernel needs that test.
     """

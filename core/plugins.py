@@ -1,6 +1,15 @@
 """Plugin discovery: a pluggy PluginManager over the ``cpullm`` entry-point group.
 
-One broken plugin is reported (``cpullm families`` lists its error), never fatal.
+One broken plugin is reported (``cpullm families`` lists its error), never fatal: a plugin that
+raises on import, misspells a hook, forgets ``@hookimpl``, or returns something that is not a
+FamilySpec / KernelSpec gets an ``error`` in its :class:`PluginInfo` and contributes nothing;
+every other plugin still works.
+
+Two families claiming one ``model_type`` (or one ``architectures`` name) are resolved
+deterministically: the higher :attr:`FamilySpec.priority` wins, a tie goes to the plugin
+distribution name in alphabetical order, then to the family name. The loser keeps its other
+model_types. Every such conflict is recorded in :attr:`Registry.conflicts` (``cpullm families``
+prints it) and emitted as a :class:`PluginConflictWarning` on stderr: never a silent pick.
 """
 from __future__ import annotations
 
@@ -13,9 +22,14 @@ import pluggy
 
 from . import hookspecs
 from .errors import PluginError, UnknownModelTypeError
-from .family import FamilySpec, KernelSpec
+from .family import Args, FamilySpec, KernelSpec
 
 ENTRY_POINT_GROUP = "cpullm"
+HOOKS = tuple(sorted(n for n in dir(hookspecs) if n.startswith("cpullm_")))
+
+
+class PluginConflictWarning(UserWarning):
+    """Two installed families claim the same model_type or architecture (see the module doc)."""
 
 
 @attrs.define
@@ -33,7 +47,7 @@ class Registry:
     """Everything discovered from installed plugins."""
 
     plugins: list[PluginInfo]
-    families: list[FamilySpec]
+    families: list[FamilySpec]     # conflicts resolved, in precedence order
     kernels: list[KernelSpec]
     conflicts: list[str]           # human-readable notes on model_types claimed twice
 
@@ -49,9 +63,11 @@ class Registry:
                 return fam
         installed = ", ".join(sorted({f.name for f in self.families})) or "none"
         hint = _install_hint(model_type)
+        broken = [f"{p.distribution or p.name} ({p.error})" for p in self.plugins if p.error]
+        note = f"; plugins that failed to load: {'; '.join(broken)}" if broken else ""
         raise UnknownModelTypeError(
             f"model_type {model_type!r} is not handled by any installed family "
-            f"(installed: {installed}); {hint}"
+            f"(installed: {installed}); {hint}{note}"
         )
 
 
@@ -87,7 +103,7 @@ def discover(refresh: bool = False) -> Registry:
             return _registry
         pm = pluggy.PluginManager("cpullm")
         pm.add_hookspecs(hookspecs)
-        infos: list[PluginInfo] = []
+        loaded: list[tuple[PluginInfo, object]] = []
         for ep in sorted(_entry_points(), key=lambda e: (e.name, e.value)):
             dist = getattr(ep, "dist", None)
             info = PluginInfo(
@@ -97,86 +113,162 @@ def discover(refresh: bool = False) -> Registry:
                 module=ep.value,
             )
             try:
-                module = ep.load()
-                pm.register(module, name=f"{info.distribution or '?'}:{ep.name}")
-            except Exception as exc:  # a broken plugin is reported, never fatal
+                plugin = ep.load()
+            except (Exception, SystemExit) as exc:  # a broken plugin is reported, never fatal
                 info.error = f"{type(exc).__name__}: {exc}"
-            infos.append(info)
+                plugin = None
+            loaded.append((info, plugin))
         for obj in _extra_plugins:
-            info = PluginInfo(name=getattr(obj, "__name__", repr(obj)), distribution=None,
-                              version=None, module=getattr(obj, "__name__", "?"))
-            pm.register(obj)
-            infos.append(info)
-        try:
-            pm.check_pending()
-        except pluggy.PluginValidationError as exc:
-            warnings.warn(f"cpullm plugin hook not recognised: {exc}", stacklevel=2)
+            name = getattr(obj, "__name__", None) or repr(obj)
+            loaded.append((PluginInfo(name=name, distribution=None, version=None, module=name), obj))
 
-        families, kernels = [], []
-        by_name = {pm.get_name(p): p for p in pm.get_plugins()}
-        for info in infos:
-            plugin = _plugin_for(info, by_name)
+        infos: list[PluginInfo] = []
+        families: list[FamilySpec] = []
+        kernels: list[KernelSpec] = []
+        for info, plugin in loaded:
+            infos.append(info)
             if plugin is None:
                 continue
             try:
-                fams = list(_call(plugin, "cpullm_families"))
+                _check_hooks(plugin)
+                pm.register(plugin, name=f"{info.distribution or '?'}:{info.name}")
+                unknown = [hc.name for hc in pm.get_hookcallers(plugin) or [] if not hc.has_spec()]
+                if unknown:
+                    raise PluginError(f"{', '.join(unknown)}: not a cpullm hook "
+                                      f"(hooks: {', '.join(HOOKS)})")
+                fams = [_check_family(f) for f in _call(pm, plugin, "cpullm_families")]
+                owner = info.distribution or info.name
                 for fam in fams:
-                    if not isinstance(fam, FamilySpec):
-                        raise PluginError(f"cpullm_families returned {type(fam).__name__}, not FamilySpec")
-                    fam.plugin = info.distribution or info.name
+                    fam.plugin = owner
                     fam.plugin_version = info.version
-                info.families = fams
-                families.extend(fams)
-                for k in _call(plugin, "cpullm_kernels"):
-                    k.plugin = info.distribution or info.name
-                    kernels.append(k)
+                kerns = [_check_kernel(k) for k in _call(pm, plugin, "cpullm_kernels")]
+                for k in kerns:
+                    other = next((o for o in kernels if o.name == k.name), None)
+                    if other is not None:
+                        raise PluginError(f"kernel name {k.name!r} is already registered by "
+                                          f"{other.plugin}; prefix kernel names with the plugin's")
+                    k.plugin = owner
             except Exception as exc:
                 info.error = f"{type(exc).__name__}: {exc}"
-                info.families = []
+                continue
+            info.families = fams
+            families.extend(fams)
+            kernels.extend(kerns)
         families, conflicts = _resolve_conflicts(families)
         _registry = Registry(plugins=infos, families=families, kernels=kernels, conflicts=conflicts)
         return _registry
 
 
-def _plugin_for(info: PluginInfo, by_name: dict):
-    if info.error:
-        return None
-    for key in (f"{info.distribution or '?'}:{info.name}", info.name):
-        if key in by_name:
-            return by_name[key]
-    return None
+def _check_hooks(plugin) -> None:
+    """A misspelled hook, or a hook without ``@hookimpl`` (pluggy would silently skip it), is an
+    error of that plugin, named in ``cpullm families``."""
+    problems = []
+    for attr in dir(plugin):
+        if not attr.startswith("cpullm_"):
+            continue
+        fn = getattr(plugin, attr, None)
+        if not callable(fn) or hasattr(fn, "cpullm_spec"):   # hookspecs re-exported: fine
+            continue
+        if attr not in HOOKS:
+            problems.append(f"{attr} is not a cpullm hook (hooks: {', '.join(HOOKS)})")
+        elif not hasattr(fn, "cpullm_impl"):
+            problems.append(f"{attr} is not marked with @hookimpl "
+                            "(from cpullm.hookspecs import hookimpl)")
+    if problems:
+        raise PluginError("; ".join(problems))
 
 
-def _call(plugin, hook: str):
-    fn = getattr(plugin, hook, None)
-    return (fn() or []) if fn is not None else []
+def _call(pm: pluggy.PluginManager, plugin, hook: str) -> list:
+    """The results of one plugin's implementation of ``hook`` (each plugin separately, so one
+    plugin's failure is attributed to it alone)."""
+    out = []
+    for impl in getattr(pm.hook, hook).get_hookimpls():
+        if impl.plugin is plugin:
+            result = impl.function()
+            if result is None:
+                continue
+            if not isinstance(result, (list, tuple)):
+                raise PluginError(f"{hook} must return a list, not {type(result).__name__}")
+            out.extend(result)
+    return out
+
+
+def _check_family(fam) -> FamilySpec:
+    if not isinstance(fam, FamilySpec):
+        raise PluginError(f"cpullm_families returned {type(fam).__name__}, not FamilySpec")
+    if not isinstance(fam.name, str) or not fam.name:
+        raise PluginError(f"FamilySpec.name must be a non-empty string, not {fam.name!r}")
+    for field in ("model_types", "architectures"):
+        value = getattr(fam, field)
+        if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+            raise PluginError(f"FamilySpec {fam.name!r}: {field} must be a tuple of strings, "
+                              f"not {value!r}")
+        setattr(fam, field, tuple(value))
+    if not (isinstance(fam.args_class, type) and issubclass(fam.args_class, Args)):
+        raise PluginError(f"FamilySpec {fam.name!r}: args_class must subclass cpullm.family.Args")
+    for field in ("weight_map", "build_graph"):
+        if not callable(getattr(fam, field)):
+            raise PluginError(f"FamilySpec {fam.name!r}: {field} must be callable")
+    if not isinstance(fam.priority, int):
+        raise PluginError(f"FamilySpec {fam.name!r}: priority must be an int, not {fam.priority!r}")
+    return fam
+
+
+def _check_kernel(k) -> KernelSpec:
+    if not isinstance(k, KernelSpec):
+        raise PluginError(f"cpullm_kernels returned {type(k).__name__}, not KernelSpec")
+    if not callable(k.fn) or not callable(k.supports):
+        raise PluginError(f"KernelSpec {k.name!r}: fn and supports must be callable")
+    from .ir import Op
+    from .kernels.interpreter import EXTERNAL_SIGNATURES   # only paid when a plugin has kernels
+
+    if not isinstance(k.op, int) or int(k.op) not in EXTERNAL_SIGNATURES:
+        allowed = ", ".join(Op(o).name for o in EXTERNAL_SIGNATURES)
+        raise PluginError(f"KernelSpec {k.name!r}: op {getattr(k.op, 'name', k.op)} cannot be "
+                          f"replaced by a plugin kernel (replaceable: {allowed})")
+    return k
+
+
+def _precedence(fam: FamilySpec):
+    return (-fam.priority, fam.plugin or "", fam.name)
 
 
 def _resolve_conflicts(families: list[FamilySpec]):
     """Two families claiming one model_type: the higher ``priority`` wins, ties go to the plugin
-    distribution name in alphabetical order; the loser keeps its other model_types and a warning
-    is recorded (and shown by ``cpullm families``)."""
-    owner: dict[str, FamilySpec] = {}
+    distribution name in alphabetical order (then the family name); the loser keeps its other
+    model_types. Each conflict is recorded (``cpullm families`` shows it) and warned about
+    (:class:`PluginConflictWarning`). Architectures claimed twice are resolved the same way."""
+    ordered = sorted(families, key=_precedence)
     conflicts = []
-    ordered = sorted(families, key=lambda f: (-f.priority, f.plugin or "", f.name))
-    for fam in ordered:
-        for mt in fam.model_types:
-            if mt in owner:
-                winner = owner[mt]
-                msg = (f"model_type {mt!r} is claimed by {winner.plugin}:{winner.name} and "
-                       f"{fam.plugin}:{fam.name}; using {winner.plugin}:{winner.name} "
-                       f"(higher priority, then plugin name order)")
-                conflicts.append(msg)
-                warnings.warn(msg, stacklevel=3)
-            else:
-                owner[mt] = fam
+
+    def claim(kind: str, key_fn):
+        owner: dict[str, FamilySpec] = {}
+        for fam in ordered:
+            for key in key_fn(fam):
+                if key in owner:
+                    win = owner[key]
+                    conflicts.append(
+                        f"{kind} {key!r} is claimed by {win.plugin}:{win.name} (priority "
+                        f"{win.priority}) and {fam.plugin}:{fam.name} (priority {fam.priority}); "
+                        f"using {win.plugin}:{win.name} (higher priority, then plugin name order)")
+                else:
+                    owner[key] = fam
+        return owner
+
+    mt_owner = claim("model_type", lambda f: f.model_types)
+    arch_owner = claim("architecture", lambda f: f.architectures)
     resolved = []
     for fam in ordered:
-        kept = tuple(mt for mt in fam.model_types if owner.get(mt) is fam)
-        if kept != fam.model_types:
-            fam = attrs.evolve(fam, model_types=kept)
-        if kept or not fam.model_types:
+        kept = tuple(mt for mt in fam.model_types if mt_owner.get(mt) is fam)
+        archs = tuple(a for a in fam.architectures if arch_owner.get(a) is fam)
+        if kept != fam.model_types or archs != fam.architectures:
+            fam = attrs.evolve(fam, model_types=kept, architectures=archs)
+        if kept or archs or not fam.model_types:
             resolved.append(fam)
+    for msg in conflicts:
+        # one line on stderr ("cpullm: PluginConflictWarning: ..."), not a source excerpt
+        warnings.warn_explicit(msg, PluginConflictWarning, filename="cpullm", lineno=0,
+                               module="cpullm.plugins")
     return resolved, conflicts
 
 

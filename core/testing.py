@@ -5,24 +5,41 @@ One call per family and checkpoint::
     from cpullm.testing import run_conformance
     report = run_conformance(model_dir, ids, reference_logits=ref, reference_tokens=toks)
 
+or, with no checkpoint at hand, one call per config (a tiny random checkpoint is written first)::
+
+    from cpullm.testing import run_family_conformance
+    report = run_family_conformance(TINY_CONFIG, tmp_path, reference=my_reference_forward)
+
 checks, each raising AssertionError with a message that says what failed:
 
-* the family resolves from config.json and its Args build;
-* the weight map accounts for every tensor, and resolving twice gives identical tensors
-  (transforms such as ``1 + w`` are applied exactly once);
-* an f32 forward pass runs and gives finite logits;
-* cached decode (prefill a prefix, then one token at a time) equals the uncached forward;
-* f32 logits match the author's reference within ``tol`` x max |reference| at every position;
+* the family resolves from config.json (to the expected family, if named) and its Args build,
+  ignoring config keys they do not know;
+* the weight map accounts for every tensor of the checkpoint (missing, unexpected and mis-shaped
+  tensors are all reported), and resolving is idempotent: resolving twice, or reading a tensor
+  twice, gives identical tensors, and transforms such as ``1 + w`` are applied exactly once;
+* the graph validates, every weight it reads is resolved, and every resolved tensor is read by
+  the graph (a mapped but unused tensor is a silently wrong model);
+* an f32 forward pass runs and gives finite logits of shape (T, vocab);
+* cached decode (prefill a prefix, then one token at a time) equals the uncached forward, both
+  from the first token and from the middle; a prefill split into small chunks equals one chunk;
+* f32 logits match the author's reference within ``tol`` x max |reference| at every position
+  (:data:`F32_TOLERANCE`, 1e-3, by default);
 * greedy tokens with the KV cache equal the reference tokens;
-* INT8 stays close to f32 (mean cosine of mean-centred logits, top-1 agreement);
-* every fused kernel the plugin registers gives the same logits as the reference kernel.
+* INT8 stays close to f32 on both paths (batched prefill, and token-by-token decode, which is
+  what generation runs): mean cosine of mean-centred logits >= :data:`INT8_MIN_COSINE`, top-1
+  agreement >= :data:`INT8_MIN_TOP1`;
+* every fused kernel (:class:`cpullm.family.KernelSpec`) gives the same logits as the reference
+  kernel it replaces, one kernel at a time, in prefill and in decode: on this checkpoint when the
+  kernel applies to it, else (for the family's own plugin's kernels) on a small sample graph of
+  the kernel's op.
 
 ``make_random_checkpoint`` writes a random checkpoint from the family's own weight map, for
-authors without a reference implementation at hand.
+authors without a reference checkpoint at hand. Tests never assert a timing.
 """
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +47,10 @@ import numpy as np
 F32_TOLERANCE = 1e-3          # max |delta logit| <= F32_TOLERANCE * max |reference logit|
 INT8_MIN_COSINE = 0.98
 INT8_MIN_TOP1 = 0.75
+
+
+class ConformanceWarning(UserWarning):
+    """Something the kit could not check with the given inputs (e.g. ids shorter than a window)."""
 
 
 def fidelity(logits: np.ndarray, ref: np.ndarray) -> dict:
@@ -49,22 +70,45 @@ def _log_softmax(x):
     return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 
 
+def _rel_err(got, ref) -> float:
+    return float(np.abs(got - ref).max() / max(float(np.abs(ref).max()), 1e-30))
+
+
 def _load(model_dir, quant="f32", **kw):
     import cpullm
     return cpullm.load(model_dir, quant=quant, use_cache=False, **kw)
 
 
-def check_resolves(model_dir):
+# ---------------------------------------------------------------------------------------------
+# Resolution, Args, weight map, graph
+# ---------------------------------------------------------------------------------------------
+
+
+def check_resolves(model_dir, family: str | None = None):
+    """(FamilySpec, Args) for the checkpoint; ``family``: the family name it must resolve to."""
     from . import plugins
     from .family import read_config
 
     config = read_config(Path(model_dir))
-    family = plugins.discover().family_for(config)
-    return family, family.args(config)
+    registry = plugins.discover()
+    fam = registry.family_for(config)
+    if family is not None:
+        conflicts = "; ".join(registry.conflicts) or "none"
+        assert fam.name == family, (
+            f"model_type {config.get('model_type')!r} resolves to family {fam.name!r} of "
+            f"{fam.plugin}, not {family!r} (conflicts: {conflicts})")
+    args = fam.args(config)
+    try:
+        fam.args({**config, "cpullm_conformance_unknown_key": 1})
+    except Exception as exc:  # noqa: BLE001 - any failure here is the finding
+        raise AssertionError(f"{fam.args_class.__qualname__}.from_config must ignore config keys it "
+                             f"does not know: {type(exc).__name__}: {exc}") from exc
+    return fam, args
 
 
 def check_weight_map(model_dir) -> dict:
-    """Every tensor accounted for (resolve raises otherwise); transforms applied exactly once."""
+    """Every tensor accounted for (resolve raises otherwise); transforms applied exactly once;
+    resolving twice, and reading one tensor twice, give identical tensors."""
     from .tensors import TensorStore
 
     family, args = check_resolves(model_dir)
@@ -72,15 +116,43 @@ def check_weight_map(model_dir) -> dict:
     wmap = family.weight_map(args)
     first = wmap.resolve(store, args)
     second = wmap.resolve(store, args)
+    assert sorted(first.names()) == sorted(second.names()), "resolving twice gives other tensors"
     for name in first.names():
         a, b = first.get(name), second.get(name)
         assert np.array_equal(a, b), f"weight map is not idempotent for {name}"
+        assert np.array_equal(first.get(name), a), \
+            f"{name}: reading the tensor twice gives different values (a transform works in place?)"
     for canonical, (stored, transform) in first.found.items():
         if transform is not None:
             once = transform(store.get(stored), args)
             assert np.array_equal(first.get(canonical), once), \
                 f"{canonical}: the {transform.name} transform was not applied exactly once"
     return {"tensors": len(first.names()), "ignored": len(first.ignored)}
+
+
+def check_graph_weights(model_dir) -> dict:
+    """The graph validates; it reads only resolved tensors, and reads every resolved tensor."""
+    from .ir import GraphBuilder
+    from .tensors import TensorStore
+
+    family, args = check_resolves(model_dir)
+    weights = family.weight_map(args).resolve(TensorStore(model_dir), args)
+    graph = family.build_graph(args, GraphBuilder())
+    graph.validate()
+    read = {w for n in graph.nodes for _, w in n.weights}
+    resolved = set(weights.names())
+    missing = sorted(read - resolved)
+    assert not missing, (f"the graph reads tensors the weight map does not provide: "
+                         f"{', '.join(missing)}; add rules for them (or fix the names)")
+    unread = sorted(resolved - read)
+    assert not unread, (f"the weight map provides tensors the graph never reads: {', '.join(unread)}; "
+                        f"use them in build_graph, or list their checkpoint names in WeightMap.ignore")
+    return {"nodes": len(graph.nodes), "weights": len(read)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward, cache, parity
+# ---------------------------------------------------------------------------------------------
 
 
 def check_forward(model, ids) -> np.ndarray:
@@ -90,17 +162,33 @@ def check_forward(model, ids) -> np.ndarray:
     return logits
 
 
+def _cached_logits(ex, ids, split: int) -> np.ndarray:
+    """Prefill ids[:split] (all logits), then decode the rest one token at a time."""
+    ex.reset()
+    rows = [ex.prefill(ids[:split], all_logits=True)]
+    rows += [np.array(ex.decode(t), np.float32)[None] for t in ids[split:]]
+    return np.concatenate(rows)
+
+
 def check_cached_decode(model, ids, full_logits=None, split: int | None = None, tol: float = F32_TOLERANCE):
     """Prefill ids[:split] then decode the rest one token at a time: equal to the full forward."""
     full = model.logits(ids) if full_logits is None else full_logits
     split = split or max(1, len(ids) // 2)
-    ex = model.executor
-    ex.reset()
-    rows = [ex.prefill(ids[:split], all_logits=True)]
-    rows += [ex.decode(t).copy()[None] for t in ids[split:]]
-    got = np.concatenate(rows)
-    err = np.abs(got - full).max() / np.abs(full).max()
-    assert err <= tol, f"cached decode differs from the uncached forward by {err:.2e} (relative)"
+    got = _cached_logits(model.executor, ids, split)
+    err = _rel_err(got, full)
+    assert err <= tol, (f"cached decode (prefill {split}, then one token at a time) differs from the "
+                        f"uncached forward by {err:.2e} (relative, tolerance {tol:.0e})")
+    return err
+
+
+def check_chunked_prefill(model_dir, ids, full_logits, chunk: int | None = None,
+                          tol: float = F32_TOLERANCE) -> float:
+    """A prefill split into chunks of ``chunk`` tokens equals the one-chunk forward (f32)."""
+    chunk = chunk or max(2, len(ids) // 3 - 1)
+    model = _load(model_dir, max_chunk=chunk)
+    err = _rel_err(model.logits(ids), full_logits)
+    assert err <= tol, (f"prefill in chunks of {chunk} tokens differs from the one-chunk forward by "
+                        f"{err:.2e} (relative, tolerance {tol:.0e})")
     return err
 
 
@@ -123,52 +211,250 @@ def check_greedy(model, ids, reference_tokens) -> list[int]:
 
 
 def check_int8(model_dir, ids, f32_logits, min_cosine=INT8_MIN_COSINE, min_top1=INT8_MIN_TOP1) -> dict:
+    """INT8 against f32, on the batched prefill and on token-by-token decode (what generation
+    runs). Returns the prefill fidelity, with the decode path's under ``"decode"``."""
     q = _load(model_dir, quant="int8")
     fid = fidelity(q.logits(ids), f32_logits)
-    assert fid["cosine"] >= min_cosine and fid["top1"] >= min_top1, \
-        f"INT8 fidelity too low: {fid} (need cosine >= {min_cosine}, top1 >= {min_top1})"
+    fid["decode"] = fidelity(_cached_logits(q.executor, ids, 1), f32_logits)
+    for path, f in (("prefill", fid), ("decode", fid["decode"])):
+        assert f["cosine"] >= min_cosine and f["top1"] >= min_top1, (
+            f"INT8 fidelity too low on the {path} path: cosine {f['cosine']:.4f}, top1 {f['top1']:.3f} "
+            f"(need cosine >= {min_cosine}, top1 >= {min_top1})")
     return fid
 
 
+# ---------------------------------------------------------------------------------------------
+# Plugin kernels
+# ---------------------------------------------------------------------------------------------
+
+
+def _compile(graph, weights, kernels, n_ctx: int):
+    from .compiler import compile_graph
+    from .executor import Executor
+
+    program = compile_graph(graph, weights, quant="f32", n_ctx=n_ctx, kernels=list(kernels))
+    return Executor(program, {k.name: k.fn for k in kernels})
+
+
+def _compare_kernel(spec, graph, weights, ids, tol: float) -> dict | None:
+    """One kernel against the reference kernels on ``graph``: None if it applies to no node."""
+    n_ctx = max(64, len(ids) + 8)
+    fused = _compile(graph, weights, [spec], n_ctx)
+    external = fused.program.meta["external"]
+    if not external:
+        return None
+    names = fused.program.meta.get("names") or []
+    nodes = sorted(names[int(r)] for r in external if int(r) < len(names))
+    ref = _compile(graph, weights, [], n_ctx)
+    split = max(1, len(ids) // 2)
+    errs = {}
+    for path, run in (("prefill", lambda ex: (ex.reset(), ex.prefill(ids, all_logits=True))[1]),
+                      ("decode", lambda ex: _cached_logits(ex, ids, split))):
+        errs[path] = _rel_err(run(fused), run(ref))
+        assert errs[path] <= tol, (
+            f"plugin kernel {spec.name!r} ({spec.plugin}) differs from the reference {spec.op.name} "
+            f"kernel by {errs[path]:.2e} (relative, tolerance {tol:.0e}) on the {path} path")
+    return {"max_rel_err": max(errs.values()), "nodes": nodes}
+
+
+class _ArrayWeights:
+    """In-memory weights with the interface the compiler reads (sample graphs)."""
+
+    def __init__(self, arrays: dict):
+        self.arrays = arrays
+
+    def __contains__(self, name):
+        return name in self.arrays
+
+    def names(self):
+        return list(self.arrays)
+
+    def source_of(self, name):
+        return name
+
+    def get(self, name):
+        return self.arrays[name]
+
+
+def _sample_weights(graph, vocab: int, seed: int = 0) -> _ArrayWeights:
+    """Random weights of the shapes ``graph`` reads (norm weights near 1)."""
+    from .ir import Op
+
+    rng = np.random.default_rng(seed)
+    width = {n.output: n.width for n in graph.nodes}
+    shapes = {}
+    for n in graph.nodes:
+        w = dict(n.weights)
+        if n.op == Op.EMBED:
+            shapes[w["table"]] = (vocab, n.width)
+        elif n.op == Op.LINEAR:
+            shapes[w["weight"]] = (n.width, width[n.inputs[0]])
+            if "bias" in w:
+                shapes[w["bias"]] = (n.width,)
+        elif n.op == Op.RMSNORM:
+            shapes[w["weight"]] = (n.attr("group_size"),)
+        elif n.op == Op.GATED_DELTA:
+            nk, dk, nv, dv, ck = (n.attr(a) for a in ("n_k_heads", "k_head_dim", "n_v_heads",
+                                                       "v_head_dim", "conv_kernel"))
+            shapes.update({w["conv"]: (2 * nk * dk + nv * dv, ck), w["dt_bias"]: (nv,),
+                           w["A_log"]: (nv,), w["norm"]: (dv,)})
+        elif w:
+            raise AssertionError(f"the conformance kit cannot make sample weights for {n.op.name}")
+    arrays = {}
+    for name, shape in shapes.items():
+        a = (rng.standard_normal(shape) * 0.3).astype(np.float32)
+        arrays[name] = (1.0 + a / 3).astype(np.float32) if "norm" in name.rsplit(".", 1)[-1] else a
+    return _ArrayWeights(arrays)
+
+
+def _sample_gated_delta():
+    from . import blocks
+    from .ir import GraphBuilder
+
+    H, V = 64, 96
+    g = GraphBuilder()
+    h = blocks.embed(g, H)
+
+    def mixer(g, i, x):
+        return blocks.gated_delta(g, i, x, hidden=H, n_k_heads=2, k_head_dim=16, n_v_heads=4,
+                                  v_head_dim=16, conv_kernel=4, norm_eps=1e-6)
+
+    def mlp(g, i, x):
+        return blocks.glu_mlp(g, i, x, H, 96, act="silu")
+
+    for i in range(2):
+        h = blocks.decoder_layer(g, i, h, mixer, mlp, 1e-6)
+    return g.build(blocks.lm_head(g, h, V, 1e-6)), V
+
+
+# A small graph exercising each op a plugin kernel may replace (cpullm.kernels.interpreter
+# EXTERNAL_SIGNATURES); adding a replaceable op means adding its sample here.
+SAMPLE_GRAPHS = {"GATED_DELTA": _sample_gated_delta}
+
+
+def check_kernel_sample(spec, tol: float = F32_TOLERANCE, n_tokens: int = 12) -> dict | None:
+    """One KernelSpec against the reference kernel on the kit's sample graph for its op; None if
+    ``spec.supports`` accepts none of the sample's nodes."""
+    name = getattr(spec.op, "name", str(spec.op))
+    assert name in SAMPLE_GRAPHS, (f"the conformance kit has no sample graph for op {name}; "
+                                   f"run the kit on a checkpoint that uses kernel {spec.name!r}")
+    graph, vocab = SAMPLE_GRAPHS[name]()
+    ids = [int(i) for i in np.random.default_rng(1).integers(0, vocab, n_tokens)]
+    return _compare_kernel(spec, graph, _sample_weights(graph, vocab), ids, tol)
+
+
 def check_plugin_kernels(model_dir, ids, tol: float = F32_TOLERANCE) -> dict:
-    """Each fused kernel of an installed plugin against the core's reference kernel, end to end."""
-    fused = _load(model_dir)
-    used = sorted(set(fused.program.meta["external"].values()))
-    if not used:
-        return {"kernels": []}
-    ref = _load(model_dir, plugin_kernels=False)
-    a, b = fused.logits(ids), ref.logits(ids)
-    err = float(np.abs(a - b).max() / np.abs(b).max())
-    assert err <= tol, f"plugin kernels {used} differ from the reference kernels by {err:.2e}"
-    return {"kernels": used, "max_rel_err": err}
+    """Each fused kernel against the core's reference kernel, one kernel at a time, in prefill
+    and in decode: every installed kernel that applies to this checkpoint, end to end; the
+    family's own plugin's kernels that do not, on the kit's sample graph of their op."""
+    from . import plugins
+    from .ir import GraphBuilder
+    from .tensors import TensorStore
+
+    family, args = check_resolves(model_dir)
+    ids = [int(i) for i in ids]
+    weights = family.weight_map(args).resolve(TensorStore(model_dir), args)
+    graph = family.build_graph(args, GraphBuilder())
+    report = {"kernels": [], "checked": {}, "not_exercised": [], "max_rel_err": 0.0}
+    for spec in plugins.discover().kernels:
+        if not any(int(n.op) == int(spec.op) and spec.supports(n) for n in graph.nodes):
+            if spec.plugin != family.plugin:
+                continue
+            result = check_kernel_sample(spec, tol)
+            where = "sample"
+        else:
+            result = _compare_kernel(spec, graph, weights, ids, tol)
+            where = "checkpoint"
+            report["kernels"].append(spec.name)
+        if result is None:
+            report["not_exercised"].append(spec.name)
+            warnings.warn(f"plugin kernel {spec.name!r} supports none of the nodes of this checkpoint "
+                          f"or of the kit's sample graph: run the kit on a checkpoint it supports",
+                          ConformanceWarning, stacklevel=2)
+            continue
+        report["checked"][spec.name] = {"where": where, **result}
+        report["max_rel_err"] = max(report["max_rel_err"], result["max_rel_err"])
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+# Everything at once
+# ---------------------------------------------------------------------------------------------
 
 
 def run_conformance(model_dir, ids, reference_logits=None, reference_tokens=None,
-                    greedy_prompt=None, tol: float = F32_TOLERANCE, int8=True) -> dict:
+                    greedy_prompt=None, tol: float = F32_TOLERANCE, int8=True, *,
+                    family: str | None = None) -> dict:
     """All checks above on one checkpoint; returns a report dict. ``reference_logits`` are for
-    ``ids``; ``reference_tokens`` continue ``greedy_prompt`` (default ``ids``)."""
+    ``ids``; ``reference_tokens`` continue ``greedy_prompt`` (default ``ids``); ``family`` is the
+    family name the checkpoint must resolve to. ``report["notes"]`` lists what could not be
+    checked (also emitted as :class:`ConformanceWarning`)."""
+    from .ir import Op
+
     ids = [int(i) for i in ids]
-    report = {"weight_map": check_weight_map(model_dir)}
-    family, _ = check_resolves(model_dir)
-    report["family"] = family.name
+    assert len(ids) >= 2, "run_conformance needs at least 2 token ids"
+    fam, _ = check_resolves(model_dir, family)
+    report = {"family": fam.name, "plugin": fam.plugin, "notes": []}
+    report["weight_map"] = check_weight_map(model_dir)
+    report["graph"] = check_graph_weights(model_dir)
     model = _load(model_dir)
     logits = check_forward(model, ids)
-    report["cached_decode_err"] = check_cached_decode(model, ids, logits, tol=tol)
+    report["cached_decode_err"] = max(check_cached_decode(model, ids, logits, tol=tol),
+                                      check_cached_decode(model, ids, logits, split=1, tol=tol))
+    report["chunked_prefill_err"] = check_chunked_prefill(model_dir, ids, logits, tol=tol)
     if reference_logits is not None:
         report["parity_err"] = check_parity(logits, reference_logits, tol)
+    else:
+        report["notes"].append("no reference_logits: f32 parity was not checked")
     if reference_tokens is not None:
         report["greedy"] = check_greedy(model, greedy_prompt or ids, reference_tokens)
     if int8:
         report["int8"] = check_int8(model_dir, ids, logits)
     report["plugin_kernels"] = check_plugin_kernels(model_dir, ids, tol)
+    windows = sorted({n.attr("window") for n in model.graph.nodes
+                      if n.op == Op.ATTENTION and (n.attr("window") or 0) > 0})
+    if windows and len(ids) <= windows[-1]:
+        report["notes"].append(f"{len(ids)} ids do not reach past the sliding window "
+                               f"{windows[-1]}: the window is not exercised; pass longer ids")
+    for note in report["notes"]:
+        warnings.warn(note, ConformanceWarning, stacklevel=2)
     return report
+
+
+def sample_ids(config: dict, n: int | None = None, seed: int = 0) -> list[int]:
+    """Token ids for a tiny checkpoint: long enough to pass every sliding window, within the
+    byte-level tokenizer's range."""
+    from .family import text_config
+
+    cfg = text_config(config)
+    window = int(cfg.get("sliding_window") or 0)
+    n = n or max(48, min(window + 8, 96))
+    vocab = int(cfg.get("vocab_size", 256))
+    return [int(i) for i in np.random.default_rng(seed).integers(0, min(vocab, 256), n)]
+
+
+def run_family_conformance(config: dict, out_dir, reference=None, ids=None, seed: int = 0,
+                           std: float = 0.15, **kwargs) -> dict:
+    """One call per family config: write a tiny random checkpoint for ``config`` into
+    ``out_dir`` (:func:`make_random_checkpoint`), then :func:`run_conformance` on it.
+
+    ``reference``: optional ``(model_dir, ids) -> float32 logits (T, vocab)`` from an independent
+    implementation (transformers, or the author's own numpy forward); ``ids`` default to
+    :func:`sample_ids`. Other keyword arguments go to :func:`run_conformance`."""
+    model_dir = make_random_checkpoint(config, out_dir, seed=seed, std=std)
+    ids = list(ids) if ids is not None else sample_ids(config)
+    ref = reference(model_dir, ids) if reference is not None else None
+    return run_conformance(model_dir, ids, reference_logits=ref, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny random checkpoints
+# ---------------------------------------------------------------------------------------------
 
 
 def make_random_checkpoint(config: dict, out_dir, seed: int = 0, std: float = 0.15) -> Path:
     """Write config.json and a bf16 model.safetensors with random tensors of exactly the shapes
     the family's weight map asks for (tied tensors omitted), plus a byte-level tokenizer."""
-    from safetensors.numpy import save_file
-
     from . import plugins
 
     out = Path(out_dir)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import attrs
 
 from cpullm import blocks
+from cpullm.errors import ConfigError
 from cpullm.family import Args, FamilySpec, require
 from cpullm.ir import GraphBuilder
 from cpullm.weightmap import W, WeightMap
@@ -40,6 +41,17 @@ class LlamaArgs(Args):
         require(not self.mlp_bias, "mlp_bias", self.mlp_bias, "false")
         require(self.num_attention_heads % self.num_key_value_heads == 0, "num_key_value_heads",
                 self.num_key_value_heads, "a divisor of num_attention_heads")
+        # transformers' Llama ignores layer_types; a checkpoint that lists sliding-window (or any
+        # other) layers was meant for another model, so refuse it rather than run full attention.
+        layer_types = config.get("layer_types")
+        if layer_types is not None:
+            if not isinstance(layer_types, list) or len(layer_types) != self.num_hidden_layers:
+                raise ConfigError(f"config key 'layer_types' must list one type per layer "
+                                  f"({self.num_hidden_layers}), got {layer_types!r}")
+            other = sorted({t for t in layer_types if t != "full_attention"}, key=str)
+            require(not other, "layer_types", other, "'full_attention' only: the llama family runs "
+                    "full causal attention; a checkpoint with other layer types needs a family "
+                    "that declares them")
         self.rope = blocks.make_rope(blocks.rope_parameters(config), self.head_dim)
 
 

@@ -1,0 +1,9 @@
+"""Entry point of cpullm-plugin-tinyvariant: registers the family; imports nothing heavy."""
+from cpullm.hookspecs import hookimpl
+
+
+@hookimpl
+def cpullm_families():
+    from .tinyllama_variant import FAMILY
+
+    return [FAMILY]
