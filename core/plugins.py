@@ -73,7 +73,7 @@ class Registry:
 
 # Which published plugin handles a model_type: only used to word the error message.
 _KNOWN_PLUGINS = {
-    "cpullm-plugin-llama": ("llama", "mistral"),
+    "cpullm-plugin-llama": ("llama",),
     "cpullm-plugin-qwen": ("qwen2", "qwen3", "qwen3_5", "qwen3_5_text"),
     "cpullm-plugin-gemma": ("gemma", "gemma2", "gemma3", "gemma3_text"),
 }

@@ -14,6 +14,8 @@ def run(args) -> int:
     from cpullm import plugins
 
     reg = plugins.discover()
+    # model_types each family really serves after conflict resolution (a loser keeps the rest)
+    served = {(f.plugin, f.name): list(f.model_types) for f in reg.families}
     rows = []
     for info in reg.plugins:
         rows.append({
@@ -21,7 +23,9 @@ def run(args) -> int:
             "entry_point": info.name,
             "version": info.version,
             "module": info.module,
-            "families": [{"name": f.name, "model_types": list(f.model_types),
+            "families": [{"name": f.name,
+                          "model_types": served.get((f.plugin, f.name), []),
+                          "claimed_model_types": list(f.model_types),
                           "description": f.description} for f in info.families],
             "error": info.error,
         })
@@ -37,7 +41,9 @@ def run(args) -> int:
             continue
         print(head)
         for f in r["families"]:
-            print(f"  {f['name']:<12} model_types: {', '.join(f['model_types'])}")
+            lost = [m for m in f["claimed_model_types"] if m not in f["model_types"]]
+            extra = f"  (also claims {', '.join(lost)}: served by another plugin)" if lost else ""
+            print(f"  {f['name']:<12} model_types: {', '.join(f['model_types']) or '-'}{extra}")
     for c in reg.conflicts:
         print(f"warning: {c}")
     return 0
