@@ -2,13 +2,23 @@
 
 Layout (one directory per key under ``<root>/exec/``)::
 
-    <key>/manifest.json      format version, every key input, program meta, array table, checksums
+    <key>/manifest.json      format version, every key input, program meta, array table,
+                             per-array checksums and a checksum of the manifest itself
     <key>/<name>.bin         raw little-endian arrays (I, F, wq, ws, wf), mmapped back read-only
     <key>/last_used          touched on every HIT (its mtime is "last used")
 
-No pickle. A new entry is written under a temporary name in the same directory and moved into
-place with ``os.replace``; a reader only trusts a directory with a complete manifest whose format
-version matches and whose checksums agree. A damaged or foreign entry is rebuilt with a notice.
+No pickle: arrays are raw bytes described by (dtype, shape) from a fixed set, the rest is JSON.
+
+Writes are atomic. A new entry is written under ``.tmp.<key>.<host>.<pid>.<rand>`` in the same
+directory (arrays fsynced, the manifest last), then moved into place with one ``os.replace``. A
+reader only trusts a directory named ``<key>`` whose manifest parses, carries this format version
+and this key, agrees with its own checksum, was built for exactly the inputs of this load, and
+whose arrays have the recorded sizes and checksums. Anything else (a truncated file, a flipped
+bit, an entry from another version or machine) is moved aside and rebuilt with a one-line notice.
+Two processes building the same key both succeed: the first rename wins, the loser keeps the
+winner's entry. A process killed mid-write leaves only a ``.tmp.*`` directory, which is never
+read and is swept once its process is gone (or after an hour).
+
 The root is ``cache_dir``, else ``$CPULLM_CACHE_DIR``, else ``~/.cache/cpullm``.
 """
 from __future__ import annotations
@@ -18,6 +28,7 @@ import json
 import os
 import platform
 import shutil
+import socket
 import time
 import uuid
 from pathlib import Path
@@ -25,13 +36,20 @@ from pathlib import Path
 import numpy as np
 from numba import njit, prange
 
-from . import __version__
 from .compiler import Program
 from .errors import CacheError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
+ARRAY_NAMES = ("I", "F", "wq", "ws", "wf")
+_DTYPES = {"<i8", "<f8", "|i1", "<f4"}
+_META_KEYS = ("first_head", "vocab", "arena_floats", "state_floats", "state_regions", "max_chunk",
+              "n_ctx", "head_rows", "logits_offset", "max_k", "external", "groups")
 _STALE_TMP_S = 3600
+_LANES = 256
+# Test hook only: seconds to sleep inside write_entry after the first array, so a test can kill
+# the writing process mid-write. Never set it otherwise.
+_TEST_WRITE_DELAY_ENV = "CPULLM_TEST_CACHE_WRITE_DELAY"
 
 
 def cache_root(cache_dir=None) -> Path:
@@ -43,31 +61,68 @@ def exec_dir(cache_dir=None) -> Path:
     return cache_root(cache_dir) / "exec"
 
 
+# ---- checksums --------------------------------------------------------------------------------
 @njit(cache=True, parallel=True)
-def _checksum_words(words):
-    """A position-dependent 64-bit sum over uint64 words, computed in 64 parallel lanes."""
-    lanes = 64
+def _lane_hashes(words, n_lanes):
+    """Order-dependent 64-bit hashes of ``n_lanes`` contiguous runs of uint64 words, four
+    interleaved chains per run. Each step ``s = (s ^ w) * P`` is a bijection of s, so any change
+    of any word changes that chain's result."""
     n = words.size
-    acc = np.zeros(lanes, np.uint64)
-    for lane in prange(lanes):
-        s = np.uint64(0x9E3779B97F4A7C15) * np.uint64(lane + 1)
-        for i in range(lane, n, lanes):
-            s = (s ^ words[i]) * np.uint64(0x100000001B3) + np.uint64(i)
-        acc[lane] = s
-    return acc
+    per = (n + n_lanes - 1) // n_lanes
+    out = np.zeros(n_lanes * 4, np.uint64)
+    p = np.uint64(0x100000001B3)
+    for lane in prange(n_lanes):
+        a = min(n, lane * per)
+        b = min(n, a + per)
+        s0 = np.uint64(0x9E3779B97F4A7C15) * np.uint64(4 * lane + 1)
+        s1 = np.uint64(0x9E3779B97F4A7C15) * np.uint64(4 * lane + 2)
+        s2 = np.uint64(0x9E3779B97F4A7C15) * np.uint64(4 * lane + 3)
+        s3 = np.uint64(0x9E3779B97F4A7C15) * np.uint64(4 * lane + 4)
+        i = a
+        while i + 4 <= b:
+            s0 = (s0 ^ words[i]) * p
+            s1 = (s1 ^ words[i + 1]) * p
+            s2 = (s2 ^ words[i + 2]) * p
+            s3 = (s3 ^ words[i + 3]) * p
+            i += 4
+        while i < b:
+            s0 = (s0 ^ words[i]) * p
+            i += 1
+        out[4 * lane] = s0
+        out[4 * lane + 1] = s1
+        out[4 * lane + 2] = s2
+        out[4 * lane + 3] = s3
+    return out
 
 
 def checksum(arr: np.ndarray) -> str:
-    """Checksum of an array's bytes; any flipped bit or truncation changes it."""
+    """Checksum of an array's bytes (memory bandwidth bound, parallel); any flipped bit, swapped
+    block or truncation changes it. For damage detection, not against an adversary."""
     raw = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
     n8 = raw.size // 8 * 8
-    words = raw[:n8].view(np.uint64)
-    h = hashlib.blake2b(_checksum_words(words).tobytes(), digest_size=16)
+    h = hashlib.blake2b(digest_size=16)
+    if n8:
+        h.update(_lane_hashes(raw[:n8].view(np.uint64), _LANES).tobytes())
     h.update(raw[n8:].tobytes())
     h.update(str(raw.size).encode())
     return h.hexdigest()
 
 
+def _json_default(x):
+    """numpy scalars and arrays in program meta become plain JSON numbers and lists."""
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    raise TypeError(f"{type(x).__name__} is not JSON-serializable")
+
+
+def _json_sha(obj) -> str:
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=_json_default)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+# ---- key ----------------------------------------------------------------------------------------
 def cpu_features() -> str:
     try:
         import llvmlite.binding as llvm
@@ -76,117 +131,246 @@ def cpu_features() -> str:
         return platform.processor()
 
 
-def cache_key_inputs(*, config, family, graph, weights, store, quant, n_ctx, max_chunk, kernels) -> dict:
-    """Everything that, when it changes, must give a new entry."""
+def _versions() -> dict:
+    """Version sources, read at call time (so a test can monkeypatch each one)."""
+    import sys
+
     import numba
 
-    from .compiler import graph_hash
-    from .kernels import KERNELS_VERSION
+    from . import kernels
 
-    clean_config = {k: v for k, v in config.items() if not k.startswith("_")}
+    return {"cpullm_version": sys.modules["cpullm"].__version__,
+            "kernels_version": kernels.KERNELS_VERSION,
+            "numba_version": numba.__version__,
+            "numpy_version": np.__version__}
+
+
+def config_sha(config: dict) -> str:
+    clean = {k: v for k, v in config.items() if not k.startswith("_")}
+    return hashlib.sha256(json.dumps(clean, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def cache_key_inputs(*, config, family, graph, weights, store, quant, n_ctx, max_chunk, kernels) -> dict:
+    """Everything that, when it changes, must give a new entry."""
+    from .compiler import graph_hash
+
+    v = _versions()
     return {
         "format_version": FORMAT_VERSION,
-        "cpullm_version": __version__,
+        "cpullm_version": v["cpullm_version"],
         "plugin": family.plugin,
         "plugin_version": family.plugin_version,
         "family": family.name,
-        "config_sha": hashlib.sha256(json.dumps(clean_config, sort_keys=True).encode()).hexdigest(),
+        "config_sha": config_sha(config),
         "weights_identity": store.identity(),
         "weight_map_sha": hashlib.sha256(json.dumps(weights.fingerprint()).encode()).hexdigest(),
         "graph_sha": graph_hash(graph),
         "quant": quant,
         "n_ctx": n_ctx,
         "max_chunk": max_chunk,
-        "kernels_version": KERNELS_VERSION,
+        "kernels_version": v["kernels_version"],
         "plugin_kernels": sorted([k.name, k.version, k.plugin] for k in kernels),
-        "numba_version": numba.__version__,
-        "numpy_version": np.__version__,
+        "numba_version": v["numba_version"],
+        "numpy_version": v["numpy_version"],
         "cpu": cpu_features(),
     }
+
+
+def _canonical(inputs: dict) -> dict:
+    return json.loads(json.dumps(inputs, default=str))
 
 
 def key_of(inputs: dict) -> str:
     return hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
+# ---- writing --------------------------------------------------------------------------------------
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _fsync_dir(path: Path):
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def write_entry(root: Path, key: str, program: Program, inputs: dict, model_dir) -> Path:
     """Write atomically; if another process won the race, keep its entry."""
     root.mkdir(parents=True, exist_ok=True)
-    _sweep_stale_tmp(root)
+    sweep(root)
     final = root / key
-    tmp = root / f".tmp-{key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = root / f".tmp.{key}.{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         table = {}
-        for name, arr in program.arrays.items():
-            arr = np.ascontiguousarray(arr)
+        delay = float(os.environ.get(_TEST_WRITE_DELAY_ENV) or 0)
+        for name in ARRAY_NAMES:
+            arr = np.ascontiguousarray(program.arrays[name])
+            if arr.dtype.str not in _DTYPES:
+                raise ValueError(f"array {name} has dtype {arr.dtype}, not storable")
             with open(tmp / f"{name}.bin", "wb") as fh:
                 arr.reshape(-1).view(np.uint8).tofile(fh)
                 fh.flush()
                 os.fsync(fh.fileno())
             table[name] = {"dtype": arr.dtype.str, "shape": list(arr.shape), "checksum": checksum(arr)}
-        manifest = {"format_version": FORMAT_VERSION, "key": key, "inputs": inputs,
+            if delay:
+                time.sleep(delay)
+        manifest = {"format_version": FORMAT_VERSION, "key": key, "inputs": _canonical(inputs),
                     "model_dir": str(Path(model_dir).resolve()), "created": time.time(),
-                    "arrays": table, "program_meta": program.meta}
+                    "arrays": table,
+                    "program_meta": json.loads(json.dumps(program.meta, default=_json_default))}
+        manifest["manifest_sha"] = _json_sha(manifest)
         with open(tmp / MANIFEST, "w") as fh:
             json.dump(manifest, fh)
             fh.flush()
             os.fsync(fh.fileno())
         (tmp / "last_used").touch()
+        _fsync_dir(tmp)
         try:
             os.replace(tmp, final)
         except OSError:
-            if _read_manifest(final) is None:     # not a concurrent winner: a broken leftover
-                shutil.rmtree(final, ignore_errors=True)
+            # The name is taken: by a concurrent writer's complete entry (keep it), or by a
+            # broken leftover (move it aside, then take the name).
+            if _read_manifest(final) is None:
+                _discard(final)
                 os.replace(tmp, final)
+        _fsync_dir(root)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
 
 
-def _sweep_stale_tmp(root: Path):
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return True
+    return True
+
+
+def sweep(root: Path) -> int:
+    """Remove leftovers: temporary directories of writers that are gone (same host) or older than
+    an hour, and entries moved aside as damaged."""
+    n = 0
     now = time.time()
-    for p in root.glob(".tmp-*"):
+    for p in list(root.glob(".tmp.*")) + list(root.glob(".trash.*")) if root.is_dir() else []:
         try:
-            if now - p.stat().st_mtime > _STALE_TMP_S:
+            parts = p.name.split(".")
+            dead = False
+            if parts[1] == "tmp" and len(parts) >= 6 and parts[3] == _HOST and parts[4].isdigit():
+                dead = not _pid_alive(int(parts[4]))
+            if parts[1] == "trash" or dead or now - p.stat().st_mtime > _STALE_TMP_S:
                 shutil.rmtree(p, ignore_errors=True)
+                n += 1
+        except (OSError, IndexError):
+            pass
+    return n
+
+
+def _discard(entry: Path):
+    """Move a bad entry out of the way atomically (readers never see it half deleted), then
+    delete it."""
+    trash = entry.parent / f".trash.{entry.name}.{uuid.uuid4().hex[:8]}"
+    try:
+        os.replace(entry, trash)
+    except FileNotFoundError:
+        return
+    except OSError:
+        trash = entry
+    if trash.is_dir():
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        try:
+            trash.unlink()
         except OSError:
             pass
 
 
+# ---- reading --------------------------------------------------------------------------------------
 def _read_manifest(entry: Path):
+    """The parsed manifest if it is complete and self-consistent, else None."""
     try:
         m = json.loads((entry / MANIFEST).read_text())
-        return m if isinstance(m, dict) else None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, ValueError):
         return None
+    if not isinstance(m, dict) or "manifest_sha" not in m:
+        return None
+    sha = m.pop("manifest_sha")
+    return m if sha == _json_sha(m) else None
+
+
+def _check_manifest(m: dict, key: str):
+    if m.get("format_version") != FORMAT_VERSION:
+        raise CacheError(f"format version {m.get('format_version')} != {FORMAT_VERSION}")
+    if m.get("key") != key:
+        raise CacheError(f"manifest is for key {str(m.get('key'))[:12]}, not {key[:12]} (foreign entry)")
+    arrays, meta = m.get("arrays"), m.get("program_meta")
+    if not isinstance(arrays, dict) or sorted(arrays) != sorted(ARRAY_NAMES):
+        raise CacheError("manifest array table is malformed")
+    for name, info in arrays.items():
+        shape = info.get("shape") if isinstance(info, dict) else None
+        if (info.get("dtype") not in _DTYPES or not isinstance(shape, list)
+                or not all(isinstance(s, int) and s >= 0 for s in shape)
+                or not isinstance(info.get("checksum"), str)):
+            raise CacheError(f"manifest entry for {name} is malformed")
+    if not isinstance(meta, dict) or any(k not in meta for k in _META_KEYS):
+        raise CacheError("manifest program meta is incomplete")
 
 
 def read_entry(entry: Path, expect_inputs: dict | None = None, mmap: bool = True) -> Program:
-    """Map an entry back; raise CacheError naming what is wrong."""
+    """Map an entry back (read-only arrays); raise CacheError naming what is wrong."""
+    raw = None
+    try:
+        raw = json.loads((entry / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, ValueError):
+        pass
+    if not isinstance(raw, dict):
+        raise CacheError("manifest missing or unreadable")
+    if raw.get("format_version") != FORMAT_VERSION:
+        raise CacheError(f"format version {raw.get('format_version')} != {FORMAT_VERSION}")
     m = _read_manifest(entry)
     if m is None:
-        raise CacheError("manifest missing or unreadable")
-    if m.get("format_version") != FORMAT_VERSION:
-        raise CacheError(f"format version {m.get('format_version')} != {FORMAT_VERSION}")
-    if expect_inputs is not None and m.get("inputs") != json.loads(json.dumps(expect_inputs, default=str)):
+        raise CacheError("manifest fails its checksum (damaged)")
+    _check_manifest(m, entry.name)
+    if expect_inputs is not None and m.get("inputs") != _canonical(expect_inputs):
         raise CacheError("entry was built for other inputs (foreign entry)")
     arrays = {}
-    for name, info in m["arrays"].items():
+    for name in ARRAY_NAMES:
+        info = m["arrays"][name]
         path = entry / f"{name}.bin"
         dtype = np.dtype(info["dtype"])
-        count = int(np.prod(info["shape"], dtype=np.int64))
-        if not path.is_file() or path.stat().st_size != count * dtype.itemsize:
-            raise CacheError(f"{name}.bin is missing or truncated")
-        if count == 0:
-            arr = np.zeros(info["shape"], dtype)
-        elif mmap:
-            arr = np.memmap(path, dtype=dtype, mode="r", shape=tuple(info["shape"]))
-        else:
-            arr = np.fromfile(path, dtype=dtype).reshape(info["shape"])
+        shape = tuple(info["shape"])
+        count = int(np.prod(shape, dtype=np.int64))
+        try:
+            size = path.stat().st_size
+        except OSError:
+            raise CacheError(f"{name}.bin is missing") from None
+        if size != count * dtype.itemsize:
+            raise CacheError(f"{name}.bin has {size} bytes, expected {count * dtype.itemsize} (truncated)")
+        try:
+            if count == 0:
+                arr = np.zeros(shape, dtype)
+            elif mmap:
+                arr = np.asarray(np.memmap(path, dtype=dtype, mode="r", shape=shape))
+            else:
+                arr = np.fromfile(path, dtype=dtype).reshape(shape)
+        except (OSError, ValueError) as exc:
+            raise CacheError(f"{name}.bin cannot be read ({exc})") from None
         if checksum(arr) != info["checksum"]:
             raise CacheError(f"{name}.bin fails its checksum (damaged)")
+        arr.flags.writeable = False      # the same (read-only) array types however it was read
         arrays[name] = arr
     try:
         (entry / "last_used").touch()
@@ -195,9 +379,33 @@ def read_entry(entry: Path, expect_inputs: dict | None = None, mmap: bool = True
     return Program(arrays=arrays, meta=m["program_meta"])
 
 
+# ---- load -----------------------------------------------------------------------------------------
+def _explain_miss(root: Path, inputs: dict, model_dir) -> tuple[str, list[Path]]:
+    """Why there is no entry: the inputs that differ from the nearest entry of the same model
+    directory, and the entries superseded for good (built from weight files that changed)."""
+    here = str(Path(model_dir).resolve())
+    canon = _canonical(inputs)
+    best, superseded = None, []
+    for p in root.iterdir() if root.is_dir() else []:
+        if p.name.startswith(".") or not p.is_dir():
+            continue
+        m = _read_manifest(p)
+        if not m or m.get("model_dir") != here or not isinstance(m.get("inputs"), dict):
+            continue
+        old = m["inputs"]
+        changed = sorted(k for k in set(canon) | set(old) if old.get(k) != canon.get(k))
+        if not changed:
+            continue
+        if "weights_identity" in changed:
+            superseded.append(p)
+        if best is None or len(changed) < len(best):
+            best = changed
+    return ("changed: " + ", ".join(best) if best else "no entry"), superseded
+
+
 def load_or_build(build, *, model_dir, config, family, graph, weights, store, quant, n_ctx,
                   max_chunk, kernels, cache_dir=None, use_cache=True, mmap=True):
-    """(program, "HIT" | "MISS (reason)")."""
+    """(program, "HIT" | "MISS (reason)"). A HIT runs neither the quantizer nor the compiler."""
     from .model import notice
 
     inputs = cache_key_inputs(config=config, family=family, graph=graph, weights=weights, store=store,
@@ -205,56 +413,84 @@ def load_or_build(build, *, model_dir, config, family, graph, weights, store, qu
     key = key_of(inputs)
     root = exec_dir(cache_dir)
     entry = root / key
-    reason = "no entry"
-    if entry.exists():
+    reason, superseded = None, []
+    if os.path.lexists(entry):
         try:
             return read_entry(entry, inputs, mmap=mmap), "HIT"
         except CacheError as exc:
             reason = f"damaged entry: {exc}"
             notice(f"execution cache entry {key[:12]} is unusable ({exc}); rebuilding it")
-            shutil.rmtree(entry, ignore_errors=True)
-    else:
-        stale = [p for p in root.glob("*") if p.is_dir() and not p.name.startswith(".")
-                 and (_read_manifest(p) or {}).get("model_dir") == str(Path(model_dir).resolve())
-                 and (_read_manifest(p) or {}).get("inputs", {}).get("quant") == quant]
-        if stale:
-            old = _read_manifest(stale[0])["inputs"]
-            changed = sorted(k for k in inputs if json.dumps(old.get(k), default=str)
-                             != json.dumps(inputs[k], default=str))
-            reason = "changed: " + ", ".join(changed) if changed else reason
+            _discard(entry)
+    if reason is None:
+        reason, superseded = _explain_miss(root, inputs, model_dir)
     program = build()
     try:
         write_entry(root, key, program, inputs, model_dir)
+        for old in superseded:         # built from weight files that no longer exist
+            _discard(old)
         if mmap:   # run from the mapped copy, so a MISS and a HIT behave the same
             program = read_entry(root / key, inputs, mmap=True)
-    except OSError as exc:
-        notice(f"could not write the execution cache under {root} ({exc}); continuing without it")
+    except (OSError, CacheError, TypeError, ValueError) as exc:
+        notice(f"could not write the execution cache under {root} ({exc}); continuing without it "
+               f"(set --cache-dir or CPULLM_CACHE_DIR to a writable directory)")
     return program, f"MISS ({reason})"
+
+
+# ---- listing / clearing ---------------------------------------------------------------------------
+def _du(path: Path) -> int:
+    total = 0
+    for f in path.rglob("*"):
+        try:
+            if f.is_file():
+                total += f.stat().st_size
+        except OSError:
+            pass
+    return total
 
 
 def list_entries(cache_dir=None) -> list[dict]:
     out = []
     root = exec_dir(cache_dir)
-    for p in sorted(root.glob("*")) if root.is_dir() else []:
+    for p in sorted(root.iterdir()) if root.is_dir() else []:
         if not p.is_dir() or p.name.startswith("."):
             continue
-        m = _read_manifest(p) or {}
-        size = sum(f.stat().st_size for f in p.iterdir() if f.is_file())
+        m = _read_manifest(p)
+        valid = m is not None
+        if m is not None:
+            try:
+                _check_manifest(m, p.name)
+            except CacheError:
+                valid = False
+        m = m or {}
+        inputs = m.get("inputs") if isinstance(m.get("inputs"), dict) else {}
         lu = p / "last_used"
-        out.append({"key": p.name, "model": m.get("model_dir"), "quant": m.get("inputs", {}).get("quant"),
-                    "family": m.get("inputs", {}).get("family"), "size_bytes": size,
-                    "created": m.get("created"),
-                    "last_used": lu.stat().st_mtime if lu.exists() else None,
-                    "valid": bool(m) and m.get("format_version") == FORMAT_VERSION, "path": str(p)})
+        try:
+            last_used = lu.stat().st_mtime
+        except OSError:
+            last_used = None
+        out.append({"key": p.name, "model": m.get("model_dir"), "family": inputs.get("family"),
+                    "quant": inputs.get("quant"), "n_ctx": inputs.get("n_ctx"),
+                    "size_bytes": _du(p), "created": m.get("created"), "last_used": last_used,
+                    "cpullm_version": inputs.get("cpullm_version"), "valid": valid, "path": str(p)})
     return out
 
 
+def _matches(entry_model: str | None, model: str) -> bool:
+    if not entry_model:
+        return False
+    p = Path(os.path.expanduser(model))
+    if p.exists():
+        return str(p.resolve()) == entry_model
+    return Path(entry_model).name == model or entry_model == model
+
+
 def clear(cache_dir=None, model: str | None = None) -> int:
-    """Delete entries (all, or those of one model directory); returns how many."""
+    """Delete entries (all, or those of one model directory or name); returns how many."""
     n = 0
+    root = exec_dir(cache_dir)
     for e in list_entries(cache_dir):
-        if model is None or (e["model"] and (e["model"] == str(Path(model).resolve())
-                                             or Path(e["model"]).name == model)):
-            shutil.rmtree(e["path"], ignore_errors=True)
+        if model is None or _matches(e["model"], model):
+            _discard(Path(e["path"]))
             n += 1
+    sweep(root)
     return n

@@ -51,7 +51,7 @@ def generate_ids(model, prompt_ids, max_new_tokens: int, params: SamplingParams,
     model._check_fits(len(prompt_ids))
     t0 = time.perf_counter()
     reused = model._start_sequence(prompt_ids)          # < len(prompt_ids): one token always runs
-    logits = ex.prefill(prompt_ids[reused:])
+    logits = model._prefill_prompt(prompt_ids, reused)
     stats.prefill_s = time.perf_counter() - t0
     stats.prompt_tokens, stats.reused_tokens = len(prompt_ids), reused
     history = list(prompt_ids)

@@ -1,19 +1,35 @@
-"""Where the memory goes: packed weights, KV cache (now and at full context), linear-attention
-state, activation arena, process peak RSS; and mlock for keeping weights resident."""
+"""Where the memory goes: packed weights, KV cache (now and at full context), per-layer state,
+activation arena, process RSS; and mlock for keeping the weights resident."""
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap as _mmap
 import resource
 import sys
 
 import numpy as np
 
 
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (Linux reports KiB)."""
+    """Peak resident set size of this process: VmHWM where /proc has it (getrusage's maxrss lags
+    the current RSS on Linux), else ru_maxrss (Linux reports KiB, macOS bytes)."""
+    hwm = _status_kib("VmHWM")
+    if hwm is not None:
+        return max(hwm, current_rss_bytes())
     ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(ru if sys.platform == "darwin" else ru * 1024)
+    return max(int(ru if sys.platform == "darwin" else ru * 1024), current_rss_bytes())
 
 
 def current_rss_bytes() -> int:
@@ -25,47 +41,112 @@ def current_rss_bytes() -> int:
         return 0
 
 
+def locked_bytes() -> int:
+    """Bytes this process has locked in RAM (VmLck), 0 where unknown."""
+    return _status_kib("VmLck") or 0
+
+
+def is_mapped(arr) -> bool:
+    """Whether the array's memory is a file mapping (the execution cache, mmapped)."""
+    base = arr
+    while base is not None:
+        if isinstance(base, (np.memmap, _mmap.mmap)):
+            return True
+        base = getattr(base, "base", None)
+    return False
+
+
+def _layer_kind(reg: dict) -> str:
+    if reg["kind"] != "kv":
+        return "linear_attention"
+    return "sliding_window" if reg.get("window") else "full_attention"
+
+
 def memory_report(model) -> dict:
-    """Bytes by purpose, from the program's real arrays and state plan."""
+    """Bytes by purpose, from the program's real arrays and its state plan.
+
+    weights_bytes       packed weights as the kernels read them (wq int8, ws scales, wf float32)
+    program_bytes       instruction tables (I, F)
+    kv_bytes            keys and values held now (positions run so far, capped by each ring)
+    kv_bytes_max        keys and values at the full context (rings at their capacity)
+    linear_state_bytes  fixed-size linear-attention states (conv history + recurrent state)
+    state_bytes         the whole state array (KV caches + linear states + alignment)
+    layers              per layer: kind, bytes allocated, bytes in use now
+    arena_bytes         activation arena (every intermediate of a prefill chunk)
+    rss / peak_rss / locked bytes of the process
+    """
     prog, ex = model.program, model.executor
     a = prog.arrays
     weights = int(a["wq"].nbytes + a["ws"].nbytes + a["wf"].nbytes)
-    kv_max = linear = 0
-    kv_now = 0
+    kv_now = kv_max = linear = 0
+    layers = []
     for reg in prog.meta["state_regions"]:
-        nbytes = reg["floats"] * 4
+        nbytes = int(reg["floats"]) * 4
         if reg["kind"] == "kv":
+            rows = min(ex.n_past, reg["cap"])
+            now = 2 * reg["n_kv_heads"] * rows * reg["head_dim"] * 4
             kv_max += nbytes
-            used_rows = min(ex.n_past, reg["cap"])
-            kv_now += 2 * reg["n_kv_heads"] * used_rows * reg["head_dim"] * 4
+            kv_now += now
         else:
+            now = nbytes
             linear += nbytes
+        layers.append({"layer": reg.get("layer"), "node": reg["node"], "kind": _layer_kind(reg),
+                       "bytes": nbytes, "bytes_now": now})
+    program = int(a["I"].nbytes + a["F"].nbytes)
+    arena, state = int(ex.arena.nbytes), int(ex.state.nbytes)
     return {
         "weights_bytes": weights,
+        "weights_mapped": is_mapped(a["wq"]),
+        "program_bytes": program,
         "kv_bytes": kv_now,
         "kv_bytes_max": kv_max,
         "linear_state_bytes": linear,
-        "arena_bytes": int(ex.arena.nbytes),
-        "program_bytes": int(a["I"].nbytes + a["F"].nbytes),
-        "peak_rss_bytes": peak_rss_bytes(),
+        "state_bytes": state,
+        "arena_bytes": arena,
+        "scratch_bytes": int(ex.xq.nbytes + ex.xs.nbytes + ex.tokens.nbytes + ex.rt.nbytes),
+        "total_bytes": weights + program + state + arena,
+        "n_past": int(ex.n_past),
+        "n_ctx": int(ex.n_ctx),
+        "layers": layers,
         "rss_bytes": current_rss_bytes(),
+        "peak_rss_bytes": peak_rss_bytes(),
+        "locked_bytes": locked_bytes(),
     }
 
 
+def _fmt(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
 def mlock_arrays(arrays, warn) -> bool:
-    """Lock the arrays' pages in RAM; warn (never fail) when the system limit refuses."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    ok = True
+    """Lock the arrays' pages in RAM (mapped or not). When the system refuses (RLIMIT_MEMLOCK,
+    no privilege), undo the partial lock, warn once with the fix, and return False; never raise."""
+    arrays = [np.asarray(a) for a in arrays if np.asarray(a).nbytes]
+    total = sum(a.nbytes for a in arrays)
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        mlock, munlock = libc.mlock, libc.munlock
+    except (OSError, AttributeError):
+        warn("--mlock is not supported on this system; continuing without locking the weights")
+        return False
+    mlock.argtypes = munlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    done = []
     for arr in arrays:
-        arr = np.asarray(arr)
-        if arr.nbytes == 0:
-            continue
         addr = arr.__array_interface__["data"][0]
-        if libc.mlock(ctypes.c_void_p(addr), ctypes.c_size_t(arr.nbytes)) != 0:
+        if mlock(addr, arr.nbytes) != 0:
             err = ctypes.get_errno()
+            for a in done:
+                munlock(a.__array_interface__["data"][0], a.nbytes)
             soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-            warn(f"mlock refused (errno {err}); weights may be swapped out. Raise the limit "
-                 f"(ulimit -l, now {soft} bytes) or run without --mlock")
-            ok = False
-            break
-    return ok
+            limit = "unlimited" if soft == resource.RLIM_INFINITY else _fmt(soft)
+            warn(f"--mlock: the system refused to lock {_fmt(total)} of weights in RAM "
+                 f"({'limit reached' if err in (12, 1, 11) else 'errno ' + str(err)}; "
+                 f"RLIMIT_MEMLOCK is {limit}); raise it with `ulimit -l unlimited` (or a memlock "
+                 f"line in /etc/security/limits.conf) or run without --mlock. Continuing unlocked")
+            return False
+        done.append(arr)
+    return True

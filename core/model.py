@@ -125,11 +125,59 @@ class Model:
                 f"with a larger n_ctx (--ctx N)")
 
     def _start_sequence(self, ids: list[int]) -> int:
-        """Reset the cache for a new sequence; returns how many leading tokens are reused (0 here;
-        the prompt cache overrides this)."""
+        """Reset the cache for a new sequence; returns how many leading tokens are reused: 0, or
+        with a prompt cache attached (:meth:`use_prompt_cache`) the tokens whose state it restored
+        (always fewer than ``len(ids)``, so at least one token is prefilled)."""
         self.executor.reset()
         self._seq = list(ids)
-        return 0
+        pc = getattr(self, "_prompt_cache", None)
+        return pc.start(self.executor, self._seq) if pc is not None else 0
+
+    def _prefill_prompt(self, ids: list[int], reused: int) -> np.ndarray:
+        """Prefill ``ids[reused:]`` and return the last token's logits. An attached prompt cache
+        may ask for the state at one position (``split_at``): the prefill stops there, the cache
+        records the sliding-window and linear-attention state, and the prefill goes on."""
+        ex = self.executor
+        pc = getattr(self, "_prompt_cache", None)
+        split = pc.split_at if pc is not None else None
+        if split is None or not (reused < split < len(ids)):
+            return ex.prefill(ids[reused:])
+        ex.prefill(ids[reused:split])
+        pc.snapshot_split(ex)
+        return ex.prefill(ids[split:])
+
+    # ---- prompt cache ---------------------------------------------------------------------------
+    def use_prompt_cache(self, path) -> "Model":
+        """Attach the prompt-cache file ``path``: the next prompts restore the state it holds when
+        they start with its tokens, and :meth:`save_prompt_cache` writes the last prompt's state
+        to it. A file for another model or quant raises CacheError; a stale or damaged one is
+        ignored with a notice (and rewritten on save); a missing one is created on save."""
+        from .prompt_cache import PromptCache
+        self._prompt_cache = PromptCache(self, path)
+        return self
+
+    def save_prompt_cache(self, path=None):
+        """Save the state of the last prompt run by :meth:`generate` / :meth:`generate_ids` to the
+        attached prompt cache (or to ``path``); the write is atomic. Returns the path."""
+        from .errors import CacheError
+        from .prompt_cache import PromptCache
+        pc = getattr(self, "_prompt_cache", None)
+        if pc is None:
+            if path is None:
+                raise CacheError("no prompt cache is attached: call model.use_prompt_cache(path) "
+                                 "before generate(), or pass save_prompt_cache(path)")
+            pc = self._prompt_cache = PromptCache(self, path, load=False)
+        return pc.save(self.executor, self._seq, path)
+
+    def detach_prompt_cache(self) -> None:
+        """Stop restoring from / saving to the attached prompt cache."""
+        self._prompt_cache = None
+
+    @property
+    def prompt_cache_status(self) -> str | None:
+        """``HIT (reused k of n prompt tokens)`` or ``MISS (reason)``; None without a prompt cache."""
+        pc = getattr(self, "_prompt_cache", None)
+        return pc.status if pc is not None else None
 
     def logits(self, ids) -> np.ndarray:
         """float32 (T, vocab): logits at every position of a fresh sequence ``ids``."""
@@ -193,6 +241,7 @@ class Model:
             "vocab": self.program.meta["vocab"],
             "cache": self.cache_status,
             "load_s": self.load_s,
+            "prompt_cache": self.prompt_cache_status,
             "memory": memory_report(self),
         }
 

@@ -43,6 +43,8 @@ def run(args) -> int:
         out = {"model": str(model.model_dir), "family": model.family.name, "quant": model.quant,
                "text": text, "cache": model.cache_status, **stats.as_dict()}
         if args.prompt_cache:
+            out["prompt_cache"] = model.prompt_cache_status
+        if args.prompt_cache:
             model.save_prompt_cache()
         print(json.dumps(out, ensure_ascii=False))
         return 0
@@ -54,5 +56,7 @@ def run(args) -> int:
     sys.stdout.write("\n")
     print(f"[{stats.prompt_tokens} prompt tokens, prefill {stats.prefill_tps:.1f} tok/s, "
           f"{stats.generated_tokens} generated, decode {stats.decode_tps:.1f} tok/s, "
-          f"{model.quant}, {model.threads} threads, cache {model.cache_status}]", file=sys.stderr)
+          f"{model.quant}, {model.threads} threads, cache {model.cache_status}"
+          + (f", prompt cache {model.prompt_cache_status}" if args.prompt_cache else "") + "]",
+          file=sys.stderr)
     return 0
