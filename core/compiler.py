@@ -84,12 +84,13 @@ def _fuse_linears(graph: Graph) -> tuple[list[_Phys], dict]:
     groups: dict[tuple, list[Node]] = {}
     for n in graph.nodes:
         if n.op == Op.LINEAR and n.name != "lm_head":
-            groups.setdefault((n.section, n.inputs[0]), []).append(n)
+            groups.setdefault((n.section, n.inputs[0], n.attr("precision")), []).append(n)
     views, emitted, phys = {}, set(), []
     for n in graph.nodes:
         if n.name in emitted:
             continue
-        key = (n.section, n.inputs[0]) if n.op == Op.LINEAR and n.name != "lm_head" else None
+        key = ((n.section, n.inputs[0], n.attr("precision"))
+               if n.op == Op.LINEAR and n.name != "lm_head" else None)
         members = groups.get(key, [n]) if key else [n]
         if len(members) > 1:
             fused = "+".join(m.name for m in members)
@@ -113,6 +114,8 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
     ``quant``: "int8" (q8 block-32 weights for every LINEAR and the embedding) or "f32".
     ``kernels``: KernelSpecs from plugins; the first whose ``supports(node)`` is true replaces
     the reference kernel of that node.
+    A LINEAR or EMBED node's ``precision`` attribute overrides ``quant`` for its weights
+    (``"f32"``: kept float32 in every mode); only LINEARs of equal precision are fused.
     """
     from .kernels import interpreter as K
     from .kernels.q8 import quantize_weight_q8
@@ -190,14 +193,15 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
             fparams[key] = wf.add(weights.get(canonical))
         return fparams[key]
 
-    def pack_matrix(canonicals: list[str]) -> tuple:
-        key = (tuple(weights.source_of(c) for c in canonicals), quant)
+    def pack_matrix(canonicals: list[str], node: Node | None = None) -> tuple:
+        mode = _precision(node, quant) if node is not None else quant
+        key = (tuple(weights.source_of(c) for c in canonicals), mode)
         if key in packed:
             return packed[key]
         mats = [weights.get(c) for c in canonicals]
         mat = mats[0] if len(mats) == 1 else np.concatenate(mats, axis=0)
         N, Kdim = mat.shape
-        if quant == "int8":
+        if mode == "int8":
             q, s = quantize(np.ascontiguousarray(mat, dtype=np.float32))
             packed[key] = (K.WEIGHT_Q8, wq.add(q), ws.add(s), q.shape[1], N)
         else:
@@ -228,7 +232,7 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
         if n.op == Op.LINEAR:
             x_off, x_st = loc(n.inputs[0])
             Kdim = nodes_by_out[n.inputs[0]].width
-            kind, w_off, s_off, Kp, _ = pack_matrix([m.weight("weight") for m in p.nodes])
+            kind, w_off, s_off, Kp, _ = pack_matrix([m.weight("weight") for m in p.nodes], n)
             bias_off = -1
             if any(m.weight("bias") for m in p.nodes):
                 bias = np.concatenate([weights.get(m.weight("bias")) if m.weight("bias")
@@ -237,7 +241,7 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
             Ir[3:14] = [x_off, x_st, out_off, out_st, Kdim, p.width, kind, w_off, s_off, Kp, bias_off]
             max_k = max(max_k, Kp)
         elif n.op == Op.EMBED:
-            kind, w_off, s_off, Kp, embed_rows = pack_matrix([n.weight("table")])
+            kind, w_off, s_off, Kp, embed_rows = pack_matrix([n.weight("table")], n)
             Ir[3:10] = [out_off, out_st, n.width, kind, w_off, s_off, Kp]
             Fr[0] = n.attr("scale", 1.0)
         elif n.op == Op.RMSNORM:
@@ -322,6 +326,19 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
         "wq": wq.build(), "ws": ws.build(), "wf": wf.build(),
     }
     return Program(arrays=arrays, meta=meta)
+
+
+PRECISIONS = ("f32",)      # node attribute ``precision``: per-node override of the quant mode
+
+
+def _precision(node: Node, quant: str) -> str:
+    """The weight mode of one LINEAR/EMBED node: its ``precision`` attribute, else ``quant``."""
+    p = node.attr("precision")
+    if p is None:
+        return quant
+    if p not in PRECISIONS:
+        raise GraphError(f"{node.name}: precision {p!r} is not one of {', '.join(PRECISIONS)}")
+    return p
 
 
 def _merge(free: list) -> list:

@@ -1,0 +1,80 @@
+"""The dense Qwen decoder shared by qwen2 and qwen3 (they differ only in options):
+
+    h = embed(ids)
+    per layer: h += o_proj(attn(rope(qk_norm?(q)), rope(qk_norm?(k)), v))   (pre-norm, w*n RMSNorm)
+               h += down(silu(gate(x)) * up(x))
+    logits = lm_head(norm(h))
+
+Options (derived by each model type's Args): ``qkv_bias``, ``o_bias``, ``qk_norm`` (per-head
+RMSNorm over head_dim before RoPE), and a per-layer attention window (0 = full causal).
+"""
+from __future__ import annotations
+
+from cpullm import blocks
+from cpullm.ir import GraphBuilder
+from cpullm.weightmap import W, WeightMap
+
+from .common import BUFFER_IGNORES, TEXT_PREFIX_ALIASES, check_layer_types, lm_head_rule
+
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def layer_windows(a) -> tuple:
+    """Attention window per layer, as transformers' Qwen2/Qwen3 config computes it: the window
+    applies only when ``use_sliding_window`` is true (quirk: ``sliding_window`` alone is ignored),
+    to the layers typed ``sliding_attention`` (default: layers i >= ``max_window_layers``)."""
+    window = int(a.sliding_window or 0) if a.use_sliding_window else 0
+    if a.layer_types is None:
+        types = ["sliding_attention" if window and i >= a.max_window_layers else "full_attention"
+                 for i in range(a.num_hidden_layers)]
+    else:
+        types = check_layer_types(a.layer_types, a.num_hidden_layers, ATTENTION_LAYER_TYPES)
+    return tuple(window if t == "sliding_attention" else 0 for t in types)
+
+
+def weight_map(a) -> WeightMap:
+    H, V, I = a.hidden_size, a.vocab_size, a.intermediate_size
+    q, kv, hd = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim, a.head_dim
+    L = "model.layers.{i}."
+    rules = [
+        W("embed", "model.embed_tokens.weight", (V, H)),
+        W("final_norm", "model.norm.weight", (H,)),
+        lm_head_rule(a.tie_word_embeddings, V, H),
+        W("layers.{i}.attn_norm", L + "input_layernorm.weight", (H,)),
+        W("layers.{i}.mlp_norm", L + "post_attention_layernorm.weight", (H,)),
+        W("layers.{i}.attn.q_proj", L + "self_attn.q_proj.weight", (q, H)),
+        W("layers.{i}.attn.k_proj", L + "self_attn.k_proj.weight", (kv, H)),
+        W("layers.{i}.attn.v_proj", L + "self_attn.v_proj.weight", (kv, H)),
+        W("layers.{i}.attn.o_proj", L + "self_attn.o_proj.weight", (H, q)),
+        W("layers.{i}.mlp.gate_proj", L + "mlp.gate_proj.weight", (I, H)),
+        W("layers.{i}.mlp.up_proj", L + "mlp.up_proj.weight", (I, H)),
+        W("layers.{i}.mlp.down_proj", L + "mlp.down_proj.weight", (H, I)),
+    ]
+    if a.qkv_bias:
+        rules += [W("layers.{i}.attn.q_bias", L + "self_attn.q_proj.bias", (q,)),
+                  W("layers.{i}.attn.k_bias", L + "self_attn.k_proj.bias", (kv,)),
+                  W("layers.{i}.attn.v_bias", L + "self_attn.v_proj.bias", (kv,))]
+    if a.o_bias:
+        rules.append(W("layers.{i}.attn.o_bias", L + "self_attn.o_proj.bias", (H,)))
+    if a.qk_norm:
+        rules += [W("layers.{i}.attn.q_norm", L + "self_attn.q_norm.weight", (hd,)),
+                  W("layers.{i}.attn.k_norm", L + "self_attn.k_norm.weight", (hd,))]
+    return WeightMap(rules=rules, n_layers=a.num_hidden_layers, aliases=list(TEXT_PREFIX_ALIASES),
+                     ignore=list(BUFFER_IGNORES))
+
+
+def build_graph(a, g: GraphBuilder):
+    def mixer(g, i, x):
+        return blocks.attention(g, i, x, hidden=a.hidden_size, n_heads=a.num_attention_heads,
+                                n_kv_heads=a.num_key_value_heads, head_dim=a.head_dim,
+                                rope_spec=a.rope_spec, scale=a.head_dim ** -0.5, qkv_bias=a.qkv_bias,
+                                o_bias=a.o_bias, qk_norm_eps=a.rms_norm_eps if a.qk_norm else None,
+                                window=a.layer_windows[i])
+
+    def mlp(g, i, x):
+        return blocks.glu_mlp(g, i, x, a.hidden_size, a.intermediate_size, act="silu")
+
+    h = blocks.embed(g, a.hidden_size)
+    for i in range(a.num_hidden_layers):
+        h = blocks.decoder_layer(g, i, h, mixer, mlp, a.rms_norm_eps)
+    return g.build(blocks.lm_head(g, h, a.vocab_size, a.rms_norm_eps))

@@ -1,0 +1,20 @@
+"""Entry point of cpullm-plugin-qwen: registers the families and the fused Gated DeltaNet
+kernel. Imports nothing heavy: numba kernels are compiled only when first called."""
+from cpullm.hookspecs import hookimpl
+
+
+@hookimpl
+def cpullm_families():
+    from .qwen2 import FAMILY as QWEN2
+    from .qwen3 import FAMILY as QWEN3
+    from .qwen3_5 import FAMILY as QWEN3_5
+    from .qwen3_5_text import FAMILY as QWEN3_5_TEXT
+
+    return [QWEN2, QWEN3, QWEN3_5, QWEN3_5_TEXT]
+
+
+@hookimpl
+def cpullm_kernels():
+    from .kernels import KERNEL
+
+    return [KERNEL]
