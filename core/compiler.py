@@ -221,7 +221,7 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
         return off
 
     # ---- emit ------------------------------------------------------------------------------
-    rows_I, rows_F, names, groups, impls, external = [], [], [], [], [], {}
+    rows_I, rows_F, names, groups, external = [], [], [], [], {}
     max_k, embed_rows = 32, 0
     for p in order:
         n = p.nodes[0]
