@@ -1,0 +1,758 @@
+#!/usr/bin/env python
+"""cpullm side by side with llama.cpp and transformers: same checkpoint, prompt and threads.
+
+    python benchmarks/compare.py smollm2-135m-instruct [--threads 2] [--prompt-tokens 512]
+        [--gen-tokens 128] [--repeat 3] [--out DIR] [--skip llama.cpp,transformers]
+
+Runs, one after another, each in its own child process (so no two thread pools ever compete):
+
+* **cpullm**: ``cpullm.load(MODEL, quant="int8")`` (INT8 weights, one scale per block of 32).
+* **llama.cpp** through llama-cpp-python on a **Q8_0** GGUF (INT8 weights, one fp16 scale per
+  block of 32: the closest llama.cpp format to cpullm's INT8), ``n_threads = n_threads_batch =
+  --threads``, ``n_batch = n_ubatch = 512``, ``n_ctx`` = the longest sequence rounded up to 256,
+  other settings at llama-cpp-python's defaults.
+* **transformers** in float32 (``AutoModelForCausalLM``, ``torch.set_num_threads(--threads)``,
+  ``torch.inference_mode``, KV cache, logits of the last position only).
+
+All three are driven by the same harness, ``cpullm.bench.measure_speed``, with the same prompt
+token ids (``cpullm.bench.prompt_ids``: a fixed passage tokenized by the checkpoint's tokenizer,
+repeated to exactly --prompt-tokens; ids are fed directly, no runtime tokenizes text) and the
+same greedy pick, so the definitions are identical: prefill tokens/s, decode tokens/s after a
+one-token prompt, decode tokens/s after a 512-token prefill, time to first token; medians over
+--repeat runs after one untimed warm-up (see ``cpullm.bench``).
+
+**Same weights.** Every runtime starts from the same Hugging Face checkpoint directory (the one
+``cpullm pull`` produced, or any safetensors directory). For llama.cpp this script writes that
+checkpoint as an **F32 GGUF** with the ``gguf`` package's writer (tensor names from
+``gguf.get_tensor_name_map``; llama's Q/K row permutation and Gemma 3's ``1 + w`` norms applied
+exactly as llama.cpp's ``convert_hf_to_gguf.py`` does; the vocabulary and merges from
+tokenizer.json) and quantizes it to Q8_0 with ``llama_cpp.llama_model_quantize`` (llama.cpp's C
+quantizer; ``llama-quantize`` itself is not on PyPI). bf16 checkpoints are exact in F32, so
+llama.cpp's Q8_0 and cpullm's INT8 quantize the very same values. Re-quantizing a store
+model's original Q4 GGUF to Q8_0 was rejected: that would start from different numbers than the
+safetensors checkpoint cpullm runs. The Q8_0 file is kept under --work-dir (default
+``~/.cache/cpullm/bench``), keyed by the checkpoint's identity, and reused. ``--gguf FILE``
+benchmarks a GGUF of your own instead. Supported architectures for the writer: llama, qwen2,
+qwen3, gemma3 (text). As a check that the weights really are the same, the report gives each
+runtime's fidelity on the prompt's last-position logits against transformers f32 (cosine of
+mean-centred logits, same top-1).
+
+Outputs in --out (default ``bench-results/<model>``): ``compare.md`` (also printed),
+``compare.png`` (prefill and decode tokens/s with the ratios; needs matplotlib) and
+``compare.json``. The report records the machine, versions and the load average before and after,
+since a busy machine makes every number noisy.
+
+llama-cpp-python, torch and transformers are optional (``pip install 'cpullm[bench]'``); a
+runtime whose package is missing is skipped with a note.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+RUNTIMES = ("cpullm", "llama.cpp", "transformers")
+RESULT_TAG = "CPULLM_COMPARE_RESULT "
+CONTEXT_TOKENS = 512
+
+
+# =================================================================================================
+# Checkpoint -> F32 GGUF -> Q8_0 GGUF
+# =================================================================================================
+def _text_config(config: dict) -> dict:
+    tc = config.get("text_config")
+    if isinstance(tc, dict) and config.get("model_type") in ("gemma3",):
+        merged = dict(tc)
+        merged.setdefault("model_type", "gemma3_text")
+        return merged
+    return config
+
+
+def _rope(cfg: dict) -> tuple[float, dict | None]:
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:      # per layer type (gemma3, v5)
+        params = params["full_attention"]
+    scaling = cfg.get("rope_scaling")
+    theta = cfg.get("rope_theta")
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", theta)
+        if params.get("rope_type", "default") != "default":
+            scaling = params
+    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    return float(theta if theta is not None else 10000.0), scaling
+
+
+def _arch(cfg: dict):
+    import gguf
+
+    mt = cfg.get("model_type")
+    table = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
+             "qwen3": gguf.MODEL_ARCH.QWEN3, "gemma3_text": gguf.MODEL_ARCH.GEMMA3}
+    if mt not in table:
+        raise SystemExit(f"compare.py: the GGUF writer supports model types {sorted(table)}, not "
+                         f"{mt!r}; pass a GGUF of the same weights with --gguf FILE")
+    return mt, table[mt]
+
+
+def _permute(w: np.ndarray, n_head: int, n_head_kv: int | None = None) -> np.ndarray:
+    """HF rotate-half layout -> llama.cpp's interleaved rows (convert_hf_to_gguf LlamaModel.permute)."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def _llama3_rope_factors(cfg: dict, scaling: dict, theta: float) -> np.ndarray:
+    n_head = cfg["num_attention_heads"]
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // n_head
+    freqs = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor = scaling.get("factor", 8.0)
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old = scaling.get("original_max_position_embeddings", 8192)
+    low_wl, high_wl = old / low, old / high
+    out = []
+    for f in freqs:
+        wl = 2 * math.pi / f
+        if wl < high_wl:
+            out.append(1.0)
+        elif wl > low_wl:
+            out.append(factor)
+        else:
+            smooth = (old / wl - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
+
+
+def _vocab(model_dir: Path, n_vocab: int, special_ids: set[int]):
+    """(tokenizer model, tokens, token types, scores | None) from tokenizer.json, padded to n_vocab."""
+    import gguf
+
+    tj = json.loads((model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    m = tj.get("model") or {}
+    kind = m.get("type")
+    tokens: list[str | None] = [None] * n_vocab
+    scores = None
+    if kind == "Unigram":
+        scores = [0.0] * n_vocab
+        for i, (piece, score) in enumerate(m.get("vocab") or []):
+            if i < n_vocab:
+                tokens[i], scores[i] = piece, float(score)
+    else:
+        for piece, i in (m.get("vocab") or {}).items():
+            if 0 <= i < n_vocab:
+                tokens[i] = piece
+    types = [gguf.TokenType.NORMAL] * n_vocab
+    for t in tj.get("added_tokens") or []:
+        i = int(t["id"])
+        if 0 <= i < n_vocab:
+            tokens[i] = t["content"]
+            types[i] = gguf.TokenType.CONTROL if t.get("special") else gguf.TokenType.USER_DEFINED
+    for i in range(n_vocab):
+        if tokens[i] is None:
+            tokens[i] = f"[PAD{i}]"
+            types[i] = gguf.TokenType.CONTROL if i in special_ids else gguf.TokenType.UNUSED
+        elif i in special_ids:
+            types[i] = gguf.TokenType.CONTROL
+    if kind == "BPE" and not m.get("byte_fallback"):
+        return "gpt2", tokens, types, None
+    # SentencePiece-style vocabularies (byte-fallback BPE, Unigram): llama.cpp's "llama" model
+    if scores is None:
+        scores = [-float(i) for i in range(n_vocab)]
+    for i, tok in enumerate(tokens):
+        if len(tok) == 6 and tok.startswith("<0x") and tok.endswith(">"):
+            types[i] = gguf.TokenType.BYTE
+    return "llama", tokens, types, scores
+
+
+def checkpoint_identity(model_dir: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(model_dir.iterdir()):
+        if p.suffix in (".json", ".safetensors") and p.is_file():
+            st = p.stat()
+            h.update(f"{p.name}:{st.st_size}:{int(st.st_mtime)}".encode())
+    h.update(b"compare-gguf-v1")
+    return h.hexdigest()[:16]
+
+
+def write_f32_gguf(model_dir, out_path) -> Path:
+    """The checkpoint as an F32 GGUF that llama.cpp loads (see the module docstring)."""
+    import gguf
+
+    from cpullm.tensors import TensorStore
+
+    model_dir, out_path = Path(model_dir), Path(out_path)
+    config = json.loads((model_dir / "config.json").read_text())
+    cfg = _text_config(config)
+    mt, arch = _arch(cfg)
+    n_layers = int(cfg["num_hidden_layers"])
+    n_head = int(cfg["num_attention_heads"])
+    n_kv = int(cfg.get("num_key_value_heads") or n_head)
+    hidden = int(cfg["hidden_size"])
+    head_dim = int(cfg.get("head_dim") or hidden // n_head)
+    n_vocab = int(cfg["vocab_size"])
+    theta, scaling = _rope(cfg)
+
+    w = gguf.GGUFWriter(str(out_path), gguf.MODEL_ARCH_NAMES[arch])
+    w.add_name(model_dir.name)
+    w.add_context_length(int(cfg.get("max_position_embeddings") or 4096))
+    w.add_embedding_length(hidden)
+    w.add_block_count(n_layers)
+    w.add_feed_forward_length(int(cfg["intermediate_size"]))
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_kv)
+    w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
+    w.add_rope_freq_base(theta)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    if mt == "llama":
+        w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(n_vocab)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    extra: dict[str, np.ndarray] = {}
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(float(scaling["factor"]))
+        elif kind == "llama3" and mt == "llama":
+            extra["rope_freqs.weight"] = _llama3_rope_factors(cfg, scaling, theta)
+        elif kind == "yarn":
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(float(scaling["factor"]))
+            w.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+        else:
+            raise SystemExit(f"compare.py: rope scaling {kind!r} is not supported by the GGUF writer; "
+                             "use --gguf FILE")
+    if mt == "gemma3_text":
+        if cfg.get("sliding_window"):
+            w.add_sliding_window(int(cfg["sliding_window"]))
+        local = cfg.get("rope_local_base_freq")
+        rp = cfg.get("rope_parameters")
+        if isinstance(rp, dict) and isinstance(rp.get("sliding_attention"), dict):
+            local = rp["sliding_attention"].get("rope_theta", local)
+        if local:
+            w.add_rope_freq_base_swa(float(local))
+        if cfg.get("final_logit_softcapping"):
+            w.add_final_logit_softcapping(float(cfg["final_logit_softcapping"]))
+
+    # ---- vocabulary ----
+    special_ids = set()
+    for src in (config, cfg):
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            v = src.get(key)
+            for x in (v if isinstance(v, list) else [v]):
+                if isinstance(x, int):
+                    special_ids.add(x)
+    tok_model, tokens, types, scores = _vocab(model_dir, n_vocab, special_ids)
+    w.add_tokenizer_model(tok_model)
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    if scores is not None:
+        w.add_token_scores(scores)
+    sv = gguf.SpecialVocab(model_dir, load_merges=tok_model == "gpt2", n_vocab=n_vocab)
+    if tok_model == "gpt2" and not sv.merges:
+        # llama.cpp requires the merges key; a merge-free byte-level BPE gets one inert merge
+        # (the benchmark feeds token ids, llama.cpp never tokenizes text here).
+        sv.merges = [f"{tokens[0]} {tokens[1]}"]
+    for key in ("bos", "eos", "pad"):
+        v = cfg.get(f"{key}_token_id", config.get(f"{key}_token_id"))
+        if isinstance(v, list):
+            v = v[0] if v else None
+        if isinstance(v, int) and key not in sv.special_token_ids:
+            sv.special_token_ids[key] = v
+    sv.add_to_gguf(w, quiet=True)
+
+    # ---- tensors ----
+    tmap = gguf.get_tensor_name_map(arch, n_layers)
+    store = TensorStore(model_dir)
+    unmapped = []
+    for name in store.names():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        hf = name
+        for pre in ("model.language_model.", "language_model.model.", "language_model."):
+            if hf.startswith(pre):
+                hf = "model." + hf[len(pre):] if not hf.startswith("language_model.lm_head") else hf[len(pre):]
+                break
+        if hf.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                          "model.multi_modal_projector.")):
+            continue
+        new = tmap.get_name(hf, try_suffixes=(".weight", ".bias"))
+        if new is None:
+            unmapped.append(name)
+            continue
+        arr = np.ascontiguousarray(store.get(name), dtype=np.float32)
+        if mt == "llama" and hf.endswith(("q_proj.weight", "q_proj.bias")):
+            arr = _permute(arr, n_head, n_head)
+        elif mt == "llama" and hf.endswith(("k_proj.weight", "k_proj.bias")):
+            arr = _permute(arr, n_head, n_kv)
+        if mt == "gemma3_text" and hf.endswith("norm.weight"):
+            arr = arr + np.float32(1.0)
+        if new == "token_embd.weight" and arr.shape[0] > n_vocab:
+            arr = arr[:n_vocab]
+        w.add_tensor(new, np.ascontiguousarray(arr))
+    if unmapped:
+        raise SystemExit(f"compare.py: no GGUF name for {len(unmapped)} tensors, e.g. {unmapped[:3]}")
+    for name, arr in extra.items():
+        w.add_tensor(name, arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out_path
+
+
+def quantize_q8_0(src, dst, threads: int) -> Path:
+    """llama.cpp's own quantizer (llama_model_quantize, the C API behind llama-quantize)."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+    params.nthread = int(threads)
+    tmp = Path(str(dst) + ".tmp")
+    with tempfile.TemporaryFile() as log:          # the C quantizer logs every tensor to fd 2
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(log.fileno(), 2)
+        try:
+            rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        log.seek(0)
+        tail = log.read().decode(errors="replace").strip().splitlines()[-5:]
+    if rc != 0 or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        raise SystemExit(f"compare.py: llama_model_quantize failed with code {rc}: " + " / ".join(tail))
+    os.replace(tmp, dst)
+    return Path(dst)
+
+
+def ensure_q8_gguf(model_dir: Path, work_dir: Path, threads: int, say=print) -> Path:
+    work_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{model_dir.name}-{checkpoint_identity(model_dir)}"
+    q8 = work_dir / f"{stem}.Q8_0.gguf"
+    if q8.is_file():
+        say(f"using the Q8_0 GGUF {q8}")
+        return q8
+    f32 = work_dir / f"{stem}.F32.gguf.partial"
+    try:
+        say(f"writing the checkpoint as an F32 GGUF ({f32.name})")
+        write_f32_gguf(model_dir, f32)
+        say("quantizing it to Q8_0 with llama_cpp.llama_model_quantize")
+        quantize_q8_0(f32, q8, threads)
+    finally:
+        f32.unlink(missing_ok=True)
+    return q8
+
+
+# =================================================================================================
+# Workers (each runs in its own process)
+# =================================================================================================
+class LlamaCppRunner:
+    """llama-cpp-python's ``Llama.eval`` (its usual decode path); the last position's logits are
+    read from the context with ``llama_get_logits_ith(ctx, -1)`` (a view, no copy): recent
+    llama-cpp-python no longer copies them into ``Llama.scores`` unless ``logits_all``."""
+
+    name = "llama.cpp"
+
+    def __init__(self, llm):
+        import llama_cpp
+
+        self.llm = llm
+        self.n_ctx = llm.n_ctx()
+        self.n_vocab = llm.n_vocab()
+        self._get = llama_cpp.llama_get_logits_ith
+
+    def reset(self):
+        self.llm.reset()
+
+    def _last_logits(self):
+        ptr = self._get(self.llm.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    def prefill(self, ids):
+        self.llm.eval(list(ids))
+        return self._last_logits()
+
+    def decode(self, tok):
+        self.llm.eval([int(tok)])
+        return self._last_logits()
+
+
+class TransformersRunner:
+    name = "transformers"
+
+    def __init__(self, model, torch, n_ctx: int):
+        self.model, self.torch, self.n_ctx = model, torch, n_ctx
+        self.past = None
+        self._keep = True
+
+    def reset(self):
+        self.past = None
+
+    def _forward(self, ids):
+        torch = self.torch
+        kw = dict(input_ids=torch.tensor([list(ids)], dtype=torch.long), past_key_values=self.past,
+                  use_cache=True)
+        with torch.inference_mode():
+            if self._keep:
+                try:
+                    out = self.model(**kw, logits_to_keep=1)
+                except TypeError:
+                    self._keep = False
+                    out = self.model(**kw)
+            else:
+                out = self.model(**kw)
+        self.past = out.past_key_values
+        return out.logits[0, -1].float().numpy()
+
+    def prefill(self, ids):
+        return self._forward(ids)
+
+    def decode(self, tok):
+        return self._forward([int(tok)])
+
+
+def _n_ctx_needed(spec) -> int:
+    need = max(len(spec["ids"]), spec["context_tokens"]) + spec["gen_tokens"] + 8
+    return int(-(-need // 256) * 256)
+
+
+def worker(name: str, spec: dict) -> dict:
+    from cpullm.bench import CpullmRunner, measure_speed
+
+    ids, gen, threads = spec["ids"], spec["gen_tokens"], spec["threads"]
+    info: dict = {"runtime": name}
+    t0 = time.perf_counter()
+    if name == "cpullm":
+        import cpullm
+        model = cpullm.load(spec["model_dir"], quant=spec["quant"], threads=threads)
+        runner = CpullmRunner(model)
+        info.update(weights=f"{model.quant} (cpullm)", version=cpullm.__version__,
+                    cache=str(model.cache_status).split()[0], threads=model.threads)
+    elif name == "llama.cpp":
+        import llama_cpp
+        llm = llama_cpp.Llama(model_path=spec["gguf"], n_ctx=_n_ctx_needed(spec), n_threads=threads,
+                              n_threads_batch=threads, n_batch=512, n_ubatch=512, verbose=False)
+        runner = LlamaCppRunner(llm)
+        info.update(weights="Q8_0 (GGUF)", version=f"llama-cpp-python {llama_cpp.__version__}", threads=threads,
+                    gguf=spec["gguf"], n_ctx=runner.n_ctx)
+    elif name == "transformers":
+        import torch
+        import transformers
+        torch.set_num_threads(threads)
+        from transformers import AutoModelForCausalLM
+        try:
+            model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], dtype=torch.float32)
+        except TypeError:
+            model = AutoModelForCausalLM.from_pretrained(spec["model_dir"], torch_dtype=torch.float32)
+        model.eval()
+        runner = TransformersRunner(model, torch, _n_ctx_needed(spec))
+        info.update(weights="f32 (torch)", version=f"{transformers.__version__} (torch {torch.__version__})",
+                    threads=torch.get_num_threads())
+    else:
+        raise SystemExit(f"unknown runtime {name!r}")
+    info["load_s"] = time.perf_counter() - t0
+    ctx_n = spec["context_tokens"]
+    ctx_ids = spec.get("context_ids") or (ids if len(ids) == ctx_n else None)
+    speed = measure_speed(runner, ids, gen, repeat=spec["repeat"], context_tokens=ctx_n,
+                          context_ids=ctx_ids)
+    runner.reset()
+    last = np.asarray(runner.prefill(ids), np.float32).copy()
+    np.save(spec["logits_out"], last)
+    info.update({k: v for k, v in speed.items()})
+    return info
+
+
+def run_worker(name: str, spec: dict, workdir: Path, timeout: float) -> dict:
+    spec = dict(spec, logits_out=str(workdir / f"{name}.logits.npy"))
+    env = dict(os.environ, CPULLM_QUIET="1", OMP_NUM_THREADS=str(spec["threads"]))
+    spec_path = workdir / f"{name}.spec.json"
+    spec_path.write_text(json.dumps(spec))
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", name,
+                           "--spec", str(spec_path)], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)), None)
+    if proc.returncode != 0 or line is None:
+        tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-8:])
+        return {"runtime": name, "error": f"exit {proc.returncode}: {tail}"}
+    res = json.loads(line[len(RESULT_TAG):])
+    try:
+        res["_logits"] = np.load(spec["logits_out"])
+    except OSError:
+        pass
+    return res
+
+
+# =================================================================================================
+# Report
+# =================================================================================================
+def _fidelity(a: np.ndarray, ref: np.ndarray) -> dict:
+    n = min(a.size, ref.size)
+    a, ref = a[:n].astype(np.float64), ref[:n].astype(np.float64)
+    x, y = a - a.mean(), ref - ref.mean()
+    cos = float((x * y).sum() / (np.linalg.norm(x) * np.linalg.norm(y) + 1e-30))
+    return {"cosine": cos, "same_top1": bool(int(a.argmax()) == int(ref.argmax()))}
+
+
+def _ratio(a, b):
+    return (a / b) if (a and b) else None
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "python": platform.python_version(),
+            "platform": platform.platform()}
+
+
+def _busy(report: dict) -> bool:
+    """Other work was running when the benchmark started (> a quarter of the CPUs busy)."""
+    return report["loadavg_before"] > 0.25 * (report["machine"]["logical_cpus"] or 1)
+
+
+def _fmt(x, f="{:.1f}"):
+    return "n/a" if x is None else f.format(x)
+
+
+def markdown(report: dict) -> str:
+    s = report["settings"]
+    rows = report["results"]
+    m = report["machine"]
+    lines = [
+        f"# cpullm vs llama.cpp vs transformers: {report['model_name']}",
+        "",
+        f"- command: `{report['command']}`",
+        f"- machine: {m['cpu']}, {m['logical_cpus']} logical CPUs; {s['threads']} thread(s) for every runtime",
+        f"- load average (1 min) before / after (after includes this run): {report['loadavg_before']:.2f} / "
+        f"{report['loadavg_after']:.2f}" + ("  **(machine busy before the run: numbers are noisy)**"
+                                             if _busy(report) else ""),
+        f"- prompt {s['prompt_tokens']} tokens, {s['gen_tokens']} decode steps, decode-at-context after "
+        f"{s['context_tokens']} tokens, medians of {s['repeat']} run(s); {report['date']}",
+        "",
+        "| runtime | weights | prefill tok/s | decode tok/s | decode @%d tok/s | TTFT s | load s | fidelity vs transformers f32 |"
+        % s["context_tokens"],
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        if "error" in r or "skipped" in r:
+            lines.append(f"| {r['runtime']} | {r.get('skipped') or 'failed: ' + r['error'].splitlines()[-1][:80]} "
+                         "| | | | | | |")
+            continue
+        fid, agree = r.get("fidelity"), r.get("agreement_with_cpullm")
+        if fid:
+            fid_s = f"cosine {fid['cosine']:.4f}, top-1 {'same' if fid['same_top1'] else 'differs'}"
+        elif r["runtime"] == "transformers":
+            fid_s = "reference"
+        elif agree:
+            fid_s = (f"(vs cpullm) cosine {agree['cosine']:.4f}, top-1 "
+                     f"{'same' if agree['same_top1'] else 'differs'}")
+        else:
+            fid_s = "n/a"
+        lines.append(f"| {r['runtime']} | {r.get('weights', '')} | {_fmt(r.get('prefill_tps'))} | "
+                     f"{_fmt(r.get('decode_tps'))} | {_fmt(r.get('decode_tps_at_512'))} | "
+                     f"{_fmt(r.get('ttft_s'), '{:.3f}')} | {_fmt(r.get('load_s'), '{:.2f}')} | {fid_s} |")
+    lines += ["", "| ratio | prefill | decode | decode @%d |" % s["context_tokens"], "|---|---:|---:|---:|"]
+    for key, label in (("llama.cpp", "cpullm / llama.cpp"), ("transformers", "cpullm / transformers")):
+        rat = report["ratios"].get(key)
+        if rat:
+            lines.append(f"| {label} | {_fmt(rat['prefill'], '{:.2f}x')} | {_fmt(rat['decode'], '{:.2f}x')} "
+                         f"| {_fmt(rat['decode_at_512'], '{:.2f}x')} |")
+    lines += ["", "Versions: " + "; ".join(f"{r['runtime']} {r.get('version', '?')}" for r in rows
+                                             if "version" in r)]
+    return "\n".join(lines) + "\n"
+
+
+def chart(report: dict, path: Path) -> Path | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = [r for r in report["results"] if "prefill_tps" in r]
+    if not rows:
+        return None
+    s = report["settings"]
+    metrics = (("prefill_tps", f"prefill ({s['prompt_tokens']} tokens)"),
+               ("decode_tps", "decode (short context)"),
+               ("decode_tps_at_512", f"decode @{s['context_tokens']} context"))
+    colors = {"cpullm": "#3b75af", "llama.cpp": "#e1812c", "transformers": "#6aa84f"}
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.6))
+    base = next((r for r in rows if r["runtime"] == "cpullm"), None)
+    for ax, (key, title) in zip(axes, metrics):
+        names = [r["runtime"] for r in rows]
+        vals = [r.get(key) or 0.0 for r in rows]
+        bars = ax.bar(names, vals, color=[colors.get(n, "#888") for n in names])
+        for b, r, v in zip(bars, rows, vals):
+            txt = f"{v:.1f}"
+            if base is not None and r is not base and v:
+                txt += f"\ncpullm = {(base.get(key) or 0) / v:.2f}x"
+            ax.text(b.get_x() + b.get_width() / 2, b.get_height(), txt, ha="center", va="bottom", fontsize=8)
+        ax.set_title(title)
+        ax.set_ylabel("tokens/s")
+        ax.set_ylim(0, max(vals + [1]) * 1.3)
+    busy = " (machine busy: noisy)" if _busy(report) else ""
+    fig.suptitle(f"{report['model_name']}: {s['threads']} thread(s), medians of {s['repeat']}{busy}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# =================================================================================================
+# Main
+# =================================================================================================
+def _available(runtime: str) -> str | None:
+    """None if the runtime's package imports, else why it is skipped."""
+    import importlib.util
+    need = {"llama.cpp": ["llama_cpp"], "transformers": ["torch", "transformers"]}.get(runtime, [])
+    missing = [m for m in need if importlib.util.find_spec(m) is None]
+    if missing:
+        return f"skipped: {', '.join(missing)} not installed (pip install 'cpullm[bench]')"
+    return None
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="cpullm vs llama.cpp (Q8_0) vs transformers (f32) on one "
+                                            "checkpoint; writes compare.md / compare.png / compare.json")
+    p.add_argument("model", nargs="?", help="model directory or cpullm store name")
+    p.add_argument("--threads", type=int, default=None, help="threads for every runtime (default: physical cores)")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--gen-tokens", type=int, default=128)
+    p.add_argument("--context-tokens", type=int, default=CONTEXT_TOKENS,
+                   help="prefill length before the decode-at-context measurement (default 512)")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--quant", default="int8", help="cpullm weight format (default int8)")
+    p.add_argument("--skip", default="", help="comma-separated runtimes to skip: cpullm,llama.cpp,transformers")
+    p.add_argument("--gguf", default=None, help="use this GGUF for llama.cpp instead of converting the checkpoint")
+    p.add_argument("--work-dir", default=None, help="where the Q8_0 GGUF is kept (default ~/.cache/cpullm/bench)")
+    p.add_argument("--out", default=None, help="output directory (default bench-results/<model>)")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per runtime")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        spec = json.loads(Path(args.spec).read_text())
+        res = worker(args.worker, spec)
+        print(RESULT_TAG + json.dumps(res, default=float), flush=True)
+        return 0
+    if not args.model:
+        print("compare.py: give a model directory or store name", file=sys.stderr)
+        return 2
+
+    def say(msg):
+        print(f"compare: {msg}", file=sys.stderr, flush=True)
+
+    from cpullm.bench import prompt_ids
+    from cpullm.kernels.numba_setup import physical_cores
+    from cpullm.model import resolve_model_dir
+    from cpullm.tokenize import Tokenizer
+
+    model_dir = resolve_model_dir(args.model).resolve()
+    config = json.loads((model_dir / "config.json").read_text())
+    vocab = int(_text_config(config).get("vocab_size") or 0) or None
+    threads = int(args.threads or physical_cores())
+    tok = Tokenizer(model_dir)
+    ids = prompt_ids(tok, args.prompt_tokens, vocab)
+    ctx_ids = ids if args.context_tokens == len(ids) else prompt_ids(tok, args.context_tokens, vocab)
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    unknown = skip - set(RUNTIMES)
+    if unknown:
+        print(f"compare.py: unknown runtime(s) in --skip: {sorted(unknown)}", file=sys.stderr)
+        return 2
+    out = Path(args.out or Path("bench-results") / model_dir.name)
+    out.mkdir(parents=True, exist_ok=True)
+    work_dir = Path(os.path.expanduser(args.work_dir or "~/.cache/cpullm/bench"))
+    spec = {"model_dir": str(model_dir), "ids": ids, "context_ids": ctx_ids, "gen_tokens": args.gen_tokens,
+            "context_tokens": args.context_tokens, "repeat": args.repeat, "threads": threads,
+            "quant": args.quant, "gguf": args.gguf}
+    report = {"model_name": model_dir.name, "model_dir": str(model_dir),
+              "command": "python benchmarks/compare.py " + " ".join(
+                  shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine_info(),
+              "loadavg_before": os.getloadavg()[0],
+              "settings": {k: spec[k] for k in ("gen_tokens", "context_tokens", "repeat", "threads", "quant")}
+              | {"prompt_tokens": len(ids)}, "results": [], "ratios": {}}
+    with tempfile.TemporaryDirectory(prefix="cpullm-compare-") as td:
+        td = Path(td)
+        for name in RUNTIMES:
+            if name in skip:
+                report["results"].append({"runtime": name, "skipped": "skipped (--skip)"})
+                continue
+            why = _available(name)
+            if why:
+                say(f"{name}: {why}")
+                report["results"].append({"runtime": name, "skipped": why})
+                continue
+            if name == "llama.cpp" and not spec["gguf"]:
+                try:
+                    spec["gguf"] = str(ensure_q8_gguf(model_dir, work_dir, threads, say))
+                except SystemExit as exc:
+                    report["results"].append({"runtime": name, "error": str(exc)})
+                    continue
+            say(f"running {name} ({threads} thread(s))")
+            res = run_worker(name, spec, td, args.timeout)
+            if "error" in res:
+                say(f"{name} failed: {res['error']}")
+            else:
+                say(f"{name}: prefill {res['prefill_tps']:.1f} tok/s, decode {res['decode_tps']:.1f} tok/s, "
+                    f"decode@{res['decode_context_tokens']} {res['decode_tps_at_512']:.1f} tok/s")
+            report["results"].append(res)
+    report["loadavg_after"] = os.getloadavg()[0]
+    by = {r["runtime"]: r for r in report["results"] if "prefill_tps" in r}
+    ref = by.get("transformers", {}).get("_logits")
+    ours = by.get("cpullm", {}).get("_logits")
+    for r in report["results"]:
+        lg = r.pop("_logits", None)
+        if lg is not None and ref is not None and r["runtime"] != "transformers":
+            r["fidelity"] = _fidelity(lg, ref)
+        if lg is not None and ours is not None and r["runtime"] != "cpullm":
+            r["agreement_with_cpullm"] = _fidelity(lg, ours)
+    base = by.get("cpullm")
+    for other in ("llama.cpp", "transformers"):
+        if base and other in by:
+            o = by[other]
+            report["ratios"][other] = {"prefill": _ratio(base["prefill_tps"], o["prefill_tps"]),
+                                       "decode": _ratio(base["decode_tps"], o["decode_tps"]),
+                                       "decode_at_512": _ratio(base["decode_tps_at_512"], o["decode_tps_at_512"])}
+    md = markdown(report)
+    png = chart(report, out / "compare.png")
+    (out / "compare.md").write_text(md)
+    report["outputs"] = {"markdown": str(out / "compare.md"), "json": str(out / "compare.json"),
+                         "chart": str(png) if png else None}
+    (out / "compare.json").write_text(json.dumps(report, indent=2, default=float))
+    print(md)
+    say(f"wrote {out / 'compare.md'}, {out / 'compare.json'}" + (f", {png}" if png else
+                                                                  " (no chart: matplotlib not installed)"))
+    return 0 if any("prefill_tps" in r for r in report["results"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

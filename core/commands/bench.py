@@ -1,0 +1,54 @@
+"""``cpullm bench``: prefill / decode tokens/s, time to first token, load and compile times,
+memory, and (with ``--profile``) a per-op breakdown. Definitions: ``cpullm.bench``."""
+from __future__ import annotations
+
+import json
+import sys
+
+from .common import add_model_options, load_model, positive_int
+
+
+def add_parser(sub):
+    p = sub.add_parser("bench", help="measure prefill/decode speed, load time and memory",
+                       description="Measure a model: medians over --repeat runs of prefill and decode "
+                                   "tokens/s (short context and after a 512-token prefill), time to "
+                                   "first token, load time with the execution cache MISS and HIT, "
+                                   "numba compile time, memory. Definitions: cpullm.bench.")
+    add_model_options(p)
+    p.add_argument("--prompt-tokens", type=positive_int, default=512, help="prompt length (default 512)")
+    p.add_argument("--gen-tokens", type=positive_int, default=128, help="decode steps (default 128)")
+    p.add_argument("--repeat", type=positive_int, default=3, help="runs; medians are reported (default 3)")
+    p.add_argument("--profile", action="store_true",
+                   help="add a per-op breakdown of decode and prefill time (one extra profiled run)")
+    p.add_argument("--plot", metavar="FILE", default=None,
+                   help="write the per-op profile as a PNG bar chart (implies --profile; needs matplotlib)")
+    p.add_argument("--no-load-timing", action="store_true",
+                   help="skip the cache MISS/HIT load-time child processes")
+    p.add_argument("--no-compile-timing", action="store_true",
+                   help="skip the cold-numba-cache compile-time child process")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def run(args) -> int:
+    from cpullm.bench import format_report, plot_profile, run_bench
+
+    def say(msg):
+        if not args.json:
+            print(f"cpullm bench: {msg}", file=sys.stderr, flush=True)
+
+    profile = bool(args.profile or args.plot)
+    model = load_model(args)
+    say(f"loaded {model.model_dir} in {model.load_s:.2f} s (cache {model.cache_status})")
+    result = run_bench(model, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
+                       repeat=args.repeat, profile=profile, load=not args.no_load_timing,
+                       compile=not args.no_compile_timing, progress=say)
+    if args.plot:
+        result["plot"] = str(plot_profile(result, args.plot))
+    if args.json:
+        print(json.dumps(result, default=float))
+    else:
+        print(format_report(result))
+        if args.plot:
+            print(f"\n  profile chart written to {result['plot']}")
+    return 0

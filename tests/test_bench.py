@@ -1,0 +1,171 @@
+"""`cpullm bench` on a tiny random Llama checkpoint: JSON keys and types, profile shares, the PNG.
+No timing is asserted anywhere."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from cpullm import bench
+from cpullm.cli import main
+from cpullm.testing import make_random_checkpoint
+from tiny_configs import SMOLLM2_LIKE
+
+SMALL = ["--prompt-tokens", "24", "--gen-tokens", "4", "--repeat", "2"]
+GROUPS = {"embedding", "norm", "qkv", "rope", "attention", "o_proj", "mlp_up", "mlp_act", "mlp_down",
+          "residual", "lm_head", "sampling"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_random_checkpoint(dict(SMOLLM2_LIKE, model_type="llama"), tmp_path_factory.mktemp("tiny_llama"))
+
+
+def _bench_json(capsys, *argv) -> dict:
+    assert main(["bench", *map(str, argv), "--json"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    return json.loads(out[-1])
+
+
+def test_json_keys_and_types_with_load_timing(tiny, capsys):
+    r = _bench_json(capsys, tiny, *SMALL, "--threads", "1", "--no-compile-timing")
+    for key in ("prefill_tps", "decode_tps", "decode_tps_at_512", "ttft_s", "load_s",
+                "load_s_hit", "load_s_miss"):
+        assert isinstance(r[key], float) and r[key] > 0, key
+    for key in ("weights_bytes", "kv_bytes", "kv_bytes_max", "arena_bytes", "peak_rss_bytes", "params"):
+        assert isinstance(r[key], int) and r[key] > 0, key
+    assert r["cache"] in ("HIT", "MISS")
+    assert r["cache_miss_status"] == "MISS" and r["cache_hit_status"] == "HIT"
+    assert r["warmup_compile_s"] is None                      # skipped by --no-compile-timing
+    assert r["threads"] == 1 and r["quant"] == "int8"
+    assert r["family"] == "llama" and r["model"] == str(tiny)
+    assert r["prompt_tokens"] == 24 and r["gen_tokens"] == 4 and r["repeat"] == 2
+    assert r["decode_context_tokens"] == 512
+    assert len(r["runs"]) == 2
+    assert "profile" not in r
+    # KV in use after the 512-context run: 512 + 4 positions of every layer's K and V
+    a = SMOLLM2_LIKE
+    assert r["kv_bytes"] == a["num_hidden_layers"] * 2 * a["num_key_value_heads"] * a["head_dim"] * 516 * 4
+
+
+def test_profile_shares_sum_to_one_and_plot(tiny, tmp_path, capsys):
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib (the [plot] extra)")
+    png = tmp_path / "profile.png"
+    r = _bench_json(capsys, tiny, *SMALL, "--profile", "--plot", png, "--no-load-timing",
+                    "--no-compile-timing")
+    assert r["load_s_hit"] is None and r["load_s_miss"] is None
+    prof = r["profile"]
+    for phase in ("decode", "prefill"):
+        groups = prof[phase]["groups"]
+        assert set(groups) <= GROUPS, set(groups) - GROUPS
+        assert {"qkv", "attention", "o_proj", "mlp_up", "mlp_down", "lm_head", "sampling"} <= set(groups)
+        assert sum(g["share"] for g in groups.values()) == pytest.approx(1.0, abs=1e-9)
+        assert all(g["seconds"] >= 0 and 0 <= g["share"] <= 1 for g in groups.values())
+    assert prof["decode"]["tokens"] == 4 and prof["prefill"]["tokens"] == 512
+    assert all("ms_per_token" in g for g in prof["decode"]["groups"].values())
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and r["plot"] == str(png)
+
+
+def test_text_report_with_profile_table(tiny, capsys):
+    assert main(["bench", str(tiny), *SMALL, "--profile", "--no-load-timing", "--no-compile-timing"]) == 0
+    out = capsys.readouterr().out
+    for text in ("prefill", "decode (short context)", "decode @512", "time to first token", "tokens/s",
+                 "per-op profile", "QKV projection", "MLP up/gate", "lm_head", "sampling", "peak RSS"):
+        assert text in out, text
+
+
+def test_prompt_that_does_not_fit_is_a_one_line_error(tiny, capsys):
+    code = main(["bench", str(tiny), "--ctx", "32", "--prompt-tokens", "30", "--gen-tokens", "8",
+                 "--no-load-timing", "--no-compile-timing", "--json"])
+    assert code == 2
+    assert "exceed the context of 32" in capsys.readouterr().err
+
+
+def test_short_context_clips_the_decode_context(tiny, capsys):
+    r = _bench_json(capsys, tiny, "--ctx", "64", "--prompt-tokens", "16", "--gen-tokens", "4", "--repeat", "1",
+                    "--no-load-timing", "--no-compile-timing")
+    assert r["decode_context_tokens"] == 60 and r["n_ctx"] == 64
+
+
+def test_prompt_ids_are_deterministic_and_exact():
+    class Tok:
+        def encode(self, text, add_special_tokens=True):
+            assert not add_special_tokens
+            return [ord(c) for c in text[:50]]
+
+    a, b = bench.prompt_ids(Tok(), 123), bench.prompt_ids(Tok(), 123)
+    assert a == b and len(a) == 123 and a[:50] == a[50:100]
+    assert bench.prompt_ids(Tok(), 7, vocab=100) == [t for t in a if t < 100][:7]
+
+
+class FakeRunner:
+    """Counts calls; logits make the greedy pick deterministic."""
+
+    def __init__(self, n_ctx=1024, vocab=16):
+        self.n_ctx, self.vocab = n_ctx, vocab
+        self.pos, self.prefills, self.decodes, self.max_pos = 0, [], 0, 0
+
+    def reset(self):
+        self.pos = 0
+
+    def _logits(self):
+        x = np.zeros(self.vocab, np.float32)
+        x[self.pos % self.vocab] = 1
+        return x
+
+    def prefill(self, ids):
+        self.prefills.append(len(ids))
+        self.pos += len(ids)
+        return self._logits()
+
+    def decode(self, tok):
+        self.decodes += 1
+        self.pos += 1
+        self.max_pos = max(self.max_pos, self.pos)
+        return self._logits()
+
+
+def test_measure_speed_protocol():
+    r = FakeRunner()
+    ids = list(range(100))
+    out = bench.measure_speed(r, ids, gen_tokens=5, repeat=3)
+    # warm-up prefill, then per repeat: 1-token prompt, the prompt, the 512-token context
+    assert r.prefills == [100] + [1, 100, 512] * 3
+    assert r.decodes == min(4, 5) + 3 * (5 + 5)
+    assert r.max_pos == 512 + 5
+    for key in ("prefill_tps", "decode_tps", "decode_tps_at_512", "ttft_s"):
+        assert out[key] > 0
+    assert out["decode_context_tokens"] == 512 and len(out["runs"]) == 3
+
+
+def test_measure_speed_reuses_a_512_token_prompt():
+    r = FakeRunner()
+    bench.measure_speed(r, list(range(512)), gen_tokens=2, repeat=1, warmup=False)
+    assert r.prefills == [1, 512]
+
+
+def test_compile_time_is_cold_minus_warm_ready_time(monkeypatch, tmp_path):
+    calls = []
+
+    def fake_child(spec, env_extra=None, timeout=0):
+        calls.append(env_extra or {})
+        cold = bool(env_extra and "NUMBA_CACHE_DIR" in env_extra)
+        n = len(calls)
+        return {"ready_s": 9.0 if cold else (3.0 if n == 1 else 2.0), "load_s": 1.0,
+                "cache": "MISS" if n == 1 else "HIT", "first_forward_s": 5.0 if cold else 0.2,
+                "second_forward_s": 0.1, "peak_rss_bytes": 1}
+
+    monkeypatch.setattr(bench, "_child_load", fake_child)
+    r = bench.load_timings(tmp_path, "int8", 1, 64, [1, 2, 3])
+    assert r["load_s_miss"] == 3.0 and r["load_s_hit"] == 2.0
+    assert r["warmup_compile_s"] == pytest.approx(7.0)
+    assert r["first_forward_compile_s"] == pytest.approx(4.9)
+    numba_dir = calls[2]["NUMBA_CACHE_DIR"]
+    assert not os.path.exists(numba_dir)                      # the temporary dirs are removed
+
+
+@pytest.mark.skipif(os.environ.get("CPULLM_BENCH_COLD") != "1",
+                    reason="a cold numba compile takes minutes; set CPULLM_BENCH_COLD=1 to run it")
+def test_cold_numba_compile_time_real(tiny):
+    r = bench.load_timings(tiny, "int8", 1, 256, [1, 2, 3, 4])
+    assert r["warmup_compile_s"] > 0 and r["load_s_cold_numba"] > r["load_s_hit"]

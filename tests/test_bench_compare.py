@@ -1,0 +1,145 @@
+"""benchmarks/compare.py: the checkpoint -> GGUF writer, llama.cpp on the same weights, the report.
+The llama.cpp and transformers parts are skipped, with a reason, when their packages are missing."""
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cpullm.testing import make_random_checkpoint
+from tiny_configs import LLAMA32_LIKE, LLAMA_UNTIED_BIAS
+
+ROOT = Path(__file__).resolve().parents[1]
+IDS = [int(x) for x in np.random.default_rng(3).integers(0, 255, 40)]
+LLAMA_CPP_REASON = "llama-cpp-python is an optional extra (pip install 'cpullm[bench]')"
+
+
+def _load_compare():
+    spec = importlib.util.spec_from_file_location("cpullm_bench_compare", ROOT / "benchmarks" / "compare.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+compare = _load_compare()
+
+CASES = {"llama32": LLAMA32_LIKE, "untied_bias": LLAMA_UNTIED_BIAS}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def checkpoint(request, tmp_path_factory):
+    cfg = dict(CASES[request.param], model_type="llama")
+    return make_random_checkpoint(cfg, tmp_path_factory.mktemp(f"cmp_{request.param}"), seed=5)
+
+
+@pytest.fixture(scope="module")
+def f32_gguf(checkpoint, tmp_path_factory):
+    return compare.write_f32_gguf(checkpoint, tmp_path_factory.mktemp("gguf") / "model.f32.gguf")
+
+
+def test_gguf_writer_layout(checkpoint, f32_gguf):
+    import gguf
+
+    from cpullm.tensors import TensorStore
+
+    cfg = json.loads((checkpoint / "config.json").read_text())
+    r = gguf.GGUFReader(str(f32_gguf))
+    tensors = {t.name: t for t in r.tensors}
+    n = cfg["num_hidden_layers"]
+    expect = {"token_embd.weight", "output_norm.weight"} | {
+        f"blk.{i}.{leaf}.weight" for i in range(n)
+        for leaf in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate",
+                     "ffn_up", "ffn_down")}
+    assert expect <= set(tensors)
+    assert ("output.weight" in tensors) == (not cfg["tie_word_embeddings"])
+    assert ("rope_freqs.weight" in tensors) == (cfg["rope_parameters"]["rope_type"] == "llama3")
+    assert all(t.tensor_type == gguf.GGMLQuantizationType.F32 for t in r.tensors)
+    store = TensorStore(checkpoint)
+    q = store.get("model.layers.0.self_attn.q_proj.weight")
+    k = store.get("model.layers.0.self_attn.k_proj.weight")
+    got_q = np.asarray(tensors["blk.0.attn_q.weight"].data).reshape(q.shape)
+    got_k = np.asarray(tensors["blk.0.attn_k.weight"].data).reshape(k.shape)
+    np.testing.assert_array_equal(got_q, compare._permute(q, cfg["num_attention_heads"]))
+    np.testing.assert_array_equal(got_k, compare._permute(k, cfg["num_attention_heads"],
+                                                          cfg["num_key_value_heads"]))
+    field = r.fields["tokenizer.ggml.tokens"]
+    assert len(field.data) == cfg["vocab_size"]
+    assert r.fields["general.architecture"].contents() == "llama"
+
+
+def test_permute_matches_llama_cpp_interleaving():
+    # rows of one head [r0..r7] (two halves rotated together in HF) -> interleaved pairs
+    w = np.arange(8, dtype=np.float32)[:, None]
+    assert compare._permute(w, 1)[:, 0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+
+
+def test_compare_reports_a_missing_runtime_as_skipped(checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setattr(compare, "_available",
+                        lambda name: "skipped: llama_cpp not installed" if name == "llama.cpp" else None)
+    code = compare.main([str(checkpoint), "--prompt-tokens", "16", "--gen-tokens", "3",
+                         "--context-tokens", "32", "--repeat", "1", "--threads", "1",
+                         "--skip", "transformers", "--out", str(tmp_path)])
+    assert code == 0
+    report = json.loads((tmp_path / "compare.json").read_text())
+    rows = {r["runtime"]: r for r in report["results"]}
+    assert rows["llama.cpp"]["skipped"].startswith("skipped: llama_cpp")
+    assert rows["cpullm"]["prefill_tps"] > 0 and rows["cpullm"]["decode_tps_at_512"] > 0
+    assert rows["cpullm"]["decode_context_tokens"] == 32
+    md = (tmp_path / "compare.md").read_text()
+    assert "| cpullm |" in md and "| llama.cpp | skipped" in md
+
+
+def test_compare_with_transformers(checkpoint, tmp_path):
+    pytest.importorskip("torch", reason="torch is an optional extra (pip install 'cpullm[bench]')")
+    pytest.importorskip("transformers", reason="transformers is an optional extra (pip install 'cpullm[bench]')")
+    code = compare.main([str(checkpoint), "--prompt-tokens", "16", "--gen-tokens", "3",
+                         "--context-tokens", "32", "--repeat", "1", "--threads", "1",
+                         "--skip", "llama.cpp", "--out", str(tmp_path)])
+    assert code == 0
+    report = json.loads((tmp_path / "compare.json").read_text())
+    rows = {r["runtime"]: r for r in report["results"]}
+    assert rows["transformers"]["decode_tps"] > 0
+    assert rows["cpullm"]["fidelity"]["cosine"] > 0.98          # the same weights
+    assert report["ratios"]["transformers"]["decode"] > 0
+    assert "cpullm / transformers" in (tmp_path / "compare.md").read_text()
+
+
+# ---- llama.cpp -----------------------------------------------------------------------------------
+def test_llama_cpp_f32_gguf_matches_cpullm_f32(checkpoint, f32_gguf):
+    """The GGUF writer is faithful: llama.cpp on the F32 GGUF gives cpullm's f32 logits."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason=LLAMA_CPP_REASON)
+    import cpullm
+
+    f32 = llama_cpp.GGML_TYPE_F32                               # llama.cpp's KV cache is f16 by default
+    llm = llama_cpp.Llama(model_path=str(f32_gguf), n_ctx=64, n_threads=1, n_threads_batch=1,
+                          logits_all=True, type_k=f32, type_v=f32, verbose=False)
+    llm.eval(IDS)
+    got = np.asarray(llm.scores[: len(IDS)], np.float32)
+    ref = cpullm.load(checkpoint, quant="f32", use_cache=False).logits(IDS)
+    err = np.abs(got - ref).max() / np.abs(ref).max()
+    assert err < 1e-4, f"llama.cpp F32 logits differ from cpullm f32 by {err:.2e} (relative)"
+
+
+def test_compare_with_llama_cpp_q8_0(checkpoint, tmp_path):
+    pytest.importorskip("llama_cpp", reason=LLAMA_CPP_REASON)
+    code = compare.main([str(checkpoint), "--prompt-tokens", "16", "--gen-tokens", "3",
+                         "--context-tokens", "32", "--repeat", "1", "--threads", "1",
+                         "--skip", "transformers", "--out", str(tmp_path / "out"),
+                         "--work-dir", str(tmp_path / "work")])
+    assert code == 0
+    q8 = list((tmp_path / "work").glob("*.Q8_0.gguf"))
+    assert len(q8) == 1 and not list((tmp_path / "work").glob("*.partial"))
+    import gguf
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(q8[0])).tensors}
+    assert types["blk.0.ffn_down.weight"] == gguf.GGMLQuantizationType.Q8_0
+    report = json.loads((tmp_path / "out" / "compare.json").read_text())
+    rows = {r["runtime"]: r for r in report["results"]}
+    assert rows["llama.cpp"]["decode_tps"] > 0 and rows["llama.cpp"]["weights"].startswith("Q8_0")
+    # Q8_0 in llama.cpp and INT8 in cpullm of the same weights: (nearly) the same last logits
+    assert rows["llama.cpp"]["agreement_with_cpullm"]["cosine"] > 0.98
+    assert report["ratios"]["llama.cpp"]["prefill"] > 0
+    md = (tmp_path / "out" / "compare.md").read_text()
+    assert "cpullm / llama.cpp" in md
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "out" / "compare.png").read_bytes()[:4] == b"\x89PNG"
