@@ -30,35 +30,39 @@ def kv_write(arena, state, k_off, k_st, v_off, v_st, n_kv, head_dim, c_off, cap,
 
 
 @njit(cache=True, fastmath=True)
-def _attend_one(arena, state, q, o, kv_h, head_dim, c_off, cap, v_base, lo, hi, scale, softcap, acc):
+def _attend_one(q, kc, vc, cap, lo, hi, scale, softcap, scores, out):
+    """One query head over cached positions [lo, hi]: q (hd,), kc/vc (cap, hd) of its KV head,
+    scores (>= hi-lo+1,) scratch, out (hd,). Two passes (scores, then weighted values) so both
+    inner loops are contiguous over head_dim and vectorise."""
+    hd = q.size
+    n = hi - lo + 1
     m = np.float32(-3.0e38)
-    s = np.float32(0.0)
-    for d in range(head_dim):
-        acc[d] = np.float32(0.0)
-    for p in range(lo, hi + 1):
-        slot = p % cap
-        kb = c_off + kv_h * cap * head_dim + slot * head_dim
+    for i in range(n):
+        krow = kc[(lo + i) % cap]
         dot = np.float32(0.0)
-        for d in range(head_dim):
-            dot += arena[q + d] * state[kb + d]
+        for d in range(hd):
+            dot += q[d] * krow[d]
         sc = dot * np.float32(scale)
         if softcap > 0.0:
             sc = np.float32(softcap) * np.tanh(sc / np.float32(softcap))
-        vb = v_base + kv_h * cap * head_dim + slot * head_dim
+        scores[i] = sc
         if sc > m:
-            corr = np.exp(m - sc)
-            s = s * corr + np.float32(1.0)
-            for d in range(head_dim):
-                acc[d] = acc[d] * corr + state[vb + d]
             m = sc
-        else:
-            e = np.exp(sc - m)
-            s += e
-            for d in range(head_dim):
-                acc[d] += e * state[vb + d]
-    inv = np.float32(1.0) / s
-    for d in range(head_dim):
-        arena[o + d] = acc[d] * inv
+    total = np.float32(0.0)
+    for i in range(n):
+        e = np.exp(scores[i] - m)
+        scores[i] = e
+        total += e
+    for d in range(hd):
+        out[d] = np.float32(0.0)
+    for i in range(n):
+        vrow = vc[(lo + i) % cap]
+        w = scores[i]
+        for d in range(hd):
+            out[d] += w * vrow[d]
+    inv = np.float32(1.0) / total
+    for d in range(hd):
+        out[d] *= inv
 
 
 @njit(cache=True, parallel=True)
@@ -67,7 +71,10 @@ def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
     """Write the new K/V rows, then attend every (query row, head) pair in parallel."""
     kv_write(arena, state, k_off, k_st, v_off, v_st, n_kv, head_dim, c_off, cap, pos0, T)
     group = n_heads // n_kv
-    v_base = c_off + n_kv * cap * head_dim
+    size = n_kv * cap * head_dim
+    kc = state[c_off: c_off + size].reshape(n_kv, cap, head_dim)
+    vc = state[c_off + size: c_off + 2 * size].reshape(n_kv, cap, head_dim)
+    span = pos0 + T if window <= 0 else min(pos0 + T, window)
     for job in prange(T * n_heads):
         t = job // n_heads
         h = job % n_heads
@@ -75,9 +82,10 @@ def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
         lo = 0
         if window > 0:
             lo = max(0, p - window + 1)
-        acc = np.empty(head_dim, dtype=np.float32)
-        _attend_one(arena, state, q_off + t * q_st + h * head_dim, o_off + t * o_st + h * head_dim,
-                    h // group, head_dim, c_off, cap, v_base, lo, p, scale, softcap, acc)
+        scores = np.empty(span, dtype=np.float32)
+        q = arena[q_off + t * q_st + h * head_dim: q_off + t * q_st + (h + 1) * head_dim]
+        out = arena[o_off + t * o_st + h * head_dim: o_off + t * o_st + (h + 1) * head_dim]
+        _attend_one(q, kc[h // group], vc[h // group], cap, lo, p, scale, softcap, scores, out)
 
 
 def attention_ref(q, k, v, n_heads, n_kv, head_dim, scale, softcap=0.0, window=0, pos0=0,
