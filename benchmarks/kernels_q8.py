@@ -1,0 +1,284 @@
+"""Microbenchmark of the INT8 linear kernels (cpullm.kernels.q8) on real model shapes.
+
+    python benchmarks/kernels_q8.py [--threads 2,1] [--models qwen05,smol135] [--quick]
+                                     [--wait-idle SECONDS] [--skip matmul]
+
+Prints, per thread count:
+  * the DRAM read ceiling (numba prange sum over 1 GiB of float32, as in KERNELS.md);
+  * matvec_q8 and matvec_f32: GB/s of weight bytes (int8 + float32 scales / float32), per shape,
+    cycling through 512 MB of copies of each matrix (one flat buffer) so every call streams from DRAM;
+  * a whole decode sweep (every matrix of every layer + lm_head once, as one token reads them):
+    ms per token and the tokens/s bound this sets;
+  * matmul_q8 at T=512: GFLOP/s next to numpy sgemm on the dequantized float32 weights;
+  * per-call overhead of matvec_q8 called from a serial @njit wrapper (the interpreter pattern)
+    on a small 576 x 576 matrix, next to the same work with 1 thread.
+
+The machine may be shared: ``--wait-idle S`` waits up to S seconds for an idle CPU before each
+section. Timings are the median of repeats (best in brackets).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import cpullm.kernels  # noqa: F401  (numba_setup first)
+import numba
+import numpy as np
+from numba import njit, prange
+
+from cpullm.kernels import q8
+from cpullm.kernels.numba_setup import configure
+
+
+MODELS = {
+    # name: (layers, [(label, N, K), ...] per layer, lm_head (N, K))
+    "qwen05": (24, [("qkv", 896 + 2 * 128, 896), ("o", 896, 896), ("gate_up", 2 * 4864, 896),
+                    ("down", 896, 4864)], ("lm_head", 151936, 896)),
+    "smol135": (30, [("qkv", 576 + 2 * 192, 576), ("o", 576, 576), ("gate_up", 2 * 1536, 576),
+                     ("down", 576, 1536)], ("lm_head", 49152, 576)),
+}
+
+
+def cpu_busy(dt=0.5):
+    def snap():
+        v = list(map(int, open("/proc/stat").readline().split()[1:]))
+        return sum(v), v[3] + v[4]
+    t0, i0 = snap()
+    time.sleep(dt)
+    t1, i1 = snap()
+    return 1 - (i1 - i0) / max(1, t1 - t0)
+
+
+def wait_idle(limit):
+    if not limit:
+        return
+    end = time.time() + limit
+    while time.time() < end:
+        if cpu_busy() < 0.05 and cpu_busy() < 0.05:
+            return
+        time.sleep(1)
+    print(f"  (machine still busy: {100 * cpu_busy():.0f}% CPU used by others)")
+
+
+def timeit(fn, reps, inner=1):
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        ts.append((time.perf_counter() - t) / inner)
+    ts = np.array(ts)
+    return float(np.median(ts)), float(ts.min())
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def _psum(a, nch):
+    n = a.size // nch
+    part = np.zeros(nch, np.float32)
+    for c in prange(nch):
+        s = a[c * n:(c + 1) * n]
+        t = np.float32(0.0)
+        for i in range(s.size):
+            t += s[i]
+        part[c] = t
+    return part.sum()
+
+
+@njit(cache=True)
+def _wrapper_loop(w_q, w_s, x, x_q, x_s, out, reps):
+    # the interpreter pattern: a serial njit function calling quantize + the parallel matvec
+    for _ in range(reps):
+        q8.quantize_act_q8(x, x_q, x_s)
+        q8.matvec_q8(w_q, w_s, x_q, x_s, out)
+
+
+@njit(cache=True)
+def _wrapper_loop_f32(w, x, out, reps):
+    for _ in range(reps):
+        q8.matvec_f32(w, x, out)
+
+
+STREAM_BYTES = 512 << 20
+"""Weights cycled through per shape: far beyond L3 (32 MiB; reads stay faster than DRAM up to
+~200 MB here), so every call streams from DRAM, as in decode."""
+
+
+def _flat(nbytes, dtype, rng):
+    """A flat buffer (one allocation, like the interpreter's packed weights) of random values."""
+    n = nbytes // np.dtype(dtype).itemsize
+    chunk = (rng.integers(-127, 128, min(n, 1 << 24)) if dtype == np.int8
+             else rng.standard_normal(min(n, 1 << 24))).astype(dtype)
+    return np.resize(chunk, n)
+
+
+def _mats(N, K, kind, rng, total=STREAM_BYTES):
+    """Views (w_q, w_s) or w of consecutive matrices in one flat buffer of ~total bytes."""
+    Kp = q8.padded_k(K)
+    if kind == "q8":
+        nc = max(1, total // (N * Kp))
+        fq = _flat(nc * N * Kp, np.int8, rng)
+        fs = (np.abs(_flat(nc * N * Kp // 32 * 4, np.float32, rng)) + 0.5) * np.float32(1e-3)
+        return [(fq[i * N * Kp:(i + 1) * N * Kp].reshape(N, Kp),
+                 fs[i * N * Kp // 32:(i + 1) * N * Kp // 32].reshape(N, Kp // 32)) for i in range(nc)]
+    nc = max(1, total // (N * K * 4))
+    f = _flat(nc * N * K * 4, np.float32, rng)
+    return [f[i * N * K:(i + 1) * N * K].reshape(N, K) for i in range(nc)]
+
+
+def make_q8(N, K, rng):
+    return _mats(N, K, "q8", rng, total=1)[0]
+
+
+def bench_matvec(shapes, rng, reps, kind):
+    """kind 'q8' or 'f32'; returns {label: (median GB/s, best GB/s, ms per call)}."""
+    res = {}
+    for label, N, K in shapes:
+        Kp = q8.padded_k(K)
+        mats = _mats(N, K, kind, rng)
+        per = (N * Kp + N * Kp // 8) if kind == "q8" else N * K * 4
+        nc = len(mats)
+        x_q = rng.integers(-127, 128, Kp, dtype=np.int8)
+        x_s = rng.random(Kp // 32, dtype=np.float32)
+        x = rng.standard_normal(K, dtype=np.float32)
+        out = np.empty(N, np.float32)
+
+        def run():
+            for m in mats:
+                if kind == "q8":
+                    q8.matvec_q8(m[0], m[1], x_q, x_s, out)
+                else:
+                    q8.matvec_f32(m, x, out)
+        run()
+        med, best = timeit(run, reps)
+        res[label] = (per * nc / med / 1e9, per * nc / best / 1e9, med / nc * 1e3)
+    return res
+
+
+def bench_sweep(model, rng, reps):
+    """One decode token's worth of matvec_q8 calls (all layers + lm_head), weights packed in one
+    flat buffer in call order as the interpreter keeps them."""
+    layers, shapes, head = MODELS[model]
+    order = [(N, K) for _ in range(layers) for _, N, K in shapes] + [(head[1], head[2])]
+    sizes = [N * q8.padded_k(K) for N, K in order]
+    fq = _flat(sum(sizes), np.int8, rng)
+    fs = (np.abs(_flat(sum(sizes) // 32 * 4, np.float32, rng)) + 0.5) * np.float32(1e-3)
+    mats, off = [], 0
+    for (N, K), sz in zip(order, sizes):
+        Kp = q8.padded_k(K)
+        mats.append((fq[off:off + sz].reshape(N, Kp), fs[off // 32:(off + sz) // 32].reshape(N, Kp // 32)))
+        off += sz
+    xs = {}
+    for w_q, w_s in mats:
+        Kp = w_q.shape[1]
+        if Kp not in xs:
+            xs[Kp] = (rng.integers(-127, 128, Kp, dtype=np.int8), rng.random(Kp // 32, dtype=np.float32))
+    outs = {m[0].shape[0]: np.empty(m[0].shape[0], np.float32) for m in mats}
+    nbytes = fq.nbytes + fs.nbytes
+
+    def run():
+        for w_q, w_s in mats:
+            x_q, x_s = xs[w_q.shape[1]]
+            q8.matvec_q8(w_q, w_s, x_q, x_s, outs[w_q.shape[0]])
+    run()
+    med, best = timeit(run, reps)
+    return nbytes, med, best
+
+
+def bench_matmul(shapes, rng, T, reps):
+    res = {}
+    for label, N, K in shapes:
+        w_q, w_s = make_q8(N, K, rng)
+        x = rng.standard_normal((T, K), dtype=np.float32)
+        out = np.empty((T, N), np.float32)
+        w = np.ascontiguousarray(q8.dequantize_weight_q8(w_q, w_s)[:, :K])
+        flops = 2.0 * T * N * K
+        q8.matmul_q8(x, w_q, w_s, out)
+        np.matmul(x, w.T, out=out)
+        r = max(2, int(reps * min(1.0, 2e10 / flops / 10)))
+        mq, bq = timeit(lambda: q8.matmul_q8(x, w_q, w_s, out), r)
+        mf, bf = timeit(lambda: np.matmul(x, w.T, out=out), r)
+        res[label] = (flops / mq / 1e9, flops / bq / 1e9, flops / mf / 1e9, flops / bf / 1e9)
+    return res
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", default="2,1")
+    ap.add_argument("--models", default="qwen05,smol135")
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--quick", action="store_true", help="fewer repeats, no decode sweep")
+    ap.add_argument("--skip", default="", help="comma list of: ceiling,matvec,f32,sweep,matmul,overhead")
+    ap.add_argument("--wait-idle", type=float, default=0.0)
+    a = ap.parse_args(argv)
+    skip = set(filter(None, a.skip.split(",")))
+    reps = 3 if a.quick else a.reps
+    rng = np.random.default_rng(0)
+    print(f"numba {numba.__version__}, numpy {np.__version__}, threading layer: ", end="")
+    configure(1)
+    _psum(np.ones(1024, np.float32), 2)
+    print(numba.threading_layer(), f"| q8 path: {'AVX2 IR' if q8.HAVE_AVX2 else 'generic IR'}",
+          f"| GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}")
+    big = None if "ceiling" in skip else np.ones(256 << 20, np.float32)   # 1 GiB
+    for th in (int(t) for t in a.threads.split(",")):
+        configure(th)
+        print(f"\n=== {th} thread(s) ===")
+        if big is not None:
+            wait_idle(a.wait_idle)
+            _psum(big, 2 * th)
+            med, best = timeit(lambda: _psum(big, 2 * th), reps)
+            print(f"DRAM read ceiling (numba prange sum, 1 GiB): {big.nbytes / med / 1e9:.1f} GB/s "
+                  f"[best {big.nbytes / best / 1e9:.1f}]")
+        for model in a.models.split(","):
+            layers, shapes, head = MODELS[model]
+            allshapes = shapes + [head]
+            if "matvec" not in skip:
+                wait_idle(a.wait_idle)
+                r = bench_matvec(allshapes, rng, reps, "q8")
+                for label, (g, gb, ms) in r.items():
+                    N, K = next((n, k) for lb, n, k in allshapes if lb == label)
+                    print(f"  {model:8s} matvec_q8  {label:8s} [{N:6d} x {K:5d}] {g:5.1f} GB/s "
+                          f"[best {gb:5.1f}]  {ms * 1e3:8.1f} us/call")
+            if "f32" not in skip:
+                wait_idle(a.wait_idle)
+                r = bench_matvec(allshapes, rng, max(3, reps // 2), "f32")
+                for label, (g, gb, ms) in r.items():
+                    print(f"  {model:8s} matvec_f32 {label:8s} {g:5.1f} GB/s [best {gb:5.1f}]  {ms * 1e3:8.1f} us/call")
+            if "sweep" not in skip and not a.quick:
+                wait_idle(a.wait_idle)
+                nbytes, med, best = bench_sweep(model, rng, max(3, reps // 2))
+                print(f"  {model:8s} decode sweep (all {layers} layers + lm_head, {nbytes / 1e6:.0f} MB): "
+                      f"{med * 1e3:.2f} ms/token = {nbytes / med / 1e9:.1f} GB/s -> <= {1 / med:.0f} tokens/s "
+                      f"from the matvecs [best {best * 1e3:.2f} ms]")
+            if "matmul" not in skip:
+                wait_idle(a.wait_idle)
+                r = bench_matmul(allshapes if not a.quick else shapes, rng, 512, max(3, reps // 3))
+                for label, (g, gb, s, sb) in r.items():
+                    print(f"  {model:8s} matmul T=512 {label:8s} matmul_q8 {g:6.1f} GFLOP/s [best {gb:6.1f}]   "
+                          f"numpy sgemm f32 {s:6.1f} [best {sb:6.1f}]   ratio {g / s:.2f}")
+        if "overhead" not in skip:
+            wait_idle(a.wait_idle)
+            for N in (32, 576):
+                K = N
+                w_q, w_s = make_q8(N, K, rng)
+                x = rng.standard_normal(K, dtype=np.float32)
+                x_q = np.empty(K, np.int8)
+                x_s = np.empty(K // 32, np.float32)
+                out = np.empty(N, np.float32)
+                n = 4000
+                _wrapper_loop(w_q, w_s, x, x_q, x_s, out, 1)
+                med, best = timeit(lambda: _wrapper_loop(w_q, w_s, x, x_q, x_s, out, n), reps)
+                q8.matvec_q8(w_q, w_s, x_q, x_s, out)
+                mp, bp = timeit(lambda: q8.matvec_q8(w_q, w_s, x_q, x_s, out), reps, n)
+                w = rng.standard_normal((N, K), dtype=np.float32)
+                _wrapper_loop_f32(w, x, out, 1)
+                mf, bf = timeit(lambda: _wrapper_loop_f32(w, x, out, n), reps)
+                print(f"  {N}x{N} (cache-resident) per call: quantize_act + matvec_q8 from a serial @njit "
+                      f"wrapper {med / n * 1e6:.2f} us [best {best / n * 1e6:.2f}]; matvec_q8 from Python "
+                      f"{mp * 1e6:.2f} us; matvec_f32 from @njit {mf / n * 1e6:.2f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""INT8 (q8 block-32) linear kernels vs their numpy references, plus a codegen guard.
+
+Sizes are deliberately odd: N not a multiple of anything, K not a multiple of 32, T = 1 and 37.
+"""
+import numba
+import numpy as np
+import pytest
+from numba import njit
+
+from cpullm.kernels import q8
+
+RNG = np.random.default_rng(20240601)
+
+NK = [(1, 1), (3, 31), (5, 32), (37, 33), (64, 100), (101, 896), (257, 1000)]
+MATVECS = [q8._matvec_q8_generic] + ([q8._matvec_q8_avx2] if q8.HAVE_AVX2 else [])
+
+
+def _w(N, K, scale=1.0):
+    w = (RNG.standard_normal((N, K)) * scale).astype(np.float32)
+    if N > 2 and K > 40:
+        w[1, :40] = 0.0                      # all-zero block: scale 0
+        w[2, 5] = 50.0                       # outlier
+    return w
+
+
+def _q_act(x):
+    Kp = q8.padded_k(x.size)
+    x_q = np.full(Kp, 99, np.int8)           # garbage: padding must be overwritten
+    x_s = np.full(Kp // 32, 99.0, np.float32)
+    q8.quantize_act_q8(x, x_q, x_s)
+    return x_q, x_s
+
+
+def _close(got, ref, terms):
+    """float32 accumulation error bound: relative to the sum of absolute terms."""
+    tol = 1e-5 * (np.abs(terms).max() + 1e-30)
+    assert np.abs(got.astype(np.float64) - ref).max() <= tol
+
+
+# ---- quantization ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("N,K", NK)
+def test_quantize_weight_matches_reference_exactly(N, K):
+    w = _w(N, K)
+    w_q, w_s = q8.quantize_weight_q8(w)
+    r_q, r_s = q8.quantize_weight_q8_ref(w)
+    Kp = q8.padded_k(K)
+    assert w_q.shape == (N, Kp) and w_q.dtype == np.int8 and w_q.flags.c_contiguous
+    assert w_s.shape == (N, Kp // 32) and w_s.dtype == np.float32
+    np.testing.assert_array_equal(w_q, r_q)
+    np.testing.assert_array_equal(w_s, r_s)
+    assert np.abs(w_q.astype(np.int32)).max() <= 127
+    assert (w_q[:, K:] == 0).all()
+    # round-trip error is at most half a quantization step
+    deq = q8.dequantize_weight_q8(w_q, w_s)[:, :K]
+    step = np.repeat(w_s, 32, axis=1)[:, :K]
+    assert (np.abs(deq - w) <= 0.5 * step * (1 + 1e-5) + 1e-30).all()
+
+
+def test_quantize_rounds_half_to_even():
+    v = np.zeros((1, 32), np.float32)
+    v[0, :5] = [127.0, 2.5, 3.5, -2.5, 0.5]   # scale exactly 1
+    w_q, w_s = q8.quantize_weight_q8(v)
+    assert w_s[0, 0] == 1.0
+    assert list(w_q[0, :5]) == [127, 2, 4, -2, 0]
+    np.testing.assert_array_equal(w_q, q8.quantize_weight_q8_ref(v)[0])
+
+
+def test_quantize_weight_accepts_other_float_dtypes():
+    w = _w(7, 70).astype(np.float16)
+    np.testing.assert_array_equal(q8.quantize_weight_q8(w)[0], q8.quantize_weight_q8_ref(w.astype(np.float32))[0])
+
+
+@pytest.mark.parametrize("N,K", NK)
+def test_dequantize_matches_reference(N, K):
+    w_q, w_s = q8.quantize_weight_q8(_w(N, K))
+    np.testing.assert_array_equal(q8.dequantize_weight_q8(w_q, w_s), q8.dequantize_weight_q8_ref(w_q, w_s))
+
+
+@pytest.mark.parametrize("K", [1, 31, 32, 33, 100, 896, 4864])
+def test_quantize_act_matches_reference_and_pads(K):
+    x = RNG.standard_normal(K).astype(np.float32) * 3
+    x_q, x_s = _q_act(x)
+    r_q, r_s = q8.quantize_act_q8_ref(x)
+    np.testing.assert_array_equal(x_q, r_q)
+    np.testing.assert_array_equal(x_s, r_s)
+    assert (x_q[K:] == 0).all()
+
+
+def test_quantize_act_extra_padding_blocks_are_zero():
+    x = RNG.standard_normal(40).astype(np.float32)
+    x_q = np.full(128, 7, np.int8)
+    x_s = np.full(4, 7.0, np.float32)
+    q8.quantize_act_q8(x, x_q, x_s)
+    r_q, r_s = q8.quantize_act_q8_ref(x, 128)
+    np.testing.assert_array_equal(x_q, r_q)
+    np.testing.assert_array_equal(x_s, r_s)
+    assert (x_s[2:] == 0).all()
+
+
+def test_quantize_act_rejects_bad_shapes():
+    with pytest.raises(ValueError):
+        q8.quantize_act_q8(np.zeros(40, np.float32), np.zeros(32, np.int8), np.zeros(1, np.float32))
+
+
+# ---- matvec ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kernel", MATVECS, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("N,K", NK + [(1001, 4864)])
+def test_matvec_q8_matches_reference(kernel, N, K):
+    w_q, w_s = q8.quantize_weight_q8(_w(N, K))
+    x_q, x_s = _q_act(RNG.standard_normal(K).astype(np.float32))
+    out = np.full(N, np.nan, np.float32)
+    kernel(w_q, w_s, x_q, x_s, out)
+    ref = q8.matvec_q8_ref(w_q, w_s, x_q, x_s)
+    terms = np.abs(w_q.astype(np.float64) * np.repeat(w_s, 32, 1)) @ np.abs(x_q * np.repeat(x_s, 32).astype(np.float64))
+    _close(out, ref, terms)
+
+
+def test_matvec_q8_is_the_avx2_kernel_on_avx2_hosts():
+    assert q8.matvec_q8 is (q8._matvec_q8_avx2 if q8.HAVE_AVX2 else q8._matvec_q8_generic)
+
+
+def test_matvec_q8_extreme_values_do_not_saturate():
+    # |w| = |x| = 127 everywhere with alternating signs: the vpmaddubsw pair sums reach 2*127*127
+    N, K = 9, 96
+    w_q = np.full((N, K), 127, np.int8)
+    w_q[:, 1::2] = -127
+    w_q[1] = -w_q[1]
+    x_q = np.full(K, 127, np.int8)
+    x_q[1::2] = -127
+    w_s = np.ones((N, K // 32), np.float32)
+    x_s = np.ones(K // 32, np.float32)
+    for kernel in MATVECS:
+        out = np.zeros(N, np.float32)
+        kernel(w_q, w_s, x_q, x_s, out)
+        np.testing.assert_array_equal(out, q8.matvec_q8_ref(w_q, w_s, x_q, x_s).astype(np.float32))
+
+
+@njit(cache=False)
+def _interpreter_like(wq_flat, ws_flat, x, xq_buf, xs_buf, out, N, Kp, reps):
+    # the interpreter pattern: a non-parallel njit function slicing flat buffers and calling
+    # the (parallel) kernels
+    w = wq_flat[:N * Kp].reshape(N, Kp)
+    s = ws_flat[:N * (Kp // 32)].reshape(N, Kp // 32)
+    for _ in range(reps):
+        q8.quantize_act_q8(x, xq_buf[:Kp], xs_buf[:Kp // 32])
+        q8.matvec_q8(w, s, xq_buf[:Kp], xs_buf[:Kp // 32], out)
+
+
+def test_matvec_q8_from_a_serial_njit_caller_with_flat_buffers():
+    N, K = 77, 300
+    w_q, w_s = q8.quantize_weight_q8(_w(N, K))
+    Kp = w_q.shape[1]
+    wq_flat = np.concatenate([w_q.ravel(), np.zeros(100, np.int8)])
+    ws_flat = np.concatenate([w_s.ravel(), np.zeros(10, np.float32)])
+    x = RNG.standard_normal(K).astype(np.float32)
+    xq_buf = np.zeros(4096, np.int8)
+    xs_buf = np.zeros(128, np.float32)
+    out = np.zeros(N, np.float32)
+    _interpreter_like(wq_flat, ws_flat, x, xq_buf, xs_buf, out, N, Kp, 2)
+    x_q, x_s = q8.quantize_act_q8_ref(x)
+    ref = q8.matvec_q8_ref(w_q, w_s, x_q, x_s)
+    assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+def test_matvec_q8_rejects_bad_shapes():
+    w_q, w_s = q8.quantize_weight_q8(_w(8, 64))
+    x_q, x_s = _q_act(RNG.standard_normal(64).astype(np.float32))
+    with pytest.raises(ValueError):
+        q8.matvec_q8(w_q, w_s, x_q[:32], x_s[:1], np.zeros(8, np.float32))
+    with pytest.raises(ValueError):
+        q8.matvec_q8(w_q, w_s, x_q, x_s, np.zeros(7, np.float32))
+
+
+@pytest.mark.parametrize("N,K", NK)
+def test_matvec_f32_matches_reference(N, K):
+    w = _w(N, K)
+    x = RNG.standard_normal(K).astype(np.float32)
+    out = np.full(N, np.nan, np.float32)
+    q8.matvec_f32(w, x, out)
+    _close(out, q8.matvec_f32_ref(w, x), np.abs(w).astype(np.float64) @ np.abs(x))
+
+
+# ---- matmul (prefill) --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("T", [1, 37])
+@pytest.mark.parametrize("N,K", [(1, 1), (37, 33), (101, 896), (1500, 900)])
+def test_matmul_q8_matches_reference(T, N, K):
+    w_q, w_s = q8.quantize_weight_q8(_w(N, K))
+    x = RNG.standard_normal((T, K)).astype(np.float32)
+    out = np.full((T, N), np.nan, np.float32)
+    q8.matmul_q8(x, w_q, w_s, out)
+    w = q8.dequantize_weight_q8_ref(w_q, w_s)[:, :K].astype(np.float64)
+    _close(out, q8.matmul_q8_ref(x, w_q, w_s), np.abs(x) @ np.abs(w).T)
+
+
+def test_matmul_q8_equals_dequantized_sgemm_row_by_row():
+    # prefill's numerics are weights-only INT8: equal to the f32 path on dequantized weights
+    N, K, T = 300, 200, 5
+    w_q, w_s = q8.quantize_weight_q8(_w(N, K))
+    x = RNG.standard_normal((T, K)).astype(np.float32)
+    out = np.empty((T, N), np.float32)
+    q8.matmul_q8(x, w_q, w_s, out)
+    out2 = np.empty((T, N), np.float32)
+    q8.matmul_f32(x, np.ascontiguousarray(q8.dequantize_weight_q8(w_q, w_s)[:, :K]), out2)
+    np.testing.assert_allclose(out, out2, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("T", [1, 37])
+@pytest.mark.parametrize("N,K", [(1, 1), (37, 33), (101, 896)])
+def test_matmul_f32_matches_reference(T, N, K):
+    w = _w(N, K)
+    x = RNG.standard_normal((T, K)).astype(np.float32)
+    out = np.full((T, N), np.nan, np.float32)
+    q8.matmul_f32(x, w, out)
+    _close(out, q8.matmul_f32_ref(x, w), np.abs(x) @ np.abs(w).T.astype(np.float64))
+
+
+# ---- codegen guard -----------------------------------------------------------------------------
+
+def _fresh_asm(dispatcher, *args):
+    """Assembly of a dispatcher's function, compiled afresh (numba cannot inspect cached code)."""
+    fresh = numba.njit(**{k: v for k, v in dispatcher.targetoptions.items() if k != "nopython"})(dispatcher.py_func)
+    fresh(*args)
+    return fresh.inspect_asm(fresh.signatures[0])
+
+
+def _matvec_args(N=64, K=256):
+    w_q, w_s = q8.quantize_weight_q8(_w(N, K))
+    x_q, x_s = _q_act(RNG.standard_normal(K).astype(np.float32))
+    return w_q, w_s, x_q, x_s, np.zeros(N, np.float32)
+
+
+@pytest.mark.skipif(not q8.HAVE_AVX2, reason="x86 AVX2 host only")
+def test_matvec_q8_avx2_codegen_is_vectorized():
+    asm = _fresh_asm(q8._matvec_q8_avx2, *_matvec_args())
+    for insn in ("vpmaddubsw", "vpmaddwd", "vpsignb", "vcvtdq2ps", "vfmadd", "prefetcht0"):
+        assert insn in asm, f"{insn} missing: the q8 matvec lost its vector code"
+    assert "ymm" in asm
+
+
+@pytest.mark.skipif(not q8.HAVE_AVX2, reason="x86 AVX2 host only")
+def test_other_kernels_codegen_is_vectorized():
+    import re
+
+    asm = _fresh_asm(q8._matvec_q8_generic, *_matvec_args())
+    assert re.search(r"vpmulld|vpmaddwd", asm) and "ymm" in asm
+    x = RNG.standard_normal(256).astype(np.float32)
+    asm = _fresh_asm(q8.quantize_act_q8, x, np.zeros(256, np.int8), np.zeros(8, np.float32))
+    assert re.search(r"vroundps\s+\$4, %ymm", asm), "activation quantization scalarized"
+    assert re.search(r"vmaxps\s+%ymm", asm) or re.search(r"vcmpltps\s+%ymm|vcmpgtps\s+%ymm|vblendvps\s+%ymm", asm)
+    w = RNG.standard_normal((64, 256)).astype(np.float32)
+    asm = _fresh_asm(q8.matvec_f32, w, x, np.zeros(64, np.float32))
+    assert re.search(r"vfmadd\w+ps\s+[^\n]*%ymm", asm), "f32 matvec scalarized"
+
+
+def test_numba_setup_applied():
+    from cpullm.kernels import numba_setup
+
+    assert numba_setup.configured_threads() >= 1
+    assert numba.get_num_threads() >= 1
