@@ -7,6 +7,10 @@
 """
 from __future__ import annotations
 
+# Thread-pool and code-generation settings must be in place before numpy/numba load (cheap: it
+# imports only os/sys/warnings until a kernel is actually used).
+from .kernels import numba_setup as _numba_setup  # noqa: E402,F401
+
 __version__ = "0.1.0"
 
 from .errors import CpullmError  # noqa: E402

@@ -118,40 +118,78 @@ def attention_ref(q, k, v, n_heads, n_kv, head_dim, scale, softcap=0.0, window=0
     return (p @ vh).transpose(1, 0, 2).reshape(T, n_heads * head_dim).astype(np.float32)
 
 
+@njit(cache=True, parallel=True, fastmath=True)
+def _masked_softmax(scores, T, pos0, lo, window):
+    """In place over scores (R, T, L): row (r, t) is query position pos0 + t over key positions
+    lo .. lo + L - 1; keys after the query (and, with a window, before p - window + 1) get 0.
+    Only the visible span is exponentiated, so no -inf ever enters the arithmetic."""
+    R, _, L = scores.shape
+    for job in prange(R * T):
+        r = job // T
+        t = job % T
+        row = scores[r, t]
+        p = pos0 + t
+        j1 = p - lo                       # last visible key index
+        j0 = 0
+        if window > 0:
+            j0 = max(0, p - window + 1 - lo)
+        m = row[j0]
+        for j in range(j0, j1 + 1):
+            if row[j] > m:
+                m = row[j]
+        total = np.float32(0.0)
+        for j in range(j0, j1 + 1):
+            e = np.exp(row[j] - m)
+            row[j] = e
+            total += e
+        inv = np.float32(1.0) / total
+        for j in range(j0, j1 + 1):
+            row[j] *= inv
+        for j in range(0, j0):
+            row[j] = np.float32(0.0)
+        for j in range(j1 + 1, L):
+            row[j] = np.float32(0.0)
+
+
+QUERY_BLOCK = 512   # prefill query rows per block: keys past a block's last row are skipped
+
+
 def attention_batched(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
                       n_heads, n_kv, head_dim, c_off, cap, scale, softcap, window, pos0, T):
     """Prefill form of :func:`attention` (same arguments, same result): the score and value
-    products of all T query rows run as batched matrix products (BLAS) per KV head group."""
+    products run as batched matrix products (BLAS) per KV head group, a block of query rows at a
+    time, each block against only the keys it can see."""
     kv_write(arena, state, k_off, k_st, v_off, v_st, n_kv, head_dim, c_off, cap, pos0, T)
+    size = n_kv * cap * head_dim
+    kc = state[c_off: c_off + size].reshape(n_kv, cap, head_dim)
+    vc = state[c_off + size: c_off + 2 * size].reshape(n_kv, cap, head_dim)
+    q_all = arena[q_off: q_off + T * q_st].reshape(T, q_st)[:, : n_heads * head_dim]
+    o_all = arena[o_off: o_off + T * o_st].reshape(T, o_st)[:, : n_heads * head_dim]
+    for t0 in range(0, T, QUERY_BLOCK):
+        t1 = min(T, t0 + QUERY_BLOCK)
+        o_all[t0:t1] = _attend_block(q_all[t0:t1], kc, vc, n_heads, n_kv, head_dim, cap, scale,
+                                     softcap, window, pos0 + t0)
+
+
+def _attend_block(q, kc, vc, n_heads, n_kv, head_dim, cap, scale, softcap, window, pos0):
+    """q (B, nh*hd) for positions pos0 .. pos0+B-1, keys already in the cache -> (B, nh*hd)."""
+    B = q.shape[0]
     g = n_heads // n_kv
-    end = pos0 + T
+    end = pos0 + B
     lo = max(0, pos0 - window + 1) if window > 0 else 0
-    positions = np.arange(lo, end)
-    L = positions.size
-    kc = state[c_off: c_off + n_kv * cap * head_dim].reshape(n_kv, cap, head_dim)
-    vc = state[c_off + n_kv * cap * head_dim: c_off + 2 * n_kv * cap * head_dim].reshape(n_kv, cap, head_dim)
+    L = end - lo
     s0 = lo % cap
     if s0 + L <= cap:                      # contiguous slots: views, no gather
         keys, values = kc[:, s0: s0 + L], vc[:, s0: s0 + L]
     else:
-        slots = positions % cap
+        slots = np.arange(lo, end) % cap
         keys, values = kc[:, slots], vc[:, slots]
-    q = arena[q_off: q_off + T * q_st].reshape(T, q_st)[:, : n_heads * head_dim]
-    q = q.reshape(T, n_kv, g, head_dim).transpose(1, 2, 0, 3).reshape(n_kv, g * T, head_dim)
-    scores = np.matmul(q, keys.transpose(0, 2, 1))                    # (n_kv, g*T, L)
+    q = q.reshape(B, n_kv, g, head_dim).transpose(1, 2, 0, 3).reshape(n_kv, g * B, head_dim)
+    scores = np.matmul(q, keys.transpose(0, 2, 1))                    # (n_kv, g*B, L)
     scores *= np.float32(scale)
     if softcap > 0.0:
         np.tanh(scores / np.float32(softcap), out=scores)
         scores *= np.float32(softcap)
-    qpos = np.arange(pos0, end)[:, None]
-    allowed = positions[None, :] <= qpos
-    if window > 0:
-        allowed &= positions[None, :] > qpos - window
-    scores = scores.reshape(n_kv, g, T, L)
-    scores[:, :, ~allowed] = -np.inf
-    scores -= scores.max(axis=-1, keepdims=True)
-    np.exp(scores, out=scores)
-    scores /= scores.sum(axis=-1, keepdims=True)
-    out = np.matmul(scores.reshape(n_kv, g * T, L), values)          # (n_kv, g*T, hd)
-    out = out.reshape(n_kv, g, T, head_dim).transpose(2, 0, 1, 3).reshape(T, n_heads * head_dim)
-    arena[o_off: o_off + T * o_st].reshape(T, o_st)[:, : n_heads * head_dim] = out
+    _masked_softmax(scores.reshape(n_kv * g, B, L), B, pos0, lo, window)
+    out = np.matmul(scores.reshape(n_kv, g * B, L), values)          # (n_kv, g*B, hd)
+    return out.reshape(n_kv, g, B, head_dim).transpose(2, 0, 1, 3).reshape(B, n_heads * head_dim)
