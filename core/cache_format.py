@@ -39,10 +39,10 @@ from numba import njit, prange
 from .compiler import Program
 from .errors import CacheError
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 ARRAY_NAMES = ("I", "F", "wq", "ws", "wf")
-_DTYPES = {"<i8", "<f8", "|i1", "<f4"}
+_DTYPES = {"<i8", "<f8", "|i1", "<u2", "<f4"}
 _META_KEYS = ("first_head", "vocab", "arena_floats", "state_floats", "state_regions", "max_chunk",
               "n_ctx", "head_rows", "logits_offset", "max_k", "external", "groups")
 _STALE_TMP_S = 3600

@@ -6,7 +6,7 @@ without pickle (cpullm.cache_format) and maps it back.
 Passes:
 1. fuse   LINEAR nodes of one section that read the same value become one matrix (q/k/v,
           gate/up, Gated DeltaNet input projections); each member's output is a column view.
-2. pack   weights into flat blobs: ``wq`` int8 + ``ws`` float32 scales (q8, block 32) or ``wf``
+2. pack   weights into flat blobs: ``wq`` int8 + ``ws`` binary16 scales (q8, block 32) or ``wf``
           float32; tied tensors are packed once (embedding and lm_head share one matrix).
 3. plan   arena offsets by liveness (first fit); state regions for KV caches (full or ring) and
           linear-attention states.
@@ -183,7 +183,7 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
         return offsets[b] + c, widths[b]
 
     # ---- weights ---------------------------------------------------------------------------
-    wq, ws, wf = _Blob(np.int8), _Blob(np.float32), _Blob(np.float32)
+    wq, ws, wf = _Blob(np.int8), _Blob(np.uint16), _Blob(np.float32)
     packed: dict[tuple, tuple] = {}    # (sources, kind) -> (kind, w_off, s_off, Kp)
     fparams: dict[str, int] = {}
 

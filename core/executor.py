@@ -33,7 +33,7 @@ class Executor:
         self.vocab = m["vocab"]
         self.arena = np.zeros(m["arena_floats"], np.float32)
         self.state = np.zeros(max(m["state_floats"], 16), np.float32)
-        self.xq = np.zeros(m["max_k"], np.int8)
+        self.xq = np.zeros(m["max_k"], np.int16)
         self.xs = np.zeros(m["max_k"] // 32, np.float32)
         self.tokens = np.zeros(self.max_chunk, np.int64)
         self.rt = np.zeros(4, np.int64)

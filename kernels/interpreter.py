@@ -5,7 +5,7 @@ and ``F`` (float64, NF columns) over flat arrays:
 
     arena  float32  activations, every value at (offset, row stride)
     state  float32  KV caches and linear-attention states
-    wq     int8     quantized weights (q8 block-32), ws float32 their scales
+    wq     int8     quantized weights (q8 block-32), ws uint16 their scales (binary16 bits)
     wf     float32  float weights (norms, biases, f32-mode matrices, RoPE frequencies, ...)
 
 Decode runs the whole token (every layer and the head) in a single call of :func:`run`; prefill
@@ -24,7 +24,7 @@ from .attention import attention
 from .elementwise import binary_par, binary_rows, copy_rows, glu_par, glu_rows, unary_rows
 from .gated_delta import gated_delta
 from .norm import rmsnorm_par, rmsnorm_rows
-from .q8 import matvec_f32, matvec_q8, quantize_act_q8
+from .q8 import half_to_float, matvec_f32, matvec_q8, quantize_act_q16
 from .rope import rope_par, rope_rows
 
 NI = 24
@@ -66,7 +66,7 @@ def _linear_rows(I, r, arena, wq, ws, wf, xq, xs, T):
         x = arena[x_off + t * x_st: x_off + t * x_st + K]
         out = arena[o_off + t * o_st: o_off + t * o_st + N]
         if kind == WEIGHT_Q8:
-            quantize_act_q8(x, xq[:Kp], xs[:Kp // 32])
+            quantize_act_q16(x, xq[:Kp], xs[:Kp // 32])
             w = wq[w_off: w_off + N * Kp].reshape(N, Kp)
             s = ws[s_off: s_off + N * (Kp // 32)].reshape(N, Kp // 32)
             matvec_q8(w, s, xq[:Kp], xs[:Kp // 32], out)
@@ -135,7 +135,7 @@ def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs):
                 if kind == WEIGHT_Q8:
                     nb = Kp // 32
                     for j in range(H):
-                        arena[o + j] = np.float32(wq[w_off + tok * Kp + j]) * ws[s_off + tok * nb + j // 32] * sc
+                        arena[o + j] = np.float32(wq[w_off + tok * Kp + j]) * half_to_float(ws[s_off + tok * nb + j // 32]) * sc
                 else:
                     for j in range(H):
                         arena[o + j] = wf[w_off + tok * H + j] * sc

@@ -115,6 +115,9 @@ _tune_cpu()
 HOST_FEATURES = frozenset(f[1:] for f in _host_features().split(",") if f.startswith("+"))
 """ISA extensions of this CPU as LLVM names them (``avx2``, ``fma``, ``f16c``, ``avx512vnni`` ...)."""
 
+HOST_IS_X86 = _llb.get_process_triple().split("-")[0] in ("x86_64", "i386", "i686")
+"""True on x86 hosts (the feature names above are x86 ISA extensions there)."""
+
 _configured: int | None = None
 
 

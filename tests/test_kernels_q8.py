@@ -25,9 +25,9 @@ def _w(N, K, scale=1.0):
 
 def _q_act(x):
     Kp = q8.padded_k(x.size)
-    x_q = np.full(Kp, 99, np.int8)           # garbage: padding must be overwritten
+    x_q = np.full(Kp, 99, np.int16)          # garbage: padding must be overwritten
     x_s = np.full(Kp // 32, 99.0, np.float32)
-    q8.quantize_act_q8(x, x_q, x_s)
+    q8.quantize_act_q16(x, x_q, x_s)
     return x_q, x_s
 
 
@@ -46,14 +46,14 @@ def test_quantize_weight_matches_reference_exactly(N, K):
     r_q, r_s = q8.quantize_weight_q8_ref(w)
     Kp = q8.padded_k(K)
     assert w_q.shape == (N, Kp) and w_q.dtype == np.int8 and w_q.flags.c_contiguous
-    assert w_s.shape == (N, Kp // 32) and w_s.dtype == np.float32
+    assert w_s.shape == (N, Kp // 32) and w_s.dtype == np.uint16
     np.testing.assert_array_equal(w_q, r_q)
     np.testing.assert_array_equal(w_s, r_s)
     assert np.abs(w_q.astype(np.int32)).max() <= 127
     assert (w_q[:, K:] == 0).all()
     # round-trip error is at most half a quantization step
     deq = q8.dequantize_weight_q8(w_q, w_s)[:, :K]
-    step = np.repeat(w_s, 32, axis=1)[:, :K]
+    step = np.repeat(q8.scale_values(w_s), 32, axis=1)[:, :K]
     assert (np.abs(deq - w) <= 0.5 * step * (1 + 1e-5) + 1e-30).all()
 
 
@@ -61,9 +61,42 @@ def test_quantize_rounds_half_to_even():
     v = np.zeros((1, 32), np.float32)
     v[0, :5] = [127.0, 2.5, 3.5, -2.5, 0.5]   # scale exactly 1
     w_q, w_s = q8.quantize_weight_q8(v)
-    assert w_s[0, 0] == 1.0
+    assert q8.scale_values(w_s)[0, 0] == 1.0
     assert list(w_q[0, :5]) == [127, 2, 4, -2, 0]
     np.testing.assert_array_equal(w_q, q8.quantize_weight_q8_ref(v)[0])
+
+
+@pytest.mark.parametrize("amax", [127.0, 1.0, 3e-3, 1e-6, 0.1234567, 2.0 ** -14 * 127 * 0.999])
+def test_weight_scales_are_binary16_rounded_up(amax):
+    # the stored scale is the smallest binary16 >= amax / 127 (normal and subnormal range): the
+    # largest value still quantizes to |q| <= 127 and is reproduced within half a step
+    v = np.linspace(-amax, amax, 64, dtype=np.float32).reshape(1, 64)
+    w_q, w_s = q8.quantize_weight_q8(v)
+    d = q8.scale_values(w_s)[0]
+    exact = np.float32(amax) / np.float32(127.0)
+    h = np.float16(exact)
+    want = h if np.float32(h) >= exact else np.nextafter(h, np.float16(np.inf))
+    assert (d == np.float32(want)).all() and (d >= exact).all()
+    assert np.abs(w_q.astype(np.int32)).max() <= 127
+    deq = q8.dequantize_weight_q8(w_q, w_s)
+    assert (np.abs(deq - v) <= 0.5 * d.max() * (1 + 1e-6)).all()
+
+
+def test_half_to_float_matches_numpy_for_every_finite_bit_pattern(monkeypatch):
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    bits = bits[np.isfinite(bits.view(np.float16))]
+    want = bits.view(np.float16).astype(np.float32)
+    # the path this host uses, and the integer-IR path of hosts without F16C (chosen at codegen)
+    for hardware in (q8._HALF_IN_HARDWARE, not q8._HALF_IN_HARDWARE):
+        monkeypatch.setattr(q8, "_HALF_IN_HARDWARE", hardware)
+
+        @njit(cache=False)
+        def convert(b, out):
+            for i in range(b.size):
+                out[i] = q8.half_to_float(b[i])
+        got = np.empty(bits.size, np.float32)
+        convert(bits, got)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 def test_quantize_weight_accepts_other_float_dtypes():
@@ -81,18 +114,21 @@ def test_dequantize_matches_reference(N, K):
 def test_quantize_act_matches_reference_and_pads(K):
     x = RNG.standard_normal(K).astype(np.float32) * 3
     x_q, x_s = _q_act(x)
-    r_q, r_s = q8.quantize_act_q8_ref(x)
+    r_q, r_s = q8.quantize_act_q16_ref(x)
     np.testing.assert_array_equal(x_q, r_q)
     np.testing.assert_array_equal(x_s, r_s)
-    assert (x_q[K:] == 0).all()
+    assert (x_q[K:] == 0).all() and np.abs(x_q.astype(np.int32)).max() == 32767
+    # int16 blocks: every value within half a step of 1/32767 of its block's largest value
+    step = np.repeat(x_s, 32)[:K].astype(np.float64)
+    assert (np.abs(x_q[:K] * step - x) <= 0.501 * step).all()
 
 
 def test_quantize_act_extra_padding_blocks_are_zero():
     x = RNG.standard_normal(40).astype(np.float32)
-    x_q = np.full(128, 7, np.int8)
+    x_q = np.full(128, 7, np.int16)
     x_s = np.full(4, 7.0, np.float32)
-    q8.quantize_act_q8(x, x_q, x_s)
-    r_q, r_s = q8.quantize_act_q8_ref(x, 128)
+    q8.quantize_act_q16(x, x_q, x_s)
+    r_q, r_s = q8.quantize_act_q16_ref(x, 128)
     np.testing.assert_array_equal(x_q, r_q)
     np.testing.assert_array_equal(x_s, r_s)
     assert (x_s[2:] == 0).all()
@@ -100,7 +136,7 @@ def test_quantize_act_extra_padding_blocks_are_zero():
 
 def test_quantize_act_rejects_bad_shapes():
     with pytest.raises(ValueError):
-        q8.quantize_act_q8(np.zeros(40, np.float32), np.zeros(32, np.int8), np.zeros(1, np.float32))
+        q8.quantize_act_q16(np.zeros(40, np.float32), np.zeros(32, np.int16), np.zeros(1, np.float32))
 
 
 # ---- matvec ------------------------------------------------------------------------------------
@@ -113,7 +149,8 @@ def test_matvec_q8_matches_reference(kernel, N, K):
     out = np.full(N, np.nan, np.float32)
     kernel(w_q, w_s, x_q, x_s, out)
     ref = q8.matvec_q8_ref(w_q, w_s, x_q, x_s)
-    terms = np.abs(w_q.astype(np.float64) * np.repeat(w_s, 32, 1)) @ np.abs(x_q * np.repeat(x_s, 32).astype(np.float64))
+    terms = (np.abs(w_q.astype(np.float64) * np.repeat(q8.scale_values(w_s), 32, 1))
+             @ np.abs(x_q * np.repeat(x_s, 32).astype(np.float64)))
     _close(out, ref, terms)
 
 
@@ -121,15 +158,16 @@ def test_matvec_q8_is_the_avx2_kernel_on_avx2_hosts():
     assert q8.matvec_q8 is (q8._matvec_q8_avx2 if q8.HAVE_AVX2 else q8._matvec_q8_generic)
 
 
-def test_matvec_q8_extreme_values_do_not_saturate():
-    # |w| = |x| = 127 everywhere with alternating signs: the vpmaddubsw pair sums reach 2*127*127
+def test_matvec_q8_extreme_values_do_not_overflow():
+    # |w| = 127, |x| = 32767 everywhere: each int32 lane sums 4 products of 127 * 32767
     N, K = 9, 96
     w_q = np.full((N, K), 127, np.int8)
     w_q[:, 1::2] = -127
     w_q[1] = -w_q[1]
-    x_q = np.full(K, 127, np.int8)
-    x_q[1::2] = -127
-    w_s = np.ones((N, K // 32), np.float32)
+    w_q[2, :] = -127
+    x_q = np.full(K, 32767, np.int16)
+    x_q[1::2] = -32767
+    w_s = np.full((N, K // 32), np.float16(1.0).view(np.uint16), np.uint16)
     x_s = np.ones(K // 32, np.float32)
     for kernel in MATVECS:
         out = np.zeros(N, np.float32)
@@ -144,7 +182,7 @@ def _interpreter_like(wq_flat, ws_flat, x, xq_buf, xs_buf, out, N, Kp, reps):
     w = wq_flat[:N * Kp].reshape(N, Kp)
     s = ws_flat[:N * (Kp // 32)].reshape(N, Kp // 32)
     for _ in range(reps):
-        q8.quantize_act_q8(x, xq_buf[:Kp], xs_buf[:Kp // 32])
+        q8.quantize_act_q16(x, xq_buf[:Kp], xs_buf[:Kp // 32])
         q8.matvec_q8(w, s, xq_buf[:Kp], xs_buf[:Kp // 32], out)
 
 
@@ -153,13 +191,13 @@ def test_matvec_q8_from_a_serial_njit_caller_with_flat_buffers():
     w_q, w_s = q8.quantize_weight_q8(_w(N, K))
     Kp = w_q.shape[1]
     wq_flat = np.concatenate([w_q.ravel(), np.zeros(100, np.int8)])
-    ws_flat = np.concatenate([w_s.ravel(), np.zeros(10, np.float32)])
+    ws_flat = np.concatenate([w_s.ravel(), np.zeros(10, np.uint16)])
     x = RNG.standard_normal(K).astype(np.float32)
-    xq_buf = np.zeros(4096, np.int8)
+    xq_buf = np.zeros(4096, np.int16)
     xs_buf = np.zeros(128, np.float32)
     out = np.zeros(N, np.float32)
     _interpreter_like(wq_flat, ws_flat, x, xq_buf, xs_buf, out, N, Kp, 2)
-    x_q, x_s = q8.quantize_act_q8_ref(x)
+    x_q, x_s = q8.quantize_act_q16_ref(x)
     ref = q8.matvec_q8_ref(w_q, w_s, x_q, x_s)
     assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max()
 
@@ -235,7 +273,7 @@ def _matvec_args(N=64, K=256):
 @pytest.mark.skipif(not q8.HAVE_AVX2, reason="x86 AVX2 host only")
 def test_matvec_q8_avx2_codegen_is_vectorized():
     asm = _fresh_asm(q8._matvec_q8_avx2, *_matvec_args())
-    for insn in ("vpmaddubsw", "vpmaddwd", "vpsignb", "vcvtdq2ps", "vfmadd", "prefetcht0"):
+    for insn in ("vpmovsxbw", "vpmaddwd", "vcvtdq2ps", "vcvtph2ps", "vfmadd", "prefetcht0"):
         assert insn in asm, f"{insn} missing: the q8 matvec lost its vector code"
     assert "ymm" in asm
 
@@ -247,7 +285,7 @@ def test_other_kernels_codegen_is_vectorized():
     asm = _fresh_asm(q8._matvec_q8_generic, *_matvec_args())
     assert re.search(r"vpmulld|vpmaddwd", asm) and "ymm" in asm
     x = RNG.standard_normal(256).astype(np.float32)
-    asm = _fresh_asm(q8.quantize_act_q8, x, np.zeros(256, np.int8), np.zeros(8, np.float32))
+    asm = _fresh_asm(q8.quantize_act_q16, x, np.zeros(256, np.int16), np.zeros(8, np.float32))
     assert re.search(r"vroundps\s+\$4, %ymm", asm), "activation quantization scalarized"
     assert re.search(r"vmaxps\s+%ymm", asm) or re.search(r"vcmpltps\s+%ymm|vcmpgtps\s+%ymm|vblendvps\s+%ymm", asm)
     w = RNG.standard_normal((64, 256)).astype(np.float32)

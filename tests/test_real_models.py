@@ -5,14 +5,13 @@ For three prompts each (plain text, code, a story opening):
 * f32 mode generates the same 32 greedy tokens as transformers. The reference is transformers
   loading the converted directory in float32; tests/test_convert.py proves that directory holds
   exactly transformers' own dequantization of the GGUF (rounded to bf16, as checkpoints are).
-* INT8 mode's top-1 agreement with f32 is >= 97 % and its mean KL divergence <= 0.01 nats over the
-  prompt positions (the logits of the prompt: batched prefill, INT8 weights x f32 activations).
-* The one-token decode path (INT8 weights x int8 activation blocks, llama.cpp's Q8_0 x Q8_0
-  numerics), teacher-forced through the same tokens, is measured too: KL <= 0.01 and top-1
-  >= 92 %. It is the less exact of the two, and its top-1 on SmolLM2 moves with the last bits of
-  the attention kernel (measured 93.8 % and 95.2 % with two summation orders, KL 0.0045 both);
-  measured top-1 prefill / decode: SmolLM2-135M 97.3 / 93.8-95.2 %, Gemma 3 270M 98.3 / 97.3 %,
-  Qwen2.5-Coder-0.5B 99.3 / 98.9 %.
+* INT8 mode's top-1 agreement with f32 is >= 97 % and its mean KL divergence <= 0.01 nats over
+  ~500 positions, through both paths: the batched prefill (INT8 weights x f32 activations) and
+  the one-token decode path teacher-forced through the same tokens (INT8 weights x int16
+  activation blocks). Measured (top-1 / KL, equal on both paths to 3 digits): SmolLM2-135M
+  98.0 % / 0.0013, Gemma 3 270M 98.8 % / 0.0006, Qwen2.5-Coder-0.5B 99.2 % / 0.0002.
+  (The int8-activation decode path it replaced, llama.cpp's Q8_0 x Q8_0 numerics, measured
+  93.8-95.2 % on SmolLM2 over ~290 of these positions.)
 """
 import numpy as np
 import pytest
@@ -33,8 +32,9 @@ PROMPTS = {
     "code": "def quicksort(items):\n    \"\"\"Sort a list of numbers.\"\"\"\n    if len(items) <= 1:\n",
     "story": "Once upon a time, in a village at the edge of a great forest, there lived a",
 }
-# INT8 fidelity is measured over the three prompts plus this passage (~290 positions): top-1
-# agreement over only the ~60 prompt positions moves by 1.6 points per near-tie flip.
+# INT8 fidelity is measured over the three prompts plus this passage (~500 positions): top-1
+# agreement over only the ~60 prompt positions moves by 1.6 points per near-tie flip, over ~290
+# by 0.35 (every flip measured on SmolLM2 is a near tie: f32 top-2 gap <= 0.08 nats, median 1.0).
 PASSAGE = (
     'The river town woke slowly that spring. Fishermen pulled their boats onto the gravel bank, the baker opened her shutters before dawn, and children ran along the levee shouting at the herons. Nobody expected the letter that arrived on the noon ferry, addressed in careful blue ink to the mayor, who had not received a letter from outside the valley in eleven years.'
     "\n"
@@ -42,9 +42,16 @@ PASSAGE = (
     "\n"
     'To make bread, mix flour, water, salt and yeast into a shaggy dough, let it rest for twenty minutes, then knead until it is smooth and elastic. Leave it covered in a warm place until it has doubled in size, shape it gently, and bake it in a hot oven until the crust is deep brown and the loaf sounds hollow when tapped underneath.'
     "\n"
+    'The committee met on a grey Tuesday morning to discuss the budget for the coming year. Most members agreed that the library needed a new roof, but few could agree on how to pay for it, and the debate ran well past lunch before a compromise was reached.'
+    "\n"
+    'Photosynthesis is the process by which green plants use sunlight, water and carbon dioxide to produce glucose and oxygen. It takes place mainly in the leaves, inside small structures called chloroplasts, which contain the pigment chlorophyll that gives plants their colour.'
+    "\n"
+    'def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n\nprint([fibonacci(i) for i in range(10)])'
+    "\n"
+    'The train left the station exactly on time, which surprised everyone on the platform. As it gathered speed, the city gave way to fields, then to low hills covered in pine, and the passengers settled into the quiet rhythm of a long journey north.'
+    "\n"
 )
 MIN_TOP1, MAX_KL = 0.97, 0.01
-DECODE_MIN_TOP1 = 0.92
 
 
 @pytest.fixture(scope="module", params=MODELS)
@@ -81,8 +88,8 @@ def test_int8_fidelity_over_prompt_positions(real):
     prefill = testing.fidelity(int8.logits(ids), ref)
     decode = testing.fidelity(_decode_path_logits(int8, ids), ref)
     print(f"\n{name} INT8 vs f32 over {len(ids)} positions: prefill {prefill}, decode {decode}")
-    for path, fid, min_top1 in (("prefill", prefill, MIN_TOP1), ("decode", decode, DECODE_MIN_TOP1)):
-        assert fid["top1"] >= min_top1, f"{name} {path}: top-1 {fid['top1']:.3f} < {min_top1}"
+    for path, fid in (("prefill", prefill), ("decode", decode)):
+        assert fid["top1"] >= MIN_TOP1, f"{name} {path}: top-1 {fid['top1']:.3f} < {MIN_TOP1}"
         assert fid["kl"] <= MAX_KL, f"{name} {path}: KL {fid['kl']:.4f} > {MAX_KL}"
 
 
