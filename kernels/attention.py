@@ -6,12 +6,14 @@ Position p lives in slot ``p % cap``. A full-attention layer has cap = n_ctx; a 
 has cap = window + max_chunk, so a whole prefill chunk fits beside the window it looks back on.
 Query row t (position pos0 + t) attends to positions [lo, pos0 + t], lo = max(0, p - window + 1)
 for window > 0, else 0. Query head h reads KV head h // (n_heads // n_kv).
-Softmax is computed online (running max and sum) in float32, with optional tanh soft-capping.
+Softmax in float32 (max subtracted, exp_f32), with optional tanh soft-capping.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
+
+from .vmath import exp_f32, tanh_f32
 
 
 @njit(cache=True)
@@ -29,63 +31,94 @@ def kv_write(arena, state, k_off, k_st, v_off, v_st, n_kv, head_dim, c_off, cap,
                 state[v_base + dst + d] = arena[src_v + d]
 
 
-@njit(cache=True, fastmath=True)
-def _attend_one(q, kc, vc, cap, lo, hi, scale, softcap, scores, out):
-    """One query head over cached positions [lo, hi]: q (hd,), kc/vc (cap, hd) of its KV head,
-    scores (>= hi-lo+1,) scratch, out (hd,). Two passes (scores, then weighted values) so both
-    inner loops are contiguous over head_dim and vectorise."""
-    hd = q.size
+@njit(cache=True, fastmath=True, error_model="numpy")
+def _attend_heads(arena, q0, o0, hd, nq, kc, vc, cap, lo, hi, scale, softcap, scores):
+    """Query heads q0 .. q0+nq-1 (arena offsets q0 + j*hd, outputs o0 + j*hd) of one KV head over
+    cached positions [lo, hi]. kc/vc (cap, hd); scores (>= nq, >= hi-lo+1) scratch.
+
+    Three passes, each contiguous and vectorized: scores (each K row read once for all nq heads),
+    softmax (exp_f32), weighted sum of V rows (each read once). Slots advance with a wrap check
+    instead of a modulo per row."""
     n = hi - lo + 1
-    m = np.float32(-3.0e38)
-    for i in range(n):
-        krow = kc[(lo + i) % cap]
-        dot = np.float32(0.0)
+    q = np.empty((nq, hd), np.float32)
+    for j in range(nq):
         for d in range(hd):
-            dot += q[d] * krow[d]
-        sc = dot * np.float32(scale)
+            q[j, d] = arena[q0 + j * hd + d] * np.float32(scale)
+    slot = lo % cap
+    for i in range(n):
+        krow = kc[slot]
+        for j in range(nq):
+            dot = np.float32(0.0)
+            for d in range(hd):
+                dot += q[j, d] * krow[d]
+            scores[j, i] = dot
+        slot += 1
+        if slot == cap:
+            slot = 0
+    inv = np.empty(nq, np.float32)
+    for j in range(nq):
+        row = scores[j, :n]
         if softcap > 0.0:
-            sc = np.float32(softcap) * np.tanh(sc / np.float32(softcap))
-        scores[i] = sc
-        if sc > m:
-            m = sc
-    total = np.float32(0.0)
+            for i in range(n):
+                row[i] = np.float32(softcap) * tanh_f32(row[i] / np.float32(softcap))
+        m = row[0]
+        for i in range(n):
+            m = max(m, row[i])
+        total = np.float32(0.0)
+        for i in range(n):
+            e = exp_f32(row[i] - m)
+            row[i] = e
+            total += e
+        inv[j] = np.float32(1.0) / total
+    acc = np.zeros((nq, hd), np.float32)
+    slot = lo % cap
     for i in range(n):
-        e = np.exp(scores[i] - m)
-        scores[i] = e
-        total += e
-    for d in range(hd):
-        out[d] = np.float32(0.0)
-    for i in range(n):
-        vrow = vc[(lo + i) % cap]
-        w = scores[i]
+        vrow = vc[slot]
+        for j in range(nq):
+            w = scores[j, i]
+            for d in range(hd):
+                acc[j, d] += w * vrow[d]
+        slot += 1
+        if slot == cap:
+            slot = 0
+    for j in range(nq):
         for d in range(hd):
-            out[d] += w * vrow[d]
-    inv = np.float32(1.0) / total
-    for d in range(hd):
-        out[d] *= inv
+            arena[o0 + j * hd + d] = acc[j, d] * inv[j]
+
+
+DECODE_JOBS = 4
+"""Fewest parallel jobs :func:`attention` makes (2 per thread on the 2-core target): a decode step
+of Qwen2.5-0.5B (2 KV heads of 7 query heads) runs as 4 jobs of 3-4 heads."""
 
 
 @njit(cache=True, parallel=True)
 def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
               n_heads, n_kv, head_dim, c_off, cap, scale, softcap, window, pos0, T):
-    """Write the new K/V rows, then attend every (query row, head) pair in parallel."""
+    """Write the new K/V rows, then attend: one parallel job per (query row, KV head, slice of
+    that KV head's query heads). The query heads sharing a KV head are processed together so each
+    cached row is read once per job; when there are fewer (row, KV head) pairs than 2 per thread
+    (decode), each group's heads are split into slices so every thread has work."""
     kv_write(arena, state, k_off, k_st, v_off, v_st, n_kv, head_dim, c_off, cap, pos0, T)
     group = n_heads // n_kv
     size = n_kv * cap * head_dim
     kc = state[c_off: c_off + size].reshape(n_kv, cap, head_dim)
     vc = state[c_off + size: c_off + 2 * size].reshape(n_kv, cap, head_dim)
     span = pos0 + T if window <= 0 else min(pos0 + T, window)
-    for job in prange(T * n_heads):
-        t = job // n_heads
-        h = job % n_heads
+    pairs = T * n_kv
+    slices = min(group, (DECODE_JOBS + pairs - 1) // pairs)
+    for job in prange(pairs * slices):
+        t = job // (n_kv * slices)
+        kvh = (job // slices) % n_kv
+        s = job % slices
+        h0 = kvh * group + group * s // slices
+        h1 = kvh * group + group * (s + 1) // slices
         p = pos0 + t
         lo = 0
         if window > 0:
             lo = max(0, p - window + 1)
-        scores = np.empty(span, dtype=np.float32)
-        q = arena[q_off + t * q_st + h * head_dim: q_off + t * q_st + (h + 1) * head_dim]
-        out = arena[o_off + t * o_st + h * head_dim: o_off + t * o_st + (h + 1) * head_dim]
-        _attend_one(q, kc[h // group], vc[h // group], cap, lo, p, scale, softcap, scores, out)
+        scores = np.empty((h1 - h0, span), dtype=np.float32)
+        _attend_heads(arena, q_off + t * q_st + h0 * head_dim, o_off + t * o_st + h0 * head_dim, head_dim,
+                      h1 - h0, kc[kvh], vc[kvh], cap, lo, p, scale, softcap, scores)
 
 
 def attention_ref(q, k, v, n_heads, n_kv, head_dim, scale, softcap=0.0, window=0, pos0=0,
@@ -118,7 +151,7 @@ def attention_ref(q, k, v, n_heads, n_kv, head_dim, scale, softcap=0.0, window=0
     return (p @ vh).transpose(1, 0, 2).reshape(T, n_heads * head_dim).astype(np.float32)
 
 
-@njit(cache=True, parallel=True, fastmath=True)
+@njit(cache=True, parallel=True, fastmath=True, error_model="numpy")
 def _masked_softmax(scores, T, pos0, lo, window):
     """In place over scores (R, T, L): row (r, t) is query position pos0 + t over key positions
     lo .. lo + L - 1; keys after the query (and, with a window, before p - window + 1) get 0.
@@ -139,7 +172,7 @@ def _masked_softmax(scores, T, pos0, lo, window):
                 m = row[j]
         total = np.float32(0.0)
         for j in range(j0, j1 + 1):
-            e = np.exp(row[j] - m)
+            e = exp_f32(row[j] - m)
             row[j] = e
             total += e
         inv = np.float32(1.0) / total

@@ -11,6 +11,8 @@ import math
 import numpy as np
 from numba import njit, prange
 
+from .vmath import exp_f32, tanh_f32
+
 ACT_SILU = 0
 ACT_GELU_TANH = 1
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -19,13 +21,13 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 @njit(cache=True, fastmath=True, inline="always")
 def _act(x, act):
     if act == ACT_SILU:
-        return x / (np.float32(1.0) + np.exp(-x))
+        return x / (np.float32(1.0) + exp_f32(-x))
     inner = np.float32(_SQRT_2_OVER_PI) * (x + np.float32(0.044715) * x * x * x)
-    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))
+    return np.float32(0.5) * x * (np.float32(1.0) + tanh_f32(inner))
 
 
 # ---- GLU: out = act(gate) * up ---------------------------------------------------------------
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=True, error_model="numpy")
 def glu_rows(arena, g_off, g_st, u_off, u_st, o_off, o_st, width, act, r0, r1):
     for t in range(r0, r1):
         g, u, o = g_off + t * g_st, u_off + t * u_st, o_off + t * o_st
@@ -53,7 +55,7 @@ BIN_ADD = 0
 BIN_SIGMOID_MUL = 1
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=True, error_model="numpy")
 def binary_rows(arena, a_off, a_st, b_off, b_st, o_off, o_st, width, kind, r0, r1):
     for t in range(r0, r1):
         a, b, o = a_off + t * a_st, b_off + t * b_st, o_off + t * o_st
@@ -62,7 +64,7 @@ def binary_rows(arena, a_off, a_st, b_off, b_st, o_off, o_st, width, kind, r0, r
                 arena[o + j] = arena[a + j] + arena[b + j]
         else:
             for j in range(width):
-                arena[o + j] = arena[a + j] / (np.float32(1.0) + np.exp(-arena[b + j]))
+                arena[o + j] = arena[a + j] / (np.float32(1.0) + exp_f32(-arena[b + j]))
 
 
 @njit(cache=True, parallel=True)
@@ -82,14 +84,14 @@ UN_SOFTCAP = 0
 UN_SCALE = 1
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=True, error_model="numpy")
 def unary_rows(arena, x_off, x_st, o_off, o_st, width, kind, c, r0, r1):
     cf = np.float32(c)
     for t in range(r0, r1):
         x, o = x_off + t * x_st, o_off + t * o_st
         if kind == UN_SOFTCAP:
             for j in range(width):
-                arena[o + j] = cf * np.tanh(arena[x + j] / cf)
+                arena[o + j] = cf * tanh_f32(arena[x + j] / cf)
         else:
             for j in range(width):
                 arena[o + j] = arena[x + j] * cf

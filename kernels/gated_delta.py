@@ -15,6 +15,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .vmath import exp_f32
+
 
 @njit(cache=True, parallel=True, fastmath=True)
 def _conv_silu(arena, state, wf, qkv_off, qkv_st, conv_dim, conv_k, conv_w_off, s_off, T):
@@ -32,7 +34,7 @@ def _conv_silu(arena, state, wf, qkv_off, qkv_st, conv_dim, conv_k, conv_w_off, 
                 state[st + j] = state[st + j + 1]
             if km1 > 0:
                 state[st + km1 - 1] = xin
-            arena[x] = y / (np.float32(1.0) + np.exp(-y))
+            arena[x] = y / (np.float32(1.0) + exp_f32(-y))
 
 
 @njit(cache=True, parallel=True, fastmath=True)
@@ -93,7 +95,7 @@ def _recurrence(arena, state, wf, qkv_off, qkv_st, z_off, z_st, b_off, b_st, a_o
             zz = z_off + t * z_st + h * dv
             for j in range(dv):
                 z = arena[zz + j]
-                arena[out + j] = wf[norm_off + j] * (o[j] * inv) * (z / (np.float32(1.0) + np.exp(-z)))
+                arena[out + j] = wf[norm_off + j] * (o[j] * inv) * (z / (np.float32(1.0) + exp_f32(-z)))
 
 
 @njit(cache=True)

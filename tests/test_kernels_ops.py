@@ -61,11 +61,12 @@ def test_rope(rotary_dim):
     np.testing.assert_allclose(got, R.rope_ref(x, np.arange(pos0, pos0 + T), nh, hd, inv), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("nh,nkv", [(6, 2), (4, 1), (3, 3), (14, 2)])   # decode splits groups into slices
 @pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("window,softcap,chunks", [(0, 0.0, [7, 1, 1, 5]), (4, 0.0, [9, 1, 1, 3]),
                                                    (3, 0.0, [2, 6, 1, 5, 4]), (0, 20.0, [3, 1])])
-def test_attention_prefill_then_decode(window, softcap, chunks, batched):
-    nh, nkv, hd = 6, 2, 8
+def test_attention_prefill_then_decode(window, softcap, chunks, batched, nh, nkv):
+    hd = 8
     total = sum(chunks)
     q = rng.standard_normal((total, nh * hd)).astype(np.float32)
     k = rng.standard_normal((total, nkv * hd)).astype(np.float32)
