@@ -2,7 +2,9 @@
 
 Each op has a serial row-range kernel (decode: T is 1, a parallel launch would cost more than the
 work), a parallel one over rows (prefill), and a numpy reference ``*_ref`` on 2-D arrays.
-Operands are addressed as (offset, row stride) into ``arena`` so the interpreter needs no views.
+Operands are addressed as (offset, row stride) into ``arena`` so the interpreter needs no views;
+each kernel slices its rows into views before looping: indexing ``arena[o + j]`` directly keeps
+LLVM from vectorizing (measured: SiLU-GLU over 4864 values 32 us that way, 4 us with views).
 """
 from __future__ import annotations
 
@@ -30,9 +32,15 @@ def _act(x, act):
 @njit(cache=True, fastmath=True, error_model="numpy")
 def glu_rows(arena, g_off, g_st, u_off, u_st, o_off, o_st, width, act, r0, r1):
     for t in range(r0, r1):
-        g, u, o = g_off + t * g_st, u_off + t * u_st, o_off + t * o_st
-        for j in range(width):
-            arena[o + j] = _act(arena[g + j], act) * arena[u + j]
+        g = arena[g_off + t * g_st: g_off + t * g_st + width]
+        u = arena[u_off + t * u_st: u_off + t * u_st + width]
+        o = arena[o_off + t * o_st: o_off + t * o_st + width]
+        if act == ACT_SILU:
+            for j in range(width):
+                o[j] = _act(g[j], ACT_SILU) * u[j]
+        else:
+            for j in range(width):
+                o[j] = _act(g[j], ACT_GELU_TANH) * u[j]
 
 
 @njit(cache=True, parallel=True)
@@ -58,13 +66,15 @@ BIN_SIGMOID_MUL = 1
 @njit(cache=True, fastmath=True, error_model="numpy")
 def binary_rows(arena, a_off, a_st, b_off, b_st, o_off, o_st, width, kind, r0, r1):
     for t in range(r0, r1):
-        a, b, o = a_off + t * a_st, b_off + t * b_st, o_off + t * o_st
+        a = arena[a_off + t * a_st: a_off + t * a_st + width]
+        b = arena[b_off + t * b_st: b_off + t * b_st + width]
+        o = arena[o_off + t * o_st: o_off + t * o_st + width]
         if kind == BIN_ADD:
             for j in range(width):
-                arena[o + j] = arena[a + j] + arena[b + j]
+                o[j] = a[j] + b[j]
         else:
             for j in range(width):
-                arena[o + j] = arena[a + j] / (np.float32(1.0) + exp_f32(-arena[b + j]))
+                o[j] = a[j] / (np.float32(1.0) + exp_f32(-b[j]))
 
 
 @njit(cache=True, parallel=True)
@@ -88,13 +98,14 @@ UN_SCALE = 1
 def unary_rows(arena, x_off, x_st, o_off, o_st, width, kind, c, r0, r1):
     cf = np.float32(c)
     for t in range(r0, r1):
-        x, o = x_off + t * x_st, o_off + t * o_st
+        x = arena[x_off + t * x_st: x_off + t * x_st + width]
+        o = arena[o_off + t * o_st: o_off + t * o_st + width]
         if kind == UN_SOFTCAP:
             for j in range(width):
-                arena[o + j] = cf * tanh_f32(arena[x + j] / cf)
+                o[j] = cf * tanh_f32(x[j] / cf)
         else:
             for j in range(width):
-                arena[o + j] = arena[x + j] * cf
+                o[j] = x[j] * cf
 
 
 def unary_ref(x: np.ndarray, kind: int, c: float) -> np.ndarray:
@@ -107,6 +118,7 @@ def unary_ref(x: np.ndarray, kind: int, c: float) -> np.ndarray:
 @njit(cache=True)
 def copy_rows(arena, x_off, x_st, o_off, o_st, width, row0, n):
     for t in range(n):
-        x, o = x_off + (row0 + t) * x_st, o_off + t * o_st
+        x = arena[x_off + (row0 + t) * x_st: x_off + (row0 + t) * x_st + width]
+        o = arena[o_off + t * o_st: o_off + t * o_st + width]
         for j in range(width):
-            arena[o + j] = arena[x + j]
+            o[j] = x[j]

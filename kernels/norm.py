@@ -8,20 +8,21 @@ import numpy as np
 from numba import njit, prange
 
 
-@njit(cache=True, fastmath=True)
+@njit(cache=True, fastmath=True, error_model="numpy")
 def rmsnorm_rows(arena, x_off, x_st, o_off, o_st, width, group, wf, w_off, eps, r0, r1):
     n_groups = width // group
+    w = wf[w_off: w_off + group]
     for t in range(r0, r1):
         for gi in range(n_groups):
-            x = x_off + t * x_st + gi * group
-            o = o_off + t * o_st + gi * group
+            # views, not arena[x + j]: offset indexing into one array keeps LLVM from vectorizing
+            x = arena[x_off + t * x_st + gi * group: x_off + t * x_st + (gi + 1) * group]
+            o = arena[o_off + t * o_st + gi * group: o_off + t * o_st + (gi + 1) * group]
             ss = np.float32(0.0)
             for j in range(group):
-                v = arena[x + j]
-                ss += v * v
+                ss += x[j] * x[j]
             inv = np.float32(1.0) / np.sqrt(ss / np.float32(group) + np.float32(eps))
             for j in range(group):
-                arena[o + j] = arena[x + j] * inv * wf[w_off + j]
+                o[j] = x[j] * inv * w[j]
 
 
 @njit(cache=True, parallel=True)

@@ -13,21 +13,25 @@ from numba import njit, prange
 def rope_rows(arena, x_off, x_st, o_off, o_st, n_heads, head_dim, rotary_dim, wf, f_off,
               att_scale, pos0, r0, r1):
     half = rotary_dim // 2
+    cos = np.empty(half, np.float32)
+    sin = np.empty(half, np.float32)
+    freqs = wf[f_off: f_off + half]
     for t in range(r0, r1):
         pos = np.float32(pos0 + t)
+        for i in range(half):                     # once per row, shared by every head
+            ang = pos * freqs[i]
+            cos[i] = np.float32(np.cos(ang)) * np.float32(att_scale)
+            sin[i] = np.float32(np.sin(ang)) * np.float32(att_scale)
         for h in range(n_heads):
-            x = x_off + t * x_st + h * head_dim
-            o = o_off + t * o_st + h * head_dim
+            x = arena[x_off + t * x_st + h * head_dim: x_off + t * x_st + (h + 1) * head_dim]
+            o = arena[o_off + t * o_st + h * head_dim: o_off + t * o_st + (h + 1) * head_dim]
             for i in range(half):
-                ang = pos * wf[f_off + i]
-                c = np.float32(np.cos(ang)) * np.float32(att_scale)
-                s = np.float32(np.sin(ang)) * np.float32(att_scale)
-                x1 = arena[x + i]
-                x2 = arena[x + i + half]
-                arena[o + i] = x1 * c - x2 * s
-                arena[o + i + half] = x2 * c + x1 * s
+                x1 = x[i]
+                x2 = x[i + half]
+                o[i] = x1 * cos[i] - x2 * sin[i]
+                o[i + half] = x2 * cos[i] + x1 * sin[i]
             for i in range(rotary_dim, head_dim):
-                arena[o + i] = arena[x + i]
+                o[i] = x[i]
 
 
 @njit(cache=True, parallel=True)
