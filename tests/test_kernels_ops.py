@@ -64,7 +64,9 @@ def test_rope(rotary_dim):
 @pytest.mark.parametrize("nh,nkv", [(6, 2), (4, 1), (3, 3), (14, 2)])   # decode splits groups into slices
 @pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("window,softcap,chunks", [(0, 0.0, [7, 1, 1, 5]), (4, 0.0, [9, 1, 1, 3]),
-                                                   (3, 0.0, [2, 6, 1, 5, 4]), (0, 20.0, [3, 1])])
+                                                   (3, 0.0, [2, 6, 1, 5, 4]), (0, 20.0, [3, 1]),
+                                                   (0, 0.0, [2 * A.QUERY_BLOCK + 37, 1]),     # several query blocks
+                                                   (50, 0.0, [A.QUERY_BLOCK + 90, 2])])
 def test_attention_prefill_then_decode(window, softcap, chunks, batched, nh, nkv):
     hd = 8
     total = sum(chunks)
@@ -72,7 +74,7 @@ def test_attention_prefill_then_decode(window, softcap, chunks, batched, nh, nkv
     k = rng.standard_normal((total, nkv * hd)).astype(np.float32)
     v = rng.standard_normal((total, nkv * hd)).astype(np.float32)
     ref = A.attention_ref(q, k, v, nh, nkv, hd, 0.3, softcap, window)
-    cap = (window + max(chunks)) if window else 64
+    cap = (window + max(chunks)) if window else max(64, total)
     state = np.zeros(2 * nkv * cap * hd, np.float32)
     pos, outs = 0, []
     for T in chunks:
