@@ -7,4 +7,4 @@ from . import numba_setup  # noqa: F401  (must precede every kernel import)
 
 # Bumped whenever a kernel's numerics or the packed weight layout change: it enters the
 # execution-cache key, so old compiled programs are rebuilt rather than misread.
-KERNELS_VERSION = "1"
+KERNELS_VERSION = "2"
