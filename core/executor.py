@@ -15,7 +15,8 @@ from .compiler import Program
 from .errors import ContextOverflowError, PromptError
 from .kernels import interpreter as K
 from .kernels.attention import attention_batched
-from .kernels.q8 import matmul_f32, matmul_q8
+from .kernels.q8 import matmul_f32
+from .kernels.q8_gemm import matmul_q8
 
 
 class Executor:

@@ -27,7 +27,7 @@ Kernels (all take arrays of exactly these shapes and dtypes; ``out`` is written,
     dequantize_weight_q8(w_q, w_s) -> w (N, Kp)           parallel
     quantize_act_q16(x (K,), x_q (Kp,), x_s (Kp//32,))    serial, in place, zero padding
     matvec_q8(w_q, w_s, x_q, x_s, out (N,))               decode hot path, parallel over rows
-    matmul_q8(x (T, K), w_q, w_s, out (T, N))             prefill: plain Python (OpenBLAS sgemm)
+    matmul_q8_sgemm(x (T, K), w_q, w_s, out (T, N))       prefill: plain Python (OpenBLAS sgemm)
     matvec_f32(w (N, K), x (K,), out (N,))                f32 reference mode, parallel
     matmul_f32(x (T, K), w (N, K), out (T, N))            f32 reference mode (numpy)
     half_to_float(bits)                                   binary16 bits -> float32 inside @njit code
@@ -48,7 +48,8 @@ sweep, interleaved in one process (25.1 vs 25.3 ms median), so only the int16 on
 Throughput: benchmarks/kernels_q8.py. The IR lives in this module (not in llvm_intrinsics.py) on
 purpose: numba's on-disk cache of a kernel is invalidated by its own source file only.
 
-matmul_q8: each tile of weight rows (8 MB of float32) is dequantized (serial numba, nogil) and
+matmul_q8_sgemm (the prefill path where AVX-512 VNNI is missing; ``q8_gemm.matmul_q8`` picks the
+path): each tile of weight rows (8 MB of float32) is dequantized (serial numba, nogil) and
 multiplied with OpenBLAS sgemm (numpy); the rows of W are split over the configured number of
 Python threads, each running single-threaded OpenBLAS. Measured (T=512, 2 threads): 93-98 % of
 sgemm on pre-dequantized float32 weights (dequantizing costs 2-4 %); equal to a 2-thread OpenBLAS
@@ -619,24 +620,12 @@ def _matmul_q8_rows(x, w_q, w_s, out, lo, hi):
         np.matmul(x, buf[:n1 - n0].T, out=out[:, n0:n1])
 
 
-_POOL = {}
-
-
-def _pool(n: int):
-    """A process-wide ThreadPoolExecutor with n workers (created on first use)."""
-    ex = _POOL.get(n)
-    if ex is None:
-        from concurrent.futures import ThreadPoolExecutor
-        ex = _POOL.setdefault(n, ThreadPoolExecutor(n, thread_name_prefix="cpullm-prefill"))
-    return ex
-
-
 def _matmul_q8_split(x, w_q, w_s, out, parts: int):
     """Row ranges of W on ``parts`` Python threads, each with single-threaded OpenBLAS."""
     N = w_q.shape[0]
     bounds = [min(N, (N * p // parts + 15) // 16 * 16) for p in range(parts)] + [N]
     with numba_setup.blas_threads(1):
-        futs = [_pool(parts - 1).submit(_matmul_q8_rows, x, w_q, w_s, out, bounds[p], bounds[p + 1])
+        futs = [numba_setup.python_pool(parts - 1).submit(_matmul_q8_rows, x, w_q, w_s, out, bounds[p], bounds[p + 1])
                 for p in range(1, parts)]
         _matmul_q8_rows(x, w_q, w_s, out, bounds[0], bounds[1])
         for f in futs:
@@ -650,8 +639,8 @@ def _check_mm(x, w_q, w_s, out):
         raise ValueError(f"matmul_q8: bad shapes x {x.shape}, w_q {w_q.shape}, w_s {w_s.shape}, out {out.shape}")
 
 
-def matmul_q8(x, w_q, w_s, out):
-    """out (T, N) = x (T, K) @ dequantize(w_q, w_s)[:, :K].T  (prefill).
+def matmul_q8_sgemm(x, w_q, w_s, out):
+    """out (T, N) = x (T, K) @ dequantize(w_q, w_s)[:, :K].T  (prefill without AVX-512 VNNI).
 
     x float32 (T, K) C-contiguous, w_q int8 (N, Kp), w_s float32 (N, Kp // 32), out float32 (T, N).
     Plain Python, no numba parallel region (so no spin fight with OpenBLAS's threads): tiles of

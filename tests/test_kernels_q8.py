@@ -224,22 +224,22 @@ def test_matvec_f32_matches_reference(N, K):
 
 @pytest.mark.parametrize("T", [1, 37])
 @pytest.mark.parametrize("N,K", [(1, 1), (37, 33), (101, 896), (1500, 900)])
-def test_matmul_q8_matches_reference(T, N, K):
+def test_matmul_q8_sgemm_matches_reference(T, N, K):
     w_q, w_s = q8.quantize_weight_q8(_w(N, K))
     x = RNG.standard_normal((T, K)).astype(np.float32)
     out = np.full((T, N), np.nan, np.float32)
-    q8.matmul_q8(x, w_q, w_s, out)
+    q8.matmul_q8_sgemm(x, w_q, w_s, out)
     w = q8.dequantize_weight_q8_ref(w_q, w_s)[:, :K].astype(np.float64)
     _close(out, q8.matmul_q8_ref(x, w_q, w_s), np.abs(x) @ np.abs(w).T)
 
 
-def test_matmul_q8_equals_dequantized_sgemm_row_by_row():
-    # prefill's numerics are weights-only INT8: equal to the f32 path on dequantized weights
+def test_matmul_q8_sgemm_equals_dequantized_sgemm_row_by_row():
+    # the sgemm path's numerics are weights-only INT8: equal to the f32 path on dequantized weights
     N, K, T = 300, 200, 5
     w_q, w_s = q8.quantize_weight_q8(_w(N, K))
     x = RNG.standard_normal((T, K)).astype(np.float32)
     out = np.empty((T, N), np.float32)
-    q8.matmul_q8(x, w_q, w_s, out)
+    q8.matmul_q8_sgemm(x, w_q, w_s, out)
     out2 = np.empty((T, N), np.float32)
     q8.matmul_f32(x, np.ascontiguousarray(q8.dequantize_weight_q8(w_q, w_s)[:, :K]), out2)
     np.testing.assert_allclose(out, out2, rtol=1e-5, atol=1e-4)

@@ -1,0 +1,154 @@
+"""The prefill GEMM (cpullm.kernels.q8_gemm): W8A16 on AVX-512 VNNI vs its numpy reference, the
+equality of its numerics with the decode path's, the dispatcher, and a codegen guard.
+
+Shapes are deliberately awkward: N not a multiple of the 64-row panel (nor of 16), K not a
+multiple of 32 and spanning several 256-value chunks plus a partial one, T not a multiple of the
+3-row register tile.
+"""
+import numba
+import numpy as np
+import pytest
+
+from cpullm.kernels import q8, q8_gemm
+
+RNG = np.random.default_rng(20261201)
+VNNI = pytest.mark.skipif(not q8_gemm.HAVE_VNNI512, reason="this CPU lacks AVX-512 VNNI (the kernel cannot run here)")
+
+SHAPES = [(1, 1, 1), (2, 17, 33), (3, 64, 256), (4, 65, 257), (5, 100, 900), (37, 129, 896), (64, 300, 1000)]
+
+
+def _w(N, K):
+    w = RNG.standard_normal((N, K)).astype(np.float32)
+    if N > 3 and K > 40:
+        w[1, :40] = 0.0            # an all-zero block (scale 0)
+        w[2, 7] = 60.0             # an outlier
+    return w
+
+
+def _x(T, K):
+    x = RNG.standard_normal((T, K)).astype(np.float32)
+    if T > 1 and K > 40:
+        x[1, 3] = 500.0            # an activation outlier inside one block
+    return x
+
+
+def _bound(x, w_q, w_s):
+    """float32 accumulation tolerance: relative to the sum of absolute terms."""
+    w = np.abs(q8.dequantize_weight_q8_ref(w_q, w_s)[:, :x.shape[1]]).astype(np.float64)
+    return 2e-6 * (np.abs(x).astype(np.float64) @ w.T).max() + 1e-30
+
+
+@VNNI
+@pytest.mark.parametrize("T,N,K", SHAPES)
+def test_w8a16_matches_reference(T, N, K):
+    w_q, w_s = q8.quantize_weight_q8(_w(N, K))
+    x = _x(T, K)
+    out = np.full((T, N), np.nan, np.float32)
+    q8_gemm.matmul_w8a16(x, w_q, w_s, out)
+    ref = q8_gemm.matmul_w8a16_ref(x, w_q, w_s)
+    assert np.isfinite(out).all()
+    assert np.abs(out - ref).max() <= _bound(x, w_q, w_s)
+
+
+@VNNI
+def test_w8a16_rows_equal_the_decode_matvec():
+    # prefill and decode compute the same numbers (int16 activation blocks x q8 weights)
+    T, N, K = 7, 200, 600
+    w_q, w_s = q8.quantize_weight_q8(_w(N, K))
+    x = _x(T, K)
+    out = np.empty((T, N), np.float32)
+    q8_gemm.matmul_w8a16(x, w_q, w_s, out)
+    Kp = w_q.shape[1]
+    for t in range(T):
+        x_q, x_s = np.empty(Kp, np.int16), np.empty(Kp // 32, np.float32)
+        q8.quantize_act_q16(x[t], x_q, x_s)
+        row = np.empty(N, np.float32)
+        q8.matvec_q8(w_q, w_s, x_q, x_s, row)
+        assert np.abs(out[t] - row).max() <= _bound(x[t:t + 1], w_q, w_s)
+
+
+@VNNI
+def test_w8a16_writes_into_a_strided_view_and_nothing_else():
+    T, N, K = 5, 70, 96
+    w_q, w_s = q8.quantize_weight_q8(_w(N, K))
+    x = _x(T, K)
+    big = np.full((T, N + 30), -7.0, np.float32)
+    q8_gemm.matmul_w8a16(x, w_q, w_s, big[:, 10:10 + N])
+    assert (big[:, :10] == -7.0).all() and (big[:, 10 + N:] == -7.0).all()
+    assert np.abs(big[:, 10:10 + N] - q8_gemm.matmul_w8a16_ref(x, w_q, w_s)).max() <= _bound(x, w_q, w_s)
+
+
+@VNNI
+def test_w8a16_extreme_values_do_not_overflow():
+    # every weight +-127 and every activation at +-32767 after quantization: the int32 block
+    # sums reach 32 * 127 * 32767 and must stay exact
+    T, N, K = 4, 64, 512
+    w = np.where(RNG.random((N, K)) < 0.5, -1.0, 1.0).astype(np.float32)
+    w[:, ::2] = 1.0
+    x = np.ones((T, K), np.float32) * 3.0
+    w_q, w_s = q8.quantize_weight_q8(w)
+    out = np.empty((T, N), np.float32)
+    q8_gemm.matmul_w8a16(x, w_q, w_s, out)
+    assert np.abs(w_q).min() == 127
+    x_q, x_s = q8.quantize_act_q16_ref(x[0], w_q.shape[1])
+    assert np.abs(x_q).min() == 32767
+    np.testing.assert_allclose(out, q8_gemm.matmul_w8a16_ref(x, w_q, w_s), rtol=1e-6)
+
+
+@VNNI
+def test_pack_layout():
+    # the packed chunk is the documented interleave of sign-extended weights and float scales
+    N, K = 90, 320                      # second panel partial (26 rows), 10 blocks
+    w_q, w_s = q8.quantize_weight_q8(_w(N, K))
+    V, NR, KC = q8_gemm.V, q8_gemm.NR, q8_gemm.KC_BLOCKS
+    n0, b0, nblk = NR, 8, 2
+    wp = np.full(KC * 16 * V * 32, 99, np.int16)
+    sp = np.full(KC * NR, 99.0, np.float32)
+    q8_gemm._pack_chunk(w_q, w_s, n0, b0, nblk, wp, sp)
+    scales = q8.scale_values(w_s)
+    for bb in range(nblk):
+        for p in range(16):
+            for v in range(V):
+                for lane in range(16):
+                    n = n0 + 16 * v + lane
+                    for e in range(2):
+                        want = w_q[n, 32 * (b0 + bb) + 2 * p + e] if n < N else 0
+                        assert wp[((bb * 16 + p) * V + v) * 32 + 2 * lane + e] == want
+                    assert sp[(bb * V + v) * 16 + lane] == (scales[n, b0 + bb] if n < N else 0.0)
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 40])
+def test_matmul_q8_dispatch_matches_its_reference(T):
+    # on VNNI hosts: W8A16 numerics (the GEMM, or one matvec per row below MIN_ROWS);
+    # elsewhere: weights-only INT8 through sgemm
+    N, K = 150, 416
+    w_q, w_s = q8.quantize_weight_q8(_w(N, K))
+    x = _x(T, K)
+    out = np.full((T, N), np.nan, np.float32)
+    q8_gemm.matmul_q8(x, w_q, w_s, out)
+    if q8_gemm.HAVE_VNNI512:
+        ref = q8_gemm.matmul_w8a16_ref(x, w_q, w_s)
+    else:
+        ref = q8.matmul_q8_ref(x, w_q, w_s)
+    assert np.abs(out - ref).max() <= _bound(x, w_q, w_s) * 5
+
+
+def test_matmul_q8_rejects_bad_shapes():
+    w_q, w_s = q8.quantize_weight_q8(_w(10, 64))
+    with pytest.raises(ValueError):
+        q8_gemm.matmul_q8(np.zeros((5, 65), np.float32), w_q, w_s, np.zeros((5, 10), np.float32))
+    with pytest.raises(ValueError):
+        q8_gemm.matmul_q8(np.zeros((5, 64), np.float32), w_q, w_s, np.zeros((5, 11), np.float32))
+
+
+@VNNI
+def test_w8a16_codegen_uses_vnni_on_zmm():
+    # numba cannot show cached code: compile the driver afresh and read its assembly
+    fresh = numba.njit(parallel=True)(q8_gemm._gemm_panels.py_func)
+    w_q, w_s = q8.quantize_weight_q8(_w(70, 300))
+    x_q, x_s = np.zeros((6, 320), np.int16), np.zeros((6, 10), np.float32)
+    fresh(x_q, x_s, w_q, w_s, 5, np.zeros((5, 70), np.float32), 2)
+    asm = fresh.inspect_asm(fresh.signatures[0])
+    assert "vpdpwssd" in asm and "zmm" in asm, "the W8A16 tile lost its VNNI code"
+    assert asm.count("vpdpwssd") >= 16 * q8_gemm.TR * q8_gemm.V, "the 16-step block loop is not unrolled"
+    assert "vpermt2d" in asm or "vpermi2d" in asm or "vshufi" in asm or "vpunpck" in asm, "pack transpose scalarized"
