@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from . import numba_setup
 from .vmath import exp_f32, tanh_f32
 
 
@@ -151,14 +152,15 @@ def attention_ref(q, k, v, n_heads, n_kv, head_dim, scale, softcap=0.0, window=0
     return (p @ vh).transpose(1, 0, 2).reshape(T, n_heads * head_dim).astype(np.float32)
 
 
-@njit(cache=True, parallel=True, fastmath=True, error_model="numpy")
+@njit(cache=True, nogil=True, fastmath=True, error_model="numpy")
 def _masked_softmax(scores, T, pos0, lo, window):
     """In place over scores (R, T, L): row (r, t) is query position pos0 + t over key positions
     lo .. lo + L - 1; keys after the query (and, with a window, before p - window + 1) get 0.
     Only the visible span is exponentiated, so no -inf ever enters the arithmetic. The loops run
-    over a view of the visible span (vectorized: 4x faster than indexing the full row)."""
+    over a view of the visible span (vectorized: 4x faster than indexing the full row). Serial
+    and nogil: :func:`attention_batched` runs one job per Python thread."""
     R, _, L = scores.shape
-    for job in prange(R * T):
+    for job in range(R * T):
         r = job // T
         t = job % T
         p = pos0 + t
@@ -188,43 +190,73 @@ def _masked_softmax(scores, T, pos0, lo, window):
 QUERY_BLOCK = 128   # prefill query rows per block: keys past a block's last row are skipped
 # (measured, Qwen2.5-0.5B shapes, 512 rows: 128 -> ~12 ms per layer, 256 -> ~13, 512 -> ~17)
 
+MIN_JOBS_PER_THREAD = 4
+"""attention_batched splits the query heads of a KV head group into slices until there are at
+least this many jobs per thread, so the unequal blocks (later blocks see more keys) balance."""
+
 
 def attention_batched(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
                       n_heads, n_kv, head_dim, c_off, cap, scale, softcap, window, pos0, T):
     """Prefill form of :func:`attention` (same arguments, same result): the score and value
-    products run as batched matrix products (BLAS) per KV head group, a block of query rows at a
-    time, each block against only the keys it can see."""
+    products run as matrix products (OpenBLAS sgemm), one job per (block of query rows, KV head,
+    slice of its query heads), each block against only the keys it can see.
+
+    The jobs run on the configured number of Python threads, each with single-threaded OpenBLAS
+    and the serial nogil softmax: alternating a 2-thread OpenBLAS pool with numba's parallel
+    softmax made the softmax 3-4x slower (both pools spin for the same 2 cores)."""
     kv_write(arena, state, k_off, k_st, v_off, v_st, n_kv, head_dim, c_off, cap, pos0, T)
     size = n_kv * cap * head_dim
     kc = state[c_off: c_off + size].reshape(n_kv, cap, head_dim)
     vc = state[c_off + size: c_off + 2 * size].reshape(n_kv, cap, head_dim)
     q_all = arena[q_off: q_off + T * q_st].reshape(T, q_st)[:, : n_heads * head_dim]
     o_all = arena[o_off: o_off + T * o_st].reshape(T, o_st)[:, : n_heads * head_dim]
-    for t0 in range(0, T, QUERY_BLOCK):
-        t1 = min(T, t0 + QUERY_BLOCK)
-        o_all[t0:t1] = _attend_block(q_all[t0:t1], kc, vc, n_heads, n_kv, head_dim, cap, scale,
-                                     softcap, window, pos0 + t0)
-
-
-def _attend_block(q, kc, vc, n_heads, n_kv, head_dim, cap, scale, softcap, window, pos0):
-    """q (B, nh*hd) for positions pos0 .. pos0+B-1, keys already in the cache -> (B, nh*hd)."""
-    B = q.shape[0]
     g = n_heads // n_kv
+    threads = numba_setup.configured_threads()
+    blocks = [(t0, min(T, t0 + QUERY_BLOCK)) for t0 in range(0, T, QUERY_BLOCK)]
+    slices = 1
+    while slices < g and len(blocks) * n_kv * slices < MIN_JOBS_PER_THREAD * threads:
+        slices += 1
+    jobs = [(t0, t1, kvh, kvh * g + g * s // slices, kvh * g + g * (s + 1) // slices)
+            for t0, t1 in blocks for kvh in range(n_kv) for s in range(slices)]
+    jobs.sort(key=lambda j: -(j[1] * (j[4] - j[3])))       # largest first (longest key spans)
+
+    def run(part):
+        for t0, t1, kvh, h0, h1 in part:
+            o_all[t0:t1, h0 * head_dim: h1 * head_dim] = _attend_job(
+                q_all[t0:t1, h0 * head_dim: h1 * head_dim], kc[kvh], vc[kvh], h1 - h0, head_dim, cap,
+                scale, softcap, window, pos0 + t0)
+
+    if threads <= 1 or len(jobs) == 1:
+        with numba_setup.blas_threads(1):
+            run(jobs)
+        return
+    parts = [jobs[i::threads] for i in range(threads)]
+    with numba_setup.blas_threads(1):
+        futs = [numba_setup.python_pool(threads - 1).submit(run, part) for part in parts[1:]]
+        run(parts[0])
+        for f in futs:
+            f.result()
+
+
+def _attend_job(q, keys_all, values_all, nh, head_dim, cap, scale, softcap, window, pos0):
+    """q (B, nh*hd): nh query heads sharing one KV head, positions pos0 .. pos0+B-1; keys_all /
+    values_all (cap, hd) that KV head's cache (keys already written) -> (B, nh*hd)."""
+    B = q.shape[0]
     end = pos0 + B
     lo = max(0, pos0 - window + 1) if window > 0 else 0
     L = end - lo
     s0 = lo % cap
     if s0 + L <= cap:                      # contiguous slots: views, no gather
-        keys, values = kc[:, s0: s0 + L], vc[:, s0: s0 + L]
+        keys, values = keys_all[s0: s0 + L], values_all[s0: s0 + L]
     else:
         slots = np.arange(lo, end) % cap
-        keys, values = kc[:, slots], vc[:, slots]
-    q = q.reshape(B, n_kv, g, head_dim).transpose(1, 2, 0, 3).reshape(n_kv, g * B, head_dim)
+        keys, values = keys_all[slots], values_all[slots]
+    q = q.reshape(B, nh, head_dim).transpose(1, 0, 2).reshape(nh * B, head_dim)
     q = q * np.float32(scale)                                         # scaled copy (small)
-    scores = np.matmul(q, keys.transpose(0, 2, 1))                    # (n_kv, g*B, L)
+    scores = q @ keys.T                                               # (nh*B, L)
     if softcap > 0.0:
         np.tanh(scores / np.float32(softcap), out=scores)
         scores *= np.float32(softcap)
-    _masked_softmax(scores.reshape(n_kv * g, B, L), B, pos0, lo, window)
-    out = np.matmul(scores.reshape(n_kv, g * B, L), values)          # (n_kv, g*B, hd)
-    return out.reshape(n_kv, g, B, head_dim).transpose(2, 0, 1, 3).reshape(B, n_heads * head_dim)
+    _masked_softmax(scores.reshape(nh, B, L), B, pos0, lo, window)
+    out = scores @ values                                             # (nh*B, hd)
+    return out.reshape(nh, B, head_dim).transpose(1, 0, 2).reshape(B, nh * head_dim)
