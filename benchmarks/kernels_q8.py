@@ -5,11 +5,12 @@
 
 Prints, per thread count:
   * the DRAM read ceiling (numba prange sum over 1 GiB of float32, as in KERNELS.md);
-  * matvec_q8 and matvec_f32: GB/s of weight bytes (int8 + float32 scales / float32), per shape,
+  * matvec_q8 and matvec_f32: GB/s of weight bytes (int8 + binary16 scales / float32), per shape,
     cycling through 512 MB of copies of each matrix (one flat buffer) so every call streams from DRAM;
   * a whole decode sweep (every matrix of every layer + lm_head once, as one token reads them):
     ms per token and the tokens/s bound this sets;
-  * matmul_q8 at T=512: GFLOP/s next to numpy sgemm on the dequantized float32 weights;
+  * the prefill GEMM at T=512 (q8_gemm.matmul_q8: W8A16 VNNI where the CPU has it) and the
+    dequantize + sgemm path (q8.matmul_q8_sgemm): GOP/s next to numpy sgemm on float32 weights;
   * per-call overhead of matvec_q8 called from a serial @njit wrapper (the interpreter pattern)
     on a small 576 x 576 matrix, next to the same work with 1 thread.
 
@@ -28,7 +29,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from cpullm.kernels import q8
+from cpullm.kernels import q8, q8_gemm
 from cpullm.kernels.numba_setup import configure
 
 
@@ -90,7 +91,7 @@ def _psum(a, nch):
 def _wrapper_loop(w_q, w_s, x, x_q, x_s, out, reps):
     # the interpreter pattern: a serial njit function calling quantize + the parallel matvec
     for _ in range(reps):
-        q8.quantize_act_q8(x, x_q, x_s)
+        q8.quantize_act_q16(x, x_q, x_s)
         q8.matvec_q8(w_q, w_s, x_q, x_s, out)
 
 
@@ -119,12 +120,17 @@ def _mats(N, K, kind, rng, total=STREAM_BYTES):
     if kind == "q8":
         nc = max(1, total // (N * Kp))
         fq = _flat(nc * N * Kp, np.int8, rng)
-        fs = (np.abs(_flat(nc * N * Kp // 32 * 4, np.float32, rng)) + 0.5) * np.float32(1e-3)
+        fs = _scales(nc * N * Kp // 32, rng)
         return [(fq[i * N * Kp:(i + 1) * N * Kp].reshape(N, Kp),
                  fs[i * N * Kp // 32:(i + 1) * N * Kp // 32].reshape(N, Kp // 32)) for i in range(nc)]
     nc = max(1, total // (N * K * 4))
     f = _flat(nc * N * K * 4, np.float32, rng)
     return [f[i * N * K:(i + 1) * N * K].reshape(N, K) for i in range(nc)]
+
+
+def _scales(n, rng):
+    """n binary16 weight-scale bit patterns around 1e-3 (as uint16)."""
+    return ((np.abs(rng.standard_normal(n)) + 0.5) * 1e-3).astype(np.float16).view(np.uint16)
 
 
 def make_q8(N, K, rng):
@@ -137,9 +143,9 @@ def bench_matvec(shapes, rng, reps, kind):
     for label, N, K in shapes:
         Kp = q8.padded_k(K)
         mats = _mats(N, K, kind, rng)
-        per = (N * Kp + N * Kp // 8) if kind == "q8" else N * K * 4
+        per = (N * Kp + N * Kp // 16) if kind == "q8" else N * K * 4
         nc = len(mats)
-        x_q = rng.integers(-127, 128, Kp, dtype=np.int8)
+        x_q = rng.integers(-32767, 32768, Kp, dtype=np.int16)
         x_s = rng.random(Kp // 32, dtype=np.float32)
         x = rng.standard_normal(K, dtype=np.float32)
         out = np.empty(N, np.float32)
@@ -163,7 +169,7 @@ def bench_sweep(model, rng, reps):
     order = [(N, K) for _ in range(layers) for _, N, K in shapes] + [(head[1], head[2])]
     sizes = [N * q8.padded_k(K) for N, K in order]
     fq = _flat(sum(sizes), np.int8, rng)
-    fs = (np.abs(_flat(sum(sizes) // 32 * 4, np.float32, rng)) + 0.5) * np.float32(1e-3)
+    fs = _scales(sum(sizes) // 32, rng)
     mats, off = [], 0
     for (N, K), sz in zip(order, sizes):
         Kp = q8.padded_k(K)
@@ -173,7 +179,7 @@ def bench_sweep(model, rng, reps):
     for w_q, w_s in mats:
         Kp = w_q.shape[1]
         if Kp not in xs:
-            xs[Kp] = (rng.integers(-127, 128, Kp, dtype=np.int8), rng.random(Kp // 32, dtype=np.float32))
+            xs[Kp] = (rng.integers(-32767, 32768, Kp, dtype=np.int16), rng.random(Kp // 32, dtype=np.float32))
     outs = {m[0].shape[0]: np.empty(m[0].shape[0], np.float32) for m in mats}
     nbytes = fq.nbytes + fs.nbytes
 
@@ -194,12 +200,14 @@ def bench_matmul(shapes, rng, T, reps):
         out = np.empty((T, N), np.float32)
         w = np.ascontiguousarray(q8.dequantize_weight_q8(w_q, w_s)[:, :K])
         flops = 2.0 * T * N * K
-        q8.matmul_q8(x, w_q, w_s, out)
-        np.matmul(x, w.T, out=out)
         r = max(2, int(reps * min(1.0, 2e10 / flops / 10)))
-        mq, bq = timeit(lambda: q8.matmul_q8(x, w_q, w_s, out), r)
-        mf, bf = timeit(lambda: np.matmul(x, w.T, out=out), r)
-        res[label] = (flops / mq / 1e9, flops / bq / 1e9, flops / mf / 1e9, flops / bf / 1e9)
+        row = []
+        for fn in (lambda: q8_gemm.matmul_q8(x, w_q, w_s, out), lambda: q8.matmul_q8_sgemm(x, w_q, w_s, out),
+                   lambda: np.matmul(x, w.T, out=out)):
+            fn()
+            med, best = timeit(fn, r)
+            row += [flops / med / 1e9, flops / best / 1e9]
+        res[label] = tuple(row)
     return res
 
 
@@ -218,7 +226,8 @@ def main(argv=None):
     print(f"numba {numba.__version__}, numpy {np.__version__}, threading layer: ", end="")
     configure(1)
     _psum(np.ones(1024, np.float32), 2)
-    print(numba.threading_layer(), f"| q8 path: {'AVX2 IR' if q8.HAVE_AVX2 else 'generic IR'}",
+    print(numba.threading_layer(), f"| q8 matvec: {'AVX2 IR' if q8.HAVE_AVX2 else 'generic IR'}",
+          f"| prefill GEMM: {'W8A16 AVX-512 VNNI' if q8_gemm.HAVE_VNNI512 else 'dequantize + sgemm'}",
           f"| GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}")
     big = None if "ceiling" in skip else np.ones(256 << 20, np.float32)   # 1 GiB
     for th in (int(t) for t in a.threads.split(",")):
@@ -254,16 +263,17 @@ def main(argv=None):
             if "matmul" not in skip:
                 wait_idle(a.wait_idle)
                 r = bench_matmul(allshapes if not a.quick else shapes, rng, 512, max(3, reps // 3))
-                for label, (g, gb, s, sb) in r.items():
-                    print(f"  {model:8s} matmul T=512 {label:8s} matmul_q8 {g:6.1f} GFLOP/s [best {gb:6.1f}]   "
-                          f"numpy sgemm f32 {s:6.1f} [best {sb:6.1f}]   ratio {g / s:.2f}")
+                for label, (g, gb, d, db, s, sb) in r.items():
+                    print(f"  {model:8s} matmul T=512 {label:8s} matmul_q8 {g:6.1f} GOP/s [best {gb:6.1f}]   "
+                          f"dequant+sgemm {d:6.1f} [best {db:6.1f}]   numpy sgemm f32 {s:6.1f} [best {sb:6.1f}]   "
+                          f"matmul_q8 / sgemm {g / s:.2f}")
         if "overhead" not in skip:
             wait_idle(a.wait_idle)
             for N in (32, 576):
                 K = N
                 w_q, w_s = make_q8(N, K, rng)
                 x = rng.standard_normal(K, dtype=np.float32)
-                x_q = np.empty(K, np.int8)
+                x_q = np.empty(K, np.int16)
                 x_s = np.empty(K // 32, np.float32)
                 out = np.empty(N, np.float32)
                 n = 4000
