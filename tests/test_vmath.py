@@ -41,5 +41,5 @@ def test_loops_over_them_vectorize(kernel):
     fresh = numba.njit(**{k: v for k, v in kernel.targetoptions.items() if k != "nopython"})(kernel.py_func)
     fresh(x, np.empty_like(x))
     asm = fresh.inspect_asm(fresh.signatures[0])
-    assert re.search(r"vfmadd\w+ps\s+[^\n]*%ymm", asm), "exp polynomial not vectorized"
+    assert re.search(r"vfmadd\w+ps\s+[^\n]*%[yz]mm", asm), "exp polynomial not vectorized"   # 8 or 16 lanes
     assert "expf" not in asm and "tanhf" not in asm
