@@ -118,6 +118,7 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
     (``"f32"``: kept float32 in every mode); only LINEARs of equal precision are fused.
     """
     from .kernels import interpreter as K
+    from .kernels.attention import padded_cap
     from .kernels.q8 import quantize_weight_q8
 
     if quant not in QUANT_MODES:
@@ -257,7 +258,7 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
         elif n.op == Op.ATTENTION:
             (q_off, q_st), (k_off, k_st), (v_off, v_st) = (loc(i) for i in n.inputs)
             nkv, hd, window = n.attr("n_kv_heads"), n.attr("head_dim"), n.attr("window")
-            cap = n_ctx if not window else min(n_ctx, window + max_chunk)
+            cap = padded_cap(n_ctx if not window else min(n_ctx, window + max_chunk))   # whole key tiles
             c_off = add_state(n, 2 * nkv * cap * hd, "kv", cap=cap, n_kv_heads=nkv, head_dim=hd,
                               window=window, layer=n.attr("layer"))
             Ir[3:16] = [q_off, q_st, k_off, k_st, v_off, v_st, out_off, out_st, n.attr("n_heads"),

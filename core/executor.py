@@ -14,7 +14,7 @@ import numpy as np
 from .compiler import Program
 from .errors import ContextOverflowError, PromptError
 from .kernels import interpreter as K
-from .kernels.attention import attention_batched
+from .kernels.attention import kv_views
 from .kernels.q8 import matmul_f32
 from .kernels.q8_gemm import matmul_q8
 
@@ -55,8 +55,8 @@ class Executor:
 
     # ---- segmentation -------------------------------------------------------------------------
     def _segments(self, start: int, end: int, batched: bool) -> list:
-        """[("interp", a, b) | ("linear", r) | ("attention", r) | ("external", r)] covering
-        [start, end). Batched segments run matmuls and attention as BLAS products."""
+        """[("interp", a, b) | ("linear", r) | ("external", r)] covering [start, end). Batched
+        segments run LINEARs as matrix products (matmul_q8 / matmul_f32)."""
         out, a = [], start
         for r in range(start, end):
             special = None
@@ -64,8 +64,6 @@ class Executor:
                 special = ("external", r)
             elif batched and self.I[r, 0] == K.OP_LINEAR:
                 special = ("linear", r)
-            elif batched and self.I[r, 0] == K.OP_ATTENTION:
-                special = ("attention", r)
             if special:
                 if a < r:
                     out.append(("interp", a, r))
@@ -89,8 +87,6 @@ class Executor:
                 self._interp(seg[1], seg[2])
             elif seg[0] == "linear":
                 self._linear_batched(seg[1])
-            elif seg[0] == "attention":
-                self._attention_batched(seg[1])
             else:
                 self._external(seg[1])
             if prof is not None:
@@ -119,11 +115,6 @@ class Executor:
         if b_off >= 0:
             out += self.wf[b_off: b_off + N]
         self.arena[o_off: o_off + T * o_st].reshape(T, o_st)[:, :N] = out
-
-    def _attention_batched(self, r: int):
-        I, F = self.I[r], self.F[r]
-        attention_batched(self.arena, self.state, *(int(v) for v in I[3:16]), float(F[0]), float(F[1]),
-                          int(F[2]), int(self.rt[1]), self._rows(r))
 
     def _external(self, r: int):
         fn = self.external[r]
@@ -197,24 +188,27 @@ class Executor:
 
     # ---- state save / restore (prompt cache) -------------------------------------------------
     def state_region(self, reg: dict) -> np.ndarray:
-        """The float32 view of one ``meta["state_regions"]`` entry: for a KV region shaped
-        (2, n_kv_heads, cap, head_dim) (K then V; position p in slot p % cap), for a
-        linear-attention region flat (floats,)."""
-        a = self.state[reg["offset"]: reg["offset"] + reg["floats"]]
-        if reg["kind"] == "kv":
-            return a.reshape(2, reg["n_kv_heads"], reg["cap"], reg["head_dim"])
-        return a
+        """The flat float32 view (floats,) of one ``meta["state_regions"]`` entry (a KV region's
+        layout: :func:`cpullm.kernels.attention.kv_views`)."""
+        return self.state[reg["offset"]: reg["offset"] + reg["floats"]]
+
+    def _kv(self, reg: dict):
+        return kv_views(self.state_region(reg), reg["n_kv_heads"], reg["cap"], reg["head_dim"])
 
     def read_kv(self, reg: dict, lo: int, hi: int) -> np.ndarray:
         """A copy of the keys and values of positions [lo, hi): (2, n_kv_heads, hi - lo, head_dim).
         The caller makes sure the region still holds them (hi - lo <= cap, hi <= n_past)."""
         slots = np.arange(lo, hi) % reg["cap"]
-        return self.state_region(reg)[:, :, slots, :].copy()
+        k, v = self._kv(reg)
+        keys = k[:, slots // 16, :, slots % 16]              # (n, n_kv, head_dim)
+        return np.stack([keys.transpose(1, 0, 2), v[:, slots, :]])
 
     def write_kv(self, reg: dict, lo: int, kv: np.ndarray) -> None:
-        """Put keys and values of positions [lo, lo + kv.shape[2]) into their slots."""
+        """Put keys and values (2, n_kv_heads, n, head_dim) of positions [lo, lo + n) into their slots."""
         slots = np.arange(lo, lo + kv.shape[2]) % reg["cap"]
-        self.state_region(reg)[:, :, slots, :] = kv
+        k, v = self._kv(reg)
+        k[:, slots // 16, :, slots % 16] = kv[0].transpose(1, 0, 2)
+        v[:, slots, :] = kv[1]
 
     def set_position(self, n_past: int) -> None:
         """Continue the sequence after ``n_past`` tokens whose state was restored."""

@@ -5,6 +5,7 @@
 """
 from . import numba_setup  # noqa: F401  (must precede every kernel import)
 
-# Bumped whenever a kernel's numerics or the packed weight layout change: it enters the
+# Bumped whenever a kernel's numerics, the packed weight layout or the KV cache layout change
+# (3: keys in tiles of 16 slots, cache capacities rounded up to 16): it enters the
 # execution-cache key, so old compiled programs are rebuilt rather than misread.
-KERNELS_VERSION = "2"
+KERNELS_VERSION = "3"

@@ -1,93 +1,408 @@
 """Causal grouped-query attention over a per-layer KV cache (full or sliding-window ring).
 
-Cache region of one layer inside the flat ``state`` array, at ``c_off``:
-    K: (n_kv, cap, head_dim)  then  V: (n_kv, cap, head_dim)
-Position p lives in slot ``p % cap``. A full-attention layer has cap = n_ctx; a sliding-window layer
-has cap = window + max_chunk, so a whole prefill chunk fits beside the window it looks back on.
-Query row t (position pos0 + t) attends to positions [lo, pos0 + t], lo = max(0, p - window + 1)
-for window > 0, else 0. Query head h reads KV head h // (n_heads // n_kv).
-Softmax in float32 (max subtracted, exp_f32), with optional tanh soft-capping.
+Cache region of one layer inside the flat ``state`` array, at ``c_off`` (cap a multiple of 16):
+
+    K: (n_kv, cap // 16, head_dim, 16)   keys in tiles of 16 slots, transposed inside a tile
+    V: (n_kv, cap, head_dim)             values, one row per slot
+
+Position p lives in slot ``p % cap`` (K: tile ``slot // 16``, lane ``slot % 16``). A full-attention
+layer has cap = n_ctx (rounded up to 16); a sliding-window layer has cap >= window + max_chunk, so
+a whole prefill chunk fits beside the window it looks back on. Query row t (position pos0 + t)
+attends to positions [lo, pos0 + t], lo = max(0, p - window + 1) for window > 0, else 0. Query
+head h reads KV head h // (n_heads // n_kv). Softmax in float32 (max subtracted, exp_f32), with
+optional tanh soft-capping.
+
+Why the key tiles: the score of 16 keys for one query head is then 16 lanes of one vector,
+accumulated over head_dim with one broadcast FMA per dimension (``_scores_tiles``, LLVM IR: four
+query heads share each tile load, no horizontal sums). The values are multiplied the other way
+round (``_pv_rows``: each value row is loaded once and added into register accumulators of up to
+four heads by 64 dimensions). Both run the same for decode (one query row) and prefill (every row
+of a chunk is an independent job), so there is one attention kernel, :func:`attention`, parallel
+over (query row, KV head, slice of its query heads).
+
+Measured per layer on the 2-core Zen 5, 2 threads, against the kernels this replaced (row-major
+keys: a horizontal sum per score in decode; OpenBLAS products per KV head on Python threads in
+prefill): decode at a 512-token context, SmolLM2-135M shapes (9 heads / 3 KV heads / head_dim 64)
+0.037 -> 0.020 ms, Qwen2.5-0.5B (14 / 2 / 64) 0.035 -> 0.014 ms, Gemma 3 270M (4 / 1 / 256)
+0.052 -> 0.030 ms; a 512-token prefill 4.9 -> 3.1, 5.3 -> 3.8 and 4.7 -> 3.5 ms.
 """
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
-from . import numba_setup
 from .vmath import exp_f32, tanh_f32
 
+TILE = 16
+"""Key slots per tile (the vector width of the score kernel)."""
 
-@njit(cache=True)
+_I32, _I64, _F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+_VF = ir.VectorType(_F32, TILE)
+_PF = _F32.as_pointer()
+HEADS_PER_PASS = 4   # query heads sharing one tile / value-row load
+PV_VECTORS = 4       # 16-float vectors of head_dim per value pass: 4 heads x 4 = 16 accumulators
+
+
+def padded_cap(cap: int) -> int:
+    """A cache capacity rounded up to whole tiles."""
+    return (int(cap) + TILE - 1) // TILE * TILE
+
+
+def _c64(v):
+    return ir.Constant(_I64, v)
+
+
+def _decl(module, name, ret, args):
+    fn = module.globals.get(name)
+    return fn if fn is not None else ir.Function(module, ir.FunctionType(ret, args), name)
+
+
+def _splat(b, x):
+    v = b.insert_element(ir.Constant(_VF, ir.Undefined), x, ir.Constant(_I32, 0))
+    return b.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, TILE), [0] * TILE))
+
+
+def _vload(b, p, off):
+    return b.load(b.bitcast(b.gep(p, [off]), _VF.as_pointer()), align=4)
+
+
+def _vstore(b, v, p, off):
+    b.store(v, b.bitcast(b.gep(p, [off]), _VF.as_pointer()), align=4)
+
+
+def _counted_loop(fn, b, n, name):
+    """for i in range(n) as IR blocks: returns (body builder, i, after-loop builder, close)."""
+    head = fn.append_basic_block(name + "_head")
+    body = fn.append_basic_block(name + "_body")
+    end = fn.append_basic_block(name + "_end")
+    pre = b.block
+    b.branch(head)
+    bh = ir.IRBuilder(head)
+    i = bh.phi(_I64)
+    i.add_incoming(_c64(0), pre)
+    bh.cbranch(bh.icmp_signed("<", i, n), body, end)
+    bb = ir.IRBuilder(body)
+
+    def close(b_last):
+        i.add_incoming(b_last.add(i, _c64(1)), b_last.block)
+        b_last.branch(head)
+    return bb, i, ir.IRBuilder(end), close
+
+
+def _remainder_pass(fn, b, nrest, emit, name):
+    """switch nrest in (1, 2, 3): emit(builder, nh) for that many heads; returns the builder after.
+    ``emit`` may return a new builder (its code ended in another block) or anything else."""
+    end = fn.append_basic_block(name + "_rest_end")
+    cases = []
+    for nh in (1, 2, 3):
+        blk = fn.append_basic_block(f"{name}_rest{nh}")
+        cases.append((nh, blk))
+    sw = b.switch(nrest, end)
+    for nh, blk in cases:
+        sw.add_case(_c64(nh), blk)
+        bb = ir.IRBuilder(blk)
+        r = emit(bb, nh)
+        last = r if isinstance(r, ir.IRBuilder) else bb
+        last.branch(end)
+    return ir.IRBuilder(end)
+
+
+def _define_scores(module, nh: int):
+    """void @cpullm_att_scores_<nh>(f32* q, i64 hd, f32* tile, f32* out, i64 out_st):
+    out[j * out_st + l] = sum_d q[j * hd + d] * tile[d * 16 + l] for j < nh, l < 16.
+
+    Each head keeps P = 8 // nh (a power of two) partial sums over interleaved dimensions, so at
+    least 6 independent FMA chains hide the FMA latency even for one head."""
+    name = f"cpullm_att_scores_v2_{nh}"
+    fn = module.globals.get(name)
+    if fn is not None:
+        return fn
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [_PF, _I64, _PF, _PF, _I64]), name)
+    fn.linkage = "internal"
+    fn.attributes.add("alwaysinline")
+    fn.attributes.add("nounwind")
+    q, hd, tile, out, out_st = fn.args
+    P = {1: 8, 2: 4, 3: 2, 4: 2}[nh]
+    fma = _decl(module, "llvm.fmuladd.v16f32", _VF, [_VF, _VF, _VF])
+    zero = ir.Constant(_VF, [0.0] * TILE)
+    entry = fn.append_basic_block("entry")
+    b = ir.IRBuilder(entry)
+    dmain = b.mul(b.sdiv(hd, _c64(P)), _c64(P))
+
+    def loop(b_pre, pre_block, start, stop, step, accs_in, name):
+        head = fn.append_basic_block(name + "_head")
+        body = fn.append_basic_block(name + "_body")
+        end = fn.append_basic_block(name + "_end")
+        b_pre.branch(head)
+        bh = ir.IRBuilder(head)
+        d = bh.phi(_I64)
+        accs = [[bh.phi(_VF) for _ in range(len(accs_in[0]))] for _ in range(nh)]
+        d.add_incoming(start, pre_block)
+        for j in range(nh):
+            for k, a in enumerate(accs[j]):
+                a.add_incoming(accs_in[j][k], pre_block)
+        bh.cbranch(bh.icmp_signed("<", d, stop), body, end)
+        bb = ir.IRBuilder(body)
+        new = [list(a) for a in accs]
+        for k in range(step):
+            dk = bb.add(d, _c64(k))
+            kv = _vload(bb, tile, bb.mul(dk, _c64(TILE)))
+            for j in range(nh):
+                qj = bb.load(bb.gep(q, [bb.add(bb.mul(hd, _c64(j)), dk)]), align=4)
+                slot = k % len(new[j])
+                new[j][slot] = bb.call(fma, [_splat(bb, qj), kv, new[j][slot]])
+        d.add_incoming(bb.add(d, _c64(step)), body)
+        for j in range(nh):
+            for a, v in zip(accs[j], new[j]):
+                a.add_incoming(v, body)
+        bb.branch(head)
+        return ir.IRBuilder(end), end, accs
+
+    b2, blk2, accs = loop(b, entry, _c64(0), dmain, P, [[zero] * P for _ in range(nh)], "dm")
+    sums = []
+    for j in range(nh):                       # pairwise sum of the partials
+        parts = list(accs[j])
+        while len(parts) > 1:
+            parts = [b2.fadd(parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
+        sums.append([parts[0]])
+    b3, _, fin = loop(b2, blk2, dmain, hd, 1, sums, "dt")
+    for j in range(nh):
+        _vstore(b3, fin[j][0], out, b3.mul(out_st, _c64(j)))
+    b3.ret_void()
+    return fn
+
+
+def _define_pv(module, nh: int, nv: int):
+    """void @cpullm_att_pv_<nh>_<nv>(f32* s, i64 s_st, f32* v, i64 v_st, i64 n, f32* acc, i64 acc_st):
+    acc[j * acc_st + e] += sum_i s[j * s_st + i] * v[i * v_st + e] for j < nh, e < 16 nv."""
+    name = f"cpullm_att_pv_v2_{nh}_{nv}"
+    fn = module.globals.get(name)
+    if fn is not None:
+        return fn
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [_PF, _I64, _PF, _I64, _I64, _PF, _I64]), name)
+    fn.linkage = "internal"
+    fn.attributes.add("alwaysinline")
+    fn.attributes.add("nounwind")
+    s, s_st, v, v_st, n, acc, acc_st = fn.args
+    fma = _decl(module, "llvm.fmuladd.v16f32", _VF, [_VF, _VF, _VF])
+    entry = fn.append_basic_block("entry")
+    b = ir.IRBuilder(entry)
+    init = [[_vload(b, acc, b.add(b.mul(acc_st, _c64(j)), _c64(16 * e))) for e in range(nv)] for j in range(nh)]
+    head = fn.append_basic_block("i_head")
+    body = fn.append_basic_block("i_body")
+    end = fn.append_basic_block("i_end")
+    b.branch(head)
+    bh = ir.IRBuilder(head)
+    i = bh.phi(_I64)
+    accs = [[bh.phi(_VF) for _ in range(nv)] for _ in range(nh)]
+    i.add_incoming(_c64(0), entry)
+    for j in range(nh):
+        for e in range(nv):
+            accs[j][e].add_incoming(init[j][e], entry)
+    bh.cbranch(bh.icmp_signed("<", i, n), body, end)
+    bb = ir.IRBuilder(body)
+    vrow = bb.mul(i, v_st)
+    vv = [_vload(bb, v, bb.add(vrow, _c64(16 * e))) for e in range(nv)]
+    for j in range(nh):
+        w = _splat(bb, bb.load(bb.gep(s, [bb.add(bb.mul(s_st, _c64(j)), i)]), align=4))
+        for e in range(nv):
+            nxt = bb.call(fma, [w, vv[e], accs[j][e]])
+            accs[j][e].add_incoming(nxt, body)
+    i.add_incoming(bb.add(i, _c64(1)), body)
+    bb.branch(head)
+    be = ir.IRBuilder(end)
+    for j in range(nh):
+        for e in range(nv):
+            _vstore(be, accs[j][e], acc, be.add(be.mul(acc_st, _c64(j)), _c64(16 * e)))
+    be.ret_void()
+    return fn
+
+
+def _ptr(context, builder, aty, arr, off):
+    a = context.make_array(aty)(context, builder, arr)
+    return builder.gep(a.data, [off])
+
+
+@intrinsic
+def _scores_tiles(typingctx, q, q_off, nq, hd, kt, t_off, out, o_off, o_st):
+    """out[o_off + j * o_st + l] = sum_d q[q_off + j * hd + d] * kt[t_off + d * 16 + l] for
+    j < nq, l < 16 (one key tile against nq query heads). No bounds checks."""
+    arrs = (q, kt, out)
+    ints = (q_off, nq, hd, t_off, o_off, o_st)
+    if not (all(isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 1 for a in arrs)
+            and all(isinstance(i, types.Integer) for i in ints)):
+        return None
+    sig = types.void(q, q_off, nq, hd, kt, t_off, out, o_off, o_st)
+
+    def codegen(context, builder, sig, args):
+        c = [context.cast(builder, args[i], sig.args[i], types.int64) if isinstance(sig.args[i], types.Integer)
+             else None for i in range(9)]
+        qp = _ptr(context, builder, sig.args[0], args[0], c[1])
+        tp = _ptr(context, builder, sig.args[4], args[4], c[5])
+        op = _ptr(context, builder, sig.args[6], args[6], c[7])
+        nq_, hd_, o_st_ = c[2], c[3], c[8]
+        fn_ = builder.function
+        # heads in passes of 4, then one pass of the remaining 1-3
+        full = builder.sdiv(nq_, _c64(HEADS_PER_PASS))
+        bb, k, after, close = _counted_loop(fn_, builder, full, "sc4")
+        j0 = bb.mul(k, _c64(HEADS_PER_PASS))
+        bb.call(_define_scores(builder.module, HEADS_PER_PASS),
+                [bb.gep(qp, [bb.mul(j0, hd_)]), hd_, tp, bb.gep(op, [bb.mul(j0, o_st_)]), o_st_])
+        close(bb)
+        rest0 = after.mul(full, _c64(HEADS_PER_PASS))
+        after2 = _remainder_pass(fn_, after, after.sub(nq_, rest0), lambda br, nh: br.call(
+            _define_scores(builder.module, nh),
+            [br.gep(qp, [br.mul(rest0, hd_)]), hd_, tp, br.gep(op, [br.mul(rest0, o_st_)]), o_st_]), "sc")
+        builder.position_at_end(after2.block)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _pv_rows(typingctx, s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd):
+    """acc[j * hd + e] += sum_{i < n} s[s_off + j * s_st + i] * v[v_off + i * v_st + e] for
+    j < nq, e < hd (hd a multiple of 16). No bounds checks."""
+    arrs = (s, v, acc)
+    ints = (s_off, s_st, nq, v_off, v_st, n, hd)
+    if not (all(isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 1 for a in arrs)
+            and all(isinstance(i, types.Integer) for i in ints)):
+        return None
+    sig = types.void(s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd)
+
+    def codegen(context, builder, sig, args):
+        c = [context.cast(builder, args[i], sig.args[i], types.int64) if isinstance(sig.args[i], types.Integer)
+             else None for i in range(10)]
+        sp = _ptr(context, builder, sig.args[0], args[0], c[1])
+        vp = _ptr(context, builder, sig.args[4], args[4], c[5])
+        ap = _ptr(context, builder, sig.args[8], args[8], _c64(0))
+        s_st_, nq_, v_st_, n_, hd_ = c[2], c[3], c[6], c[7], c[9]
+        fn_ = builder.function
+        module = builder.module
+        b = builder
+        # head passes (4 heads, then one of the remaining 1-3) x column chunks (64 values, then 16)
+        def columns(bh, nh, j0):
+            s_j = bh.gep(sp, [bh.mul(j0, s_st_)])
+            a_j = bh.gep(ap, [bh.mul(j0, hd_)])
+            wide = bh.sdiv(hd_, _c64(16 * PV_VECTORS))
+            bc, m, after_c, close_c = _counted_loop(fn_, bh, wide, f"pvc{nh}")
+            e0 = bc.mul(m, _c64(16 * PV_VECTORS))
+            bc.call(_define_pv(module, nh, PV_VECTORS),
+                    [s_j, s_st_, bc.gep(vp, [e0]), v_st_, n_, bc.gep(a_j, [e0]), hd_])
+            close_c(bc)
+            e_rest = after_c.mul(wide, _c64(16 * PV_VECTORS))
+            nrest = after_c.sdiv(after_c.sub(hd_, e_rest), _c64(16))
+            bd, m2, after_d, close_d = _counted_loop(fn_, after_c, nrest, f"pvd{nh}")
+            e1 = bd.add(e_rest, bd.mul(m2, _c64(16)))
+            bd.call(_define_pv(module, nh, 1), [s_j, s_st_, bd.gep(vp, [e1]), v_st_, n_, bd.gep(a_j, [e1]), hd_])
+            close_d(bd)
+            return after_d
+
+        npass = b.sdiv(nq_, _c64(HEADS_PER_PASS))
+        bh, k, after_h, close_h = _counted_loop(fn_, b, npass, "pvh4")
+        close_h(columns(bh, HEADS_PER_PASS, bh.mul(k, _c64(HEADS_PER_PASS))))
+        rest0 = after_h.mul(npass, _c64(HEADS_PER_PASS))
+        b = _remainder_pass(fn_, after_h, after_h.sub(nq_, rest0), lambda br, nh: columns(br, nh, rest0), "pv")
+        builder.position_at_end(b.block)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True)
 def kv_write(arena, state, k_off, k_st, v_off, v_st, n_kv, head_dim, c_off, cap, pos0, T):
-    """Copy the T new key/value rows into their cache slots."""
+    """Copy the T new key/value rows into their cache slots (keys into their tile lane)."""
     v_base = c_off + n_kv * cap * head_dim
     for t in range(T):
         slot = (pos0 + t) % cap
+        tile_base = (slot // TILE) * head_dim * TILE + slot % TILE
         for h in range(n_kv):
-            dst = h * cap * head_dim + slot * head_dim
+            kdst = c_off + h * cap * head_dim + tile_base
+            vdst = v_base + h * cap * head_dim + slot * head_dim
             src_k = k_off + t * k_st + h * head_dim
             src_v = v_off + t * v_st + h * head_dim
             for d in range(head_dim):
-                state[c_off + dst + d] = arena[src_k + d]
-                state[v_base + dst + d] = arena[src_v + d]
+                state[kdst + d * TILE] = arena[src_k + d]
+            for d in range(head_dim):
+                state[vdst + d] = arena[src_v + d]
 
 
-@njit(cache=True, fastmath=True, error_model="numpy")
-def _attend_heads(arena, q0, o0, hd, nq, kc, vc, cap, lo, hi, scale, softcap, scores):
-    """Query heads q0 .. q0+nq-1 (arena offsets q0 + j*hd, outputs o0 + j*hd) of one KV head over
-    cached positions [lo, hi]. kc/vc (cap, hd); scores (>= nq, >= hi-lo+1) scratch.
-
-    Three passes, each contiguous and vectorized: scores (each K row read once for all nq heads),
-    softmax (exp_f32), weighted sum of V rows (each read once). Slots advance with a wrap check
-    instead of a modulo per row."""
-    n = hi - lo + 1
-    q = np.empty((nq, hd), np.float32)
+@njit(cache=True, fastmath=True, error_model="numpy", inline="always")
+def _softmax_rows(scores, nq, c0, c1, softcap, inv):
+    """Columns [c0, c1) of rows 0..nq-1 of scores (2-D view): soft-cap, exp(s - max); inv[j] =
+    1 / row sum."""
     for j in range(nq):
-        for d in range(hd):
-            q[j, d] = arena[q0 + j * hd + d] * np.float32(scale)
-    slot = lo % cap
-    for i in range(n):
-        krow = kc[slot]
-        for j in range(nq):
-            dot = np.float32(0.0)
-            for d in range(hd):
-                dot += q[j, d] * krow[d]
-            scores[j, i] = dot
-        slot += 1
-        if slot == cap:
-            slot = 0
-    inv = np.empty(nq, np.float32)
-    for j in range(nq):
-        row = scores[j, :n]
+        row = scores[j, c0:c1]
         if softcap > 0.0:
-            for i in range(n):
+            for i in range(row.size):
                 row[i] = np.float32(softcap) * tanh_f32(row[i] / np.float32(softcap))
         m = row[0]
-        for i in range(n):
-            m = max(m, row[i])
+        for i in range(row.size):            # a compare-select, not max(): vectorizes
+            x = row[i]
+            m = x if x > m else m
         total = np.float32(0.0)
-        for i in range(n):
+        for i in range(row.size):
             e = exp_f32(row[i] - m)
             row[i] = e
             total += e
         inv[j] = np.float32(1.0) / total
-    acc = np.zeros((nq, hd), np.float32)
-    slot = lo % cap
-    for i in range(n):
-        vrow = vc[slot]
-        for j in range(nq):
-            w = scores[j, i]
-            for d in range(hd):
-                acc[j, d] += w * vrow[d]
-        slot += 1
-        if slot == cap:
-            slot = 0
+
+
+@njit(cache=True, fastmath=True, error_model="numpy")
+def _attend(arena, state, q0, o0, nq, hd, k_base, v_base, cap, lo, p, scale, softcap, qbuf, scores, acc, inv):
+    """Query heads q0 .. q0 + nq - 1 (arena offsets q0 + j*hd, outputs o0 + j*hd) of one KV head
+    (keys at k_base, values at v_base in ``state``) over cached positions [lo, p].
+
+    Scratch: qbuf (>= nq*hd), scores flat (>= nq * (n + 32)), acc (>= nq*hd), inv (>= nq).
+    Score column c is position lo - lo % 16 + c, read from tile ((lo % cap) // 16 + c // 16) mod
+    (cap / 16); only columns [lo % 16, lo % 16 + n) enter the softmax."""
+    n = p - lo + 1
     for j in range(nq):
         for d in range(hd):
-            arena[o0 + j * hd + d] = acc[j, d] * inv[j]
+            qbuf[j * hd + d] = arena[q0 + j * hd + d] * np.float32(scale)
+    a = lo % cap
+    c0 = a % TILE
+    ntiles_cap = cap // TILE
+    nt = (c0 + n + TILE - 1) // TILE
+    width = nt * TILE
+    t0 = a // TILE
+    for c in range(nt):
+        tile = t0 + c
+        if tile >= ntiles_cap:
+            tile -= ntiles_cap
+        _scores_tiles(qbuf, 0, nq, hd, state, k_base + tile * hd * TILE, scores, c * TILE, width)
+    s2 = scores[: nq * width].reshape(nq, width)
+    _softmax_rows(s2, nq, c0, c0 + n, softcap, inv)
+    for i in range(nq * hd):
+        acc[i] = 0.0
+    first = min(n, cap - a)                      # slots a .. a + first - 1, then 0 .. n - first - 1
+    if hd % TILE == 0:
+        _pv_rows(scores, c0, width, nq, state, v_base + a * hd, hd, first, acc, hd)
+        if first < n:
+            _pv_rows(scores, c0 + first, width, nq, state, v_base, hd, n - first, acc, hd)
+    else:                                        # head_dim not a multiple of 16: plain loops
+        for i in range(n):
+            slot = a + i
+            if slot >= cap:
+                slot -= cap
+            vrow = state[v_base + slot * hd: v_base + slot * hd + hd]
+            for j in range(nq):
+                w = s2[j, c0 + i]
+                aj = acc[j * hd: j * hd + hd]
+                for d in range(hd):
+                    aj[d] += w * vrow[d]
+    for j in range(nq):
+        for d in range(hd):
+            arena[o0 + j * hd + d] = acc[j * hd + d] * inv[j]
 
 
-DECODE_JOBS = 4
+MAX_CHUNKS = 64
+"""Parallel chunks of jobs per call (each allocates its scratch once): numba's static schedule
+gives each thread a contiguous range of chunks, and chunk c takes jobs c, c + 64, ..."""
+
+MIN_JOBS = 4
 """Fewest parallel jobs :func:`attention` makes (2 per thread on the 2-core target): a decode step
 of Qwen2.5-0.5B (2 KV heads of 7 query heads) runs as 4 jobs of 3-4 heads."""
 
@@ -95,31 +410,40 @@ of Qwen2.5-0.5B (2 KV heads of 7 query heads) runs as 4 jobs of 3-4 heads."""
 @njit(cache=True, parallel=True)
 def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
               n_heads, n_kv, head_dim, c_off, cap, scale, softcap, window, pos0, T):
-    """Write the new K/V rows, then attend: one parallel job per (query row, KV head, slice of
-    that KV head's query heads). The query heads sharing a KV head are processed together so each
-    cached row is read once per job; when there are fewer (row, KV head) pairs than 2 per thread
-    (decode), each group's heads are split into slices so every thread has work."""
+    """Write the new K/V rows, then attend: one job per (query row, KV head, slice of that KV
+    head's query heads), decode and prefill alike. The query heads sharing a KV head are
+    processed together so each cached key tile and value row is loaded once per job; when there
+    are fewer (row, KV head) pairs than MIN_JOBS (decode), each group's heads are split into
+    slices so every thread has work. Jobs are dealt round-robin to at most MAX_CHUNKS parallel
+    chunks (later rows see more keys, so each chunk gets early and late rows), each chunk with its
+    own scratch."""
     kv_write(arena, state, k_off, k_st, v_off, v_st, n_kv, head_dim, c_off, cap, pos0, T)
     group = n_heads // n_kv
     size = n_kv * cap * head_dim
-    kc = state[c_off: c_off + size].reshape(n_kv, cap, head_dim)
-    vc = state[c_off + size: c_off + 2 * size].reshape(n_kv, cap, head_dim)
     span = pos0 + T if window <= 0 else min(pos0 + T, window)
     pairs = T * n_kv
-    slices = min(group, (DECODE_JOBS + pairs - 1) // pairs)
-    for job in prange(pairs * slices):
-        t = job // (n_kv * slices)
-        kvh = (job // slices) % n_kv
-        s = job % slices
-        h0 = kvh * group + group * s // slices
-        h1 = kvh * group + group * (s + 1) // slices
-        p = pos0 + t
-        lo = 0
-        if window > 0:
-            lo = max(0, p - window + 1)
-        scores = np.empty((h1 - h0, span), dtype=np.float32)
-        _attend_heads(arena, q_off + t * q_st + h0 * head_dim, o_off + t * o_st + h0 * head_dim, head_dim,
-                      h1 - h0, kc[kvh], vc[kvh], cap, lo, p, scale, softcap, scores)
+    slices = min(group, (MIN_JOBS + pairs - 1) // pairs)
+    jobs = pairs * slices
+    nchunk = min(jobs, MAX_CHUNKS)
+    for c in prange(nchunk):
+        hmax = (group + slices - 1) // slices
+        qbuf = np.empty(hmax * head_dim, np.float32)
+        acc = np.empty(hmax * head_dim, np.float32)
+        inv = np.empty(hmax, np.float32)
+        scores = np.empty(hmax * (span + 2 * TILE), np.float32)
+        for job in range(c, jobs, nchunk):
+            kvh = job // (T * slices)
+            s = (job // T) % slices
+            t = job % T
+            h0 = kvh * group + group * s // slices
+            h1 = kvh * group + group * (s + 1) // slices
+            p = pos0 + t
+            lo = 0
+            if window > 0:
+                lo = max(0, p - window + 1)
+            _attend(arena, state, q_off + t * q_st + h0 * head_dim, o_off + t * o_st + h0 * head_dim,
+                    h1 - h0, head_dim, c_off + kvh * cap * head_dim, c_off + size + kvh * cap * head_dim,
+                    cap, lo, p, scale, softcap, qbuf, scores, acc, inv)
 
 
 def attention_ref(q, k, v, n_heads, n_kv, head_dim, scale, softcap=0.0, window=0, pos0=0,
@@ -152,111 +476,9 @@ def attention_ref(q, k, v, n_heads, n_kv, head_dim, scale, softcap=0.0, window=0
     return (p @ vh).transpose(1, 0, 2).reshape(T, n_heads * head_dim).astype(np.float32)
 
 
-@njit(cache=True, nogil=True, fastmath=True, error_model="numpy")
-def _masked_softmax(scores, T, pos0, lo, window):
-    """In place over scores (R, T, L): row (r, t) is query position pos0 + t over key positions
-    lo .. lo + L - 1; keys after the query (and, with a window, before p - window + 1) get 0.
-    Only the visible span is exponentiated, so no -inf ever enters the arithmetic. The loops run
-    over a view of the visible span (vectorized: 4x faster than indexing the full row). Serial
-    and nogil: :func:`attention_batched` runs one job per Python thread."""
-    R, _, L = scores.shape
-    for job in range(R * T):
-        r = job // T
-        t = job % T
-        p = pos0 + t
-        j1 = p - lo                       # last visible key index
-        j0 = 0
-        if window > 0:
-            j0 = max(0, p - window + 1 - lo)
-        row = scores[r, t, j0:j1 + 1]
-        m = row[0]
-        for j in range(row.size):
-            m = max(m, row[j])
-        total = np.float32(0.0)
-        for j in range(row.size):
-            e = exp_f32(row[j] - m)
-            row[j] = e
-            total += e
-        inv = np.float32(1.0) / total
-        for j in range(row.size):
-            row[j] *= inv
-        full = scores[r, t]
-        for j in range(0, j0):
-            full[j] = np.float32(0.0)
-        for j in range(j1 + 1, L):
-            full[j] = np.float32(0.0)
-
-
-QUERY_BLOCK = 128   # prefill query rows per block: keys past a block's last row are skipped
-# (measured, Qwen2.5-0.5B shapes, 512 rows: 128 -> ~12 ms per layer, 256 -> ~13, 512 -> ~17)
-
-MIN_JOBS_PER_THREAD = 4
-"""attention_batched splits the query heads of a KV head group into slices until there are at
-least this many jobs per thread, so the unequal blocks (later blocks see more keys) balance."""
-
-
-def attention_batched(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
-                      n_heads, n_kv, head_dim, c_off, cap, scale, softcap, window, pos0, T):
-    """Prefill form of :func:`attention` (same arguments, same result): the score and value
-    products run as matrix products (OpenBLAS sgemm), one job per (block of query rows, KV head,
-    slice of its query heads), each block against only the keys it can see.
-
-    The jobs run on the configured number of Python threads, each with single-threaded OpenBLAS
-    and the serial nogil softmax: alternating a 2-thread OpenBLAS pool with numba's parallel
-    softmax made the softmax 3-4x slower (both pools spin for the same 2 cores)."""
-    kv_write(arena, state, k_off, k_st, v_off, v_st, n_kv, head_dim, c_off, cap, pos0, T)
+def kv_views(region: np.ndarray, n_kv: int, cap: int, head_dim: int):
+    """(K tiles (n_kv, cap // 16, head_dim, 16), V (n_kv, cap, head_dim)) views of one layer's
+    flat cache region (2 * n_kv * cap * head_dim floats)."""
     size = n_kv * cap * head_dim
-    kc = state[c_off: c_off + size].reshape(n_kv, cap, head_dim)
-    vc = state[c_off + size: c_off + 2 * size].reshape(n_kv, cap, head_dim)
-    q_all = arena[q_off: q_off + T * q_st].reshape(T, q_st)[:, : n_heads * head_dim]
-    o_all = arena[o_off: o_off + T * o_st].reshape(T, o_st)[:, : n_heads * head_dim]
-    g = n_heads // n_kv
-    threads = numba_setup.configured_threads()
-    blocks = [(t0, min(T, t0 + QUERY_BLOCK)) for t0 in range(0, T, QUERY_BLOCK)]
-    slices = 1
-    while slices < g and len(blocks) * n_kv * slices < MIN_JOBS_PER_THREAD * threads:
-        slices += 1
-    jobs = [(t0, t1, kvh, kvh * g + g * s // slices, kvh * g + g * (s + 1) // slices)
-            for t0, t1 in blocks for kvh in range(n_kv) for s in range(slices)]
-    jobs.sort(key=lambda j: -(j[1] * (j[4] - j[3])))       # largest first (longest key spans)
-
-    def run(part):
-        for t0, t1, kvh, h0, h1 in part:
-            o_all[t0:t1, h0 * head_dim: h1 * head_dim] = _attend_job(
-                q_all[t0:t1, h0 * head_dim: h1 * head_dim], kc[kvh], vc[kvh], h1 - h0, head_dim, cap,
-                scale, softcap, window, pos0 + t0)
-
-    if threads <= 1 or len(jobs) == 1:
-        with numba_setup.blas_threads(1):
-            run(jobs)
-        return
-    parts = [jobs[i::threads] for i in range(threads)]
-    with numba_setup.blas_threads(1):
-        futs = [numba_setup.python_pool(threads - 1).submit(run, part) for part in parts[1:]]
-        run(parts[0])
-        for f in futs:
-            f.result()
-
-
-def _attend_job(q, keys_all, values_all, nh, head_dim, cap, scale, softcap, window, pos0):
-    """q (B, nh*hd): nh query heads sharing one KV head, positions pos0 .. pos0+B-1; keys_all /
-    values_all (cap, hd) that KV head's cache (keys already written) -> (B, nh*hd)."""
-    B = q.shape[0]
-    end = pos0 + B
-    lo = max(0, pos0 - window + 1) if window > 0 else 0
-    L = end - lo
-    s0 = lo % cap
-    if s0 + L <= cap:                      # contiguous slots: views, no gather
-        keys, values = keys_all[s0: s0 + L], values_all[s0: s0 + L]
-    else:
-        slots = np.arange(lo, end) % cap
-        keys, values = keys_all[slots], values_all[slots]
-    q = q.reshape(B, nh, head_dim).transpose(1, 0, 2).reshape(nh * B, head_dim)
-    q = q * np.float32(scale)                                         # scaled copy (small)
-    scores = q @ keys.T                                               # (nh*B, L)
-    if softcap > 0.0:
-        np.tanh(scores / np.float32(softcap), out=scores)
-        scores *= np.float32(softcap)
-    _masked_softmax(scores.reshape(nh, B, L), B, pos0, lo, window)
-    out = scores @ values                                             # (nh*B, hd)
-    return out.reshape(nh, B, head_dim).transpose(1, 0, 2).reshape(B, nh * head_dim)
+    return (region[:size].reshape(n_kv, cap // TILE, head_dim, TILE),
+            region[size: 2 * size].reshape(n_kv, cap, head_dim))

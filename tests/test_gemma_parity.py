@@ -26,6 +26,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is a tes
 
 import cpullm  # noqa: E402
 from cpullm import testing  # noqa: E402
+from cpullm.kernels.attention import padded_cap  # noqa: E402
 from hf_reference import TINY_VOCAB, hf_greedy, hf_logits, hf_model, save_tiny  # noqa: E402
 
 IDS = [256] + [int(x) for x in np.random.default_rng(7).integers(0, 255, 39)]   # 40 tokens
@@ -234,13 +235,14 @@ def test_legacy_layout(legacy_checkpoint, tmp_path_factory):
 
 @pytest.mark.parametrize("max_chunk", [5])
 def test_sliding_ring_wraps_and_matches(sliding_checkpoint, max_chunk):
-    """With a small prefill chunk the sliding layers' ring (window + max_chunk slots) wraps many
+    """With a small prefill chunk the sliding layers' ring (window + max_chunk slots, rounded up to
+    whole key tiles of 16) wraps many
     times over the 40-token input and the 8 + 32 token generation; logits and greedy tokens still
     match transformers."""
     name, d, ref_logits, ref_tokens = sliding_checkpoint
     model = cpullm.load(d, quant="f32", use_cache=False, max_chunk=max_chunk)
     rings = [r for r in model.program.meta["state_regions"] if r["kind"] == "kv" and r["window"]]
-    assert rings and all(r["cap"] == r["window"] + max_chunk for r in rings)
+    assert rings and all(r["cap"] == padded_cap(r["window"] + max_chunk) for r in rings)
     assert all(r["cap"] < len(PROMPT) + N_GREEDY for r in rings), "the ring must wrap in this test"
     testing.check_parity(model.logits(IDS), ref_logits)
     assert testing.check_greedy(model, PROMPT, ref_tokens) == ref_tokens
@@ -261,7 +263,7 @@ def test_sliding_cache_does_not_grow_with_context(sliding_checkpoint):
     assert sliding and full
     for layer in sliding:
         window = small[layer][0]
-        assert small[layer] == large[layer] and small[layer][1] == window + 16
+        assert small[layer] == large[layer] and small[layer][1] == padded_cap(window + 16)
     for layer in full:
         assert (small[layer][1], large[layer][1]) == (256, 2048)
         assert large[layer][2] == 8 * small[layer][2]

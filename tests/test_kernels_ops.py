@@ -61,30 +61,44 @@ def test_rope(rotary_dim):
     np.testing.assert_allclose(got, R.rope_ref(x, np.arange(pos0, pos0 + T), nh, hd, inv), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("nh,nkv", [(6, 2), (4, 1), (3, 3), (14, 2)])   # decode splits groups into slices
-@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("nh,nkv", [(6, 2), (4, 1), (3, 3), (14, 2), (9, 3)])   # decode splits groups into slices
+@pytest.mark.parametrize("hd", [8, 16, 64, 80])     # 8: plain value loop; others: 16-lane IR passes
 @pytest.mark.parametrize("window,softcap,chunks", [(0, 0.0, [7, 1, 1, 5]), (4, 0.0, [9, 1, 1, 3]),
                                                    (3, 0.0, [2, 6, 1, 5, 4]), (0, 20.0, [3, 1]),
-                                                   (0, 0.0, [2 * A.QUERY_BLOCK + 37, 1]),     # several query blocks
-                                                   (50, 0.0, [A.QUERY_BLOCK + 90, 2])])
-def test_attention_prefill_then_decode(window, softcap, chunks, batched, nh, nkv):
-    hd = 8
+                                                   (0, 0.0, [150, 1]),                   # > MAX_CHUNKS jobs
+                                                   (50, 0.0, [90, 2, 40, 1])])           # the ring wraps
+def test_attention_prefill_then_decode(window, softcap, chunks, hd, nh, nkv):
     total = sum(chunks)
     q = rng.standard_normal((total, nh * hd)).astype(np.float32)
     k = rng.standard_normal((total, nkv * hd)).astype(np.float32)
     v = rng.standard_normal((total, nkv * hd)).astype(np.float32)
     ref = A.attention_ref(q, k, v, nh, nkv, hd, 0.3, softcap, window)
-    cap = (window + max(chunks)) if window else max(64, total)
-    state = np.zeros(2 * nkv * cap * hd, np.float32)
+    cap = A.padded_cap((window + max(chunks)) if window else total)
+    state = np.full(2 * nkv * cap * hd, 1e30, np.float32)     # stale slots must never be read
     pos, outs = 0, []
     for T in chunks:
         arena, (qo, ko, vo), end = _arena_with(q[pos:pos + T], k[pos:pos + T], v[pos:pos + T], extra=T * nh * hd)
-        fn = A.attention_batched if batched else A.attention
-        fn(arena, state, qo, nh * hd + 3, ko, nkv * hd + 3, vo, nkv * hd + 3, end, nh * hd,
+        A.attention(arena, state, qo, nh * hd + 3, ko, nkv * hd + 3, vo, nkv * hd + 3, end, nh * hd,
                     nh, nkv, hd, 0, cap, 0.3, softcap, window, pos, T)
         outs.append(arena[end: end + T * nh * hd].reshape(T, nh * hd).copy())
         pos += T
     np.testing.assert_allclose(np.concatenate(outs), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_kv_cache_layout():
+    # keys land in tiles of 16 slots (transposed inside a tile), values one row per slot
+    nkv, hd, cap, T, pos0 = 2, 24, 48, 5, 14           # slots 14..18 cross a tile boundary
+    k = rng.standard_normal((T, nkv * hd)).astype(np.float32)
+    v = rng.standard_normal((T, nkv * hd)).astype(np.float32)
+    arena, (ko, vo), _ = _arena_with(k, v)
+    state = np.zeros(2 * nkv * cap * hd, np.float32)
+    A.kv_write(arena, state, ko, nkv * hd + 3, vo, nkv * hd + 3, nkv, hd, 0, cap, pos0, T)
+    kt, vc = A.kv_views(state, nkv, cap, hd)
+    for t in range(T):
+        slot = pos0 + t
+        for h in range(nkv):
+            np.testing.assert_array_equal(kt[h, slot // 16, :, slot % 16], k[t, h * hd:(h + 1) * hd])
+            np.testing.assert_array_equal(vc[h, slot], v[t, h * hd:(h + 1) * hd])
 
 
 @pytest.mark.parametrize("act", [E.ACT_SILU, E.ACT_GELU_TANH])

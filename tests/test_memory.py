@@ -13,6 +13,7 @@ import pytest
 
 import cpullm
 from cpullm.cli import main
+from cpullm.kernels.attention import padded_cap
 from cpullm.kernels.gated_delta import state_size
 from test_cache_family import (HYBRID, WINDOW, _hybrid_registered, hybrid_dir,  # noqa: F401
                                llama_dir)
@@ -34,7 +35,7 @@ def test_memory_report_matches_the_arrays(hybrid_dir, tmp_path, max_chunk):
     # per layer, from the model's own description: 4 layers, head_dim 8, 2 KV heads
     kinds = HYBRID["layer_kinds"]
     nkv, hd = HYBRID["num_key_value_heads"], HYBRID["head_dim"]
-    cap = {"full": n_ctx, "window": min(n_ctx, WINDOW + max_chunk)}
+    cap = {"full": padded_cap(n_ctx), "window": padded_cap(min(n_ctx, WINDOW + max_chunk))}   # whole key tiles
     lin = 4 * state_size(HYBRID["lin_k_heads"], HYBRID["lin_k_dim"], HYBRID["lin_v_heads"],
                          HYBRID["lin_v_dim"], HYBRID["conv_kernel"])
     expect = [2 * nkv * cap[k] * hd * 4 if k != "linear" else lin for k in kinds]
