@@ -164,8 +164,7 @@ def test_compile_time_is_cold_minus_warm_ready_time(monkeypatch, tmp_path):
     assert not os.path.exists(numba_dir)                      # the temporary dirs are removed
 
 
-@pytest.mark.skipif(os.environ.get("CPULLM_BENCH_COLD") != "1",
-                    reason="a cold numba compile takes minutes; set CPULLM_BENCH_COLD=1 to run it")
+@pytest.mark.slow      # a child process compiles every kernel with an empty numba cache (~1-2 min)
 def test_cold_numba_compile_time_real(tiny):
     r = bench.load_timings(tiny, "int8", 1, 256, [1, 2, 3, 4])
     assert r["warmup_compile_s"] > 0 and r["load_s_cold_numba"] > r["load_s_hit"]
