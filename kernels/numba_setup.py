@@ -112,8 +112,11 @@ def _tune_cpu() -> None:
 
 _tune_cpu()
 
-HOST_FEATURES = frozenset(f[1:] for f in _host_features().split(",") if f.startswith("+"))
-"""ISA extensions of this CPU as LLVM names them (``avx2``, ``fma``, ``f16c``, ``avx512vnni`` ...)."""
+HOST_FEATURES = frozenset(f[1:] for f in (os.environ.get("NUMBA_CPU_FEATURES") or _host_features()).split(",")
+                          if f.startswith("+"))
+"""ISA extensions the kernels are compiled for, as LLVM names them (``avx2``, ``fma``, ``f16c``,
+``avx512vnni`` ...): this CPU's, or those of ``NUMBA_CPU_FEATURES`` when it is set (numba then
+compiles for that feature set, and the kernels that pick instructions must agree with it)."""
 
 HOST_IS_X86 = _llb.get_process_triple().split("-")[0] in ("x86_64", "i386", "i686")
 """True on x86 hosts (the feature names above are x86 ISA extensions there)."""
