@@ -524,13 +524,42 @@ def machine_info() -> dict:
                     break
     except OSError:
         pass
+    try:
+        from cpullm.kernels import q8_gemm
+        prefill = "W8A16 GEMM (AVX-512 VNNI)" if q8_gemm.HAVE_VNNI512 else "dequantize + OpenBLAS sgemm"
+    except Exception:  # noqa: BLE001 - the report still says what it can
+        prefill = "unknown"
     return {"cpu": cpu, "logical_cpus": os.cpu_count(), "python": platform.python_version(),
-            "platform": platform.platform()}
+            "platform": platform.platform(), "cpullm_prefill": prefill}
+
+
+def cpu_busy(seconds: float = 2.0) -> float | None:
+    """Fraction of all CPU time used (by anything) over the next ``seconds`` (Linux /proc/stat;
+    None elsewhere). Unlike the load average it does not remember a run that just ended."""
+    def snap():
+        with open("/proc/stat") as fh:
+            v = [int(x) for x in fh.readline().split()[1:]]
+        return sum(v), v[3] + v[4]                       # total, idle + iowait
+    try:
+        t0, i0 = snap()
+        time.sleep(seconds)
+        t1, i1 = snap()
+    except (OSError, ValueError, IndexError):
+        return None
+    return 1.0 - (i1 - i0) / max(1, t1 - t0)
 
 
 def _busy(report: dict) -> bool:
-    """Other work was running when the benchmark started (> a quarter of the CPUs busy)."""
+    """Other work was running when the benchmark started (> a quarter of the CPU time used in
+    the seconds before it; the load average where that could not be measured)."""
+    busy = report.get("cpu_busy_before")
+    if busy is not None:
+        return busy > 0.25
     return report["loadavg_before"] > 0.25 * (report["machine"]["logical_cpus"] or 1)
+
+
+def _pct(x):
+    return None if x is None else 100.0 * x
 
 
 def _fmt(x, f="{:.1f}"):
@@ -545,8 +574,10 @@ def markdown(report: dict) -> str:
         f"# cpullm vs llama.cpp vs transformers: {report['model_name']}",
         "",
         f"- command: `{report['command']}`",
-        f"- machine: {m['cpu']}, {m['logical_cpus']} logical CPUs; {s['threads']} thread(s) for every runtime",
-        f"- load average (1 min) before / after (after includes this run): {report['loadavg_before']:.2f} / "
+        f"- machine: {m['cpu']}, {m['logical_cpus']} logical CPUs; {s['threads']} thread(s) for every runtime; "
+        f"cpullm prefill path: {m.get('cpullm_prefill', 'unknown')}",
+        f"- CPU used by other work in the 2 s before the run: {_fmt(_pct(report.get('cpu_busy_before')), '{:.0f} %')}; "
+        f"load average (1 min) before / after (after includes this run): {report['loadavg_before']:.2f} / "
         f"{report['loadavg_after']:.2f}" + ("  **(machine busy before the run: numbers are noisy)**"
                                              if _busy(report) else ""),
         f"- prompt {s['prompt_tokens']} tokens, {s['gen_tokens']} decode steps, decode-at-context after "
@@ -697,7 +728,7 @@ def main(argv=None) -> int:
               "command": "python benchmarks/compare.py " + " ".join(
                   shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine_info(),
-              "loadavg_before": os.getloadavg()[0],
+              "cpu_busy_before": cpu_busy(), "loadavg_before": os.getloadavg()[0],
               "settings": {k: spec[k] for k in ("gen_tokens", "context_tokens", "repeat", "threads", "quant")}
               | {"prompt_tokens": len(ids)}, "results": [], "ratios": {}}
     with tempfile.TemporaryDirectory(prefix="cpullm-compare-") as td:

@@ -143,3 +143,12 @@ def test_compare_with_llama_cpp_q8_0(checkpoint, tmp_path):
     assert "cpullm / llama.cpp" in md
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "out" / "compare.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_busy_flag_uses_the_measured_cpu_time_before_the_run():
+    m = {"logical_cpus": 2}
+    assert compare._busy({"cpu_busy_before": 0.6, "loadavg_before": 0.0, "machine": m})
+    assert not compare._busy({"cpu_busy_before": 0.05, "loadavg_before": 1.5, "machine": m})  # a run that just ended
+    assert compare._busy({"cpu_busy_before": None, "loadavg_before": 1.5, "machine": m})      # no /proc/stat
+    busy = compare.cpu_busy(0.2)
+    assert busy is None or 0.0 <= busy <= 1.0
