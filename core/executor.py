@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+import numba
 import numpy as np
 
 from .compiler import Program
@@ -37,7 +38,7 @@ class Executor:
         self.xq = np.zeros(m["max_k"], np.int16)
         self.xs = np.zeros(m["max_k"] // 32, np.float32)
         self.tokens = np.zeros(self.max_chunk, np.int64)
-        self.rt = np.zeros(4, np.int64)
+        self.rt = np.zeros(5, np.int64)             # [T, pos0, head_row0, head_rows, threads]
         self.n_past = 0
         kernels = kernels or {}
         self.external = {int(r): kernels[name] for r, name in m["external"].items() if name in kernels}
@@ -93,6 +94,7 @@ class Executor:
                 prof[seg[1]] = prof.get(seg[1], 0.0) + time.perf_counter() - t0
 
     def _interp(self, a: int, b: int):
+        self.rt[4] = numba.get_num_threads()
         K.run(self.I, self.F, a, b, self.tokens, self.rt, self.arena, self.state,
               self.wq, self.ws, self.wf, self.xq, self.xs)
 
@@ -153,7 +155,7 @@ class Executor:
             chunk = tokens[c0: c0 + self.max_chunk]
             T = chunk.size
             self.tokens[:T] = chunk
-            self.rt[:] = (T, self.n_past, 0, 0)
+            self.rt[:4] = (T, self.n_past, 0, 0)
             self._run_segments(self._body_segments, T)
             self.n_past += T
             last_chunk = c0 + self.max_chunk >= tokens.size
@@ -177,7 +179,7 @@ class Executor:
         """One token at position n_past; returns its logits (vocab,) (a view, copy to keep)."""
         self._check_room(1)
         self.tokens[0] = token
-        self.rt[:] = (1, self.n_past, 0, 1)
+        self.rt[:4] = (1, self.n_past, 0, 1)
         if len(self._decode_segments) == 1 and self.profile is None:
             self._interp(0, self.n_instr)
         else:

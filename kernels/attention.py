@@ -18,13 +18,16 @@ query heads share each tile load, no horizontal sums). The values are multiplied
 round (``_pv_rows``: each value row is loaded once and added into register accumulators of up to
 four heads by 64 dimensions). Both run the same for decode (one query row) and prefill (every row
 of a chunk is an independent job), so there is one attention kernel, :func:`attention`, parallel
-over (query row, KV head, slice of its query heads).
+over (query row, KV head, range of its keys).
 
-Measured per layer on the 2-core Zen 5, 2 threads, against the kernels this replaced (row-major
-keys: a horizontal sum per score in decode; OpenBLAS products per KV head on Python threads in
-prefill): decode at a 512-token context, SmolLM2-135M shapes (9 heads / 3 KV heads / head_dim 64)
-0.037 -> 0.020 ms, Qwen2.5-0.5B (14 / 2 / 64) 0.035 -> 0.014 ms, Gemma 3 270M (4 / 1 / 256)
-0.052 -> 0.030 ms; a 512-token prefill 4.9 -> 3.1, 5.3 -> 3.8 and 4.7 -> 3.5 ms.
+Measured per layer on the 2-core Zen 5, 2 threads, cache-warm, against the kernels this
+replaced (row-major keys with a horizontal sum per score and query-head slices in decode; OpenBLAS
+products per KV head on Python threads in prefill), ranges over repeated runs: decode at a
+512-token context, SmolLM2-135M shapes (9 heads / 3 KV heads / head_dim 64) 0.033-0.037 ->
+0.010-0.011 ms, Qwen2.5-0.5B (14 / 2 / 64) 0.035-0.038 -> 0.011-0.014 ms, Gemma 3 270M
+(4 / 1 / 256) 0.042-0.054 -> 0.011-0.019 ms (at 2048: 0.047 -> 0.036, 0.041 -> 0.032,
+0.116 -> 0.045 ms); a 512-token prefill 4.0-4.9 -> 2.7-3.5, 4.6-7.6 -> 3.1-4.4 and 4.3-7.0 ->
+3.3-4.7 ms.
 """
 from __future__ import annotations
 
@@ -330,9 +333,9 @@ def kv_write(arena, state, k_off, k_st, v_off, v_st, n_kv, head_dim, c_off, cap,
 
 
 @njit(cache=True, fastmath=True, error_model="numpy", inline="always")
-def _softmax_rows(scores, nq, c0, c1, softcap, inv):
-    """Columns [c0, c1) of rows 0..nq-1 of scores (2-D view): soft-cap, exp(s - max); inv[j] =
-    1 / row sum."""
+def _softmax_rows(scores, nq, c0, c1, softcap, mx, tot):
+    """Columns [c0, c1) of rows 0..nq-1 of scores (2-D view): soft-cap, exp(s - max); mx[j] the
+    row's max, tot[j] its sum of exponentials."""
     for j in range(nq):
         row = scores[j, c0:c1]
         if softcap > 0.0:
@@ -347,15 +350,17 @@ def _softmax_rows(scores, nq, c0, c1, softcap, inv):
             e = exp_f32(row[i] - m)
             row[i] = e
             total += e
-        inv[j] = np.float32(1.0) / total
+        mx[j] = m
+        tot[j] = total
 
 
 @njit(cache=True, fastmath=True, error_model="numpy")
-def _attend(arena, state, q0, o0, nq, hd, k_base, v_base, cap, lo, p, scale, softcap, qbuf, scores, acc, inv):
-    """Query heads q0 .. q0 + nq - 1 (arena offsets q0 + j*hd, outputs o0 + j*hd) of one KV head
-    (keys at k_base, values at v_base in ``state``) over cached positions [lo, p].
+def _attend_part(arena, state, q0, nq, hd, k_base, v_base, cap, lo, p, scale, softcap, qbuf, scores, acc, mx, tot):
+    """Query heads q0 .. q0 + nq - 1 (arena offsets q0 + j*hd) of one KV head (keys at k_base,
+    values at v_base in ``state``) over cached positions [lo, p] (p >= lo): acc[j*hd:] the
+    unnormalized sum of exp(s - mx[j]) * value rows, tot[j] the sum of the exponentials.
 
-    Scratch: qbuf (>= nq*hd), scores flat (>= nq * (n + 32)), acc (>= nq*hd), inv (>= nq).
+    Scratch: qbuf (>= nq*hd), scores flat (>= nq * (n + 32)); acc (>= nq*hd), mx, tot (>= nq).
     Score column c is position lo - lo % 16 + c, read from tile ((lo % cap) // 16 + c // 16) mod
     (cap / 16); only columns [lo % 16, lo % 16 + n) enter the softmax."""
     n = p - lo + 1
@@ -374,7 +379,7 @@ def _attend(arena, state, q0, o0, nq, hd, k_base, v_base, cap, lo, p, scale, sof
             tile -= ntiles_cap
         _scores_tiles(qbuf, 0, nq, hd, state, k_base + tile * hd * TILE, scores, c * TILE, width)
     s2 = scores[: nq * width].reshape(nq, width)
-    _softmax_rows(s2, nq, c0, c0 + n, softcap, inv)
+    _softmax_rows(s2, nq, c0, c0 + n, softcap, mx, tot)
     for i in range(nq * hd):
         acc[i] = 0.0
     first = min(n, cap - a)                      # slots a .. a + first - 1, then 0 .. n - first - 1
@@ -393,57 +398,96 @@ def _attend(arena, state, q0, o0, nq, hd, k_base, v_base, cap, lo, p, scale, sof
                 aj = acc[j * hd: j * hd + hd]
                 for d in range(hd):
                     aj[d] += w * vrow[d]
-    for j in range(nq):
-        for d in range(hd):
-            arena[o0 + j * hd + d] = acc[j * hd + d] * inv[j]
 
 
 MAX_CHUNKS = 64
 """Parallel chunks of jobs per call (each allocates its scratch once): numba's static schedule
 gives each thread a contiguous range of chunks, and chunk c takes jobs c, c + 64, ..."""
 
-MIN_JOBS = 4
-"""Fewest parallel jobs :func:`attention` makes (2 per thread on the 2-core target): a decode step
-of Qwen2.5-0.5B (2 KV heads of 7 query heads) runs as 4 jobs of 3-4 heads."""
+MIN_SPLIT_KEYS = 2 * TILE
+"""Fewest keys per range when :func:`attention` splits a (query row, KV head) pair's keys."""
 
 
-@njit(cache=True, parallel=True)
+@njit(cache=True, parallel=True, fastmath=True, error_model="numpy")
 def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
-              n_heads, n_kv, head_dim, c_off, cap, scale, softcap, window, pos0, T):
-    """Write the new K/V rows, then attend: one job per (query row, KV head, slice of that KV
-    head's query heads), decode and prefill alike. The query heads sharing a KV head are
-    processed together so each cached key tile and value row is loaded once per job; when there
-    are fewer (row, KV head) pairs than MIN_JOBS (decode), each group's heads are split into
-    slices so every thread has work. Jobs are dealt round-robin to at most MAX_CHUNKS parallel
-    chunks (later rows see more keys, so each chunk gets early and late rows), each chunk with its
-    own scratch."""
+              n_heads, n_kv, head_dim, c_off, cap, scale, softcap, window, pos0, T, nthreads):
+    """Write the new K/V rows, then attend: one job per (query row, KV head, range of its keys).
+
+    All query heads sharing a KV head are one job, so each cached key tile and value row is
+    loaded once per job. Prefill has a job per (row, KV head); with fewer (row, KV head) pairs
+    than ``nthreads`` (decode of a model with few KV heads) each pair's visible keys are split
+    into ranges of at least MIN_SPLIT_KEYS, whose partial softmax sums (max, sum of
+    exponentials, weighted values) are combined afterwards, as flash-decoding does. (Splitting
+    when every thread already has a pair measured slower: Qwen2.5-0.5B, 2 KV heads, 2 threads,
+    512 keys: 0.010 ms unsplit, 0.018 ms in 4 ranges.) Jobs are
+    dealt round-robin to at most MAX_CHUNKS parallel chunks (later rows see more keys, so each
+    chunk gets early and late rows), each chunk with its own scratch."""
     kv_write(arena, state, k_off, k_st, v_off, v_st, n_kv, head_dim, c_off, cap, pos0, T)
     group = n_heads // n_kv
     size = n_kv * cap * head_dim
     span = pos0 + T if window <= 0 else min(pos0 + T, window)
     pairs = T * n_kv
-    slices = min(group, (MIN_JOBS + pairs - 1) // pairs)
-    jobs = pairs * slices
+    splits = 1
+    if pairs < nthreads:
+        splits = max(1, min((nthreads + pairs - 1) // pairs, (pos0 + 1) // MIN_SPLIT_KEYS))
+    jobs = pairs * splits
+    hd = head_dim
+    part = np.empty((jobs, group, hd + 2), np.float32) if splits > 1 else np.empty((1, 1, 1), np.float32)
     nchunk = min(jobs, MAX_CHUNKS)
     for c in prange(nchunk):
-        hmax = (group + slices - 1) // slices
-        qbuf = np.empty(hmax * head_dim, np.float32)
-        acc = np.empty(hmax * head_dim, np.float32)
-        inv = np.empty(hmax, np.float32)
-        scores = np.empty(hmax * (span + 2 * TILE), np.float32)
+        qbuf = np.empty(group * hd, np.float32)
+        acc = np.empty(group * hd, np.float32)
+        mx = np.empty(group, np.float32)
+        tot = np.empty(group, np.float32)
+        scores = np.empty(group * (span + 2 * TILE), np.float32)
         for job in range(c, jobs, nchunk):
-            kvh = job // (T * slices)
-            s = (job // T) % slices
+            kvh = job // (T * splits)
+            s = (job // T) % splits
             t = job % T
-            h0 = kvh * group + group * s // slices
-            h1 = kvh * group + group * (s + 1) // slices
             p = pos0 + t
             lo = 0
             if window > 0:
                 lo = max(0, p - window + 1)
-            _attend(arena, state, q_off + t * q_st + h0 * head_dim, o_off + t * o_st + h0 * head_dim,
-                    h1 - h0, head_dim, c_off + kvh * cap * head_dim, c_off + size + kvh * cap * head_dim,
-                    cap, lo, p, scale, softcap, qbuf, scores, acc, inv)
+            n = p - lo + 1
+            k0 = lo + n * s // splits                # this job's keys: [k0, k1]
+            k1 = lo + n * (s + 1) // splits - 1
+            q0 = q_off + t * q_st + kvh * group * hd
+            _attend_part(arena, state, q0, group, hd, c_off + kvh * cap * hd, c_off + size + kvh * cap * hd,
+                         cap, k0, k1, scale, softcap, qbuf, scores, acc, mx, tot)
+            if splits == 1:
+                o0 = o_off + t * o_st + kvh * group * hd
+                for j in range(group):
+                    inv = np.float32(1.0) / tot[j]
+                    for d in range(hd):
+                        arena[o0 + j * hd + d] = acc[j * hd + d] * inv
+            else:
+                for j in range(group):
+                    for d in range(hd):
+                        part[job, j, d] = acc[j * hd + d]
+                    part[job, j, hd] = mx[j]
+                    part[job, j, hd + 1] = tot[j]
+    if splits > 1:                                   # combine the key ranges of each pair
+        for pair in range(pairs):
+            kvh = pair // T
+            t = pair % T
+            o0 = o_off + t * o_st + kvh * group * hd
+            for j in range(group):
+                m = part[(kvh * splits) * T + t, j, hd]
+                for s in range(1, splits):
+                    m = max(m, part[(kvh * splits + s) * T + t, j, hd])
+                total = np.float32(0.0)
+                out = arena[o0 + j * hd: o0 + (j + 1) * hd]
+                for d in range(hd):                  # loops, not array expressions: in a parallel
+                    out[d] = 0.0                     # function those become parallel regions
+                for s in range(splits):
+                    row = part[(kvh * splits + s) * T + t, j]
+                    w = exp_f32(row[hd] - m)
+                    total += w * row[hd + 1]
+                    for d in range(hd):
+                        out[d] += w * row[d]
+                inv = np.float32(1.0) / total
+                for d in range(hd):
+                    out[d] *= inv
 
 
 def attention_ref(q, k, v, n_heads, n_kv, head_dim, scale, softcap=0.0, window=0, pos0=0,

@@ -13,7 +13,7 @@ runs the non-matmul ops through the same function between batched matmuls done b
 
 Column layout of ``I`` (common): 0 opcode, 1 impl (0 = here, 1 = external kernel), 2 section
 (0 body: ``rt[0]`` rows; 1 head: ``rt[3]`` rows). The rest is per op, documented at each branch.
-``rt`` = [T, pos0, head_row0, head_rows].
+``rt`` = [T, pos0, head_row0, head_rows, threads].
 """
 from __future__ import annotations
 
@@ -80,8 +80,10 @@ def _linear_rows(I, r, arena, wq, ws, wf, xq, xs, T):
 
 @njit(cache=True)
 def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs):
-    """Execute instructions [start, end) with runtime values ``rt`` = [T, pos0, head_row0, head_rows]."""
-    T_body, pos0, head_row0, head_rows = rt[0], rt[1], rt[2], rt[3]
+    """Execute instructions [start, end) with runtime values ``rt`` = [T, pos0, head_row0,
+    head_rows, threads] (threads: numba's thread count for this call, which attention splits
+    its work by)."""
+    T_body, pos0, head_row0, head_rows, nthreads = rt[0], rt[1], rt[2], rt[3], rt[4]
     for r in range(start, end):
         op = I[r, 0]
         T = T_body if I[r, 2] == 0 else head_rows
@@ -104,7 +106,8 @@ def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs):
             # 3 q_off 4 q_st 5 k_off 6 k_st 7 v_off 8 v_st 9 o_off 10 o_st 11 n_heads 12 n_kv 13 head_dim
             # 14 cache_off 15 cap; F0 scale F1 softcap F2 window
             attention(arena, state, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], I[r, 9], I[r, 10],
-                      I[r, 11], I[r, 12], I[r, 13], I[r, 14], I[r, 15], F[r, 0], F[r, 1], np.int64(F[r, 2]), pos0, T)
+                      I[r, 11], I[r, 12], I[r, 13], I[r, 14], I[r, 15], F[r, 0], F[r, 1], np.int64(F[r, 2]), pos0, T,
+                      nthreads)
         elif op == OP_GLU:
             # 3 g_off 4 g_st 5 u_off 6 u_st 7 o_off 8 o_st 9 width 10 act
             if par:

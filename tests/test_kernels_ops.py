@@ -61,13 +61,14 @@ def test_rope(rotary_dim):
     np.testing.assert_allclose(got, R.rope_ref(x, np.arange(pos0, pos0 + T), nh, hd, inv), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("nh,nkv", [(6, 2), (4, 1), (3, 3), (14, 2), (9, 3)])   # decode splits groups into slices
+@pytest.mark.parametrize("nthreads", [1, 4])        # 4: decode splits the keys of 1-3 KV heads into ranges
+@pytest.mark.parametrize("nh,nkv", [(6, 2), (4, 1), (3, 3), (14, 2), (9, 3)])
 @pytest.mark.parametrize("hd", [8, 16, 64, 80])     # 8: plain value loop; others: 16-lane IR passes
 @pytest.mark.parametrize("window,softcap,chunks", [(0, 0.0, [7, 1, 1, 5]), (4, 0.0, [9, 1, 1, 3]),
                                                    (3, 0.0, [2, 6, 1, 5, 4]), (0, 20.0, [3, 1]),
                                                    (0, 0.0, [150, 1]),                   # > MAX_CHUNKS jobs
                                                    (50, 0.0, [90, 2, 40, 1])])           # the ring wraps
-def test_attention_prefill_then_decode(window, softcap, chunks, hd, nh, nkv):
+def test_attention_prefill_then_decode(window, softcap, chunks, hd, nh, nkv, nthreads):
     total = sum(chunks)
     q = rng.standard_normal((total, nh * hd)).astype(np.float32)
     k = rng.standard_normal((total, nkv * hd)).astype(np.float32)
@@ -79,7 +80,7 @@ def test_attention_prefill_then_decode(window, softcap, chunks, hd, nh, nkv):
     for T in chunks:
         arena, (qo, ko, vo), end = _arena_with(q[pos:pos + T], k[pos:pos + T], v[pos:pos + T], extra=T * nh * hd)
         A.attention(arena, state, qo, nh * hd + 3, ko, nkv * hd + 3, vo, nkv * hd + 3, end, nh * hd,
-                    nh, nkv, hd, 0, cap, 0.3, softcap, window, pos, T)
+                    nh, nkv, hd, 0, cap, 0.3, softcap, window, pos, T, nthreads)
         outs.append(arena[end: end + T * nh * hd].reshape(T, nh * hd).copy())
         pos += T
     np.testing.assert_allclose(np.concatenate(outs), ref, rtol=1e-4, atol=1e-5)

@@ -219,12 +219,20 @@ def test_typed_message_streams_an_answer_with_speed(page):
 def test_stop_button_and_new_chat(page):
     b, server = page
     b.type("#max-tokens", "300")
-    for attempt in range(3):   # the tiny random model can reach EOS before the click lands
+    # The tiny model writes 300 tokens in well under 0.1 s, faster than a round trip from this
+    # process: the page itself clicks Stop the moment the first piece of the answer shows.
+    click_on_first_text = (
+        "window.__stopper = new MutationObserver(() => { const m = document.querySelectorAll("
+        "'.msg.assistant'); const last = m[m.length - 1]; if (last && last.textContent && "
+        "!last.dataset.done) { window.__stopper.disconnect(); document.getElementById('stop').click(); } });"
+        " window.__stopper.observe(document.getElementById('messages'), {childList: true, subtree: true,"
+        " characterData: true}); true")
+    for attempt in range(3):   # the tiny random model can still end (EOS) before its first piece
+        cancelled = server.health()["cancelled"]
+        b.js(click_on_first_text)
         b.type("#prompt", "Go on for a while")
         b.press_enter()
         b.wait_for("(document.querySelectorAll('.msg.assistant')[2 + %d] || {}).textContent" % attempt)
-        cancelled = server.health()["cancelled"]
-        b.js("document.getElementById('stop').click(); true")
         b.wait_for("document.body.dataset.state === 'idle'")
         if b.js("document.getElementById('status').textContent") != "ready":
             break
