@@ -533,22 +533,6 @@ def machine_info() -> dict:
             "platform": platform.platform(), "cpullm_prefill": prefill}
 
 
-def cpu_busy(seconds: float = 2.0) -> float | None:
-    """Fraction of all CPU time used (by anything) over the next ``seconds`` (Linux /proc/stat;
-    None elsewhere). Unlike the load average it does not remember a run that just ended."""
-    def snap():
-        with open("/proc/stat") as fh:
-            v = [int(x) for x in fh.readline().split()[1:]]
-        return sum(v), v[3] + v[4]                       # total, idle + iowait
-    try:
-        t0, i0 = snap()
-        time.sleep(seconds)
-        t1, i1 = snap()
-    except (OSError, ValueError, IndexError):
-        return None
-    return 1.0 - (i1 - i0) / max(1, t1 - t0)
-
-
 def _busy(report: dict) -> bool:
     """Other work was running when the benchmark started (> a quarter of the CPU time used in
     the seconds before it; the load average where that could not be measured)."""
@@ -701,7 +685,7 @@ def main(argv=None) -> int:
     def say(msg):
         print(f"compare: {msg}", file=sys.stderr, flush=True)
 
-    from cpullm.bench import prompt_ids
+    from cpullm.bench import cpu_busy as bench_cpu_busy, prompt_ids
     from cpullm.kernels.numba_setup import physical_cores
     from cpullm.model import resolve_model_dir
     from cpullm.tokenize import Tokenizer
@@ -728,7 +712,7 @@ def main(argv=None) -> int:
               "command": "python benchmarks/compare.py " + " ".join(
                   shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine_info(),
-              "cpu_busy_before": cpu_busy(), "loadavg_before": os.getloadavg()[0],
+              "cpu_busy_before": bench_cpu_busy(), "loadavg_before": os.getloadavg()[0],
               "settings": {k: spec[k] for k in ("gen_tokens", "context_tokens", "repeat", "threads", "quant")}
               | {"prompt_tokens": len(ids)}, "results": [], "ratios": {}}
     with tempfile.TemporaryDirectory(prefix="cpullm-compare-") as td:

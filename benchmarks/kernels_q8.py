@@ -29,6 +29,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from cpullm.bench import cpu_busy as bench_cpu_busy
 from cpullm.kernels import q8, q8_gemm
 from cpullm.kernels.numba_setup import configure
 
@@ -44,14 +45,8 @@ MODELS = {
 }
 
 
-def cpu_busy(dt=0.5):
-    def snap():
-        v = list(map(int, open("/proc/stat").readline().split()[1:]))
-        return sum(v), v[3] + v[4]
-    t0, i0 = snap()
-    time.sleep(dt)
-    t1, i1 = snap()
-    return 1 - (i1 - i0) / max(1, t1 - t0)
+def cpu_busy():
+    return bench_cpu_busy(0.5) or 0.0
 
 
 def wait_idle(limit):

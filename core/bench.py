@@ -94,6 +94,22 @@ def prompt_ids(tokenizer, n: int, vocab: int | None = None) -> list[int]:
     return (base * reps)[:n]
 
 
+def cpu_busy(seconds: float = 2.0) -> float | None:
+    """Fraction of all CPU time used (by anything) over the next ``seconds`` (Linux /proc/stat;
+    None elsewhere). Unlike the load average it does not remember a run that just ended."""
+    def snap():
+        with open("/proc/stat") as fh:
+            v = [int(x) for x in fh.readline().split()[1:]]
+        return sum(v), v[3] + v[4]                       # total, idle + iowait
+    try:
+        t0, i0 = snap()
+        time.sleep(seconds)
+        t1, i1 = snap()
+    except (OSError, ValueError, IndexError):
+        return None
+    return 1.0 - (i1 - i0) / max(1, t1 - t0)
+
+
 def greedy(logits) -> int:
     """The benchmark's token choice for every runtime: argmax (first index on ties)."""
     return int(np.argmax(logits))

@@ -15,7 +15,7 @@ import numpy as np
 from .compiler import Program
 from .errors import ContextOverflowError, PromptError
 from .kernels import interpreter as K
-from .kernels.attention import kv_views
+from .kernels.attention import TILE, kv_views
 from .kernels.q8 import matmul_f32
 from .kernels.q8_gemm import matmul_q8
 
@@ -202,14 +202,14 @@ class Executor:
         The caller makes sure the region still holds them (hi - lo <= cap, hi <= n_past)."""
         slots = np.arange(lo, hi) % reg["cap"]
         k, v = self._kv(reg)
-        keys = k[:, slots // 16, :, slots % 16]              # (n, n_kv, head_dim)
+        keys = k[:, slots // TILE, :, slots % TILE]          # (n, n_kv, head_dim)
         return np.stack([keys.transpose(1, 0, 2), v[:, slots, :]])
 
     def write_kv(self, reg: dict, lo: int, kv: np.ndarray) -> None:
         """Put keys and values (2, n_kv_heads, n, head_dim) of positions [lo, lo + n) into their slots."""
         slots = np.arange(lo, lo + kv.shape[2]) % reg["cap"]
         k, v = self._kv(reg)
-        k[:, slots // 16, :, slots % 16] = kv[0].transpose(1, 0, 2)
+        k[:, slots // TILE, :, slots % TILE] = kv[0].transpose(1, 0, 2)
         v[:, slots, :] = kv[1]
 
     def set_position(self, n_past: int) -> None:

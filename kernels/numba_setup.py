@@ -199,19 +199,6 @@ class blas_threads:
         return False
 
 
-_POOLS: dict = {}
-
-
-def python_pool(n: int):
-    """A process-wide ThreadPoolExecutor with n workers (created on first use), for kernels that
-    split work over Python threads running single-threaded OpenBLAS and nogil numba code."""
-    ex = _POOLS.get(n)
-    if ex is None:
-        from concurrent.futures import ThreadPoolExecutor
-        ex = _POOLS.setdefault(n, ThreadPoolExecutor(n, thread_name_prefix="cpullm-worker"))
-    return ex
-
-
 def configure(threads: int | None = None) -> int:
     """Set the number of threads the kernels use and return it.
 

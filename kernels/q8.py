@@ -620,12 +620,24 @@ def _matmul_q8_rows(x, w_q, w_s, out, lo, hi):
         np.matmul(x, buf[:n1 - n0].T, out=out[:, n0:n1])
 
 
+_POOL = {}
+
+
+def _pool(n: int):
+    """A process-wide ThreadPoolExecutor with n workers (created on first use)."""
+    ex = _POOL.get(n)
+    if ex is None:
+        from concurrent.futures import ThreadPoolExecutor
+        ex = _POOL.setdefault(n, ThreadPoolExecutor(n, thread_name_prefix="cpullm-prefill"))
+    return ex
+
+
 def _matmul_q8_split(x, w_q, w_s, out, parts: int):
     """Row ranges of W on ``parts`` Python threads, each with single-threaded OpenBLAS."""
     N = w_q.shape[0]
     bounds = [min(N, (N * p // parts + 15) // 16 * 16) for p in range(parts)] + [N]
     with numba_setup.blas_threads(1):
-        futs = [numba_setup.python_pool(parts - 1).submit(_matmul_q8_rows, x, w_q, w_s, out, bounds[p], bounds[p + 1])
+        futs = [_pool(parts - 1).submit(_matmul_q8_rows, x, w_q, w_s, out, bounds[p], bounds[p + 1])
                 for p in range(1, parts)]
         _matmul_q8_rows(x, w_q, w_s, out, bounds[0], bounds[1])
         for f in futs:

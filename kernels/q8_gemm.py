@@ -53,8 +53,8 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from . import numba_setup
-from .q8 import (QBLOCK, half_to_float, matmul_q8_sgemm, matvec_q8, matvec_q8_ref, padded_k, quantize_act_q16,
-                 quantize_act_q16_ref)
+from .q8 import (QBLOCK, _c64, _decl, half_to_float, matmul_q8_sgemm, matvec_q8, matvec_q8_ref, padded_k,
+                 quantize_act_q16, quantize_act_q16_ref)
 
 HAVE_VNNI512 = numba_setup.HOST_IS_X86 and {"avx512f", "avx512bw", "avx512vnni"} <= numba_setup.HOST_FEATURES
 """True when this CPU can run :func:`matmul_w8a16` (AVX-512 VNNI)."""
@@ -76,16 +76,6 @@ _I16, _I32, _I64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _F32 = ir.FloatType()
 _V16I32 = ir.VectorType(_I32, 16)
 _V16F32 = ir.VectorType(_F32, 16)
-
-
-def _c64(v):
-    return ir.Constant(_I64, v)
-
-
-def _decl(module, name, ret, args):
-    fnty = ir.FunctionType(ret, args)
-    fn = module.globals.get(name)
-    return fn if fn is not None else ir.Function(module, fnty, name)
 
 
 def _splat(b, scalar, vty):
