@@ -526,7 +526,8 @@ def machine_info() -> dict:
         pass
     try:
         from cpullm.kernels import q8_gemm
-        prefill = "W8A16 GEMM (AVX-512 VNNI)" if q8_gemm.HAVE_VNNI512 else "dequantize + OpenBLAS sgemm"
+        prefill = {"avx512vnni": "W8A16 GEMM (AVX-512 VNNI)", "avx2": "W8A16 GEMM (AVX2)"}.get(
+            q8_gemm.GEMM_ISA, "dequantize + OpenBLAS sgemm")
     except Exception:  # noqa: BLE001 - the report still says what it can
         prefill = "unknown"
     return {"cpu": cpu, "logical_cpus": os.cpu_count(), "python": platform.python_version(),

@@ -9,7 +9,7 @@ Prints, per thread count:
     cycling through 512 MB of copies of each matrix (one flat buffer) so every call streams from DRAM;
   * a whole decode sweep (every matrix of every layer + lm_head once, as one token reads them):
     ms per token and the tokens/s bound this sets;
-  * the prefill GEMM at T=512 (q8_gemm.matmul_q8: W8A16 VNNI where the CPU has it) and the
+  * the prefill GEMM at T=512 (q8_gemm.matmul_q8: the W8A16 GEMM where the CPU has AVX2 or AVX-512 VNNI) and the
     dequantize + sgemm path (q8.matmul_q8_sgemm): GOP/s next to numpy sgemm on float32 weights;
   * per-call overhead of matvec_q8 called from a serial @njit wrapper (the interpreter pattern)
     on a small 576 x 576 matrix, next to the same work with 1 thread.
@@ -224,7 +224,7 @@ def main(argv=None):
     configure(1)
     _psum(np.ones(1024, np.float32), 2)
     print(numba.threading_layer(), f"| q8 matvec: {'AVX2 IR' if q8.HAVE_AVX2 else 'generic IR'}",
-          f"| prefill GEMM: {'W8A16 AVX-512 VNNI' if q8_gemm.HAVE_VNNI512 else 'dequantize + sgemm'}",
+          f"| prefill GEMM: {('W8A16 ' + q8_gemm.GEMM_ISA) if q8_gemm.GEMM_ISA else 'dequantize + sgemm'}",
           f"| GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}")
     big = None if "ceiling" in skip else np.ones(256 << 20, np.float32)   # 1 GiB
     for th in (int(t) for t in a.threads.split(",")):

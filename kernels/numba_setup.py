@@ -84,6 +84,7 @@ if "numba" not in sys.modules:
 import llvmlite.binding as _llb  # noqa: E402
 
 _llb.set_option("", "--unroll-full-max-count=4")
+_llb.initialize_native_asmparser()   # numba does not: without it a kernel's inline assembly aborts LLVM
 
 import numba  # noqa: E402
 from numba.core import config as _config  # noqa: E402

@@ -48,7 +48,7 @@ sweep, interleaved in one process (25.1 vs 25.3 ms median), so only the int16 on
 Throughput: benchmarks/kernels_q8.py. The IR lives in this module (not in llvm_intrinsics.py) on
 purpose: numba's on-disk cache of a kernel is invalidated by its own source file only.
 
-matmul_q8_sgemm (the prefill path where AVX-512 VNNI is missing; ``q8_gemm.matmul_q8`` picks the
+matmul_q8_sgemm (the prefill path on CPUs without AVX2 or VNNI; ``q8_gemm.matmul_q8`` picks the
 path): each tile of weight rows (8 MB of float32) is dequantized (serial numba, nogil) and
 multiplied with OpenBLAS sgemm (numpy); the rows of W are split over the configured number of
 Python threads, each running single-threaded OpenBLAS. Measured (T=512, 2 threads): 93-98 % of
@@ -652,9 +652,10 @@ def _check_mm(x, w_q, w_s, out):
 
 
 def matmul_q8_sgemm(x, w_q, w_s, out):
-    """out (T, N) = x (T, K) @ dequantize(w_q, w_s)[:, :K].T  (prefill without AVX-512 VNNI).
+    """out (T, N) = x (T, K) @ dequantize(w_q, w_s)[:, :K].T  (prefill without the W8A16 GEMM).
 
-    x float32 (T, K) C-contiguous, w_q int8 (N, Kp), w_s float32 (N, Kp // 32), out float32 (T, N).
+    x float32 (T, K), w_q int8 (N, Kp), w_s uint16 (N, Kp // 32), out float32 (T, N) (any row
+    strides).
     Plain Python, no numba parallel region (so no spin fight with OpenBLAS's threads): tiles of
     weight rows are dequantized by serial numba (nogil) into a float32 buffer and multiplied by
     OpenBLAS sgemm (numpy.matmul writes straight into the strided column block of ``out``).

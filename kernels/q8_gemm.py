@@ -1,4 +1,4 @@
-"""Prefill GEMM for q8 block-32 weights with int16 activations on AVX-512 VNNI (``vpdpwssd``).
+"""Prefill GEMM for q8 block-32 weights with int16 activations: AVX-512 VNNI or AVX2.
 
     out (T, N) = x (T, K) @ W.T,   W = q8 block-32 (w_q int8 (N, Kp), w_s uint16 (N, Kp // 32))
 
@@ -12,37 +12,43 @@ The activation rounding error is <= 2^-16 of each block's largest value: for the
 as good as float32 activations, unlike int8 activations (llama.cpp's Q8_0 x Q8_0), which cost
 SmolLM2-135M measurable top-1 agreement with float32.
 
-Why: one ``vpdpwssd`` does 32 int16 multiply-adds, twice the work of a float32 FMA of the same
-width, and the weights stay 1 byte each in memory. On the 2-core Zen 5 this replaces
-dequantize + OpenBLAS sgemm (benchmarks/kernels_q8.py ``matmul`` shows both).
+Why: an int16 multiply-add instruction does twice the work of a float32 FMA of the same width,
+and the weights stay 1 byte each in memory. Two variants (``GEMM_ISA``), one code path:
+
+* ``avx512vnni``: ``vpdpwssd`` on zmm (32 multiply-adds, accumulating), register tile TR x V =
+  3 x 4 vectors of 16 lanes. Zen 5, T=512: 430-640 GOP/s, 2.2-3x dequantize + OpenBLAS sgemm.
+* ``avx2`` (x86 with AVX2, FMA and F16C): ``vpmaddwd`` + ``vpaddd`` on ymm, tile 4 x 2 vectors of
+  8 lanes with the float32 accumulators in the L1-resident panel buffer (the 16 ymm registers
+  hold the int32 block sums, two weight vectors, the broadcast and the product). A block's 16
+  steps are one inline-assembly routine (:func:`_avx2_block_dots`): written as IR, LLVM
+  reassociates each accumulator's adds, keeps all 16 weight vectors live and spills (60-80
+  GOP/s). Measured on the 2-core Zen 3 (T=512, Qwen2.5-0.5B's shapes): 120-150 GOP/s against
+  100-120 for dequantize + sgemm; register-only madd + add peaks at ~66 G multiply-adds/s per
+  core there, FMA at ~46. (On a Zen 5 compiled for AVX2 only, an earlier version without the
+  inline assembly measured no gain.)
 
 Structure (GotoBLAS-like, everything sized for one core's L1 / L2):
 
 * x is quantized once: ``x_q`` int16 (Tp, Kp), ``x_s`` float32 (Tp, nb), Tp = T rounded up to the
   register tile's TR rows (the extra rows are zero).
-* The N rows of W are cut into panels of NR = 16 * V rows; each thread takes a contiguous range
-  of panels (static split over ``numba.get_num_threads()`` threads).
+* The N rows of W are cut into panels of NR = LANES * V rows (64 / 16); each thread takes a
+  contiguous range of panels (static split over ``numba.get_num_threads()`` threads).
 * A panel is packed KC_BLOCKS = 8 blocks (256 values of K) at a time into an L1-resident buffer,
-  sign-extended to int16 and interleaved as ``vpdpwssd`` reads it:
-  ``wp[((b * 16 + p) * V + v) * 32 + 2 * lane + e] = w_q[n0 + 16 v + lane, 32 b + 2 p + e]``,
-  with the panel's scales ``sp[(b * V + v) * 16 + lane]`` as float32 (rows past N are zero).
-* For each packed chunk the register micro-kernel (LLVM IR, TR x V vectors of 16 int32 / float32
+  sign-extended to int16 and interleaved as the multiply-add reads it, row r of the panel:
+  ``wp[(b * 16 + p) * 2 * NR + 2 * r + e] = w_q[n0 + r, 32 b + 2 p + e]``, so weight vector v of
+  pair p is the LANES rows from LANES * v on; the panel's scales as float32 in ``sp[b * NR + r]``
+  (rows past N are zero). Packing goes 16 rows at a time (a 16 x 16 dword transpose).
+* For each packed chunk the register micro-kernel (LLVM IR, TR x V vectors of int32 / float32
   lanes) runs over every TR-row tile of x: per block, 16 steps of V weight loads and TR x V
-  ``vpdpwssd`` with the activation pair broadcast from memory; then the int32 block sums are
+  multiply-adds with the activation pair broadcast from memory; then the int32 block sums are
   converted and accumulated into float32 with one FMA by ``w_scale * x_scale``. Tiles accumulate
   in a per-panel float32 buffer (Tp, NR), copied to ``out`` when the panel is done.
 
-Only on x86 hosts with AVX-512 F/BW/VNNI (``HAVE_VNNI512``). :func:`matmul_q8`, the prefill
-entry point the executor calls, picks the path: this kernel where it runs and T >= MIN_ROWS; one
-quantize + ``q8.matvec_q8`` per row for fewer rows (the same numerics, without packing every
-weight for one or two rows); elsewhere ``q8.matmul_q8_sgemm`` (dequantize + OpenBLAS, float32
-activations). The numpy reference is :func:`matmul_w8a16_ref`.
-
-Not for AVX2-only CPUs: an 8-lane variant of this kernel (``vpmaddwd`` + ``vpaddd``, 3 x 2
-tiles in the 16 ymm registers) was built and measured with AVX2-only code generation on the
-Zen 5 (NUMBA_CPU_NAME=znver3 without the AVX-512 features, OpenBLAS on its Haswell kernels):
-165 / 169 / 189 GOP/s on Qwen2.5-0.5B's gate/up, down and qkv shapes against sgemm's 161 / 186 /
-208, no gain, so those CPUs keep dequantize + sgemm.
+:func:`matmul_q8`, the prefill entry point the executor calls, picks the path: this kernel where
+it runs and T >= MIN_ROWS; one quantize + ``q8.matvec_q8`` per row for fewer rows (the same
+numerics, without packing every weight for one or two rows); elsewhere (no AVX2, not x86)
+``q8.matmul_q8_sgemm`` (dequantize + OpenBLAS, float32 activations). The numpy reference is
+:func:`matmul_w8a16_ref`.
 """
 from __future__ import annotations
 
@@ -57,40 +63,92 @@ from .q8 import (QBLOCK, _c64, _decl, half_to_float, matmul_q8_sgemm, matvec_q8,
                  quantize_act_q16, quantize_act_q16_ref)
 
 HAVE_VNNI512 = numba_setup.HOST_IS_X86 and {"avx512f", "avx512bw", "avx512vnni"} <= numba_setup.HOST_FEATURES
-"""True when this CPU can run :func:`matmul_w8a16` (AVX-512 VNNI)."""
+"""True when this CPU runs the AVX-512 VNNI variant of :func:`matmul_w8a16`."""
+
+HAVE_AVX2 = numba_setup.HOST_IS_X86 and {"avx2", "fma", "f16c"} <= numba_setup.HOST_FEATURES
+"""True when this CPU runs at least the AVX2 variant (``vpmaddwd`` + ``vpaddd``)."""
+
+GEMM_ISA = "avx512vnni" if HAVE_VNNI512 else "avx2" if HAVE_AVX2 else None
+"""Which variant of the GEMM this process compiles, or None (then prefill is dequantize + sgemm)."""
 
 MIN_ROWS = 3
 """Fewest rows :func:`matmul_q8` sends through the GEMM: packing a panel costs about as much as
 reading the weights once, which is what a matvec per row costs (measured on Qwen2.5-0.5B's
 gate/up, 9728 x 896: 0.2 ms per row by matvec, 0.55-0.6 ms by the GEMM for 2 or 3 rows)."""
 
-# Register tile and K chunk, measured on the 2-core Zen 5 (T=512, Qwen2.5-0.5B's gate/up and down
-# shapes, GOP/s): 3x4 512 / 638, 4x3 465 / 540, 6x2 470 / 620, 4x4 (spills) 369 / 333, 8x1 380 / 465;
-# K chunks of 4 or 16 blocks were no better than 8.
-TR = 3                # activation rows per register tile
-V = 4                 # 16-lane weight vectors per register tile: NR = 64 weight rows
-NR = 16 * V
-KC_BLOCKS = 8         # blocks of 32 packed and multiplied at a time: 64 x 256 int16 = 32 KiB (L1)
+# Register tiles (TR activation rows x V weight vectors of LANES int32 lanes), measured at T=512 on
+# Qwen2.5-0.5B's gate/up and down shapes, GOP/s:
+#   Zen 5, AVX-512 (32 zmm): 3x4 512 / 638, 4x3 465 / 540, 6x2 470 / 620, 4x4 (spills) 369 / 333,
+#     8x1 380 / 465; K chunks of 4 or 16 blocks were no better than 8.
+#   Zen 3, AVX2 (16 ymm), float accumulators in registers for 3x2, else in the panel buffer: 4x2
+#     139-151 / 126-139, 6x2 102-139 / 130-147, 2x4 76-150 / 129-138, 3x2 99-104 / 98-103 (two
+#     rounds on a noisy shared host).
+if GEMM_ISA == "avx512vnni":
+    LANES, TR, V = 16, 3, 4
+else:
+    LANES, TR, V = 8, 4, 2
+NR = LANES * V        # weight rows per panel (a multiple of the 16 rows _pack_rows16 packs)
+KC_BLOCKS = 8         # blocks of 32 packed and multiplied at a time (AVX-512: 64 x 256 int16 = 32 KiB, L1)
+FACC_IN_REGS = 2 * TR * V + V + 2 <= (32 if LANES == 16 else 16)
+"""Whether the float32 accumulators of a tile fit in registers beside the int32 block sums (else
+they live in the L1-resident panel buffer, loaded and stored once per block)."""
 
 _I16, _I32, _I64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _F32 = ir.FloatType()
-_V16I32 = ir.VectorType(_I32, 16)
-_V16F32 = ir.VectorType(_F32, 16)
+_VI32 = ir.VectorType(_I32, LANES)
+_VF32 = ir.VectorType(_F32, LANES)
+_V16I32 = ir.VectorType(_I32, 16)   # 16 packed rows (_pack_rows16), whatever LANES is
 
 
 def _splat(b, scalar, vty):
     v = b.insert_element(ir.Constant(vty, ir.Undefined), scalar, ir.Constant(_I32, 0))
-    return b.shuffle_vector(v, v, ir.Constant(_V16I32, [0] * 16))
+    return b.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, vty.count), [0] * vty.count))
+
+
+def _avx2_block_dots(b, wblk, xpairs):
+    """The int32 sums of one block for an AVX2 tile: TR x V <8 x i32>, each the sum over the
+    block's 16 pairs of ``vpmaddwd(broadcast x pair, weight vector)``.
+
+    One inline-assembly routine per block, not IR: as IR (intrinsic + add) LLVM reorders the
+    work accumulator by accumulator, which keeps all 16 weight vectors of a block live, and the 16
+    ymm registers spill (measured: 60-80 GOP/s instead of ~2x that). The order here is the one a
+    register tile wants: per pair, V weight loads, then per row one broadcast and V multiply-adds.
+    """
+    n_acc = TR * V
+    scratch = V + 2                                  # V weights, the broadcast, the product
+    reg = lambda i: f"${i}"
+    acc = lambda t, v: reg(t * V + v)
+    wreg = lambda v: reg(n_acc + v)
+    breg, preg = reg(n_acc + V), reg(n_acc + V + 1)
+    first_in = n_acc + scratch + n_acc               # after the outputs and the tied inputs
+    wptr, xptr = reg(first_in), (lambda t: reg(first_in + 1 + t))
+    lines = []
+    for p in range(16):
+        for v in range(V):
+            lines.append(f"vmovdqu {(p * 2 * NR + 2 * LANES * v) * 2}({wptr}), {wreg(v)}")
+        for t in range(TR):
+            lines.append(f"vpbroadcastd {4 * p}({xptr(t)}), {breg}")
+            for v in range(V):
+                lines.append(f"vpmaddwd {wreg(v)}, {breg}, {preg}")
+                lines.append(f"vpaddd {preg}, {acc(t, v)}, {acc(t, v)}")
+    outs = ["=x"] * n_acc + ["=&x"] * scratch
+    ins = [str(i) for i in range(n_acc)] + ["r"] * (1 + TR)
+    ret = ir.LiteralStructType([_VI32] * (n_acc + scratch))
+    asm = ir.InlineAsm(ir.FunctionType(ret, [_VI32] * n_acc + [wblk.type] + [x.type for x in xpairs]),
+                       "\n\t".join(lines), ",".join(outs + ins))
+    zero = ir.Constant(_VI32, [0] * LANES)
+    r = b.call(asm, [zero] * n_acc + [wblk] + list(xpairs))
+    return [[b.extract_value(r, t * V + v) for v in range(V)] for t in range(TR)]
 
 
 def _define_tile(module):
     """void @cpullm_w8a16_tile(i16* wp, f32* sp, i16* xq, i64 xq_stride, f32* xs, i64 xs_stride,
-    i64 nblocks, f32* c): c[t * NR + 16 v + lane] += the tile's sums over ``nblocks`` blocks.
+    i64 nblocks, f32* c): c[t * NR + LANES * v + lane] += the tile's sums over ``nblocks`` blocks.
 
     wp / sp: a packed panel chunk (see the module docstring); xq / xs: row t0 of the activations
     at the chunk's first value / block; strides in elements. alwaysinline.
     """
-    name = f"cpullm_w8a16_tile_{TR}x{V}"
+    name = f"cpullm_w8a16_tile_{GEMM_ISA}_{TR}x{V}"
     fn = module.globals.get(name)
     if fn is not None:
         return fn
@@ -101,51 +159,68 @@ def _define_tile(module):
     fn.attributes.add("nounwind")
     wp, sp, xq, xq_st, xs, xs_st, nb, c = fn.args
     entry, loop, done = (fn.append_basic_block(s) for s in ("entry", "loop", "done"))
-    dpwssd = _decl(module, "llvm.x86.avx512.vpdpwssd.512", _V16I32, [_V16I32, _V16I32, _V16I32])
-    fmuladd = _decl(module, "llvm.fmuladd.v16f32", _V16F32, [_V16F32, _V16F32, _V16F32])
-    zero_i = ir.Constant(_V16I32, [0] * 16)
+    vi16 = ir.VectorType(_I16, 2 * LANES)
+    if LANES == 16:
+        dpwssd = _decl(module, "llvm.x86.avx512.vpdpwssd.512", _VI32, [_VI32, _VI32, _VI32])
+
+        def madd(b, acc, a, w):          # acc + pairwise int16 products, one instruction
+            return b.call(dpwssd, [acc, a, w])
+    else:
+        madd = None
+    fmuladd = _decl(module, f"llvm.fmuladd.v{LANES}f32", _VF32, [_VF32, _VF32, _VF32])
+    zero_i = ir.Constant(_VI32, [0] * LANES)
 
     b = ir.IRBuilder(entry)
-    cvec = [[b.bitcast(b.gep(c, [_c64(t * NR + 16 * v)]), _V16F32.as_pointer()) for v in range(V)] for t in range(TR)]
-    acc0 = [[b.load(cvec[t][v], align=4) for v in range(V)] for t in range(TR)]
+    cvec = [[b.bitcast(b.gep(c, [_c64(t * NR + LANES * v)]), _VF32.as_pointer()) for v in range(V)]
+            for t in range(TR)]
+    acc0 = [[b.load(cvec[t][v], align=4) for v in range(V)] for t in range(TR)] if FACC_IN_REGS else None
     xrows = [b.gep(xq, [b.mul(xq_st, _c64(t))]) for t in range(TR)]
     srows = [b.gep(xs, [b.mul(xs_st, _c64(t))]) for t in range(TR)]
     b.branch(loop)
 
     b = ir.IRBuilder(loop)
     blk = b.phi(_I64)
-    acc = [[b.phi(_V16F32) for v in range(V)] for t in range(TR)]
+    if FACC_IN_REGS:
+        acc = [[b.phi(_VF32) for v in range(V)] for t in range(TR)]
     dots = [[zero_i for v in range(V)] for t in range(TR)]
-    wblk = b.gep(wp, [b.mul(blk, _c64(16 * V * 32))])
+    wblk = b.gep(wp, [b.mul(blk, _c64(16 * 2 * NR))])
     k0 = b.mul(blk, _c64(QBLOCK))
     xpairs = [b.bitcast(b.gep(xrows[t], [k0]), _I32.as_pointer()) for t in range(TR)]
-    for p in range(16):
-        w = [b.load(b.bitcast(b.gep(wblk, [_c64((p * V + v) * 32)]), _V16I32.as_pointer()), align=4)
-             for v in range(V)]
-        for t in range(TR):
-            a = _splat(b, b.load(b.gep(xpairs[t], [_c64(p)]), align=4), _V16I32)
-            for v in range(V):
-                dots[t][v] = b.call(dpwssd, [dots[t][v], a, w[v]])
-    ws = [b.load(b.bitcast(b.gep(sp, [b.add(b.mul(blk, _c64(NR)), _c64(16 * v))]), _V16F32.as_pointer()), align=4)
+    if madd is None:
+        dots = _avx2_block_dots(b, wblk, xpairs)
+    else:
+        for p in range(16):
+            w = [b.load(b.bitcast(b.gep(wblk, [_c64(p * 2 * NR + 2 * LANES * v)]), _VI32.as_pointer()), align=4)
+                 for v in range(V)]
+            for t in range(TR):
+                a = _splat(b, b.load(b.gep(xpairs[t], [_c64(p)]), align=4), _VI32)
+                for v in range(V):
+                    dots[t][v] = madd(b, dots[t][v], a, w[v])
+    ws = [b.load(b.bitcast(b.gep(sp, [b.add(b.mul(blk, _c64(NR)), _c64(LANES * v))]), _VF32.as_pointer()), align=4)
           for v in range(V)]
     new = [[None] * V for _ in range(TR)]
     for t in range(TR):
-        xs_t = _splat(b, b.load(b.gep(srows[t], [blk]), align=4), _V16F32)
+        xs_t = _splat(b, b.load(b.gep(srows[t], [blk]), align=4), _VF32)
         for v in range(V):
-            new[t][v] = b.call(fmuladd, [b.sitofp(dots[t][v], _V16F32), b.fmul(ws[v], xs_t), acc[t][v]])
+            prev = acc[t][v] if FACC_IN_REGS else b.load(cvec[t][v], align=4)
+            new[t][v] = b.call(fmuladd, [b.sitofp(dots[t][v], _VF32), b.fmul(ws[v], xs_t), prev])
+            if not FACC_IN_REGS:
+                b.store(new[t][v], cvec[t][v], align=4)
     nxt = b.add(blk, _c64(1))
     blk.add_incoming(_c64(0), entry)
     blk.add_incoming(nxt, loop)
-    for t in range(TR):
-        for v in range(V):
-            acc[t][v].add_incoming(acc0[t][v], entry)
-            acc[t][v].add_incoming(new[t][v], loop)
+    if FACC_IN_REGS:
+        for t in range(TR):
+            for v in range(V):
+                acc[t][v].add_incoming(acc0[t][v], entry)
+                acc[t][v].add_incoming(new[t][v], loop)
     b.cbranch(b.icmp_signed("<", nxt, nb), loop, done)
 
     b = ir.IRBuilder(done)
-    for t in range(TR):
-        for v in range(V):
-            b.store(new[t][v], cvec[t][v], align=4)
+    if FACC_IN_REGS:
+        for t in range(TR):
+            for v in range(V):
+                b.store(new[t][v], cvec[t][v], align=4)
     b.ret_void()
     return fn
 
@@ -202,7 +277,7 @@ def _transpose16(b, rows):
 def _pack_rows16(typingctx, w_q, n0, blk, wp, off):
     """Pack one block of 16 weight rows: rows n0 .. n0 + 15 of w_q (int8 (N, Kp)), values
     32 blk .. 32 blk + 31, sign-extended to int16 pairs and transposed so that pair p of row
-    n0 + lane lands at int16 offset ``off + p * V * 32 + 2 * lane`` of wp. No bounds checks."""
+    n0 + lane lands at int16 offset ``off + p * 2 * NR + 2 * lane`` of wp. No bounds checks."""
     ok = (isinstance(w_q, types.Array) and w_q.dtype == types.int8 and w_q.ndim == 2
           and isinstance(wp, types.Array) and wp.dtype == types.int16 and wp.ndim == 1
           and all(isinstance(i, types.Integer) for i in (n0, blk, off)))
@@ -224,7 +299,7 @@ def _pack_rows16(typingctx, w_q, n0, blk, wp, off):
             rows.append(builder.bitcast(builder.sext(builder.load(p, align=1), v32i16), _V16I32))
         dst = builder.gep(awp.data, [off_])
         for p, vec in enumerate(_transpose16(builder, rows)):
-            q = builder.bitcast(builder.gep(dst, [_c64(p * V * 32)]), _V16I32.as_pointer())
+            q = builder.bitcast(builder.gep(dst, [_c64(p * 2 * NR)]), _V16I32.as_pointer())
             builder.store(vec, q, align=4)
         return context.get_dummy_value()
 
@@ -234,29 +309,29 @@ def _pack_rows16(typingctx, w_q, n0, blk, wp, off):
 @njit(cache=True, nogil=True)
 def _pack_chunk(w_q, w_s, n0, b0, nblocks, wp, sp):
     """Pack rows n0 .. n0 + NR - 1, blocks b0 .. b0 + nblocks - 1 of (w_q, w_s) into (wp, sp)
-    (layout: module docstring); rows past N are packed as zeros."""
+    (layout: module docstring), 16 rows at a time; rows past N are packed as zeros."""
     N = w_q.shape[0]
-    for v in range(V):
-        g0 = n0 + 16 * v
+    for g in range(NR // 16):
+        g0 = n0 + 16 * g
         for lane in range(16):
             n = g0 + lane
             for bb in range(nblocks):
-                sp[(bb * V + v) * 16 + lane] = half_to_float(w_s[n, b0 + bb]) if n < N else np.float32(0.0)
+                sp[bb * NR + 16 * g + lane] = half_to_float(w_s[n, b0 + bb]) if n < N else np.float32(0.0)
         if g0 + 16 <= N:
             for bb in range(nblocks):
-                _pack_rows16(w_q, g0, b0 + bb, wp, bb * 16 * V * 32 + v * 32)
+                _pack_rows16(w_q, g0, b0 + bb, wp, bb * 16 * 2 * NR + g * 32)
             continue
         for lane in range(16):                     # the last, partial group of rows
             n = g0 + lane
             for bb in range(nblocks):
-                base = bb * 16 * V * 32 + v * 32 + 2 * lane
+                base = bb * 16 * 2 * NR + g * 32 + 2 * lane
                 for p in range(16):
                     if n < N:
-                        wp[base + p * V * 32] = w_q[n, (b0 + bb) * QBLOCK + 2 * p]
-                        wp[base + p * V * 32 + 1] = w_q[n, (b0 + bb) * QBLOCK + 2 * p + 1]
+                        wp[base + p * 2 * NR] = w_q[n, (b0 + bb) * QBLOCK + 2 * p]
+                        wp[base + p * 2 * NR + 1] = w_q[n, (b0 + bb) * QBLOCK + 2 * p + 1]
                     else:
-                        wp[base + p * V * 32] = 0
-                        wp[base + p * V * 32 + 1] = 0
+                        wp[base + p * 2 * NR] = 0
+                        wp[base + p * 2 * NR + 1] = 0
 
 
 @njit(cache=True, parallel=True)
@@ -280,7 +355,7 @@ def _gemm_panels(x_q, x_s, w_q, w_s, T, out, nthreads):
     npanel = (N + NR - 1) // NR
     nth = max(1, min(nthreads, npanel))
     for c in prange(nth):
-        wp = np.empty(KC_BLOCKS * 16 * V * 32, np.int16)
+        wp = np.empty(KC_BLOCKS * 16 * 2 * NR, np.int16)
         sp = np.empty(KC_BLOCKS * NR, np.float32)
         cbuf = np.empty(Tp * NR, np.float32)
         for p in range(c * npanel // nth, (c + 1) * npanel // nth):
@@ -310,18 +385,18 @@ def _check(x, w_q, w_s, out):
 def matmul_w8a16(x, w_q, w_s, out):
     """out (T, N) = x (T, K) @ W.T with int16-quantized x (see the module docstring).
 
-    x float32 (T, K) (rows contiguous), w_q int8 (N, Kp), w_s uint16 (N, Kp // 32) binary16
-    bits, out float32 (T, N) (rows contiguous; any row stride). Needs ``HAVE_VNNI512``.
+    x float32 (T, K), w_q int8 (N, Kp), w_s uint16 (N, Kp // 32) binary16 bits, out float32
+    (T, N); x and out any row stride (rows contiguous). Needs ``GEMM_ISA``.
     """
-    if not HAVE_VNNI512:
-        raise RuntimeError("matmul_w8a16 needs a CPU with AVX-512 VNNI")
+    if GEMM_ISA is None:
+        raise RuntimeError("matmul_w8a16 needs an x86 CPU with AVX2, FMA and F16C (or AVX-512 VNNI)")
     _check(x, w_q, w_s, out)
     T = x.shape[0]
     Kp = w_q.shape[1]
     Tp = (T + TR - 1) // TR * TR
     x_q = np.empty((Tp, Kp), np.int16)
     x_s = np.empty((Tp, Kp // QBLOCK), np.float32)
-    _quantize_rows_q16(np.ascontiguousarray(x), x_q, x_s)
+    _quantize_rows_q16(x, x_q, x_s)
     _gemm_panels(x_q, x_s, w_q, w_s, T, out, numba.get_num_threads())
 
 
@@ -346,11 +421,12 @@ def _matvec_rows(x, w_q, w_s, out, x_q, x_s):
 def matmul_q8(x, w_q, w_s, out):
     """out (T, N) = x (T, K) @ W.T for q8 weights (prefill): the fastest path this CPU has.
 
-    x float32 (T, K) C-contiguous, w_q int8 (N, Kp), w_s uint16 (N, Kp // 32), out float32 (T, N)
-    C-contiguous. With AVX-512 VNNI the activations are int16-quantized per block of 32 (the
-    decode path's numerics); otherwise they stay float32 (weights-only INT8 via sgemm).
+    x float32 (T, K), w_q int8 (N, Kp), w_s uint16 (N, Kp // 32), out float32 (T, N); x and out
+    may be row-strided views (the executor passes its arena's). Where the GEMM runs (AVX2 or
+    AVX-512 VNNI) the activations are int16-quantized per block of 32 (the decode path's
+    numerics); elsewhere they stay float32 (weights-only INT8 via sgemm).
     """
-    if not HAVE_VNNI512:
+    if GEMM_ISA is None:
         matmul_q8_sgemm(x, w_q, w_s, out)
         return
     _check(x, w_q, w_s, out)
@@ -358,4 +434,4 @@ def matmul_q8(x, w_q, w_s, out):
         matmul_w8a16(x, w_q, w_s, out)
         return
     Kp = w_q.shape[1]
-    _matvec_rows(np.ascontiguousarray(x), w_q, w_s, out, np.empty(Kp, np.int16), np.empty(Kp // QBLOCK, np.float32))
+    _matvec_rows(x, w_q, w_s, out, np.empty(Kp, np.int16), np.empty(Kp // QBLOCK, np.float32))

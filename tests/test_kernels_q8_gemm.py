@@ -12,7 +12,7 @@ import pytest
 from cpullm.kernels import q8, q8_gemm
 
 RNG = np.random.default_rng(20261201)
-VNNI = pytest.mark.skipif(not q8_gemm.HAVE_VNNI512, reason="this CPU lacks AVX-512 VNNI (the kernel cannot run here)")
+VNNI = pytest.mark.skipif(q8_gemm.GEMM_ISA is None, reason="this CPU lacks AVX2+FMA+F16C (the kernel cannot run here)")
 
 SHAPES = [(1, 1, 1), (2, 17, 33), (3, 64, 256), (4, 65, 257), (5, 100, 900), (37, 129, 896), (64, 300, 1000)]
 
@@ -98,35 +98,35 @@ def test_w8a16_extreme_values_do_not_overflow():
 @VNNI
 def test_pack_layout():
     # the packed chunk is the documented interleave of sign-extended weights and float scales
-    N, K = 90, 320                      # second panel partial (26 rows), 10 blocks
+    N, K = 90, 320                      # the last panel partial (26 of 64 or 10 of 16 rows), 10 blocks
     w_q, w_s = q8.quantize_weight_q8(_w(N, K))
-    V, NR, KC = q8_gemm.V, q8_gemm.NR, q8_gemm.KC_BLOCKS
-    n0, b0, nblk = NR, 8, 2
-    wp = np.full(KC * 16 * V * 32, 99, np.int16)
+    NR, KC = q8_gemm.NR, q8_gemm.KC_BLOCKS
+    n0, b0, nblk = N // NR * NR, 8, 2
+    assert 0 < N - n0 < NR
+    wp = np.full(KC * 16 * 2 * NR, 99, np.int16)
     sp = np.full(KC * NR, 99.0, np.float32)
     q8_gemm._pack_chunk(w_q, w_s, n0, b0, nblk, wp, sp)
     scales = q8.scale_values(w_s)
     for bb in range(nblk):
-        for p in range(16):
-            for v in range(V):
-                for lane in range(16):
-                    n = n0 + 16 * v + lane
-                    for e in range(2):
-                        want = w_q[n, 32 * (b0 + bb) + 2 * p + e] if n < N else 0
-                        assert wp[((bb * 16 + p) * V + v) * 32 + 2 * lane + e] == want
-                    assert sp[(bb * V + v) * 16 + lane] == (scales[n, b0 + bb] if n < N else 0.0)
+        for r in range(NR):             # row n0 + r of the panel
+            n = n0 + r
+            for p in range(16):
+                for e in range(2):
+                    want = w_q[n, 32 * (b0 + bb) + 2 * p + e] if n < N else 0
+                    assert wp[(bb * 16 + p) * 2 * NR + 2 * r + e] == want
+            assert sp[bb * NR + r] == (scales[n, b0 + bb] if n < N else 0.0)
 
 
 @pytest.mark.parametrize("T", [1, 2, 3, 40])
 def test_matmul_q8_dispatch_matches_its_reference(T):
-    # on VNNI hosts: W8A16 numerics (the GEMM, or one matvec per row below MIN_ROWS);
-    # elsewhere: weights-only INT8 through sgemm
+    # on AVX2 / AVX-512 VNNI hosts: W8A16 numerics (the GEMM, or one matvec per row below
+    # MIN_ROWS); elsewhere: weights-only INT8 through sgemm
     N, K = 150, 416
     w_q, w_s = q8.quantize_weight_q8(_w(N, K))
     x = _x(T, K)
     out = np.full((T, N), np.nan, np.float32)
     q8_gemm.matmul_q8(x, w_q, w_s, out)
-    if q8_gemm.HAVE_VNNI512:
+    if q8_gemm.GEMM_ISA is not None:
         ref = q8_gemm.matmul_w8a16_ref(x, w_q, w_s)
     else:
         ref = q8.matmul_q8_ref(x, w_q, w_s)
@@ -142,13 +142,15 @@ def test_matmul_q8_rejects_bad_shapes():
 
 
 @VNNI
-def test_w8a16_codegen_uses_vnni_on_zmm():
+def test_w8a16_codegen_uses_the_integer_dot_instructions():
     # numba cannot show cached code: compile the driver afresh and read its assembly
     fresh = numba.njit(parallel=True)(q8_gemm._gemm_panels.py_func)
     w_q, w_s = q8.quantize_weight_q8(_w(70, 300))
-    x_q, x_s = np.zeros((6, 320), np.int16), np.zeros((6, 10), np.float32)
+    Tp = -(-5 // q8_gemm.TR) * q8_gemm.TR          # 5 rows, padded to whole register tiles
+    x_q, x_s = np.zeros((Tp, 320), np.int16), np.zeros((Tp, 10), np.float32)
     fresh(x_q, x_s, w_q, w_s, 5, np.zeros((5, 70), np.float32), 2)
     asm = fresh.inspect_asm(fresh.signatures[0])
-    assert "vpdpwssd" in asm and "zmm" in asm, "the W8A16 tile lost its VNNI code"
-    assert asm.count("vpdpwssd") >= 16 * q8_gemm.TR * q8_gemm.V, "the 16-step block loop is not unrolled"
+    dot, reg = ("vpdpwssd", "zmm") if q8_gemm.GEMM_ISA == "avx512vnni" else ("vpmaddwd", "ymm")
+    assert dot in asm and reg in asm, f"the W8A16 tile lost its {dot} code"
+    assert asm.count(dot) >= 16 * q8_gemm.TR * q8_gemm.V, "the 16-step block loop is not unrolled"
     assert "vpermt2d" in asm or "vpermi2d" in asm or "vshufi" in asm or "vpunpck" in asm, "pack transpose scalarized"

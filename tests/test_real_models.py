@@ -7,7 +7,7 @@ For three prompts each (plain text, code, a story opening):
   exactly transformers' own dequantization of the GGUF (rounded to bf16, as checkpoints are).
 * INT8 mode's top-1 agreement with f32 is >= 97 % and its mean KL divergence <= 0.01 nats over
   ~500 positions, through both paths: the batched prefill (INT8 weights x int16 activation
-  blocks on AVX-512 VNNI CPUs, x f32 activations elsewhere) and the one-token decode path
+  blocks on AVX2 / AVX-512 VNNI CPUs, x f32 activations elsewhere) and the one-token decode path
   teacher-forced through the same tokens (INT8 weights x int16 activation blocks). Measured
   (top-1 / KL, equal on both paths to 3 digits, AMD Zen 5 with VNNI): SmolLM2-135M
   98.0 % / 0.0013, Gemma 3 270M 98.8 % / 0.0006, Qwen2.5-Coder-0.5B 99.2 % / 0.0002.
