@@ -1,9 +1,9 @@
 """The prefill GEMM (cpullm.kernels.q8_gemm): W8A16 on AVX-512 VNNI vs its numpy reference, the
 equality of its numerics with the decode path's, the dispatcher, and a codegen guard.
 
-Shapes are deliberately awkward: N not a multiple of the 64-row panel (nor of 16), K not a
-multiple of 32 and spanning several 256-value chunks plus a partial one, T not a multiple of the
-3-row register tile.
+Shapes are deliberately awkward: N not a multiple of the 64- or 16-row panel (nor of 16), K not
+a multiple of 32 and spanning several packed chunks (256 or 1024 values) plus a partial one, T
+not a multiple of the 3- or 4-row register tile.
 """
 import numba
 import numpy as np
@@ -14,7 +14,7 @@ from cpullm.kernels import q8, q8_gemm
 RNG = np.random.default_rng(20261201)
 VNNI = pytest.mark.skipif(q8_gemm.GEMM_ISA is None, reason="this CPU lacks AVX2+FMA+F16C (the kernel cannot run here)")
 
-SHAPES = [(1, 1, 1), (2, 17, 33), (3, 64, 256), (4, 65, 257), (5, 100, 900), (37, 129, 896), (64, 300, 1000)]
+SHAPES = [(1, 1, 1), (2, 17, 33), (3, 64, 256), (4, 65, 257), (5, 100, 900), (37, 129, 896), (64, 300, 1000), (6, 45, 2500)]
 
 
 def _w(N, K):
