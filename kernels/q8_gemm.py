@@ -137,9 +137,12 @@ def _avx2_block_dots(b, wblk, xpairs):
                 lines.append(f"vpaddd {preg}, {acc(t, v)}, {acc(t, v)}")
     outs = ["=x"] * n_acc + ["=&x"] * scratch
     ins = [str(i) for i in range(n_acc)] + ["r"] * (1 + TR)
+    # "~{memory}": the routine reads memory LLVM cannot see through its pointer operands; without
+    # the clobber LLVM would take it for a pure function of those pointers and could reuse one
+    # call's result for the next panel, whose packed weights sit at the same address
     ret = ir.LiteralStructType([_VI32] * (n_acc + scratch))
     asm = ir.InlineAsm(ir.FunctionType(ret, [_VI32] * n_acc + [wblk.type] + [x.type for x in xpairs]),
-                       "\n\t".join(lines), ",".join(outs + ins))
+                       "\n\t".join(lines), ",".join(outs + ins + ["~{memory}"]))
     zero = ir.Constant(_VI32, [0] * LANES)
     r = b.call(asm, [zero] * n_acc + [wblk] + list(xpairs))
     return [[b.extract_value(r, t * V + v) for v in range(V)] for t in range(TR)]
