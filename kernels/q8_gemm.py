@@ -59,13 +59,14 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from . import numba_setup
+from .q8 import HAVE_AVX2 as q8_HAVE_AVX2
 from .q8 import (QBLOCK, _c64, _decl, half_to_float, matmul_q8_sgemm, matvec_q8, matvec_q8_ref, padded_k,
                  quantize_act_q16, quantize_act_q16_ref)
 
 HAVE_VNNI512 = numba_setup.HOST_IS_X86 and {"avx512f", "avx512bw", "avx512vnni"} <= numba_setup.HOST_FEATURES
 """True when this CPU runs the AVX-512 VNNI variant of :func:`matmul_w8a16`."""
 
-HAVE_AVX2 = numba_setup.HOST_IS_X86 and {"avx2", "fma", "f16c"} <= numba_setup.HOST_FEATURES
+HAVE_AVX2 = q8_HAVE_AVX2 and "f16c" in numba_setup.HOST_FEATURES
 """True when this CPU runs at least the AVX2 variant (``vpmaddwd`` + ``vpaddd``)."""
 
 GEMM_ISA = "avx512vnni" if HAVE_VNNI512 else "avx2" if HAVE_AVX2 else None
@@ -166,7 +167,6 @@ def _define_tile(module):
     fn.attributes.add("nounwind")
     wp, sp, xq, xq_st, xs, xs_st, nb, c = fn.args
     entry, loop, done = (fn.append_basic_block(s) for s in ("entry", "loop", "done"))
-    vi16 = ir.VectorType(_I16, 2 * LANES)
     if LANES == 16:
         dpwssd = _decl(module, "llvm.x86.avx512.vpdpwssd.512", _VI32, [_VI32, _VI32, _VI32])
 
