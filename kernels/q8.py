@@ -212,6 +212,21 @@ def _ir_half_to_float(b, h):
     return b.select(is_sub, sub, normal)
 
 
+def _ir_half_to_float_fresh(b, h):
+    """IR: as :func:`_ir_half_to_float`, but the hardware conversion reads a register that was
+    written whole. LLVM turns a scalar ``fpext half`` (and every vector form that uses one lane)
+    into ``vpinsrw $0, mem, %xmmK, %xmmD`` with whatever register it picks as %xmmK; in the matvec
+    row loop that was the float accumulator, which chained each block's scale conversion to the
+    previous block's FMA (7-9 cycles per block of 32 in L1). Here the bits go through a GPR and
+    ``vmovd`` (which zeroes the rest), then one ``vcvtph2ps`` LLVM cannot rewrite (inline asm)."""
+    if not (_HALF_IN_HARDWARE and numba_setup.HOST_IS_X86):
+        return _ir_half_to_float(b, h)
+    v4i32, v4f32 = ir.VectorType(_I32, 4), ir.VectorType(_F32, 4)
+    v = b.insert_element(ir.Constant(v4i32, [0] * 4), b.zext(h, _I32), ir.Constant(_I32, 0))
+    cvt = ir.InlineAsm(ir.FunctionType(v4f32, [v4i32]), "vcvtph2ps $1, $0", "=x,x")
+    return b.extract_element(b.call(cvt, [v]), ir.Constant(_I32, 0))
+
+
 @intrinsic
 def half_to_float(typingctx, h):
     """float32 value of binary16 bits ``h`` (uint16), for @njit code (numba has no float16)."""
@@ -461,7 +476,7 @@ def _define_row_dot(module, x86: bool):
                               ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
         xp = b.gep(x, [b.shl(off, _c64(1))])       # int16 activations: 64 bytes per block
         f = b.sitofp(_block_dot_i32x8(b, module, wp, xp, x86), _V8F32)
-        s = b.fmul(_ir_half_to_float(b, b.load(b.gep(wsp, [i]))), b.load(b.gep(xsp, [i])))
+        s = b.fmul(_ir_half_to_float_fresh(b, b.load(b.gep(wsp, [i]))), b.load(b.gep(xsp, [i])))
         sv = b.insert_element(ir.Constant(_V8F32, ir.Undefined), s, ir.Constant(_I32, 0))
         sv = b.shuffle_vector(sv, sv, ir.Constant(_V8I32, [0] * 8))
         return b.call(fmuladd, [f, sv, acc])

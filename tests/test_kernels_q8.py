@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from cpullm.kernels import q8
+from cpullm.kernels import numba_setup, q8
 
 RNG = np.random.default_rng(20240601)
 
@@ -276,6 +276,10 @@ def test_matvec_q8_avx2_codegen_is_vectorized():
     for insn in ("vpmovsxbw", "vpmaddwd", "vcvtdq2ps", "vcvtph2ps", "vfmadd", "prefetcht0"):
         assert insn in asm, f"{insn} missing: the q8 matvec lost its vector code"
     assert "ymm" in asm
+    if "f16c" in numba_setup.HOST_FEATURES:
+        # the block scale reaches vcvtph2ps through vmovd, never vpinsrw (which merges into a
+        # register LLVM picks, the FMA accumulator, and chains the blocks: q8._ir_half_to_float_fresh)
+        assert "vpinsrw" not in asm and "vmovd" in asm
 
 
 @pytest.mark.skipif(not q8.HAVE_AVX2, reason="x86 AVX2 host only")
