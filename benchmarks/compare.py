@@ -468,15 +468,49 @@ def worker(name: str, spec: dict) -> dict:
     else:
         raise SystemExit(f"unknown runtime {name!r}")
     info["load_s"] = time.perf_counter() - t0
+    info["decode_weight_bytes"] = _decode_weight_bytes(name, runner, spec)
+    reads: list = []
+    after_run = None
+    if name == "cpullm":     # this machine's streaming read rate, over cpullm's decode bytes
+        from cpullm.bench import decode_weight_spans
+        from cpullm.kernels.bandwidth import read_rate
+        spans = decode_weight_spans(runner.model.program)
+        after_run = lambda _r: reads.append(read_rate(spans, repeat=3))  # noqa: E731
     ctx_n = spec["context_tokens"]
     ctx_ids = spec.get("context_ids") or (ids if len(ids) == ctx_n else None)
     speed = measure_speed(runner, ids, gen, repeat=spec["repeat"], context_tokens=ctx_n,
-                          context_ids=ctx_ids)
+                          context_ids=ctx_ids, after_run=after_run)
+    if reads:
+        info["read_gbps"] = float(np.median([r["gbps"] for r in reads]))
     runner.reset()
     last = np.asarray(runner.prefill(ids), np.float32).copy()
     np.save(spec["logits_out"], last)
     info.update({k: v for k, v in speed.items()})
     return info
+
+
+def _decode_weight_bytes(name: str, runner, spec: dict) -> int | None:
+    """Weight bytes one decode token reads in each runtime: cpullm's LINEARs
+    (``cpullm.bench.decode_weight_bytes``); every GGUF tensor but a token embedding that has a
+    separate output matrix (llama.cpp reads one row of it); every torch parameter, counted once,
+    but an input embedding that is not also the lm_head."""
+    try:
+        if name == "cpullm":
+            from cpullm.bench import decode_weight_bytes
+            return decode_weight_bytes(runner.model.program)
+        if name == "llama.cpp":
+            import gguf
+            tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(spec["gguf"]).tensors}
+            skip = "token_embd.weight" if "output.weight" in tensors else None
+            return sum(n for k, n in tensors.items() if k != skip)
+        model = runner.model
+        sizes = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+        emb, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+        if head is None or head.weight.data_ptr() != emb.data_ptr():
+            sizes.pop(emb.data_ptr(), None)
+        return sum(sizes.values())
+    except Exception:          # an optional figure: never fail the run for it
+        return None
 
 
 def run_worker(name: str, spec: dict, workdir: Path, timeout: float) -> dict:
@@ -596,9 +630,31 @@ def markdown(report: dict) -> str:
         if rat:
             lines.append(f"| {label} | {_fmt(rat['prefill'], '{:.2f}x')} | {_fmt(rat['decode'], '{:.2f}x')} "
                          f"| {_fmt(rat['decode_at_512'], '{:.2f}x')} |")
+    lines += _bandwidth_lines(rows)
     lines += ["", "Versions: " + "; ".join(f"{r['runtime']} {r.get('version', '?')}" for r in rows
                                              if "version" in r)]
     return "\n".join(lines) + "\n"
+
+
+def _bandwidth_lines(rows: list) -> list:
+    """The memory-bound view of decode: each runtime's weight bytes per token times its decode
+    tokens/s, against the read rate measured in the cpullm process (a plain parallel read of
+    cpullm's decode bytes between its timed runs)."""
+    read = next((r.get("read_gbps") for r in rows if r["runtime"] == "cpullm" and r.get("read_gbps")), None)
+    done = [r for r in rows if r.get("decode_weight_bytes") and r.get("decode_tps")]
+    if not done:
+        return []
+    lines = ["", "| runtime | weight bytes read per decode token | decode GB/s | share of the read rate |",
+             "|---|---:|---:|---:|"]
+    for r in done:
+        gbps = r["decode_weight_bytes"] * r["decode_tps"] / 1e9
+        share = f"{100 * gbps / read:.0f} %" if read else "n/a"
+        lines.append(f"| {r['runtime']} | {r['decode_weight_bytes'] / 1e6:.1f} MB | {gbps:.1f} | {share} |")
+    if read:
+        lines += ["", f"Read rate: {read:.1f} GB/s, a plain parallel read of the bytes cpullm's decode reads, "
+                      "measured in the cpullm process between its timed runs (median); decode is bound by "
+                      "memory bandwidth as its share nears 100 %."]
+    return lines
 
 
 def chart(report: dict, path: Path) -> Path | None:

@@ -23,6 +23,12 @@ Definitions (the same harness, :func:`measure_speed`, also drives llama.cpp and 
 * **memory**: ``model.info()["memory"]`` after the runs: packed weight bytes, KV bytes in use at
   the end of the 512-context run (and allocated for the whole context), activation arena, peak
   RSS of this process.
+* **memory bound** (``decode_weight_bytes``, ``read_gbps``, ``decode_tps_bound``,
+  ``decode_bound_share``): the weight bytes one decode token reads, the rate this machine streams
+  exactly those bytes (a plain parallel read, :func:`cpullm.kernels.bandwidth.read_rate`, three
+  passes after every timed repeat; the median over all of them), the tokens/s that rate allows,
+  and the share of it decode reached (``decode_gbps`` = bytes per token x ``decode_tps``). A share
+  near 100 % means decode is bound by memory bandwidth, not by its kernels.
 
 ``profile=True`` adds a per-op breakdown: one extra, separately timed pass with the executor's
 profile mode on (instruction by instruction with ``perf_counter``; grouped by the IR nodes'
@@ -301,6 +307,59 @@ def profile_pass(model, ids: list[int], gen_tokens: int) -> dict:
     }
 
 
+# ---- the memory bound of decode ------------------------------------------------------------------
+def decode_weight_spans(program) -> list:
+    """What one decode token reads from the weights, as views of the program's packed buffers:
+    every LINEAR's matrix once (q8: int8 values and binary16 block scales; f32: float32 values)
+    and biases, adjacent ranges merged (so the read below streams as decode does, in long runs).
+    The embedding row and the norm vectors are left out (a few KB)."""
+    from .kernels import interpreter as K
+    a = program.arrays
+    I = a["I"]
+    ranges: dict[str, list] = {"wq": [], "ws": [], "wf": []}
+    for r in np.nonzero(I[:, 0] == K.OP_LINEAR)[0]:
+        Kd, N, kind, w_off, s_off, Kp, b_off = (int(v) for v in I[r, 7:14])
+        if kind == K.WEIGHT_Q8:
+            ranges["wq"].append((w_off, w_off + N * Kp))
+            ranges["ws"].append((s_off, s_off + N * (Kp // 32)))
+        else:
+            ranges["wf"].append((w_off, w_off + N * Kd))
+        if b_off >= 0:
+            ranges["wf"].append((b_off, b_off + N))
+    views = []
+    for name, rs in ranges.items():
+        merged: list[list[int]] = []
+        for lo, hi in sorted(rs):
+            if merged and lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        views += [a[name][lo:hi] for lo, hi in merged]
+    return views
+
+
+def decode_weight_bytes(program) -> int:
+    """Bytes of :func:`decode_weight_spans`: the weights one decode token reads."""
+    return int(sum(v.nbytes for v in decode_weight_spans(program)))
+
+
+def memory_bound(per_token: int, decode_tps: float | None, rates: list) -> dict:
+    """Decode against this machine's streaming read rate: ``rates`` are
+    :func:`cpullm.kernels.bandwidth.read_rate` results over the bytes one decode token reads
+    (``per_token`` of them, :func:`decode_weight_spans`), taken between the timed runs; their
+    median, the tokens/s it allows, and the share of it decode reached."""
+    read = _median(r["gbps"] for r in rates)
+    gbps = per_token * decode_tps / 1e9 if decode_tps else None
+    return {
+        "decode_weight_bytes": per_token,
+        "read_gbps": read,
+        "read_gbps_best": max(r["best_gbps"] for r in rates),
+        "decode_gbps": gbps,
+        "decode_tps_bound": read * 1e9 / per_token,
+        "decode_bound_share": gbps / read if gbps is not None else None,
+    }
+
+
 # ---- load and compile times in child processes ------------------------------------------------------
 _CHILD = r"""
 import json, sys, time
@@ -389,12 +448,19 @@ def run_bench(model, prompt_tokens: int = 512, gen_tokens: int = 128, repeat: in
     ids = prompt_ids(model.tokenizer, prompt_tokens, vocab)
     ctx_n = max(1, min(context_tokens, model.n_ctx - gen_tokens))
     ctx_ids = ids if ctx_n == len(ids) else prompt_ids(model.tokenizer, ctx_n, vocab)
+    from .kernels.bandwidth import read_rate   # here: compare.py's other runtimes never load numba
     runner = CpullmRunner(model)
     snap: dict = {}
+    spans = decode_weight_spans(model.program)
+    reads: list = []
+
+    def after_run(_runner):
+        snap.update(model.info()["memory"])
+        reads.append(read_rate(spans, repeat=3))   # the same bytes, between the timed runs
+
     say(f"speed: prompt {prompt_tokens}, generate {gen_tokens}, {repeat} repeat(s)")
     speed = measure_speed(runner, ids, gen_tokens, repeat=repeat, context_tokens=ctx_n,
-                          context_ids=ctx_ids,
-                          after_run=lambda r: snap.update(model.info()["memory"]))
+                          context_ids=ctx_ids, after_run=after_run)
     result = {
         "model": str(model.model_dir),
         "family": info0["family"],
@@ -427,6 +493,7 @@ def run_bench(model, prompt_tokens: int = 512, gen_tokens: int = 128, repeat: in
         arena_bytes=mem["arena_bytes"],
         peak_rss_bytes=mem["peak_rss_bytes"],
     )
+    result.update(memory_bound(int(sum(v.nbytes for v in spans)), speed["decode_tps"], reads))
     result.update({"load_s_hit": None, "load_s_miss": None, "warmup_compile_s": None})
     if load or compile:
         result.update(load_timings(model.model_dir, model.quant, model.threads, model.n_ctx,
@@ -476,8 +543,20 @@ def format_report(r: dict) -> str:
         f"({_mb(r['kv_bytes_max'])} allocated), arena {_mb(r['arena_bytes'])}, "
         f"peak RSS {_mb(r['peak_rss_bytes'])}",
     ]
+    if r.get("decode_weight_bytes"):
+        lines += ["", format_memory_bound(r)]
     if r.get("profile"):
         lines += ["", format_profile(r["profile"])]
+    return "\n".join(lines)
+
+
+def format_memory_bound(r: dict) -> str:
+    per, read = r["decode_weight_bytes"], r["read_gbps"]
+    lines = [f"  decode reads {_mb(per)} of weights per token; a plain read of them ran at {read:.1f} GB/s "
+             f"between the runs (best {r['read_gbps_best']:.1f}): <= {r['decode_tps_bound']:.1f} tokens/s"]
+    if r.get("decode_gbps") is not None:
+        lines.append(f"  decode at {r['decode_tps']:.1f} tokens/s reads {r['decode_gbps']:.1f} GB/s: "
+                     f"{100 * r['decode_bound_share']:.0f}% of that rate")
     return "\n".join(lines)
 
 

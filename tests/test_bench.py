@@ -27,6 +27,16 @@ def _bench_json(capsys, *argv) -> dict:
     return json.loads(out[-1])
 
 
+def _q8_decode_bytes(a: dict) -> int:
+    """A Llama's matrices at q8 (int8 values + a 2-byte scale per 32, K padded to 32): q, k, v,
+    o, gate, up, down per layer and the (tied) lm_head."""
+    from cpullm.kernels.q8 import padded_k
+    h, f, hd = a["hidden_size"], a["intermediate_size"], a["head_dim"]
+    q, kv = a["num_attention_heads"] * hd, a["num_key_value_heads"] * hd
+    mats = [(q + 2 * kv, h), (h, q), (2 * f, h), (h, f)] * a["num_hidden_layers"] + [(a["vocab_size"], h)]
+    return sum(N * padded_k(K) + 2 * N * (padded_k(K) // 32) for N, K in mats)
+
+
 def test_json_keys_and_types_with_load_timing(tiny, capsys):
     r = _bench_json(capsys, tiny, *SMALL, "--threads", "1", "--no-compile-timing")
     for key in ("prefill_tps", "decode_tps", "decode_tps_at_512", "ttft_s", "load_s",
@@ -43,6 +53,12 @@ def test_json_keys_and_types_with_load_timing(tiny, capsys):
     assert r["decode_context_tokens"] == 512
     assert len(r["runs"]) == 2
     assert "profile" not in r
+    # the memory bound: the weight bytes one token reads, and decode's share of the read rate
+    assert r["decode_weight_bytes"] == _q8_decode_bytes(SMOLLM2_LIKE)
+    for key in ("read_gbps", "read_gbps_best", "decode_gbps", "decode_tps_bound", "decode_bound_share"):
+        assert isinstance(r[key], float) and r[key] > 0, key
+    assert r["decode_gbps"] == pytest.approx(r["decode_weight_bytes"] * r["decode_tps"] / 1e9)
+    assert r["decode_bound_share"] == pytest.approx(r["decode_gbps"] / r["read_gbps"])
     # KV in use after the 512-context run: 512 + 4 positions of every layer's K and V
     a = SMOLLM2_LIKE
     assert r["kv_bytes"] == a["num_hidden_layers"] * 2 * a["num_key_value_heads"] * a["head_dim"] * 516 * 4
@@ -70,7 +86,8 @@ def test_text_report_with_profile_table(tiny, capsys):
     assert main(["bench", str(tiny), *SMALL, "--profile", "--no-load-timing", "--no-compile-timing"]) == 0
     out = capsys.readouterr().out
     for text in ("prefill", "decode (short context)", "decode @512", "time to first token", "tokens/s",
-                 "per-op profile", "QKV projection", "MLP up/gate", "lm_head", "sampling", "peak RSS"):
+                 "per-op profile", "QKV projection", "MLP up/gate", "lm_head", "sampling", "peak RSS",
+                 "of weights per token", "of that rate"):
         assert text in out, text
 
 
@@ -168,3 +185,20 @@ def test_compile_time_is_cold_minus_warm_ready_time(monkeypatch, tmp_path):
 def test_cold_numba_compile_time_real(tiny):
     r = bench.load_timings(tiny, "int8", 1, 256, [1, 2, 3, 4])
     assert r["warmup_compile_s"] > 0 and r["load_s_cold_numba"] > r["load_s_hit"]
+
+
+def test_decode_weight_bytes_f32_with_biases(tmp_path):
+    """f32 weights (4 bytes per value, no padding) and the attention biases of an untied Llama:
+    the spans of the program cover exactly those bytes, merged into few long runs."""
+    import cpullm
+    from tiny_configs import LLAMA_UNTIED_BIAS as a
+    d = make_random_checkpoint(dict(a, model_type="llama"), tmp_path / "m")
+    m = cpullm.load(d, quant="f32", threads=1, n_ctx=64, cache_dir=tmp_path / "cache")
+    h, f, hd = a["hidden_size"], a["intermediate_size"], a["head_dim"]
+    q, kv = a["num_attention_heads"] * hd, a["num_key_value_heads"] * hd
+    mats = [(q + 2 * kv, h), (h, q), (2 * f, h), (h, f)] * a["num_hidden_layers"] + [(a["vocab_size"], h)]
+    biases = (q + 2 * kv + h) * a["num_hidden_layers"]        # attention_bias: q, k, v and o
+    assert bench.decode_weight_bytes(m.program) == 4 * sum(N * K for N, K in mats) + 4 * biases
+    spans = bench.decode_weight_spans(m.program)
+    assert len(spans) < len(mats)
+    assert all(s.dtype == np.float32 for s in spans)

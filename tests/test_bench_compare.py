@@ -88,6 +88,9 @@ def test_compare_reports_a_missing_runtime_as_skipped(checkpoint, tmp_path, monk
     assert rows["cpullm"]["decode_context_tokens"] == 32
     md = (tmp_path / "compare.md").read_text()
     assert "| cpullm |" in md and "| llama.cpp | skipped" in md
+    # the memory-bound view: bytes per decode token, the read rate measured in the cpullm process
+    assert rows["cpullm"]["decode_weight_bytes"] > 0 and rows["cpullm"]["read_gbps"] > 0
+    assert "weight bytes read per decode token" in md and "Read rate:" in md
 
 
 def test_compare_with_transformers(checkpoint, tmp_path):
@@ -103,6 +106,8 @@ def test_compare_with_transformers(checkpoint, tmp_path):
     assert rows["cpullm"]["fidelity"]["cosine"] > 0.98          # the same weights
     assert report["ratios"]["transformers"]["decode"] > 0
     assert "cpullm / transformers" in (tmp_path / "compare.md").read_text()
+    # f32 parameters against cpullm's int8 + block scales of the same matrices: ~3.8x the bytes
+    assert 3.0 < rows["transformers"]["decode_weight_bytes"] / rows["cpullm"]["decode_weight_bytes"] < 4.2
 
 
 # ---- llama.cpp -----------------------------------------------------------------------------------
@@ -141,6 +146,9 @@ def test_compare_with_llama_cpp_q8_0(checkpoint, tmp_path):
     assert report["ratios"]["llama.cpp"]["prefill"] > 0
     md = (tmp_path / "out" / "compare.md").read_text()
     assert "cpullm / llama.cpp" in md
+    # Q8_0 (34 bytes per 32 values) reads about what cpullm's int8 + binary16 block scales read
+    assert 0.9 < rows["llama.cpp"]["decode_weight_bytes"] / rows["cpullm"]["decode_weight_bytes"] < 1.1
+    assert "| llama.cpp |" in md.split("weight bytes read per decode token")[1]
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "out" / "compare.png").read_bytes()[:4] == b"\x89PNG"
 

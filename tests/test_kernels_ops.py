@@ -154,3 +154,26 @@ def test_gated_delta_prefill_then_decode_matches_reference():
                       nk, dk, nv, dv, K, offs[0], offs[1], offs[2], offs[3], 0, 1e-6, n)
         outs.append(arena[end:end + n * nv * dv].reshape(n, nv * dv).copy())
     np.testing.assert_allclose(np.concatenate(outs), ref, rtol=2e-4, atol=2e-5)
+
+
+# ---- bandwidth: the streaming read decode is measured against ------------------------------------
+@pytest.mark.parametrize("n", [0, 1, 7, 4096, 100_003])
+@pytest.mark.parametrize("nchunks", [1, 2, 5])
+def test_read_sum_u32_matches_numpy_wrapping_sum(n, nchunks):
+    from cpullm.kernels import bandwidth as B
+    a = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    assert B.read_sum_u32(a, nchunks) == B.read_sum_u32_ref(a)
+
+
+def test_as_words_views_whole_words_and_read_rate_counts_them():
+    from cpullm.kernels import bandwidth as B
+    q = rng.integers(-127, 128, 4099, dtype=np.int64).astype(np.int8)     # 4099 bytes: 1024 words
+    s = rng.integers(0, 2**16, 10, dtype=np.int64).astype(np.uint16)       # 20 bytes: 5 words
+    w = B.as_words(q)
+    assert w.dtype == np.uint32 and w.size == 1024 and np.shares_memory(w, q)
+    assert bytes(w.view(np.uint8)) == bytes(q.view(np.uint8)[:4096])
+    r = B.read_rate([q, s, q[:0]], repeat=2)
+    assert r["bytes"] == 4096 + 20 and r["passes"] == 2
+    assert r["gbps"] > 0 and r["best_gbps"] >= r["gbps"]
+    with pytest.raises(ValueError, match="nothing to read"):
+        B.read_rate([q[:3]])
