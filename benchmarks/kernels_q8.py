@@ -4,7 +4,8 @@
                                      [--wait-idle SECONDS] [--skip matmul]
 
 Prints, per thread count:
-  * the DRAM read ceiling (numba prange sum over 1 GiB of float32, as in KERNELS.md);
+  * the DRAM read ceiling (cpullm.kernels.bandwidth.read_rate over 1 GiB: the read `cpullm bench`
+    measures decode against);
   * matvec_q8 and matvec_f32: GB/s of weight bytes (int8 + binary16 scales / float32), per shape,
     cycling through 512 MB of copies of each matrix (one flat buffer) so every call streams from DRAM;
   * a whole decode sweep (every matrix of every layer + lm_head once, as one token reads them):
@@ -27,10 +28,11 @@ import time
 import cpullm.kernels  # noqa: F401  (numba_setup first)
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 from cpullm.bench import cpu_busy as bench_cpu_busy
 from cpullm.kernels import q8, q8_gemm
+from cpullm.kernels.bandwidth import read_rate
 from cpullm.kernels.numba_setup import configure
 
 
@@ -69,19 +71,6 @@ def timeit(fn, reps, inner=1):
         ts.append((time.perf_counter() - t) / inner)
     ts = np.array(ts)
     return float(np.median(ts)), float(ts.min())
-
-
-@njit(parallel=True, fastmath=True, cache=True)
-def _psum(a, nch):
-    n = a.size // nch
-    part = np.zeros(nch, np.float32)
-    for c in prange(nch):
-        s = a[c * n:(c + 1) * n]
-        t = np.float32(0.0)
-        for i in range(s.size):
-            t += s[i]
-        part[c] = t
-    return part.sum()
 
 
 @njit(cache=True)
@@ -222,20 +211,19 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     print(f"numba {numba.__version__}, numpy {np.__version__}, threading layer: ", end="")
     configure(1)
-    _psum(np.ones(1024, np.float32), 2)
+    read_rate([np.ones(1024, np.uint32)], repeat=1)
     print(numba.threading_layer(), f"| q8 matvec: {'AVX2 IR' if q8.HAVE_AVX2 else 'generic IR'}",
           f"| prefill GEMM: {('W8A16 ' + q8_gemm.GEMM_ISA) if q8_gemm.GEMM_ISA else 'dequantize + sgemm'}",
           f"| GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}")
-    big = None if "ceiling" in skip else np.ones(256 << 20, np.float32)   # 1 GiB
+    big = None if "ceiling" in skip else np.ones(256 << 20, np.uint32)   # 1 GiB
     for th in (int(t) for t in a.threads.split(",")):
         configure(th)
         print(f"\n=== {th} thread(s) ===")
         if big is not None:
             wait_idle(a.wait_idle)
-            _psum(big, 2 * th)
-            med, best = timeit(lambda: _psum(big, 2 * th), reps)
-            print(f"DRAM read ceiling (numba prange sum, 1 GiB): {big.nbytes / med / 1e9:.1f} GB/s "
-                  f"[best {big.nbytes / best / 1e9:.1f}]")
+            r = read_rate([big], repeat=reps)
+            print(f"DRAM read ceiling (bandwidth.read_rate, 1 GiB): {r['gbps']:.1f} GB/s "
+                  f"[best {r['best_gbps']:.1f}]")
         for model in a.models.split(","):
             layers, shapes, head = MODELS[model]
             allshapes = shapes + [head]

@@ -24,11 +24,11 @@ Definitions (the same harness, :func:`measure_speed`, also drives llama.cpp and 
   the end of the 512-context run (and allocated for the whole context), activation arena, peak
   RSS of this process.
 * **memory bound** (``decode_weight_bytes``, ``read_gbps``, ``decode_tps_bound``,
-  ``decode_bound_share``): the weight bytes one decode token reads, the rate this machine streams
-  exactly those bytes (a plain parallel read, :func:`cpullm.kernels.bandwidth.read_rate`, three
-  passes after every timed repeat; the median over all of them), the tokens/s that rate allows,
-  and the share of it decode reached (``decode_gbps`` = bytes per token x ``decode_tps``). A share
-  near 100 % means decode is bound by memory bandwidth, not by its kernels.
+  ``decode_bound_share``, ``decode_gbps``): after the timed runs, 32 decode steps (at most
+  ``gen_tokens``) alternate with a plain parallel read of exactly the weight bytes one token reads
+  (:func:`memory_bound`): the rate of that read, the tokens/s it allows, the rate decode reached
+  in the same steps and its share of the read's. A share near 100 % means decode is bound by memory
+  bandwidth, not by its kernels.
 
 ``profile=True`` adds a per-op breakdown: one extra, separately timed pass with the executor's
 profile mode on (instruction by instruction with ``perf_counter``; grouped by the IR nodes'
@@ -343,20 +343,42 @@ def decode_weight_bytes(program) -> int:
     return int(sum(v.nbytes for v in decode_weight_spans(program)))
 
 
-def memory_bound(per_token: int, decode_tps: float | None, rates: list) -> dict:
-    """Decode against this machine's streaming read rate: ``rates`` are
-    :func:`cpullm.kernels.bandwidth.read_rate` results over the bytes one decode token reads
-    (``per_token`` of them, :func:`decode_weight_spans`), taken between the timed runs; their
-    median, the tokens/s it allows, and the share of it decode reached."""
-    read = _median(r["gbps"] for r in rates)
-    gbps = per_token * decode_tps / 1e9 if decode_tps else None
+def memory_bound(model, steps: int = 32, token: int = 0) -> dict:
+    """Decode against this machine's streaming read rate, measured side by side: ``steps`` decode
+    steps (after a one-token prompt), each followed by a plain parallel read of exactly the bytes
+    one decode token reads (:func:`decode_weight_spans`, :func:`cpullm.kernels.bandwidth.read_sum_u32`).
+    Alternating the two makes both see the same machine: on a shared host the read rate alone
+    moves by 30 % within a minute. Medians; the first two steps of each are dropped."""
+    import numba
+
+    from .kernels.bandwidth import as_words, read_sum_u32
+    ex = model.executor
+    words = [as_words(v) for v in decode_weight_spans(model.program)]
+    per_token = int(sum(w.nbytes for w in words))
+    nth = numba.get_num_threads()
+    steps = max(3, int(steps))
+    ex.reset()
+    tok = greedy(ex.prefill([int(token)]))
+    dec, rd = [], []
+    for _ in range(steps + 2):
+        t0 = time.perf_counter()
+        tok = greedy(ex.decode(tok))
+        t1 = time.perf_counter()
+        for w in words:
+            read_sum_u32(w, nth)
+        t2 = time.perf_counter()
+        dec.append(t1 - t0)
+        rd.append(t2 - t1)
+    ex.reset()
+    dec_s, rd_s = float(np.median(dec[2:])), float(np.median(rd[2:]))
     return {
         "decode_weight_bytes": per_token,
-        "read_gbps": read,
-        "read_gbps_best": max(r["best_gbps"] for r in rates),
-        "decode_gbps": gbps,
-        "decode_tps_bound": read * 1e9 / per_token,
-        "decode_bound_share": gbps / read if gbps is not None else None,
+        "read_gbps": per_token / rd_s / 1e9,
+        "read_gbps_best": per_token / min(rd[2:]) / 1e9,
+        "decode_gbps": per_token / dec_s / 1e9,
+        "decode_tps_bound": 1.0 / rd_s,
+        "decode_bound_share": rd_s / dec_s,
+        "memory_bound_steps": steps,
     }
 
 
@@ -448,19 +470,12 @@ def run_bench(model, prompt_tokens: int = 512, gen_tokens: int = 128, repeat: in
     ids = prompt_ids(model.tokenizer, prompt_tokens, vocab)
     ctx_n = max(1, min(context_tokens, model.n_ctx - gen_tokens))
     ctx_ids = ids if ctx_n == len(ids) else prompt_ids(model.tokenizer, ctx_n, vocab)
-    from .kernels.bandwidth import read_rate   # here: compare.py's other runtimes never load numba
     runner = CpullmRunner(model)
     snap: dict = {}
-    spans = decode_weight_spans(model.program)
-    reads: list = []
-
-    def after_run(_runner):
-        snap.update(model.info()["memory"])
-        reads.append(read_rate(spans, repeat=3))   # the same bytes, between the timed runs
-
     say(f"speed: prompt {prompt_tokens}, generate {gen_tokens}, {repeat} repeat(s)")
     speed = measure_speed(runner, ids, gen_tokens, repeat=repeat, context_tokens=ctx_n,
-                          context_ids=ctx_ids, after_run=after_run)
+                          context_ids=ctx_ids,
+                          after_run=lambda r: snap.update(model.info()["memory"]))
     result = {
         "model": str(model.model_dir),
         "family": info0["family"],
@@ -493,7 +508,8 @@ def run_bench(model, prompt_tokens: int = 512, gen_tokens: int = 128, repeat: in
         arena_bytes=mem["arena_bytes"],
         peak_rss_bytes=mem["peak_rss_bytes"],
     )
-    result.update(memory_bound(int(sum(v.nbytes for v in spans)), speed["decode_tps"], reads))
+    say("memory bound: decode steps alternating with a plain read of the same bytes")
+    result.update(memory_bound(model, steps=min(32, gen_tokens), token=ids[0]))  # after the RSS snapshot
     result.update({"load_s_hit": None, "load_s_miss": None, "warmup_compile_s": None})
     if load or compile:
         result.update(load_timings(model.model_dir, model.quant, model.threads, model.n_ctx,
@@ -552,12 +568,11 @@ def format_report(r: dict) -> str:
 
 def format_memory_bound(r: dict) -> str:
     per, read = r["decode_weight_bytes"], r["read_gbps"]
-    lines = [f"  decode reads {_mb(per)} of weights per token; a plain read of them ran at {read:.1f} GB/s "
-             f"between the runs (best {r['read_gbps_best']:.1f}): <= {r['decode_tps_bound']:.1f} tokens/s"]
-    if r.get("decode_gbps") is not None:
-        lines.append(f"  decode at {r['decode_tps']:.1f} tokens/s reads {r['decode_gbps']:.1f} GB/s: "
-                     f"{100 * r['decode_bound_share']:.0f}% of that rate")
-    return "\n".join(lines)
+    return "\n".join([
+        f"  decode reads {_mb(per)} of weights per token; a plain read of those bytes, alternating with "
+        f"{r['memory_bound_steps']} decode steps,",
+        f"  ran at {read:.1f} GB/s (best {r['read_gbps_best']:.1f}), a bound of {r['decode_tps_bound']:.1f} tokens/s; "
+        f"decode read {r['decode_gbps']:.1f} GB/s, {100 * r['decode_bound_share']:.0f}% of that rate"])
 
 
 def format_profile(p: dict) -> str:

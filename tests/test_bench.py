@@ -57,8 +57,9 @@ def test_json_keys_and_types_with_load_timing(tiny, capsys):
     assert r["decode_weight_bytes"] == _q8_decode_bytes(SMOLLM2_LIKE)
     for key in ("read_gbps", "read_gbps_best", "decode_gbps", "decode_tps_bound", "decode_bound_share"):
         assert isinstance(r[key], float) and r[key] > 0, key
-    assert r["decode_gbps"] == pytest.approx(r["decode_weight_bytes"] * r["decode_tps"] / 1e9)
     assert r["decode_bound_share"] == pytest.approx(r["decode_gbps"] / r["read_gbps"])
+    assert r["decode_tps_bound"] == pytest.approx(r["read_gbps"] * 1e9 / r["decode_weight_bytes"])
+    assert r["read_gbps_best"] >= r["read_gbps"] and r["memory_bound_steps"] == 4
     # KV in use after the 512-context run: 512 + 4 positions of every layer's K and V
     a = SMOLLM2_LIKE
     assert r["kv_bytes"] == a["num_hidden_layers"] * 2 * a["num_key_value_heads"] * a["head_dim"] * 516 * 4
