@@ -352,24 +352,24 @@ def memory_bound(model, steps: int = 32, token: int = 0) -> dict:
     import numba
 
     from .kernels.bandwidth import as_words, read_sum_u32
-    ex = model.executor
     words = [as_words(v) for v in decode_weight_spans(model.program)]
     per_token = int(sum(w.nbytes for w in words))
     nth = numba.get_num_threads()
     steps = max(3, int(steps))
-    ex.reset()
-    tok = greedy(ex.prefill([int(token)]))
+    runner = CpullmRunner(model)
+    runner.reset()
+    tok = greedy(runner.prefill([int(token)]))
     dec, rd = [], []
     for _ in range(steps + 2):
         t0 = time.perf_counter()
-        tok = greedy(ex.decode(tok))
+        tok = greedy(runner.decode(tok))
         t1 = time.perf_counter()
         for w in words:
             read_sum_u32(w, nth)
         t2 = time.perf_counter()
         dec.append(t1 - t0)
         rd.append(t2 - t1)
-    ex.reset()
+    runner.reset()
     dec_s, rd_s = float(np.median(dec[2:])), float(np.median(rd[2:]))
     return {
         "decode_weight_bytes": per_token,

@@ -1,12 +1,13 @@
 """A plain streaming read: the rate decode is measured against.
 
 Decode of one token reads every weight matrix once and does little arithmetic per byte, so its
-speed is set by how fast this machine streams memory. :func:`read_rate` measures that rate on
-the buffers themselves (the packed weights of a loaded model): a parallel pass that only adds
-the 32-bit words up (``vpaddd``, one instruction per 32 bytes), split in one contiguous range
-per thread as :func:`cpullm.kernels.q8.matvec_q8` splits its rows. The gap between this rate and
-decode's bytes per token times tokens per second is what kernels and scheduling leave on the
-table; the rate itself is the ceiling for a runtime that reads the same bytes.
+speed is set by how fast this machine streams memory. :func:`read_sum_u32` is that stream with
+nothing else: a parallel pass that only adds the 32-bit words up (``vpaddd``, one instruction per
+32 bytes), one contiguous range per thread as :func:`cpullm.kernels.q8.matvec_q8` splits its rows.
+``cpullm.bench.memory_bound`` runs it over exactly the packed weights one decode token reads,
+alternating with decode steps; :func:`read_rate` times it over any buffers (the kernel
+microbenchmark's ceiling). The gap between the read's rate and decode's is what kernels and
+scheduling leave on the table; the rate itself is the ceiling for a runtime reading those bytes.
 """
 from __future__ import annotations
 
