@@ -468,7 +468,8 @@ def worker(name: str, spec: dict) -> dict:
     else:
         raise SystemExit(f"unknown runtime {name!r}")
     info["load_s"] = time.perf_counter() - t0
-    info["decode_weight_bytes"] = _decode_weight_bytes(name, runner, spec)
+    if name != "cpullm":     # cpullm's comes with its memory-bound pass below
+        info["decode_weight_bytes"] = _decode_weight_bytes(name, runner, spec)
     ctx_n = spec["context_tokens"]
     ctx_ids = spec.get("context_ids") or (ids if len(ids) == ctx_n else None)
     speed = measure_speed(runner, ids, gen, repeat=spec["repeat"], context_tokens=ctx_n,
@@ -476,7 +477,8 @@ def worker(name: str, spec: dict) -> dict:
     if name == "cpullm":     # this machine's streaming read rate, over cpullm's decode bytes
         from cpullm.bench import memory_bound
         mb = memory_bound(runner.model, steps=min(32, gen), token=ids[0])
-        info.update(read_gbps=mb["read_gbps"], decode_bound_share=mb["decode_bound_share"])
+        info.update(decode_weight_bytes=mb["decode_weight_bytes"], read_gbps=mb["read_gbps"],
+                    decode_bound_share=mb["decode_bound_share"])
     runner.reset()
     last = np.asarray(runner.prefill(ids), np.float32).copy()
     np.save(spec["logits_out"], last)
@@ -485,14 +487,11 @@ def worker(name: str, spec: dict) -> dict:
 
 
 def _decode_weight_bytes(name: str, runner, spec: dict) -> int | None:
-    """Weight bytes one decode token reads in each runtime: cpullm's LINEARs
-    (``cpullm.bench.decode_weight_bytes``); every GGUF tensor but a token embedding that has a
-    separate output matrix (llama.cpp reads one row of it); every torch parameter, counted once,
-    but an input embedding that is not also the lm_head."""
+    """Weight bytes one decode token reads in llama.cpp and transformers (cpullm's:
+    ``cpullm.bench.memory_bound``): every GGUF tensor but a token embedding that has a separate
+    output matrix (llama.cpp reads one row of it); every torch parameter, counted once, but an
+    input embedding that is not also the lm_head."""
     try:
-        if name == "cpullm":
-            from cpullm.bench import decode_weight_bytes
-            return decode_weight_bytes(runner.model.program)
         if name == "llama.cpp":
             import gguf
             tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(spec["gguf"]).tensors}
@@ -634,7 +633,7 @@ def markdown(report: dict) -> str:
 def _bandwidth_lines(rows: list) -> list:
     """The memory-bound view of decode: each runtime's weight bytes per token times its decode
     tokens/s, against the read rate measured in the cpullm process (a plain parallel read of
-    cpullm's decode bytes between its timed runs)."""
+    cpullm's decode bytes after its timed runs, alternating with decode steps)."""
     read = next((r.get("read_gbps") for r in rows if r["runtime"] == "cpullm" and r.get("read_gbps")), None)
     done = [r for r in rows if r.get("decode_weight_bytes") and r.get("decode_tps")]
     if not done:

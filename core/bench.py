@@ -352,8 +352,9 @@ def memory_bound(model, steps: int = 32, token: int = 0) -> dict:
     import numba
 
     from .kernels.bandwidth import as_words, read_sum_u32
-    words = [as_words(v) for v in decode_weight_spans(model.program)]
-    per_token = int(sum(w.nbytes for w in words))
+    spans = decode_weight_spans(model.program)
+    per_token = int(sum(v.nbytes for v in spans))            # = decode_weight_bytes(program)
+    words = [as_words(v) for v in spans]
     nth = numba.get_num_threads()
     steps = max(3, int(steps))
     runner = CpullmRunner(model)
