@@ -61,7 +61,7 @@ def test_rope(rotary_dim):
     np.testing.assert_allclose(got, R.rope_ref(x, np.arange(pos0, pos0 + T), nh, hd, inv), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("nthreads", [1, 4])        # 4: decode splits the keys of 1-3 KV heads into ranges
+@pytest.mark.parametrize("nthreads", [1, 2, 4])     # 2, 4: decode splits the keys of 1-3 KV heads into ranges
 @pytest.mark.parametrize("nh,nkv", [(6, 2), (4, 1), (3, 3), (14, 2), (9, 3)])
 @pytest.mark.parametrize("hd", [8, 16, 64, 80])     # 8: plain value loop; others: 16-lane IR passes
 @pytest.mark.parametrize("window,softcap,chunks", [(0, 0.0, [7, 1, 1, 5]), (4, 0.0, [9, 1, 1, 3]),
