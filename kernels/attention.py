@@ -33,6 +33,8 @@ products per KV head on Python threads in prefill), ranges over repeated runs: d
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -208,7 +210,7 @@ def _define_pv(module, nh: int, nv: int, pf: int):
     entry = fn.append_basic_block("entry")
     b = ir.IRBuilder(entry)
     init = [[_vload(b, acc, b.add(b.mul(acc_st, _c64(j)), _c64(16 * e))) for e in range(nv)] for j in range(nh)]
-    pf_rows = b.add(b.sdiv(_c64(pf // 4), v_st), _c64(1))
+    pf_rows = b.add(b.sdiv(_c64(pf // 4), v_st), _c64(1)) if pf else None
     head = fn.append_basic_block("i_head")
     body = fn.append_basic_block("i_body")
     end = fn.append_basic_block("i_end")
@@ -402,6 +404,24 @@ def _softmax_rows(scores, nq, c0, c1, softcap, mx, tot):
         tot[j] = total
 
 
+@njit(cache=True, inline="always")
+def _scores(stream, q, nq, hd, kt, t_off, out, o_off, o_st):
+    """_scores_tiles (q from offset 0), with the key-stream prefetch when ``stream``."""
+    if stream:
+        _scores_tiles_stream(q, 0, nq, hd, kt, t_off, out, o_off, o_st)
+    else:
+        _scores_tiles(q, 0, nq, hd, kt, t_off, out, o_off, o_st)
+
+
+@njit(cache=True, inline="always")
+def _pv(stream, s, s_off, s_st, nq, v, v_off, n, acc, hd):
+    """_pv_rows over n consecutive value rows (row stride hd), with the prefetch when ``stream``."""
+    if stream:
+        _pv_rows_stream(s, s_off, s_st, nq, v, v_off, hd, n, acc, hd)
+    else:
+        _pv_rows(s, s_off, s_st, nq, v, v_off, hd, n, acc, hd)
+
+
 @njit(cache=True, fastmath=True, error_model="numpy")
 def _attend_part(arena, state, q0, nq, hd, k_base, v_base, cap, lo, p, scale, softcap, qbuf, scores, acc, mx, tot,
                  stream):
@@ -427,23 +447,16 @@ def _attend_part(arena, state, q0, nq, hd, k_base, v_base, cap, lo, p, scale, so
         tile = t0 + c
         if tile >= ntiles_cap:
             tile -= ntiles_cap
-        if stream:
-            _scores_tiles_stream(qbuf, 0, nq, hd, state, k_base + tile * hd * TILE, scores, c * TILE, width)
-        else:
-            _scores_tiles(qbuf, 0, nq, hd, state, k_base + tile * hd * TILE, scores, c * TILE, width)
+        _scores(stream, qbuf, nq, hd, state, k_base + tile * hd * TILE, scores, c * TILE, width)
     s2 = scores[: nq * width].reshape(nq, width)
     _softmax_rows(s2, nq, c0, c0 + n, softcap, mx, tot)
     for i in range(nq * hd):
         acc[i] = 0.0
     first = min(n, cap - a)                      # slots a .. a + first - 1, then 0 .. n - first - 1
-    if hd % TILE == 0 and stream:
-        _pv_rows_stream(scores, c0, width, nq, state, v_base + a * hd, hd, first, acc, hd)
+    if hd % TILE == 0:
+        _pv(stream, scores, c0, width, nq, state, v_base + a * hd, first, acc, hd)
         if first < n:
-            _pv_rows_stream(scores, c0 + first, width, nq, state, v_base, hd, n - first, acc, hd)
-    elif hd % TILE == 0:
-        _pv_rows(scores, c0, width, nq, state, v_base + a * hd, hd, first, acc, hd)
-        if first < n:
-            _pv_rows(scores, c0 + first, width, nq, state, v_base, hd, n - first, acc, hd)
+            _pv(stream, scores, c0 + first, width, nq, state, v_base, n - first, acc, hd)
     else:                                        # head_dim not a multiple of 16: plain loops
         for i in range(n):
             slot = a + i
@@ -501,11 +514,7 @@ def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
     pairs = T * n_kv
     splits = 1
     if pairs < nthreads or (pairs % nthreads != 0 and pairs < BALANCE_PAIRS * nthreads):
-        g = nthreads                                 # gcd(pairs, nthreads)
-        r = pairs % g
-        while r:
-            g, r = r, g % r
-        splits = max(1, min(nthreads // g, (pos0 + 1) // MIN_SPLIT_KEYS))
+        splits = max(1, min(nthreads // math.gcd(pairs, nthreads), (pos0 + 1) // MIN_SPLIT_KEYS))
     jobs = pairs * splits
     hd = head_dim
     part = np.empty((jobs, group, hd + 2), np.float32) if splits > 1 else np.empty((1, 1, 1), np.float32)
