@@ -9,7 +9,9 @@ Definitions (the same harness, :func:`measure_speed`, also drives llama.cpp and 
   in a fresh sequence (logits of the last position only).
 * **time to first token** (``ttft_s``): prefill plus choosing the first token (greedy).
 * **decode tokens/s** (``decode_tps``): ``gen_tokens`` one-token steps, each a forward pass plus
-  a greedy pick, after a one-token prompt (short context, like llama-bench's ``tg``).
+  a greedy pick, after a one-token prompt (short context, like llama-bench's ``tg``). A runtime
+  with a greedy step of its own (``decode_next``: cpullm's lm_head screen, the same tokens) uses it;
+  ``decode_logits_tps`` is then the same steps through the full logits, as sampling runs them.
 * **decode tokens/s at 512** (``decode_tps_at_512``): the same steps after a 512-token prefill
   (the prompt itself when ``prompt_tokens == 512``).
 * Every figure is the **median** over ``repeat`` runs, after one untimed warm-up pass. End of
@@ -145,6 +147,17 @@ class CpullmRunner:
     def decode(self, tok: int):
         return self.ex.decode(tok)
 
+    def decode_next(self, tok: int) -> int:
+        """Greedy decoding's step: the next token only (through the lm_head screen, if any)."""
+        return self.ex.decode_argmax(tok)
+
+
+def next_token(runner, tok: int) -> int:
+    """One greedy decode step of any runner: ``runner.decode_next`` where the runtime has a
+    step that returns only the argmax, else the argmax of ``runner.decode``'s logits."""
+    step = getattr(runner, "decode_next", None)
+    return int(step(tok)) if step is not None else greedy(runner.decode(tok))
+
 
 def _median(xs):
     xs = [x for x in xs if x is not None]
@@ -154,7 +167,7 @@ def _median(xs):
 def _decode_steps(runner, tok: int, steps: int) -> tuple[float, int]:
     t0 = time.perf_counter()
     for _ in range(steps):
-        tok = greedy(runner.decode(tok))
+        tok = next_token(runner, tok)
     return time.perf_counter() - t0, tok
 
 
@@ -197,6 +210,13 @@ def measure_speed(runner, ids: list[int], gen_tokens: int, repeat: int = 3,
         tok = greedy(runner.prefill(ids[:1]))
         dt, _ = _decode_steps(runner, tok, gen_tokens)
         r["decode_s"] = dt
+        if getattr(runner, "decode_next", None) is not None:   # the same steps, full logits
+            runner.reset()
+            tok = greedy(runner.prefill(ids[:1]))
+            t0 = time.perf_counter()
+            for _ in range(gen_tokens):
+                tok = greedy(runner.decode(tok))
+            r["decode_logits_s"] = time.perf_counter() - t0
         # prefill + first token
         runner.reset()
         t0 = time.perf_counter()
@@ -221,6 +241,7 @@ def measure_speed(runner, ids: list[int], gen_tokens: int, repeat: int = 3,
         "prefill_tps": _median(n / r["prefill_s"] for r in runs),
         "decode_tps": _median(gen_tokens / r["decode_s"] for r in runs),
         "decode_tps_at_512": _median(gen_tokens / r["decode_ctx_s"] for r in runs),
+        "decode_logits_tps": _median(gen_tokens / r["decode_logits_s"] for r in runs if "decode_logits_s" in r),
         "ttft_s": _median(r["ttft_s"] for r in runs),
         "decode_context_tokens": context_tokens,
         "runs": runs,
@@ -312,12 +333,21 @@ def decode_weight_spans(program) -> list:
     """What one decode token reads from the weights, as views of the program's packed buffers:
     every LINEAR's matrix once (q8: int8 values and binary16 block scales; f32: float32 values)
     and biases, adjacent ranges merged (so the read below streams as decode does, in long runs).
-    The embedding row and the norm vectors are left out (a few KB)."""
+    The embedding row and the norm vectors are left out (a few KB). With a head screen, greedy
+    decoding reads the screen instead of the lm_head (plus a few exact rows, left out too)."""
     from .kernels import interpreter as K
     a = program.arrays
     I = a["I"]
     ranges: dict[str, list] = {"wq": [], "ws": [], "wf": []}
+    screen = program.meta.get("head_screen")
+    if screen:
+        N = int(program.meta["vocab"])
+        ranges["wq"].append((screen["q_off"], screen["q_off"] + N * screen["q_cols"]))
+        ranges["ws"].append((screen["s_off"], screen["s_off"] + N * screen["s_cols"]))
+        ranges["wf"].append((screen["b_off"], screen["b_off"] + 3 * N))
     for r in np.nonzero(I[:, 0] == K.OP_LINEAR)[0]:
+        if screen and r == screen["row"]:
+            continue
         Kd, N, kind, w_off, s_off, Kp, b_off = (int(v) for v in I[r, 7:14])
         if kind == K.WEIGHT_Q8:
             ranges["wq"].append((w_off, w_off + N * Kp))
@@ -363,7 +393,7 @@ def memory_bound(model, steps: int = 32, token: int = 0) -> dict:
     dec, rd = [], []
     for _ in range(steps + 2):
         t0 = time.perf_counter()
-        tok = greedy(runner.decode(tok))
+        tok = next_token(runner, tok)
         t1 = time.perf_counter()
         for w in words:
             read_sum_u32(w, nth)
@@ -491,6 +521,7 @@ def run_bench(model, prompt_tokens: int = 512, gen_tokens: int = 128, repeat: in
         "prefill_tps": speed["prefill_tps"],
         "decode_tps": speed["decode_tps"],
         "decode_tps_at_512": speed["decode_tps_at_512"],
+        "decode_logits_tps": speed["decode_logits_tps"],
         "decode_context_tokens": speed["decode_context_tokens"],
         "ttft_s": speed["ttft_s"],
         "load_s": model.load_s,
@@ -550,6 +581,8 @@ def format_report(r: dict) -> str:
         f"  prefill                {_s(r['prefill_tps'], 'tokens/s', '{:9.1f}')}",
         f"  decode (short context) {_s(r['decode_tps'], 'tokens/s', '{:9.1f}')}",
         f"  decode @{r['decode_context_tokens']:<4} context    {_s(r['decode_tps_at_512'], 'tokens/s', '{:9.1f}')}",
+        f"  decode, full logits    {_s(r.get('decode_logits_tps'), 'tokens/s', '{:9.1f}')}  (short context; "
+        "sampling's path; greedy reads the lm_head through its screen)",
         f"  time to first token    {_s(r['ttft_s'], 's', '{:9.3f}')}",
         f"  load (this process)    {_s(r['load_s'], 's', '{:9.2f}')}  cache {r['cache']}",
         f"  load, cache MISS       {_s(r.get('load_s_miss'), 's', '{:9.2f}')}  process start to ready",

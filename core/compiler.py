@@ -186,6 +186,7 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
     # ---- weights ---------------------------------------------------------------------------
     wq, ws, wf = _Blob(np.int8), _Blob(np.uint16), _Blob(np.float32)
     packed: dict[tuple, tuple] = {}    # (sources, kind) -> (kind, w_off, s_off, Kp)
+    q8_mats: dict[int, tuple] = {}     # w_off -> (w_q, w_s) of each packed q8 matrix
     fparams: dict[str, int] = {}
 
     def f32_param(canonical: str) -> int:
@@ -205,6 +206,7 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
         if mode == "int8":
             q, s = quantize(np.ascontiguousarray(mat, dtype=np.float32))
             packed[key] = (K.WEIGHT_Q8, wq.add(q), ws.add(s), q.shape[1], N)
+            q8_mats[packed[key][1]] = (q, s)
         else:
             packed[key] = (K.WEIGHT_F32, wf.add(mat), -1, Kdim, N)
         if progress:
@@ -322,11 +324,42 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
         "max_k": int(max_k),
         "embed_rows": int(embed_rows),
     }
+    screen = _head_screen(rows_I, external, order, nodes_by_out, weights, q8_mats, wq, ws, wf)
+    if screen is not None:
+        meta["head_screen"] = screen
     arrays = {
         "I": np.stack(rows_I), "F": np.stack(rows_F),
         "wq": wq.build(), "ws": ws.build(), "wf": wf.build(),
     }
     return Program(arrays=arrays, meta=meta)
+
+
+def _head_screen(rows_I, external, order, nodes_by_out, weights, q8_mats, wq, ws, wf) -> dict | None:
+    """Pack greedy decoding's lm_head screen (cpullm.kernels.head_screen) when the program ends
+    in a q8 LINEAR without bias or plugin kernel, whose output is the logits; None otherwise.
+    The columns kept at 8 bits are where the final norm's weights are largest (the activations'
+    large channels), else where the matrix's columns are largest."""
+    from .kernels import interpreter as K
+    from .kernels.head_screen import MAX_BLOCKS, SEL_COLUMNS, build_screen, screen_columns
+    r = len(rows_I) - 1
+    I = rows_I[r]
+    if I[0] != K.OP_LINEAR or I[2] != 1 or I[9] != K.WEIGHT_Q8 or I[13] >= 0 or r in external:
+        return None
+    Kdim, Kp, w_off = int(I[7]), int(I[12]), int(I[10])
+    k_sel = min(SEL_COLUMNS, Kp - 32) // 32 * 32
+    if k_sel <= 0 or Kp > 32 * MAX_BLOCKS or w_off not in q8_mats:
+        return None
+    w_q, w_s = q8_mats[w_off]
+    src = nodes_by_out.get(order[r].nodes[0].inputs[0])
+    if src is not None and src.op == Op.RMSNORM and src.attr("group_size") in (None, Kdim, 0):
+        importance = np.abs(weights.get(src.weight("weight")).reshape(-1)[:Kdim])
+    else:
+        importance = np.sqrt((w_q[:, :Kdim].astype(np.float32) ** 2).mean(0))
+    perm = screen_columns(importance, Kp, k_sel)
+    hq, hs, hb = build_screen(w_q, w_s, perm, k_sel)
+    return {"row": r, "k_sel": int(k_sel), "perm": [int(v) for v in perm],
+            "q_off": wq.add(hq), "q_cols": int(hq.shape[1]), "s_off": ws.add(hs), "s_cols": int(hs.shape[1]),
+            "b_off": wf.add(hb)}
 
 
 PRECISIONS = ("f32",)      # node attribute ``precision``: per-node override of the quant mode

@@ -16,6 +16,7 @@ from .compiler import Program
 from .errors import ContextOverflowError, PromptError
 from .kernels import interpreter as K
 from .kernels.attention import TILE, kv_views
+from .kernels.head_screen import padded_blocks, screen_argmax
 from .kernels.q8 import matmul_f32
 from .kernels.q8_gemm import matmul_q8
 
@@ -53,6 +54,8 @@ class Executor:
         self._head_segments = self._segments(self.first_head, self.n_instr, batched=True)
         self._head_segments_1 = self._segments(self.first_head, self.n_instr, batched=False)
         self.profile: dict | None = None
+        self.screen = _Screen(self, m["head_screen"]) if m.get("head_screen") else None
+        self.screen_survivors = 0           # rows the last screened step computed exactly
 
     # ---- segmentation -------------------------------------------------------------------------
     def _segments(self, start: int, end: int, batched: bool) -> list:
@@ -189,6 +192,32 @@ class Executor:
         lo = self.program.meta["logits_offset"]
         return self.arena[lo: lo + self.vocab]
 
+    def decode_argmax(self, token: int) -> int:
+        """One token at position n_past, as :meth:`decode`, returning only the argmax of its logits
+        (lowest index on ties), which is greedy decoding's next token. With a head screen
+        (``program.meta["head_screen"]``) the lm_head is read through it: the same token, about half
+        the lm_head's bytes; the logits buffer is then left unwritten."""
+        sc = self.screen
+        if sc is None:
+            return int(np.argmax(self.decode(token)))
+        self._check_room(1)
+        self.tokens[0] = token
+        self.rt[:4] = (1, self.n_past, 0, 1)
+        if len(sc.segments) == 1 and self.profile is None:
+            self._interp(0, sc.row)
+        else:
+            self._run_segments(sc.segments, 1)
+        t0 = time.perf_counter()
+        tok, self.screen_survivors = sc.argmax(numba.get_num_threads())
+        if tok < 0:                          # non-finite activations: the plain head decides
+            self._interp(sc.row, self.n_instr)
+            lo = self.program.meta["logits_offset"]
+            tok = int(np.argmax(self.arena[lo: lo + self.vocab]))
+        if self.profile is not None:
+            self.profile[sc.row] = self.profile.get(sc.row, 0.0) + time.perf_counter() - t0
+        self.n_past += 1
+        return int(tok)
+
     # ---- state save / restore (prompt cache) -------------------------------------------------
     def state_region(self, reg: dict) -> np.ndarray:
         """The flat float32 view (floats,) of one ``meta["state_regions"]`` entry (a KV region's
@@ -234,3 +263,33 @@ class Executor:
         for r, sec in prof.items():
             out[groups[r]] = out.get(groups[r], 0.0) + sec
         return out
+
+
+class _Screen:
+    """The executor's views of a head screen (cpullm.kernels.head_screen) and its scratch."""
+
+    def __init__(self, ex: Executor, sc: dict):
+        self.row = int(sc["row"])
+        I = ex.I[self.row]
+        x_off, Kd, N, w_off, s_off, Kp = (int(I[c]) for c in (3, 7, 8, 10, 11, 12))
+        nb = Kp // 32
+        self.segments = ex._segments(0, self.row, batched=False)
+        self.args = (
+            ex.arena[x_off: x_off + Kd],                                    # x: the lm_head's input row
+            np.asarray(sc["perm"], np.int64), int(sc["k_sel"]) // 32,
+            ex.wq[sc["q_off"]: sc["q_off"] + N * sc["q_cols"]].reshape(N, sc["q_cols"]),
+            ex.ws[sc["s_off"]: sc["s_off"] + N * sc["s_cols"]].reshape(N, sc["s_cols"]),
+            ex.wf[sc["b_off"]: sc["b_off"] + 3 * N].reshape(N, 3),
+            ex.wq[w_off: w_off + N * Kp].reshape(N, Kp), ex.ws[s_off: s_off + N * nb].reshape(N, nb),
+            np.zeros(Kp, np.int16), np.zeros(nb, np.float32),                  # exact activations
+            np.zeros(Kp, np.int16), np.zeros(padded_blocks(Kp), np.float32),   # permuted activations
+            np.zeros(Kp, np.float32), np.zeros(Kp, np.float32),
+            np.zeros(N, np.float32), np.zeros(N, np.int64), np.zeros(N, np.float32),
+        )
+        threads = max(1, numba.config.NUMBA_NUM_THREADS)
+        self.lower_max = np.zeros(threads, np.float32)
+        self.counts = np.zeros(threads, np.int64)
+
+    def argmax(self, nthreads: int) -> tuple[int, int]:
+        tok, survivors = screen_argmax(*self.args, self.lower_max, self.counts, nthreads)
+        return int(tok), int(survivors)

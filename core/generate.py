@@ -56,8 +56,12 @@ def generate_ids(model, prompt_ids, max_new_tokens: int, params: SamplingParams,
     stats.prompt_tokens, stats.reused_tokens = len(prompt_ids), reused
     history = list(prompt_ids)
     stats.stop_reason = "length"
+    # plain greedy needs only each step's argmax: the executor reads the lm_head through its
+    # screen for it (the same token as the argmax of the full logits)
+    greedy = params.temperature == 0.0 and params.repetition_penalty == 1.0
+    next_tok = None
     for i in range(int(max_new_tokens)):
-        tok = sampler(logits, history)
+        tok = sampler(logits, history) if next_tok is None else next_tok
         if tok in stop_ids:
             stats.stop_reason = "eos"
             return
@@ -69,7 +73,10 @@ def generate_ids(model, prompt_ids, max_new_tokens: int, params: SamplingParams,
         if ex.n_past >= ex.n_ctx:
             return
         t = time.perf_counter()
-        logits = ex.decode(tok)
+        if greedy:
+            next_tok = ex.decode_argmax(tok)
+        else:
+            logits = ex.decode(tok)
         stats.decode_s += time.perf_counter() - t
         stats.decode_steps += 1
 

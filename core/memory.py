@@ -62,10 +62,19 @@ def _layer_kind(reg: dict) -> str:
     return "sliding_window" if reg.get("window") else "full_attention"
 
 
+def _screen_bytes(program) -> int:
+    sc = program.meta.get("head_screen")
+    if not sc:
+        return 0
+    n = int(program.meta["vocab"])
+    return n * (int(sc["q_cols"]) + 2 * int(sc["s_cols"]) + 12)
+
+
 def memory_report(model) -> dict:
     """Bytes by purpose, from the program's real arrays and its state plan.
 
     weights_bytes       packed weights as the kernels read them (wq int8, ws scales, wf float32)
+    head_screen_bytes   the part of weights_bytes that is greedy decoding's lm_head screen
     program_bytes       instruction tables (I, F)
     kv_bytes            keys and values held now (positions run so far, capped by each ring)
     kv_bytes_max        keys and values at the full context (rings at their capacity)
@@ -97,6 +106,7 @@ def memory_report(model) -> dict:
     return {
         "weights_bytes": weights,
         "weights_mapped": is_mapped(a["wq"]),
+        "head_screen_bytes": _screen_bytes(prog),
         "program_bytes": program,
         "kv_bytes": kv_now,
         "kv_bytes_max": kv_max,

@@ -443,14 +443,15 @@ def _block_dot_i32x8(b, module, wp, xp, x86):
     return b.add(half(0), half(1))
 
 
-def _define_row_dot(module, x86: bool):
+def _define_row_dot(module, x86: bool, stream: bool = True):
     """float @cpullm_q8_row_dot_*(i8* w_row, i8* ws_row, i8* x, i8* xs, i64 nblocks), alwaysinline.
 
     sum over blocks b of float(dot32(w_row[32b:], x[32b:])) * (ws_row[b] * xs[b]); two <8 x float>
     accumulators (blocks 2i and 2i+1), a prefetch PREFETCH_BYTES ahead per block (one per 64 bytes
-    measured 2-3 % slower), odd block in a tail.
+    measured 2-3 % slower), odd block in a tail. ``stream=False``: the same arithmetic without
+    the prefetches, for rows read out of order (the head screen's exact rows).
     """
-    name = "cpullm_q8_row_dot_v4_" + ("avx2" if x86 else "generic")
+    name = "cpullm_q8_row_dot_v4_" + ("avx2" if x86 else "generic") + ("" if stream else "_rows")
     fn = module.globals.get(name)
     if fn is not None:
         return fn
@@ -473,7 +474,7 @@ def _define_row_dot(module, x86: bool):
     def block(b, i, acc, pf):
         off = b.shl(i, _c64(5))
         wp = b.gep(w, [off])
-        if pf:
+        if pf and stream:
             b.call(prefetch, [b.gep(wp, [_c64(PREFETCH_BYTES)]), ir.Constant(_I32, 0),
                               ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
         xp = b.gep(x, [b.shl(off, _c64(1))])       # int16 activations: 64 bytes per block
@@ -516,7 +517,7 @@ def _define_row_dot(module, x86: bool):
     return fn
 
 
-def _row_dot_typer(w_q, w_s, x_q, x_s, n, x86):
+def _row_dot_typer(w_q, w_s, x_q, x_s, n, x86, stream=True):
     ok = (isinstance(w_q, types.Array) and w_q.dtype == types.int8 and w_q.ndim == 2
           and isinstance(w_s, types.Array) and w_s.dtype == types.uint16 and w_s.ndim == 2
           and isinstance(x_q, types.Array) and x_q.dtype == types.int16 and x_q.ndim == 1
@@ -534,7 +535,7 @@ def _row_dot_typer(w_q, w_s, x_q, x_s, n, x86):
         nb = builder.ashr(builder.extract_value(aw.shape, 1), _c64(5))
         wrow = builder.gep(builder.bitcast(aw.data, _P8), [builder.mul(row, wstride)])
         srow = builder.gep(builder.bitcast(asc.data, _P8), [builder.mul(row, sstride)])
-        fn = _define_row_dot(builder.module, x86)
+        fn = _define_row_dot(builder.module, x86, stream)
         return builder.call(fn, [wrow, srow, builder.bitcast(ax.data, _P8), builder.bitcast(axs.data, _P8), nb])
 
     return sig, codegen
@@ -550,6 +551,18 @@ def _q8_row_dot_avx2(typingctx, w_q, w_s, x_q, x_s, n):
 def _q8_row_dot_generic(typingctx, w_q, w_s, x_q, x_s, n):
     """float32 dot of row n of (w_q, w_s) with (x_q, x_s): portable IR. No bounds checks."""
     return _row_dot_typer(w_q, w_s, x_q, x_s, n, False)
+
+
+@intrinsic
+def _q8_row_dot_avx2_rows(typingctx, w_q, w_s, x_q, x_s, n):
+    """As _q8_row_dot_avx2 (the same float32 result), without the stream prefetch."""
+    return _row_dot_typer(w_q, w_s, x_q, x_s, n, True, False)
+
+
+@intrinsic
+def _q8_row_dot_generic_rows(typingctx, w_q, w_s, x_q, x_s, n):
+    """As _q8_row_dot_generic (the same float32 result), without the stream prefetch."""
+    return _row_dot_typer(w_q, w_s, x_q, x_s, n, False, False)
 
 
 @njit(cache=True, inline="always")

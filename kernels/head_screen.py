@@ -1,0 +1,513 @@
+"""Greedy decoding's lm_head at about half its bytes, with exactly the same answer ("head screen").
+
+In a greedy decode step only the argmax of the logits is used, and the lm_head (vocab x hidden)
+is the largest single matrix a token reads: 144 of Qwen2.5-0.5B's 525 MB, 178 of Gemma 3 270M's
+~290 MB. The screen reads a compact copy of it, gets every row's logit to within a proven bound,
+and recomputes exactly (with the q8 matvec's own row routine) only the rows whose bound reaches
+the best lower bound. The token it returns is the argmax of the full q8 logits, lowest index on
+ties, as ``np.argmax(matvec_q8(...))``: nothing is approximated in what the caller sees.
+
+Compact copy, per row n of the lm_head (columns permuted by ``perm``: the ``k_sel`` columns where
+the activations are expected to be large first, the rest after; K padded to Kp):
+
+    hq  int8 (N, k_sel + (Kp - k_sel) // 2)   the first k_sel columns as int8 blocks of 32, the rest
+                                              as 4-bit blocks of 32: 16 bytes per block, byte j
+                                              holds value j (low nibble) and value j + 16 (high)
+    hs  uint16 (N, Kp // 32)                  binary16 scales of those blocks (rounded up as q8's)
+    hb  float32 (N, 3)                        E_sel, E_rest: Euclidean norms of the row's error
+                                              (exact dequantized q8 row minus the compact row) over
+                                              the two column sets; Wn: the larger of the two rows'
+                                              norms. Each rounded up.
+
+The bound. Let w be the exact row (q8 values times scales), v the compact one, x the int16
+activations the exact matvec uses (dequantized), x' the permuted x re-quantized to int16 blocks
+(what the compact dot reads). Then, by Cauchy-Schwarz on each column set,
+
+    |w.x - v.x'| <= E_sel |x_sel| + E_rest |x_rest| + Wn |x - x'|
+
+plus float rounding: of the two dot products, each below (nb + 8) 2^-24 Wn |x| for nb blocks
+(int32 block sums are exact; a float32 FMA per block), and of approx +- bound in float32, each
+below 2^-24 (|approx| + bound); ``Wn (nb + 16) 2^-22 |x|`` is added for all of them, and the sum
+is scaled by (1 + 2^-10) for the rounding of the bound's own float32 arithmetic. Rows whose upper bound
+is below the largest lower bound cannot be the argmax (strictly below it: they cannot tie either).
+With the activations' large channels kept at 8 bits (chosen from the final norm's weights by the
+compiler) the 4-bit part's error sees only the small ones: on Qwen2.5-0.5B text a few hundred of
+151936 rows survive (median; a few thousand at the 90th percentile), so the step reads ~55 % of
+the lm_head's bytes.
+
+Kernels:
+
+    screen_columns(column_weights, Kp, k_sel) -> perm                 numpy, at compile time
+    build_screen(w_q, w_s, perm, k_sel) -> (hq, hs, hb)                numpy, at compile time
+    screen_argmax(x, perm, k_sel // 32, hq, hs, hb, w_q, w_s, scratch..., nthreads)
+        -> (token, rows computed exactly); token -1: non-finite bounds, run the full head
+    screen_dots(hq, hs, p_q, p_s, k_sel // 32, out)                    the compact rows' dot products
+
+with numpy references ``screen_argmax_ref``, ``screen_bounds_ref``, ``screen_dots_ref``
+(tests/test_head_screen.py). Each pass splits the rows into one contiguous range per thread: the
+bounds pass streams the compact rows (prefetching 4 KiB ahead, as matvec_q8); the exact rows are
+read out of order, each requested a few rows ahead of its dot product.
+"""
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .q8 import (_HALF_IN_HARDWARE, HAVE_AVX2, PREFETCH_BYTES, QBLOCK, _F32, _I8, _I16, _I32, _I64, _P8, _V8F32,
+                 _V8I32, _V16I16, _block_dot_i32x8, _c64, _decl, _hsum_v8f32, _ir_half_to_float,
+                 _q8_row_dot_avx2_rows, _q8_row_dot_generic_rows, _quantize_blocks_ref, quantize_act_q16,
+                 scale_values)
+
+SEL_COLUMNS = 64
+"""Columns kept at 8 bits (two blocks). Measured on Qwen2.5-0.5B decode activations (299 positions,
+4-bit rest): 16 -> median 1993 surviving rows, 32 -> 469, 64 -> 213, 96 -> 131; 3-bit rests keep
+most rows at any of these."""
+
+_ROUNDING_MARGIN = 1.0 + 2.0 ** -10
+
+SCALE_GROUP = 8
+"""Block scales are converted 8 at a time (``vcvtph2ps`` on a vector) at the start of a row, times
+the activations' block scales, into a small stack buffer; each block's FMA then reads its factor
+from there (a broadcast load) instead of converting a scalar: 7 -> 2 instructions per block, the
+difference between a compute-bound and a bandwidth-bound screen. The scale rows (and the
+activation-scale scratch) are padded to a multiple of 8 for it."""
+MAX_BLOCKS = 1024
+"""Largest K / 32 the row routine's stack buffer holds (K <= 32768)."""
+
+
+@njit(cache=True)
+def _rounding_term(Kp):
+    """Float rounding, relative to Wn |x|, covered by the bound: (Kp/32 + 16) 2^-22, four times
+    the worst case of one float32 dot product over Kp/32 blocks (the exact one, the compact one,
+    and the float32 sums approx +- bound)."""
+    return (Kp // QBLOCK + 16) * 2.0 ** -22
+
+
+def padded_blocks(Kp: int) -> int:
+    """Columns of a screen's scale rows (and of the activation-scale scratch): Kp / 32 rounded up to 8."""
+    return (Kp // QBLOCK + SCALE_GROUP - 1) // SCALE_GROUP * SCALE_GROUP
+
+
+def _round_up_f32(x):
+    """float64 array -> the smallest float32 values >= x (elementwise)."""
+    f = np.asarray(x, np.float64).astype(np.float32)
+    return np.where(f.astype(np.float64) < x, np.nextafter(f, np.float32(np.inf)), f).astype(np.float32)
+
+
+def screen_columns(weight_of_column, Kp: int, k_sel: int = SEL_COLUMNS) -> np.ndarray:
+    """perm (Kp,) int64: the ``k_sel`` columns of largest ``|weight_of_column|`` (K values, K <= Kp;
+    ties to the lower index) in ascending order, then every other column (padding included) in order."""
+    w = np.abs(np.asarray(weight_of_column, np.float64))
+    k_sel = min(int(k_sel), Kp - QBLOCK) // QBLOCK * QBLOCK
+    top = np.sort(np.argsort(-w, kind="stable")[:k_sel])
+    rest = np.setdiff1d(np.arange(Kp), top)
+    return np.concatenate([top, rest]).astype(np.int64)
+
+
+def _pack_nibbles(q):
+    """q integer (N, 32 * m) in [-8, 7] -> int8 (N, 16 * m): byte j of a block holds value j low, j + 16 high."""
+    N = q.shape[0]
+    b = q.reshape(N, -1, 2, 16).astype(np.int64) & 0xF
+    return ((b[:, :, 0] | (b[:, :, 1] << 4)).astype(np.uint8).view(np.int8)).reshape(N, -1)
+
+
+def unpack_nibbles(p):
+    """Inverse of the nibble packing: int8 (N, 16 * m) -> int8 (N, 32 * m) values in [-8, 7]."""
+    u = np.asarray(p).view(np.uint8).reshape(p.shape[0], -1, 16).astype(np.int16)
+    lo = ((u & 0xF) ^ 8) - 8
+    hi = ((u >> 4) ^ 8) - 8
+    return np.concatenate([lo, hi], axis=2).reshape(p.shape[0], -1).astype(np.int8)
+
+
+def build_screen(w_q, w_s, perm, k_sel: int, rows_per_chunk: int = 8192):
+    """The compact copy and error norms of the q8 matrix (w_q int8 (N, Kp), w_s uint16 (N, Kp//32))
+    with columns ``perm`` (k_sel of them at 8 bits). Returns (hq, hs, hb) as in the module docstring."""
+    N, Kp = w_q.shape
+    if (Kp % QBLOCK or k_sel % QBLOCK or not 0 < k_sel < Kp or Kp > QBLOCK * MAX_BLOCKS
+            or sorted(perm) != list(range(Kp))):
+        raise ValueError("build_screen: Kp and k_sel must be multiples of 32, 0 < k_sel < Kp <= 32768, "
+                         "perm a permutation of range(Kp)")
+    perm = np.asarray(perm, np.int64)
+    nb = Kp // QBLOCK
+    hq = np.empty((N, k_sel + (Kp - k_sel) // 2), np.int8)
+    hs = np.zeros((N, padded_blocks(Kp)), np.uint16)
+    hb = np.empty((N, 3), np.float32)
+    for n0 in range(0, N, rows_per_chunk):
+        n1 = min(N, n0 + rows_per_chunk)
+        exact = (w_q[n0:n1].reshape(n1 - n0, nb, QBLOCK).astype(np.float64)
+                 * scale_values(w_s[n0:n1]).astype(np.float64)[..., None]).reshape(n1 - n0, Kp)[:, perm]
+        q8, s8 = _quantize_blocks_ref(exact[:, :k_sel].astype(np.float32), 127, True)
+        q4, s4 = _quantize_blocks_ref(exact[:, k_sel:].astype(np.float32), 7, True)
+        hq[n0:n1, :k_sel] = q8.astype(np.int8)
+        hq[n0:n1, k_sel:] = _pack_nibbles(q4)
+        hs[n0:n1, :k_sel // QBLOCK] = s8
+        hs[n0:n1, k_sel // QBLOCK:nb] = s4
+        compact = np.concatenate([
+            (q8.reshape(n1 - n0, -1, QBLOCK) * scale_values(s8)[..., None]).reshape(n1 - n0, -1),
+            (q4.reshape(n1 - n0, -1, QBLOCK) * scale_values(s4)[..., None]).reshape(n1 - n0, -1)], axis=1)
+        err = exact - compact.astype(np.float64)
+        hb[n0:n1, 0] = _round_up_f32(np.sqrt((err[:, :k_sel] ** 2).sum(1)) * (1 + 2.0 ** -40))
+        hb[n0:n1, 1] = _round_up_f32(np.sqrt((err[:, k_sel:] ** 2).sum(1)) * (1 + 2.0 ** -40))
+        norms = np.maximum(np.sqrt((exact ** 2).sum(1)), np.sqrt((compact.astype(np.float64) ** 2).sum(1)))
+        hb[n0:n1, 2] = _round_up_f32(norms * (1 + 2.0 ** -40))
+    return hq, hs, hb
+
+
+# ================================================================================================
+# numpy reference
+# ================================================================================================
+
+def screen_dots_ref(hq, hs, x_q, x_s, k_sel: int):
+    """float64 compact dot products (N,) of the screen rows with permuted int16 activations."""
+    N = hq.shape[0]
+    vals = np.concatenate([hq[:, :k_sel], unpack_nibbles(hq[:, k_sel:])], axis=1).astype(np.int64)
+    dots = (vals.reshape(N, -1, QBLOCK) * x_q.reshape(-1, QBLOCK).astype(np.int64)).sum(-1)
+    nb = dots.shape[1]
+    return (dots * scale_values(hs[:, :nb]).astype(np.float64) * x_s[:nb].astype(np.float64)).sum(-1)
+
+
+def screen_bounds_ref(x, perm, k_sel: int, hq, hs, hb):
+    """(approx (N,), bound (N,), exact activations (x_q, x_s)) in float64, as the kernel defines them."""
+    from .q8 import quantize_act_q16_ref
+    Kp = perm.size
+    x_q, x_s = quantize_act_q16_ref(x, Kp)
+    xd = (x_q.reshape(-1, QBLOCK).astype(np.float32) * x_s[:, None]).reshape(-1)   # float32, as the kernel
+    xp = xd[perm]
+    p_q, p_s = quantize_act_q16_ref(xp, Kp)
+    pd = (p_q.reshape(-1, QBLOCK).astype(np.float32) * p_s[:, None]).reshape(-1)
+    xp64 = xp.astype(np.float64)
+    n_sel = np.sqrt((xp64[:k_sel] ** 2).sum())
+    n_rest = np.sqrt((xp64[k_sel:] ** 2).sum())
+    delta = np.sqrt(((xp64 - pd.astype(np.float64)) ** 2).sum())
+    nb = Kp // QBLOCK
+    extra = delta + _rounding_term(Kp) * np.sqrt(n_sel ** 2 + n_rest ** 2)
+    hb64 = hb.astype(np.float64)
+    bound = (hb64[:, 0] * n_sel + hb64[:, 1] * n_rest + hb64[:, 2] * extra) * _ROUNDING_MARGIN
+    return screen_dots_ref(hq, hs, p_q, p_s, k_sel), bound, (x_q, x_s)
+
+
+def screen_argmax_ref(x, perm, k_sel: int, hq, hs, hb, w_q, w_s):
+    """numpy reference: (argmax of the exact q8 logits found through the screen, survivor count)."""
+    from .q8 import matvec_q8_ref
+    approx, bound, (x_q, x_s) = screen_bounds_ref(x, perm, k_sel, hq, hs, hb)
+    lower = (approx - bound).max()
+    keep = np.nonzero(approx + bound >= lower)[0]
+    exact = matvec_q8_ref(w_q[keep], w_s[keep], x_q, x_s)
+    return int(keep[np.argmax(exact)]), keep.size
+
+
+# ================================================================================================
+# LLVM IR: the compact row's dot product
+# ================================================================================================
+
+def _nibble_block_dot_i32x8(b, module, wp, xp, x86):
+    """16 bytes at wp (32 signed 4-bit values, layout above) . 32 x i16 at xp -> <8 x i32> partial sums."""
+    v16i8 = ir.VectorType(_I8, 16)
+    w = b.sext(b.load(b.bitcast(wp, v16i8.as_pointer()), align=1), _V16I16)
+    twelve = ir.Constant(_V16I16, [12] * 16)
+    lo = b.ashr(b.shl(w, twelve), twelve)                   # values 0..15: the low nibbles
+    hi = b.ashr(w, ir.Constant(_V16I16, [4] * 16))          # values 16..31: the high nibbles
+    x0 = b.load(b.bitcast(xp, _V16I16.as_pointer()), align=1)
+    x1 = b.load(b.bitcast(b.gep(xp, [_c64(32)]), _V16I16.as_pointer()), align=1)
+    if x86:
+        maddwd = _decl(module, "llvm.x86.avx2.pmadd.wd", _V8I32, [_V16I16, _V16I16])
+        return b.add(b.call(maddwd, [lo, x0]), b.call(maddwd, [hi, x1]))
+    v16i32 = ir.VectorType(_I32, 16)
+    p = b.add(b.mul(b.sext(lo, v16i32), b.sext(x0, v16i32)), b.mul(b.sext(hi, v16i32), b.sext(x1, v16i32)))
+    half = lambda h: b.shuffle_vector(p, p, ir.Constant(_V8I32, list(range(8 * h, 8 * h + 8))))  # noqa: E731
+    return b.add(half(0), half(1))
+
+
+def _half8_to_float8(b, v):
+    """IR: <8 x i16> binary16 bits -> <8 x float>."""
+    if _HALF_IN_HARDWARE:
+        return b.fpext(b.bitcast(v, ir.VectorType(ir.HalfType(), 8)), _V8F32)
+    out = ir.Constant(_V8F32, ir.Undefined)
+    for k in range(8):
+        e = _ir_half_to_float(b, b.extract_element(v, ir.Constant(_I32, k)))
+        out = b.insert_element(out, e, ir.Constant(_I32, k))
+    return out
+
+
+def _define_screen_row_dot(module, x86: bool):
+    """float @cpullm_screen_row_dot(i8* row, i8* scales_row, i8* x, i8* xs, i64 nsel, i64 nblocks).
+
+    First the row's block factors f16(scale) * xs, 8 at a time, into a stack buffer; then blocks
+    [0, nsel): int8, 32 bytes each; blocks [nsel, nblocks): 4-bit, 16 bytes each, two per loop
+    step (two accumulators), one prefetch PREFETCH_BYTES ahead per step; an odd last block in a tail.
+    """
+    name = "cpullm_screen_row_dot_v2_" + ("avx2" if x86 else "generic")
+    fn = module.globals.get(name)
+    if fn is not None:
+        return fn
+    fn = ir.Function(module, ir.FunctionType(_F32, [_P8, _P8, _P8, _P8, _I64, _I64]), name)
+    fn.linkage = "internal"
+    fn.attributes.add("alwaysinline")
+    fn.attributes.add("nounwind")
+    row, srow, x, xs, nsel, nblk = fn.args
+    blocks = ("entry", "fac", "fac_done", "sel", "sel_done", "loop", "mid", "tail", "done")
+    entry, fac, fac_done, sel, sel_done, loop, mid, tail, done = (fn.append_basic_block(s) for s in blocks)
+    prefetch = _decl(module, "llvm.prefetch.p0", ir.VoidType(), [_P8, _I32, _I32, _I32])
+    fmuladd = _decl(module, "llvm.fmuladd.v8f32", _V8F32, [_V8F32, _V8F32, _V8F32])
+    zero = ir.Constant(_V8F32, [0.0] * 8)
+    v8i16 = ir.VectorType(_I16, 8)
+
+    b = ir.IRBuilder(entry)
+    buf = b.alloca(ir.ArrayType(_F32, MAX_BLOCKS), name="factors")
+    bufp = b.bitcast(buf, _F32.as_pointer())
+    wsp = b.bitcast(srow, _I16.as_pointer())
+    xsp = b.bitcast(xs, _F32.as_pointer())
+    rest0 = b.gep(row, [b.shl(nsel, _c64(5))])            # first 4-bit byte
+    b.branch(fac)
+
+    b = ir.IRBuilder(fac)                                  # factors[g:g+8] = f16(scales) * xs
+    g = b.phi(_I64)
+    h = b.load(b.bitcast(b.gep(wsp, [g]), v8i16.as_pointer()), align=2)
+    xv = b.load(b.bitcast(b.gep(xsp, [g]), _V8F32.as_pointer()), align=4)
+    b.store(b.fmul(_half8_to_float8(b, h), xv), b.bitcast(b.gep(bufp, [g]), _V8F32.as_pointer()), align=4)
+    g8 = b.add(g, _c64(SCALE_GROUP))
+    g.add_incoming(_c64(0), entry)
+    g.add_incoming(g8, fac)
+    b.cbranch(b.icmp_signed("<", g8, nblk), fac, fac_done)
+
+    b = ir.IRBuilder(fac_done)
+    b.cbranch(b.icmp_signed(">", nsel, _c64(0)), sel, sel_done)
+
+    def scaled(b, i, f, acc):
+        s = b.load(b.gep(bufp, [i]))
+        sv = b.insert_element(ir.Constant(_V8F32, ir.Undefined), s, ir.Constant(_I32, 0))
+        sv = b.shuffle_vector(sv, sv, ir.Constant(_V8I32, [0] * 8))
+        return b.call(fmuladd, [b.sitofp(f, _V8F32), sv, acc])
+
+    def nibble_block(b, i, acc, pf):
+        wp = b.gep(rest0, [b.shl(b.sub(i, nsel), _c64(4))])
+        if pf:
+            b.call(prefetch, [b.gep(wp, [_c64(PREFETCH_BYTES)]), ir.Constant(_I32, 0),
+                              ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        xp = b.gep(x, [b.shl(i, _c64(6))])                  # int16 activations: 64 bytes per block
+        return scaled(b, i, _nibble_block_dot_i32x8(b, module, wp, xp, x86), acc)
+
+    # int8 blocks (few): one accumulator
+    b = ir.IRBuilder(sel)
+    i = b.phi(_I64)
+    a = b.phi(_V8F32)
+    wp = b.gep(row, [b.shl(i, _c64(5))])
+    b.call(prefetch, [b.gep(wp, [_c64(PREFETCH_BYTES)]), ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                      ir.Constant(_I32, 1)])
+    na = scaled(b, i, _block_dot_i32x8(b, module, wp, b.gep(x, [b.shl(i, _c64(6))]), x86), a)
+    i1 = b.add(i, _c64(1))
+    i.add_incoming(_c64(0), fac_done)
+    i.add_incoming(i1, sel)
+    a.add_incoming(zero, fac_done)
+    a.add_incoming(na, sel)
+    b.cbranch(b.icmp_signed("<", i1, nsel), sel, sel_done)
+
+    b = ir.IRBuilder(sel_done)
+    acc_sel = b.phi(_V8F32)
+    acc_sel.add_incoming(zero, fac_done)
+    acc_sel.add_incoming(na, sel)
+    npair_end = b.add(nsel, b.and_(b.sub(nblk, nsel), _c64(-2)))     # end of the paired 4-bit blocks
+    b.cbranch(b.icmp_signed("<", nsel, npair_end), loop, mid)
+
+    b = ir.IRBuilder(loop)
+    j = b.phi(_I64)
+    a0 = b.phi(_V8F32)
+    a1 = b.phi(_V8F32)
+    n0 = nibble_block(b, j, a0, True)
+    n1 = nibble_block(b, b.add(j, _c64(1)), a1, False)
+    j2 = b.add(j, _c64(2))
+    for phi, v0, v1 in ((j, nsel, j2), (a0, acc_sel, n0), (a1, zero, n1)):
+        phi.add_incoming(v0, sel_done)
+        phi.add_incoming(v1, loop)
+    b.cbranch(b.icmp_signed("<", j2, npair_end), loop, mid)
+
+    b = ir.IRBuilder(mid)
+    m0 = b.phi(_V8F32)
+    m1 = b.phi(_V8F32)
+    for phi, v_in, v_loop in ((m0, acc_sel, n0), (m1, zero, n1)):
+        phi.add_incoming(v_in, sel_done)
+        phi.add_incoming(v_loop, loop)
+    tot = b.fadd(m0, m1)
+    b.cbranch(b.icmp_signed("<", npair_end, nblk), tail, done)
+
+    b = ir.IRBuilder(tail)
+    t = nibble_block(b, npair_end, tot, False)
+    b.branch(done)
+
+    b = ir.IRBuilder(done)
+    r = b.phi(_V8F32)
+    r.add_incoming(tot, mid)
+    r.add_incoming(t, tail)
+    b.ret(_hsum_v8f32(b, r))
+    return fn
+
+
+def _screen_dot_typer(hq, hs, x_q, x_s, n, nsel, nblk, x86):
+    ok = (isinstance(hq, types.Array) and hq.dtype == types.int8 and hq.ndim == 2
+          and isinstance(hs, types.Array) and hs.dtype == types.uint16 and hs.ndim == 2
+          and isinstance(x_q, types.Array) and x_q.dtype == types.int16 and x_q.ndim == 1
+          and isinstance(x_s, types.Array) and x_s.dtype == types.float32 and x_s.ndim == 1
+          and all(isinstance(v, types.Integer) for v in (n, nsel, nblk)))
+    if not ok:
+        return None
+    sig = types.float32(hq, hs, x_q, x_s, n, nsel, nblk)
+
+    def codegen(context, builder, sig, args):
+        aq, asc, ax, axs = (context.make_array(t)(context, builder, v) for t, v in zip(sig.args[:4], args[:4]))
+        row, ns, nb = (context.cast(builder, args[k], sig.args[k], types.int64) for k in (4, 5, 6))
+        qrow = builder.gep(builder.bitcast(aq.data, _P8), [builder.mul(row, builder.extract_value(aq.strides, 0))])
+        srow = builder.gep(builder.bitcast(asc.data, _P8), [builder.mul(row, builder.extract_value(asc.strides, 0))])
+        fn = _define_screen_row_dot(builder.module, x86)
+        return builder.call(fn, [qrow, srow, builder.bitcast(ax.data, _P8), builder.bitcast(axs.data, _P8), ns, nb])
+
+    return sig, codegen
+
+
+@intrinsic
+def _screen_row_dot_avx2(typingctx, hq, hs, x_q, x_s, n, nsel, nblk):
+    """float32 compact dot of screen row n (nsel int8 blocks, then 4-bit ones up to nblk): AVX2.
+    No bounds checks; hs rows and x_s padded to a multiple of 8 scales."""
+    return _screen_dot_typer(hq, hs, x_q, x_s, n, nsel, nblk, True)
+
+
+@intrinsic
+def _screen_row_dot_generic(typingctx, hq, hs, x_q, x_s, n, nsel, nblk):
+    """float32 compact dot of screen row n: portable IR. No bounds checks (as the AVX2 one)."""
+    return _screen_dot_typer(hq, hs, x_q, x_s, n, nsel, nblk, False)
+
+
+# ================================================================================================
+# numba kernels
+# ================================================================================================
+
+ROW_PREFETCH = 4
+"""Exact rows are requested this many rows ahead of their dot product (each row: its cache lines)."""
+
+
+@intrinsic
+def _prefetch_row(typingctx, a, n):
+    """Prefetch every 64-byte line of row n of the C-contiguous 2-D array ``a``."""
+    if not (isinstance(a, types.Array) and a.ndim == 2 and isinstance(n, types.Integer)):
+        return None
+    sig = types.void(a, n)
+
+    def codegen(context, builder, sig, args):
+        arr = context.make_array(sig.args[0])(context, builder, args[0])
+        row = context.cast(builder, args[1], sig.args[1], types.int64)
+        stride = builder.extract_value(arr.strides, 0)
+        start = builder.gep(builder.bitcast(arr.data, _P8), [builder.mul(row, stride)])
+        prefetch = _decl(builder.module, "llvm.prefetch.p0", ir.VoidType(), [_P8, _I32, _I32, _I32])
+        with cgutils.for_range_slice(builder, _c64(0), stride, _c64(64)) as (off, _):
+            builder.call(prefetch, [builder.gep(start, [off]), ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                                    ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_screen_dot = _screen_row_dot_avx2 if HAVE_AVX2 else _screen_row_dot_generic
+_q8_dot = _q8_row_dot_avx2_rows if HAVE_AVX2 else _q8_row_dot_generic_rows
+
+
+@njit(cache=True, parallel=True)
+def screen_dots(hq, hs, p_q, p_s, sel_blocks, out):
+    """out[n] = the compact dot product of row n with permuted int16 activations (p_q, p_s), as
+    the bounds pass computes it (tests compare it with :func:`screen_dots_ref`)."""
+    nblk = p_q.size // QBLOCK
+    for n in prange(hq.shape[0]):
+        out[n] = _screen_dot(hq, hs, p_q, p_s, n, sel_blocks, nblk)
+
+
+@njit(cache=True, parallel=True)
+def _bounds_pass(hq, hs, hb, p_q, p_s, sel_blocks, n_sel, n_rest, extra, upper, lower_max, nthreads):
+    """upper[n] = approx + bound of every row; lower_max[t] = the largest approx - bound of thread
+    t's contiguous range of rows."""
+    N = hq.shape[0]
+    nblk = p_q.size // QBLOCK
+    margin = np.float32(_ROUNDING_MARGIN)
+    per = (N + nthreads - 1) // nthreads
+    for t in prange(nthreads):
+        lo = min(N, t * per)
+        hi = min(N, lo + per)
+        m = np.float32(-np.inf)
+        for n in range(lo, hi):
+            a = _screen_dot(hq, hs, p_q, p_s, n, sel_blocks, nblk)
+            bd = (hb[n, 0] * n_sel + hb[n, 1] * n_rest + hb[n, 2] * extra) * margin
+            upper[n] = a + bd
+            if a - bd > m:
+                m = a - bd
+        lower_max[t] = m
+
+
+@njit(cache=True, parallel=True)
+def _survivors_pass(upper, lower, w_q, w_s, x_q, x_s, rows, vals, counts, nthreads):
+    """Each thread, over its range of rows: the rows whose upper bound reaches ``lower`` go to
+    rows[lo:], their exact q8 logits (the matvec's own row routine) to vals[lo:]; counts[t]."""
+    N = upper.size
+    per = (N + nthreads - 1) // nthreads
+    for t in prange(nthreads):
+        lo = min(N, t * per)
+        hi = min(N, lo + per)
+        c = 0
+        for n in range(lo, hi):
+            if upper[n] >= lower:
+                rows[lo + c] = n
+                c += 1
+        for i in range(lo, lo + c):
+            if i + ROW_PREFETCH < lo + c:       # rows out of order: fetch a few rows ahead by hand
+                _prefetch_row(w_q, rows[i + ROW_PREFETCH])
+                _prefetch_row(w_s, rows[i + ROW_PREFETCH])
+            vals[i] = _q8_dot(w_q, w_s, x_q, x_s, rows[i])
+        counts[t] = c
+
+
+@njit(cache=True)
+def screen_argmax(x, perm, sel_blocks, hq, hs, hb, w_q, w_s, x_q, x_s, p_q, p_s, xd, xp,
+                  upper, rows, vals, lower_max, counts, nthreads):
+    """(token, survivors): the argmax (lowest index on ties) of the q8 logits ``w . x`` found
+    through the screen, and how many rows were computed exactly; (-1, 0) when the bounds are not
+    finite (the caller then runs the full lm_head).
+
+    x float32 (K,); perm int64 (Kp,); w_q/w_s the lm_head's q8 matrix; x_q/p_q int16 (Kp,),
+    x_s float32 (Kp//32,), p_s float32 (padded_blocks(Kp),), xd/xp float32 (Kp,), upper float32 (N,), rows int64 (N,),
+    vals float32 (N,), lower_max float32 / counts int64 (>= nthreads,): scratch.
+    """
+    Kp = perm.size
+    quantize_act_q16(x, x_q, x_s)                       # exactly what the matvec reads
+    for k in range(Kp):
+        xd[k] = np.float32(x_q[k]) * x_s[k // QBLOCK]
+    for k in range(Kp):
+        xp[k] = xd[perm[k]]
+    quantize_act_q16(xp, p_q, p_s[:Kp // QBLOCK])       # what the compact rows read
+    k_sel = sel_blocks * QBLOCK
+    s_sel, s_rest, s_d = 0.0, 0.0, 0.0
+    for k in range(Kp):
+        v = np.float64(xp[k])
+        if k < k_sel:
+            s_sel += v * v
+        else:
+            s_rest += v * v
+        d = v - np.float64(np.float32(p_q[k]) * p_s[k // QBLOCK])
+        s_d += d * d
+    extra = np.sqrt(s_d) + _rounding_term(Kp) * np.sqrt(s_sel + s_rest)
+    _bounds_pass(hq, hs, hb, p_q, p_s, sel_blocks, np.float32(np.sqrt(s_sel)), np.float32(np.sqrt(s_rest)),
+                 np.float32(extra), upper, lower_max, nthreads)
+    lower = lower_max[0]
+    for t in range(1, nthreads):
+        lower = max(lower, lower_max[t])
+    if not np.isfinite(lower):
+        return -1, 0
+    _survivors_pass(upper, lower, w_q, w_s, x_q, x_s, rows, vals, counts, nthreads)
+    N = upper.size
+    per = (N + nthreads - 1) // nthreads
+    best, best_v, total = -1, np.float32(0.0), 0
+    for t in range(nthreads):                           # rows ascending: strict > keeps the lowest index
+        lo = min(N, t * per)
+        for i in range(lo, lo + counts[t]):
+            if best < 0 or vals[i] > best_v:
+                best, best_v = rows[i], vals[i]
+        total += counts[t]
+    return best, total

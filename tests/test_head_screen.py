@@ -1,0 +1,241 @@
+"""The lm_head screen of greedy decoding (cpullm.kernels.head_screen): its packing, its bound, its
+kernels against their numpy references, and, above all, that the token it returns is always the
+argmax of the full q8 logits (lowest index on ties)."""
+import numba
+import numpy as np
+import pytest
+
+import cpullm
+from cpullm.kernels import head_screen as H
+from cpullm.kernels import q8
+from cpullm.testing import make_random_checkpoint
+
+RNG = np.random.default_rng(7)
+
+
+def _matrix(N, K, outlier_cols=()):
+    w = RNG.standard_normal((N, K)).astype(np.float32) * 0.05
+    for c in outlier_cols:
+        w[:, c] *= 8.0
+    return q8.quantize_weight_q8(w)
+
+
+def _activations(K, outliers=(), scale=1.0):
+    x = RNG.standard_normal(K).astype(np.float32) * scale
+    for c in outliers:
+        x[c] *= 40.0
+    return x
+
+
+class _Screen:
+    """A screen over one q8 matrix, with the executor's scratch buffers."""
+
+    def __init__(self, w_q, w_s, importance=None, k_sel=64):
+        N, Kp = w_q.shape
+        self.w_q, self.w_s = w_q, w_s
+        importance = np.ones(Kp) if importance is None else importance
+        self.perm = H.screen_columns(importance, Kp, k_sel)
+        self.k_sel = min(k_sel, Kp - 32) // 32 * 32
+        self.hq, self.hs, self.hb = H.build_screen(w_q, w_s, self.perm, self.k_sel)
+        nb = Kp // 32
+        self.scratch = (np.zeros(Kp, np.int16), np.zeros(nb, np.float32), np.zeros(Kp, np.int16),
+                        np.zeros(H.padded_blocks(Kp), np.float32), np.zeros(Kp, np.float32),
+                        np.zeros(Kp, np.float32), np.zeros(N, np.float32), np.zeros(N, np.int64),
+                        np.zeros(N, np.float32), np.zeros(8, np.float32), np.zeros(8, np.int64))
+
+    def argmax(self, x, nthreads=None):
+        nthreads = nthreads or numba.get_num_threads()
+        return H.screen_argmax(x, self.perm, self.k_sel // 32, self.hq, self.hs, self.hb, self.w_q,
+                               self.w_s, *self.scratch, nthreads)
+
+    def full_argmax(self, x):
+        Kp = self.w_q.shape[1]
+        x_q, x_s = np.zeros(Kp, np.int16), np.zeros(Kp // 32, np.float32)
+        q8.quantize_act_q16(x, x_q, x_s)                   # as the executor's LINEAR does
+        out = np.zeros(self.w_q.shape[0], np.float32)
+        q8.matvec_q8(self.w_q, self.w_s, x_q, x_s, out)
+        return int(np.argmax(out)), out
+
+
+def test_nibble_packing_round_trips():
+    q = RNG.integers(-8, 8, (5, 96))
+    assert np.array_equal(H.unpack_nibbles(H._pack_nibbles(q)), q)
+
+
+def test_screen_columns_puts_the_largest_first_then_the_rest_in_order():
+    w = np.array([0.1, -5.0, 0.2, 3.0, 0.0] + [0.01] * 59)
+    perm = H.screen_columns(w, 96, 32)
+    assert sorted(perm) == list(range(96))
+    assert set(perm[:32]) >= {1, 3} and list(perm[:32]) == sorted(perm[:32])
+    assert list(perm[32:]) == sorted(perm[32:])
+
+
+def test_build_screen_error_norms_bound_the_real_errors():
+    w_q, w_s = _matrix(200, 160, outlier_cols=(3, 77))
+    s = _Screen(w_q, w_s, k_sel=64)
+    exact = q8.dequantize_weight_q8_ref(w_q, w_s).astype(np.float64)[:, s.perm]
+    vals = np.concatenate([s.hq[:, :64], H.unpack_nibbles(s.hq[:, 64:])], axis=1).astype(np.float64)
+    compact = (vals.reshape(200, -1, 32) * q8.scale_values(s.hs[:, :5])[..., None]).reshape(200, -1)
+    assert np.all(np.abs(vals[:, 64:]) <= 8)
+    err = exact - compact
+    assert np.all(np.linalg.norm(err[:, :64], axis=1) <= s.hb[:, 0])
+    assert np.all(np.linalg.norm(err[:, 64:], axis=1) <= s.hb[:, 1])
+    assert np.all(np.linalg.norm(exact, axis=1) <= s.hb[:, 2])
+    assert np.all(s.hs[:, 5:] == 0)                       # scale rows padded to 8 with zeros
+
+
+@pytest.mark.parametrize("N,K,k_sel", [(100, 96, 32), (333, 160, 64), (64, 250, 64), (40, 64, 64)])
+def test_screen_dots_match_reference(N, K, k_sel):
+    w_q, w_s = _matrix(N, K)
+    s = _Screen(w_q, w_s, k_sel=k_sel)
+    p_q, p_s = q8.quantize_act_q16_ref(_activations(K), w_q.shape[1])
+    p_s_pad = np.zeros(H.padded_blocks(w_q.shape[1]), np.float32)
+    p_s_pad[:p_s.size] = p_s
+    out = np.zeros(N, np.float32)
+    H.screen_dots(s.hq, s.hs, p_q, p_s_pad, s.k_sel // 32, out)
+    ref = H.screen_dots_ref(s.hq, s.hs, p_q, p_s, s.k_sel)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bound_holds_for_every_row(seed):
+    rng = np.random.default_rng(seed)
+    N, K = 500, 224
+    w_q, w_s = _matrix(N, K, outlier_cols=rng.integers(0, K, 3))
+    imp = np.ones(K)
+    big = rng.choice(K, 5, replace=False)
+    imp[big] = 10.0
+    s = _Screen(w_q, w_s, importance=imp, k_sel=64)
+    x = _activations(K, outliers=big, scale=float(rng.uniform(0.01, 100)))
+    approx, bound, (x_q, x_s) = H.screen_bounds_ref(x, s.perm, s.k_sel, s.hq, s.hs, s.hb)
+    exact = np.zeros(N, np.float32)
+    q8.matvec_q8(w_q, w_s, x_q, x_s, exact)                   # the kernel's float32 logits
+    assert np.all(np.abs(exact.astype(np.float64) - approx) <= bound)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("seed", range(12))
+def test_screen_argmax_is_the_full_argmax(seed, threads):
+    if threads > numba.config.NUMBA_NUM_THREADS:
+        pytest.skip("needs 2 numba threads")
+    rng = np.random.default_rng(100 + seed)
+    N, K = int(rng.integers(50, 3000)), int(rng.choice([64, 96, 200, 576]))
+    w_q, w_s = _matrix(N, K, outlier_cols=rng.integers(0, K, 2))
+    s = _Screen(w_q, w_s, importance=rng.random(K), k_sel=64)
+    for _ in range(5):
+        x = _activations(K, outliers=rng.integers(0, K, 4), scale=float(rng.uniform(0.1, 10)))
+        tok, survivors = s.argmax(x, threads)
+        full, _ = s.full_argmax(x)
+        assert tok == full and 1 <= survivors <= N
+        ref_tok, ref_survivors = H.screen_argmax_ref(x, s.perm, s.k_sel, s.hq, s.hs, s.hb, w_q, w_s)
+        assert ref_tok == tok and abs(ref_survivors - survivors) <= max(2, survivors // 100)
+
+
+def test_screen_argmax_keeps_the_lowest_index_of_tied_rows():
+    w_q, w_s = _matrix(400, 128)
+    x = _activations(128)
+    _, logits = _Screen(w_q, w_s).full_argmax(x)
+    top = int(np.argmax(logits))
+    for dup in (top + 1, 399, 0):                              # copies of the best row elsewhere
+        wq2, ws2 = w_q.copy(), w_s.copy()
+        wq2[dup], ws2[dup] = w_q[top], w_s[top]
+        s = _Screen(wq2, ws2)
+        tok, survivors = s.argmax(x)
+        assert tok == s.full_argmax(x)[0] == min(dup, top) and survivors >= 2
+
+
+def test_screen_argmax_zero_and_non_finite_activations():
+    w_q, w_s = _matrix(300, 96)
+    s = _Screen(w_q, w_s)
+    tok, survivors = s.argmax(np.zeros(96, np.float32))        # every logit 0: row 0, all computed
+    assert tok == 0 and survivors == 300
+    for bad in (np.nan, np.inf):
+        x = _activations(96)
+        x[5] = bad
+        # the token the full head would pick from the same quantized activations, or -1 (the
+        # executor then runs the full head)
+        assert s.argmax(x)[0] in (-1, s.full_argmax(x)[0])
+
+
+def test_screen_reads_fewer_rows_when_the_answer_is_clear():
+    w_q, w_s = _matrix(4000, 256)
+    x = q8.dequantize_weight_q8_ref(w_q[1234:1235], w_s[1234:1235])[0] * 50.0   # aligned with row 1234
+    s = _Screen(w_q, w_s)
+    tok, survivors = s.argmax(x.astype(np.float32))
+    assert tok == 1234 and survivors < 40
+
+
+# ---- through the model --------------------------------------------------------------------------
+
+TINY = dict(model_type="llama", hidden_size=128, intermediate_size=160, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=2000, rms_norm_eps=1e-5,
+            max_position_embeddings=512, tie_word_embeddings=True, rope_theta=10000.0)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    d = make_random_checkpoint(TINY, tmp_path_factory.mktemp("screen"), seed=11)
+    return cpullm.load(d, use_cache=False)
+
+
+def test_program_has_a_screen_only_in_int8(tiny_model, tmp_path_factory):
+    sc = tiny_model.program.meta["head_screen"]
+    assert sc["row"] == len(tiny_model.program.I) - 1 and sc["k_sel"] == 64
+    assert tiny_model.info()["memory"]["head_screen_bytes"] > 0
+    f32 = cpullm.load(tiny_model.model_dir, quant="f32", use_cache=False)
+    assert "head_screen" not in f32.program.meta
+    assert f32.executor.screen is None
+
+
+def test_decode_argmax_follows_the_full_logits(tiny_model):
+    ex = tiny_model.executor
+    ids = [5, 17, 99, 3]
+    ex.reset()
+    tok = int(np.argmax(ex.prefill(ids)))
+    want = []
+    for _ in range(24):
+        tok = int(np.argmax(ex.decode(tok)))
+        want.append(tok)
+    ex.reset()
+    tok = int(np.argmax(ex.prefill(ids)))
+    got = []
+    for _ in range(24):
+        tok = ex.decode_argmax(tok)
+        got.append(tok)
+        assert 1 <= ex.screen_survivors <= TINY["vocab_size"]
+    assert got == want
+
+
+def test_greedy_generation_uses_the_screen_and_sampling_does_not(tiny_model, monkeypatch):
+    ex = tiny_model.executor
+    calls = {"argmax": 0, "decode": 0}
+    real_argmax, real_decode = ex.decode_argmax, ex.decode
+
+    def count(name, fn):
+        def wrapped(tok):
+            calls[name] += 1
+            return fn(tok)
+        return wrapped
+    monkeypatch.setattr(ex, "decode_argmax", count("argmax", real_argmax))
+    monkeypatch.setattr(ex, "decode", count("decode", real_decode))
+    greedy = list(tiny_model.generate_ids([5, 17], max_new_tokens=8, temperature=0.0))
+    assert calls == {"argmax": len(greedy) - 1, "decode": 0}
+    list(tiny_model.generate_ids([5, 17], max_new_tokens=8, temperature=0.8, seed=1))
+    list(tiny_model.generate_ids([5, 17], max_new_tokens=8, temperature=0.0, repetition_penalty=1.3))
+    assert calls["argmax"] == len(greedy) - 1 and calls["decode"] > 0
+
+
+@pytest.mark.skipif(not q8.HAVE_AVX2, reason="x86 AVX2 host only")
+def test_screen_row_codegen_is_vectorized():
+    import re
+
+    from test_kernels_q8 import _fresh_asm
+    w_q, w_s = _matrix(64, 256)
+    s = _Screen(w_q, w_s)
+    p_q = np.zeros(256, np.int16)
+    p_s = np.zeros(H.padded_blocks(256), np.float32)
+    asm = _fresh_asm(H._bounds_pass, s.hq, s.hs, s.hb, p_q, p_s, 2, np.float32(1), np.float32(1),
+                     np.float32(1), np.zeros(64, np.float32), np.zeros(2, np.float32), 1)
+    assert re.search(r"vpmaddwd|vpdpwssd", asm) and "vpsraw" in asm and "prefetcht0" in asm
+    # block factors converted 8 at a time at the row start and read by the FMA as a broadcast
+    assert re.search(r"vcvtph2ps\s+[^\n]*%ymm", asm) and re.search(r"vfmadd\w+ps\s+[^\n]*\{1to8\}|vbroadcastss", asm)
