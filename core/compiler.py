@@ -186,7 +186,6 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
     # ---- weights ---------------------------------------------------------------------------
     wq, ws, wf = _Blob(np.int8), _Blob(np.uint16), _Blob(np.float32)
     packed: dict[tuple, tuple] = {}    # (sources, kind) -> (kind, w_off, s_off, Kp)
-    q8_mats: dict[int, tuple] = {}     # w_off -> (w_q, w_s) of each packed q8 matrix
     fparams: dict[str, int] = {}
 
     def f32_param(canonical: str) -> int:
@@ -206,7 +205,6 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
         if mode == "int8":
             q, s = quantize(np.ascontiguousarray(mat, dtype=np.float32))
             packed[key] = (K.WEIGHT_Q8, wq.add(q), ws.add(s), q.shape[1], N)
-            q8_mats[packed[key][1]] = (q, s)
         else:
             packed[key] = (K.WEIGHT_F32, wf.add(mat), -1, Kdim, N)
         if progress:
@@ -324,9 +322,6 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
         "max_k": int(max_k),
         "embed_rows": int(embed_rows),
     }
-    screen = _head_screen(rows_I, external, order, nodes_by_out, weights, q8_mats, wq, ws, wf)
-    if screen is not None:
-        meta["head_screen"] = screen
     arrays = {
         "I": np.stack(rows_I), "F": np.stack(rows_F),
         "wq": wq.build(), "ws": ws.build(), "wf": wf.build(),
@@ -334,32 +329,63 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
     return Program(arrays=arrays, meta=meta)
 
 
-def _head_screen(rows_I, external, order, nodes_by_out, weights, q8_mats, wq, ws, wf) -> dict | None:
-    """Pack greedy decoding's lm_head screen (cpullm.kernels.head_screen) when the program ends
-    in a q8 LINEAR without bias or plugin kernel, whose output is the logits; None otherwise.
-    The columns kept at 8 bits are where the final norm's weights are largest (the activations'
-    large channels), else where the matrix's columns are largest."""
+def head_screen_row(program: Program) -> int | None:
+    """The instruction a head screen replaces in greedy decoding: the program's last one, if it is
+    a q8 LINEAR of the head without bias or plugin kernel (its output is then the logits); else None."""
     from .kernels import interpreter as K
-    from .kernels.head_screen import MAX_BLOCKS, SEL_COLUMNS, build_screen, screen_columns
-    r = len(rows_I) - 1
-    I = rows_I[r]
-    if I[0] != K.OP_LINEAR or I[2] != 1 or I[9] != K.WEIGHT_Q8 or I[13] >= 0 or r in external:
+    from .kernels.head_screen import MAX_BLOCKS
+    I = program.I
+    r = len(I) - 1
+    if (I[r, 0] != K.OP_LINEAR or I[r, 1] != 0 or I[r, 2] != 1 or I[r, 9] != K.WEIGHT_Q8 or I[r, 13] >= 0
+            or int(I[r, 12]) > 32 * MAX_BLOCKS or int(I[r, 12]) < 64):
         return None
-    Kdim, Kp, w_off = int(I[7]), int(I[12]), int(I[10])
-    k_sel = min(SEL_COLUMNS, Kp - 32) // 32 * 32
-    if k_sel <= 0 or Kp > 32 * MAX_BLOCKS or w_off not in q8_mats:
-        return None
-    w_q, w_s = q8_mats[w_off]
-    src = nodes_by_out.get(order[r].nodes[0].inputs[0])
-    if src is not None and src.op == Op.RMSNORM and src.attr("group_size") in (None, Kdim, 0):
-        importance = np.abs(weights.get(src.weight("weight")).reshape(-1)[:Kdim])
+    return r
+
+
+def attach_head_screen(program: Program, calibration=None) -> Program:
+    """Pack greedy decoding's lm_head screen (cpullm.kernels.head_screen) into ``program`` (its
+    arrays grow; ``meta["head_screen"]`` says where) when :func:`head_screen_row` allows one.
+
+    ``calibration(program)`` returns lm_head inputs (T, K) of some real text, or None: the columns
+    kept at 8 bits are where those carry the most energy, which decides how many rows the screen
+    leaves to compute exactly (never which token it returns). Without it, where the final norm's
+    weights are largest."""
+    from .kernels.head_screen import build_screen, screen_columns, sel_columns
+    r = head_screen_row(program)
+    if r is None:
+        return program
+    a, I = program.arrays, program.I
+    Kdim, N, w_off, s_off, Kp, x_off = (int(I[r, c]) for c in (7, 8, 10, 11, 12, 3))
+    w_q = a["wq"][w_off: w_off + N * Kp].reshape(N, Kp)
+    w_s = a["ws"][s_off: s_off + N * (Kp // 32)].reshape(N, Kp // 32)
+    x = calibration(program) if calibration is not None else None
+    if x is not None and len(x):
+        importance = np.sqrt((np.asarray(x, np.float64)[:, :Kdim] ** 2).mean(0))
+        source = f"calibration ({len(x)} rows)"
     else:
-        importance = np.sqrt((w_q[:, :Kdim].astype(np.float32) ** 2).mean(0))
+        prev = r - 1
+        from .kernels import interpreter as K
+        if prev >= 0 and I[prev, 0] == K.OP_RMSNORM and int(I[prev, 5]) == x_off and int(I[prev, 7]) == Kdim:
+            importance = np.abs(a["wf"][int(I[prev, 9]): int(I[prev, 9]) + Kdim])
+            source = "final norm weights"
+        else:
+            importance = np.ones(Kdim)
+            source = "none"
+    k_sel = sel_columns(Kp)
     perm = screen_columns(importance, Kp, k_sel)
     hq, hs, hb = build_screen(w_q, w_s, perm, k_sel)
-    return {"row": r, "k_sel": int(k_sel), "perm": [int(v) for v in perm],
-            "q_off": wq.add(hq), "q_cols": int(hq.shape[1]), "s_off": ws.add(hs), "s_cols": int(hs.shape[1]),
-            "b_off": wf.add(hb)}
+    meta = dict(program.meta)
+    arrays = dict(a)
+    offs = {}
+    for name, arr in (("wq", hq), ("ws", hs), ("wf", hb)):
+        base = arrays[name]
+        start = _align(base.size, 64)
+        arrays[name] = np.concatenate([base, np.zeros(start - base.size, base.dtype), arr.reshape(-1)])
+        offs[name] = start
+    meta["head_screen"] = {"row": r, "k_sel": int(k_sel), "perm": [int(v) for v in perm],
+                           "columns_from": source, "q_off": offs["wq"], "q_cols": int(hq.shape[1]),
+                           "s_off": offs["ws"], "s_cols": int(hs.shape[1]), "b_off": offs["wf"]}
+    return Program(arrays=arrays, meta=meta)
 
 
 PRECISIONS = ("f32",)      # node attribute ``precision``: per-node override of the quant mode

@@ -135,6 +135,9 @@ class Executor:
     def reset(self):
         """Forget the sequence: positions restart at 0 and linear-attention states are zeroed."""
         self.n_past = 0
+        if self.screen is not None:
+            self.screen.bad = self.screen.skip = 0
+            self.screen.backoff = self.screen.SKIP_STEPS
         for reg in self.program.meta["state_regions"]:
             if reg["kind"] == "linear":
                 self.state[reg["offset"]: reg["offset"] + reg["floats"]] = 0.0
@@ -192,13 +195,41 @@ class Executor:
         lo = self.program.meta["logits_offset"]
         return self.arena[lo: lo + self.vocab]
 
+    def head_inputs(self, ids) -> np.ndarray | None:
+        """The lm_head's input rows (T, K) for ``ids`` (one prefill chunk at most) run as a fresh
+        sequence, or None when the program does not end in a LINEAR. Resets the sequence after."""
+        r = self.n_instr - 1
+        if self.I[r, 0] != K.OP_LINEAR or r < self.first_head:
+            return None
+        ids = np.asarray(ids, np.int64).reshape(-1)[: self.max_chunk]
+        ids = ids[(ids >= 0) & (ids < self._embed_rows())]
+        if ids.size == 0:
+            return None
+        x_off, x_st, Kd = int(self.I[r, 3]), int(self.I[r, 4]), int(self.I[r, 7])
+        self.reset()
+        T = ids.size
+        self.tokens[:T] = ids
+        self.rt[:4] = (T, 0, 0, 0)
+        self._run_segments(self._body_segments, T)
+        before_lm_head = self._segments(self.first_head, r, batched=True)
+        out = np.empty((T, Kd), np.float32)
+        for g0 in range(0, T, self.head_rows):
+            rows = min(self.head_rows, T - g0)
+            self.rt[2], self.rt[3] = g0, rows
+            self._run_segments(before_lm_head, rows)
+            out[g0: g0 + rows] = self.arena[x_off: x_off + rows * x_st].reshape(rows, x_st)[:, :Kd]
+        self.reset()
+        return out
+
     def decode_argmax(self, token: int) -> int:
         """One token at position n_past, as :meth:`decode`, returning only the argmax of its logits
         (lowest index on ties), which is greedy decoding's next token. With a head screen
         (``program.meta["head_screen"]``) the lm_head is read through it: the same token, about half
         the lm_head's bytes; the logits buffer is then left unwritten."""
         sc = self.screen
-        if sc is None:
+        if sc is None or sc.skip > 0:
+            if sc is not None:
+                sc.skip -= 1
             return int(np.argmax(self.decode(token)))
         self._check_room(1)
         self.tokens[0] = token
@@ -209,6 +240,7 @@ class Executor:
             self._run_segments(sc.segments, 1)
         t0 = time.perf_counter()
         tok, self.screen_survivors = sc.argmax(numba.get_num_threads())
+        sc.note(self.screen_survivors)
         if tok < 0:                          # non-finite activations: the plain head decides
             self._interp(sc.row, self.n_instr)
             lo = self.program.meta["logits_offset"]
@@ -286,9 +318,25 @@ class _Screen:
             np.zeros(Kp, np.float32), np.zeros(Kp, np.float32),
             np.zeros(N, np.float32), np.zeros(N, np.int64), np.zeros(N, np.float32),
         )
+        self.rows, self.bad, self.skip, self.backoff = N, 0, 0, self.SKIP_STEPS
         threads = max(1, numba.config.NUMBA_NUM_THREADS)
         self.lower_max = np.zeros(threads, np.float32)
         self.counts = np.zeros(threads, np.int64)
+
+    # When a step leaves more than 1/16 of the rows to compute exactly (out of order, ~0.3 us a row
+    # on 2 threads), the screen costs about what the plain lm_head does; after BAD_STEPS such steps
+    # in a row, the next steps read the plain lm_head (the same token either way): SKIP_STEPS of
+    # them, twice as many each time the screen fails again right after, up to MAX_SKIP.
+    BAD_FRACTION, BAD_STEPS, SKIP_STEPS, MAX_SKIP = 1 / 16, 3, 32, 1024
+
+    def note(self, survivors: int) -> None:
+        if survivors <= self.BAD_FRACTION * self.rows:
+            self.bad, self.backoff = 0, self.SKIP_STEPS
+            return
+        self.bad += 1
+        if self.bad >= self.BAD_STEPS:
+            self.bad, self.skip = 0, self.backoff
+            self.backoff = min(2 * self.backoff, self.MAX_SKIP)
 
     def argmax(self, nthreads: int) -> tuple[int, int]:
         tok, survivors = screen_argmax(*self.args, self.lower_max, self.counts, nthreads)

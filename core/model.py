@@ -14,7 +14,7 @@ from typing import Iterator
 import numpy as np
 
 from . import plugins
-from .compiler import DEFAULT_CHUNK, QUANT_MODES, Program, compile_graph
+from .compiler import DEFAULT_CHUNK, QUANT_MODES, Program, attach_head_screen, compile_graph
 from .errors import ConfigError, ContextOverflowError, ModelNotFoundError, PromptError
 from .executor import Executor
 from .family import read_config
@@ -100,8 +100,16 @@ class Model:
             raise ConfigError(f"n_ctx must be positive, got {ctx}")
         specs = list(registry.kernels) if plugin_kernels else []
         kernels = {k.name: k for k in specs}
-        build = lambda: compile_graph(graph, weights, quant=quant, n_ctx=ctx, max_chunk=max_chunk,
-                                      kernels=specs)
+        kernel_fns = {k: v.fn for k, v in kernels.items()}
+        tokenizer = Tokenizer(model_dir)
+
+        def build() -> Program:
+            program = compile_graph(graph, weights, quant=quant, n_ctx=ctx, max_chunk=max_chunk, kernels=specs)
+            if quant == "int8":      # greedy decoding's lm_head screen, its columns from real activations
+                calibrate = lambda p: Executor(p, kernel_fns).head_inputs(  # noqa: E731
+                    tokenizer.encode(HEAD_CALIBRATION_TEXT))
+                program = attach_head_screen(program, calibrate)
+            return program
         program, cache_status = _program_from_cache(
             build, model_dir=model_dir, config=config, family=family, graph=graph, weights=weights,
             store=store, quant=quant, n_ctx=ctx, max_chunk=max_chunk, kernels=specs,
@@ -109,8 +117,7 @@ class Model:
         if mlock:
             from .memory import mlock_arrays
             mlock_arrays(program.arrays.values(), warn=notice)
-        executor = Executor(program, {k: v.fn for k, v in kernels.items()})
-        tokenizer = Tokenizer(model_dir)
+        executor = Executor(program, kernel_fns)
         weights_info = {"checkpoint_bytes": store.nbytes()}
         return cls(model_dir=model_dir, config=config, family=family, args=args, graph=graph,
                    program=program, executor=executor, tokenizer=tokenizer, quant=quant,
@@ -257,6 +264,22 @@ def _eos_ids(config: dict, tokenizer) -> list[int]:
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     return sorted(set(ids))
+
+
+HEAD_CALIBRATION_TEXT = (
+    "The history of computing is a story of ideas that became machines. Early calculators could "
+    "add and subtract; later designs stored programs in memory, and compilers turned readable "
+    "instructions into code. Today a small language model runs on an ordinary laptop.\n\n"
+    "Question: What is the capital of France, and why is it famous?\nAnswer: Paris is the capital "
+    "of France. It is known for the Eiffel Tower, the Louvre, its cafés and its long history.\n\n"
+    "def fibonacci(n: int) -> list[int]:\n    \"\"\"Return the first n Fibonacci numbers.\"\"\"\n"
+    "    out, a, b = [], 0, 1\n    for _ in range(n):\n        out.append(a)\n        a, b = b, a + b\n"
+    "    return out\n\nprint(fibonacci(10))  # [0, 1, 1, 2, 3, 5, 8, 13, 21, 34]\n\n"
+    "Once upon a time, in a village by the sea, there lived an old fisherman and his cat. Every "
+    "morning they walked to the harbour together, and every evening they came home with a story."
+)
+"""Text whose lm_head inputs choose the columns the head screen keeps at 8 bits (compile time only;
+it changes how many rows greedy steps recompute exactly, never which token they return)."""
 
 
 def _program_from_cache(build, **kw) -> tuple[Program, str]:

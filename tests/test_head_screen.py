@@ -180,7 +180,8 @@ def tiny_model(tmp_path_factory):
 
 def test_program_has_a_screen_only_in_int8(tiny_model, tmp_path_factory):
     sc = tiny_model.program.meta["head_screen"]
-    assert sc["row"] == len(tiny_model.program.I) - 1 and sc["k_sel"] == 64
+    assert sc["row"] == len(tiny_model.program.I) - 1 and sc["k_sel"] == H.sel_columns(128) == 32
+    assert sc["columns_from"].startswith("calibration")
     assert tiny_model.info()["memory"]["head_screen_bytes"] > 0
     f32 = cpullm.load(tiny_model.model_dir, quant="f32", use_cache=False)
     assert "head_screen" not in f32.program.meta
@@ -204,6 +205,17 @@ def test_decode_argmax_follows_the_full_logits(tiny_model):
         got.append(tok)
         assert 1 <= ex.screen_survivors <= TINY["vocab_size"]
     assert got == want
+    # a run of steps that leave many rows to compute: the plain head for a while, the same tokens
+    ex.reset()
+    tok = int(np.argmax(ex.prefill(ids)))
+    ex.screen.bad = ex.screen.BAD_STEPS - 1
+    ex.screen.BAD_FRACTION = 0.0                   # every step counts as one that kept many rows
+    got = []
+    for _ in range(24):
+        tok = ex.decode_argmax(tok)
+        got.append(tok)
+    del ex.screen.BAD_FRACTION
+    assert got == want and 0 < ex.screen.skip < ex.screen.SKIP_STEPS
 
 
 def test_greedy_generation_uses_the_screen_and_sampling_does_not(tiny_model, monkeypatch):
