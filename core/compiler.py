@@ -331,13 +331,17 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
 
 def head_screen_row(program: Program) -> int | None:
     """The instruction a head screen replaces in greedy decoding: the program's last one, if it is
-    a q8 LINEAR of the head without bias or plugin kernel (its output is then the logits); else None."""
+    a q8 LINEAR of the head without bias or plugin kernel (its output is then the logits) of at
+    least ``head_screen.MIN_LM_HEAD_BYTES``; else None."""
+    from .kernels import head_screen
     from .kernels import interpreter as K
-    from .kernels.head_screen import MAX_BLOCKS
     I = program.I
     r = len(I) - 1
     if (I[r, 0] != K.OP_LINEAR or I[r, 1] != 0 or I[r, 2] != 1 or I[r, 9] != K.WEIGHT_Q8 or I[r, 13] >= 0
-            or int(I[r, 12]) > 32 * MAX_BLOCKS or int(I[r, 12]) < 64):
+            or int(I[r, 12]) > 32 * head_screen.MAX_BLOCKS or int(I[r, 12]) < 64):
+        return None
+    N, Kp = int(I[r, 8]), int(I[r, 12])
+    if N * (Kp + Kp // 16) < head_screen.MIN_LM_HEAD_BYTES:
         return None
     return r
 

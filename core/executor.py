@@ -8,6 +8,7 @@ through the same interpreter, then the head on the rows asked for, ``head_rows``
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import numba
 import numpy as np
@@ -135,9 +136,7 @@ class Executor:
     def reset(self):
         """Forget the sequence: positions restart at 0 and linear-attention states are zeroed."""
         self.n_past = 0
-        if self.screen is not None:
-            self.screen.bad = self.screen.skip = 0
-            self.screen.backoff = self.screen.SKIP_STEPS
+
         for reg in self.program.meta["state_regions"]:
             if reg["kind"] == "linear":
                 self.state[reg["offset"]: reg["offset"] + reg["floats"]] = 0.0
@@ -224,12 +223,11 @@ class Executor:
     def decode_argmax(self, token: int) -> int:
         """One token at position n_past, as :meth:`decode`, returning only the argmax of its logits
         (lowest index on ties), which is greedy decoding's next token. With a head screen
-        (``program.meta["head_screen"]``) the lm_head is read through it: the same token, about half
-        the lm_head's bytes; the logits buffer is then left unwritten."""
+        (``program.meta["head_screen"]``) the lm_head may be read through it (the same token; the
+        logits buffer is then left unwritten): the executor times both heads as it goes and uses
+        the faster one (:class:`_Screen`)."""
         sc = self.screen
-        if sc is None or sc.skip > 0:
-            if sc is not None:
-                sc.skip -= 1
+        if sc is None:
             return int(np.argmax(self.decode(token)))
         self._check_room(1)
         self.tokens[0] = token
@@ -238,15 +236,19 @@ class Executor:
             self._interp(0, sc.row)
         else:
             self._run_segments(sc.segments, 1)
+        use_screen = sc.choose()
         t0 = time.perf_counter()
-        tok, self.screen_survivors = sc.argmax(numba.get_num_threads())
-        sc.note(self.screen_survivors)
-        if tok < 0:                          # non-finite activations: the plain head decides
+        tok = -1
+        if use_screen:
+            tok, self.screen_survivors = sc.argmax(numba.get_num_threads())
+        if tok < 0:              # the plain head (or non-finite bounds, or too many rows left)
             self._interp(sc.row, self.n_instr)
             lo = self.program.meta["logits_offset"]
             tok = int(np.argmax(self.arena[lo: lo + self.vocab]))
+        dt = time.perf_counter() - t0
+        sc.record(use_screen, dt)
         if self.profile is not None:
-            self.profile[sc.row] = self.profile.get(sc.row, 0.0) + time.perf_counter() - t0
+            self.profile[sc.row] = self.profile.get(sc.row, 0.0) + dt
         self.n_past += 1
         return int(tok)
 
@@ -318,26 +320,39 @@ class _Screen:
             np.zeros(Kp, np.float32), np.zeros(Kp, np.float32),
             np.zeros(N, np.float32), np.zeros(N, np.int64), np.zeros(N, np.float32),
         )
-        self.rows, self.bad, self.skip, self.backoff = N, 0, 0, self.SKIP_STEPS
+        self.rows, self.steps = N, 0
+        self.t_screen: deque = deque(maxlen=self.WINDOW)     # the head's last times per step
+        self.t_plain: deque = deque(maxlen=self.WINDOW)
         threads = max(1, numba.config.NUMBA_NUM_THREADS)
         self.lower_max = np.zeros(threads, np.float32)
         self.counts = np.zeros(threads, np.int64)
 
-    # When a step leaves more than 1/16 of the rows to compute exactly (out of order, ~0.3 us a row
-    # on 2 threads), the screen costs about what the plain lm_head does; after BAD_STEPS such steps
-    # in a row, the next steps read the plain lm_head (the same token either way): SKIP_STEPS of
-    # them, twice as many each time the screen fails again right after, up to MAX_SKIP.
-    BAD_FRACTION, BAD_STEPS, SKIP_STEPS, MAX_SKIP = 1 / 16, 3, 32, 1024
+    # Which head a greedy step uses. The screen pays where its bounds leave few rows to compute
+    # exactly (out of order, ~0.3 us a row on 2 threads) and the lm_head is large next to the
+    # caches: it depends on the model, the machine and the text. Each step's head is timed; the
+    # one with the lower median over its last WINDOW steps is used, the other one every
+    # EXPLORE-th step, so the choice follows the text (medians: a shared host's stalls do not
+    # flip it). A screened step that leaves more than MAX_ROWS_FRACTION of the rows runs the
+    # plain head instead of computing them.
+    MAX_ROWS_FRACTION, EXPLORE, WINDOW = 1 / 16, 16, 8
 
-    def note(self, survivors: int) -> None:
-        if survivors <= self.BAD_FRACTION * self.rows:
-            self.bad, self.backoff = 0, self.SKIP_STEPS
-            return
-        self.bad += 1
-        if self.bad >= self.BAD_STEPS:
-            self.bad, self.skip = 0, self.backoff
-            self.backoff = min(2 * self.backoff, self.MAX_SKIP)
+    def choose(self) -> bool:
+        """True: read the lm_head through the screen this step."""
+        self.steps += 1
+        if len(self.t_screen) < 2 or len(self.t_plain) < 2:     # a first look at both
+            return len(self.t_screen) <= len(self.t_plain)
+        faster = _median(self.t_screen) <= _median(self.t_plain)
+        return faster if self.steps % self.EXPLORE else not faster
+
+    def record(self, screened: bool, seconds: float) -> None:
+        (self.t_screen if screened else self.t_plain).append(seconds)
 
     def argmax(self, nthreads: int) -> tuple[int, int]:
-        tok, survivors = screen_argmax(*self.args, self.lower_max, self.counts, nthreads)
+        tok, survivors = screen_argmax(*self.args, self.lower_max, self.counts, nthreads,
+                                       int(self.MAX_ROWS_FRACTION * self.rows))
         return int(tok), int(survivors)
+
+
+def _median(xs) -> float:
+    v = sorted(xs)
+    return v[len(v) // 2]

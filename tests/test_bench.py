@@ -29,16 +29,12 @@ def _bench_json(capsys, *argv) -> dict:
 
 def _q8_decode_bytes(a: dict) -> int:
     """A Llama's matrices at q8 (int8 values + a 2-byte scale per 32, K padded to 32): q, k, v,
-    o, gate, up, down per layer; greedy decoding reads the lm_head through its screen: per row
-    sel_columns int8 columns, the rest at 4 bits, 2-byte scales padded to 8, three float32 bounds."""
-    from cpullm.kernels.head_screen import padded_blocks, sel_columns
+    o, gate, up, down per layer and the (tied) lm_head (too small for a head screen)."""
     from cpullm.kernels.q8 import padded_k
     h, f, hd = a["hidden_size"], a["intermediate_size"], a["head_dim"]
     q, kv = a["num_attention_heads"] * hd, a["num_key_value_heads"] * hd
-    mats = [(q + 2 * kv, h), (h, q), (2 * f, h), (h, f)] * a["num_hidden_layers"]
-    k = sel_columns(padded_k(h))
-    screen_row = k + (padded_k(h) - k) // 2 + 2 * padded_blocks(padded_k(h)) + 12
-    return sum(N * padded_k(K) + 2 * N * (padded_k(K) // 32) for N, K in mats) + a["vocab_size"] * screen_row
+    mats = [(q + 2 * kv, h), (h, q), (2 * f, h), (h, f)] * a["num_hidden_layers"] + [(a["vocab_size"], h)]
+    return sum(N * padded_k(K) + 2 * N * (padded_k(K) // 32) for N, K in mats)
 
 
 def test_json_keys_and_types_with_load_timing(tiny, capsys):

@@ -43,10 +43,10 @@ class _Screen:
                         np.zeros(Kp, np.float32), np.zeros(N, np.float32), np.zeros(N, np.int64),
                         np.zeros(N, np.float32), np.zeros(8, np.float32), np.zeros(8, np.int64))
 
-    def argmax(self, x, nthreads=None):
+    def argmax(self, x, nthreads=None, max_rows=1 << 40):
         nthreads = nthreads or numba.get_num_threads()
         return H.screen_argmax(x, self.perm, self.k_sel // 32, self.hq, self.hs, self.hb, self.w_q,
-                               self.w_s, *self.scratch, nthreads)
+                               self.w_s, *self.scratch, nthreads, max_rows)
 
     def full_argmax(self, x):
         Kp = self.w_q.shape[1]
@@ -149,6 +149,7 @@ def test_screen_argmax_zero_and_non_finite_activations():
     s = _Screen(w_q, w_s)
     tok, survivors = s.argmax(np.zeros(96, np.float32))        # every logit 0: row 0, all computed
     assert tok == 0 and survivors == 300
+    assert s.argmax(np.zeros(96, np.float32), max_rows=299) == (-2, 300)   # too many: the full head
     for bad in (np.nan, np.inf):
         x = _activations(96)
         x[5] = bad
@@ -173,9 +174,25 @@ TINY = dict(model_type="llama", hidden_size=128, intermediate_size=160, num_hidd
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    d = make_random_checkpoint(TINY, tmp_path_factory.mktemp("screen"), seed=11)
-    return cpullm.load(d, use_cache=False)
+def tiny_dir(tmp_path_factory):
+    return make_random_checkpoint(TINY, tmp_path_factory.mktemp("screen"), seed=11)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_dir):
+    with pytest.MonkeyPatch.context() as mp:         # screens are for large lm_heads: allow this one
+        mp.setattr(H, "MIN_LM_HEAD_BYTES", 0)
+        return cpullm.load(tiny_dir, use_cache=False)
+
+
+def test_small_lm_heads_get_no_screen(tiny_dir):
+    m = cpullm.load(tiny_dir, use_cache=False)
+    assert "head_screen" not in m.program.meta and m.executor.screen is None
+    ids = [5, 17]
+    ex = m.executor
+    ex.reset()
+    tok = int(np.argmax(ex.prefill(ids)))
+    assert ex.decode_argmax(tok) == int(np.argmax(cpullm.load(tiny_dir, use_cache=False).logits(ids + [tok])[-1]))
 
 
 def test_program_has_a_screen_only_in_int8(tiny_model, tmp_path_factory):
@@ -183,7 +200,9 @@ def test_program_has_a_screen_only_in_int8(tiny_model, tmp_path_factory):
     assert sc["row"] == len(tiny_model.program.I) - 1 and sc["k_sel"] == H.sel_columns(128) == 32
     assert sc["columns_from"].startswith("calibration")
     assert tiny_model.info()["memory"]["head_screen_bytes"] > 0
-    f32 = cpullm.load(tiny_model.model_dir, quant="f32", use_cache=False)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(H, "MIN_LM_HEAD_BYTES", 0)
+        f32 = cpullm.load(tiny_model.model_dir, quant="f32", use_cache=False)
     assert "head_screen" not in f32.program.meta
     assert f32.executor.screen is None
 
@@ -205,17 +224,39 @@ def test_decode_argmax_follows_the_full_logits(tiny_model):
         got.append(tok)
         assert 1 <= ex.screen_survivors <= TINY["vocab_size"]
     assert got == want
-    # a run of steps that leave many rows to compute: the plain head for a while, the same tokens
-    ex.reset()
-    tok = int(np.argmax(ex.prefill(ids)))
-    ex.screen.bad = ex.screen.BAD_STEPS - 1
-    ex.screen.BAD_FRACTION = 0.0                   # every step counts as one that kept many rows
-    got = []
-    for _ in range(24):
-        tok = ex.decode_argmax(tok)
-        got.append(tok)
-    del ex.screen.BAD_FRACTION
-    assert got == want and 0 < ex.screen.skip < ex.screen.SKIP_STEPS
+    # whichever head the timing picks, the same tokens: force each choice in turn
+    for plain_faster in (True, False):
+        ex.reset()
+        slow, fast = [1.0] * 8, [0.0] * 8
+        ex.screen.t_screen.extend(slow if plain_faster else fast)
+        ex.screen.t_plain.extend(fast if plain_faster else slow)
+        tok = int(np.argmax(ex.prefill(ids)))
+        got = []
+        for _ in range(24):
+            tok = ex.decode_argmax(tok)
+            got.append(tok)
+        assert got == want
+
+
+def test_the_head_choice_follows_the_timings(tiny_model):
+    sc = tiny_model.executor.screen
+    sc.t_screen.clear()
+    sc.t_plain.clear()
+    sc.steps = 0
+    first = []
+    for t_screen, t_plain in ((2.0, 1.0), (2.0, 1.0)):          # a first look at both heads
+        first.append(sc.choose())
+        sc.record(True, t_screen)
+        first.append(sc.choose())
+        sc.record(False, t_plain)
+    assert first == [True, False, True, False]
+    picks = [sc.choose() for _ in range(2 * sc.EXPLORE)]
+    assert picks.count(True) == 2                  # the plain head, but the screen now and then
+    for _ in range(sc.WINDOW):
+        sc.record(True, 0.5)                       # the screen got faster: it takes over
+    sc.record(True, 9.0)                           # one stall does not flip the choice back
+    picks = [sc.choose() for _ in range(2 * sc.EXPLORE)]
+    assert picks.count(False) == 2
 
 
 def test_greedy_generation_uses_the_screen_and_sampling_does_not(tiny_model, monkeypatch):
