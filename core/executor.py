@@ -181,15 +181,20 @@ class Executor:
             out[g0: g0 + rows] = self.arena[lo: lo + rows * self.vocab].reshape(rows, self.vocab)
         return out
 
-    def decode(self, token: int) -> np.ndarray:
-        """One token at position n_past; returns its logits (vocab,) (a view, copy to keep)."""
+    def _run_token(self, token: int, segments: list) -> None:
+        """Run one token at position n_past through ``segments`` (decode segments from
+        instruction 0): a single compiled call unless plugin kernels or the profile split it."""
         self._check_room(1)
         self.tokens[0] = token
         self.rt[:4] = (1, self.n_past, 0, 1)
-        if len(self._decode_segments) == 1 and self.profile is None:
-            self._interp(0, self.n_instr)
+        if len(segments) == 1 and segments[0][0] == "interp" and self.profile is None:
+            self._interp(segments[0][1], segments[0][2])
         else:
-            self._run_segments(self._decode_segments, 1)
+            self._run_segments(segments, 1)
+
+    def decode(self, token: int) -> np.ndarray:
+        """One token at position n_past; returns its logits (vocab,) (a view, copy to keep)."""
+        self._run_token(token, self._decode_segments)
         self.n_past += 1
         lo = self.program.meta["logits_offset"]
         return self.arena[lo: lo + self.vocab]
@@ -229,13 +234,7 @@ class Executor:
         sc = self.screen
         if sc is None:
             return int(np.argmax(self.decode(token)))
-        self._check_room(1)
-        self.tokens[0] = token
-        self.rt[:4] = (1, self.n_past, 0, 1)
-        if len(sc.segments) == 1 and self.profile is None:
-            self._interp(0, sc.row)
-        else:
-            self._run_segments(sc.segments, 1)
+        self._run_token(token, sc.segments)
         use_screen = sc.choose()
         t0 = time.perf_counter()
         tok = -1
