@@ -57,10 +57,10 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .q8 import (_HALF_IN_HARDWARE, HAVE_AVX2, PREFETCH_BYTES, QBLOCK, _F32, _I8, _I16, _I32, _I64, _P8, _V8F32,
-                 _V8I32, _V16I16, _block_dot_i32x8, _c64, _decl, _hsum_v8f32, _ir_half_to_float,
-                 _q8_row_dot_avx2_rows, _q8_row_dot_generic_rows, _quantize_blocks_ref, quantize_act_q16,
-                 scale_values)
+from .q8 import (HAVE_AVX2, QBLOCK, _F32, _I8, _I16, _I32, _I64, _P8, _V8F32, _V8I32, _V16I16,
+                 _block_dot_i32x8, _c64, _decl, _emit_counted_loop, _emit_paired_blocks, _halves_to_floats, _hsum_v8f32,
+                 _prefetch_ahead, _q8_row_dot_avx2_rows, _q8_row_dot_generic_rows, _quantize_blocks_ref,
+                 _scaled_fma, quantize_act_q16, scale_values)
 
 SEL_COLUMNS = 128
 """Columns kept at 8 bits (at most a quarter of them: :func:`sel_columns`). Surviving rows over
@@ -196,7 +196,6 @@ def screen_bounds_ref(x, perm, k_sel: int, hq, hs, hb):
     n_sel = np.sqrt((xp64[:k_sel] ** 2).sum())
     n_rest = np.sqrt((xp64[k_sel:] ** 2).sum())
     delta = np.sqrt(((xp64 - pd.astype(np.float64)) ** 2).sum())
-    nb = Kp // QBLOCK
     extra = delta + _rounding_term(Kp) * np.sqrt(n_sel ** 2 + n_rest ** 2)
     hb64 = hb.astype(np.float64)
     bound = (hb64[:, 0] * n_sel + hb64[:, 1] * n_rest + hb64[:, 2] * extra) * _ROUNDING_MARGIN
@@ -235,23 +234,12 @@ def _nibble_block_dot_i32x8(b, module, wp, xp, x86):
     return b.add(half(0), half(1))
 
 
-def _half8_to_float8(b, v):
-    """IR: <8 x i16> binary16 bits -> <8 x float>."""
-    if _HALF_IN_HARDWARE:
-        return b.fpext(b.bitcast(v, ir.VectorType(ir.HalfType(), 8)), _V8F32)
-    out = ir.Constant(_V8F32, ir.Undefined)
-    for k in range(8):
-        e = _ir_half_to_float(b, b.extract_element(v, ir.Constant(_I32, k)))
-        out = b.insert_element(out, e, ir.Constant(_I32, k))
-    return out
-
-
 def _define_screen_row_dot(module, x86: bool):
     """float @cpullm_screen_row_dot(i8* row, i8* scales_row, i8* x, i8* xs, i64 nsel, i64 nblocks).
 
     First the row's block factors f16(scale) * xs, 8 at a time, into a stack buffer; then blocks
     [0, nsel): int8, 32 bytes each; blocks [nsel, nblocks): 4-bit, 16 bytes each, two per loop
-    step (two accumulators), one prefetch PREFETCH_BYTES ahead per step; an odd last block in a tail.
+    step (q8's paired-block loop), one prefetch PREFETCH_BYTES ahead per step (q8's loop emitters).
     """
     name = "cpullm_screen_row_dot_v2_" + ("avx2" if x86 else "generic")
     fn = module.globals.get(name)
@@ -262,99 +250,43 @@ def _define_screen_row_dot(module, x86: bool):
     fn.attributes.add("alwaysinline")
     fn.attributes.add("nounwind")
     row, srow, x, xs, nsel, nblk = fn.args
-    blocks = ("entry", "fac", "fac_done", "sel", "sel_done", "loop", "mid", "tail", "done")
-    entry, fac, fac_done, sel, sel_done, loop, mid, tail, done = (fn.append_basic_block(s) for s in blocks)
-    prefetch = _decl(module, "llvm.prefetch.p0", ir.VoidType(), [_P8, _I32, _I32, _I32])
-    fmuladd = _decl(module, "llvm.fmuladd.v8f32", _V8F32, [_V8F32, _V8F32, _V8F32])
     zero = ir.Constant(_V8F32, [0.0] * 8)
     v8i16 = ir.VectorType(_I16, 8)
 
-    b = ir.IRBuilder(entry)
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
     buf = b.alloca(ir.ArrayType(_F32, MAX_BLOCKS), name="factors")
     bufp = b.bitcast(buf, _F32.as_pointer())
     wsp = b.bitcast(srow, _I16.as_pointer())
     xsp = b.bitcast(xs, _F32.as_pointer())
     rest0 = b.gep(row, [b.shl(nsel, _c64(5))])            # first 4-bit byte
-    b.branch(fac)
 
-    b = ir.IRBuilder(fac)                                  # factors[g:g+8] = f16(scales) * xs
-    g = b.phi(_I64)
-    h = b.load(b.bitcast(b.gep(wsp, [g]), v8i16.as_pointer()), align=2)
-    xv = b.load(b.bitcast(b.gep(xsp, [g]), _V8F32.as_pointer()), align=4)
-    b.store(b.fmul(_half8_to_float8(b, h), xv), b.bitcast(b.gep(bufp, [g]), _V8F32.as_pointer()), align=4)
-    g8 = b.add(g, _c64(SCALE_GROUP))
-    g.add_incoming(_c64(0), entry)
-    g.add_incoming(g8, fac)
-    b.cbranch(b.icmp_signed("<", g8, nblk), fac, fac_done)
+    def factors(b, g, _):                                  # factors[g:g+8] = f16(scales) * xs
+        h = b.load(b.bitcast(b.gep(wsp, [g]), v8i16.as_pointer()), align=2)
+        xv = b.load(b.bitcast(b.gep(xsp, [g]), _V8F32.as_pointer()), align=4)
+        b.store(b.fmul(_halves_to_floats(b, h), xv), b.bitcast(b.gep(bufp, [g]), _V8F32.as_pointer()), align=4)
+        return []
 
-    b = ir.IRBuilder(fac_done)
-    b.cbranch(b.icmp_signed(">", nsel, _c64(0)), sel, sel_done)
+    b, _ = _emit_counted_loop(fn, b, _c64(0), nblk, SCALE_GROUP, [], factors, "factors")
 
-    def scaled(b, i, f, acc):
-        s = b.load(b.gep(bufp, [i]))
-        sv = b.insert_element(ir.Constant(_V8F32, ir.Undefined), s, ir.Constant(_I32, 0))
-        sv = b.shuffle_vector(sv, sv, ir.Constant(_V8I32, [0] * 8))
-        return b.call(fmuladd, [b.sitofp(f, _V8F32), sv, acc])
+    def factor(b, i):
+        return b.load(b.gep(bufp, [i]))
 
-    def nibble_block(b, i, acc, pf):
+    def int8_block(b, i, acc):                             # the few int8 blocks: one accumulator
+        wp = b.gep(row, [b.shl(i, _c64(5))])
+        _prefetch_ahead(b, module, wp)
+        sums = _block_dot_i32x8(b, module, wp, b.gep(x, [b.shl(i, _c64(6))]), x86)
+        return [_scaled_fma(b, module, sums, factor(b, i), acc[0])]
+
+    b, (acc_sel,) = _emit_counted_loop(fn, b, _c64(0), nsel, 1, [zero], int8_block, "int8")
+
+    def nibble_block(b, i, acc, slot):       # 4-bit blocks: a prefetch for each pair's first
         wp = b.gep(rest0, [b.shl(b.sub(i, nsel), _c64(4))])
-        if pf:
-            b.call(prefetch, [b.gep(wp, [_c64(PREFETCH_BYTES)]), ir.Constant(_I32, 0),
-                              ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        if slot == 0:
+            _prefetch_ahead(b, module, wp)
         xp = b.gep(x, [b.shl(i, _c64(6))])                  # int16 activations: 64 bytes per block
-        return scaled(b, i, _nibble_block_dot_i32x8(b, module, wp, xp, x86), acc)
+        return _scaled_fma(b, module, _nibble_block_dot_i32x8(b, module, wp, xp, x86), factor(b, i), acc)
 
-    # int8 blocks (few): one accumulator
-    b = ir.IRBuilder(sel)
-    i = b.phi(_I64)
-    a = b.phi(_V8F32)
-    wp = b.gep(row, [b.shl(i, _c64(5))])
-    b.call(prefetch, [b.gep(wp, [_c64(PREFETCH_BYTES)]), ir.Constant(_I32, 0), ir.Constant(_I32, 3),
-                      ir.Constant(_I32, 1)])
-    na = scaled(b, i, _block_dot_i32x8(b, module, wp, b.gep(x, [b.shl(i, _c64(6))]), x86), a)
-    i1 = b.add(i, _c64(1))
-    i.add_incoming(_c64(0), fac_done)
-    i.add_incoming(i1, sel)
-    a.add_incoming(zero, fac_done)
-    a.add_incoming(na, sel)
-    b.cbranch(b.icmp_signed("<", i1, nsel), sel, sel_done)
-
-    b = ir.IRBuilder(sel_done)
-    acc_sel = b.phi(_V8F32)
-    acc_sel.add_incoming(zero, fac_done)
-    acc_sel.add_incoming(na, sel)
-    npair_end = b.add(nsel, b.and_(b.sub(nblk, nsel), _c64(-2)))     # end of the paired 4-bit blocks
-    b.cbranch(b.icmp_signed("<", nsel, npair_end), loop, mid)
-
-    b = ir.IRBuilder(loop)
-    j = b.phi(_I64)
-    a0 = b.phi(_V8F32)
-    a1 = b.phi(_V8F32)
-    n0 = nibble_block(b, j, a0, True)
-    n1 = nibble_block(b, b.add(j, _c64(1)), a1, False)
-    j2 = b.add(j, _c64(2))
-    for phi, v0, v1 in ((j, nsel, j2), (a0, acc_sel, n0), (a1, zero, n1)):
-        phi.add_incoming(v0, sel_done)
-        phi.add_incoming(v1, loop)
-    b.cbranch(b.icmp_signed("<", j2, npair_end), loop, mid)
-
-    b = ir.IRBuilder(mid)
-    m0 = b.phi(_V8F32)
-    m1 = b.phi(_V8F32)
-    for phi, v_in, v_loop in ((m0, acc_sel, n0), (m1, zero, n1)):
-        phi.add_incoming(v_in, sel_done)
-        phi.add_incoming(v_loop, loop)
-    tot = b.fadd(m0, m1)
-    b.cbranch(b.icmp_signed("<", npair_end, nblk), tail, done)
-
-    b = ir.IRBuilder(tail)
-    t = nibble_block(b, npair_end, tot, False)
-    b.branch(done)
-
-    b = ir.IRBuilder(done)
-    r = b.phi(_V8F32)
-    r.add_incoming(tot, mid)
-    r.add_incoming(t, tail)
+    b, r = _emit_paired_blocks(fn, b, nsel, nblk, acc_sel, zero, nibble_block)
     b.ret(_hsum_v8f32(b, r))
     return fn
 

@@ -38,8 +38,9 @@ matvec_q8: on x86 with AVX2 (the CI machine: AMD EPYC Zen 3, AVX2+FMA+F16C, no A
 the per-row dot product is a small LLVM IR routine inlined into the numba ``prange`` body
 (``_q8_row_dot_avx2``): per block of 32, ``vpmovsxbw`` (weights to int16) + 2 ``vpmaddwd`` with
 the int16 activations -> 8 int32 partial sums, converted once to float and accumulated with one
-FMA by the block's scale ``f16(w_s) * x_s`` (``vcvtph2ps``) into two 8-float accumulators; a
-software prefetch 4 KiB ahead in the weight stream. Each thread streams one contiguous range of
+FMA by the block's factor ``f16(w_s) * x_s`` into two 8-float accumulators, the factors of 8
+blocks at a time from one ``vcvtph2ps`` + ``vmulps``; a software prefetch 4 KiB ahead in the
+weight stream. Each thread streams one contiguous range of
 rows (static ``prange`` schedule), the access pattern the hardware prefetchers like best:
 processing 2-4 rows at once (sharing the x loads) measured 35-50 % slower here. Elsewhere a
 portable IR variant (sign-extend, multiply, add) is used. The int8-activation variant (``vpsignb``
@@ -443,15 +444,110 @@ def _block_dot_i32x8(b, module, wp, xp, x86):
     return b.add(half(0), half(1))
 
 
+def _halves_to_floats(b, v):
+    """IR: <n x i16> binary16 bits -> <n x float> (one ``vcvtph2ps`` with F16C)."""
+    n = v.type.count
+    vf = ir.VectorType(_F32, n)
+    if _HALF_IN_HARDWARE:
+        return b.fpext(b.bitcast(v, ir.VectorType(ir.HalfType(), n)), vf)
+    out = ir.Constant(vf, ir.Undefined)
+    for k in range(n):
+        e = _ir_half_to_float(b, b.extract_element(v, ir.Constant(_I32, k)))
+        out = b.insert_element(out, e, ir.Constant(_I32, k))
+    return out
+
+
+def _scaled_fma(b, module, sums, factor, acc):
+    """IR: acc + float(sums) * factor: <8 x i32> block sums, one float factor, <8 x float> acc."""
+    fmuladd = _decl(module, "llvm.fmuladd.v8f32", _V8F32, [_V8F32, _V8F32, _V8F32])
+    sv = b.insert_element(ir.Constant(_V8F32, ir.Undefined), factor, ir.Constant(_I32, 0))
+    sv = b.shuffle_vector(sv, sv, ir.Constant(_V8I32, [0] * 8))
+    return b.call(fmuladd, [b.sitofp(sums, _V8F32), sv, acc])
+
+
+def _prefetch_ahead(b, module, p):
+    """IR: prefetch (read, keep in all levels) PREFETCH_BYTES past the byte pointer p."""
+    prefetch = _decl(module, "llvm.prefetch.p0", ir.VoidType(), [_P8, _I32, _I32, _I32])
+    b.call(prefetch, [b.gep(p, [_c64(PREFETCH_BYTES)]), ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                      ir.Constant(_I32, 1)])
+
+
+def _emit_counted_loop(fn, b, start, end, step, accs, body, name):
+    """IR: ``for i in range(start, end, step): accs = body(b, i, accs)``.
+
+    ``b`` is a builder at the end of an open basic block where ``accs`` (a list of values) hold;
+    ``body`` emits one step into the loop's block and returns the new values. Returns (builder at
+    the end of an open block after the loop, the values after it).
+    """
+    pre = b.block
+    loop, done = fn.append_basic_block(name), fn.append_basic_block(name + "_done")
+    b.cbranch(b.icmp_signed("<", start, end), loop, done)
+    b = ir.IRBuilder(loop)
+    i = b.phi(_I64)
+    phis = [b.phi(a.type) for a in accs]
+    new = list(body(b, i, phis))
+    i_next = b.add(i, _c64(step))
+    last = b.block
+    for phi, v_in, v_loop in zip([i, *phis], [start, *accs], [i_next, *new]):
+        phi.add_incoming(v_in, pre)
+        phi.add_incoming(v_loop, last)
+    b.cbranch(b.icmp_signed("<", i_next, end), loop, done)
+    b = ir.IRBuilder(done)
+    out = []
+    for a, n in zip(accs, new):
+        phi = b.phi(a.type)
+        phi.add_incoming(a, pre)
+        phi.add_incoming(n, last)
+        out.append(phi)
+    return b, out
+
+
+def _emit_paired_blocks(fn, b, start, end, acc0, acc1, block):
+    """IR: blocks [start, end) two per loop step into two <8 x float> accumulators, an odd last one in a tail.
+
+    ``b`` is a builder at the end of an open basic block (``acc0`` / ``acc1`` are its values);
+    ``block(b, i, acc, slot) -> acc`` emits block i, slot 0 / 1 for the first / second of a pair,
+    2 for the tail. Block start + 2j goes to acc0 and start + 2j + 1 to acc1, so the sum order is
+    that of one loop over all blocks alternating two accumulators. Returns (builder at the end of
+    an open block, acc0 + acc1 (+ the tail block)).
+    """
+    pair_end = b.add(start, b.and_(b.sub(end, start), _c64(-2)))
+
+    def pair(b, i, acc):
+        return block(b, i, acc[0], 0), block(b, b.add(i, _c64(1)), acc[1], 1)
+
+    b, (m0, m1) = _emit_counted_loop(fn, b, start, pair_end, 2, [acc0, acc1], pair, "pairs")
+    tot = b.fadd(m0, m1)
+    mid = b.block
+    tail, done = fn.append_basic_block("odd"), fn.append_basic_block("blocks_done")
+    b.cbranch(b.icmp_signed("<", pair_end, end), tail, done)
+
+    b = ir.IRBuilder(tail)          # at most one block: end - pair_end is 0 or 1
+    t = block(b, pair_end, tot, 2)
+    b.branch(done)
+
+    b = ir.IRBuilder(done)
+    r = b.phi(_V8F32)
+    r.add_incoming(tot, mid)
+    r.add_incoming(t, tail)
+    return b, r
+
+
 def _define_row_dot(module, x86: bool, stream: bool = True):
     """float @cpullm_q8_row_dot_*(i8* w_row, i8* ws_row, i8* x, i8* xs, i64 nblocks), alwaysinline.
 
-    sum over blocks b of float(dot32(w_row[32b:], x[32b:])) * (ws_row[b] * xs[b]); two <8 x float>
-    accumulators (blocks 2i and 2i+1), a prefetch PREFETCH_BYTES ahead per block (one per 64 bytes
-    measured 2-3 % slower), odd block in a tail. ``stream=False``: the same arithmetic without
-    the prefetches, for rows read out of order (the head screen's exact rows).
+    sum over blocks b of float(dot32(w_row[32b:], x[32b:])) * (f16(ws_row[b]) * xs[b]) into two
+    <8 x float> accumulators (even / odd blocks). Blocks go 8 at a time, then 4 if that many are
+    left: the group's factors f16(ws) * xs are one ``vcvtph2ps`` + ``vmulps``, and each block's FMA
+    broadcasts its own lane (per block: 2 ``vpmovsxbw``, 2 ``vpmaddwd``, ``vcvtdq2ps``, the
+    broadcast and an FMA; a block's factor on its own takes a GPR load, ``vmovd``, ``vcvtph2ps``,
+    ``vmulss`` and the broadcast: 9-13 % slower in L1/L2 on the Zen 4). The last nblocks % 4 blocks
+    take their factors one by one. A prefetch PREFETCH_BYTES ahead per block (one per 64 bytes
+    measured 2-3 % slower), none in the odd tail. ``stream=False``: the same arithmetic without the
+    prefetches, for rows read out of order (the head screen's exact rows). Every variant returns
+    the same float32: block b always goes to accumulator b % 2, in order.
     """
-    name = "cpullm_q8_row_dot_v4_" + ("avx2" if x86 else "generic") + ("" if stream else "_rows")
+    name = "cpullm_q8_row_dot_v5_" + ("avx2" if x86 else "generic") + ("" if stream else "_rows")
     fn = module.globals.get(name)
     if fn is not None:
         return fn
@@ -460,59 +556,55 @@ def _define_row_dot(module, x86: bool, stream: bool = True):
     fn.attributes.add("alwaysinline")
     fn.attributes.add("nounwind")
     w, ws, x, xs, nb = fn.args
-    entry, loop, mid, tail, done = (fn.append_basic_block(s) for s in ("entry", "loop", "mid", "tail", "done"))
-    prefetch = _decl(module, "llvm.prefetch.p0", ir.VoidType(), [_P8, _I32, _I32, _I32])
-    fmuladd = _decl(module, "llvm.fmuladd.v8f32", _V8F32, [_V8F32, _V8F32, _V8F32])
+    entry, group4, after4 = (fn.append_basic_block(s) for s in ("entry", "group4", "after4"))
     zero = ir.Constant(_V8F32, [0.0] * 8)
 
     b = ir.IRBuilder(entry)
     wsp = b.bitcast(ws, _I16.as_pointer())
     xsp = b.bitcast(xs, _F32.as_pointer())
-    npair = b.and_(nb, _c64(-2))
-    b.cbranch(b.icmp_signed(">", npair, _c64(0)), loop, mid)
+    end8 = b.and_(nb, _c64(-8))
 
-    def block(b, i, acc, pf):
+    def dot(b, i, factor, acc, prefetch=True):
         off = b.shl(i, _c64(5))
         wp = b.gep(w, [off])
-        if pf and stream:
-            b.call(prefetch, [b.gep(wp, [_c64(PREFETCH_BYTES)]), ir.Constant(_I32, 0),
-                              ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
-        xp = b.gep(x, [b.shl(off, _c64(1))])       # int16 activations: 64 bytes per block
-        f = b.sitofp(_block_dot_i32x8(b, module, wp, xp, x86), _V8F32)
-        s = b.fmul(_ir_half_to_float_fresh(b, b.load(b.gep(wsp, [i]))), b.load(b.gep(xsp, [i])))
-        sv = b.insert_element(ir.Constant(_V8F32, ir.Undefined), s, ir.Constant(_I32, 0))
-        sv = b.shuffle_vector(sv, sv, ir.Constant(_V8I32, [0] * 8))
-        return b.call(fmuladd, [f, sv, acc])
+        if stream and prefetch:
+            _prefetch_ahead(b, module, wp)
+        sums = _block_dot_i32x8(b, module, wp, b.gep(x, [b.shl(off, _c64(1))]), x86)   # x: 64 bytes per block
+        return _scaled_fma(b, module, sums, factor, acc)
 
-    b = ir.IRBuilder(loop)
-    i = b.phi(_I64)
-    a0 = b.phi(_V8F32)
-    a1 = b.phi(_V8F32)
-    n0 = block(b, i, a0, True)
-    n1 = block(b, b.add(i, _c64(1)), a1, True)
-    i2 = b.add(i, _c64(2))
-    for phi, v0, v1 in ((i, _c64(0), i2), (a0, zero, n0), (a1, zero, n1)):
-        phi.add_incoming(v0, entry)
-        phi.add_incoming(v1, loop)
-    b.cbranch(b.icmp_signed("<", i2, npair), loop, mid)
+    def group(b, g, width, acc):
+        """Blocks g .. g + width - 1 (g even) with one vector of factors; acc: [even, odd]."""
+        h = b.load(b.bitcast(b.gep(wsp, [g]), ir.VectorType(_I16, width).as_pointer()), align=2)
+        xv = b.load(b.bitcast(b.gep(xsp, [g]), ir.VectorType(_F32, width).as_pointer()), align=4)
+        factors = b.fmul(_halves_to_floats(b, h), xv)
+        acc = list(acc)
+        for j in range(width):
+            acc[j % 2] = dot(b, b.add(g, _c64(j)), b.extract_element(factors, ir.Constant(_I32, j)), acc[j % 2])
+        return acc
 
-    b = ir.IRBuilder(mid)
-    m0 = b.phi(_V8F32)
-    m1 = b.phi(_V8F32)
-    for phi, v in ((m0, n0), (m1, n1)):
-        phi.add_incoming(zero, entry)
-        phi.add_incoming(v, loop)
-    tot = b.fadd(m0, m1)
-    b.cbranch(b.icmp_signed("<", npair, nb), tail, done)
+    b, (r0, r1) = _emit_counted_loop(fn, b, _c64(0), end8, 8, [zero, zero],
+                                     lambda b, g, acc: group(b, g, 8, acc), "group8")
+    after8 = b.block
+    b.cbranch(b.icmp_signed(">=", b.sub(nb, end8), _c64(4)), group4, after4)
 
-    b = ir.IRBuilder(tail)   # at most one block: nb - npair is 0 or 1
-    t = block(b, npair, tot, False)
-    b.branch(done)
+    b = ir.IRBuilder(group4)
+    q0, q1 = group(b, end8, 4, (r0, r1))
+    end4 = b.add(end8, _c64(4))
+    b.branch(after4)
 
-    b = ir.IRBuilder(done)
-    r = b.phi(_V8F32)
-    r.add_incoming(tot, mid)
-    r.add_incoming(t, tail)
+    b = ir.IRBuilder(after4)
+    start = b.phi(_I64)
+    s0 = b.phi(_V8F32)
+    s1 = b.phi(_V8F32)
+    for phi, v_skip, v_four in ((start, end8, end4), (s0, r0, q0), (s1, r1, q1)):
+        phi.add_incoming(v_skip, after8)
+        phi.add_incoming(v_four, group4)
+
+    def lone_block(b, i, acc, slot):
+        factor = b.fmul(_ir_half_to_float_fresh(b, b.load(b.gep(wsp, [i]))), b.load(b.gep(xsp, [i])))
+        return dot(b, i, factor, acc, prefetch=slot != 2)
+
+    b, r = _emit_paired_blocks(fn, b, start, nb, s0, s1, lone_block)
     b.ret(_hsum_v8f32(b, r))
     return fn
 

@@ -154,6 +154,39 @@ def test_matvec_q8_matches_reference(kernel, N, K):
     _close(out, ref, terms)
 
 
+@njit
+def _avx2_rows_routine(w_q, w_s, x_q, x_s, out):
+    for n in range(w_q.shape[0]):
+        out[n] = q8._q8_row_dot_avx2_rows(w_q, w_s, x_q, x_s, n)
+
+
+@njit
+def _generic_rows_routine(w_q, w_s, x_q, x_s, out):
+    for n in range(w_q.shape[0]):
+        out[n] = q8._q8_row_dot_generic_rows(w_q, w_s, x_q, x_s, n)
+
+
+# every path through the row routine: groups of 8 blocks, a group of 4, a pair loop, an odd block
+@pytest.mark.parametrize("nblocks", list(range(1, 22)) + [28, 152])
+def test_matvec_q8_every_block_count_matches_reference_and_the_rows_variant(nblocks):
+    N, K = 19, 32 * nblocks - (nblocks % 3)
+    w_q, w_s = q8.quantize_weight_q8(_w(N, K))
+    x_q, x_s = _q_act(RNG.standard_normal(K).astype(np.float32) * 3)
+    ref = q8.matvec_q8_ref(w_q, w_s, x_q, x_s)
+    terms = (np.abs(w_q.astype(np.float64) * np.repeat(q8.scale_values(w_s), 32, 1))
+             @ np.abs(x_q * np.repeat(x_s, 32).astype(np.float64)))
+    pairs = [(q8._matvec_q8_generic, _generic_rows_routine)]
+    if q8.HAVE_AVX2:
+        pairs.append((q8._matvec_q8_avx2, _avx2_rows_routine))
+    for kernel, rows_routine in pairs:
+        out, rows = np.full(N, np.nan, np.float32), np.full(N, np.nan, np.float32)
+        kernel(w_q, w_s, x_q, x_s, out)
+        _close(out, ref, terms)
+        rows_routine(w_q, w_s, x_q, x_s, rows)
+        # the head screen's exact rows must equal the matvec's logits bit for bit
+        assert np.array_equal(out, rows), kernel.__name__
+
+
 def test_matvec_q8_is_the_avx2_kernel_on_avx2_hosts():
     assert q8.matvec_q8 is (q8._matvec_q8_avx2 if q8.HAVE_AVX2 else q8._matvec_q8_generic)
 
@@ -272,6 +305,8 @@ def _matvec_args(N=64, K=256):
 
 @pytest.mark.skipif(not q8.HAVE_AVX2, reason="x86 AVX2 host only")
 def test_matvec_q8_avx2_codegen_is_vectorized():
+    import re
+
     asm = _fresh_asm(q8._matvec_q8_avx2, *_matvec_args())
     for insn in ("vpmovsxbw", "vpmaddwd", "vcvtdq2ps", "vcvtph2ps", "vfmadd", "prefetcht0"):
         assert insn in asm, f"{insn} missing: the q8 matvec lost its vector code"
@@ -280,6 +315,8 @@ def test_matvec_q8_avx2_codegen_is_vectorized():
         # the block scale reaches vcvtph2ps through vmovd, never vpinsrw (which merges into a
         # register LLVM picks, the FMA accumulator, and chains the blocks: q8._ir_half_to_float_fresh)
         assert "vpinsrw" not in asm and "vmovd" in asm
+        # a group's 8 block factors are converted together (q8._define_row_dot)
+        assert re.search(r"vcvtph2ps\s+[^\n]*%ymm", asm), "block factors no longer converted 8 at a time"
 
 
 @pytest.mark.skipif(not q8.HAVE_AVX2, reason="x86 AVX2 host only")
