@@ -278,6 +278,27 @@ def test_greedy_generation_uses_the_screen_and_sampling_does_not(tiny_model, mon
     assert calls["argmax"] == len(greedy) - 1 and calls["decode"] > 0
 
 
+def test_profile_times_greedy_steps_through_the_screen(tiny_model):
+    from cpullm.bench import format_profile, profile_pass
+    ex = tiny_model.executor
+    calls = {"argmax": 0}
+    real = ex.decode_argmax
+
+    def counted(tok):
+        calls["argmax"] += 1
+        return real(tok)
+    ex.decode_argmax = counted
+    try:
+        p = profile_pass(tiny_model, [5, 17, 99], 6)
+    finally:
+        del ex.decode_argmax
+    assert calls["argmax"] == 6 and p["decode_head"] == "screen"
+    groups = p["decode"]["groups"]
+    assert groups["lm_head"]["seconds"] > 0 and "sampling" not in groups     # the argmax is the head's
+    assert abs(sum(g["share"] for g in groups.values()) - 1.0) < 1e-9
+    assert "through the head screen" in format_profile(p)
+
+
 @pytest.mark.skipif(not q8.HAVE_AVX2, reason="x86 AVX2 host only")
 def test_screen_row_codegen_is_vectorized():
     import re
