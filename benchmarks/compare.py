@@ -2,7 +2,7 @@
 """cpullm side by side with llama.cpp and transformers: same checkpoint, prompt and threads.
 
     python benchmarks/compare.py smollm2-135m-instruct [--threads 2] [--prompt-tokens 512]
-        [--gen-tokens 128] [--repeat 3] [--out DIR] [--skip llama.cpp,transformers]
+        [--gen-tokens 128] [--repeat 3] [--rounds 1] [--out DIR] [--skip llama.cpp,transformers]
 
 Runs, one after another, each in its own child process (so no two thread pools ever compete):
 
@@ -19,7 +19,10 @@ token ids (``cpullm.bench.prompt_ids``: a fixed passage tokenized by the checkpo
 repeated to exactly --prompt-tokens; ids are fed directly, no runtime tokenizes text) and the
 same greedy pick, so the definitions are identical: prefill tokens/s, decode tokens/s after a
 one-token prompt, decode tokens/s after a 512-token prefill, time to first token; medians over
---repeat runs after one untimed warm-up (see ``cpullm.bench``).
+--repeat runs after one untimed warm-up (see ``cpullm.bench``). ``--rounds R`` runs the whole
+sequence R times (cpullm, llama.cpp, transformers, cpullm, ...), so that every runtime is measured
+at several moments of a shared machine whose memory bandwidth drifts: the table then holds the
+median over rounds, and a second table each round's ratios with their min and max.
 
 **Same weights.** Every runtime starts from the same Hugging Face checkpoint directory (the one
 ``cpullm pull`` produced, or any safetensors directory). For llama.cpp this script writes that
@@ -531,6 +534,42 @@ def run_worker(name: str, spec: dict, workdir: Path, timeout: float) -> dict:
 # =================================================================================================
 # Report
 # =================================================================================================
+ROUND_KEYS = ("prefill_tps", "decode_tps", "decode_tps_at_512", "decode_logits_tps", "ttft_s", "load_s",
+              "read_gbps", "decode_bound_share")
+"""Numbers a runtime's row takes as the median over rounds (the rest come from its first good round)."""
+
+
+def merge_rounds(runs: list) -> dict:
+    """One runtime's row from its rounds: the first successful round, with each of ROUND_KEYS
+    replaced by its median over the successful rounds and the per-round values under "rounds";
+    the first error when no round succeeded."""
+    good = [r for r in runs if "error" not in r]
+    if not good:
+        return runs[0]
+    row = dict(good[0])
+    if len(runs) > 1:
+        row["rounds"] = {k: [r.get(k) for r in good] for k in ROUND_KEYS if good[0].get(k) is not None}
+        for k, vals in row["rounds"].items():
+            vals = [v for v in vals if v is not None]
+            row[k] = float(np.median(vals)) if vals else None
+        row["rounds_ok"] = len(good)
+        row["rounds_failed"] = len(runs) - len(good)
+    return row
+
+
+def _ratios(by: dict) -> dict:
+    """cpullm's prefill / decode / decode-at-context tokens/s over each other runtime's."""
+    base = by.get("cpullm")
+    out = {}
+    for other in ("llama.cpp", "transformers"):
+        o = by.get(other)
+        if base and o and "error" not in base and "error" not in o:
+            out[other] = {"prefill": _ratio(base["prefill_tps"], o["prefill_tps"]),
+                          "decode": _ratio(base["decode_tps"], o["decode_tps"]),
+                          "decode_at_512": _ratio(base["decode_tps_at_512"], o["decode_tps_at_512"])}
+    return out
+
+
 def _fidelity(a: np.ndarray, ref: np.ndarray) -> dict:
     n = min(a.size, ref.size)
     a, ref = a[:n].astype(np.float64), ref[:n].astype(np.float64)
@@ -595,7 +634,9 @@ def markdown(report: dict) -> str:
         f"{report['loadavg_after']:.2f}" + ("  **(machine busy before the run: numbers are noisy)**"
                                              if _busy(report) else ""),
         f"- prompt {s['prompt_tokens']} tokens, {s['gen_tokens']} decode steps, decode-at-context after "
-        f"{s['context_tokens']} tokens, medians of {s['repeat']} run(s); {report['date']}",
+        f"{s['context_tokens']} tokens, medians of {s['repeat']} run(s)"
+        + (f", then the median over {s['rounds']} rounds (every runtime once per round, in turn)"
+           if s.get("rounds", 1) > 1 else "") + f"; {report['date']}",
         "",
         "| runtime | weights | prefill tok/s | decode tok/s | decode @%d tok/s | TTFT s | load s | fidelity vs transformers f32 |"
         % s["context_tokens"],
@@ -632,10 +673,33 @@ def markdown(report: dict) -> str:
         if rat:
             lines.append(f"| {label} | {_fmt(rat['prefill'], '{:.2f}x')} | {_fmt(rat['decode'], '{:.2f}x')} "
                          f"| {_fmt(rat['decode_at_512'], '{:.2f}x')} |")
+    lines += _round_lines(report)
     lines += _bandwidth_lines(rows)
     lines += ["", "Versions: " + "; ".join(f"{r['runtime']} {r.get('version', '?')}" for r in rows
                                              if "version" in r)]
     return "\n".join(lines) + "\n"
+
+
+def _round_lines(report: dict) -> list:
+    """Each round's ratios (measured minutes apart on a possibly shared machine), and their range."""
+    per = report.get("round_ratios") or []
+    others = [o for o in ("llama.cpp", "transformers") if any(o in r for r in per)]
+    if not per or not others:
+        return []
+    head = " | ".join(f"{key} vs {o}" for o in others for key in ("prefill", "decode", "decode @ctx"))
+    lines = ["", "Ratios of cpullm to each runtime in every round (the runtimes one after another within a round):",
+             "", f"| round | {head} |", "|---|" + "---:|" * (3 * len(others))]
+    for i, r in enumerate(per, 1):
+        cells = [_fmt((r.get(o) or {}).get(k), "{:.2f}x") for o in others for k in ("prefill", "decode", "decode_at_512")]
+        lines.append(f"| {i} | " + " | ".join(cells) + " |")
+    for label, pick in (("min", min), ("max", max)):
+        cells = []
+        for o in others:
+            for k in ("prefill", "decode", "decode_at_512"):
+                vals = [r[o][k] for r in per if r.get(o) and r[o].get(k) is not None]
+                cells.append(_fmt(pick(vals) if vals else None, "{:.2f}x"))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _bandwidth_lines(rows: list) -> list:
@@ -722,6 +786,9 @@ def parse_args(argv=None):
     p.add_argument("--context-tokens", type=int, default=CONTEXT_TOKENS,
                    help="prefill length before the decode-at-context measurement (default 512)")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every runtime this many times in turn (each with --repeat runs); the "
+                        "report takes medians over rounds and gives each round's ratios (default 1)")
     p.add_argument("--quant", default="int8", help="cpullm weight format (default int8)")
     p.add_argument("--skip", default="", help="comma-separated runtimes to skip: cpullm,llama.cpp,transformers")
     p.add_argument("--gguf", default=None, help="use this GGUF for llama.cpp instead of converting the checkpoint")
@@ -776,32 +843,47 @@ def main(argv=None) -> int:
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine_info(),
               "cpu_busy_before": bench_cpu_busy(), "loadavg_before": os.getloadavg()[0],
               "settings": {k: spec[k] for k in ("gen_tokens", "context_tokens", "repeat", "threads", "quant")}
-              | {"prompt_tokens": len(ids)}, "results": [], "ratios": {}}
+              | {"prompt_tokens": len(ids), "rounds": args.rounds}, "results": [], "ratios": {}}
+    if args.rounds < 1 or args.repeat < 1:
+        print("compare.py: --rounds and --repeat must be at least 1", file=sys.stderr)
+        return 2
     with tempfile.TemporaryDirectory(prefix="cpullm-compare-") as td:
         td = Path(td)
+        rows: dict[str, dict] = {}
+        runnable = []
         for name in RUNTIMES:
             if name in skip:
-                report["results"].append({"runtime": name, "skipped": "skipped (--skip)"})
+                rows[name] = {"runtime": name, "skipped": "skipped (--skip)"}
                 continue
             why = _available(name)
             if why:
                 say(f"{name}: {why}")
-                report["results"].append({"runtime": name, "skipped": why})
+                rows[name] = {"runtime": name, "skipped": why}
                 continue
             if name == "llama.cpp" and not spec["gguf"]:
                 try:
                     spec["gguf"] = str(ensure_q8_gguf(model_dir, work_dir, threads, say))
                 except SystemExit as exc:
-                    report["results"].append({"runtime": name, "error": str(exc)})
+                    rows[name] = {"runtime": name, "error": str(exc)}
                     continue
-            say(f"running {name} ({threads} thread(s))")
-            res = run_worker(name, spec, td, args.timeout)
-            if "error" in res:
-                say(f"{name} failed: {res['error']}")
-            else:
-                say(f"{name}: prefill {res['prefill_tps']:.1f} tok/s, decode {res['decode_tps']:.1f} tok/s, "
-                    f"decode@{res['decode_context_tokens']} {res['decode_tps_at_512']:.1f} tok/s")
-            report["results"].append(res)
+            runnable.append(name)
+        runs: dict[str, list] = {name: [] for name in runnable}
+        for rnd in range(args.rounds):
+            for name in runnable:
+                say(f"running {name} ({threads} thread(s))"
+                    + (f", round {rnd + 1} of {args.rounds}" if args.rounds > 1 else ""))
+                res = run_worker(name, spec, td, args.timeout)
+                if "error" in res:
+                    say(f"{name} failed: {res['error']}")
+                else:
+                    say(f"{name}: prefill {res['prefill_tps']:.1f} tok/s, decode {res['decode_tps']:.1f} tok/s, "
+                        f"decode@{res['decode_context_tokens']} {res['decode_tps_at_512']:.1f} tok/s")
+                runs[name].append(res)
+        for name in runnable:
+            rows[name] = merge_rounds(runs[name])
+        report["results"] = [rows[name] for name in RUNTIMES if name in rows]
+        report["round_ratios"] = [_ratios({name: runs[name][i] for name in runnable})
+                                  for i in range(args.rounds)] if args.rounds > 1 else []
     report["loadavg_after"] = os.getloadavg()[0]
     by = {r["runtime"]: r for r in report["results"] if "prefill_tps" in r}
     ref = by.get("transformers", {}).get("_logits")
@@ -812,13 +894,7 @@ def main(argv=None) -> int:
             r["fidelity"] = _fidelity(lg, ref)
         if lg is not None and ours is not None and r["runtime"] != "cpullm":
             r["agreement_with_cpullm"] = _fidelity(lg, ours)
-    base = by.get("cpullm")
-    for other in ("llama.cpp", "transformers"):
-        if base and other in by:
-            o = by[other]
-            report["ratios"][other] = {"prefill": _ratio(base["prefill_tps"], o["prefill_tps"]),
-                                       "decode": _ratio(base["decode_tps"], o["decode_tps"]),
-                                       "decode_at_512": _ratio(base["decode_tps_at_512"], o["decode_tps_at_512"])}
+    report["ratios"] = _ratios(by)
     md = markdown(report)
     png = chart(report, out / "compare.png")
     (out / "compare.md").write_text(md)

@@ -161,3 +161,41 @@ def test_busy_flag_uses_the_measured_cpu_time_before_the_run():
     from cpullm.bench import cpu_busy
     busy = cpu_busy(0.2)
     assert busy is None or 0.0 <= busy <= 1.0
+
+
+def test_rounds_take_medians_and_keep_every_rounds_ratio():
+    runs = [{"runtime": "cpullm", "prefill_tps": p, "decode_tps": d, "decode_tps_at_512": d, "ttft_s": 0.1,
+             "load_s": 1.0, "weights": "int8"} for p, d in ((100.0, 10.0), (300.0, 30.0), (200.0, 50.0))]
+    row = compare.merge_rounds(runs + [{"runtime": "cpullm", "error": "exit 1: boom"}])
+    assert row["prefill_tps"] == 200.0 and row["decode_tps"] == 30.0 and row["weights"] == "int8"
+    assert row["rounds"]["decode_tps"] == [10.0, 30.0, 50.0]
+    assert row["rounds_ok"] == 3 and row["rounds_failed"] == 1
+    assert compare.merge_rounds([{"runtime": "x", "error": "e"}])["error"] == "e"
+    assert "rounds" not in compare.merge_rounds(runs[:1])                   # one round: as it was
+    llama = [{"runtime": "llama.cpp", "prefill_tps": 100.0, "decode_tps": 20.0, "decode_tps_at_512": 25.0}]
+    per = [compare._ratios({"cpullm": runs[i], "llama.cpp": llama[0]}) for i in range(3)]
+    assert [r["llama.cpp"]["decode"] for r in per] == [0.5, 1.5, 2.5]
+    lines = "\n".join(compare._round_lines({"round_ratios": per}))
+    assert "| 2 | 3.00x | 1.50x | 1.20x |" in lines
+    assert "| min | 1.00x | 0.50x | 0.40x |" in lines and "| max | 3.00x | 2.50x | 2.00x |" in lines
+
+
+def test_compare_rounds_run_every_runtime_again(checkpoint, tmp_path, monkeypatch):
+    calls = []
+    real = compare.run_worker
+
+    def counted(name, spec, workdir, timeout):
+        calls.append(name)
+        return real(name, spec, workdir, timeout)
+    monkeypatch.setattr(compare, "run_worker", counted)
+    code = compare.main([str(checkpoint), "--prompt-tokens", "16", "--gen-tokens", "3",
+                         "--context-tokens", "32", "--repeat", "1", "--threads", "1", "--rounds", "2",
+                         "--skip", "llama.cpp,transformers", "--out", str(tmp_path)])
+    assert code == 0 and calls == ["cpullm", "cpullm"]
+    report = json.loads((tmp_path / "compare.json").read_text())
+    row = report["results"][0]
+    assert len(row["rounds"]["decode_tps"]) == 2 and row["decode_tps"] == pytest.approx(
+        float(np.median(row["rounds"]["decode_tps"])))
+    assert report["settings"]["rounds"] == 2
+    assert "median over 2 rounds" in (tmp_path / "compare.md").read_text()
+    assert compare.main([str(checkpoint), "--rounds", "0", "--out", str(tmp_path)]) == 2
