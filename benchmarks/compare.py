@@ -444,9 +444,11 @@ def worker(name: str, spec: dict) -> dict:
     t0 = time.perf_counter()
     if name == "cpullm":
         import cpullm
-        model = cpullm.load(spec["model_dir"], quant=spec["quant"], threads=threads)
+        model = cpullm.load(spec["model_dir"], quant=spec["quant"], threads=threads,
+                            mmap=not spec.get("no_mmap", False))
         runner = CpullmRunner(model)
-        info.update(weights=f"{model.quant} (cpullm)", version=cpullm.__version__,
+        info.update(weights=f"{model.quant} (cpullm" + (", --no-mmap)" if spec.get("no_mmap") else ")"),
+                    version=cpullm.__version__,
                     cache=str(model.cache_status).split()[0], threads=model.threads,
                     head_screen=model.executor.screen is not None)
     elif name == "llama.cpp":
@@ -790,6 +792,8 @@ def parse_args(argv=None):
                    help="run every runtime this many times in turn (each with --repeat runs); the "
                         "report takes medians over rounds and gives each round's ratios (default 1)")
     p.add_argument("--quant", default="int8", help="cpullm weight format (default int8)")
+    p.add_argument("--no-mmap", action="store_true",
+                   help="cpullm reads its cached program into memory instead of mapping it (cpullm --no-mmap)")
     p.add_argument("--skip", default="", help="comma-separated runtimes to skip: cpullm,llama.cpp,transformers")
     p.add_argument("--gguf", default=None, help="use this GGUF for llama.cpp instead of converting the checkpoint")
     p.add_argument("--work-dir", default=None, help="where the Q8_0 GGUF is kept (default ~/.cache/cpullm/bench)")
@@ -836,13 +840,13 @@ def main(argv=None) -> int:
     work_dir = Path(os.path.expanduser(args.work_dir or "~/.cache/cpullm/bench"))
     spec = {"model_dir": str(model_dir), "ids": ids, "context_ids": ctx_ids, "gen_tokens": args.gen_tokens,
             "context_tokens": args.context_tokens, "repeat": args.repeat, "threads": threads,
-            "quant": args.quant, "gguf": args.gguf}
+            "quant": args.quant, "gguf": args.gguf, "no_mmap": bool(args.no_mmap)}
     report = {"model_name": model_dir.name, "model_dir": str(model_dir),
               "command": "python benchmarks/compare.py " + " ".join(
                   shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)),
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine_info(),
               "cpu_busy_before": bench_cpu_busy(), "loadavg_before": os.getloadavg()[0],
-              "settings": {k: spec[k] for k in ("gen_tokens", "context_tokens", "repeat", "threads", "quant")}
+              "settings": {k: spec[k] for k in ("gen_tokens", "context_tokens", "repeat", "threads", "quant", "no_mmap")}
               | {"prompt_tokens": len(ids), "rounds": args.rounds}, "results": [], "ratios": {}}
     if args.rounds < 1 or args.repeat < 1:
         print("compare.py: --rounds and --repeat must be at least 1", file=sys.stderr)

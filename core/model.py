@@ -76,7 +76,7 @@ class Model:
     @classmethod
     def load(cls, path, quant: str = "int8", threads: int | None = None, n_ctx: int | None = None,
              cache_dir=None, use_cache: bool = True, max_chunk: int = DEFAULT_CHUNK,
-             mlock: bool = False, mmap: bool = False, plugin_kernels: bool = True) -> "Model":
+             mlock: bool = False, mmap: bool = True, plugin_kernels: bool = True) -> "Model":
         from .kernels.numba_setup import configure
 
         t0 = time.perf_counter()

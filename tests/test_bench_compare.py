@@ -199,3 +199,19 @@ def test_compare_rounds_run_every_runtime_again(checkpoint, tmp_path, monkeypatc
     assert report["settings"]["rounds"] == 2
     assert "median over 2 rounds" in (tmp_path / "compare.md").read_text()
     assert compare.main([str(checkpoint), "--rounds", "0", "--out", str(tmp_path)]) == 2
+
+
+def test_compare_no_mmap_reaches_cpullm(checkpoint, tmp_path, monkeypatch):
+    loads = []
+    import cpullm
+    real = cpullm.load
+
+    def spy(*a, **kw):
+        loads.append(kw.get("mmap"))
+        return real(*a, **kw)
+    monkeypatch.setattr(cpullm, "load", spy)
+    spec = {"model_dir": str(checkpoint), "ids": IDS[:8], "context_ids": IDS[:16], "gen_tokens": 2,
+            "context_tokens": 16, "repeat": 1, "threads": 1, "quant": "int8", "gguf": None, "no_mmap": True,
+            "logits_out": str(tmp_path / "l.npy")}
+    res = compare.worker("cpullm", spec)
+    assert loads == [False] and res["weights"] == "int8 (cpullm, --no-mmap)" and res["decode_tps"] > 0
