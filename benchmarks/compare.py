@@ -447,8 +447,8 @@ def worker(name: str, spec: dict) -> dict:
         model = cpullm.load(spec["model_dir"], quant=spec["quant"], threads=threads,
                             mmap=not spec.get("no_mmap", False))
         runner = CpullmRunner(model)
-        info.update(weights=f"{model.quant} (cpullm" + (", --no-mmap)" if spec.get("no_mmap") else ")"),
-                    version=cpullm.__version__,
+        no_mmap = ", --no-mmap" if spec.get("no_mmap") else ""
+        info.update(weights=f"{model.quant} (cpullm{no_mmap})", version=cpullm.__version__,
                     cache=str(model.cache_status).split()[0], threads=model.threads,
                     head_screen=model.executor.screen is not None)
     elif name == "llama.cpp":
@@ -814,6 +814,9 @@ def main(argv=None) -> int:
     if not args.model:
         print("compare.py: give a model directory or store name", file=sys.stderr)
         return 2
+    if args.rounds < 1 or args.repeat < 1:
+        print("compare.py: --rounds and --repeat must be at least 1", file=sys.stderr)
+        return 2
 
     def say(msg):
         print(f"compare: {msg}", file=sys.stderr, flush=True)
@@ -848,9 +851,6 @@ def main(argv=None) -> int:
               "cpu_busy_before": bench_cpu_busy(), "loadavg_before": os.getloadavg()[0],
               "settings": {k: spec[k] for k in ("gen_tokens", "context_tokens", "repeat", "threads", "quant", "no_mmap")}
               | {"prompt_tokens": len(ids), "rounds": args.rounds}, "results": [], "ratios": {}}
-    if args.rounds < 1 or args.repeat < 1:
-        print("compare.py: --rounds and --repeat must be at least 1", file=sys.stderr)
-        return 2
     with tempfile.TemporaryDirectory(prefix="cpullm-compare-") as td:
         td = Path(td)
         rows: dict[str, dict] = {}
