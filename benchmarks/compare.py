@@ -2,7 +2,8 @@
 """cpullm side by side with llama.cpp and transformers: same checkpoint, prompt and threads.
 
     python benchmarks/compare.py smollm2-135m-instruct [--threads 2] [--prompt-tokens 512]
-        [--gen-tokens 128] [--repeat 3] [--rounds 1] [--out DIR] [--skip llama.cpp,transformers]
+        [--gen-tokens 128] [--repeat 3] [--rounds 1] [--paired 0] [--out DIR]
+        [--skip llama.cpp,transformers]
 
 Runs, one after another, each in its own child process (so no two thread pools ever compete):
 
@@ -23,6 +24,14 @@ one-token prompt, decode tokens/s after a 512-token prefill, time to first token
 sequence R times (cpullm, llama.cpp, transformers, cpullm, ...), so that every runtime is measured
 at several moments of a shared machine whose memory bandwidth drifts: the table then holds the
 median over rounds, and a second table each round's ratios with their min and max.
+
+``--paired N`` then measures decode the way a drifting machine cannot skew: every runtime is
+loaded at once, each in its own child process (``--serve``), and they take N turns, each timing
+one decode run (gen_tokens greedy steps after a one-token prompt, then after the context prefill)
+per runtime, in the order A B, then B A, ..., nothing else running. A ratio is taken within a
+turn, from runs seconds apart; the report gives its median, min and max, each turn's numbers,
+and the plain read rate of cpullm's decode bytes measured right after its run in that turn, so
+the reader sees how the ratio moves with the machine's memory bandwidth.
 
 **Same weights.** Every runtime starts from the same Hugging Face checkpoint directory (the one
 ``cpullm pull`` produced, or any safetensors directory). For llama.cpp this script writes that
@@ -436,10 +445,12 @@ def _n_ctx_needed(spec) -> int:
     return int(-(-need // 256) * 256)
 
 
-def worker(name: str, spec: dict) -> dict:
-    from cpullm.bench import CpullmRunner, measure_speed
+def load_runner(name: str, spec: dict):
+    """(runner, info): the runtime ``name`` loaded as ``spec`` says, and what the report states
+    about it (weights, version, threads, ``load_s``)."""
+    from cpullm.bench import CpullmRunner
 
-    ids, gen, threads = spec["ids"], spec["gen_tokens"], spec["threads"]
+    threads = spec["threads"]
     info: dict = {"runtime": name}
     t0 = time.perf_counter()
     if name == "cpullm":
@@ -474,6 +485,14 @@ def worker(name: str, spec: dict) -> dict:
     else:
         raise SystemExit(f"unknown runtime {name!r}")
     info["load_s"] = time.perf_counter() - t0
+    return runner, info
+
+
+def worker(name: str, spec: dict) -> dict:
+    from cpullm.bench import measure_speed
+
+    ids, gen = spec["ids"], spec["gen_tokens"]
+    runner, info = load_runner(name, spec)
     if name != "cpullm":     # cpullm's comes with its memory-bound pass below
         info["decode_weight_bytes"] = _decode_weight_bytes(name, runner, spec)
     ctx_n = spec["context_tokens"]
@@ -531,6 +550,159 @@ def run_worker(name: str, spec: dict, workdir: Path, timeout: float) -> dict:
     except OSError:
         pass
     return res
+
+
+# =================================================================================================
+# Paired decode: the runtimes alive side by side, taking turns
+# =================================================================================================
+READY_TAG = "CPULLM_COMPARE_READY "
+PAIR_KINDS = ("decode", "decode_at_512")
+"""What one turn of the paired phase times: ``decode`` (gen_tokens steps after a one-token prompt)
+or ``decode_at_512`` (the same after the context_ids prefill), as measure_speed defines them."""
+
+
+def serve(name: str, spec: dict, stdin=None, stdout=None) -> None:
+    """A runtime kept loaded for the paired phase: warms up, prints READY_TAG, then times one
+    decode run per command read from ``stdin`` (a PAIR_KINDS name; ``quit`` or end of input
+    stops) and prints its tokens/s after RESULT_TAG. cpullm also times, right after each run, a
+    plain parallel read of the bytes its decode reads (``read_gbps``: the machine's memory
+    bandwidth at that moment, as ``cpullm.bench.memory_bound`` measures it)."""
+    from cpullm.bench import greedy, next_token
+
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    runner, info = load_runner(name, spec)
+    ids, gen = spec["ids"], spec["gen_tokens"]
+    ctx_n = spec["context_tokens"]
+    ctx_ids = spec.get("context_ids") or (list(ids) * -(-ctx_n // len(ids)))[:ctx_n]
+
+    def timed(prompt) -> float:
+        runner.reset()
+        tok = greedy(runner.prefill(prompt))
+        t0 = time.perf_counter()
+        for _ in range(gen):
+            tok = next_token(runner, tok)
+        return gen / (time.perf_counter() - t0)
+
+    read = _read_rate_probe(runner) if name == "cpullm" else None
+    timed(ids[:1])                                    # untimed warm-up of both paths
+    print(READY_TAG + json.dumps(info, default=float), file=stdout, flush=True)
+    for line in stdin:
+        cmd = line.strip()
+        if cmd not in PAIR_KINDS:
+            break
+        out = {"kind": cmd, "tps": timed(ids[:1] if cmd == "decode" else ctx_ids)}
+        if read is not None:
+            out["read_gbps"] = read()
+        print(RESULT_TAG + json.dumps(out), file=stdout, flush=True)
+
+
+def _read_rate_probe(runner):
+    """A function timing 3 plain parallel reads of the weight bytes one cpullm decode token reads;
+    returns their median GB/s."""
+    import numba
+
+    from cpullm.bench import decode_weight_spans
+    from cpullm.kernels.bandwidth import as_words, read_sum_u32
+
+    words = [as_words(v) for v in decode_weight_spans(runner.model.program)]
+    nbytes, nth = sum(w.nbytes for w in words), numba.get_num_threads()
+
+    def read() -> float:
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for w in words:
+                read_sum_u32(w, nth)
+            times.append(time.perf_counter() - t0)
+        return nbytes / float(np.median(times)) / 1e9
+    read()                                            # compiles (or loads) the read kernel
+    return read
+
+
+class ServedRuntime:
+    """One runtime in its own child process (``compare.py --serve NAME``), asked for timed runs."""
+
+    def __init__(self, name: str, spec: dict, workdir: Path):
+        self.name = name
+        spec_path = workdir / f"{name}.serve.json"
+        spec_path.write_text(json.dumps(spec))
+        env = dict(os.environ, CPULLM_QUIET="1", OMP_NUM_THREADS=str(spec["threads"]))
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve", name,
+                                      "--spec", str(spec_path)], env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.info = json.loads(self._line(READY_TAG))
+
+    def _line(self, tag: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(tag):
+                return line[len(tag):]
+        self.proc.wait()
+        tail = "\n".join((self.proc.stderr.read() or "").strip().splitlines()[-8:])
+        raise RuntimeError(f"{self.name} stopped (exit {self.proc.returncode}): {tail}")
+
+    def run(self, kind: str) -> dict:
+        """{"tps": tokens/s of one timed run of ``kind``, "read_gbps" (cpullm only)}."""
+        self.proc.stdin.write(kind + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._line(RESULT_TAG))
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+
+
+def turn_order(names: list, i: int) -> list:
+    """The order of turn ``i``: as given on even turns, reversed on odd ones (A B, B A, A B, ...),
+    so that a drift of the machine's speed during a pair favours neither runtime."""
+    return list(names) if i % 2 == 0 else list(reversed(names))
+
+
+def paired_decode(names: list, spec: dict, workdir: Path, pairs: int, timeout: float, say=print,
+                  start=ServedRuntime) -> dict:
+    """Every runtime in ``names`` loaded at once in its own process; ``pairs`` turns in which each
+    times one decode run of every PAIR_KINDS kind in turn_order, with nothing else running. The
+    ratio of cpullm to another runtime is taken within each turn (runs seconds apart), then its
+    median, min and max over the turns. Returns {"pairs", "tps": {name: {kind: [...]}},
+    "ratios": {other: {kind: [...]}}, "read_gbps": {kind: [...]}} (one value per turn; the read
+    rate measured by cpullm right after its run) or {"error": ...}."""
+    served, killer = [], None
+    try:
+        for name in names:
+            say(f"paired decode: loading {name}")
+            served.append(start(name, spec, workdir))
+        if timeout:
+            import threading
+            killer = threading.Timer(timeout, lambda: [s.proc.kill() for s in served if hasattr(s, "proc")])
+            killer.daemon = True
+            killer.start()
+        tps = {s.name: {k: [] for k in PAIR_KINDS} for s in served}
+        read = {k: [] for k in PAIR_KINDS}
+        for i in range(pairs):
+            for kind in PAIR_KINDS:
+                for s in turn_order(served, i):
+                    res = s.run(kind)
+                    tps[s.name][kind].append(float(res["tps"]))
+                    if res.get("read_gbps") is not None:
+                        read[kind].append(float(res["read_gbps"]))
+            say(f"paired decode: turn {i + 1} of {pairs}: " + ", ".join(
+                f"{n} {v['decode'][-1]:.1f} / {v['decode_at_512'][-1]:.1f}" for n, v in tps.items()) + " tok/s")
+    except (RuntimeError, OSError, ValueError) as exc:
+        return {"error": str(exc)}
+    finally:
+        if killer is not None:
+            killer.cancel()
+        for s in served:
+            s.close()
+    ours = tps.get("cpullm")
+    ratios = {}
+    for other in names:
+        if other != "cpullm" and ours:
+            ratios[other] = {k: [a / b for a, b in zip(ours[k], tps[other][k])] for k in PAIR_KINDS}
+    return {"pairs": pairs, "tps": tps, "ratios": ratios, "read_gbps": read}
 
 
 # =================================================================================================
@@ -676,6 +848,7 @@ def markdown(report: dict) -> str:
             lines.append(f"| {label} | {_fmt(rat['prefill'], '{:.2f}x')} | {_fmt(rat['decode'], '{:.2f}x')} "
                          f"| {_fmt(rat['decode_at_512'], '{:.2f}x')} |")
     lines += _round_lines(report)
+    lines += _paired_lines(report)
     lines += _bandwidth_lines(rows)
     lines += ["", "Versions: " + "; ".join(f"{r['runtime']} {r.get('version', '?')}" for r in rows
                                              if "version" in r)]
@@ -701,6 +874,47 @@ def _round_lines(report: dict) -> list:
                 vals = [r[o][k] for r in per if r.get(o) and r[o].get(k) is not None]
                 cells.append(_fmt(pick(vals) if vals else None, "{:.2f}x"))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _paired_lines(report: dict) -> list:
+    """The paired phase (``--paired N``): each runtime's median tokens/s and the per-turn ratios."""
+    pd = report.get("paired")
+    if not pd:
+        return []
+    if "error" in pd:
+        return ["", f"Paired decode: not run ({pd['error'].splitlines()[-1][:160]})."]
+    s = report["settings"]
+    lines = ["", f"Paired decode ({pd['pairs']} turns): every runtime loaded at once, each in its own process, "
+                 "taking turns (A B, then B A, ...) with nothing else running; a turn times one run of "
+             f"{s['gen_tokens']} greedy steps per runtime after a one-token prompt, then one after the "
+             f"{s['context_tokens']}-token prefill. Ratios are taken within a turn, runs seconds apart, so a "
+             "drift of the machine's memory bandwidth moves both sides of each ratio.", "",
+             f"| runtime | decode tok/s | decode @{s['context_tokens']} tok/s |", "|---|---:|---:|"]
+    for name, v in pd["tps"].items():
+        lines.append(f"| {name} | {_fmt(float(np.median(v['decode'])))} | {_fmt(float(np.median(v['decode_at_512'])))} |")
+    lines += ["", "| ratio per turn | decode: median | min | max | decode @ctx: median | min | max |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for other, rat in pd["ratios"].items():
+        cells = []
+        for k in PAIR_KINDS:
+            v = rat[k]
+            cells += [_fmt(float(np.median(v)) if v else None, "{:.2f}x"), _fmt(min(v) if v else None, "{:.2f}x"),
+                      _fmt(max(v) if v else None, "{:.2f}x")]
+        lines.append(f"| cpullm / {other} | " + " | ".join(cells) + " |")
+    names, others = list(pd["tps"]), list(pd["ratios"])
+    read = pd.get("read_gbps") or {}
+    lines += ["", "Each turn (tokens/s and ratios as decode / decode @ctx; read: the plain read rate of cpullm's "
+                  "decode bytes measured right after its runs, GB/s):", "",
+              "| turn | read GB/s | " + " | ".join(names) + " | " + " | ".join(f"cpullm / {o}" for o in others) + " |",
+              "|---|---:|" + "---:|" * (len(names) + len(others))]
+    for i in range(pd["pairs"]):
+        def pair(vals, f):
+            return " / ".join(_fmt(v[i] if i < len(v) else None, f) for v in vals)
+        cells = [pair([read.get(k, []) for k in PAIR_KINDS], "{:.1f}")]
+        cells += [pair([pd["tps"][n][k] for k in PAIR_KINDS], "{:.1f}") for n in names]
+        cells += [pair([pd["ratios"][o][k] for k in PAIR_KINDS], "{:.2f}x") for o in others]
+        lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -791,6 +1005,9 @@ def parse_args(argv=None):
     p.add_argument("--rounds", type=int, default=1,
                    help="run every runtime this many times in turn (each with --repeat runs); the "
                         "report takes medians over rounds and gives each round's ratios (default 1)")
+    p.add_argument("--paired", type=int, default=0, metavar="N",
+                   help="after the rounds, load every runtime at once and let them take N turns of one "
+                        "decode run each (A B, B A, ...); reports each turn's ratio (default 0: off)")
     p.add_argument("--quant", default="int8", help="cpullm weight format (default int8)")
     p.add_argument("--no-mmap", action="store_true",
                    help="cpullm reads its cached program into memory instead of mapping it (cpullm --no-mmap)")
@@ -800,6 +1017,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="output directory (default bench-results/<model>)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per runtime")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--serve", default=None, help=argparse.SUPPRESS)
     p.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -811,11 +1029,14 @@ def main(argv=None) -> int:
         res = worker(args.worker, spec)
         print(RESULT_TAG + json.dumps(res, default=float), flush=True)
         return 0
+    if args.serve:
+        serve(args.serve, json.loads(Path(args.spec).read_text()))
+        return 0
     if not args.model:
         print("compare.py: give a model directory or store name", file=sys.stderr)
         return 2
-    if args.rounds < 1 or args.repeat < 1:
-        print("compare.py: --rounds and --repeat must be at least 1", file=sys.stderr)
+    if args.rounds < 1 or args.repeat < 1 or args.paired < 0:
+        print("compare.py: --rounds and --repeat must be at least 1, --paired at least 0", file=sys.stderr)
         return 2
 
     def say(msg):
@@ -850,7 +1071,8 @@ def main(argv=None) -> int:
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine_info(),
               "cpu_busy_before": bench_cpu_busy(), "loadavg_before": os.getloadavg()[0],
               "settings": {k: spec[k] for k in ("gen_tokens", "context_tokens", "repeat", "threads", "quant", "no_mmap")}
-              | {"prompt_tokens": len(ids), "rounds": args.rounds}, "results": [], "ratios": {}}
+              | {"prompt_tokens": len(ids), "rounds": args.rounds, "paired": args.paired},
+              "results": [], "ratios": {}}
     with tempfile.TemporaryDirectory(prefix="cpullm-compare-") as td:
         td = Path(td)
         rows: dict[str, dict] = {}
@@ -888,6 +1110,13 @@ def main(argv=None) -> int:
         report["results"] = [rows[name] for name in RUNTIMES if name in rows]
         report["round_ratios"] = [_ratios({name: runs[name][i] for name in runnable})
                                   for i in range(args.rounds)] if args.rounds > 1 else []
+        if args.paired:
+            if "cpullm" in runnable and len(runnable) > 1:
+                report["paired"] = paired_decode(runnable, spec, td, args.paired, args.timeout, say)
+            else:
+                report["paired"] = {"error": "it needs cpullm and at least one other runtime"}
+            if "error" in report["paired"]:
+                say(f"paired decode: {report['paired']['error']}")
     report["loadavg_after"] = os.getloadavg()[0]
     by = {r["runtime"]: r for r in report["results"] if "prefill_tps" in r}
     ref = by.get("transformers", {}).get("_logits")

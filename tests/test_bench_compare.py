@@ -131,7 +131,7 @@ def test_compare_with_llama_cpp_q8_0(checkpoint, tmp_path):
     code = compare.main([str(checkpoint), "--prompt-tokens", "16", "--gen-tokens", "3",
                          "--context-tokens", "32", "--repeat", "1", "--threads", "1",
                          "--skip", "transformers", "--out", str(tmp_path / "out"),
-                         "--work-dir", str(tmp_path / "work")])
+                         "--work-dir", str(tmp_path / "work"), "--paired", "2"])
     assert code == 0
     q8 = list((tmp_path / "work").glob("*.Q8_0.gguf"))
     assert len(q8) == 1 and not list((tmp_path / "work").glob("*.partial"))
@@ -148,6 +148,10 @@ def test_compare_with_llama_cpp_q8_0(checkpoint, tmp_path):
     assert "cpullm / llama.cpp" in md
     # Q8_0 (34 bytes per 32 values) reads about what cpullm's int8 + binary16 block scales read
     assert 0.9 < rows["llama.cpp"]["decode_weight_bytes"] / rows["cpullm"]["decode_weight_bytes"] < 1.1
+    # --paired: both runtimes loaded at once, two turns, a ratio per turn and the read rate
+    pd = report["paired"]
+    assert len(pd["ratios"]["llama.cpp"]["decode"]) == 2 and min(pd["tps"]["llama.cpp"]["decode_at_512"]) > 0
+    assert len(pd["read_gbps"]["decode"]) == 2 and "Paired decode (2 turns)" in md
     assert "| llama.cpp |" in md.split("weight bytes read per decode token")[1]
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "out" / "compare.png").read_bytes()[:4] == b"\x89PNG"
@@ -190,7 +194,7 @@ def test_compare_rounds_run_every_runtime_again(checkpoint, tmp_path, monkeypatc
     monkeypatch.setattr(compare, "run_worker", counted)
     code = compare.main([str(checkpoint), "--prompt-tokens", "16", "--gen-tokens", "3",
                          "--context-tokens", "32", "--repeat", "1", "--threads", "1", "--rounds", "2",
-                         "--skip", "llama.cpp,transformers", "--out", str(tmp_path)])
+                         "--skip", "llama.cpp,transformers", "--out", str(tmp_path), "--paired", "1"])
     assert code == 0 and calls == ["cpullm", "cpullm"]
     report = json.loads((tmp_path / "compare.json").read_text())
     row = report["results"][0]
@@ -198,7 +202,10 @@ def test_compare_rounds_run_every_runtime_again(checkpoint, tmp_path, monkeypatc
         float(np.median(row["rounds"]["decode_tps"])))
     assert report["settings"]["rounds"] == 2
     assert "median over 2 rounds" in (tmp_path / "compare.md").read_text()
+    assert "Paired decode: not run (it needs cpullm and at least one other runtime)" in (
+        tmp_path / "compare.md").read_text()
     assert compare.main([str(checkpoint), "--rounds", "0", "--out", str(tmp_path)]) == 2
+    assert compare.main([str(checkpoint), "--paired", "-1", "--out", str(tmp_path)]) == 2
 
 
 def test_compare_no_mmap_reaches_cpullm(checkpoint, tmp_path, monkeypatch):
@@ -215,3 +222,59 @@ def test_compare_no_mmap_reaches_cpullm(checkpoint, tmp_path, monkeypatch):
             "logits_out": str(tmp_path / "l.npy")}
     res = compare.worker("cpullm", spec)
     assert loads == [False] and res["weights"] == "int8 (cpullm, --no-mmap)" and res["decode_tps"] > 0
+
+
+class _FakeRuntime:
+    """A served runtime whose runs return preset tokens/s, recording the order it was asked in."""
+    asked: list = []
+
+    def __init__(self, name, spec, workdir, speeds):
+        self.name, self.speeds = name, list(speeds)
+
+    def run(self, kind):
+        _FakeRuntime.asked.append((self.name, kind))
+        out = {"tps": self.speeds.pop(0)}
+        if self.name == "cpullm":
+            out["read_gbps"] = 30.0
+        return out
+
+    def close(self):
+        pass
+
+
+def test_paired_decode_alternates_and_takes_ratios_within_each_turn(tmp_path):
+    # cpullm: turn 1 (decode, ctx) = 60, 50; turn 2 = 30, 25 (the machine slowed down); llama.cpp half of it
+    speeds = {"cpullm": [60.0, 50.0, 30.0, 25.0], "llama.cpp": [30.0, 25.0, 15.0, 12.5]}
+    _FakeRuntime.asked = []
+    pd = compare.paired_decode(["cpullm", "llama.cpp"], {}, tmp_path, 2, 0, say=lambda m: None,
+                               start=lambda n, spec, wd: _FakeRuntime(n, spec, wd, speeds[n]))
+    assert _FakeRuntime.asked == [("cpullm", "decode"), ("llama.cpp", "decode"),
+                                  ("cpullm", "decode_at_512"), ("llama.cpp", "decode_at_512"),
+                                  ("llama.cpp", "decode"), ("cpullm", "decode"),
+                                  ("llama.cpp", "decode_at_512"), ("cpullm", "decode_at_512")]
+    assert pd["ratios"]["llama.cpp"] == {"decode": [2.0, 2.0], "decode_at_512": [2.0, 2.0]}
+    assert pd["tps"]["cpullm"]["decode"] == [60.0, 30.0] and pd["read_gbps"]["decode"] == [30.0, 30.0]
+    report = {"paired": pd, "settings": {"gen_tokens": 8, "context_tokens": 32}}
+    md = "\n".join(compare._paired_lines(report))
+    assert "| cpullm / llama.cpp | 2.00x | 2.00x | 2.00x | 2.00x | 2.00x | 2.00x |" in md
+    assert "| 2 | 30.0 / 30.0 | 30.0 / 25.0 | 15.0 / 12.5 | 2.00x / 2.00x |" in md
+    assert "| cpullm | 45.0 | 37.5 |" in md                  # medians over the turns
+    # a runtime that stops is reported, not raised
+    def broken(n, spec, wd):
+        raise RuntimeError(f"{n} stopped (exit 1): boom")
+    pd = compare.paired_decode(["cpullm", "llama.cpp"], {}, tmp_path, 2, 0, say=lambda m: None, start=broken)
+    assert pd == {"error": "cpullm stopped (exit 1): boom"}
+    assert "not run (cpullm stopped" in "\n".join(compare._paired_lines({"paired": pd}))
+
+
+def test_serve_times_runs_on_command(checkpoint, tmp_path):
+    import io
+    spec = {"model_dir": str(checkpoint), "ids": IDS[:8], "context_ids": IDS[:16], "gen_tokens": 2,
+            "context_tokens": 16, "repeat": 1, "threads": 1, "quant": "int8", "gguf": None}
+    out = io.StringIO()
+    compare.serve("cpullm", spec, stdin=io.StringIO("decode\ndecode_at_512\nquit\ndecode\n"), stdout=out)
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith(compare.READY_TAG) and json.loads(lines[0][len(compare.READY_TAG):])["load_s"] > 0
+    res = [json.loads(ln[len(compare.RESULT_TAG):]) for ln in lines[1:]]
+    assert [r["kind"] for r in res] == ["decode", "decode_at_512"]          # nothing after quit
+    assert all(r["tps"] > 0 and r["read_gbps"] > 0 for r in res)
