@@ -627,9 +627,12 @@ class ServedRuntime:
         spec_path = workdir / f"{name}.serve.json"
         spec_path.write_text(json.dumps(spec))
         env = dict(os.environ, CPULLM_QUIET="1", OMP_NUM_THREADS=str(spec["threads"]))
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve", name,
-                                      "--spec", str(spec_path)], env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # stderr to a file: a pipe nobody reads while the runs go on could fill and stall the child
+        self.err_path = workdir / f"{name}.serve.err"
+        with open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--serve", name,
+                                          "--spec", str(spec_path)], env=env, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=err, text=True)
         self.info = json.loads(self._line(READY_TAG))
 
     def _line(self, tag: str) -> str:
@@ -637,7 +640,7 @@ class ServedRuntime:
             if line.startswith(tag):
                 return line[len(tag):]
         self.proc.wait()
-        tail = "\n".join((self.proc.stderr.read() or "").strip().splitlines()[-8:])
+        tail = "\n".join(self.err_path.read_text(errors="replace").strip().splitlines()[-8:])
         raise RuntimeError(f"{self.name} stopped (exit {self.proc.returncode}): {tail}")
 
     def run(self, kind: str) -> dict:

@@ -278,3 +278,10 @@ def test_serve_times_runs_on_command(checkpoint, tmp_path):
     res = [json.loads(ln[len(compare.RESULT_TAG):]) for ln in lines[1:]]
     assert [r["kind"] for r in res] == ["decode", "decode_at_512"]          # nothing after quit
     assert all(r["tps"] > 0 and r["read_gbps"] > 0 for r in res)
+
+
+def test_a_served_runtime_that_fails_to_load_names_its_error(tmp_path):
+    spec = {"model_dir": str(tmp_path / "missing"), "ids": IDS[:8], "gen_tokens": 2, "context_tokens": 16,
+            "repeat": 1, "threads": 1, "quant": "int8", "gguf": None}
+    pd = compare.paired_decode(["cpullm", "llama.cpp"], spec, tmp_path, 1, 60, say=lambda m: None)
+    assert pd["error"].startswith("cpullm stopped (exit 1)") and "missing" in pd["error"]
