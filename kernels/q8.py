@@ -517,19 +517,24 @@ def _emit_paired_blocks(fn, b, start, end, acc0, acc1, block):
         return block(b, i, acc[0], 0), block(b, b.add(i, _c64(1)), acc[1], 1)
 
     b, (m0, m1) = _emit_counted_loop(fn, b, start, pair_end, 2, [acc0, acc1], pair, "pairs")
-    tot = b.fadd(m0, m1)
-    mid = b.block
-    tail, done = fn.append_basic_block("odd"), fn.append_basic_block("blocks_done")
-    b.cbranch(b.icmp_signed("<", pair_end, end), tail, done)
+    tot = b.fadd(m0, m1)            # at most one block left: end - pair_end is 0 or 1
+    return _emit_if(fn, b, b.icmp_signed("<", pair_end, end), tot, lambda b, acc: block(b, pair_end, acc, 2), "odd")
 
-    b = ir.IRBuilder(tail)          # at most one block: end - pair_end is 0 or 1
-    t = block(b, pair_end, tot, 2)
+
+def _emit_if(fn, b, cond, acc, step, name):
+    """IR: ``acc = step(b, acc) if cond else acc`` for one <8 x float> value, the step in a block of its own.
+    Returns (builder at the end of an open block after it, the value)."""
+    pre = b.block
+    body, done = fn.append_basic_block(name), fn.append_basic_block(name + "_done")
+    b.cbranch(cond, body, done)
+    b = ir.IRBuilder(body)
+    new = step(b, acc)
+    last = b.block
     b.branch(done)
-
     b = ir.IRBuilder(done)
     r = b.phi(_V8F32)
-    r.add_incoming(tot, mid)
-    r.add_incoming(t, tail)
+    r.add_incoming(acc, pre)
+    r.add_incoming(new, last)
     return b, r
 
 

@@ -57,6 +57,24 @@ class _Screen:
         return int(np.argmax(out)), out
 
 
+def test_rest_activations_are_packed_in_pair_order_with_their_offset_corrections():
+    k_sel, Kp = 64, 64 + 32 * 5                   # five 4-bit blocks: two pairs and a lone block
+    p_q = np.zeros(Kp, np.int16)
+    p_q[k_sel:] = RNG.integers(-127, 128, Kp - k_sel)
+    npair = H.rest_pairs(Kp, k_sel)
+    assert npair == 3
+    x8, corr = np.full(64 * npair, 99, np.int8), np.zeros(8 * npair, np.int32)
+    H._pack_rest(p_q, k_sel, x8, corr)
+    rest = np.concatenate([p_q[k_sel:], np.zeros(32, np.int16)]).reshape(-1, 32)   # + a zero block
+    for q in range(npair):
+        for h in range(2):
+            blk = rest[2 * q + h]
+            assert np.array_equal(x8[64 * q + 16 * h: 64 * q + 16 * h + 16], blk[:16])
+            assert np.array_equal(x8[64 * q + 32 + 16 * h: 64 * q + 32 + 16 * h + 16], blk[16:])
+            lanes = blk[:16].reshape(4, 4).sum(1) + blk[16:].reshape(4, 4).sum(1)
+            assert np.array_equal(corr[8 * q + 4 * h: 8 * q + 4 * h + 4], -8 * lanes)
+
+
 def test_nibble_packing_round_trips():
     q = RNG.integers(-8, 8, (5, 96))
     assert np.array_equal(H.unpack_nibbles(H._pack_nibbles(q)), q)
@@ -88,7 +106,10 @@ def test_build_screen_error_norms_bound_the_real_errors():
 def test_screen_dots_match_reference(N, K, k_sel):
     w_q, w_s = _matrix(N, K)
     s = _Screen(w_q, w_s, k_sel=k_sel)
-    p_q, p_s = q8.quantize_act_q16_ref(_activations(K), w_q.shape[1])
+    x = np.zeros(w_q.shape[1], np.float32)
+    x[:K] = _activations(K, outliers=(1, K - 2))
+    p_q, p_s = H.screen_activations_ref(x, s.k_sel)
+    assert np.abs(p_q[:s.k_sel]).max() > 127 >= np.abs(p_q[s.k_sel:]).max()
     p_s_pad = np.zeros(H.padded_blocks(w_q.shape[1]), np.float32)
     p_s_pad[:p_s.size] = p_s
     out = np.zeros(N, np.float32)
@@ -308,8 +329,15 @@ def test_screen_row_codegen_is_vectorized():
     s = _Screen(w_q, w_s)
     p_q = np.zeros(256, np.int16)
     p_s = np.zeros(H.padded_blocks(256), np.float32)
-    asm = _fresh_asm(H._bounds_pass, s.hq, s.hs, s.hb, p_q, p_s, 2, np.float32(1), np.float32(1),
+    npair = H.rest_pairs(256, s.k_sel)
+    asm = _fresh_asm(H._bounds_pass, s.hq, s.hs, s.hb, p_q, np.zeros(64 * npair, np.int8),
+                     np.zeros(8 * npair, np.int32), p_s, 2, np.float32(1), np.float32(1),
                      np.float32(1), np.zeros(64, np.float32), np.zeros(2, np.float32), 1)
-    assert re.search(r"vpmaddwd|vpdpwssd", asm) and "vpsraw" in asm and "prefetcht0" in asm
+    # int8 blocks: vpmaddwd; 4-bit blocks: unsigned nibbles times int8, two blocks per ymm
+    assert "vpmaddwd" in asm and "prefetcht0" in asm
+    if H.SCREEN_ISA == "vnni":
+        assert re.search(r"vpdpbusd\s+[^\n]*%ymm", asm)
+    else:
+        assert re.search(r"vpmaddubsw\s+[^\n]*%ymm", asm)
     # block factors converted 8 at a time at the row start and read by the FMA as a broadcast
     assert re.search(r"vcvtph2ps\s+[^\n]*%ymm", asm) and re.search(r"vfmadd\w+ps\s+[^\n]*\{1to8\}|vbroadcastss", asm)
