@@ -448,7 +448,8 @@ _screen_dot = {"vnni": _screen_row_dot_vnni, "avx2": _screen_row_dot_avx2}.get(S
 _q8_dot = _q8_row_dot_avx2_rows if HAVE_AVX2 else _q8_row_dot_generic_rows
 
 
-def rest_pairs(Kp: int, k_sel: int) -> int:
+@njit(cache=True)
+def rest_pairs(Kp, k_sel):
     """Pairs of 4-bit blocks in a screen row (an odd last block counts as a pair)."""
     return ((Kp - k_sel) // QBLOCK + 1) // 2
 
@@ -463,7 +464,7 @@ def _pack_rest(p_q, k_sel, x8, corr):
 
     x8 int8 (>= 64 * pairs), corr int32 (>= 8 * pairs)."""
     nrest = (p_q.size - k_sel) // QBLOCK
-    for q in range((nrest + 1) // 2):
+    for q in range(rest_pairs(p_q.size, k_sel)):
         for h in range(2):
             r = 2 * q + h
             base = k_sel + QBLOCK * r
@@ -479,6 +480,16 @@ def _pack_rest(p_q, k_sel, x8, corr):
 
 
 @njit(cache=True)
+def _rest_activations(p_q, k_sel):
+    """(x8, corr) of :func:`_pack_rest`, freshly allocated (about 1 KB a token)."""
+    npair = rest_pairs(p_q.size, k_sel)
+    x8 = np.empty(64 * npair, np.int8)
+    corr = np.empty(8 * npair, np.int32)
+    _pack_rest(p_q, k_sel, x8, corr)
+    return x8, corr
+
+
+@njit(cache=True)
 def screen_dots(hq, hs, p_q, p_s, sel_blocks, out):
     """out[n] = the compact dot product of row n with permuted activations (p_q int16 (Kp,): the
     first sel_blocks blocks int16, the rest within +-127; p_s), as the bounds pass computes it
@@ -488,10 +499,7 @@ def screen_dots(hq, hs, p_q, p_s, sel_blocks, out):
     for k in range(k_sel, Kp):
         if p_q[k] < -127 or p_q[k] > 127:
             raise ValueError("screen_dots: the 4-bit blocks' activations must lie within +-127")
-    npair = ((Kp - k_sel) // QBLOCK + 1) // 2
-    x8 = np.empty(64 * npair, np.int8)
-    corr = np.empty(8 * npair, np.int32)
-    _pack_rest(p_q, k_sel, x8, corr)
+    x8, corr = _rest_activations(p_q, k_sel)
     _dots_par(hq, hs, p_q, x8, corr, p_s, sel_blocks, out)
 
 
@@ -577,10 +585,7 @@ def screen_argmax(x, perm, sel_blocks, hq, hs, hb, w_q, w_s, x_q, x_s, p_q, p_s,
     k_sel = sel_blocks * QBLOCK                         # what the compact rows read:
     quantize_act_q16(xp[:k_sel], p_q[:k_sel], p_s[:sel_blocks])            # int16 for the int8 blocks,
     _quantize_row(xp[k_sel:], p_q[k_sel:], p_s[sel_blocks:Kp // QBLOCK], 127)   # int8 for the 4-bit ones
-    npair = ((Kp - k_sel) // QBLOCK + 1) // 2
-    x8 = np.empty(64 * npair, np.int8)
-    corr = np.empty(8 * npair, np.int32)
-    _pack_rest(p_q, k_sel, x8, corr)
+    x8, corr = _rest_activations(p_q, k_sel)
     s_sel, s_rest, s_d = 0.0, 0.0, 0.0
     for k in range(Kp):
         v = np.float64(xp[k])
