@@ -24,7 +24,8 @@ checks, each raising AssertionError with a message that says what failed:
   from the first token and from the middle; a prefill split into small chunks equals one chunk;
 * f32 logits match the author's reference within ``tol`` x max |reference| at every position
   (:data:`F32_TOLERANCE`, 1e-3, by default);
-* greedy tokens with the KV cache equal the reference tokens;
+* greedy tokens with the KV cache equal the reference tokens (up to a near-tie, where f32
+  rounding may pick either token);
 * INT8 stays close to f32 on both paths (batched prefill, and token-by-token decode, which is
   what generation runs): mean cosine of mean-centred logits >= :data:`INT8_MIN_COSINE`, top-1
   agreement >= :data:`INT8_MIN_TOP1`;
@@ -47,6 +48,7 @@ import numpy as np
 F32_TOLERANCE = 1e-3          # max |delta logit| <= F32_TOLERANCE * max |reference logit|
 INT8_MIN_COSINE = 0.98
 INT8_MIN_TOP1 = 0.75
+GREEDY_TIE = 1e-4             # two logits this close (x max |logit|) may greedy-pick either token
 
 
 class ConformanceWarning(UserWarning):
@@ -203,10 +205,22 @@ def check_parity(logits, reference, tol: float = F32_TOLERANCE) -> float:
     return float(per_pos.max())
 
 
-def check_greedy(model, ids, reference_tokens) -> list[int]:
-    got = list(model.generate_ids(ids, max_new_tokens=len(reference_tokens), temperature=0.0,
-                                  ignore_eos=True))
-    assert got == list(reference_tokens), f"greedy tokens differ: got {got}, reference {list(reference_tokens)}"
+def check_greedy(model, ids, reference_tokens, tie: float = GREEDY_TIE) -> list[int]:
+    """Greedy tokens with the KV cache equal the reference's, up to a tie. Where the two sequences
+    first part, the step must be a near-tie: our logits of the two tokens, on the shared prefix,
+    within ``tie`` x max|logit|; f32 rounding may then pick either, and what follows the tie is
+    not compared. Returns our tokens."""
+    reference = [int(t) for t in reference_tokens]
+    got = [int(t) for t in model.generate_ids(ids, max_new_tokens=len(reference), temperature=0.0,
+                                              ignore_eos=True)]
+    step = next((i for i, (a, b) in enumerate(zip(got, reference)) if a != b), None)
+    if step is None:
+        assert len(got) == len(reference), f"{len(got)} greedy tokens, reference has {len(reference)}"
+        return got
+    logits = model.logits(list(ids) + reference[:step])[-1]                  # (vocab,)
+    gap = abs(float(logits[got[step]] - logits[reference[step]])) / float(np.abs(logits).max())
+    assert gap <= tie, (f"greedy tokens differ from step {step}: got {got}, reference {reference}; "
+                        f"not a tie: their logits differ by {gap:.1e} x max|logit| (tie tolerance {tie:.0e})")
     return got
 
 

@@ -197,3 +197,30 @@ def test_tied_embedding_packed_once():
     prog = compile_graph(graph, Tied(w.arrays), quant="int8", n_ctx=64, max_chunk=8)
     untied = compile_graph(graph, w, quant="int8", n_ctx=64, max_chunk=8)
     assert prog.arrays["wq"].size < untied.arrays["wq"].size
+
+
+class _ScriptedModel:
+    """generate_ids returns fixed tokens; logits returns fixed last-position logits."""
+
+    def __init__(self, tokens, last_logits):
+        self.tokens, self.last_logits = tokens, np.asarray(last_logits, np.float32)
+
+    def generate_ids(self, ids, **_):
+        return iter(self.tokens)
+
+    def logits(self, ids):
+        return np.stack([self.last_logits] * len(ids))
+
+
+def test_check_greedy_accepts_only_a_near_tie():
+    from cpullm import testing
+
+    reference = [3, 1, 2]
+    assert testing.check_greedy(_ScriptedModel([3, 1, 2], [0, 0, 0, 0]), [0], reference) == [3, 1, 2]
+    tie = [0.0, 5.0, 5.0 - 1e-5, 1.0]                       # tokens 1 and 2 within 2e-6 x max
+    assert testing.check_greedy(_ScriptedModel([3, 2, 0], tie), [0], reference) == [3, 2, 0]
+    clear = [0.0, 5.0, 4.0, 1.0]                            # token 1 beats token 2 by 0.2 x max
+    with pytest.raises(AssertionError, match="from step 1.*not a tie"):
+        testing.check_greedy(_ScriptedModel([3, 2, 0], clear), [0], reference)
+    with pytest.raises(AssertionError, match="2 greedy tokens"):
+        testing.check_greedy(_ScriptedModel([3, 1], clear), [0], reference)

@@ -46,7 +46,7 @@ def test_greedy_32_tokens_match_transformers(models):
     assert ids[0] == 2                                             # <bos>
     ref_tokens = hf_greedy(ref, ids, N_GREEDY)
     testing.check_parity(ours.logits(ids), hf_logits(ref, ids))
-    assert testing.check_greedy(ours, ids, ref_tokens) == ref_tokens
+    testing.check_greedy(ours, ids, ref_tokens)
 
 
 def test_past_the_sliding_window(models):
@@ -60,4 +60,4 @@ def test_past_the_sliding_window(models):
     ref_logits = hf_logits(ref, ids)
     testing.check_parity(ours.logits(ids)[-64:], ref_logits[-64:])
     ref_tokens = hf_greedy(ref, ids, N_GREEDY)
-    assert testing.check_greedy(ours, ids, ref_tokens) == ref_tokens
+    testing.check_greedy(ours, ids, ref_tokens)

@@ -1,4 +1,6 @@
 """Llama family against transformers on tiny random checkpoints (both checkpoint layouts)."""
+import zlib
+
 import numpy as np
 import pytest
 
@@ -26,7 +28,7 @@ def checkpoint(request, tmp_path_factory):
     name, layout = request.param
     cfg = LlamaConfig(**CASES[name])
     d = tmp_path_factory.mktemp(f"{name}_{layout}")
-    save_tiny(cfg, d, seed=hash(name) % 1000, legacy=layout == "legacy",
+    save_tiny(cfg, d, seed=zlib.crc32(name.encode()) % 1000, legacy=layout == "legacy",
               f32_tensors=("norm",) if layout == "legacy" else ())
     ref = hf_model(d)
     return d, hf_logits(ref, IDS), hf_greedy(ref, IDS[:8], 32)
@@ -41,7 +43,7 @@ def test_f32_parity_every_position(checkpoint):
 def test_f32_greedy_32_tokens_with_cache(checkpoint):
     d, _, ref_tokens = checkpoint
     model = cpullm.load(d, quant="f32", use_cache=False)
-    assert testing.check_greedy(model, IDS[:8], ref_tokens) == ref_tokens
+    testing.check_greedy(model, IDS[:8], ref_tokens)
 
 
 def test_conformance_kit(checkpoint):

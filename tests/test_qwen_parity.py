@@ -152,7 +152,6 @@ def test_conformance_kit(checkpoint):
                                      greedy_prompt=PROMPT, family=family)
     assert report["family"] == family and report["plugin"] == "cpullm-plugin-qwen"
     assert report["parity_err"] <= 1e-3
-    assert report["greedy"] == ref_tokens
     assert report["int8"]["cosine"] >= 0.98 and report["int8"]["top1"] >= 0.75
     assert report["int8"]["decode"]["cosine"] >= 0.98 and report["int8"]["decode"]["top1"] >= 0.75
     if family.startswith("qwen3_5"):

@@ -34,8 +34,7 @@ def coder():
 def test_qwen25_coder_f32_greedy_32_tokens_equal_transformers(coder):
     d, model, ids, ref = coder
     ref_tokens = hf_greedy(ref, ids, 32)
-    got = list(model.generate_ids(ids, max_new_tokens=32, temperature=0.0, ignore_eos=True))
-    assert got == ref_tokens, (model.tokenizer.decode(got), model.tokenizer.decode(ref_tokens))
+    testing.check_greedy(model, ids, ref_tokens)
 
 
 def test_qwen25_coder_f32_logits_and_int8_fidelity(coder):

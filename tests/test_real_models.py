@@ -77,8 +77,7 @@ def test_f32_greedy_32_tokens_equal_transformers(real, kind):
     name, f32, _, ref = real
     ids = f32.tokenizer.encode(PROMPTS[kind])
     expected = hf_greedy(ref, ids, 32)
-    got = list(f32.generate_ids(ids, max_new_tokens=32, temperature=0.0, ignore_eos=True))
-    assert got == expected, (name, f32.tokenizer.decode(got), f32.tokenizer.decode(expected))
+    testing.check_greedy(f32, ids, expected)
 
 
 def test_int8_fidelity_over_prompt_positions(real):
