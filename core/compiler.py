@@ -69,6 +69,20 @@ class _Blob:
         return np.concatenate(self.parts)
 
 
+class _Scratch:
+    """One float32 buffer for every matrix compile_graph quantizes, one after another: fresh
+    memory is slow to touch on some VMs (seconds per GB), and each matrix is dropped once packed."""
+
+    def __init__(self):
+        self.buf = np.empty(0, np.float32)
+
+    def take(self, shape: tuple) -> np.ndarray:
+        n = int(np.prod(shape))
+        if self.buf.size < n:
+            self.buf = np.empty(n, np.float32)
+        return self.buf[:n].reshape(shape)
+
+
 @attrs.define
 class _Phys:
     """A physical op to emit: one IR node, or a fused group of LINEAR nodes."""
@@ -185,6 +199,7 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
 
     # ---- weights ---------------------------------------------------------------------------
     wq, ws, wf = _Blob(np.int8), _Blob(np.uint16), _Blob(np.float32)
+    scratch = _Scratch()
     packed: dict[tuple, tuple] = {}    # (sources, kind) -> (kind, w_off, s_off, Kp)
     fparams: dict[str, int] = {}
 
@@ -199,14 +214,17 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
         key = (tuple(weights.source_of(c) for c in canonicals), mode)
         if key in packed:
             return packed[key]
-        mats = [weights.get(c) for c in canonicals]
-        mat = mats[0] if len(mats) == 1 else np.concatenate(mats, axis=0)
-        N, Kdim = mat.shape
-        if mode == "int8":
-            q, s = quantize(np.ascontiguousarray(mat, dtype=np.float32))
-            packed[key] = (K.WEIGHT_Q8, wq.add(q), ws.add(s), q.shape[1], N)
+        if mode == "int8":                 # the float32 matrix only lives until it is quantized
+            rows = [weights.shape(c)[0] for c in canonicals]
+            mat = scratch.take((sum(rows), weights.shape(canonicals[0])[1]))      # (N, K) float32
+            for c, r0, r in zip(canonicals, np.cumsum([0] + rows), rows):
+                weights.get(c, out=mat[r0:r0 + r])
+            q, s = quantize(mat)
+            packed[key] = (K.WEIGHT_Q8, wq.add(q), ws.add(s), q.shape[1], mat.shape[0])
         else:
-            packed[key] = (K.WEIGHT_F32, wf.add(mat), -1, Kdim, N)
+            mats = [weights.get(c) for c in canonicals]
+            mat = mats[0] if len(mats) == 1 else np.concatenate(mats, axis=0)
+            packed[key] = (K.WEIGHT_F32, wf.add(mat), -1, mat.shape[1], mat.shape[0])
         if progress:
             progress(canonicals[0])
         return packed[key]

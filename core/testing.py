@@ -56,14 +56,25 @@ class ConformanceWarning(UserWarning):
 
 
 def fidelity(logits: np.ndarray, ref: np.ndarray) -> dict:
-    """Mean cosine of mean-centred logits, top-1 agreement and mean KL(ref || logits), nats."""
-    a = logits - logits.mean(-1, keepdims=True)
-    b = ref - ref.mean(-1, keepdims=True)
-    cos = (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1) + 1e-30)
-    lp, lq = _log_softmax(logits), _log_softmax(ref)
-    kl = (np.exp(lq) * (lq - lp)).sum(-1)
-    return {"cosine": float(cos.mean()), "top1": float((logits.argmax(-1) == ref.argmax(-1)).mean()),
-            "kl": float(kl.mean())}
+    """Mean cosine of mean-centred logits, top-1 agreement and mean KL(ref || logits), nats.
+    Computed a few positions (~1M logits) at a time: each float64 temporary then stays under
+    glibc's mmap threshold and reuses the heap, where whole-array temporaries are fresh pages
+    every time (60 s instead of 4 s for Gemma 3's 262k vocabulary over 505 positions, here)."""
+    logits, ref = np.asarray(logits), np.asarray(ref)
+    assert logits.shape == ref.shape, f"shape {logits.shape} != reference {ref.shape}"
+    logits, ref = logits.reshape(-1, logits.shape[-1]), ref.reshape(-1, ref.shape[-1])
+    rows = max(1, (1 << 20) // logits.shape[-1])
+    cos, top1, kl = [], [], []
+    for r0 in range(0, logits.shape[0], rows):
+        x, y = logits[r0:r0 + rows].astype(np.float64), ref[r0:r0 + rows].astype(np.float64)
+        a = x - x.mean(-1, keepdims=True)
+        b = y - y.mean(-1, keepdims=True)
+        cos.append((a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1) + 1e-30))
+        top1.append(x.argmax(-1) == y.argmax(-1))
+        lp, lq = _log_softmax(x), _log_softmax(y)
+        kl.append((np.exp(lq) * (lq - lp)).sum(-1))
+    return {"cosine": float(np.concatenate(cos).mean()), "top1": float(np.concatenate(top1).mean()),
+            "kl": float(np.concatenate(kl).mean())}
 
 
 def _log_softmax(x):

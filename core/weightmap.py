@@ -155,12 +155,20 @@ class ResolvedWeights:
         canonical = self.ties.get(canonical, canonical)
         return self.found[canonical][0]
 
-    def get(self, canonical: str) -> np.ndarray:
+    def shape(self, canonical: str) -> tuple:
+        """The canonical tensor's shape (transforms keep shapes)."""
+        return self.store.shape(self.source_of(canonical))
+
+    def get(self, canonical: str, out: np.ndarray | None = None) -> np.ndarray:
+        """The canonical tensor as float32; written into ``out`` (float32, its shape) if given."""
         canonical = self.ties.get(canonical, canonical)
         stored, transform = self.found[canonical]
-        arr = self.store.get(stored)
-        if transform is not None:
-            arr = np.ascontiguousarray(transform(arr, self.args), dtype=np.float32)
+        if transform is None:
+            return self.store.get(stored) if out is None else self.store.get(stored, out=out)
+        arr = np.ascontiguousarray(transform(self.store.get(stored), self.args), dtype=np.float32)
+        if out is not None:
+            out[...] = arr
+            return out
         return arr
 
     def fingerprint(self) -> list:

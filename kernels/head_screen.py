@@ -156,9 +156,11 @@ def unpack_nibbles(p):
     return np.concatenate([lo, hi], axis=2).reshape(p.shape[0], -1).astype(np.int8)
 
 
-def build_screen(w_q, w_s, perm, k_sel: int, rows_per_chunk: int = 8192):
+def build_screen(w_q, w_s, perm, k_sel: int, rows_per_chunk: int | None = None):
     """The compact copy and error norms of the q8 matrix (w_q int8 (N, Kp), w_s uint16 (N, Kp//32))
-    with columns ``perm`` (k_sel of them at 8 bits). Returns (hq, hs, hb) as in the module docstring."""
+    with columns ``perm`` (k_sel of them at 8 bits). Returns (hq, hs, hb) as in the module docstring.
+    Rows go ``rows_per_chunk`` at a time, by default ~8 MB of float64 per temporary: under glibc's
+    mmap threshold, so the heap is reused instead of fresh pages (slow to touch on some VMs)."""
     N, Kp = w_q.shape
     if (Kp % QBLOCK or k_sel % QBLOCK or not 0 < k_sel < Kp or Kp > QBLOCK * MAX_BLOCKS
             or sorted(perm) != list(range(Kp))):
@@ -166,6 +168,7 @@ def build_screen(w_q, w_s, perm, k_sel: int, rows_per_chunk: int = 8192):
                          "perm a permutation of range(Kp)")
     perm = np.asarray(perm, np.int64)
     nb = Kp // QBLOCK
+    rows_per_chunk = rows_per_chunk or max(1, (1 << 20) // Kp)
     hq = np.empty((N, k_sel + (Kp - k_sel) // 2), np.int8)
     hs = np.zeros((N, padded_blocks(Kp)), np.uint16)
     hb = np.empty((N, 3), np.float32)

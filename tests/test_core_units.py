@@ -38,6 +38,12 @@ def test_tensorstore_dtypes_and_shards(tmp_path):
     for n in "abc":
         np.testing.assert_array_equal(st.get(n), a)
         assert st.get(n).dtype == np.float32
+        out = np.full((4, 3), np.nan, np.float32)
+        assert st.get(n, out=out[1:3]).base is out   # written into the given buffer
+        np.testing.assert_array_equal(out[1:3], a)
+        assert np.isnan(out[[0, 3]]).all()
+    with pytest.raises(ValueError, match="out must be float32"):
+        st.get("c", out=np.empty((3, 2), np.float32))
     assert st.raw("a").base is not None          # a view into the mapping, not a copy
 
 
@@ -132,8 +138,15 @@ class _Weights:
     def source_of(self, n):
         return n
 
-    def get(self, n):
-        return self.arrays[n]
+    def shape(self, n):
+        return self.get(n).shape
+
+    def get(self, n, out=None):
+        arr = self.arrays[self.source_of(n)]
+        if out is not None:
+            out[...] = arr
+            return out
+        return arr
 
 
 def _tiny_graph():
@@ -191,9 +204,6 @@ def test_tied_embedding_packed_once():
     class Tied(_Weights):
         def source_of(self, n):
             return "embed" if n == "lm_head" else n
-
-        def get(self, n):
-            return self.arrays["embed" if n == "lm_head" else n]
     prog = compile_graph(graph, Tied(w.arrays), quant="int8", n_ctx=64, max_chunk=8)
     untied = compile_graph(graph, w, quant="int8", n_ctx=64, max_chunk=8)
     assert prog.arrays["wq"].size < untied.arrays["wq"].size
