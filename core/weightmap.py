@@ -166,6 +166,9 @@ class ResolvedWeights:
         if transform is None:
             return self.store.get(stored) if out is None else self.store.get(stored, out=out)
         arr = np.ascontiguousarray(transform(self.store.get(stored), self.args), dtype=np.float32)
+        if arr.shape != self.store.shape(stored):
+            raise WeightMapError(f"transform {transform.name} turned {stored} {self.store.shape(stored)} into "
+                                 f"{arr.shape}; a transform must keep the shape (reshape in the graph)")
         if out is not None:
             out[...] = arr
             return out

@@ -102,6 +102,16 @@ def test_weightmap_aliases_ignore_ties_and_transform_once():
     np.testing.assert_array_equal(r.get("lm_head"), r.get("embed"))
 
 
+def test_weightmap_transform_must_keep_the_shape():
+    from cpullm.weightmap import Transform
+
+    store = _Store({"model.w": np.ones((2, 3), np.float32)})
+    flat = Transform("flatten", lambda w, args: w.reshape(-1))
+    r = WeightMap(rules=[W("w", "model.w", (2, 3), transform=flat)]).resolve(store)
+    with pytest.raises(WeightMapError, match=r"flatten turned model.w \(2, 3\) into \(6,\)"):
+        r.get("w")
+
+
 def test_weightmap_reports_everything_at_once():
     store = _Store({"model.a": np.zeros((2, 2), np.float32), "model.zzz": np.zeros(1, np.float32)})
     wm = WeightMap(rules=[W("a", "model.a", (3, 2)), W("b", "model.b", (2,)), W("layers.{i}.c", "model.l.{i}.c")],
