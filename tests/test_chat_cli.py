@@ -34,16 +34,12 @@ def stats(child):
     return tuple(int(g) for g in child.match.groups())
 
 
-def with_template(tmp_path, template, max_positions: int | None = None):
-    """The shared tiny model's files with another tokenizer_config.json (and, given
-    ``max_positions``, a config.json allowing that many positions)."""
+def with_template(tmp_path, template):
+    """The shared tiny model's files with another tokenizer_config.json."""
     d = tmp_path / "model"
     d.mkdir()
     for f in chat_model_dir().iterdir():
-        if f.name == "config.json" and max_positions:
-            cfg = json.loads(f.read_text())
-            (d / f.name).write_text(json.dumps(dict(cfg, max_position_embeddings=max_positions)))
-        elif f.name != "tokenizer_config.json":
+        if f.name != "tokenizer_config.json":
             os.symlink(f, d / f.name)
     (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": template} if template else {}))
     return d
@@ -97,16 +93,14 @@ def test_conversation_keeps_history_drops_oldest_turns_and_system_commands():
 
 
 def test_ctrl_c_stops_the_answer_and_commands(tmp_path):
-    # the tiny model streams ~7000 tokens/s at a short context: an answer of 900 tokens could end
-    # before the Ctrl-C lands; 16000 tokens (slower as the context grows) take seconds
-    child = spawn(with_template(tmp_path, GEMMA2, max_positions=16384), "--ctx", 16384, "-n", 16000)
+    child = spawn(with_template(tmp_path, GEMMA2), "--ctx", 1024, "-n", 900)
     child.sendline("tell me a long story")
     child.expect(r"tell me a long story\r\n")  # the echo; then the answer streams
     child.expect(r"\S")                       # some of the answer has arrived
     child.sendintr()
     child.expect_exact("[stopped]")
     n, used, _ = stats(child)
-    assert 0 < n < 16000
+    assert 0 < n < 900
     child.expect_exact(PROMPT)
     # Gemma 2's template refuses a system role: the error names it and the chat goes on
     child.sendline("/system You are terse.")
