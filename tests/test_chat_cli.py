@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -20,10 +21,16 @@ from test_server_support import chat_model_dir, cli_env  # noqa: E402
 PROMPT = ">>> "
 
 
+def _as_at_a_terminal():
+    """In the child: SIGINT back to its default. A test run started as a background job (``cmd &``
+    in a script) ignores SIGINT, and the chat would inherit that: Ctrl-C would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def spawn(model_dir, *args):
     cmd = [sys.executable, "-m", "cpullm.cli", "chat", str(model_dir), "--threads", "1", *map(str, args)]
     child = pexpect.spawn(cmd[0], cmd[1:], env=cli_env(), encoding="utf-8", codec_errors="replace",
-                          timeout=120, dimensions=(40, 200))
+                          timeout=120, dimensions=(40, 200), preexec_fn=_as_at_a_terminal)
     child.expect(r"cpullm chat: \S+ \(llama, int8, \d+-token context\)")
     child.expect_exact(PROMPT)
     return child
