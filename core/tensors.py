@@ -30,12 +30,13 @@ _DTYPES = {
 _MAX_HEADER = 100 * 1024 * 1024
 
 
-def bf16_to_f32(raw: np.ndarray) -> np.ndarray:
-    """(…) uint16 holding bf16 bits -> (…) float32. Shifts in place: one new array, not two
-    (fresh memory is what this costs; on some VMs tens of ms per MB the first time it is touched)."""
-    out = raw.astype(np.uint32)
-    np.left_shift(out, 16, out=out)
-    return out.view(np.float32)
+def bf16_to_f32(raw: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """(…) uint16 holding bf16 bits -> (…) float32, written into ``out`` (float32, same shape) or
+    one new array: no temporaries (fresh memory is what this costs; on some VMs tens of ms per MB
+    the first time it is touched)."""
+    out = np.empty(raw.shape, np.float32) if out is None else out
+    np.left_shift(raw, np.uint32(16), out=out.view(np.uint32), dtype=np.uint32)
+    return out
 
 
 class _Entry:
@@ -185,9 +186,8 @@ class TensorStore:
         if out.dtype != np.float32 or out.shape != arr.shape:
             raise ValueError(f"{name}: out must be float32 {arr.shape}, got {out.dtype} {out.shape}")
         if e.dtype == "BF16":
-            np.left_shift(arr, np.uint32(16), out=out.view(np.uint32), dtype=np.uint32)
-        else:
-            out[...] = arr
+            return bf16_to_f32(arr, out)
+        out[...] = arr
         return out
 
     def nbytes(self) -> int:

@@ -78,7 +78,7 @@ def fidelity(logits: np.ndarray, ref: np.ndarray) -> dict:
 
 
 def _log_softmax(x):
-    x = x.astype(np.float64)
+    x = np.asarray(x, np.float64)
     m = x.max(-1, keepdims=True)
     return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
 

@@ -154,20 +154,3 @@ def hf_greedy(model, ids, n: int) -> list[int]:
         out = model.generate(torch.tensor([list(ids)]), max_new_tokens=n, min_new_tokens=n,
                              do_sample=False, pad_token_id=0, use_cache=True)
     return out[0, len(ids):].tolist()
-
-
-def fidelity(logits: np.ndarray, ref: np.ndarray) -> dict:
-    """Mean cosine of mean-centred logits, top-1 agreement, mean KL(ref || logits) in nats."""
-    a = logits - logits.mean(-1, keepdims=True)
-    b = ref - ref.mean(-1, keepdims=True)
-    cos = (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))
-    top1 = (logits.argmax(-1) == ref.argmax(-1)).mean()
-    lp = _log_softmax(logits.astype(np.float64))
-    lq = _log_softmax(ref.astype(np.float64))
-    kl = (np.exp(lq) * (lq - lp)).sum(-1).mean()
-    return {"cosine": float(cos.mean()), "top1": float(top1), "kl": float(kl)}
-
-
-def _log_softmax(x):
-    m = x.max(-1, keepdims=True)
-    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
