@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -78,6 +79,9 @@ PREFETCH_BYTES = 4096
 """Software-prefetch distance in the weight stream of matvec_q8. Measured: 0 -> 1 KiB +10-25 % (Zen 3);
 1 -> 4 KiB +4-7 % on a whole Qwen2.5-0.5B decode sweep on the Zen 5 (AVX-512), reaching a plain
 read of the same bytes; 8 KiB no better; on the Zen 3, 0-8 KiB were equal within the noise."""
+
+LONG_ROW_K = 4096
+"""Rows at least this long (int16 activations of >= 8 KiB) prefetch into L2, not L1 (see matvec_q8)."""
 
 HAVE_AVX2 = {"avx2", "fma"} <= numba_setup.HOST_FEATURES
 """True when matvec_q8 uses the AVX2 routine (else the portable IR)."""
@@ -465,10 +469,11 @@ def _scaled_fma(b, module, sums, factor, acc):
     return b.call(fmuladd, [b.sitofp(sums, _V8F32), sv, acc])
 
 
-def _prefetch_ahead(b, module, p):
-    """IR: prefetch (read, keep in all levels) PREFETCH_BYTES past the byte pointer p."""
+def _prefetch_ahead(b, module, p, locality=3):
+    """IR: prefetch (read) PREFETCH_BYTES past the byte pointer p, into L1 (``locality`` 3:
+    ``prefetcht0``) or L2 (2: ``prefetcht1``)."""
     prefetch = _decl(module, "llvm.prefetch.p0", ir.VoidType(), [_P8, _I32, _I32, _I32])
-    b.call(prefetch, [b.gep(p, [_c64(PREFETCH_BYTES)]), ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+    b.call(prefetch, [b.gep(p, [_c64(PREFETCH_BYTES)]), ir.Constant(_I32, 0), ir.Constant(_I32, locality),
                       ir.Constant(_I32, 1)])
 
 
@@ -538,7 +543,7 @@ def _emit_if(fn, b, cond, acc, step, name):
     return b, r
 
 
-def _define_row_dot(module, x86: bool, stream: bool = True):
+def _define_row_dot(module, x86: bool, stream: bool = True, locality: int = 3):
     """float @cpullm_q8_row_dot_*(i8* w_row, i8* ws_row, i8* x, i8* xs, i64 nblocks), alwaysinline.
 
     sum over blocks b of float(dot32(w_row[32b:], x[32b:])) * (f16(ws_row[b]) * xs[b]) into two
@@ -550,9 +555,10 @@ def _define_row_dot(module, x86: bool, stream: bool = True):
     take their factors one by one. A prefetch PREFETCH_BYTES ahead per block (one per 64 bytes
     measured 2-3 % slower), none in the odd tail. ``stream=False``: the same arithmetic without the
     prefetches, for rows read out of order (the head screen's exact rows). Every variant returns
-    the same float32: block b always goes to accumulator b % 2, in order.
+    the same float32: block b always goes to accumulator b % 2, in order. ``locality``: the
+    prefetch's target (3: L1, 2: L2; the arithmetic is the same).
     """
-    name = "cpullm_q8_row_dot_v5_" + ("avx2" if x86 else "generic") + ("" if stream else "_rows")
+    name = "cpullm_q8_row_dot_v5_" + ("avx2" if x86 else "generic") + ("" if stream else "_rows") + f"_l{locality}"
     fn = module.globals.get(name)
     if fn is not None:
         return fn
@@ -573,7 +579,7 @@ def _define_row_dot(module, x86: bool, stream: bool = True):
         off = b.shl(i, _c64(5))
         wp = b.gep(w, [off])
         if stream and prefetch:
-            _prefetch_ahead(b, module, wp)
+            _prefetch_ahead(b, module, wp, locality)
         sums = _block_dot_i32x8(b, module, wp, b.gep(x, [b.shl(off, _c64(1))]), x86)   # x: 64 bytes per block
         return _scaled_fma(b, module, sums, factor, acc)
 
@@ -614,7 +620,7 @@ def _define_row_dot(module, x86: bool, stream: bool = True):
     return fn
 
 
-def _row_dot_typer(w_q, w_s, x_q, x_s, n, x86, stream=True):
+def _row_dot_typer(w_q, w_s, x_q, x_s, n, x86, stream=True, locality=3):
     ok = (isinstance(w_q, types.Array) and w_q.dtype == types.int8 and w_q.ndim == 2
           and isinstance(w_s, types.Array) and w_s.dtype == types.uint16 and w_s.ndim == 2
           and isinstance(x_q, types.Array) and x_q.dtype == types.int16 and x_q.ndim == 1
@@ -632,7 +638,7 @@ def _row_dot_typer(w_q, w_s, x_q, x_s, n, x86, stream=True):
         nb = builder.ashr(builder.extract_value(aw.shape, 1), _c64(5))
         wrow = builder.gep(builder.bitcast(aw.data, _P8), [builder.mul(row, wstride)])
         srow = builder.gep(builder.bitcast(asc.data, _P8), [builder.mul(row, sstride)])
-        fn = _define_row_dot(builder.module, x86, stream)
+        fn = _define_row_dot(builder.module, x86, stream, locality)
         return builder.call(fn, [wrow, srow, builder.bitcast(ax.data, _P8), builder.bitcast(axs.data, _P8), nb])
 
     return sig, codegen
@@ -648,6 +654,18 @@ def _q8_row_dot_avx2(typingctx, w_q, w_s, x_q, x_s, n):
 def _q8_row_dot_generic(typingctx, w_q, w_s, x_q, x_s, n):
     """float32 dot of row n of (w_q, w_s) with (x_q, x_s): portable IR. No bounds checks."""
     return _row_dot_typer(w_q, w_s, x_q, x_s, n, False)
+
+
+@intrinsic
+def _q8_row_dot_avx2_l2(typingctx, w_q, w_s, x_q, x_s, n):
+    """As _q8_row_dot_avx2 (the same float32 result), prefetching the weight stream into L2."""
+    return _row_dot_typer(w_q, w_s, x_q, x_s, n, True, True, 2)
+
+
+@intrinsic
+def _q8_row_dot_generic_l2(typingctx, w_q, w_s, x_q, x_s, n):
+    """As _q8_row_dot_generic (the same float32 result), prefetching the weight stream into L2."""
+    return _row_dot_typer(w_q, w_s, x_q, x_s, n, False, True, 2)
 
 
 @intrinsic
@@ -672,20 +690,35 @@ def _check_q8(w_q, w_s, x_q, x_s, out):
         raise ValueError("matvec_q8: rows of w_q / w_s and x_q / x_s must be contiguous")
 
 
+@njit(cache=True, inline="always")
+def _prefetch_to_l2(w_q):
+    """Where matvec_q8 prefetches its weight stream into L2 instead of L1: long rows (the
+    activations the rows reuse no longer stay in L1 beside the stream), or more than one thread."""
+    return w_q.shape[1] >= LONG_ROW_K or numba.get_num_threads() > 1
+
+
 @njit(cache=True, parallel=True)
 def _matvec_q8_avx2(w_q, w_s, x_q, x_s, out):
     """matvec_q8 with the AVX2 row routine (see matvec_q8)."""
     _check_q8(w_q, w_s, x_q, x_s, out)
-    for n in prange(w_q.shape[0]):
-        out[n] = _q8_row_dot_avx2(w_q, w_s, x_q, x_s, n)
+    if _prefetch_to_l2(w_q):
+        for n in prange(w_q.shape[0]):
+            out[n] = _q8_row_dot_avx2_l2(w_q, w_s, x_q, x_s, n)
+    else:
+        for n in prange(w_q.shape[0]):
+            out[n] = _q8_row_dot_avx2(w_q, w_s, x_q, x_s, n)
 
 
 @njit(cache=True, parallel=True)
 def _matvec_q8_generic(w_q, w_s, x_q, x_s, out):
     """matvec_q8 with the portable row routine (see matvec_q8)."""
     _check_q8(w_q, w_s, x_q, x_s, out)
-    for n in prange(w_q.shape[0]):
-        out[n] = _q8_row_dot_generic(w_q, w_s, x_q, x_s, n)
+    if _prefetch_to_l2(w_q):
+        for n in prange(w_q.shape[0]):
+            out[n] = _q8_row_dot_generic_l2(w_q, w_s, x_q, x_s, n)
+    else:
+        for n in prange(w_q.shape[0]):
+            out[n] = _q8_row_dot_generic(w_q, w_s, x_q, x_s, n)
 
 
 matvec_q8 = _matvec_q8_avx2 if HAVE_AVX2 else _matvec_q8_generic
@@ -696,6 +729,14 @@ out float32 (N,).
 int32 sums inside a block, float32 across blocks. Parallel over rows (``prange``, static schedule:
 each thread streams one contiguous range); callable from other @njit functions. Raises
 ValueError on inconsistent shapes or non-contiguous rows.
+
+The weight stream's software prefetch goes to L1 (``prefetcht0``) for short rows on one thread
+and to L2 (``prefetcht1``) otherwise (:data:`LONG_ROW_K`). Measured on the 2-core Zen 4 VM, the
+body matrices of a real decode token, the variants interleaved in one process (medians of
+per-round ratios over 60-90 rounds, ``benchmarks/matvec_prefetch.py``): with 2 threads, L2 for every matrix took 0.93x the time on Qwen2.5-0.5B (whose MLP down
+rows are 4864 long), 0.99x on Gemma 3 270M, 1.00x on SmolLM2; with 1 thread it took 1.07-1.10x,
+and L2 for the long rows alone 0.96-0.99x. A long row's int16 activations (9.7 KB for 4864)
+and the stream pulled into L1 4 KiB ahead evict each other.
 """
 
 
