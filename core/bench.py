@@ -22,6 +22,8 @@ Definitions (the same harness, :func:`measure_speed`, also drives llama.cpp and 
   with that directory warm; the numba cache is warm for both (this process filled it).
 * **numba compile** (``warmup_compile_s``): ready time of a child with ``NUMBA_CACHE_DIR`` set to
   an empty directory, minus the HIT ready time (the execution cache is warm for both).
+  ``numba_uncacheable`` lists the functions that child compiled but numba could not write to its
+  on-disk cache (its "Cannot cache compiled function" warnings): every start recompiles those.
 * **memory**: ``model.info()["memory"]`` after the runs: packed weight bytes, KV bytes in use at
   the end of the 512-context run (and allocated for the whole context), activation arena, peak
   RSS of this process.
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -463,7 +466,12 @@ def _child_load(spec: dict, env_extra: dict | None = None, timeout: float = 3600
         raise BenchError(f"the load-time child process failed (exit {proc.returncode}): {tail}")
     out = json.loads(line.split(" ", 1)[1])
     out["ready_s"] = out["ready_wall"] - t_spawn
+    out["uncacheable"] = sorted(set(_UNCACHEABLE.findall(proc.stderr or "")))
     return out
+
+
+_UNCACHEABLE = re.compile(r'Cannot cache compiled function "([^"]+)"')
+"""numba's warning for a function it compiled but cannot write to its on-disk cache."""
 
 
 def load_timings(model_dir, quant: str, threads: int, n_ctx: int, probe_ids: list[int],
@@ -493,7 +501,7 @@ def load_timings(model_dir, quant: str, threads: int, n_ctx: int, probe_ids: lis
             numba_dir.mkdir()
             cold = _child_load(spec, {"NUMBA_CACHE_DIR": str(numba_dir)})
             res.update(warmup_compile_s=max(0.0, cold["ready_s"] - hit["ready_s"]),
-                       load_s_cold_numba=cold["ready_s"],
+                       load_s_cold_numba=cold["ready_s"], numba_uncacheable=cold["uncacheable"],
                        first_forward_compile_s=max(0.0, cold["first_forward_s"] - cold["second_forward_s"]))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -598,6 +606,8 @@ def format_report(r: dict) -> str:
         f"  load, cache MISS       {_s(r.get('load_s_miss'), 's', '{:9.2f}')}  process start to ready",
         f"  load, cache HIT        {_s(r.get('load_s_hit'), 's', '{:9.2f}')}  process start to ready",
         f"  numba compile          {_s(r.get('warmup_compile_s'), 's', '{:9.2f}')}  cold numba cache",
+        *([f"  numba could not cache (recompiled at every start): {', '.join(r['numba_uncacheable'])}"]
+          if r.get("numba_uncacheable") else []),
         "",
         f"  memory: weights {_mb(r['weights_bytes'])}, KV {_mb(r['kv_bytes'])} in use "
         f"({_mb(r['kv_bytes_max'])} allocated), arena {_mb(r['arena_bytes'])}, "

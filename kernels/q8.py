@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -690,18 +689,11 @@ def _check_q8(w_q, w_s, x_q, x_s, out):
         raise ValueError("matvec_q8: rows of w_q / w_s and x_q / x_s must be contiguous")
 
 
-@njit(cache=True, inline="always")
-def _prefetch_to_l2(w_q):
-    """Where matvec_q8 prefetches its weight stream into L2 instead of L1: long rows (the
-    activations the rows reuse no longer stay in L1 beside the stream), or more than one thread."""
-    return w_q.shape[1] >= LONG_ROW_K or numba.get_num_threads() > 1
-
-
 @njit(cache=True, parallel=True)
 def _matvec_q8_avx2(w_q, w_s, x_q, x_s, out):
     """matvec_q8 with the AVX2 row routine (see matvec_q8)."""
     _check_q8(w_q, w_s, x_q, x_s, out)
-    if _prefetch_to_l2(w_q):
+    if w_q.shape[1] >= LONG_ROW_K:
         for n in prange(w_q.shape[0]):
             out[n] = _q8_row_dot_avx2_l2(w_q, w_s, x_q, x_s, n)
     else:
@@ -713,7 +705,7 @@ def _matvec_q8_avx2(w_q, w_s, x_q, x_s, out):
 def _matvec_q8_generic(w_q, w_s, x_q, x_s, out):
     """matvec_q8 with the portable row routine (see matvec_q8)."""
     _check_q8(w_q, w_s, x_q, x_s, out)
-    if _prefetch_to_l2(w_q):
+    if w_q.shape[1] >= LONG_ROW_K:
         for n in prange(w_q.shape[0]):
             out[n] = _q8_row_dot_generic_l2(w_q, w_s, x_q, x_s, n)
     else:
@@ -730,13 +722,16 @@ int32 sums inside a block, float32 across blocks. Parallel over rows (``prange``
 each thread streams one contiguous range); callable from other @njit functions. Raises
 ValueError on inconsistent shapes or non-contiguous rows.
 
-The weight stream's software prefetch goes to L1 (``prefetcht0``) for short rows on one thread
-and to L2 (``prefetcht1``) otherwise (:data:`LONG_ROW_K`). Measured on the 2-core Zen 4 VM, the
-body matrices of a real decode token, the variants interleaved in one process (medians of
-per-round ratios over 60-90 rounds, ``benchmarks/matvec_prefetch.py``): with 2 threads, L2 for every matrix took 0.93x the time on Qwen2.5-0.5B (whose MLP down
-rows are 4864 long), 0.99x on Gemma 3 270M, 1.00x on SmolLM2; with 1 thread it took 1.07-1.10x,
-and L2 for the long rows alone 0.96-0.99x. A long row's int16 activations (9.7 KB for 4864)
-and the stream pulled into L1 4 KiB ahead evict each other.
+The weight stream's software prefetch goes to L1 (``prefetcht0``) for rows shorter than
+:data:`LONG_ROW_K` and to L2 (``prefetcht1``) for longer ones, whose int16 activations (9.7 KB
+for Qwen2.5-0.5B's MLP down rows of 4864) and the stream pulled into L1 4 KiB ahead evict each
+other. Measured on the 2-core Zen 4 VM on the body matrices of a real decode token, the variants
+interleaved in one process (medians of per-round time ratios over 60-90 rounds,
+``benchmarks/matvec_prefetch.py``): L2 for the long rows alone 0.94-0.96x the time of L1
+everywhere on Qwen2.5-0.5B with 2 threads, 0.99x with 1; L2 for every matrix 0.93x with 2
+threads but 1.07-1.10x with 1 (Qwen2.5, SmolLM2) and 0.99-1.00x on Gemma 3 270M and SmolLM2
+with 2. (Choosing by thread count inside the kernel would cost numba's on-disk cache:
+``numba.get_num_threads()`` in jitted code is a dynamic global.)
 """
 
 

@@ -52,6 +52,8 @@ numerics, without packing every weight for one or two rows); elsewhere (no AVX2,
 """
 from __future__ import annotations
 
+import threading
+
 import numba
 import numpy as np
 from llvmlite import ir
@@ -389,6 +391,23 @@ def _check(x, w_q, w_s, out):
         raise ValueError("matmul_w8a16: dtypes must be x float32, w_q int8, w_s uint16, out float32")
 
 
+_SCRATCH = threading.local()
+
+
+def _activation_scratch(Tp: int, Kp: int):
+    """x_q int16 (Tp, Kp) and x_s float32 (Tp, Kp // 32) views of this thread's scratch, grown to
+    the largest size asked for and kept: a prefill quantizes every LINEAR's input (up to 5 MB for
+    512 rows of 4864), and fresh memory costs page faults on every call (measured: a 512-token
+    Qwen2.5-0.5B prefill 0.97x the time with the buffers kept, 2 threads, 12 interleaved runs)."""
+    nq, ns = Tp * Kp, Tp * (Kp // QBLOCK)
+    q, s = getattr(_SCRATCH, "q", None), getattr(_SCRATCH, "s", None)
+    if q is None or q.size < nq:
+        q = _SCRATCH.q = np.empty(nq, np.int16)
+    if s is None or s.size < ns:
+        s = _SCRATCH.s = np.empty(ns, np.float32)
+    return q[:nq].reshape(Tp, Kp), s[:ns].reshape(Tp, Kp // QBLOCK)
+
+
 def matmul_w8a16(x, w_q, w_s, out):
     """out (T, N) = x (T, K) @ W.T with int16-quantized x (see the module docstring).
 
@@ -401,8 +420,7 @@ def matmul_w8a16(x, w_q, w_s, out):
     T = x.shape[0]
     Kp = w_q.shape[1]
     Tp = (T + TR - 1) // TR * TR
-    x_q = np.empty((Tp, Kp), np.int16)
-    x_s = np.empty((Tp, Kp // QBLOCK), np.float32)
+    x_q, x_s = _activation_scratch(Tp, Kp)
     _quantize_rows_q16(x, x_q, x_s)
     _gemm_panels(x_q, x_s, w_q, w_s, T, out, numba.get_num_threads())
 

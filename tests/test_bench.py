@@ -186,6 +186,18 @@ def test_compile_time_is_cold_minus_warm_ready_time(monkeypatch, tmp_path):
 def test_cold_numba_compile_time_real(tiny):
     r = bench.load_timings(tiny, "int8", 1, 256, [1, 2, 3, 4])
     assert r["warmup_compile_s"] > 0 and r["load_s_cold_numba"] > r["load_s_hit"]
+    assert r["numba_uncacheable"] == []       # a second start compiles nothing
+
+
+def test_uncacheable_functions_are_read_from_numba_warnings(monkeypatch):
+    """The cold child's stderr names what numba could not cache; the report lists it."""
+    import subprocess
+    stderr = ('x.py:1: NumbaWarning: Cannot cache compiled function "run" as it uses dynamic globals\n'
+              'x.py:2: NumbaWarning: Cannot cache compiled function "_matvec_q8_avx2" as it uses ...\n'
+              'x.py:1: NumbaWarning: Cannot cache compiled function "run" as it uses dynamic globals\n')
+    line = 'CPULLM_BENCH_CHILD {"ready_wall": 1.0, "load_s": 0.5}'
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, line, stderr))
+    assert bench._child_load({})["uncacheable"] == ["_matvec_q8_avx2", "run"]
 
 
 def test_decode_weight_bytes_f32_with_biases(tmp_path):

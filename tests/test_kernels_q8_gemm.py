@@ -51,6 +51,21 @@ def test_w8a16_matches_reference(T, N, K):
 
 
 @VNNI
+def test_w8a16_reuses_its_activation_scratch_without_stale_values():
+    # a large product fills the kept int16 scratch; smaller ones after it (padding rows of the
+    # register tile included) must read none of those values
+    results = []
+    for T, N, K in [(64, 300, 1000), (5, 100, 900), (4, 65, 257), (64, 300, 1000)]:
+        w_q, w_s = q8.quantize_weight_q8(_w(N, K))
+        x = _x(T, K)
+        out = np.empty((T, N), np.float32)
+        q8_gemm.matmul_w8a16(x, w_q, w_s, out)
+        assert np.abs(out - q8_gemm.matmul_w8a16_ref(x, w_q, w_s)).max() <= _bound(x, w_q, w_s)
+        results.append(q8_gemm._SCRATCH.q)
+    assert all(q is results[0] for q in results)      # grown once, then kept
+
+
+@VNNI
 def test_w8a16_rows_equal_the_decode_matvec():
     # prefill and decode compute the same numbers (int16 activation blocks x q8 weights)
     T, N, K = 7, 200, 600
