@@ -40,7 +40,8 @@ the per-row dot product is a small LLVM IR routine inlined into the numba ``pran
 the int16 activations -> 8 int32 partial sums, converted once to float and accumulated with one
 FMA by the block's factor ``f16(w_s) * x_s`` into two 8-float accumulators, the factors of 8
 blocks at a time from one ``vcvtph2ps`` + ``vmulps``; a software prefetch 4 KiB ahead in the
-weight stream. Each thread streams one contiguous range of
+weight stream, into L1 for rows shorter than LONG_ROW_K and into L2 for longer ones (see
+matvec_q8). Each thread streams one contiguous range of
 rows (static ``prange`` schedule), the access pattern the hardware prefetchers like best:
 processing 2-4 rows at once (sharing the x loads) measured 35-50 % slower here. Elsewhere a
 portable IR variant (sign-extend, multiply, add) is used. The int8-activation variant (``vpsignb``

@@ -171,13 +171,14 @@ def test_compile_time_is_cold_minus_warm_ready_time(monkeypatch, tmp_path):
         n = len(calls)
         return {"ready_s": 9.0 if cold else (3.0 if n == 1 else 2.0), "load_s": 1.0,
                 "cache": "MISS" if n == 1 else "HIT", "first_forward_s": 5.0 if cold else 0.2,
-                "second_forward_s": 0.1, "peak_rss_bytes": 1}
+                "second_forward_s": 0.1, "peak_rss_bytes": 1, "uncacheable": ["run"] if cold else []}
 
     monkeypatch.setattr(bench, "_child_load", fake_child)
     r = bench.load_timings(tmp_path, "int8", 1, 64, [1, 2, 3])
     assert r["load_s_miss"] == 3.0 and r["load_s_hit"] == 2.0
     assert r["warmup_compile_s"] == pytest.approx(7.0)
     assert r["first_forward_compile_s"] == pytest.approx(4.9)
+    assert r["numba_uncacheable"] == ["run"]                 # what the cold child could not cache
     numba_dir = calls[2]["NUMBA_CACHE_DIR"]
     assert not os.path.exists(numba_dir)                      # the temporary dirs are removed
 
@@ -215,3 +216,14 @@ def test_decode_weight_bytes_f32_with_biases(tmp_path):
     spans = bench.decode_weight_spans(m.program)
     assert len(spans) < len(mats)
     assert all(s.dtype == np.float32 for s in spans)
+
+
+def test_report_names_what_numba_could_not_cache():
+    r = {"model": "m", "family": "llama", "model_type": "llama", "quant": "int8", "threads": 2, "n_ctx": 64,
+         "prompt_tokens": 8, "gen_tokens": 2, "repeat": 1, "prefill_tps": 1.0, "decode_tps": 1.0,
+         "decode_context_tokens": 8, "decode_tps_at_512": 1.0, "ttft_s": 1.0, "load_s": 1.0, "cache": "HIT",
+         "weights_bytes": 1, "kv_bytes": 1, "kv_bytes_max": 1, "arena_bytes": 1, "peak_rss_bytes": 1}
+    assert "could not cache" not in bench.format_report(dict(r, numba_uncacheable=[]))
+    line = [ln for ln in bench.format_report(dict(r, numba_uncacheable=["run", "x"])).splitlines()
+            if "could not cache" in ln]
+    assert line == ["  numba could not cache (recompiled at every start): run, x"]
