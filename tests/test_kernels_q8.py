@@ -311,6 +311,8 @@ def test_matvec_q8_avx2_codegen_is_vectorized():
     for insn in ("vpmovsxbw", "vpmaddwd", "vcvtdq2ps", "vcvtph2ps", "vfmadd", "prefetcht0"):
         assert insn in asm, f"{insn} missing: the q8 matvec lost its vector code"
     assert "ymm" in asm
+    # rows of LONG_ROW_K or more prefetch their stream into L2 (q8.matvec_q8's docstring)
+    assert "prefetcht1" in asm, "the long-row branch lost its L2 prefetch"
     if "f16c" in numba_setup.HOST_FEATURES:
         # the block scale reaches vcvtph2ps through vmovd, never vpinsrw (which merges into a
         # register LLVM picks, the FMA accumulator, and chains the blocks: q8._ir_half_to_float_fresh)
