@@ -84,10 +84,13 @@ def test_w8a16_rows_equal_the_decode_matvec():
 
 @VNNI
 def test_w8a16_writes_into_a_strided_view_and_nothing_else():
-    T, N, K = 5, 70, 96
+    # full panels sum straight into the view over several K chunks; its old contents (NaN) must
+    # not leak into the result
+    T, N, K = 5, 150, 600
     w_q, w_s = q8.quantize_weight_q8(_w(N, K))
     x = _x(T, K)
     big = np.full((T, N + 30), -7.0, np.float32)
+    big[:, 10:10 + N] = np.nan
     q8_gemm.matmul_w8a16(x, w_q, w_s, big[:, 10:10 + N])
     assert (big[:, :10] == -7.0).all() and (big[:, 10 + N:] == -7.0).all()
     assert np.abs(big[:, 10:10 + N] - q8_gemm.matmul_w8a16_ref(x, w_q, w_s)).max() <= _bound(x, w_q, w_s)
