@@ -17,8 +17,10 @@ and the weights stay 1 byte each in memory. Two variants (``GEMM_ISA``), one cod
 
 * ``avx512vnni``: ``vpdpwssd`` on zmm (32 multiply-adds, accumulating), register tile TR x V =
   3 x 4 vectors of 16 lanes. Zen 5, T=512: 430-640 GOP/s, 2.2-3x dequantize + OpenBLAS sgemm.
+  2-core Zen 4 (one zmm ``vpdpwssd`` per cycle per core, ~3.25 GHz: 208 GOP/s per core at most),
+  T=512, Qwen2.5-0.5B's shapes, cold caches: 260-345 GOP/s with 2 threads, as the host allows.
 * ``avx2`` (x86 with AVX2, FMA and F16C): ``vpmaddwd`` + ``vpaddd`` on ymm, tile 4 x 2 vectors of
-  8 lanes with the float32 accumulators in the L1-resident panel buffer (the 16 ymm registers
+  8 lanes with the float32 accumulators in an L1/L2-resident panel buffer (the 16 ymm registers
   hold the int32 block sums, two weight vectors, the broadcast and the product). A block's 16
   steps are one inline-assembly routine (:func:`_avx2_block_dots`): written as IR, LLVM
   reassociates each accumulator's adds, keeps all 16 weight vectors live and spills (60-80
@@ -33,8 +35,9 @@ Structure (GotoBLAS-like, everything sized for one core's L1 / L2):
   register tile's TR rows (the extra rows are zero).
 * The N rows of W are cut into panels of NR = LANES * V rows (64 / 16); each thread takes a
   contiguous range of panels (static split over ``numba.get_num_threads()`` threads).
-* A panel is packed KC_BLOCKS blocks (8 or 32: 32 KiB) at a time into an L1-resident buffer,
-  sign-extended to int16 and interleaved as the multiply-add reads it, row r of the panel:
+* A panel is packed KC_BLOCKS = 32 blocks (AVX-512: 128 KiB, AVX2: 32 KiB) at a time into a
+  buffer that stays in L2 (AVX-512) or L1 (AVX2), sign-extended to int16 and interleaved as the
+  multiply-add reads it, row r of the panel:
   ``wp[(b * 16 + p) * 2 * NR + 2 * r + e] = w_q[n0 + r, 32 b + 2 p + e]``, so weight vector v of
   pair p is the LANES rows from LANES * v on; the panel's scales as float32 in ``sp[b * NR + r]``
   (rows past N are zero). Packing goes 16 rows at a time (a 16 x 16 dword transpose).
@@ -42,8 +45,9 @@ Structure (GotoBLAS-like, everything sized for one core's L1 / L2):
   lanes) runs over every TR-row tile of x: per block, 16 steps of V weight loads and TR x V
   multiply-adds with the activation pair broadcast from memory; then the int32 block sums are
   converted and accumulated into float32 with one FMA by ``w_scale * x_scale``. Tiles accumulate
-  in ``out`` itself (a panel's columns of it stay in L2 over its K chunks); the last T % TR rows
-  and a partial last panel go through a small buffer.
+  in ``out`` itself (AVX-512; a panel's columns of it stay in L2 over its K chunks), except the
+  last T % TR rows and a partial last panel, or in a per-panel buffer (Tp, NR) copied to ``out``
+  when the panel is done (AVX2, see SUM_INTO_OUT).
 
 :func:`matmul_q8`, the prefill entry point the executor calls, picks the path: this kernel where
 it runs and T >= MIN_ROWS; one quantize + ``q8.matvec_q8`` per row for fewer rows (the same
@@ -92,14 +96,24 @@ if GEMM_ISA == "avx512vnni":
 else:
     LANES, TR, V = 8, 4, 2
 NR = LANES * V        # weight rows per panel (a multiple of the 16 rows _pack_rows16 packs)
-KC_BLOCKS = 8 if LANES == 16 else 32
-"""Blocks of 32 packed and multiplied at a time: an L1-sized 32 KiB chunk of int16 weights (AVX-512:
-64 rows x 256 values; AVX2: 16 x 1024). Measured on the Zen 3, 2 threads, T=512, Qwen2.5-0.5B's
-down projection (896 x 4864): 132-143 GOP/s with 8 blocks, 158 with 16, 159-178 with 32,
-169-179 with 64; gate/up (K = 896) within the noise."""
+KC_BLOCKS = 32
+"""Blocks of 32 packed and multiplied at a time: 1024 values of 64 rows (AVX-512) or 16 rows (AVX2)
+as int16. Each chunk reloads and stores the panel's sums in ``out``, so fewer, larger chunks win
+until the packed chunk crowds x out of L2. Measured on the Zen 4 (AVX-512), 2 threads, T=512,
+Qwen2.5-0.5B's QKV / O / gate-up / down shapes with cold caches, one process, 10-12 rounds: 8
+blocks (an L1-sized 32 KiB) 1.03-1.09x the time of 32, 16 blocks 0.98-1.01x of 8, 48 / 64 / 160
+within 2 % of 32; a 512-token prefill of that model 0.95x the time with 32 against 8 (12 rounds).
+On the Zen 3 (AVX2, 32 KiB chunks), the down projection: 132-143 GOP/s with 8 blocks, 158 with 16,
+159-178 with 32, 169-179 with 64; gate/up (K = 896) within the noise."""
 FACC_IN_REGS = 2 * TR * V + V + 2 <= (32 if LANES == 16 else 16)
 """Whether the float32 accumulators of a tile fit in registers beside the int32 block sums (else
-they live in the L1-resident panel buffer, loaded and stored once per block)."""
+they live in the panel buffer, loaded and stored once per block)."""
+SUM_INTO_OUT = FACC_IN_REGS
+"""Whether full panels' tiles sum straight into ``out`` rather than a per-panel buffer (Tp, NR)
+copied out at the end. With the sums in registers (AVX-512), the buffer and its copy took 15-22 %
+of the GEMM's time on Qwen2.5-0.5B's QKV and gate/up shapes (Zen 4); the AVX2 tile, which loads
+and stores its sums every block, keeps them in the compact buffer (with them in ``out``, run on the
+Zen 4 for lack of the Zen 3: 0.97-1.05x the time, 12 rounds)."""
 
 _I16, _I32, _I64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _F32 = ir.FloatType()
@@ -379,10 +393,10 @@ def _quantize_rows_q16(x, x_q, x_s):
 def _gemm_panels(x_q, x_s, w_q, w_s, T, out, nthreads):
     """out[:T] = the W8A16 product, panels of NR rows split over the threads.
 
-    A full panel's tiles sum straight into ``out`` (the first K chunk stores, the later ones add),
-    all but the last T % TR rows; those, and every row of a partial last panel (N % NR columns),
-    go through a small buffer copied out when the panel is done. (A per-panel buffer copied to
-    ``out`` took 15-22 % of the GEMM's time on Qwen2.5-0.5B's QKV and gate/up shapes.)
+    With SUM_INTO_OUT a full panel's tiles sum straight into ``out`` (the first K chunk stores,
+    the later ones add), all but the last T % TR rows; those, and every row of a partial last
+    panel (N % NR columns) or of any panel without SUM_INTO_OUT, go through a buffer copied out
+    when the panel is done.
     """
     N, Kp = w_q.shape
     nb = Kp // QBLOCK
@@ -393,15 +407,16 @@ def _gemm_panels(x_q, x_s, w_q, w_s, T, out, nthreads):
     for c in prange(nth):
         wp = np.empty(KC_BLOCKS * 16 * 2 * NR, np.int16)
         sp = np.empty(KC_BLOCKS * NR, np.float32)
-        edge = np.empty((Tp if N % NR else TR, NR), np.float32)
+        edge = np.empty((Tp if N % NR or not SUM_INTO_OUT else TR, NR), np.float32)
         for p in range(c * npanel // nth, (c + 1) * npanel // nth):
             n0 = p * NR
             ncols = min(NR, N - n0)
+            direct = SUM_INTO_OUT and ncols == NR
             for b0 in range(0, nb, KC_BLOCKS):
                 nblk = min(KC_BLOCKS, nb - b0)
                 first = b0 == 0
                 _pack_chunk(w_q, w_s, n0, b0, nblk, wp, sp)
-                if ncols < NR:
+                if not direct:
                     for t0 in range(0, Tp, TR):
                         _w8a16_tile(wp, sp, x_q, x_s, t0, b0 * QBLOCK, edge, t0, 0, nblk, first)
                     continue
@@ -409,7 +424,7 @@ def _gemm_panels(x_q, x_s, w_q, w_s, T, out, nthreads):
                     _w8a16_tile(wp, sp, x_q, x_s, t0, b0 * QBLOCK, out, t0, n0, nblk, first)
                 if t_direct < T:
                     _w8a16_tile(wp, sp, x_q, x_s, t_direct, b0 * QBLOCK, edge, 0, 0, nblk, first)
-            if ncols < NR:
+            if not direct:
                 for t in range(T):
                     out[t, n0:n0 + ncols] = edge[t, :ncols]
             else:

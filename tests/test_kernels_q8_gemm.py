@@ -2,7 +2,7 @@
 equality of its numerics with the decode path's, the dispatcher, and a codegen guard.
 
 Shapes are deliberately awkward: N not a multiple of the 64- or 16-row panel (nor of 16), K not
-a multiple of 32 and spanning several packed chunks (256 or 1024 values) plus a partial one, T
+a multiple of 32 and spanning several packed chunks (1024 values) plus a partial one, T
 not a multiple of the 3- or 4-row register tile.
 """
 import numba
@@ -86,7 +86,7 @@ def test_w8a16_rows_equal_the_decode_matvec():
 def test_w8a16_writes_into_a_strided_view_and_nothing_else():
     # full panels sum straight into the view over several K chunks; its old contents (NaN) must
     # not leak into the result
-    T, N, K = 5, 150, 600
+    T, N, K = 5, 150, 2 * q8_gemm.KC_BLOCKS * 32 + 100
     w_q, w_s = q8.quantize_weight_q8(_w(N, K))
     x = _x(T, K)
     big = np.full((T, N + 30), -7.0, np.float32)
