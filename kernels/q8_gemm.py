@@ -283,7 +283,6 @@ def _w8a16_tile(typingctx, wp, sp, xq, xs, t0, k0, c, ct, cn, nblocks, init):
         awp, asp, axq, axs = (context.make_array(ty)(context, builder, v) for ty, v in zip(sig.args[:4], args[:4]))
         ac = context.make_array(sig.args[6])(context, builder, args[6])
         t0_, k0_, ct_, cn_, nb_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (4, 5, 7, 8, 9))
-        init_ = context.cast(builder, args[10], sig.args[10], types.boolean)
         xq_st = builder.ashr(builder.extract_value(axq.strides, 0), _c64(1))   # bytes -> int16
         xs_st = builder.ashr(builder.extract_value(axs.strides, 0), _c64(2))   # bytes -> float32
         c_st = builder.ashr(builder.extract_value(ac.strides, 0), _c64(2))
@@ -291,7 +290,7 @@ def _w8a16_tile(typingctx, wp, sp, xq, xs, t0, k0, c, ct, cn, nblocks, init):
         xs_p = builder.gep(axs.data, [builder.add(builder.mul(t0_, xs_st), builder.ashr(k0_, _c64(5)))])
         c_p = builder.gep(ac.data, [builder.add(builder.mul(ct_, c_st), cn_)])
         fn = _define_tile(builder.module)
-        builder.call(fn, [awp.data, asp.data, xq_p, xq_st, xs_p, xs_st, nb_, c_p, c_st, init_])
+        builder.call(fn, [awp.data, asp.data, xq_p, xq_st, xs_p, xs_st, nb_, c_p, c_st, args[10]])
         return context.get_dummy_value()
 
     return sig, codegen
@@ -411,25 +410,18 @@ def _gemm_panels(x_q, x_s, w_q, w_s, T, out, nthreads):
         for p in range(c * npanel // nth, (c + 1) * npanel // nth):
             n0 = p * NR
             ncols = min(NR, N - n0)
-            direct = SUM_INTO_OUT and ncols == NR
+            # rows e0 .. T - 1 go through the buffer: all of them unless the panel sums into out
+            e0 = t_direct if SUM_INTO_OUT and ncols == NR else 0
             for b0 in range(0, nb, KC_BLOCKS):
                 nblk = min(KC_BLOCKS, nb - b0)
                 first = b0 == 0
                 _pack_chunk(w_q, w_s, n0, b0, nblk, wp, sp)
-                if not direct:
-                    for t0 in range(0, Tp, TR):
-                        _w8a16_tile(wp, sp, x_q, x_s, t0, b0 * QBLOCK, edge, t0, 0, nblk, first)
-                    continue
-                for t0 in range(0, t_direct, TR):
+                for t0 in range(0, e0, TR):
                     _w8a16_tile(wp, sp, x_q, x_s, t0, b0 * QBLOCK, out, t0, n0, nblk, first)
-                if t_direct < T:
-                    _w8a16_tile(wp, sp, x_q, x_s, t_direct, b0 * QBLOCK, edge, 0, 0, nblk, first)
-            if not direct:
-                for t in range(T):
-                    out[t, n0:n0 + ncols] = edge[t, :ncols]
-            else:
-                for t in range(t_direct, T):
-                    out[t, n0:n0 + NR] = edge[t - t_direct]
+                for t0 in range(e0, Tp, TR):
+                    _w8a16_tile(wp, sp, x_q, x_s, t0, b0 * QBLOCK, edge, t0 - e0, 0, nblk, first)
+            for t in range(e0, T):
+                out[t, n0:n0 + ncols] = edge[t - e0, :ncols]
 
 
 def _check(x, w_q, w_s, out):
