@@ -1,12 +1,21 @@
 #!/usr/bin/env bash
-# Set up (editable installs of cpullm, its plugins and the test extras; headless Chromium for the
-# chat-page test) and run the whole test suite, real-model tests included.
+# Set up (editable installs of cpullm, its plugins and the test extras, at the versions pinned in
+# constraints.txt; headless Chromium for the chat-page test) and run the whole test suite,
+# real-model tests included. Installs into the active virtual environment, else into .venv at the
+# repository root (created on first use), as scripts/run.sh does.
 # Extra arguments go to pytest, e.g. `bash scripts/test.sh -m "not slow"`.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+source "$(dirname "$0")/env.sh"
+cd "$CPULLM_ROOT"
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium >/dev/null) \
         || echo "warning: could not install chromium; the chat-page browser test will be skipped" >&2
 fi
-python -m pip install -q --disable-pip-version-check -e ".[test]" -e plugins/llama -e plugins/qwen -e plugins/gemma
-python -m pytest -q -ra "$@"
+cpullm_env
+cpullm_install test -c constraints.txt -e ".[test]" -e plugins/llama -e plugins/qwen -e plugins/gemma
+# pytest's own entry point, not `python -m pytest`: the repository root must not be on sys.path,
+# where its kernels/ folder would hide the installed package of that name (tests/conftest.py
+# also drops it, for a plain `python -m pytest`).
+pytest=$(dirname "$CPULLM_PY")/pytest
+[ -x "$pytest" ] || pytest=$pytest.exe
+exec "$pytest" -q -ra "$@"
