@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         sp = mod.add_parser(sub)
         sp.add_argument("--debug", action="store_true", help="show tracebacks")
-        sp.set_defaults(func=mod.run)
+        # check_args(args), where a command has it, fails early: before any model is loaded.
+        sp.set_defaults(func=mod.run, check_args=getattr(mod, "check_args", None))
     return p
 
 
@@ -43,6 +44,8 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     try:
+        if getattr(args, "check_args", None) is not None:
+            args.check_args(args)
         return int(args.func(args) or 0)
     except CpullmError as exc:
         if args.debug or os.environ.get("CPULLM_DEBUG") == "1":

@@ -60,6 +60,15 @@ class TokenizerError(CpullmError):
     """tokenizer.json is missing or unreadable."""
 
 
+# --- optional packages and output files ----------------------------------------------------
+class MissingDependencyError(CpullmError):
+    """An optional package that a requested feature needs is not installed."""
+
+
+class OutputPathError(CpullmError):
+    """A file the user asked cpullm to write cannot be written at that path."""
+
+
 # --- caches and stores ---------------------------------------------------------------
 class CacheError(CpullmError):
     """An execution or prompt cache entry is damaged, foreign, or for another model."""

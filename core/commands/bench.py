@@ -3,8 +3,12 @@ memory, and (with ``--profile``) a per-op breakdown. Definitions: ``cpullm.bench
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
+from pathlib import Path
 
+from ..errors import MissingDependencyError, OutputPathError
 from .common import add_model_options, load_model, positive_int
 
 
@@ -28,6 +32,45 @@ def add_parser(sub):
                    help="skip the cold-numba-cache compile-time child process")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
+
+
+def check_args(args) -> None:
+    """What can fail before the model loads and the benchmark runs: --plot's matplotlib and path."""
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError as exc:
+            raise MissingDependencyError(
+                f"--plot needs matplotlib ({exc}): pip install 'cpullm[plot]', or leave out --plot"
+            ) from None
+        check_writable_file(args.plot, "--plot")
+
+
+def check_writable_file(path, option: str) -> None:
+    """Raise OutputPathError unless a file can be created at path (an existing one replaced).
+
+    A file is created and removed in the target folder: permission bits alone do not tell (root
+    ignores them; a read-only mount does not).
+    """
+    target = Path(path).expanduser()
+    folder = target.parent.resolve()
+    if target.is_dir():
+        raise OutputPathError(f"{option} {path} is a directory; give a file name, "
+                              f"e.g. {option} {target / 'profile.png'}")
+    if folder.exists() and not folder.is_dir():
+        raise OutputPathError(f"{option} {path}: {folder} is a file, not a folder; write elsewhere")
+    if not folder.is_dir():
+        raise OutputPathError(f"{option} {path}: the folder {folder} does not exist; "
+                              f"create it (mkdir -p {folder}) or write elsewhere")
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=f".{target.name}.", suffix=".probe")
+    except OSError as exc:
+        raise OutputPathError(f"{option} {path}: cannot write in {folder} ({exc.strerror}); "
+                              f"choose a writable folder") from None
+    os.close(fd)
+    os.unlink(probe)
+    if target.exists() and not os.access(target, os.W_OK):
+        raise OutputPathError(f"{option} {path} exists and is read-only; remove it or write elsewhere")
 
 
 def run(args) -> int:
