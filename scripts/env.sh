@@ -44,12 +44,13 @@ cpullm_check_python() {
 }
 
 cpullm_create_venv() {
-    local base=${PYTHON:-}
+    local base=${PYTHON:-} where="PYTHON"
     if [ -z "$base" ]; then
         base=$(command -v python3 || command -v python) \
             || cpullm_die "no python3 on PATH; install Python $CPULLM_MIN_PYTHON or newer, or set PYTHON=/path/to/python3"
+        where="the python3 on PATH"
     fi
-    cpullm_check_python "$base" "the Python on PATH" \
+    cpullm_check_python "$base" "$where" \
         "install Python $CPULLM_MIN_PYTHON or newer and run again with PYTHON=/path/to/python3.12"
     if ! "$base" -m venv "$CPULLM_VENV" >&2; then
         rm -rf "$CPULLM_VENV"
@@ -80,8 +81,6 @@ cpullm_env() {
         cpullm_check_python "$CPULLM_PY" "the virtual environment .venv" \
             "remove it (rm -rf .venv) and run again with PYTHON=/path/to/python3.12"
     fi
-    "$CPULLM_PY" -m pip --version >/dev/null 2>&1 \
-        || cpullm_die "$CPULLM_VENV has no pip; add it with: $CPULLM_PY -m ensurepip"
     cpullm_say "packages go to $CPULLM_VENV ($how; activate it with: source $CPULLM_VENV/bin/activate)"
 }
 
@@ -95,7 +94,9 @@ cpullm_install() {
         && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ]; then
         return 0
     fi
-    cpullm_say "installing $name dependencies (first run, or pyproject.toml/constraints.txt changed; can take minutes)"
+    "$CPULLM_PY" -m pip --version >/dev/null 2>&1 \
+        || cpullm_die "$CPULLM_VENV has no pip; add it with: $CPULLM_PY -m ensurepip"
+    cpullm_say "installing (first run, or pyproject.toml, constraints.txt or the interpreter changed; can take minutes): pip install $*"
     (cd "$CPULLM_ROOT" && "$CPULLM_PY" -m pip install -q --disable-pip-version-check "$@")
     key=$("$CPULLM_PY" "$CPULLM_ROOT/scripts/install_state.py" "$@") \
         || cpullm_die "pip finished, but cpullm or a plugin is not installed from $CPULLM_ROOT"
