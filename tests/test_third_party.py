@@ -1,8 +1,10 @@
 """Third-party plugins end to end, the way a user meets them.
 
 The packages under ``tests/third_party/`` are pip-installed (offline, no build isolation) into a
-throwaway virtual environment created with ``--system-site-packages``, so numpy, numba and the
-editable cpullm are visible while the plugins live only there. Every command runs as a subprocess
+throwaway virtual environment whose sys.path continues with the site directories of the
+interpreter running the tests (a .pth file), so numpy, numba, pip, setuptools and the editable
+cpullm are visible, whether the tests run in a virtual environment or not, while the plugins
+live only in the throwaway one. Every command runs as a subprocess
 of that environment's python: ``cpullm families`` lists the plugin, ``cpullm run`` generates with
 it, its own test suite (the conformance kit against its numpy reference) passes, a plugin that
 raises on import is listed with its error while the rest works, two plugins claiming one
@@ -15,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -81,15 +84,34 @@ class Env:
         return out
 
 
+def see_the_running_interpreter_s_packages(e: Env) -> None:
+    """Make the venv's sys.path continue with this interpreter's site directories.
+
+    A venv created from inside another venv is based on the base interpreter, so
+    --system-site-packages would show the base's packages, not the ones running these tests.
+    site.addsitedir also runs those directories' .pth files, which is how editable installs
+    (cpullm itself, here) put themselves on sys.path.
+    """
+    dirs = [d for d in site.getsitepackages() if Path(d).is_dir()]
+    if site.ENABLE_USER_SITE and Path(site.getusersitepackages()).is_dir():
+        dirs.append(site.getusersitepackages())
+    purelib = e.run("-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip()
+    line = "import site; " + "; ".join(f"site.addsitedir({d!r})" for d in dirs)
+    (Path(purelib) / "_outer_site_packages.pth").write_text(line + "\n")
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     root = tmp_path_factory.mktemp("third_party")
     e = Env(root)
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages",
-                    str(e.venv)], check=True, capture_output=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(e.venv)],
+                   check=True, capture_output=True, timeout=300)
+    see_the_running_interpreter_s_packages(e)
     if e.run("-m", "pip", "--version", check=False).returncode != 0:   # no pip beside cpullm
         if e.run("-m", "ensurepip", "-q", check=False).returncode != 0:
             pytest.skip("pip is not available to the virtual environment")
+    # --no-build-isolation builds with the setuptools seen here; bdist_wheel is built in from 70.1.
+    e.run("-c", "import setuptools.command.bdist_wheel")
     # Build from copies: pip's in-tree build must not leave build/ and *.egg-info in the repo.
     shutil.copytree(THIRD_PARTY, e.src, ignore=shutil.ignore_patterns(
         "__pycache__", "build", "*.egg-info", ".pytest_cache"))
