@@ -276,7 +276,7 @@ class GGUFFile:
             name = self._string()
             n_dims = self._scalar("I")
             if n_dims > limits.MAX_DIMS:
-                raise ConversionError(f"{self.path} is damaged: tensor {name[:80]} has {n_dims} dimensions")
+                raise ConversionError(f"{self.path} is damaged: tensor {limits.shown(name, 80)} has {n_dims} dimensions")
             ne = tuple(self._scalar("Q") for _ in range(n_dims))
             infos.append((name, ne, self._scalar("I"), self._scalar("Q")))
         align = self.metadata.get("general.alignment", 32)
@@ -289,17 +289,17 @@ class GGUFFile:
                 qtype = gguf.GGMLQuantizationType(raw_type)
                 block, type_size = gguf.GGML_QUANT_SIZES[qtype]
             except (ValueError, KeyError) as exc:
-                raise ConversionError(f"{self.path}: tensor {name} has unknown ggml type {raw_type}; "
+                raise ConversionError(f"{self.path}: tensor {limits.shown(name, 80)} has unknown ggml type {raw_type}; "
                                       "the file is damaged or from a newer llama.cpp") from exc
             n_elems = limits.checked_product(ne)   # exact: (2**32, 2**32) must not wrap to 0
             if name in seen or n_elems is None or (ne and ne[0] % block):
-                raise ConversionError(f"{self.path} is damaged: tensor {name[:80]} is duplicated or has a "
+                raise ConversionError(f"{self.path} is damaged: tensor {limits.shown(name, 80)} is duplicated or has a "
                                       f"shape {list(ne)} that does not fit its type {qtype.name}")
             seen.add(name)
             n_bytes = n_elems // block * type_size
             start = data_start + offset
             if start + n_bytes > self.size:
-                raise ConversionError(f"{self.path} is truncated: tensor {name} ends at byte "
+                raise ConversionError(f"{self.path} is truncated: tensor {limits.shown(name, 80)} ends at byte "
                                       f"{start + n_bytes} but the file has {self.size} bytes; "
                                       "download it again")
             self.tensors.append(GGUFTensor(name, qtype, ne, n_bytes, start, self))
@@ -493,8 +493,7 @@ def _md(meta: dict, arch: str, key: str, default: Any = None) -> Any:
 
 def _shown(value: Any) -> str:
     """A metadata value for an error message, cut short (it comes from an untrusted file)."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return limits.shown(value)
 
 
 def _meta_int(meta: dict, arch: str, key: str, lo: int, hi: int, default: Any = None,
@@ -991,7 +990,7 @@ def build_tokenizer(meta: dict):
         tok.post_processor = _post_processor(spec)
     except Exception as exc:   # the tokenizers library rejects the vocabulary or merges
         raise ConversionError(f"cannot build a tokenizer from this GGUF's vocabulary "
-                              f"({type(exc).__name__}: {str(exc)[:120]}); the file is damaged") from None
+                              f"({type(exc).__name__}: {limits.one_line(exc, 120)}); the file is damaged") from None
     tok_config = {
         "add_bos_token": spec.add_bos,
         "add_eos_token": spec.add_eos,
@@ -1139,7 +1138,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *,
             # every value is checked above; this keeps a combination no check foresaw from
             # ending in a traceback (the input is an untrusted file)
             raise ConversionError(f"{Path(gguf_path).name} cannot be converted: its metadata or tensors are "
-                                  f"inconsistent ({type(exc).__name__}: {str(exc)[:160]})") from exc
+                                  f"inconsistent ({type(exc).__name__}: {limits.one_line(exc, 160)})") from exc
         except MemoryError:
             raise ConversionError(f"not enough memory to convert {Path(gguf_path).name}") from None
         _check_out_dir(out_dir, overwrite)  # it may have appeared meanwhile

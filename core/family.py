@@ -210,10 +210,23 @@ _ROPE_FLOATS = {"factor": _POSITIVE, "rope_theta": _POSITIVE, "low_freq_factor":
 
 
 def _bad(where: str, key: str, value: Any, expected: str) -> ConfigError:
-    shown = repr(value)
-    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    shown = limits.one_line(repr(value), 60)
     return ConfigError(f"{where}: {key} = {shown} is invalid ({expected}); the config is damaged or "
                        "not for this runtime: restore it from the checkpoint")
+
+
+# Keys whose null means "derive it" or "none" (transformers reads them so); any other key that is
+# present must hold a value: null there reaches the family as None.
+_NULLABLE = {"num_key_value_heads", "head_dim", "sliding_window", "max_window_layers", "sliding_window_pattern",
+             "final_logit_softcapping", "attn_logit_softcapping", "query_pre_attn_scalar",
+             "rope_scaling", "rope_parameters", "layer_types", "bos_token_id", "eos_token_id",
+             "pad_token_id", "text_config", "architectures", "model_type", *_BOOL_KEYS}
+
+
+def _check_present(where: str, cfg: dict) -> None:
+    for key in (*_INT_RANGES, *_FLOAT_RANGES, *_BOOL_KEYS, *_STR_KEYS):
+        if key in cfg and cfg[key] is None and key not in _NULLABLE:
+            raise _bad(where, key, None, "expected a value: remove the key to use the default")
 
 
 def _check_int(where: str, key: str, value: Any, lo: int, hi: int) -> None:
@@ -257,6 +270,7 @@ def _check_rope_dict(where: str, key: str, rope: Any, nested_ok: bool) -> None:
 
 
 def _check_section(where: str, cfg: dict) -> None:
+    _check_present(where, cfg)
     for key, (lo, hi) in _INT_RANGES.items():
         _check_int(where, key, cfg.get(key), lo, hi)
     for key, (lowest, inclusive) in _FLOAT_RANGES.items():

@@ -51,6 +51,19 @@ def is_number(value: Any) -> bool:
             and math.isfinite(value))
 
 
+def one_line(text: Any, width: int = 200) -> str:
+    """``text`` as one line of at most ``width`` characters: a message quoting a library's error
+    (which may span lines) still prints as the CLI's single error line."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= width else flat[:width - 3] + "..."
+
+
+def shown(value: Any, width: int = 60) -> str:
+    """A value read from an untrusted file, quoted for an error message: repr (control characters
+    escaped), one line, cut to ``width`` characters."""
+    return one_line(repr(value), width)
+
+
 def checked_product(dims, limit: int = MAX_TENSOR_ELEMENTS) -> int | None:
     """The product of a list of non-negative ints ``dims`` in exact integer arithmetic, or None
     when ``dims`` is not a list or tuple, a factor is not a non-negative int or the product exceeds ``limit`` (no int64 wrap-around:

@@ -14,7 +14,7 @@ import numpy as np
 
 from .errors import CheckpointError, ModelNotFoundError
 from .limits import (MAX_DIMS, MAX_SAFETENSORS_HEADER, MAX_SHARDS, MAX_TENSOR_ELEMENTS, MAX_TENSORS,
-                     checked_product, inside, is_int, open_regular, parse_json, read_json_file)
+                     checked_product, inside, is_int, open_regular, parse_json, read_json_file, shown)
 
 # safetensors dtype -> (numpy dtype of the stored bytes, itemsize)
 _DTYPES = {
@@ -101,34 +101,34 @@ class _Shard:
             try:
                 dtype, shape, (begin, end) = info["dtype"], list(info["shape"]), info["data_offsets"]
             except (KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry") from None
+                raise CheckpointError(f"{path}: tensor {shown(name)} has a malformed header entry") from None
             if not isinstance(dtype, str) or dtype not in _DTYPES:
                 raise CheckpointError(
-                    f"{path}: tensor {name!r} has unknown dtype {str(dtype)[:20]!r} "
+                    f"{path}: tensor {shown(name)} has unknown dtype {str(dtype)[:20]!r} "
                     f"(known: {', '.join(sorted(_DTYPES))}); convert the checkpoint to bf16/f16/f32")
             count = checked_product(shape) if len(shape) <= MAX_DIMS else None
             if count is None:
                 raise CheckpointError(
-                    f"{path}: tensor {name!r} has an invalid shape {str(shape)[:80]} (at most {MAX_DIMS} "
+                    f"{path}: tensor {shown(name)} has an invalid shape {str(shape)[:80]} (at most {MAX_DIMS} "
                     f"non-negative integer dimensions, at most {MAX_TENSOR_ELEMENTS} elements); the file is damaged")
             if not (is_int(begin) and is_int(end) and 0 <= begin <= end):
-                raise CheckpointError(f"{path}: tensor {name!r} has invalid data offsets "
+                raise CheckpointError(f"{path}: tensor {shown(name)} has invalid data offsets "
                                       f"{str(begin)[:24]}..{str(end)[:24]}")
             if end > data_len:
                 raise CheckpointError(
-                    f"{path}: tensor {name!r} ends at byte {end} but the data section holds only "
+                    f"{path}: tensor {shown(name)} ends at byte {end} but the data section holds only "
                     f"{data_len} bytes; the file is truncated: re-download it")
             nbytes = count * _DTYPES[dtype][1]
             if nbytes != end - begin:
                 raise CheckpointError(
-                    f"{path}: tensor {name!r} shape {shape} x {dtype} needs {nbytes} bytes but its "
+                    f"{path}: tensor {shown(name)} shape {shape} x {dtype} needs {nbytes} bytes but its "
                     f"offsets span {end - begin}; the file is damaged")
             spans.append((begin, end, name))
             self.entries[name] = _Entry(self, dtype, tuple(shape), begin, end)
         spans.sort()
         for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
             if b1 < e0:
-                raise CheckpointError(f"{path}: tensors {n0!r} and {n1!r} overlap; the file is damaged")
+                raise CheckpointError(f"{path}: tensors {shown(n0)} and {shown(n1)} overlap; the file is damaged")
 
     def array(self, e: _Entry) -> np.ndarray:
         np_dtype, _ = _DTYPES[e.dtype]
@@ -144,6 +144,14 @@ class _Shard:
             pass
 
 
+def _is_file(path: Path) -> bool:
+    """Whether ``path`` is a regular file; False also for a name the OS refuses (too long, ...)."""
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
+
+
 class TensorStore:
     """All tensors of a checkpoint directory (single file or sharded with an index)."""
 
@@ -157,7 +165,7 @@ class TensorStore:
         for shard in self.shards:
             for name, e in shard.entries.items():
                 if name in self._entries:
-                    raise CheckpointError(f"tensor {name!r} appears in two shards ({shard.path.name})")
+                    raise CheckpointError(f"tensor {shown(name)} appears in two shards ({shard.path.name})")
                 self._entries[name] = e
 
     def _shard_files(self) -> list[Path]:
@@ -186,23 +194,24 @@ class TensorStore:
         if not isinstance(weight_map, dict) or len(weight_map) > MAX_TENSORS:
             raise CheckpointError(f"{index}: weight_map must be an object of at most {MAX_TENSORS} "
                                   "tensor -> shard file entries; restore it from the checkpoint")
-        names = set(weight_map.values())
-        bad = [n for n in names if not (isinstance(n, str) and n and "\0" not in n)]
+        bad = [n for n in weight_map.values()
+               if not (isinstance(n, str) and 0 < len(n) <= 1024 and "\0" not in n)]
         if bad:
             raise CheckpointError(f"{index}: shard names must be file names, got {str(bad[0])[:40]!r}; "
                                   "restore it from the checkpoint")
+        names = set(weight_map.values())
         if len(names) > MAX_SHARDS:
             raise CheckpointError(f"{index} names {len(names)} shard files, more than the {MAX_SHARDS} "
                                   "cpullm reads; the index is damaged")
         outside = sorted(n for n in names if Path(n).is_absolute() or ".." in Path(n).parts)
         if outside:
             raise CheckpointError(f"{index} names shard files outside the model directory "
-                                  f"({', '.join(repr(n[:60]) for n in outside[:3])}); refusing to read "
+                                  f"({', '.join(shown(n) for n in outside[:3])}); refusing to read "
                                   "them: the index is damaged or hostile")
-        missing = sorted(n for n in names if not (self.dir / n).is_file())
+        missing = sorted(n for n in names if not _is_file(self.dir / n))
         if missing:
             raise CheckpointError(
-                f"{index} lists shards that are missing: {', '.join(n[:60] for n in missing[:8])}; download them")
+                f"{index} lists shards that are missing: {', '.join(shown(n) for n in missing[:8])}; download them")
         return sorted(names)
 
     def _checked_shard(self, path: Path, index: Path | None) -> Path:
