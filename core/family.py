@@ -210,9 +210,8 @@ _ROPE_FLOATS = {"factor": _POSITIVE, "rope_theta": _POSITIVE, "low_freq_factor":
 
 
 def _bad(where: str, key: str, value: Any, expected: str) -> ConfigError:
-    shown = limits.one_line(repr(value), 60)
-    return ConfigError(f"{where}: {key} = {shown} is invalid ({expected}); the config is damaged or "
-                       "not for this runtime: restore it from the checkpoint")
+    return ConfigError(f"{where}: config key {key!r} = {limits.shown(value)} is invalid ({expected}); the "
+                       "config is damaged or not for this runtime: restore it from the checkpoint")
 
 
 # Keys whose null means "derive it" or "none" (transformers reads them so); any other key that is

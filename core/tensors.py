@@ -14,7 +14,7 @@ import numpy as np
 
 from .errors import CheckpointError, ModelNotFoundError
 from .limits import (MAX_DIMS, MAX_SAFETENSORS_HEADER, MAX_SHARDS, MAX_TENSOR_ELEMENTS, MAX_TENSORS,
-                     checked_product, inside, is_int, open_regular, parse_json, read_json_file, shown)
+                     checked_product, inside, is_int, open_regular, parse_json, one_line, read_json_file, shown)
 
 # safetensors dtype -> (numpy dtype of the stored bytes, itemsize)
 _DTYPES = {
@@ -211,7 +211,7 @@ class TensorStore:
         missing = sorted(n for n in names if not _is_file(self.dir / n))
         if missing:
             raise CheckpointError(
-                f"{index} lists shards that are missing: {', '.join(shown(n) for n in missing[:8])}; download them")
+                f"{index} lists shards that are missing: {', '.join(one_line(n, 60) for n in missing[:8])}; download them")
         return sorted(names)
 
     def _checked_shard(self, path: Path, index: Path | None) -> Path:
