@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from .errors import UnsupportedConfigError
+from .errors import ConfigError, UnsupportedConfigError
 from .family import RopeSpec
 from .ir import GraphBuilder, Op
 
@@ -28,11 +28,24 @@ def default_inv_freq(theta: float, rotary_dim: int) -> np.ndarray:
     return (np.float32(1.0) / (np.float32(theta) ** exponent)).astype(np.float32)
 
 
+def rope_number(params: dict, key: str, default: float | None = None) -> float:
+    """A RoPE setting as a finite positive float; ConfigError naming the key otherwise (the
+    values come from an untrusted config: NaN, strings or zero would poison every position)."""
+    value = params.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"config RoPE setting {key!r} = {value!r} must be a finite positive number; "
+                          "restore config.json from the checkpoint")
+    return float(value)
+
+
 def _llama3_inv_freq(inv: np.ndarray, p: dict) -> np.ndarray:
-    factor = float(p["factor"])
-    low = float(p.get("low_freq_factor", 1.0))
-    high = float(p.get("high_freq_factor", 4.0))
-    orig = float(p["original_max_position_embeddings"])
+    factor = rope_number(p, "factor")
+    low = rope_number(p, "low_freq_factor", 1.0)
+    high = rope_number(p, "high_freq_factor", 4.0)
+    orig = rope_number(p, "original_max_position_embeddings")
+    if high == low:
+        raise ConfigError("config RoPE settings low_freq_factor and high_freq_factor are equal "
+                          f"({low}); llama3 RoPE needs them to differ")
     low_wl, high_wl = orig / low, orig / high
     wavelen = 2 * math.pi / inv
     inv_l = np.where(wavelen > low_wl, inv / factor, inv)
@@ -74,14 +87,17 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 def make_rope(params: dict, head_dim: int, partial_rotary_factor: float = 1.0) -> RopeSpec:
     """RopeSpec from rope parameters; an unknown ``rope_type`` fails at load, naming the key."""
     rope_type = params.get("rope_type", "default")
-    factor = params.get("partial_rotary_factor", partial_rotary_factor)
-    rotary_dim = int(head_dim * float(factor))
-    theta = float(params["rope_theta"])
+    factor = rope_number(params, "partial_rotary_factor", partial_rotary_factor)
+    rotary_dim = int(head_dim * factor)
+    if not 0 < rotary_dim <= head_dim:
+        raise ConfigError(f"config RoPE setting 'partial_rotary_factor' = {factor!r} gives {rotary_dim} "
+                          f"rotary dimensions of a {head_dim}-wide head; it must be in (0, 1]")
+    theta = rope_number(params, "rope_theta")
     inv = default_inv_freq(theta, rotary_dim)
     if rope_type == "default":
         pass
     elif rope_type == "linear":
-        inv = (inv / np.float32(params["factor"])).astype(np.float32)
+        inv = (inv / np.float32(rope_number(params, "factor"))).astype(np.float32)
     elif rope_type == "llama3":
         inv = _llama3_inv_freq(inv, params)
     else:

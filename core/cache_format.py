@@ -20,6 +20,12 @@ winner's entry. A process killed mid-write leaves only a ``.tmp.*`` directory, w
 read and is swept once its process is gone (or after an hour).
 
 The root is ``cache_dir``, else ``$CPULLM_CACHE_DIR``, else ``~/.cache/cpullm``.
+
+The cache is untrusted input. It is used only when its root and ``exec/`` directory belong to the
+user and no one else can write to them (else the load compiles without it and says why); every
+entry is a real directory, every file in it a regular file (not a symlink, not a FIFO: opened
+with O_NOFOLLOW | O_NONBLOCK) of exactly the size the manifest states, checked on the open file
+descriptor that is then mapped, so a short file can never be mapped past its end.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ import os
 import platform
 import shutil
 import socket
+import stat
 import time
 import uuid
 from pathlib import Path
@@ -36,6 +43,7 @@ from pathlib import Path
 import numpy as np
 from numba import njit, prange
 
+from . import limits
 from .compiler import Program
 from .errors import CacheError
 
@@ -59,6 +67,32 @@ def cache_root(cache_dir=None) -> Path:
 
 def exec_dir(cache_dir=None) -> Path:
     return cache_root(cache_dir) / "exec"
+
+
+def unsafe_root_reason(root: Path) -> str | None:
+    """Why the cache under ``root`` must not be trusted, or None when it is safe.
+
+    ``root`` and ``root/exec`` (those that exist) must be directories owned by this user that no
+    one else can write to: not writable by others, and group-writable only when the group is the
+    user's own primary group (the per-user group of a umask-002 system). Otherwise another account
+    could plant a forged entry.
+    """
+    if not hasattr(os, "geteuid"):   # pragma: no cover - no POSIX ownership to check
+        return None
+    for path, follow in ((root, True), (root / "exec", False)):
+        try:
+            st = os.stat(path) if follow else os.lstat(path)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            return f"unreadable ({path}: {exc.strerror})"
+        if not stat.S_ISDIR(st.st_mode):   # holds no entries; writing there fails with its own notice
+            continue
+        if st.st_uid != os.geteuid():
+            return f"owned by another user (uid {st.st_uid}: {path})"
+        if st.st_mode & stat.S_IWOTH or (st.st_mode & stat.S_IWGRP and st.st_gid != os.getegid()):
+            return f"writable by other users (mode {stat.filemode(st.st_mode)}: {path})"
+    return None
 
 
 # ---- checksums --------------------------------------------------------------------------------
@@ -203,7 +237,7 @@ def _fsync_dir(path: Path):
 
 def write_entry(root: Path, key: str, program: Program, inputs: dict, model_dir) -> Path:
     """Write atomically; if another process won the race, keep its entry."""
-    root.mkdir(parents=True, exist_ok=True)
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
     sweep(root)
     final = root / key
     tmp = root / f".tmp.{key}.{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
@@ -289,7 +323,7 @@ def _discard(entry: Path):
         return
     except OSError:
         trash = entry
-    if trash.is_dir():
+    if trash.is_dir() and not trash.is_symlink():
         shutil.rmtree(trash, ignore_errors=True)
     else:
         try:
@@ -299,12 +333,18 @@ def _discard(entry: Path):
 
 
 # ---- reading --------------------------------------------------------------------------------------
+def _load_manifest_json(entry: Path):
+    """The manifest's JSON, read as untrusted: a regular file (O_NOFOLLOW | O_NONBLOCK, so a
+    FIFO cannot hang the load), bounded in size. None when it cannot be read or parsed."""
+    try:
+        return limits.read_json_file(entry / MANIFEST, follow_symlinks=False, allow_nan=True)
+    except (OSError, ValueError):
+        return None
+
+
 def _read_manifest(entry: Path):
     """The parsed manifest if it is complete and self-consistent, else None."""
-    try:
-        m = json.loads((entry / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError, ValueError):
-        return None
+    m = _load_manifest_json(entry)
     if not isinstance(m, dict) or "manifest_sha" not in m:
         return None
     sha = m.pop("manifest_sha")
@@ -321,21 +361,26 @@ def _check_manifest(m: dict, key: str):
         raise CacheError("manifest array table is malformed")
     for name, info in arrays.items():
         shape = info.get("shape") if isinstance(info, dict) else None
-        if (info.get("dtype") not in _DTYPES or not isinstance(shape, list)
-                or not all(isinstance(s, int) and s >= 0 for s in shape)
+        if (not isinstance(info, dict) or info.get("dtype") not in _DTYPES or not isinstance(shape, list)
+                or len(shape) > limits.MAX_DIMS or limits.checked_product(shape) is None
                 or not isinstance(info.get("checksum"), str)):
             raise CacheError(f"manifest entry for {name} is malformed")
     if not isinstance(meta, dict) or any(k not in meta for k in _META_KEYS):
         raise CacheError("manifest program meta is incomplete")
+    sizes = [meta[k] for k in ("first_head", "vocab", "arena_floats", "state_floats", "max_chunk",
+                               "n_ctx", "head_rows", "logits_offset", "max_k")]
+    if not all(limits.is_int(v) and 0 <= v <= limits.MAX_TENSOR_ELEMENTS for v in sizes):
+        raise CacheError("manifest program meta holds a size that is not a sane integer")
 
 
 def read_entry(entry: Path, expect_inputs: dict | None = None, mmap: bool = True) -> Program:
     """Map an entry back (read-only arrays); raise CacheError naming what is wrong."""
-    raw = None
     try:
-        raw = json.loads((entry / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError, ValueError):
-        pass
+        if not stat.S_ISDIR(os.lstat(entry).st_mode):
+            raise CacheError("the entry is not a directory")
+    except OSError as exc:
+        raise CacheError(f"the entry cannot be read ({exc.strerror})") from None
+    raw = _load_manifest_json(entry)
     if not isinstance(raw, dict):
         raise CacheError("manifest missing or unreadable")
     if raw.get("format_version") != FORMAT_VERSION:
@@ -349,25 +394,7 @@ def read_entry(entry: Path, expect_inputs: dict | None = None, mmap: bool = True
     arrays = {}
     for name in ARRAY_NAMES:
         info = m["arrays"][name]
-        path = entry / f"{name}.bin"
-        dtype = np.dtype(info["dtype"])
-        shape = tuple(info["shape"])
-        count = int(np.prod(shape, dtype=np.int64))
-        try:
-            size = path.stat().st_size
-        except OSError:
-            raise CacheError(f"{name}.bin is missing") from None
-        if size != count * dtype.itemsize:
-            raise CacheError(f"{name}.bin has {size} bytes, expected {count * dtype.itemsize} (truncated)")
-        try:
-            if count == 0:
-                arr = np.zeros(shape, dtype)
-            elif mmap:
-                arr = np.asarray(np.memmap(path, dtype=dtype, mode="r", shape=shape))
-            else:
-                arr = np.fromfile(path, dtype=dtype).reshape(shape)
-        except (OSError, ValueError) as exc:
-            raise CacheError(f"{name}.bin cannot be read ({exc})") from None
+        arr = _read_array(entry / f"{name}.bin", np.dtype(info["dtype"]), tuple(info["shape"]), mmap)
         if checksum(arr) != info["checksum"]:
             raise CacheError(f"{name}.bin fails its checksum (damaged)")
         arr.flags.writeable = False      # the same (read-only) array types however it was read
@@ -377,6 +404,31 @@ def read_entry(entry: Path, expect_inputs: dict | None = None, mmap: bool = True
     except OSError:
         pass
     return Program(arrays=arrays, meta=m["program_meta"])
+
+
+def _read_array(path: Path, dtype: np.dtype, shape: tuple, mmap: bool) -> np.ndarray:
+    """One array file: opened without following a symlink or blocking on a FIFO, its size checked
+    on that open descriptor against the manifest's shape, then mapped (or read) from it: the
+    mapping can never reach past the end of the file it was checked on."""
+    count = limits.checked_product(shape)      # the manifest was checked: never None here
+    name = path.name
+    try:
+        fh, size = limits.open_regular(path, follow_symlinks=False)
+    except FileNotFoundError:
+        raise CacheError(f"{name} is missing") from None
+    except OSError as exc:
+        raise CacheError(f"{name} cannot be read ({exc.strerror or exc})") from None
+    with fh:
+        if size != count * dtype.itemsize:
+            raise CacheError(f"{name} has {size} bytes, expected {count * dtype.itemsize} (truncated)")
+        try:
+            if count == 0:
+                return np.zeros(shape, dtype)
+            if mmap:
+                return np.asarray(np.memmap(fh, dtype=dtype, mode="r", shape=shape))
+            return np.fromfile(fh, dtype=dtype, count=count).reshape(shape)
+        except (OSError, ValueError) as exc:
+            raise CacheError(f"{name} cannot be read ({exc})") from None
 
 
 # ---- load -----------------------------------------------------------------------------------------
@@ -411,6 +463,12 @@ def load_or_build(build, *, model_dir, config, family, graph, weights, store, qu
     inputs = cache_key_inputs(config=config, family=family, graph=graph, weights=weights, store=store,
                               quant=quant, n_ctx=n_ctx, max_chunk=max_chunk, kernels=kernels)
     key = key_of(inputs)
+    unsafe = unsafe_root_reason(cache_root(cache_dir))
+    if unsafe is not None:
+        notice(f"ignoring the execution cache under {cache_root(cache_dir)}: it is {unsafe}; compiling "
+               "without it (fix its owner or `chmod go-w` it, or set --cache-dir / CPULLM_CACHE_DIR "
+               "to a directory of your own)")
+        return build(), f"OFF (unsafe cache root: {unsafe})"
     root = exec_dir(cache_dir)
     entry = root / key
     reason, superseded = None, []

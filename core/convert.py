@@ -31,7 +31,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .errors import ConversionError
+from . import limits
+from .errors import ConfigError, ConversionError
+from .family import check_config
 
 Progress = Callable[[str, float], None]
 
@@ -211,18 +213,27 @@ class GGUFFile:
 
     def _string(self) -> str:
         n = self._scalar("Q")
+        if n > limits.MAX_GGUF_STRING:
+            raise ConversionError(f"{self.path} is damaged: a metadata string at offset {self.pos} claims "
+                                  f"{n} bytes (at most {limits.MAX_GGUF_STRING} are read); download it again")
         self._need(n)
         s = bytes(self.buf[self.pos:self.pos + n]).decode("utf-8", errors="replace")
         self.pos += n
         return s
 
-    def _value(self, vtype: int):
+    def _value(self, vtype: int, depth: int = 0):
         if vtype in _SCALAR_FORMATS:
             return self._scalar(_SCALAR_FORMATS[vtype])
         if vtype == _STRING:
             return self._string()
         if vtype == _ARRAY:
             sub, count = self._scalar("I"), self._scalar("Q")
+            if depth >= limits.MAX_GGUF_NESTING and sub == _ARRAY:
+                raise ConversionError(f"{self.path} is damaged: metadata arrays nested more than "
+                                      f"{limits.MAX_GGUF_NESTING} deep at offset {self.pos}; download it again")
+            if count > limits.MAX_GGUF_ARRAY:
+                raise ConversionError(f"{self.path} is damaged: a metadata array at offset {self.pos} claims "
+                                      f"{count} elements (at most {limits.MAX_GGUF_ARRAY} are read); download it again")
             if sub in _SCALAR_FORMATS:
                 fmt = _SCALAR_FORMATS[sub]
                 width = struct.calcsize("<" + fmt)
@@ -231,8 +242,11 @@ class GGUFFile:
                 arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
                 self.pos += count * width
                 return arr.tolist()
+            if sub not in (_STRING, _ARRAY):
+                raise ConversionError(f"{self.path} is damaged: unknown metadata array element type {sub} "
+                                      f"at offset {self.pos}; download it again")
             self._need(count * 8)  # every remaining element takes at least 8 bytes
-            return [self._value(sub) for _ in range(count)]
+            return [self._value(sub, depth + 1) for _ in range(count)]
         raise ConversionError(f"{self.path} is damaged: unknown metadata value type {vtype} at offset "
                               f"{self.pos}; download it again")
 
@@ -249,6 +263,10 @@ class GGUFFile:
             raise ConversionError(f"{self.path}: GGUF version {version}{hint} is not supported; "
                                   "use a little-endian GGUF v2 or v3 file")
         n_tensors, n_kv = self._scalar("Q"), self._scalar("Q")
+        if n_tensors > limits.MAX_TENSORS or n_kv > limits.MAX_GGUF_KV:
+            raise ConversionError(f"{self.path} is damaged: its header claims {n_tensors} tensors and {n_kv} "
+                                  f"metadata keys (at most {limits.MAX_TENSORS} and {limits.MAX_GGUF_KV} are "
+                                  "read); download it again")
         self._need(n_kv * 12 + n_tensors * 24)  # lower bound of their encoded size
         for _ in range(n_kv):
             key = self._string()
@@ -257,12 +275,12 @@ class GGUFFile:
         for _ in range(n_tensors):
             name = self._string()
             n_dims = self._scalar("I")
-            if n_dims > 8:
-                raise ConversionError(f"{self.path} is damaged: tensor {name} has {n_dims} dimensions")
+            if n_dims > limits.MAX_DIMS:
+                raise ConversionError(f"{self.path} is damaged: tensor {limits.shown(name, 80)} has {n_dims} dimensions")
             ne = tuple(self._scalar("Q") for _ in range(n_dims))
             infos.append((name, ne, self._scalar("I"), self._scalar("Q")))
         align = self.metadata.get("general.alignment", 32)
-        if not isinstance(align, int) or align <= 0 or align & (align - 1):
+        if not limits.is_int(align) or not 0 < align <= 1 << 16 or align & (align - 1):
             raise ConversionError(f"{self.path} is damaged: bad general.alignment {align!r}")
         data_start = -(-self.pos // align) * align
         seen = set()
@@ -271,17 +289,17 @@ class GGUFFile:
                 qtype = gguf.GGMLQuantizationType(raw_type)
                 block, type_size = gguf.GGML_QUANT_SIZES[qtype]
             except (ValueError, KeyError) as exc:
-                raise ConversionError(f"{self.path}: tensor {name} has unknown ggml type {raw_type}; "
+                raise ConversionError(f"{self.path}: tensor {limits.shown(name, 80)} has unknown ggml type {raw_type}; "
                                       "the file is damaged or from a newer llama.cpp") from exc
-            n_elems = int(np.prod(ne, dtype=np.int64)) if ne else 1
-            if name in seen or (ne and ne[0] % block):
-                raise ConversionError(f"{self.path} is damaged: tensor {name} is duplicated or has a "
+            n_elems = limits.checked_product(ne)   # exact: (2**32, 2**32) must not wrap to 0
+            if name in seen or n_elems is None or (ne and ne[0] % block):
+                raise ConversionError(f"{self.path} is damaged: tensor {limits.shown(name, 80)} is duplicated or has a "
                                       f"shape {list(ne)} that does not fit its type {qtype.name}")
             seen.add(name)
             n_bytes = n_elems // block * type_size
             start = data_start + offset
             if start + n_bytes > self.size:
-                raise ConversionError(f"{self.path} is truncated: tensor {name} ends at byte "
+                raise ConversionError(f"{self.path} is truncated: tensor {limits.shown(name, 80)} ends at byte "
                                       f"{start + n_bytes} but the file has {self.size} bytes; "
                                       "download it again")
             self.tensors.append(GGUFTensor(name, qtype, ne, n_bytes, start, self))
@@ -299,7 +317,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
         return GGUFFile(path)
     except ConversionError:
         raise
-    except (ValueError, OverflowError, struct.error, MemoryError) as exc:
+    except (ValueError, OverflowError, struct.error, MemoryError, RecursionError) as exc:
         raise ConversionError(f"{path} is a damaged GGUF file ({type(exc).__name__}: {exc}); "
                               "download it again") from exc
 
@@ -473,44 +491,84 @@ def _md(meta: dict, arch: str, key: str, default: Any = None) -> Any:
     return meta.get(f"{arch}.{key}", default)
 
 
-def _single_int(value, what: str) -> int:
-    """A per-layer array that must hold one value for every layer, as an int."""
-    if isinstance(value, list):
-        if not value or len(set(value)) != 1:
-            raise ConversionError(f"GGUF {what} varies per layer ({value}); cpullm cannot convert such models")
+def _shown(value: Any) -> str:
+    """A metadata value for an error message, cut short (it comes from an untrusted file)."""
+    return limits.shown(value)
+
+
+def _meta_int(meta: dict, arch: str, key: str, lo: int, hi: int, default: Any = None,
+              per_layer: bool = False) -> int:
+    """``{arch}.{key}`` as an int in [lo, hi]; ``per_layer`` also accepts one equal value per layer.
+
+    Checked before anything is sized from it: a 227-byte file may claim 2**40 layers."""
+    full = f"{arch}.{key}"
+    value = meta.get(full, default)
+    if value is None:
+        raise ConversionError(f"the GGUF metadata lacks {full}; the file is incomplete or damaged")
+    if per_layer and isinstance(value, list):
+        if not value or not all(limits.is_int(v) for v in value) or len(set(value)) != 1:
+            raise ConversionError(f"GGUF {full} = {_shown(value)} varies per layer or is not a list of "
+                                  "integers; cpullm cannot convert such models")
         value = value[0]
-    return int(value)
+    if not limits.is_int(value) or not lo <= value <= hi:
+        raise ConversionError(f"GGUF {full} = {_shown(value)} is invalid (expected an integer from {lo} "
+                              f"to {hi}); the file is damaged")
+    return value
+
+
+def _meta_float(meta: dict, arch: str, key: str, default: float) -> float:
+    """``{arch}.{key}`` as a finite positive float (shortest round-tripping decimal)."""
+    full = f"{arch}.{key}"
+    value = meta.get(full, default)
+    if not limits.is_number(value) or value <= 0 or not math.isfinite(_clean_float(value)):
+        raise ConversionError(f"GGUF {full} = {_shown(value)} is invalid (expected a finite positive "
+                              "number); the file is damaged")
+    return _clean_float(value)
 
 
 def hyperparameters(meta: dict, reader) -> dict:
-    """The architecture's shape from the GGUF metadata, under transformers' names."""
+    """The architecture's shape from the GGUF metadata, under transformers' names, every value
+    checked against cpullm.limits (and head counts against each other)."""
     arch = meta.get("general.architecture")
-    try:
-        hidden = int(_md(meta, arch, "embedding_length"))
-        heads = _single_int(_md(meta, arch, "attention.head_count"), "head_count")
-        kv = _md(meta, arch, "attention.head_count_kv")
-        kv = heads if kv is None else _single_int(kv, "head_count_kv")
-        hp = {
-            "arch": arch,
-            "hidden_size": hidden,
-            "intermediate_size": _single_int(_md(meta, arch, "feed_forward_length"), "feed_forward_length"),
-            "num_hidden_layers": int(_md(meta, arch, "block_count")),
-            "num_attention_heads": heads,
-            "num_key_value_heads": kv,
-            "max_position_embeddings": int(_md(meta, arch, "context_length", 2048)),
-            "rms_norm_eps": _clean_float(_md(meta, arch, "attention.layer_norm_rms_epsilon", 1e-6)),
-            "rope_theta": _clean_float(_md(meta, arch, "rope.freq_base", 10000.0)),
-        }
-    except (TypeError, ValueError) as exc:
-        raise ConversionError(f"the GGUF metadata lacks a required {arch}.* key ({exc}); "
-                              "the file is incomplete or damaged") from exc
-    head_dim = _md(meta, arch, "attention.key_length")
-    if head_dim is None and arch == "llama":
-        head_dim = _md(meta, arch, "rope.dimension_count")
-    hp["head_dim"] = int(head_dim) if head_dim is not None else hidden // heads
+    hidden = _meta_int(meta, arch, "embedding_length", 1, limits.MAX_HIDDEN)
+    heads = _meta_int(meta, arch, "attention.head_count", 1, limits.MAX_HEADS, per_layer=True)
+    kv = _meta_int(meta, arch, "attention.head_count_kv", 1, limits.MAX_HEADS, default=heads, per_layer=True)
+    if heads % kv:
+        raise ConversionError(f"GGUF {arch}.attention.head_count = {heads} is not a multiple of "
+                              f"head_count_kv = {kv}; the file is damaged")
+    hp = {
+        "arch": arch,
+        "hidden_size": hidden,
+        "intermediate_size": _meta_int(meta, arch, "feed_forward_length", 1, limits.MAX_INTERMEDIATE,
+                                       per_layer=True),
+        "num_hidden_layers": _meta_int(meta, arch, "block_count", 1, limits.MAX_LAYERS),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "max_position_embeddings": _meta_int(meta, arch, "context_length", 1, limits.MAX_CONTEXT, default=2048),
+        "rms_norm_eps": _meta_float(meta, arch, "attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": _meta_float(meta, arch, "rope.freq_base", 10000.0),
+    }
+    head_dim_key = "attention.key_length"
+    if meta.get(f"{arch}.{head_dim_key}") is None and arch == "llama":
+        head_dim_key = "rope.dimension_count"
+    if meta.get(f"{arch}.{head_dim_key}") is not None:
+        hp["head_dim"] = _meta_int(meta, arch, head_dim_key, 1, limits.MAX_HEAD_DIM)
+    elif hidden % heads:
+        raise ConversionError(f"GGUF {arch}.embedding_length = {hidden} is not a multiple of "
+                              f"attention.head_count = {heads} and no key_length is given; the file is damaged")
+    else:
+        hp["head_dim"] = hidden // heads
     embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    hp["vocab_size"] = (_hf_shape(embd)[0] if embd is not None
-                        else int(_md(meta, arch, "vocab_size", len(meta.get("tokenizer.ggml.tokens") or []))))
+    if embd is not None:
+        vocab = _hf_shape(embd)[0]
+    else:
+        tokens = meta.get("tokenizer.ggml.tokens")
+        vocab = _meta_int(meta, arch, "vocab_size", 1, limits.MAX_VOCAB,
+                          default=len(tokens) if isinstance(tokens, list) else None)
+    if not 1 <= vocab <= limits.MAX_VOCAB:
+        raise ConversionError(f"this GGUF's vocabulary has {vocab} tokens, outside 1..{limits.MAX_VOCAB}; "
+                              "the file is damaged")
+    hp["vocab_size"] = vocab
     return hp
 
 
@@ -519,13 +577,15 @@ def rope_scaling(meta: dict, arch: str, reader, hp: dict) -> dict | None:
     kind = _md(meta, arch, "rope.scaling.type")
     factor = _md(meta, arch, "rope.scaling.factor")
     orig = _md(meta, arch, "rope.scaling.original_context_length")
+    if orig is not None:
+        orig = _meta_int(meta, arch, "rope.scaling.original_context_length", 1, limits.MAX_CONTEXT)
     if kind in ("linear", "yarn") and factor:
-        out = {"rope_type": kind, "factor": _clean_float(factor)}
+        out = {"rope_type": kind, "factor": _meta_float(meta, arch, "rope.scaling.factor", 1.0)}
         if kind == "yarn" and orig:
-            out["original_max_position_embeddings"] = int(orig)
+            out["original_max_position_embeddings"] = orig
         return out
     if kind not in (None, "none"):
-        raise ConversionError(f"rope scaling type {kind!r} in this GGUF is not supported; "
+        raise ConversionError(f"rope scaling type {_shown(kind)} in this GGUF is not supported; "
                               "supported: linear, yarn, llama3")
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if freqs is None:
@@ -540,7 +600,9 @@ def _llama3_rope_from_factors(factors: np.ndarray, hp: dict, orig: int | None) -
     (1 for short wavelengths, ``factor`` for long ones, smooth in between). We rebuild that rule
     with the usual low/high frequency factors (1, 4) and check it reproduces the tensor.
     """
-    factor = float(factors.max())
+    factor = float(factors.max()) if factors.size else float("nan")
+    if not (math.isfinite(factor) and factor > 0):
+        raise ConversionError("this GGUF's rope_freqs tensor holds no finite positive factor; the file is damaged")
     orig = int(orig or 8192)
     low, high = 1.0, 4.0
     dim = hp["head_dim"]
@@ -564,7 +626,11 @@ def _llama3_rope_from_factors(factors: np.ndarray, hp: dict, orig: int | None) -
 
 def _token_id(meta: dict, key: str) -> int | None:
     v = meta.get(f"tokenizer.ggml.{key}")
-    return None if v is None else int(v)
+    if v is None:
+        return None
+    if not limits.is_int(v) or not 0 <= v < limits.MAX_VOCAB:
+        raise ConversionError(f"GGUF tokenizer.ggml.{key} = {_shown(v)} is not a token id; the file is damaged")
+    return v
 
 
 def _gemma3_extras(meta: dict, hp: dict, reader) -> dict:
@@ -574,20 +640,20 @@ def _gemma3_extras(meta: dict, hp: dict, reader) -> dict:
     # may state it as a number or as one bool per layer (true = sliding window).
     pattern = _md(meta, arch, "attention.sliding_window_pattern", 6)
     if isinstance(pattern, list):
-        if len(pattern) != n:
+        if len(pattern) != n or not all(isinstance(s, (bool, int)) for s in pattern):
             raise ConversionError(f"GGUF sliding_window_pattern has {len(pattern)} entries for {n} layers; "
                                   "the file is damaged")
         layer_types = ["sliding_attention" if s else "full_attention" for s in pattern]
         pattern = next((i + 1 for i, s in enumerate(pattern) if not s), n)
     else:
-        pattern = int(pattern or 6)
+        pattern = _meta_int(meta, arch, "attention.sliding_window_pattern", 0, limits.MAX_LAYERS, default=6) or 6
         layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
     # llama.cpp: Gemma 3 27B (62 layers) scales queries by hidden/heads, the others by head_dim.
     qpas = hp["hidden_size"] // hp["num_attention_heads"] if n == 62 else hp["head_dim"]
     return {
         "hidden_activation": "gelu_pytorch_tanh",
         "query_pre_attn_scalar": qpas,
-        "sliding_window": int(_md(meta, arch, "attention.sliding_window", 4096)),
+        "sliding_window": _meta_int(meta, arch, "attention.sliding_window", 1, limits.MAX_CONTEXT, default=4096),
         "sliding_window_pattern": pattern,
         "layer_types": layer_types,
         "rope_local_base_freq": 10000.0,
@@ -732,11 +798,12 @@ class TokenizerSpec:
         if not model or not tokens:
             raise ConversionError("this GGUF has no tokenizer (tokenizer.ggml.model/tokens missing); "
                                   "cpullm needs a GGUF that embeds its vocabulary")
+        _check_tokenizer_metadata(meta)
         add_bos = meta.get("tokenizer.ggml.add_bos_token")
         if add_bos is None:
             # older SentencePiece files carry no flag; llama.cpp then adds BOS
             add_bos = model == "llama"
-        extra = [meta.get(f"tokenizer.ggml.{k}") for k in ("eot_token_id", "eom_token_id")]
+        extra = [_token_id(meta, k) for k in ("eot_token_id", "eom_token_id")]
         return cls(
             model=model, pre=meta.get("tokenizer.ggml.pre"), tokens=tokens,
             token_types=meta.get("tokenizer.ggml.token_type") or [],
@@ -750,6 +817,40 @@ class TokenizerSpec:
 
     def token(self, idx: int | None) -> str | None:
         return self.tokens[idx] if idx is not None and 0 <= idx < len(self.tokens) else None
+
+
+MAX_TOKEN_CHARS = 4096   # one vocabulary entry; real ones are < 300 (rebuilding merges is quadratic in it)
+
+# tokenizer.ggml.* key -> (what each element must be, a description for the error)
+_TOKENIZER_LISTS = {
+    "tokens": (lambda t: isinstance(t, str) and len(t) <= MAX_TOKEN_CHARS, f"strings of at most {MAX_TOKEN_CHARS} characters"),
+    "token_type": (limits.is_int, "integers"),
+    "scores": (limits.is_number, "finite numbers"),
+    "merges": (lambda m: isinstance(m, str) and len(m) <= 2 * MAX_TOKEN_CHARS + 1, "strings"),
+}
+
+
+def _check_tokenizer_metadata(meta: dict) -> None:
+    """Types and sizes of every tokenizer field, before a vocabulary or a merge table is built."""
+    for key in ("model", "pre"):
+        value = meta.get(f"tokenizer.ggml.{key}")
+        if value is not None and not isinstance(value, str):
+            raise ConversionError(f"GGUF tokenizer.ggml.{key} = {_shown(value)} is not a string; the file is damaged")
+    for key, (ok, what) in _TOKENIZER_LISTS.items():
+        value = meta.get(f"tokenizer.ggml.{key}")
+        if value is None:
+            continue
+        if not isinstance(value, list) or len(value) > limits.MAX_VOCAB or not all(map(ok, value)):
+            raise ConversionError(f"GGUF tokenizer.ggml.{key} must be a list of at most {limits.MAX_VOCAB} "
+                                  f"{what}; this file's is not: the file is damaged")
+    for key in ("add_bos_token", "add_eos_token"):
+        value = meta.get(f"tokenizer.ggml.{key}")
+        if value is not None and not isinstance(value, (bool, int)):
+            raise ConversionError(f"GGUF tokenizer.ggml.{key} = {_shown(value)} is not a boolean; the file is damaged")
+    template = meta.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise ConversionError(f"GGUF tokenizer.chat_template is a {type(template).__name__}, not a string; "
+                              "the file is damaged (remove the key to convert without a chat template)")
 
 
 def merges_from_vocab(vocab: dict[str, int], order: dict[str, float]) -> list[tuple[str, str]]:
@@ -882,9 +983,14 @@ def build_tokenizer(meta: dict):
     """(tokenizers.Tokenizer, tokenizer_config dict, TokenizerSpec) from the GGUF metadata."""
     spec = TokenizerSpec.from_metadata(meta)
     arch = meta.get("general.architecture", "")
-    tok, alphabet = _select_backend(spec, arch)(spec)
-    _add_gguf_tokens(tok, spec, alphabet)
-    tok.post_processor = _post_processor(spec)
+    backend = _select_backend(spec, arch)
+    try:
+        tok, alphabet = backend(spec)
+        _add_gguf_tokens(tok, spec, alphabet)
+        tok.post_processor = _post_processor(spec)
+    except Exception as exc:   # the tokenizers library rejects the vocabulary or merges
+        raise ConversionError(f"cannot build a tokenizer from this GGUF's vocabulary "
+                              f"({type(exc).__name__}: {limits.one_line(exc, 120)}); the file is damaged") from None
     tok_config = {
         "add_bos_token": spec.add_bos,
         "add_eos_token": spec.add_eos,
@@ -893,7 +999,7 @@ def build_tokenizer(meta: dict):
         "unk_token": spec.token(spec.unk_id),
         "pad_token": spec.token(spec.pad_id),
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(_md(meta, arch, "context_length", 2048)),
+        "model_max_length": _meta_int(meta, arch, "context_length", 1, limits.MAX_CONTEXT, default=2048),
         "tokenizer_class": "PreTrainedTokenizerFast",
     }
     if spec.chat_template:
@@ -983,6 +1089,10 @@ def _convert_into(reader, meta: dict, tmp: Path, progress: Progress | None) -> N
     hp = hyperparameters(meta, reader)
     plan, tied = plan_tensors(reader, spec, hp)
     config = build_config(meta, reader, spec, hp, tied)
+    try:   # the same checks a load runs: never write a config that cpullm itself would refuse
+        check_config(config, "the converted config")
+    except ConfigError as exc:
+        raise ConversionError(f"{exc} (from the GGUF metadata)") from None
     if progress:
         progress("tokenizer", 0.02)
     tok, tok_config, tspec = build_tokenizer(meta)
@@ -991,6 +1101,10 @@ def _convert_into(reader, meta: dict, tmp: Path, progress: Progress | None) -> N
     _write_json(tmp / "generation_config.json", generation_config(tspec))
     _write_json(tmp / "config.json", config)
     write_safetensors(tmp / "model.safetensors", plan, progress)
+
+
+_UNTRUSTED_DATA_ERRORS = (ValueError, TypeError, KeyError, IndexError, OverflowError, ZeroDivisionError,
+                          RecursionError)
 
 
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *,
@@ -1011,14 +1125,22 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *,
         progress("reading GGUF", 0.0)
     meta = read_metadata(reader)
     arch = meta.get("general.architecture")
-    if arch not in ARCH_SPECS:
-        raise ConversionError(f"GGUF architecture {arch!r} is not supported; cpullm converts "
+    if not isinstance(arch, str) or arch not in ARCH_SPECS:
+        raise ConversionError(f"GGUF architecture {_shown(arch)} is not supported; cpullm converts "
                               f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:
-        _convert_into(reader, meta, tmp, progress)
+        try:
+            _convert_into(reader, meta, tmp, progress)
+        except _UNTRUSTED_DATA_ERRORS as exc:
+            # every value is checked above; this keeps a combination no check foresaw from
+            # ending in a traceback (the input is an untrusted file)
+            raise ConversionError(f"{Path(gguf_path).name} cannot be converted: its metadata or tensors are "
+                                  f"inconsistent ({type(exc).__name__}: {limits.one_line(exc, 160)})") from exc
+        except MemoryError:
+            raise ConversionError(f"not enough memory to convert {Path(gguf_path).name}") from None
         _check_out_dir(out_dir, overwrite)  # it may have appeared meanwhile
         _move_into_place(tmp, out_dir)
     except BaseException:

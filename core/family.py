@@ -7,7 +7,8 @@ from typing import Any, Callable
 
 import attrs
 
-from .errors import ConfigError, UnsupportedConfigError
+from . import limits
+from .errors import ConfigError, CpullmError, UnsupportedConfigError
 
 
 @attrs.define
@@ -104,7 +105,16 @@ class FamilySpec:
     plugin_version: str | None = None
 
     def args(self, config: dict) -> Args:
-        return self.args_class.from_config(config)
+        """Typed Args; a config value the family cannot use (a type it does not expect, a zero it
+        divides by) is a ConfigError naming the family, never a traceback."""
+        try:
+            return self.args_class.from_config(config)
+        except CpullmError:
+            raise
+        except (TypeError, ValueError, ZeroDivisionError, OverflowError, KeyError, IndexError) as exc:
+            raise ConfigError(f"config.json does not fit the {self.name} family "
+                              f"({type(exc).__name__}: {exc}); check the config's values against "
+                              "the checkpoint") from None
 
 
 @attrs.define
@@ -123,20 +133,196 @@ class KernelSpec:
 
 
 def read_config(model_dir: Path) -> dict:
-    """config.json as a dict, with errors that name the fix."""
+    """config.json as a dict, checked by :func:`check_config`, with errors that name the fix.
+
+    config.json is untrusted: it is read only if it is a regular file of bounded size, and every
+    shape setting is checked against cpullm.limits before a family allocates anything from it.
+    """
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"{path} is missing: a model directory needs the checkpoint's config.json")
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        config = limits.read_json_file(path)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path} ({exc.strerror or exc}); restore the file from the "
+                          "checkpoint") from None
+    except ValueError as exc:
         raise ConfigError(f"{path} is not valid JSON ({exc}); restore the file from the checkpoint") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{path} must hold a JSON object")
+    check_config(config, str(path))
     gen = Path(model_dir) / "generation_config.json"
     if gen.is_file():
         try:
-            config["_generation_config"] = json.loads(gen.read_text(encoding="utf-8"))
-        except json.JSONDecodeError:
-            config["_generation_config"] = {}
+            gen_config = limits.read_json_file(gen)
+        except (OSError, ValueError):
+            gen_config = {}
+        config["_generation_config"] = gen_config if isinstance(gen_config, dict) else {}
     return config
+
+
+# ---------------------------------------------------------------------------------------------
+# Sanity checks of an untrusted config (family-independent: the common Hugging Face keys)
+# ---------------------------------------------------------------------------------------------
+
+# key -> (smallest, largest) for integer settings; None (absent / null) is always accepted.
+_INT_RANGES = {
+    "num_hidden_layers": (1, limits.MAX_LAYERS),
+    "hidden_size": (1, limits.MAX_HIDDEN),
+    "intermediate_size": (1, limits.MAX_INTERMEDIATE),
+    "num_attention_heads": (1, limits.MAX_HEADS),
+    "num_key_value_heads": (1, limits.MAX_HEADS),
+    "head_dim": (1, limits.MAX_HEAD_DIM),
+    "vocab_size": (1, limits.MAX_VOCAB),
+    "max_position_embeddings": (1, limits.MAX_CONTEXT),
+    "sliding_window": (0, limits.MAX_CONTEXT),
+    "max_window_layers": (0, limits.MAX_LAYERS),
+    "linear_num_key_heads": (1, limits.MAX_HEADS),
+    "linear_num_value_heads": (1, limits.MAX_HEADS),
+    "linear_key_head_dim": (1, limits.MAX_HEAD_DIM),
+    "linear_value_head_dim": (1, limits.MAX_HEAD_DIM),
+    "linear_conv_kernel_dim": (1, 64),
+    "full_attention_interval": (1, limits.MAX_LAYERS),
+    "sliding_window_pattern": (1, limits.MAX_LAYERS),
+}
+# key -> (lowest allowed, lowest is allowed itself) for finite float settings.
+_POSITIVE = (0.0, False)
+_NON_NEGATIVE = (0.0, True)
+_FLOAT_RANGES = {
+    "rms_norm_eps": _POSITIVE,
+    "layer_norm_eps": _POSITIVE,
+    "norm_eps": _POSITIVE,
+    "rope_theta": _POSITIVE,
+    "rope_local_base_freq": _POSITIVE,
+    "partial_rotary_factor": _POSITIVE,
+    "query_pre_attn_scalar": _POSITIVE,
+    "final_logit_softcapping": _NON_NEGATIVE,
+    "attn_logit_softcapping": _NON_NEGATIVE,
+}
+_BOOL_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
+_STR_KEYS = ("model_type", "hidden_act", "hidden_activation")
+_TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# numeric fields of a rope_scaling / rope_parameters dict
+_ROPE_FLOATS = {"factor": _POSITIVE, "rope_theta": _POSITIVE, "low_freq_factor": _POSITIVE,
+                "high_freq_factor": _POSITIVE, "partial_rotary_factor": _POSITIVE,
+                "attention_factor": _POSITIVE, "beta_fast": _POSITIVE, "beta_slow": _POSITIVE,
+                "mscale": _POSITIVE, "mscale_all_dim": _NON_NEGATIVE}
+
+
+def _bad(where: str, key: str, value: Any, expected: str) -> ConfigError:
+    return ConfigError(f"{where}: config key {key!r} = {limits.shown(value)} is invalid ({expected}); the "
+                       "config is damaged or not for this runtime: restore it from the checkpoint")
+
+
+# Keys whose null means "derive it" or "none" (transformers reads them so); any other key that is
+# present must hold a value: null there reaches the family as None.
+_NULLABLE = {"num_key_value_heads", "head_dim", "sliding_window", "max_window_layers", "sliding_window_pattern",
+             "final_logit_softcapping", "attn_logit_softcapping", "query_pre_attn_scalar",
+             "rope_scaling", "rope_parameters", "layer_types", "bos_token_id", "eos_token_id",
+             "pad_token_id", "text_config", "architectures", "model_type", *_BOOL_KEYS}
+
+
+def _check_present(where: str, cfg: dict) -> None:
+    for key in (*_INT_RANGES, *_FLOAT_RANGES, *_BOOL_KEYS, *_STR_KEYS):
+        if key in cfg and cfg[key] is None and key not in _NULLABLE:
+            raise _bad(where, key, None, "expected a value: remove the key to use the default")
+
+
+def _check_int(where: str, key: str, value: Any, lo: int, hi: int) -> None:
+    if value is None:
+        return
+    if not limits.is_int(value) or not lo <= value <= hi:
+        raise _bad(where, key, value, f"expected an integer from {lo} to {hi}")
+
+
+def _check_float(where: str, key: str, value: Any, lowest: float, inclusive: bool) -> None:
+    if value is None:
+        return
+    ok = limits.is_number(value) and (value >= lowest if inclusive else value > lowest)
+    if not ok:
+        relation = ">=" if inclusive else ">"
+        raise _bad(where, key, value, f"expected a finite number {relation} {lowest:g}")
+
+
+def _check_rope_dict(where: str, key: str, rope: Any, nested_ok: bool) -> None:
+    """A rope_scaling / rope_parameters dict: flat, or (rope_parameters) one level by layer type."""
+    if rope is None:
+        return
+    if not isinstance(rope, dict):
+        raise _bad(where, key, rope, "expected an object or null")
+    if nested_ok and rope and all(isinstance(v, dict) for v in rope.values()):
+        for layer_type, sub in rope.items():
+            _check_rope_dict(where, f"{key}.{layer_type}", sub, nested_ok=False)
+        return
+    for name in ("rope_type", "type"):
+        if name in rope and not isinstance(rope[name], str):
+            raise _bad(where, f"{key}.{name}", rope[name], "expected a string")
+    for name, (lowest, inclusive) in _ROPE_FLOATS.items():
+        _check_float(where, f"{key}.{name}", rope.get(name), lowest, inclusive)
+    _check_int(where, f"{key}.original_max_position_embeddings",
+               rope.get("original_max_position_embeddings"), 1, limits.MAX_CONTEXT)
+    for name in ("short_factor", "long_factor", "mrope_section"):
+        values = rope.get(name)
+        if values is not None and not (isinstance(values, list) and len(values) <= limits.MAX_HEAD_DIM
+                                       and all(limits.is_number(v) for v in values)):
+            raise _bad(where, f"{key}.{name}", values, "expected a list of finite numbers")
+
+
+def _check_section(where: str, cfg: dict) -> None:
+    _check_present(where, cfg)
+    for key, (lo, hi) in _INT_RANGES.items():
+        _check_int(where, key, cfg.get(key), lo, hi)
+    for key, (lowest, inclusive) in _FLOAT_RANGES.items():
+        _check_float(where, key, cfg.get(key), lowest, inclusive)
+    for key in _BOOL_KEYS:
+        if cfg.get(key) is not None and not isinstance(cfg[key], bool):
+            raise _bad(where, key, cfg[key], "expected true or false")
+    for key in _STR_KEYS:
+        if cfg.get(key) is not None and not isinstance(cfg[key], str):
+            raise _bad(where, key, cfg[key], "expected a string")
+    archs = cfg.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise _bad(where, "architectures", archs, "expected a list of strings")
+    for key in _TOKEN_ID_KEYS:
+        v = cfg.get(key)
+        ids = v if isinstance(v, list) else [v]
+        if v is not None and not (len(ids) <= limits.MAX_HEADS and all(limits.is_int(i) for i in ids)):
+            raise _bad(where, key, v, "expected a token id or a list of token ids")
+    _check_rope_dict(where, "rope_scaling", cfg.get("rope_scaling"), nested_ok=False)
+    _check_rope_dict(where, "rope_parameters", cfg.get("rope_parameters"), nested_ok=True)
+    _check_heads(where, cfg)
+    layer_types, layers = cfg.get("layer_types"), cfg.get("num_hidden_layers")
+    if layer_types is not None:
+        if not (isinstance(layer_types, list) and all(isinstance(t, str) for t in layer_types)
+                and len(layer_types) <= limits.MAX_LAYERS):
+            raise _bad(where, "layer_types", layer_types, "expected a list of strings, one per layer")
+        if layers is not None and len(layer_types) != layers:
+            raise _bad(where, "layer_types", f"{len(layer_types)} entries", f"expected one per layer ({layers})")
+
+
+def _check_heads(where: str, cfg: dict) -> None:
+    """Head counts that divide: queries share each KV head, and head_dim derives from hidden."""
+    heads, kv = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    if heads is not None and kv is not None and heads % kv:
+        raise ConfigError(f"{where}: num_attention_heads = {heads} is not a multiple of "
+                          f"num_key_value_heads = {kv}; the config is damaged: restore it from the checkpoint")
+    hidden = cfg.get("hidden_size")
+    if cfg.get("head_dim") is None and heads is not None and hidden is not None and hidden % heads:
+        raise ConfigError(f"{where}: hidden_size = {hidden} is not a multiple of num_attention_heads = "
+                          f"{heads} and no head_dim is given; the config is damaged: restore it from the checkpoint")
+
+
+def check_config(config: dict, where: str = "config.json") -> None:
+    """Raise ConfigError when a common setting has the wrong type or an absurd value.
+
+    Counts and sizes must be integers within cpullm.limits, epsilons and RoPE settings finite and
+    positive, head counts must divide, and a multimodal wrapper's ``text_config`` is checked the
+    same way (over the wrapper's keys, as :func:`text_config` merges them). A family still checks
+    what it alone reads; this runs first, so no family allocates from an absurd value.
+    """
+    sub = config.get("text_config")
+    if sub is not None and not isinstance(sub, dict):
+        raise _bad(where, "text_config", sub, "expected an object")
+    _check_section(where, config)
+    if isinstance(sub, dict):
+        _check_section(f"{where} (text_config)", text_config(config))

@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import struct
 import subprocess
 import sys
@@ -121,27 +122,72 @@ def is_complete_model_dir(path: Path) -> bool:
 # Progress
 # ---------------------------------------------------------------------------------------------
 
-def text_progress(label: str = "pull", stream=None) -> Progress:
-    """A callback ``(message, fraction)`` drawing a one-line text progress bar on stderr."""
-    stream = stream or sys.stderr
-    last = {"line": None}
+class ProgressLine:
+    """A callback ``(message, fraction)`` reporting progress on stderr, and a context manager.
 
-    def report(message: str, fraction: float | None = None) -> None:
+    On a terminal it redraws one bar in place with ``\r``; anywhere else (a pipe, a log file) it
+    writes one plain line per new step, so no ``\r`` frames end up in logs. ``close()`` (or
+    leaving the ``with`` block, also on an error) ends an open bar line, so the next line -- an
+    error message -- starts on a line of its own. ``report(message)`` without a fraction is a note.
+    """
+
+    def __init__(self, label: str, stream=None, tty: bool | None = None):
+        self.label = label
+        self.stream = stream or sys.stderr
+        if tty is None:
+            isatty = getattr(self.stream, "isatty", None)
+            try:
+                tty = bool(isatty and isatty())
+            except (OSError, ValueError):
+                tty = False
+        self.tty = tty
+        self._last = None        # the last bar drawn, or the last step named
+        self._open = False       # a bar line without its newline yet
+
+    def __call__(self, message: str, fraction: float | None = None) -> None:
         if fraction is None:
-            print(f"cpullm: {label}: {message}", file=stream, flush=True)
+            self.close()
+            self._write(f"cpullm: {self.label}: {message}\n")
             return
         fraction = max(0.0, min(1.0, fraction))
-        bar = "#" * int(30 * fraction)
-        line = f"\rcpullm: {label}: [{bar:<30}] {fraction * 100:5.1f}% {message[:40]:<40}"
-        if line != last["line"]:
-            stream.write(line)
-            stream.flush()
-            last["line"] = line
-        if fraction >= 1.0:
-            stream.write("\n")
-            stream.flush()
+        if self.tty:
+            self._draw(message, fraction)
+        elif message != self._last:
+            self._last = message
+            self._write(f"cpullm: {self.label}: {message} ({fraction * 100:.0f}%)\n")
 
-    return report
+    def _draw(self, message: str, fraction: float) -> None:
+        bar = "#" * int(30 * fraction)
+        line = f"\rcpullm: {self.label}: [{bar:<30}] {fraction * 100:5.1f}% {message[:40]:<40}"
+        if line != self._last:
+            self._write(line)
+            self._last, self._open = line, True
+        if fraction >= 1.0:
+            self.close()
+
+    def close(self) -> None:
+        """End the bar line if one is open (idempotent)."""
+        if self._open:
+            self._open = False
+            self._write("\n")
+
+    def _write(self, text: str) -> None:
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except (OSError, ValueError):   # a closed or broken stderr must not fail the work
+            pass
+
+    def __enter__(self) -> "ProgressLine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def text_progress(label: str = "pull", stream=None, tty: bool | None = None) -> ProgressLine:
+    """Progress reporting for ``label`` on ``stream`` (stderr): see :class:`ProgressLine`."""
+    return ProgressLine(label, stream, tty)
 
 
 def _default_progress(label: str) -> Progress:
@@ -428,86 +474,126 @@ def ensure_default_model(progress: Progress | None = None) -> Path:
 
 
 def _safetensors_params(path: Path) -> int:
-    """Number of parameters in a safetensors file, from its header only."""
-    with open(path, "rb") as fh:
+    """Number of parameters in a safetensors file, from its header only (checked like a load
+    checks it: a regular file, a bounded header, integer shapes). Raises OSError or ValueError."""
+    from .limits import MAX_SAFETENSORS_HEADER, checked_product, open_regular, parse_json
+
+    fh, size = open_regular(path)
+    with fh:
         head = fh.read(8)
         if len(head) != 8:
-            return 0
+            raise ValueError("truncated (no header)")
         (n,) = struct.unpack("<Q", head)
-        if n > 100_000_000:
-            return 0
-        header = json.loads(fh.read(n) or b"{}")
+        if n > min(size - 8, MAX_SAFETENSORS_HEADER):
+            raise ValueError(f"header length {n} does not fit the file ({size} bytes)")
+        header = parse_json(fh.read(n))
+    if not isinstance(header, dict):
+        raise ValueError("header is not a JSON object")
     total = 0
     for key, info in header.items():
-        if key != "__metadata__" and isinstance(info, dict):
-            count = 1
-            for d in info.get("shape", []):
-                count *= int(d)
-            total += count
+        if key == "__metadata__":
+            continue
+        count = checked_product(info.get("shape", ())) if isinstance(info, dict) else None
+        if count is None:
+            raise ValueError(f"tensor {key[:60]!r} has an invalid header entry")
+        total += count
     return total
 
 
 def count_params(model_dir: Path) -> int:
-    """Parameters of a model directory (all safetensors files), without loading any tensor."""
+    """Parameters of a model directory (all safetensors files), without loading any tensor.
+    Raises ValueError naming the first unreadable file."""
     total = 0
     for f in sorted(Path(model_dir).glob("*.safetensors")):
         try:
             total += _safetensors_params(f)
-        except (OSError, ValueError):
-            continue
+        except OSError as exc:
+            raise ValueError(f"{f.name}: {exc.strerror or exc}") from None
+        except ValueError as exc:
+            raise ValueError(f"{f.name}: {exc}") from None
     return total
 
 
 def _dir_size(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    """Bytes of the regular files under ``path`` (symlinks are not followed, unreadable entries skipped)."""
+    total = 0
+    for base, _dirs, files in os.walk(path, onerror=lambda exc: None):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(base, name))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                total += st.st_size
+    return total
 
 
 def _exec_cache_model_dirs() -> set[str]:
-    """The model_dir of every execution-cache entry (``<cache root>[/exec]/<key>/manifest.json``)."""
+    """The model_dir of every execution-cache entry (``<cache root>[/exec]/<key>/manifest.json``).
+    Manifests are read like any untrusted file: regular files only, bounded, never blocking."""
+    from .limits import read_json_file
+
     root = exec_cache_root()
     dirs: set[str] = set()
     for pattern in ("exec/*/manifest.json", "*/manifest.json"):
         for manifest in root.glob(pattern):
             try:
-                model_dir = json.loads(manifest.read_text()).get("model_dir")
-            except (OSError, ValueError, AttributeError):
+                model_dir = read_json_file(manifest, follow_symlinks=False, allow_nan=True).get("model_dir")
+                if isinstance(model_dir, str) and model_dir:
+                    dirs.add(str(Path(model_dir).resolve()))
+            except (OSError, ValueError, AttributeError, RuntimeError):
                 continue
-            if model_dir:
-                dirs.add(str(Path(model_dir).resolve()))
     return dirs
 
 
 def _model_type(config: dict) -> str | None:
-    return config.get("model_type") or (config.get("text_config") or {}).get("model_type")
+    sub = config.get("text_config")
+    value = config.get("model_type") or (sub.get("model_type") if isinstance(sub, dict) else None)
+    return value if isinstance(value, str) else None
+
+
+def _model_entry(d: Path, cached: set[str]) -> dict:
+    """One store folder: its listing, or ``broken`` with the reason it cannot be used."""
+    from .limits import read_json_file
+
+    entry = {"name": d.name.replace("--", "/"), "path": str(d), "model_type": None, "family": None,
+             "architectures": [], "params": 0, "size_bytes": _dir_size(d), "has_exec_cache": False}
+    try:
+        if not (d / "config.json").exists():
+            raise ValueError("no config.json")
+        config = read_json_file(d / "config.json")
+        if not isinstance(config, dict):
+            raise ValueError("config.json is not a JSON object")
+        if not is_complete_model_dir(d):
+            raise ValueError("no safetensors weights")
+        archs = config.get("architectures")
+        entry.update(model_type=_model_type(config), family=_model_type(config),
+                     architectures=[a for a in archs if isinstance(a, str)] if isinstance(archs, list) else [],
+                     params=count_params(d), has_exec_cache=str(d.resolve()) in cached)
+    except OSError as exc:
+        entry["broken"] = f"{exc.filename and Path(exc.filename).name or 'config.json'}: {exc.strerror or exc}"
+    except (ValueError, RuntimeError) as exc:
+        entry["broken"] = str(exc)
+    return entry
 
 
 def list_models(root: str | os.PathLike | None = None) -> list[dict]:
     """Every model directory in the store, sorted by name.
 
     Each entry: name, path, model_type, family (the config's model_type), architectures,
-    params (from safetensors headers), size_bytes (on disk), has_exec_cache.
+    params (from safetensors headers), size_bytes (on disk), has_exec_cache; a folder that cannot
+    be used (no config.json, damaged headers, ...) is listed with ``broken``: the reason.
     """
     root = Path(root) if root else models_dir()
     if not root.is_dir():
         return []
-    cached = _exec_cache_model_dirs()
+    try:
+        cached = _exec_cache_model_dirs()
+    except OSError:
+        cached = set()
     out = []
     for d in sorted(root.iterdir()):
-        if d.name.startswith((".", "_")) or not d.is_dir() or not is_complete_model_dir(d):
+        if d.name.startswith((".", "_")) or not d.is_dir():
             continue
-        try:
-            config = json.loads((d / "config.json").read_text())
-        except (OSError, ValueError):
-            config = {}
-        model_type = _model_type(config)
-        out.append({
-            "name": d.name.replace("--", "/"),
-            "path": str(d),
-            "model_type": model_type,
-            "family": model_type,
-            "architectures": config.get("architectures") or [],
-            "params": count_params(d),
-            "size_bytes": _dir_size(d),
-            "has_exec_cache": str(d.resolve()) in cached,
-        })
+        out.append(_model_entry(d, cached))
     return out

@@ -5,14 +5,16 @@ widened), ``raw(name)`` the stored view without a copy.
 """
 from __future__ import annotations
 
-import json
 import mmap
+import os
 import struct
 from pathlib import Path
 
 import numpy as np
 
 from .errors import CheckpointError, ModelNotFoundError
+from .limits import (MAX_DIMS, MAX_SAFETENSORS_HEADER, MAX_SHARDS, MAX_TENSOR_ELEMENTS, MAX_TENSORS,
+                     checked_product, inside, is_int, open_regular, parse_json, one_line, read_json_file, shown)
 
 # safetensors dtype -> (numpy dtype of the stored bytes, itemsize)
 _DTYPES = {
@@ -27,7 +29,6 @@ _DTYPES = {
     "U8": (np.uint8, 1),
     "BOOL": (np.bool_, 1),
 }
-_MAX_HEADER = 100 * 1024 * 1024
 
 
 def bf16_to_f32(raw: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -47,66 +48,91 @@ class _Entry:
 
 
 class _Shard:
-    """One mapped .safetensors file."""
+    """One mapped .safetensors file, its header validated before anything is mapped or allocated."""
 
     def __init__(self, path: Path):
         self.path = path
         try:
-            self._fh = open(path, "rb")
+            self._fh, size = open_regular(path)
         except OSError as exc:
-            raise CheckpointError(f"cannot open {path}: {exc}") from None
-        size = path.stat().st_size
+            raise CheckpointError(f"cannot open {path}: {exc.strerror or exc}") from None
+        try:
+            header, hlen = self._read_header(size)
+            self._index(header, size - 8 - hlen)
+            self.data_start = 8 + hlen
+            self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        except BaseException:
+            self._fh.close()
+            raise
+
+    def _read_header(self, size: int) -> tuple[dict, int]:
+        path = self.path
         if size < 8:
             raise CheckpointError(f"{path} is truncated ({size} bytes): re-download the checkpoint")
         (hlen,) = struct.unpack("<Q", self._fh.read(8))
-        if hlen > min(_MAX_HEADER, size - 8):
+        if hlen > size - 8:
             raise CheckpointError(
                 f"{path}: header length {hlen} runs past the end of the file ({size} bytes); "
                 "the file is truncated or not safetensors: re-download it")
+        if hlen > MAX_SAFETENSORS_HEADER:
+            raise CheckpointError(f"{path}: header of {hlen} bytes is larger than the "
+                                  f"{MAX_SAFETENSORS_HEADER} cpullm reads; the file is damaged or not safetensors")
         try:
-            header = json.loads(self._fh.read(hlen).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            header = parse_json(self._fh.read(hlen))
+        except ValueError as exc:
             raise CheckpointError(f"{path}: header is not valid JSON ({exc}); re-download the file") from None
         if not isinstance(header, dict):
             raise CheckpointError(f"{path}: header is not a JSON object")
-        self.metadata = header.pop("__metadata__", {}) or {}
-        self.data_start = 8 + hlen
-        data_len = size - self.data_start
+        metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(metadata, dict):
+            raise CheckpointError(f"{path}: __metadata__ is not a JSON object; the file is damaged")
+        self.metadata = metadata
+        if len(header) > MAX_TENSORS:
+            raise CheckpointError(f"{path}: header lists {len(header)} tensors, more than the "
+                                  f"{MAX_TENSORS} cpullm reads; the file is damaged")
+        return header, hlen
+
+    def _index(self, header: dict, data_len: int) -> None:
+        """Check every entry (dtype, shape, offsets inside the data, no overlap) into ``entries``."""
+        path = self.path
         self.entries: dict[str, _Entry] = {}
         spans = []
         for name, info in header.items():
             try:
                 dtype, shape, (begin, end) = info["dtype"], list(info["shape"]), info["data_offsets"]
             except (KeyError, TypeError, ValueError):
-                raise CheckpointError(f"{path}: tensor {name!r} has a malformed header entry") from None
-            if dtype not in _DTYPES:
+                raise CheckpointError(f"{path}: tensor {shown(name)} has a malformed header entry") from None
+            if not isinstance(dtype, str) or dtype not in _DTYPES:
                 raise CheckpointError(
-                    f"{path}: tensor {name!r} has unknown dtype {dtype!r} "
+                    f"{path}: tensor {shown(name)} has unknown dtype {str(dtype)[:20]!r} "
                     f"(known: {', '.join(sorted(_DTYPES))}); convert the checkpoint to bf16/f16/f32")
-            if any((not isinstance(d, int)) or d < 0 for d in shape):
-                raise CheckpointError(f"{path}: tensor {name!r} has an invalid shape {shape}")
-            if not (isinstance(begin, int) and isinstance(end, int) and 0 <= begin <= end):
-                raise CheckpointError(f"{path}: tensor {name!r} has invalid data offsets {begin}..{end}")
+            count = checked_product(shape) if len(shape) <= MAX_DIMS else None
+            if count is None:
+                raise CheckpointError(
+                    f"{path}: tensor {shown(name)} has an invalid shape {str(shape)[:80]} (at most {MAX_DIMS} "
+                    f"non-negative integer dimensions, at most {MAX_TENSOR_ELEMENTS} elements); the file is damaged")
+            if not (is_int(begin) and is_int(end) and 0 <= begin <= end):
+                raise CheckpointError(f"{path}: tensor {shown(name)} has invalid data offsets "
+                                      f"{str(begin)[:24]}..{str(end)[:24]}")
             if end > data_len:
                 raise CheckpointError(
-                    f"{path}: tensor {name!r} ends at byte {end} but the data section holds only "
+                    f"{path}: tensor {shown(name)} ends at byte {end} but the data section holds only "
                     f"{data_len} bytes; the file is truncated: re-download it")
-            nbytes = int(np.prod(shape, dtype=np.int64)) * _DTYPES[dtype][1]
+            nbytes = count * _DTYPES[dtype][1]
             if nbytes != end - begin:
                 raise CheckpointError(
-                    f"{path}: tensor {name!r} shape {shape} x {dtype} needs {nbytes} bytes but its "
+                    f"{path}: tensor {shown(name)} shape {shape} x {dtype} needs {nbytes} bytes but its "
                     f"offsets span {end - begin}; the file is damaged")
             spans.append((begin, end, name))
             self.entries[name] = _Entry(self, dtype, tuple(shape), begin, end)
         spans.sort()
         for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
             if b1 < e0:
-                raise CheckpointError(f"{path}: tensors {n0!r} and {n1!r} overlap; the file is damaged")
-        self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+                raise CheckpointError(f"{path}: tensors {shown(n0)} and {shown(n1)} overlap; the file is damaged")
 
     def array(self, e: _Entry) -> np.ndarray:
         np_dtype, _ = _DTYPES[e.dtype]
-        count = int(np.prod(e.shape, dtype=np.int64))
+        count = (e.end - e.start) // _DTYPES[e.dtype][1]
         arr = np.frombuffer(self._mm, dtype=np_dtype, count=count, offset=self.data_start + e.start)
         return arr.reshape(e.shape)
 
@@ -116,6 +142,14 @@ class _Shard:
             self._fh.close()
         except OSError:
             pass
+
+
+def _is_file(path: Path) -> bool:
+    """Whether ``path`` is a regular file; False also for a name the OS refuses (too long, ...)."""
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
 
 
 class TensorStore:
@@ -131,28 +165,72 @@ class TensorStore:
         for shard in self.shards:
             for name, e in shard.entries.items():
                 if name in self._entries:
-                    raise CheckpointError(f"tensor {name!r} appears in two shards ({shard.path.name})")
+                    raise CheckpointError(f"tensor {shown(name)} appears in two shards ({shard.path.name})")
                 self._entries[name] = e
 
     def _shard_files(self) -> list[Path]:
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise CheckpointError(f"{index} is not a valid safetensors index ({exc})") from None
-            names = sorted(set(weight_map.values()))
-            missing = [n for n in names if not (self.dir / n).is_file()]
-            if missing:
-                raise CheckpointError(
-                    f"{index} lists shards that are missing: {', '.join(missing)}; download them")
-            return [self.dir / n for n in names]
+            return [self._checked_shard(self.dir / n, index) for n in self._index_shards(index)]
         files = sorted(self.dir.glob("*.safetensors"))
         if not files:
             raise CheckpointError(
                 f"no .safetensors files in {self.dir}; cpullm reads Hugging Face safetensors "
                 "checkpoints (convert a .gguf with `cpullm convert FILE.gguf OUT_DIR`)")
-        return files
+        if len(files) > MAX_SHARDS:
+            raise CheckpointError(f"{self.dir} holds {len(files)} safetensors files, more than the "
+                                  f"{MAX_SHARDS} cpullm reads")
+        return [self._checked_shard(f, None) for f in files]
+
+    def _index_shards(self, index: Path) -> list[str]:
+        """The shard names listed by model.safetensors.index.json (validated, sorted)."""
+        try:
+            weight_map = read_json_file(index)["weight_map"]
+        except OSError as exc:
+            raise CheckpointError(f"cannot read {index} ({exc.strerror or exc}); restore it from the checkpoint") from None
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{index} is not a valid safetensors index ({type(exc).__name__}: "
+                                  f"{str(exc)[:80]}); restore it from the checkpoint") from None
+        if not isinstance(weight_map, dict) or len(weight_map) > MAX_TENSORS:
+            raise CheckpointError(f"{index}: weight_map must be an object of at most {MAX_TENSORS} "
+                                  "tensor -> shard file entries; restore it from the checkpoint")
+        bad = [n for n in weight_map.values()
+               if not (isinstance(n, str) and 0 < len(n) <= 1024 and "\0" not in n)]
+        if bad:
+            raise CheckpointError(f"{index}: shard names must be file names, got {str(bad[0])[:40]!r}; "
+                                  "restore it from the checkpoint")
+        names = set(weight_map.values())
+        if len(names) > MAX_SHARDS:
+            raise CheckpointError(f"{index} names {len(names)} shard files, more than the {MAX_SHARDS} "
+                                  "cpullm reads; the index is damaged")
+        outside = sorted(n for n in names if Path(n).is_absolute() or ".." in Path(n).parts)
+        if outside:
+            raise CheckpointError(f"{index} names shard files outside the model directory "
+                                  f"({', '.join(shown(n) for n in outside[:3])}); refusing to read "
+                                  "them: the index is damaged or hostile")
+        missing = sorted(n for n in names if not _is_file(self.dir / n))
+        if missing:
+            raise CheckpointError(
+                f"{index} lists shards that are missing: {', '.join(one_line(n, 60) for n in missing[:8])}; download them")
+        return sorted(names)
+
+    def _checked_shard(self, path: Path, index: Path | None) -> Path:
+        """``path`` if it resolves inside the model directory (a symlink may not lead out of it,
+        except into the blob store of a Hugging Face cache snapshot the directory belongs to)."""
+        if not inside(path, self._allowed_root()):
+            source = f"{index} names" if index else "found"
+            raise CheckpointError(f"{source} {path.name!r}, which leads outside the model directory "
+                                  f"{self.dir} (a symlink to {os.path.realpath(path)}); refusing to read it. "
+                                  "Copy the real file into the model directory")
+        return path
+
+    def _allowed_root(self) -> Path:
+        """The tree shard files may resolve into: the model directory, or for a Hugging Face cache
+        snapshot (``<repo>/snapshots/<rev>/``, whose files link to ``<repo>/blobs/``) the repo."""
+        real = Path(os.path.realpath(self.dir))
+        if real.parent.name == "snapshots" and (real.parent.parent / "blobs").is_dir():
+            return real.parent.parent
+        return real
 
     # -- queries ---------------------------------------------------------------------------
     def names(self) -> list[str]:

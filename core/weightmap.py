@@ -28,6 +28,7 @@ import attrs
 import numpy as np
 
 from .errors import WeightMapError
+from .limits import one_line
 
 
 @attrs.define(frozen=True)
@@ -119,17 +120,26 @@ class WeightMap:
         unused = [n for n in store.names() if n not in used and n not in ignored]
         problems = []
         if missing:
-            problems.append(f"missing tensors ({len(missing)}): " + ", ".join(missing))
+            problems.append(f"missing tensors ({len(missing)}): " + _first(missing, ", "))
         if bad_shape:
-            problems.append(f"wrong shapes ({len(bad_shape)}): " + "; ".join(bad_shape))
+            problems.append(f"wrong shapes ({len(bad_shape)}): " + _first(bad_shape, "; "))
         if unused:
-            problems.append(f"unexpected tensors ({len(unused)}): " + ", ".join(sorted(unused)))
+            problems.append(f"unexpected tensors ({len(unused)}): " + _first(sorted(unused), ", "))
         if problems:
             raise WeightMapError(
                 "the checkpoint does not match the family's weight map: " + " | ".join(problems)
                 + ". Check that config.json belongs to these weights (layer count, head counts, "
                 "sizes) and that the right family plugin is installed")
         return ResolvedWeights(store=store, found=found, ties=ties, ignored=ignored, args=args)
+
+
+_LISTED = 40   # names shown per kind of problem: all of a real mismatch, not 20k of a hostile one
+
+
+def _first(items: list, sep: str) -> str:
+    """The first ``_LISTED`` items joined by ``sep``, with how many more there are."""
+    shown = sep.join(one_line(x, 200) for x in items[:_LISTED])
+    return shown + (f"{sep}... (+{len(items) - _LISTED} more)" if len(items) > _LISTED else "")
 
 
 @attrs.define

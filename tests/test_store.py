@@ -197,7 +197,9 @@ def test_list_models(fake, monkeypatch, tmp_path):
     (entry / "manifest.json").write_text(json.dumps({"model_dir": str(a.resolve())}))
     monkeypatch.setenv("CPULLM_CACHE_DIR", str(cache))
     models = store.list_models()
-    assert [m["name"] for m in models] == ["tiny-single", "tiny-split"]
+    assert [m["name"] for m in models] == ["half-done", "tiny-single", "tiny-split"]
+    assert models[0]["broken"] == "no config.json"    # listed, with the reason it cannot be used
+    models = models[1:]
     m = models[0]
     assert m["model_type"] == m["family"] == "llama" and m["architectures"] == ["LlamaForCausalLM"]
     # 265 x 64 embedding + 2 layers x (2 norms + q 64x64 + k,v 32x64 + o 64x64 + 3 x 96x64) + final norm
@@ -270,7 +272,7 @@ def test_models_dir_env(monkeypatch, tmp_path):
 
 def test_text_progress_bar():
     buf = io.StringIO()
-    bar = store.text_progress("pull x", stream=buf)
+    bar = store.text_progress("pull x", stream=buf, tty=True)
     bar("fetching", 0.5)
     bar("fetching", 0.5)  # unchanged: not redrawn
     bar("done", 1.0)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def positive_int(text: str) -> int:
@@ -43,28 +42,15 @@ def load_model(args):
     name = args.model
     if name is None:
         from cpullm.store import ensure_default_model
-        name = ensure_default_model(progress=progress_printer("default model"))
+        with progress_printer("default model") as progress:
+            name = ensure_default_model(progress=progress)
     return cpullm.load(name, quant=args.quant, threads=args.threads, n_ctx=args.ctx,
                        cache_dir=args.cache_dir, use_cache=not args.no_cache, mlock=args.mlock,
                        mmap=args.mmap)
 
 
 def progress_printer(label: str):
-    """A callback (message, fraction) that draws a one-line progress bar on stderr."""
-    state = {"last": None}
-
-    def cb(message: str, fraction: float | None = None):
-        if fraction is None:
-            print(f"cpullm: {label}: {message}", file=sys.stderr, flush=True)
-            return
-        width = 30
-        filled = int(width * max(0.0, min(1.0, fraction)))
-        line = f"\rcpullm: {label}: [{'#' * filled}{'.' * (width - filled)}] {fraction * 100:5.1f}% {message[:40]:<40}"
-        if line != state["last"]:
-            sys.stderr.write(line)
-            sys.stderr.flush()
-            state["last"] = line
-        if fraction >= 1.0:
-            sys.stderr.write("\n")
-
-    return cb
+    """Progress on stderr for ``label``: a bar redrawn in place on a terminal, plain lines
+    otherwise. Use it as a context manager so an error printed afterwards starts a new line."""
+    from cpullm.store import text_progress
+    return text_progress(label)

@@ -15,7 +15,7 @@ def add_parser(sub):
 def run(args) -> int:
     from cpullm.convert import convert_gguf
 
-    out = convert_gguf(args.gguf, args.out_dir, progress=progress_printer("convert"),
-                       overwrite=args.overwrite)
+    with progress_printer("convert") as progress:
+        out = convert_gguf(args.gguf, args.out_dir, progress=progress, overwrite=args.overwrite)
     print(out)
     return 0

@@ -18,6 +18,13 @@ def _size(n) -> str:
     return str(n)
 
 
+def _one_line(text: str, width: int = 100) -> str:
+    """A reason shown in the table: one line, printable, cut to ``width`` characters."""
+    text = " ".join(str(text).split())
+    text = "".join(c if c.isprintable() else "?" for c in text)
+    return text if len(text) <= width else text[:width - 3] + "..."
+
+
 def run(args) -> int:
     from cpullm.store import list_models
 
@@ -30,6 +37,10 @@ def run(args) -> int:
         return 0
     print(f"{'NAME':<32} {'FAMILY':<12} {'PARAMS':>8} {'SIZE':>10}  EXEC CACHE")
     for m in models:
+        if m.get("broken"):
+            print(f"{m['name']:<32} {'(broken)':<12} {'?':>8} {_size(m.get('size_bytes', 0)):>10}  "
+                  f"-  {_one_line(m['broken'])}")
+            continue
         params = f"{m.get('params', 0) / 1e6:.0f}M" if m.get("params") else "?"
         print(f"{m['name']:<32} {str(m.get('model_type') or m.get('family') or '?'):<12} {params:>8} "
               f"{_size(m.get('size_bytes', 0)):>10}  {'yes' if m.get('has_exec_cache') else 'no'}")

@@ -14,5 +14,7 @@ def add_parser(sub):
 def run(args) -> int:
     from cpullm.store import pull
 
-    print(pull(args.name, dest_dir=args.dir, progress=progress_printer(f"pull {args.name}")))
+    with progress_printer(f"pull {args.name}") as progress:
+        path = pull(args.name, dest_dir=args.dir, progress=progress)
+    print(path)
     return 0
