@@ -163,6 +163,12 @@ class Engine:
         self._queue.put(job)
         return out
 
+    def count_left_early(self) -> None:
+        """A request whose client left before it reached the engine (during its render)."""
+        with self._lock:
+            self.counters["requests"] += 1
+            self.counters["cancelled"] += 1
+
     def snapshot(self) -> dict:
         with self._lock:
             return dict(self.counters)
@@ -784,6 +790,7 @@ def create_app(model, model_id: str | None = None, api_key: str | None = None,
             body = await _read_json(request, max_request_bytes, body_timeout)
             spec, gone = await _prepare(request, prepare, body)
             if gone:
+                engine.count_left_early()
                 return Response(b"", 499)            # the client left; nobody reads this
             job = Job(spec.ids, spec.max_tokens, spec.sampling, spec.stop, api.request_timeout)
             out = engine.submit(job, asyncio.get_running_loop())

@@ -199,6 +199,9 @@ def run(args) -> int:
         except CpullmError as exc:
             _say(f"error: {exc}")
             continue
+        except KeyboardInterrupt:               # Ctrl-C during a slow template render
+            print("\n[stopped]", flush=True)
+            continue
         if dropped:
             _say(f"context full: dropped the oldest {dropped} turn{'s' if dropped > 1 else ''} "
                  "of the conversation")
