@@ -6,31 +6,28 @@ The template comes from the model directory, as transformers finds it: a sidecar
 ``tool_use`` when tools are given and it exists, else ``default``), else a processor's
 ``chat_template.json``.
 
-Templates are untrusted code shipped with a checkpoint. They render in jinja2's
-``ImmutableSandboxedEnvironment`` (no ``_``-prefixed attributes, no internal attributes of
-functions, frames or types, no mutation of lists and dicts, bounded ``range``), with the helpers
-transformers provides (``raise_exception``, ``strftime_now``, the ``tojson`` filter, the
-``{% generation %}`` tag, ``loopcontrols``) and the variables templates read (``messages``,
-``bos_token``, ``eos_token``, ``add_generation_prompt``, ``tools``, plus any extra keyword such
-as ``enable_thinking``). Reaching for an internal attribute stops the render at once. Repetition
-(``*``), powers, integer arguments to calls and filters, format widths and the rendered size are
-bounded, so a hostile template cannot exhaust memory either. Every failure is a
-``ChatTemplateError`` naming the cause.
+Templates are untrusted code shipped with a checkpoint. They render in ``cpullm.template_sandbox``
+(jinja2's ``ImmutableSandboxedEnvironment`` with transformers' helpers and bounds on repetition,
+powers, widths and output size), inside a worker process started on first use: an empty
+environment, an address-space limit (RENDER_MEMORY_MB beyond its idle size) and a render time
+limit (RENDER_TIMEOUT_S) after which the parent kills it and starts a fresh one for the next
+render. So a hostile template costs one error, never the caller's memory, time or secrets.
+Every failure is a ``ChatTemplateError`` naming the cause (``TemplateLimitError`` for the
+bounds); a model whose template is refused still works for plain completion.
 """
 from __future__ import annotations
 
-import datetime
-import functools
+import atexit
 import json
-import operator
-import re
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
-from .errors import ChatTemplateError, ContextOverflowError
-
-MAX_RENDERED_CHARS = 8 * 2**20        # a rendered prompt longer than this is a runaway template
-MAX_REPEAT = 2**20                    # 'x' * n / [..] * n: at most this many items or characters
-MAX_POWER_BITS = 4096                 # a ** b: the result's size
+from .errors import ChatTemplateError, ContextOverflowError, TemplateLimitError
 
 
 # ---- finding the template ------------------------------------------------------------------
@@ -93,184 +90,216 @@ def require_template(model, tools=None) -> str:
     return tpl
 
 
-# ---- the sandbox -----------------------------------------------------------------------------
-def _raise_exception(message="the template raised an error"):
-    raise ChatTemplateError(f"the model's chat template rejected the conversation: {message}")
+# ---- rendering, in a worker process ----------------------------------------------------------------
+RENDER_TIMEOUT_S = 10.0           # real templates render in milliseconds; a runaway one is killed
+RENDER_MEMORY_MB = 512            # the worker's address space beyond what it holds idle
+WORKER_START_TIMEOUT_S = 60.0     # a cold interpreter start on a loaded machine
+_WAIT_SLICE_S = 0.05              # how often a waiting render looks at its cancel flag
+FIX = "use /v1/completions or run without --chat (plain completion), or fix the template"
 
 
-def _strftime_now(fmt="%d %b %Y"):
-    return datetime.datetime.now().strftime(str(fmt))
+class RenderCancelled(ChatTemplateError):
+    """The caller gave up on a render (its client left, the server is stopping)."""
 
 
-def _tojson(value, indent=None, separators=None, sort_keys=False, ensure_ascii=False):
-    # transformers' tojson: plain json.dumps (jinja's own escapes HTML, which prompts must not)
-    return json.dumps(value, indent=indent, separators=separators, sort_keys=sort_keys,
-                      ensure_ascii=ensure_ascii)
+class _Worker:
+    """One ``template_sandbox`` process: frames over its stdin/stdout, killed on overrun."""
+
+    def __init__(self, memory_mb: int, cancel):
+        from . import template_sandbox as sandbox
+
+        self.memory_mb = memory_mb
+        script = Path(sandbox.__file__)
+        # -I: no PYTHON* variables, no user site, not the script's folder on sys.path (it holds
+        # modules named like the standard library's); an empty environment: nothing to leak.
+        self.proc = subprocess.Popen([sys.executable, "-I", str(script)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env={},
+                                     start_new_session=True, close_fds=True)
+        try:
+            self._send(sandbox.encode_frame({"path": [p for p in sys.path if p],
+                                             "memory_bytes": memory_mb * 2**20,
+                                             "parent": os.getpid()}),
+                       time.monotonic() + WORKER_START_TIMEOUT_S, cancel)
+            ready = self._receive(time.monotonic() + WORKER_START_TIMEOUT_S, cancel)
+        except BaseException:
+            self.kill()
+            raise
+        if ready is None:
+            self.kill()
+            raise ChatTemplateError("the chat-template worker process did not start; "
+                                    f"{FIX}") from None
+        if not ready.get("ok"):
+            self.kill()
+            raise ChatTemplateError(_jinja2_refusal(ready.get("message", "")))
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal_kill(self) -> None:
+        """SIGKILL only (safe from any thread): whoever renders sees end-of-file at once."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+
+    def kill(self) -> None:
+        """Kill, reap and close the pipes (by the thread holding the worker lock)."""
+        self.signal_kill()
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+    def _wait(self, fileobj, writable: bool, deadline: float, cancel) -> None:
+        """Until ``fileobj`` is ready; TimeoutError past ``deadline``, RenderCancelled when
+        ``cancel`` is set."""
+        poller = select.poll()
+        poller.register(fileobj.fileno(), select.POLLOUT if writable else select.POLLIN)
+        while True:
+            if cancel is not None and cancel.is_set():
+                raise RenderCancelled("the render was cancelled (the client left or the server is stopping)")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            if poller.poll(1000 * min(left, _WAIT_SLICE_S)):
+                return
+
+    def _send(self, frame: bytes, deadline: float, cancel) -> None:
+        fd = self.proc.stdin.fileno()
+        view = memoryview(frame)
+        while view:
+            self._wait(self.proc.stdin, True, deadline, cancel)
+            try:
+                n = os.write(fd, view[:65536])
+            except (BrokenPipeError, BlockingIOError):
+                if not self.alive():
+                    raise EOFError from None
+                continue
+            view = view[n:]
+
+    def _read(self, n: int, deadline: float, cancel) -> bytes | None:
+        fd = self.proc.stdout.fileno()
+        buf = bytearray()
+        while len(buf) < n:
+            self._wait(self.proc.stdout, False, deadline, cancel)
+            chunk = os.read(fd, min(n - len(buf), 2**20))
+            if not chunk:
+                return None                     # the worker died
+            buf += chunk
+        return bytes(buf)
+
+    def _receive(self, deadline: float, cancel):
+        from .template_sandbox import FRAME_HEADER
+
+        head = self._read(FRAME_HEADER.size, deadline, cancel)
+        if head is None:
+            return None
+        body = self._read(FRAME_HEADER.unpack(head)[0], deadline, cancel)
+        if body is None:
+            return None
+        try:
+            return json.loads(body)                 # JSON, never pickle: the worker is not trusted
+        except ValueError:
+            return None
+
+    def render(self, frame: bytes, timeout: float, cancel):
+        """The worker's reply, or None when it died; TimeoutError / RenderCancelled as _wait."""
+        deadline = time.monotonic() + timeout
+        try:
+            self._send(frame, deadline, cancel)
+        except EOFError:
+            return None
+        return self._receive(deadline, cancel)
 
 
-def _length(v):
+_worker: _Worker | None = None
+_worker_lock = threading.Lock()
+
+
+def _jinja2_refusal(problem: str) -> str:
+    return (f"chat templates are refused: {problem}. Install a fixed jinja2 "
+            "(pip install -U 'jinja2>=3.1.6'); until then " + FIX.split(", or fix")[0])
+
+
+def stop_render_worker() -> None:
+    """Kill the worker now (a render in flight fails at once); the next render starts a new one.
+    The server calls this when it shuts down, so no thread waits on a template."""
+    global _worker
+    w = _worker
+    if w is not None:
+        w.signal_kill()
+
+
+atexit.register(stop_render_worker)
+
+
+def _acquire(cancel) -> None:
+    while not _worker_lock.acquire(timeout=_WAIT_SLICE_S):
+        if cancel is not None and cancel.is_set():
+            raise RenderCancelled("the render was cancelled (the client left or the server is stopping)")
+
+
+def _render_in_worker(frame: bytes, cancel):
+    global _worker
+    timeout, memory_mb = float(RENDER_TIMEOUT_S), int(RENDER_MEMORY_MB)
+    _acquire(cancel)
     try:
-        return len(v)
-    except TypeError:
-        return None
-
-
-def _bounded_mul(left, right):
-    for seq, n in ((left, right), (right, left)):
-        if isinstance(n, int) and not isinstance(seq, (int, float)) and _length(seq) is not None:
-            if _length(seq) * max(n, 0) > MAX_REPEAT:
-                raise ChatTemplateError(f"the chat template tried to build a sequence of "
-                                        f"{_length(seq) * n} items (limit {MAX_REPEAT})")
-    return operator.mul(left, right)
-
-
-_PERCENT_WIDTH = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(?:\d{7,}|\d*\.\d{7,})")
-_BRACE_WIDTH = re.compile(r"\{[^{}]*:[^{}]*\d{7,}[^{}]*\}")
-
-
-def _check_args(args, kwargs) -> None:
-    """No call from a template gets an integer over MAX_REPEAT ('x'.ljust(10**10), center(...))."""
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, int) and not isinstance(a, bool) and abs(a) > MAX_REPEAT:
-            raise ChatTemplateError(f"the chat template passed {a} to a function (limit {MAX_REPEAT})")
-
-
-def _check_format(fmt, brace: bool) -> None:
-    if isinstance(fmt, str) and (_BRACE_WIDTH if brace else _PERCENT_WIDTH).search(fmt):
-        raise ChatTemplateError("the chat template used a format width over a million characters")
-
-
-def _bounded_filter(f):
-    skip = 2 if getattr(f, "jinja_pass_arg", None) is not None else 1   # (context,) value, args
-
-    @functools.wraps(f)
-    def bounded(*args, **kwargs):
-        _check_args(args[skip:], kwargs)
-        return f(*args, **kwargs)
-    return bounded
-
-
-def _environment_format(fmt):
-    """The ``format`` filter: its arguments are values, so only the format string is checked."""
-    @functools.wraps(fmt)
-    def bounded(value, *args, **kwargs):
-        _check_format(value, brace=False)
-        return fmt(value, *args, **kwargs)
-    return bounded
-
-
-def _bounded_pow(left, right):
-    if isinstance(left, int) and isinstance(right, int) and right > 0 and \
-            abs(left) > 1 and right * abs(left).bit_length() > MAX_POWER_BITS:
-        raise ChatTemplateError("the chat template tried to compute an enormous power")
-    return operator.pow(left, right)
-
-
-@functools.lru_cache(maxsize=1)
-def _environment():
-    from jinja2 import nodes
-    from jinja2.exceptions import SecurityError
-    from jinja2.ext import Extension
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class GenerationTag(Extension):
-        """``{% generation %}...{% endgeneration %}`` (transformers marks assistant tokens with
-        it); rendering only needs the body."""
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return nodes.Scope(body, lineno=lineno)
-
-    class Env(ImmutableSandboxedEnvironment):
-        intercepted_binops = frozenset(["*", "**", "%"])
-
-        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja's signature)
-            _check_args(args, kwargs)
-            return super().call(__context, __obj, *args, **kwargs)
-
-        def wrap_str_format(self, value):
-            fmt = super().wrap_str_format(value)       # 'str'.format / format_map, sandboxed
-            if fmt is None:
-                return None
-            _check_format(value.__self__, brace=True)
-
-            @functools.wraps(fmt)
-            def checked(*args, **kwargs):
-                _check_args(args, kwargs)
-                for a in args:                          # format_map({'w': 10**9})
-                    if isinstance(a, dict):
-                        _check_args((), a)
-                return fmt(*args, **kwargs)
-            return checked
-
-        def unsafe_undefined(self, obj, attribute):
-            # jinja would return an Undefined that renders as "" and fails only when used further;
-            # a template that reaches for internals is stopped at once, and says so.
-            raise SecurityError(f"access to attribute {attribute!r} of a "
-                                f"{type(obj).__name__!r} object is unsafe")
-
-        def call_binop(self, context, op, left, right):
-            if op == "*":
-                return _bounded_mul(left, right)
-            if op == "**":
-                return _bounded_pow(left, right)
-            if op == "%":
-                _check_format(left, brace=False)
-            return super().call_binop(context, op, left, right)
-
-    env = Env(trim_blocks=True, lstrip_blocks=True,
-              extensions=["jinja2.ext.loopcontrols", GenerationTag])
-    env.filters["tojson"] = _tojson
-    for name, f in list(env.filters.items()):
-        env.filters[name] = _bounded_filter(f)
-    env.filters["format"] = _environment_format(env.filters["format"].__wrapped__)
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
-
-
-@functools.lru_cache(maxsize=16)
-def _compile(template: str):
-    from jinja2 import TemplateError
-    try:
-        return _environment().from_string(template)
-    except TemplateError as exc:
-        raise ChatTemplateError(f"the model's chat template is not valid jinja: {exc}") from None
+        if _worker is None or not _worker.alive() or _worker.memory_mb != memory_mb:
+            if _worker is not None:
+                _worker.kill()
+            _worker = None
+            _worker = _Worker(memory_mb, cancel)
+        worker = _worker
+        try:
+            reply = worker.render(frame, timeout, cancel)
+        except TimeoutError:
+            worker.kill()
+            raise TemplateLimitError(f"the model's chat template exceeded {timeout:g} s while "
+                                     f"rendering (a runaway or hostile template); {FIX}") from None
+        except BaseException:
+            worker.kill()                           # cancelled mid-render: stop the work too
+            raise
+        if reply is None:
+            worker.kill()
+            raise ChatTemplateError("the chat template crashed the render worker (a hostile or "
+                                    f"broken template); {FIX}")
+        if not reply.get("ok") and reply.get("kind") == "memory":
+            worker.kill()                           # a fresh worker, not a fragmented heap
+            raise TemplateLimitError(f"the model's chat template exceeded {memory_mb} MB while "
+                                     f"rendering (a runaway or hostile template); {FIX}")
+        return reply
+    finally:
+        _worker_lock.release()
 
 
 def render_template(template: str, messages: list[dict], *, bos_token: str | None = None,
                     eos_token: str | None = None, add_generation_prompt: bool = True,
-                    tools=None, **extra) -> str:
-    """Render ``messages`` with ``template`` in the sandbox. Every failure is a ChatTemplateError."""
-    from jinja2 import TemplateError
-    from jinja2.exceptions import SecurityError
+                    tools=None, cancel: threading.Event | None = None, **extra) -> str:
+    """Render ``messages`` with ``template`` in the sandbox worker, within RENDER_TIMEOUT_S and
+    RENDER_MEMORY_MB. Variables must be JSON values. ``cancel`` (an Event) stops the render when
+    set. Every failure is a ChatTemplateError (TemplateLimitError for the bounds)."""
+    from .template_sandbox import encode_frame, jinja2_problem
 
-    tpl = _compile(template)
+    problem = jinja2_problem()
+    if problem is not None:
+        raise ChatTemplateError(_jinja2_refusal(problem))
+    variables = dict(extra, messages=messages, bos_token=bos_token or "", eos_token=eos_token or "",
+                     add_generation_prompt=add_generation_prompt, tools=tools)
     try:
-        out, size = [], 0
-        for chunk in tpl.generate(messages=messages, bos_token=bos_token or "",
-                                  eos_token=eos_token or "",
-                                  add_generation_prompt=add_generation_prompt, tools=tools, **extra):
-            size += len(chunk)
-            if size > MAX_RENDERED_CHARS:
-                raise ChatTemplateError(f"the chat template produced more than {MAX_RENDERED_CHARS} "
-                                        "characters; it is broken or hostile")
-            out.append(chunk)
-        return "".join(out)
-    except ChatTemplateError:
-        raise
-    except SecurityError as exc:
-        raise ChatTemplateError(f"the chat template tried an unsafe operation and was stopped: {exc}") from None
-    except TemplateError as exc:
-        raise ChatTemplateError(f"the chat template failed to render: {exc}") from None
-    except RecursionError:
-        raise ChatTemplateError("the chat template recursed too deeply") from None
-    except MemoryError:
-        raise ChatTemplateError("the chat template ran out of memory") from None
-    except Exception as exc:      # a template calling a filter with bad types, dividing by 0, ...
-        raise ChatTemplateError(f"the chat template failed to render: {type(exc).__name__}: {exc}") from None
+        frame = encode_frame({"template": template, "variables": variables})
+    except (TypeError, ValueError) as exc:
+        raise ChatTemplateError(f"chat template variables must be JSON values (text, numbers, "
+                                f"lists, objects): {exc}") from None
+    reply = _render_in_worker(frame, cancel)
+    if not reply.get("ok"):
+        kind, message = reply.get("kind"), str(reply.get("message", "the chat template failed"))
+        if kind == "setup":
+            raise ChatTemplateError(_jinja2_refusal(message))
+        raise ChatTemplateError(message)
+    text = reply.get("text")
+    if not isinstance(text, str):
+        raise ChatTemplateError(f"the render worker answered nonsense; {FIX}")
+    return text
 
 
 # ---- messages ----------------------------------------------------------------------------------

@@ -56,6 +56,10 @@ class ChatTemplateError(CpullmError):
     """The model has no chat template, or its template rejected the messages."""
 
 
+class TemplateLimitError(ChatTemplateError):
+    """The model's chat template overran its render time or memory (runaway or hostile)."""
+
+
 class TokenizerError(CpullmError):
     """tokenizer.json is missing or unreadable."""
 

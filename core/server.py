@@ -11,6 +11,18 @@ request's coroutine through an asyncio queue. A client that disconnects (streami
 its job's cancel flag: the engine stops that generation at the next token and takes the next job.
 At most ``max_queue`` jobs wait; more get 503.
 
+Bounds: an answer is at most ``max_tokens_cap`` tokens (an omitted ``max_tokens`` means the cap,
+not the rest of the context; a larger one is cut with finish_reason "length") and
+``request_timeout`` seconds of generation (then it ends the same way). A client has
+``header_timeout`` seconds to send its request line and headers (else the connection closes; a
+custom uvicorn protocol, since uvicorn bounds only idle keep-alive connections) and
+``body_timeout`` seconds for its body (else 408). Chat templates render in a worker process with
+their own time and memory limits (``cpullm.chat``); a client that leaves during the render stops
+it. ``/health`` and ``/v1/models`` report the limits. Lone UTF-16 surrogates anywhere in a body,
+and sampling values that would overflow the sampler (a temperature under 1e-3 other than 0), are
+400s. On SIGINT/SIGTERM the engine stops first: the running generation and every waiting request
+end with the 503 ``server_shutting_down`` error (a stream gets it as its last event).
+
 Sampling defaults for fields a request omits: OpenAI's (temperature 1, top_p 1), overridden by
 the checkpoint's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty).
 Extensions accepted beside OpenAI's fields: ``top_k``, ``min_p``, ``repetition_penalty``,
@@ -46,6 +58,12 @@ from .generate import GenerationStats
 STATIC_DIR = Path(__file__).parent / "static"
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 DEFAULT_MAX_QUEUE = 64
+DEFAULT_MAX_TOKENS_CAP = 1024         # longest answer per request; an omitted max_tokens gets this
+DEFAULT_REQUEST_TIMEOUT_S = 300.0     # generation time per request: 1024 tokens at ~4 tok/s (a 4B model)
+DEFAULT_HEADER_TIMEOUT_S = 10.0       # to send a request's line and headers
+DEFAULT_BODY_TIMEOUT_S = 30.0         # to send its body (4 MiB at ~140 KB/s)
+MIN_TEMPERATURE = 1e-3                # logits / T must stay finite: 3.4e38 (float32 max) / 1e-3 is
+MAX_REPETITION_PENALTY = 1e3          # ... and so must penalized ones (x * 1e3, x / 1e-3)
 MAX_STOP = 16
 LOOPBACK_NAMES = {"127.0.0.1", "localhost", "::1", "[::1]"}
 PAGE_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; connect-src 'self'; "
@@ -94,11 +112,15 @@ def _json_bytes(obj) -> bytes:
 class Job:
     """One generation: prompt ids, limits, sampling; a cancel flag; text pieces out via ``emit``."""
 
-    def __init__(self, ids: list[int], max_tokens: int, sampling: dict, stop: list[str]):
+    def __init__(self, ids: list[int], max_tokens: int, sampling: dict, stop: list[str],
+                 time_limit: float | None = None):
         self.ids = ids
         self.max_tokens = max_tokens
         self.sampling = sampling
         self.stop = stop
+        self.time_limit = time_limit      # seconds of generation, from when the engine takes it
+        self.timed_out = False
+        self.abort: Exception | None = None    # set with cancel: the error the client gets
         self.cancel = threading.Event()
         self.stats = GenerationStats()
         self.finished = threading.Event()
@@ -122,7 +144,7 @@ class Engine:
         self._lock = threading.Lock()
         self._closed = False
         self.counters = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0,
-                         "generated_tokens": 0, "queued": 0, "active": 0}
+                         "timed_out": 0, "generated_tokens": 0, "queued": 0, "active": 0}
         self._active: Job | None = None
         self._thread = threading.Thread(target=self._work, name="cpullm-engine", daemon=True)
         self._thread.start()
@@ -132,8 +154,7 @@ class Engine:
         job._emit = lambda item: loop.call_soon_threadsafe(out.put_nowait, item)
         with self._lock:
             if self._closed:
-                raise ApiError("the server is shutting down; retry on another instance", 503,
-                               "server_shutting_down")
+                raise _shutting_down()
             if self.counters["queued"] >= self.max_queue:
                 raise ApiError(f"the server is busy ({self.max_queue} requests are already waiting); "
                                "retry in a moment", 503, "server_overloaded")
@@ -141,6 +162,12 @@ class Engine:
             self.counters["requests"] += 1
         self._queue.put(job)
         return out
+
+    def count_left_early(self) -> None:
+        """A request whose client left before it reached the engine (during its render)."""
+        with self._lock:
+            self.counters["requests"] += 1
+            self.counters["cancelled"] += 1
 
     def snapshot(self) -> dict:
         with self._lock:
@@ -161,7 +188,10 @@ class Engine:
                     outcome = "cancelled"
                 else:
                     outcome = self._run(job)
-                job.emit(("done", None))
+                if job.abort is not None:
+                    job.emit(("error", job.abort))
+                else:
+                    job.emit(("done", None))
             except CpullmError as exc:
                 outcome = "failed"
                 job.emit(("error", exc))
@@ -178,7 +208,10 @@ class Engine:
                 job.finished.set()
 
     def _run(self, job: Job) -> str:
+        """Generate, stopping at the job's cancel flag or its time limit (finish_reason
+        "length", as when max_tokens runs out)."""
         s = job.sampling
+        deadline = None if job.time_limit is None else time.monotonic() + job.time_limit
         pieces = self.model.generate(job.ids, max_new_tokens=job.max_tokens, stop=job.stop,
                                      stats=job.stats, **s)
         with closing(pieces):
@@ -186,13 +219,23 @@ class Engine:
                 if job.cancel.is_set():
                     return "cancelled"
                 job.emit(("piece", piece))
+                if deadline is not None and time.monotonic() > deadline:
+                    job.timed_out = True
+                    job.stats.stop_reason = "length"
+                    return "timed_out"
         return "cancelled" if job.cancel.is_set() else "completed"
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
+        """Refuse new jobs; the running one and every waiting one end with a 503 error."""
         with self._lock:
             self._closed = True
             active = self._active
         if active is not None:
+            active.abort = _shutting_down()
             active.cancel.set()
         while True:                               # cancel everything still waiting
             try:
@@ -200,9 +243,15 @@ class Engine:
             except queue.Empty:
                 break
             if job is not None:
+                job.abort = _shutting_down()
                 job.cancel.set()
-                job.emit(("error", ApiError("the server is shutting down", 503, "server_shutting_down")))
+                job.emit(("error", job.abort))
         self._queue.put(None)
+
+
+def _shutting_down() -> ApiError:
+    return ApiError("the server is shutting down; retry on another instance or once it is back",
+                    503, "server_shutting_down")
 
 
 async def _pieces(out: asyncio.Queue, job: Job):
@@ -270,11 +319,52 @@ def _unsupported(body: dict, key: str, allowed, why: str) -> None:
                        code="unsupported_parameter")
 
 
+def _check_sampling_value(key: str, v: float) -> None:
+    """Values inside the documented ranges that still break the sampler's arithmetic."""
+    if key == "temperature" and 0.0 < v < MIN_TEMPERATURE:
+        raise ApiError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {v:g} "
+                       "(smaller values overflow the sampler)", param=key, code="invalid_value")
+    if key == "repetition_penalty" and not 1 / MAX_REPETITION_PENALTY <= v <= MAX_REPETITION_PENALTY:
+        raise ApiError(f"repetition_penalty must be in [{1 / MAX_REPETITION_PENALTY:g}, "
+                       f"{MAX_REPETITION_PENALTY:g}] (1 = off), got {v:g}", param=key, code="invalid_value")
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")            # C speed; only lone surrogates fail
+        return False
+    except UnicodeEncodeError:
+        return True
+
+
+def _surrogate_path(obj, where: str = "") -> str | None:
+    """Where in a parsed JSON body a string holds a lone UTF-16 surrogate ("\\ud800"), which
+    no tokenizer can encode; None when there is none. Iterative: bodies nest deeply."""
+    stack = [(obj, where)]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if _has_surrogate(value):
+                return path or "the body"
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if _has_surrogate(k):
+                    return f"{path}.{k!a}" if path else f"key {k!a}"
+                stack.append((v, f"{path}.{k}" if path else k))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(value))
+    return None
+
+
 class Api:
-    def __init__(self, model, model_id: str, engine: Engine):
+    def __init__(self, model, model_id: str, engine: Engine,
+                 max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP,
+                 request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S):
         self.model = model
         self.model_id = model_id
         self.engine = engine
+        self.max_tokens_cap = max_tokens_cap
+        self.request_timeout = request_timeout
         self.created = int(time.time())
         self.fingerprint = f"cpullm-{_version()}-{model.quant}"
         self.vocab = int(model.program.meta.get("vocab", model.tokenizer.vocab_size))
@@ -284,6 +374,10 @@ class Api:
         for k in self.defaults:
             v = gc.get(k)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                try:
+                    _check_sampling_value(k, float(v))
+                except ApiError:
+                    continue                        # the checkpoint's value would break sampling
                 self.defaults[k] = type(self.defaults[k])(v)
 
     # -- shared fields
@@ -314,7 +408,7 @@ class Api:
     def _sampling(self, body: dict) -> dict:
         d = self.defaults
         seed = _integer(body, "seed", None)
-        return {
+        out = {
             "temperature": _number(body, "temperature", d["temperature"], 0.0, 2.0),
             "top_p": _number(body, "top_p", d["top_p"], 0.0, 1.0, lo_open=True),
             "top_k": _integer(body, "top_k", d["top_k"], 0),
@@ -323,6 +417,9 @@ class Api:
                                           lo_open=True),
             "seed": None if seed is None else seed & (2**64 - 1),
         }
+        _check_sampling_value("temperature", out["temperature"])
+        _check_sampling_value("repetition_penalty", out["repetition_penalty"])
+        return out
 
     def _stop(self, body: dict) -> list[str]:
         stop = body.get("stop")
@@ -347,13 +444,13 @@ class Api:
                            f"{prompt_param} take {n_prompt} tokens; shorten them (or restart the "
                            "server with a larger --ctx)", 400, "context_length_exceeded", prompt_param)
         if n is None:
-            return room
+            return min(room, self.max_tokens_cap)
         if n > room:
             raise ApiError(f"This model's maximum context length is {n_ctx} tokens; you requested "
                            f"{n_prompt + n} tokens ({n_prompt} in the {prompt_param}, {n} in the "
                            f"completion): lower {key} to at most {room} or shorten the {prompt_param}",
                            400, "context_length_exceeded", key)
-        return n
+        return min(n, self.max_tokens_cap)        # over the cap: finish_reason "length"
 
     def _stream_flags(self, body: dict) -> tuple[bool, bool]:
         stream = _boolean(body, "stream", False)
@@ -366,8 +463,8 @@ class Api:
         return stream, include_usage
 
     # -- endpoint-specific parsing (runs in a worker thread: rendering and tokenizing cost CPU)
-    def prepare_chat(self, body: dict) -> RequestSpec:
-        from .chat import check_messages, chat_prompt_ids
+    def prepare_chat(self, body: dict, cancel: threading.Event | None = None) -> RequestSpec:
+        from .chat import RenderCancelled, check_messages, chat_prompt_ids
 
         self._check_common(body)
         if "messages" not in body:
@@ -385,11 +482,14 @@ class Api:
             raise ApiError("chat_template_kwargs must be an object", param="chat_template_kwargs",
                            code="invalid_type")
         extra = {k: v for k, v in extra.items() if isinstance(k, str) and k.isidentifier() and
-                 k not in ("messages", "tools", "bos_token", "eos_token", "add_generation_prompt")}
+                 k not in ("messages", "tools", "bos_token", "eos_token", "add_generation_prompt",
+                           "cancel")}
         stream, include_usage = self._stream_flags(body)
         sampling, stop = self._sampling(body), self._stop(body)
         try:
-            ids = chat_prompt_ids(self.model, messages, tools=tools, **extra)
+            ids = chat_prompt_ids(self.model, messages, tools=tools, cancel=cancel, **extra)
+        except RenderCancelled:
+            raise
         except ChatTemplateError as exc:
             raise ApiError(str(exc), param="messages", code="chat_template_error") from None
         if not ids:
@@ -397,7 +497,7 @@ class Api:
         max_tokens = self._max_tokens(body, len(ids), "messages")
         return RequestSpec("chat", ids, max_tokens, sampling, stop, stream, include_usage)
 
-    def prepare_completion(self, body: dict) -> RequestSpec:
+    def prepare_completion(self, body: dict, cancel: threading.Event | None = None) -> RequestSpec:
         self._check_common(body)
         _unsupported(body, "echo", (False,), "the prompt is not echoed")
         _unsupported(body, "suffix", ("",), "no fill-in-the-middle")
@@ -464,10 +564,11 @@ class Guard:
     """Pure ASGI middleware: Host check (loopback servers), bearer API key on /v1/, a last-resort
     JSON 500, and ``nosniff`` on every response."""
 
-    def __init__(self, app, api_key: str | None, allowed_hosts: set[str] | None):
+    def __init__(self, app, api_key: str | None, allowed_hosts: set[str] | None, engine=None):
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.allowed_hosts = allowed_hosts
+        self.engine = engine
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -487,18 +588,26 @@ class Guard:
                                "'Authorization: Bearer <key>' with the key the server was started with",
                     "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}},
                     headers=[(b"www-authenticate", b"Bearer")])
-        started = False
+        started = streaming = False
 
         async def guarded_send(message):
-            nonlocal started
+            nonlocal started, streaming
             if message["type"] == "http.response.start":
                 started = True
+                streaming = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                                for k, v in message.get("headers", []))
                 message = dict(message)
                 message["headers"] = [*message.get("headers", []), (b"x-content-type-options", b"nosniff")]
             await send(message)
 
         try:
             await self.app(scope, receive, guarded_send)
+        except asyncio.CancelledError:
+            # the server's shutdown grace ran out with this request still going: answer as the
+            # docs say (503 JSON, or an error event ending the stream), then end quietly
+            if self.engine is None or not self.engine.closed:
+                raise
+            await self._shutdown_answer(send, started, streaming)
         except Exception as exc:
             if isinstance(exc, OSError):          # the client went away
                 return
@@ -506,6 +615,22 @@ class Guard:
             if not started:
                 status, body = error_body(exc)
                 await _send_json(send, status, body)
+
+
+    @staticmethod
+    async def _shutdown_answer(send, started: bool, streaming: bool) -> None:
+        import anyio
+
+        _, body = error_body(_shutting_down())
+        with anyio.move_on_after(1.0):                # a client that reads nothing gets nothing
+            try:
+                if not started:
+                    await _send_json(send, 503, body)
+                elif streaming:
+                    await send({"type": "http.response.body", "more_body": False,
+                                "body": f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()})
+            except OSError:
+                pass
 
 
 class SSEResponse:
@@ -545,7 +670,7 @@ class SSEResponse:
                     await self.events.aclose()
 
 
-async def _read_json(request, limit: int) -> dict:
+async def _read_json(request, limit: int, timeout: float = DEFAULT_BODY_TIMEOUT_S) -> dict:
     ctype = request.headers.get("content-type", "")
     if ctype.split(";")[0].strip().lower() != "application/json":
         raise ApiError("send the request body as JSON with the header 'Content-Type: application/json'",
@@ -554,12 +679,18 @@ async def _read_json(request, limit: int) -> dict:
     if cl is not None and cl.strip().isdigit() and int(cl) > limit:
         raise ApiError(f"the request body is {int(cl)} bytes; the limit is {limit} (the server's "
                        "--max-request-bytes)", 413, "request_too_large")
+    import anyio
+
     buf = bytearray()
-    async for chunk in request.stream():
-        buf += chunk
-        if len(buf) > limit:
-            raise ApiError(f"the request body is over the limit of {limit} bytes (the server's "
-                           "--max-request-bytes)", 413, "request_too_large")
+    with anyio.move_on_after(timeout) as scope:
+        async for chunk in request.stream():
+            buf += chunk
+            if len(buf) > limit:
+                raise ApiError(f"the request body is over the limit of {limit} bytes (the server's "
+                               "--max-request-bytes)", 413, "request_too_large")
+    if scope.cancelled_caught:
+        raise ApiError(f"the request body did not arrive within {timeout:g} s; send it at once",
+                       408, "request_timeout")
     try:
         body = json.loads(bytes(buf).decode("utf-8"))
     except UnicodeDecodeError:
@@ -570,13 +701,23 @@ async def _read_json(request, limit: int) -> dict:
     if not isinstance(body, dict):
         raise ApiError(f"the request body must be a JSON object, not {type(body).__name__}",
                        code="invalid_json")
+    where = _surrogate_path(body)
+    if where is not None:
+        top = where.split(".")[0].split("[")[0]
+        raise ApiError(f"{where[:200]} holds a lone UTF-16 surrogate (an escape such as \\ud800 "
+                       "without its pair), which is not text; send valid Unicode",
+                       param=top if top in body else None, code="invalid_value")
     return body
 
 
 def create_app(model, model_id: str | None = None, api_key: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_queue: int = DEFAULT_MAX_QUEUE,
-               allowed_hosts: set[str] | None = None):
-    """The ASGI application serving ``model``. ``allowed_hosts``: Host names accepted (None: any)."""
+               allowed_hosts: set[str] | None = None, max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP,
+               request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
+               body_timeout: float = DEFAULT_BODY_TIMEOUT_S):
+    """The ASGI application serving ``model``. ``allowed_hosts``: Host names accepted (None: any).
+    ``max_tokens_cap``: the longest answer (an omitted max_tokens gets it); ``request_timeout``:
+    seconds of generation per request (None: no limit); ``body_timeout``: seconds to send a body."""
     import anyio
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
@@ -587,7 +728,7 @@ def create_app(model, model_id: str | None = None, api_key: str | None = None,
 
     model_id = model_id or Path(str(model.model_dir)).name
     engine = Engine(model, max_queue=max_queue)
-    api = Api(model, model_id, engine)
+    api = Api(model, model_id, engine, max_tokens_cap=max_tokens_cap, request_timeout=request_timeout)
 
     def err(exc: Exception) -> Response:
         status, body = error_body(exc)
@@ -607,6 +748,7 @@ def create_app(model, model_id: str | None = None, api_key: str | None = None,
 
     async def health(request: Request):
         return JSONResponse({"status": "ok", "model": model_id, "n_ctx": model.n_ctx,
+                             "limits": _limits(api, max_request_bytes, body_timeout),
                              **engine.snapshot()})
 
     async def page(request: Request):
@@ -619,13 +761,43 @@ def create_app(model, model_id: str | None = None, api_key: str | None = None,
     async def chat_completions(request: Request):
         return await _complete(request, api.prepare_chat)
 
+    async def _prepare(request: Request, prepare, body):
+        """Render and tokenize in a thread; a client that leaves meanwhile cancels the render
+        (its worker is killed, nothing keeps running for nobody). Returns (spec, gone)."""
+        cancel = threading.Event()
+        gone, spec, failure = False, None, None
+        async with anyio.create_task_group() as tg:
+            async def watch():
+                nonlocal gone
+                while True:
+                    if (await request.receive())["type"] == "http.disconnect":
+                        gone = True
+                        cancel.set()
+                        return
+
+            tg.start_soon(watch)
+            try:
+                spec = await anyio.to_thread.run_sync(prepare, body, cancel)
+            except Exception as exc:
+                failure = exc
+            tg.cancel_scope.cancel()
+        if failure is not None and not gone:
+            raise failure
+        return spec, gone
+
     async def _complete(request: Request, prepare):
         try:
-            body = await _read_json(request, max_request_bytes)
-            spec = await anyio.to_thread.run_sync(prepare, body)
-            job = Job(spec.ids, spec.max_tokens, spec.sampling, spec.stop)
+            body = await _read_json(request, max_request_bytes, body_timeout)
+            spec, gone = await _prepare(request, prepare, body)
+            if gone:
+                engine.count_left_early()
+                return Response(b"", 499)            # the client left; nobody reads this
+            job = Job(spec.ids, spec.max_tokens, spec.sampling, spec.stop, api.request_timeout)
             out = engine.submit(job, asyncio.get_running_loop())
         except Exception as exc:
+            if engine.closed and (isinstance(exc, ChatTemplateError) or
+                                  getattr(exc, "openai_code", None) == "chat_template_error"):
+                exc = _shutting_down()               # the render was stopped by the shutdown
             return err(exc)
         rid = ("chatcmpl-" if spec.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
@@ -664,15 +836,29 @@ def create_app(model, model_id: str | None = None, api_key: str | None = None,
     app = Starlette(routes=routes, exception_handlers={HTTPException: not_found}, lifespan=lifespan)
     app.state.engine = engine
     app.state.model_id = model_id
-    guarded = Guard(app, api_key, allowed_hosts)
+    guarded = Guard(app, api_key, allowed_hosts, engine)
     guarded.engine = engine
     return guarded
+
+
+def _limits(api: Api, max_request_bytes: int | None = None, body_timeout: float | None = None) -> dict:
+    from . import chat
+
+    out = {"max_tokens_cap": api.max_tokens_cap, "request_timeout_s": api.request_timeout,
+           "template_timeout_s": chat.RENDER_TIMEOUT_S, "template_memory_mb": chat.RENDER_MEMORY_MB,
+           "max_queue": api.engine.max_queue}
+    if max_request_bytes is not None:
+        out["max_request_bytes"] = max_request_bytes
+    if body_timeout is not None:
+        out["body_timeout_s"] = body_timeout
+    return out
 
 
 def _model_card(api: Api) -> dict:
     m = api.model
     return {"id": api.model_id, "object": "model", "created": api.created, "owned_by": "cpullm",
-            "family": m.family.name, "quant": m.quant, "n_ctx": m.n_ctx}
+            "family": m.family.name, "quant": m.quant, "n_ctx": m.n_ctx,
+            "max_tokens_cap": api.max_tokens_cap, "request_timeout_s": api.request_timeout}
 
 
 async def _collect(request, api: Api, spec: RequestSpec, job: Job, out, rid, created, err):
@@ -769,18 +955,76 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def header_timeout_protocol(header_timeout: float):
+    """uvicorn's h11 protocol with a deadline for each request's line and headers.
+
+    uvicorn times out only idle keep-alive connections after a response; a client that connects
+    and sends nothing, or trickles its headers a byte at a time, would hold its connection
+    forever. Here each request cycle (a new connection, or the next request on a kept-alive one)
+    must have delivered its complete headers ``header_timeout`` seconds after it began, or the
+    connection is closed. The body has its own deadline in the application."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeoutProtocol(H11Protocol):
+        _header_cycle = 0
+        _header_timer = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm_header_deadline()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self._arm_header_deadline()
+
+        def connection_lost(self, exc):
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            super().connection_lost(exc)
+
+        def _arm_header_deadline(self):
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            self._header_cycle += 1
+            self._header_timer = self.loop.call_later(header_timeout, self._header_deadline,
+                                                      self._header_cycle)
+
+        def _header_deadline(self, cycle: int):
+            if cycle == self._header_cycle and not self.transport.is_closing() and \
+                    self.conn.their_state is h11.IDLE:      # no complete request line + headers yet
+                self.transport.close()
+
+    return HeaderTimeoutProtocol
+
+
 def serve(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           model_id: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
-          max_queue: int = DEFAULT_MAX_QUEUE, log_level: str = "warning", announce=print) -> None:
+          max_queue: int = DEFAULT_MAX_QUEUE, log_level: str = "warning", announce=print,
+          max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP,
+          request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
+          header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
+          body_timeout: float = DEFAULT_BODY_TIMEOUT_S) -> None:
     """Serve until interrupted. ``port=0`` picks a free port; ``announce`` gets the ready line
-    (with the real URL) once the socket listens."""
+    (with the real URL) once the socket listens. On SIGINT/SIGTERM the engine and the template
+    worker stop first, so every waiting client gets the 503 JSON error and every stream an
+    error event, before uvicorn's graceful close."""
     import socket
 
     import uvicorn
 
+    from .chat import stop_render_worker
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            app.engine.close()
+            stop_render_worker()
+            await super().shutdown(sockets=sockets)
+
     allowed = LOOPBACK_NAMES if is_loopback(host) else None
     app = create_app(model, model_id=model_id, api_key=api_key, max_request_bytes=max_request_bytes,
-                     max_queue=max_queue, allowed_hosts=allowed)
+                     max_queue=max_queue, allowed_hosts=allowed, max_tokens_cap=max_tokens_cap,
+                     request_timeout=request_timeout, body_timeout=body_timeout)
     bind_host = host.strip("[]")
     try:
         infos = socket.getaddrinfo(bind_host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -802,8 +1046,9 @@ def serve(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | None 
     real_port = sock.getsockname()[1]
     shown = f"[{bind_host}]" if ":" in bind_host else bind_host
     config = uvicorn.Config(app, log_level=log_level, access_log=log_level in ("info", "debug", "trace"),
-                            timeout_graceful_shutdown=3, lifespan="on", server_header=False)
-    server = uvicorn.Server(config)
+                            timeout_graceful_shutdown=3, lifespan="on", server_header=False,
+                            http=header_timeout_protocol(header_timeout), timeout_keep_alive=5)
+    server = Server(config)
     announce(f"cpullm: serving {model_id or Path(str(model.model_dir)).name} at "
              f"http://{shown}:{real_port}/ (OpenAI API: http://{shown}:{real_port}/v1, "
              f"chat page: http://{shown}:{real_port}/)")
@@ -811,4 +1056,5 @@ def serve(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | None 
         server.run(sockets=[sock])
     finally:
         app.engine.close()
+        stop_render_worker()
         sock.close()

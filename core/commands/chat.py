@@ -43,6 +43,26 @@ def _safe(text: str) -> str:
     return _CONTROL.sub(lambda m: "\ufffd" if m.group() != "\r" else "", text)
 
 
+def not_utf8(text: str) -> str | None:
+    """Why ``text`` (from argv or stdin, decoded with surrogateescape) is not UTF-8, or None."""
+    try:
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        return f"it is not valid UTF-8 text ({what} at character {exc.start})"
+
+
+def require_utf8(option: str, text: str | None) -> None:
+    """A PromptError when an argument is not UTF-8 (a prompt in another encoding)."""
+    from cpullm.errors import PromptError
+
+    why = None if text is None else not_utf8(text)
+    if why is not None:
+        raise PromptError(f"{option}: {why}; give UTF-8 text (convert it with iconv -t UTF-8)")
+
+
 def _say(msg: str) -> None:
     print(f"cpullm: {msg}", file=sys.stderr, flush=True)
 
@@ -113,6 +133,7 @@ def run(args) -> int:
 
     SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty,
                    args.seed).validate()
+    require_utf8("--system", args.system)
     if args.model is not None:                # refuse before loading: a base model, a template
         from cpullm.model import resolve_model_dir   # that rejects the system message
         tpl = require_template(resolve_model_dir(args.model))
@@ -138,6 +159,14 @@ def run(args) -> int:
             return 0
         except KeyboardInterrupt:
             print("\n(Ctrl-D or /exit leaves)", flush=True)
+            continue
+        except UnicodeDecodeError as exc:        # a strict terminal encoding
+            _say(f"error: that line is not valid text in the terminal's encoding ({exc.reason}); "
+                 "type it again in UTF-8")
+            continue
+        why = not_utf8(line)
+        if why is not None:
+            _say(f"error: that line was ignored: {why}; type it again in UTF-8")
             continue
         text = line.strip()
         if not text:
@@ -169,6 +198,9 @@ def run(args) -> int:
             ids, dropped = conv.prompt(line, reserve=args.max_tokens)
         except CpullmError as exc:
             _say(f"error: {exc}")
+            continue
+        except KeyboardInterrupt:               # Ctrl-C during a slow template render
+            print("\n[stopped]", flush=True)
             continue
         if dropped:
             _say(f"context full: dropped the oldest {dropped} turn{'s' if dropped > 1 else ''} "

@@ -28,6 +28,9 @@ def run(args) -> int:
 
     if args.max_tokens <= 0:
         raise PromptError(f"-n must be >= 1, got {args.max_tokens}")
+    from .chat import require_utf8
+    require_utf8("-p", args.prompt)
+    require_utf8("--system", args.system)
     if not args.prompt.strip():
         raise PromptError("the prompt is empty: give some text with -p")
     model = load_model(args)

@@ -12,8 +12,26 @@ endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (stre
 GET /health, GET / (chat page). Point an OpenAI client at http://HOST:PORT/v1.
 Requests that omit sampling fields get OpenAI's defaults (temperature 1, top_p 1), overridden
 by the model's generation_config.json. One generation runs at a time; others wait in order.
-Without --api-key anyone who can reach the port can use the model: the server binds 127.0.0.1
-unless --host says otherwise."""
+Every answer is at most --max-tokens-cap tokens (also when a request omits max_tokens; a larger
+max_tokens ends with finish_reason "length") and --request-timeout seconds of generation; GET
+/health and /v1/models report these limits. The model's chat template renders in a separate
+process within --template-timeout seconds and 512 MB; a template that overruns is refused with
+a 400, and /v1/completions still works.
+Without an API key anyone who can reach the port can use the model: the server binds 127.0.0.1
+unless --host says otherwise. The key comes from --api-key-file (its first line), else
+--api-key (which other users can read with ps), else the CPULLM_API_KEY environment variable.
+Ctrl-C (SIGINT) stops the server: waiting requests get a 503 JSON error, streams end with an
+error event."""
+
+
+def positive_seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not (v > 0 and v < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return v
 
 
 def add_parser(sub):
@@ -24,18 +42,55 @@ def add_parser(sub):
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
-    p.add_argument("--api-key", default=os.environ.get("CPULLM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/ (default: $CPULLM_API_KEY; none)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/ (visible in ps: prefer "
+                        "--api-key-file or $CPULLM_API_KEY; default: $CPULLM_API_KEY, else none)")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="read the API key from the first line of FILE (not shown in ps)")
     p.add_argument("--model-name", default=None,
                    help="model id clients send and /v1/models lists (default: the directory name)")
     p.add_argument("--max-request-bytes", type=positive_int, default=4 * 2**20,
                    help="largest request body accepted, larger ones get 413 (default 4 MiB)")
     p.add_argument("--max-queue", type=positive_int, default=64,
                    help="requests allowed to wait for the model, more get 503 (default 64)")
+    p.add_argument("--max-tokens-cap", type=positive_int, default=1024,
+                   help="longest answer in tokens, and what an omitted max_tokens means (default 1024)")
+    p.add_argument("--request-timeout", type=positive_seconds, default=300.0, metavar="SECONDS",
+                   help="generation time per request; the answer then ends with finish_reason "
+                        "\"length\" (default 300)")
+    p.add_argument("--template-timeout", type=positive_seconds, default=10.0, metavar="SECONDS",
+                   help="time to render the chat template of one request (default 10)")
+    p.add_argument("--header-timeout", type=positive_seconds, default=10.0, metavar="SECONDS",
+                   help="time a client has to send a request's headers, else the connection "
+                        "closes (default 10)")
+    p.add_argument("--body-timeout", type=positive_seconds, default=30.0, metavar="SECONDS",
+                   help="time a client has to send a request's body, else 408 (default 30)")
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="server log level; info and debug also log each request (default warning)")
     return p
+
+
+def api_key(args) -> str | None:
+    """The key from --api-key-file, --api-key or $CPULLM_API_KEY (one source at a time)."""
+    from cpullm.errors import ConfigError
+
+    if args.api_key_file is not None:
+        if args.api_key is not None:
+            raise ConfigError("give the API key once: --api-key or --api-key-file, not both")
+        try:
+            with open(args.api_key_file, encoding="utf-8") as f:
+                key = f.readline(4097).strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read --api-key-file {args.api_key_file} "
+                              f"({getattr(exc, 'strerror', None) or exc}); give a readable text file "
+                              "whose first line is the key") from None
+        if not key or len(key) > 4096:
+            raise ConfigError(f"--api-key-file {args.api_key_file}: the first line must hold the key "
+                              "(1 to 4096 characters)")
+        return key
+    key = args.api_key if args.api_key is not None else os.environ.get("CPULLM_API_KEY")
+    return key or None
 
 
 def run(args) -> int:
@@ -50,15 +105,21 @@ def run(args) -> int:
                           "pip install 'cpullm[serve]'") from None
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
-    if not is_loopback(args.host) and not args.api_key:
-        print(f"cpullm: warning: listening on {args.host} without --api-key: anyone who can reach "
+    key = api_key(args)
+    if not is_loopback(args.host) and not key:
+        print(f"cpullm: warning: listening on {args.host} without an API key: anyone who can reach "
               "this port can use the model", file=sys.stderr, flush=True)
+    from cpullm import chat
+
+    chat.RENDER_TIMEOUT_S = args.template_timeout
     model = load_model(args)
     try:
-        serve(model, host=args.host, port=args.port, api_key=args.api_key or None,
+        serve(model, host=args.host, port=args.port, api_key=key,
               model_id=args.model_name, max_request_bytes=args.max_request_bytes,
               max_queue=args.max_queue, log_level=args.log_level,
-              announce=lambda line: print(line, flush=True))
+              announce=lambda line: print(line, flush=True), max_tokens_cap=args.max_tokens_cap,
+              request_timeout=args.request_timeout, header_timeout=args.header_timeout,
+              body_timeout=args.body_timeout)
     except KeyboardInterrupt:
         pass
     print("cpullm: server stopped", file=sys.stderr, flush=True)
