@@ -7,7 +7,11 @@ Passes:
 1. fuse   LINEAR nodes of one section that read the same value become one matrix (q/k/v,
           gate/up, Gated DeltaNet input projections); each member's output is a column view.
 2. pack   weights into flat blobs: ``wq`` int8 + ``ws`` binary16 scales (q8, block 32) or ``wf``
-          float32; tied tensors are packed once (embedding and lm_head share one matrix).
+          float32; one copy per tensor identity (source, transform, rows: ``ResolvedWeights.identity``),
+          so tied tensors are packed once (embedding and lm_head share one matrix) while two
+          canonical tensors read from one stored tensor with different transforms stay apart.
+          ``meta["weight_slots"]`` says where each canonical tensor went (the conformance kit
+          reads the program back against the weight map).
 3. plan   arena offsets by liveness (first fit); state regions for KV caches (full or ring) and
           linear-attention states.
 4. emit   the instruction table (see cpullm.kernels.interpreter for the column layout).
@@ -200,34 +204,49 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
     # ---- weights ---------------------------------------------------------------------------
     wq, ws, wf = _Blob(np.int8), _Blob(np.uint16), _Blob(np.float32)
     scratch = _Scratch()
-    packed: dict[tuple, tuple] = {}    # (sources, kind) -> (kind, w_off, s_off, Kp)
-    fparams: dict[str, int] = {}
+    packed: dict[tuple, tuple] = {}    # (identities, kind) -> (kind, w_off, s_off, Kp, rows)
+    fparams: dict = {}                  # identity -> (wf offset, size)
+    # canonical -> [kind "f32" | "q8", offset, size, row length, scale offset or -1]: where each
+    # matrix and float parameter went (meta["weight_slots"], read back by the conformance kit)
+    slots: dict[str, list] = {}
+    identity = getattr(weights, "identity", weights.source_of)
 
     def f32_param(canonical: str) -> int:
-        key = weights.source_of(canonical) if canonical in weights else canonical
+        key = identity(canonical) if canonical in weights else canonical
         if key not in fparams:
-            fparams[key] = wf.add(weights.get(canonical))
-        return fparams[key]
+            arr = weights.get(canonical)
+            fparams[key] = (wf.add(arr), int(arr.size))
+        off, size = fparams[key]
+        slots.setdefault(canonical, ["f32", off, size, size, -1])
+        return off
 
     def pack_matrix(canonicals: list[str], node: Node | None = None) -> tuple:
         mode = _precision(node, quant) if node is not None else quant
-        key = (tuple(weights.source_of(c) for c in canonicals), mode)
-        if key in packed:
-            return packed[key]
+        key = (tuple(identity(c) for c in canonicals), mode)
+        if key not in packed:
+            packed[key] = _pack(canonicals, mode)
+            if progress:
+                progress(canonicals[0])
+        kind, w_off, s_off, Kp, _ = packed[key]
+        r0 = 0
+        for c in canonicals:                # member rows of a fused matrix, for the weight slots
+            n = weights.shape(c)[0]
+            slots.setdefault(c, ["q8" if kind == K.WEIGHT_Q8 else "f32", w_off + r0 * Kp, n * Kp, Kp,
+                                 s_off + r0 * (Kp // 32) if kind == K.WEIGHT_Q8 else -1])
+            r0 += n
+        return packed[key]
+
+    def _pack(canonicals: list[str], mode: str) -> tuple:
         if mode == "int8":                 # the float32 matrix only lives until it is quantized
             rows = [weights.shape(c)[0] for c in canonicals]
             mat = scratch.take((sum(rows), weights.shape(canonicals[0])[1]))      # (N, K) float32
             for c, r0, r in zip(canonicals, np.cumsum([0] + rows), rows):
                 weights.get(c, out=mat[r0:r0 + r])
             q, s = quantize(mat)
-            packed[key] = (K.WEIGHT_Q8, wq.add(q), ws.add(s), q.shape[1], mat.shape[0])
-        else:
-            mats = [weights.get(c) for c in canonicals]
-            mat = mats[0] if len(mats) == 1 else np.concatenate(mats, axis=0)
-            packed[key] = (K.WEIGHT_F32, wf.add(mat), -1, mat.shape[1], mat.shape[0])
-        if progress:
-            progress(canonicals[0])
-        return packed[key]
+            return K.WEIGHT_Q8, wq.add(q), ws.add(s), q.shape[1], mat.shape[0]
+        mats = [weights.get(c) for c in canonicals]
+        mat = mats[0] if len(mats) == 1 else np.concatenate(mats, axis=0)
+        return K.WEIGHT_F32, wf.add(mat), -1, mat.shape[1], mat.shape[0]
 
     # ---- state -------------------------------------------------------------------------------
     state_regions, state_size = [], 0
@@ -339,6 +358,7 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
         "quant": quant,
         "max_k": int(max_k),
         "embed_rows": int(embed_rows),
+        "weight_slots": slots,
     }
     arrays = {
         "I": np.stack(rows_I), "F": np.stack(rows_F),

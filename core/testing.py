@@ -17,6 +17,9 @@ checks, each raising AssertionError with a message that says what failed:
 * the weight map accounts for every tensor of the checkpoint (missing, unexpected and mis-shaped
   tensors are all reported), and resolving is idempotent: resolving twice, or reading a tensor
   twice, gives identical tensors, and transforms such as ``1 + w`` are applied exactly once;
+* the compiled program holds, for every matrix and norm weight, exactly the canonical tensor the
+  weight map gives (two canonical tensors read from one stored tensor with different transforms
+  or rows must not share one packed copy);
 * the graph validates, every weight it reads is resolved, and every resolved tensor is read by
   the graph (a mapped but unused tensor is a silently wrong model);
 * an f32 forward pass runs and gives finite logits of shape (T, vocab);
@@ -138,9 +141,45 @@ def check_weight_map(model_dir) -> dict:
     for canonical, (stored, transform) in first.found.items():
         if transform is not None:
             once = transform(store.get(stored), args)
+            if canonical in first.rows:
+                r0, r1 = first.rows[canonical]
+                once = once[r0:r1]
             assert np.array_equal(first.get(canonical), once), \
                 f"{canonical}: the {transform.name} transform was not applied exactly once"
     return {"tensors": len(first.names()), "ignored": len(first.ignored)}
+
+
+def compiled_weight_mismatches(graph, weights, program=None) -> list[str]:
+    """The canonical tensors whose copy in ``program`` (an f32 program of ``graph``; compiled here
+    if None) differs from ``weights.get(name)`` (``meta["weight_slots"]`` says where each went)."""
+    from .compiler import compile_graph
+
+    if program is None:
+        program = compile_graph(graph, weights, quant="f32", n_ctx=32, max_chunk=4)
+    wf = program.arrays["wf"]
+    bad = []
+    for name, (kind, off, size, _row, _s_off) in program.meta["weight_slots"].items():
+        want = np.asarray(weights.get(name), np.float32).reshape(-1)
+        if kind != "f32" or want.size != size or not np.array_equal(wf[off: off + size], want):
+            bad.append(name)
+    return sorted(bad)
+
+
+def check_compiled_weights(model_dir, program=None) -> dict:
+    """Every matrix and norm weight of the f32 program (``program``, or one compiled here) equals
+    the canonical tensor of the weight map. Two canonical tensors read from one stored tensor with
+    different transforms (or rows) are two tensors: a program that packed them as one would
+    compute a silently wrong model."""
+    from .ir import GraphBuilder
+    from .tensors import TensorStore
+
+    family, args = check_resolves(model_dir)
+    weights = family.weight_map(args).resolve(TensorStore(model_dir), args)
+    graph = family.build_graph(args, GraphBuilder())
+    bad = compiled_weight_mismatches(graph, weights, program)
+    assert not bad, (f"the compiled program does not hold the weight map's tensors for {', '.join(bad)}: "
+                     f"check rules that read one stored tensor with different transforms or rows")
+    return {"checked": len(weights.names())}
 
 
 def check_graph_weights(model_dir) -> dict:
@@ -423,6 +462,7 @@ def run_conformance(model_dir, ids, reference_logits=None, reference_tokens=None
     report["weight_map"] = check_weight_map(model_dir)
     report["graph"] = check_graph_weights(model_dir)
     model = _load(model_dir)
+    report["compiled_weights"] = check_compiled_weights(model_dir, model.program)
     logits = check_forward(model, ids)
     report["cached_decode_err"] = max(check_cached_decode(model, ids, logits, tol=tol),
                                       check_cached_decode(model, ids, logits, split=1, tol=tol))
