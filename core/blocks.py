@@ -141,6 +141,7 @@ def attention(g: GraphBuilder, i: int, x: str, *, hidden: int, n_heads: int, n_k
 
     output_gate: the q projection's rows are [q (n_heads*head_dim) | gate (n_heads*head_dim)]
     (the family's weight map puts them in that order); the output is o_proj(attn * sigmoid(gate)).
+    The ATTENTION node carries ``layer=i`` (see :mod:`cpullm.ir`: it labels the KV cache).
     """
     p = f"layers.{i}.attn"
     q_width = n_heads * head_dim

@@ -15,14 +15,15 @@ class Args:
     """Base of a family's typed arguments.
 
     Subclasses are ``@attrs.define`` classes whose fields are config.json keys. ``from_config``
-    keeps the known keys and ignores the rest; ``derive()`` (override it) fills defaults that
-    depend on other fields, in one place. ``config_section`` lets a multimodal wrapper's
-    ``text_config`` be read transparently (see :func:`text_config`).
+    keeps the keys that name an ``__init__`` argument and ignores the rest, including keys that
+    match a derived field declared ``attrs.field(init=False)``; ``derive()`` (override it) fills
+    defaults that depend on other fields, in one place. A multimodal wrapper's ``text_config`` is
+    read with :func:`text_config` by the family.
     """
 
     @classmethod
     def from_config(cls, config: dict) -> "Args":
-        names = {f.name for f in attrs.fields(cls)}
+        names = {f.alias or f.name for f in attrs.fields(cls) if f.init}
         kwargs = {k: v for k, v in config.items() if k in names}
         try:
             args = cls(**kwargs)
@@ -80,16 +81,26 @@ class LayerSpec:
 
 @attrs.define
 class FamilySpec:
-    """One model family (a set of ``model_type`` strings sharing code).
+    """One model family (a set of ``model_type`` strings sharing one implementation); the
+    reference for its fields.
 
-    name          short name shown by ``cpullm families``
-    model_types   config.json ``model_type`` values handled
-    args_class    typed Args (``from_config``)
-    weight_map    ``(args) -> cpullm.weightmap.WeightMap``
-    build_graph   ``(args, g: GraphBuilder) -> None``: adds the nodes from cpullm.blocks
-    architectures optional config ``architectures`` names, used when model_type is absent
-    priority      resolves two plugins claiming one model_type: higher wins (default 0)
-    eos_token_ids optional ``(config) -> list[int]`` extra stop tokens
+    name          short name shown by ``cpullm families`` and in ``model.info()``
+    model_types   tuple of config.json ``model_type`` values it handles
+    args_class    a subclass of :class:`Args` (see there); its ``derive`` refuses at load, with
+                  :class:`cpullm.errors.UnsupportedConfigError` naming the config key
+                  (:func:`require`), any setting the family cannot run faithfully
+    weight_map    ``(args) -> cpullm.weightmap.WeightMap``: checkpoint names to canonical names,
+                  as data (module docstring of :mod:`cpullm.weightmap`)
+    build_graph   ``(args, g: cpullm.ir.GraphBuilder) -> cpullm.ir.Graph``: adds the model's
+                  nodes (from :mod:`cpullm.blocks`) and returns ``g.build(logits)``
+    architectures tuple of config ``architectures`` names; a config whose ``model_type`` no
+                  installed family claims goes to the family claiming one of its architectures
+    priority      int, default 0: when two installed families claim one model_type (or
+                  architecture), the higher priority wins; a tie goes to the plugin distribution
+                  name in alphabetical order, then the family name; never silently (a
+                  :class:`cpullm.plugins.PluginConflictWarning`, listed by ``cpullm families``)
+    description   one line shown by ``cpullm families``
+    plugin, plugin_version  filled in by cpullm from the plugin's distribution
     """
 
     name: str

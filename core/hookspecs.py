@@ -35,33 +35,9 @@ hookimpl = pluggy.HookimplMarker("cpullm")
 @hookspec
 def cpullm_families():
     """Return a list of :class:`cpullm.family.FamilySpec`, one per family (a set of
-    ``model_type`` strings sharing one implementation).
-
-    A FamilySpec declares:
-
-    * ``name``: short name shown by ``cpullm families`` and in ``model.info()``;
-    * ``model_types``: the config.json ``model_type`` values it handles (a tuple of str), and
-      optionally ``architectures`` (config ``architectures`` names, used when no family claims
-      the model_type);
-    * ``args_class``: a subclass of :class:`cpullm.family.Args` (``@attrs.define``, fields named
-      after config keys). ``Args.from_config(config)`` keeps the known keys and ignores the rest;
-      ``derive(config)`` fills derived defaults and must *refuse at load* any setting the family
-      cannot run faithfully (unknown ``rope_type``, unsupported ``layer_types`` entry, ...) by
-      raising :class:`cpullm.errors.UnsupportedConfigError` naming the config key
-      (:func:`cpullm.family.require` does this in one line);
-    * ``weight_map(args) -> cpullm.weightmap.WeightMap``: checkpoint tensor names to canonical
-      names, as data. Every checkpoint tensor must be mapped or listed in ``ignore``; loading
-      reports every missing, unexpected or mis-shaped tensor in one WeightMapError;
-    * ``build_graph(args, g: cpullm.ir.GraphBuilder) -> cpullm.ir.Graph``: assembles the model
-      from the shared blocks in :mod:`cpullm.blocks` and returns ``g.build(logits)``. Families
-      never define ops;
-    * ``priority`` (default 0): when two installed families claim the same ``model_type`` (or
-      architecture), the higher priority wins; a tie goes to the plugin distribution name in
-      alphabetical order, then to the family name. The conflict is never silent: it is warned
-      about (:class:`cpullm.plugins.PluginConflictWarning`) and listed by ``cpullm families``;
-    * ``description``: one line for ``cpullm families``.
-
-    ``plugin`` and ``plugin_version`` are filled in by cpullm from the distribution.
+    ``model_type`` strings sharing one implementation). The FamilySpec docstring is the reference
+    for its fields (name, model_types, architectures, args_class, weight_map, build_graph,
+    priority, description); CONTRIBUTING.md walks through writing each one.
     """
 
 

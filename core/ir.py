@@ -23,7 +23,7 @@ class Op(enum.IntEnum):
     RMSNORM = 2      # (x)              -> x.shape      weights: weight; attrs: eps, group
     LINEAR = 3       # (x (T,K))        -> (T, N)       weights: weight (N,K), [bias (N,)]
     ROPE = 4         # (x (T,h*d))      -> same         attrs: n_heads, head_dim, rope (RopeSpec)
-    ATTENTION = 5    # (q, k, v)        -> (T, nh*hd)   attrs: n_heads, n_kv_heads, head_dim, scale, softcap, window
+    ATTENTION = 5    # (q, k, v)        -> (T, nh*hd)   attrs: n_heads, n_kv_heads, head_dim, scale, softcap, window, layer
     GLU = 6          # (gate, up)       -> gate.shape   attrs: act ("silu" | "gelu_tanh")
     ADD = 7          # (a, b)           -> a.shape
     SIGMOID_MUL = 8  # (x, gate)        -> x.shape      x * sigmoid(gate)
@@ -32,6 +32,12 @@ class Op(enum.IntEnum):
     SELECT_ROWS = 11 # (x)              -> (R, width)   head entry: the rows the executor asks for
     GATED_DELTA = 12 # (qkv, z, b, a)   -> (T, nv*dv)   linear attention (Gated DeltaNet) with conv + recurrent state
     SCALE = 13       # (x)              -> x.shape      attrs: scale
+
+
+# ``layer`` (ATTENTION, GATED_DELTA): the decoder layer's index. The node owns a state region (its
+# KV cache, or its recurrent state) in ``program.meta["state_regions"]``, labelled with it for the
+# memory report (``model.info()["memory"]``, per layer). A node built outside cpullm.blocks must
+# set it to its own layer's index (an int). The region is identified by the node's name.
 
 
 # Ops whose output is a view of their input (no buffer of their own).

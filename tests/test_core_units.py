@@ -338,3 +338,20 @@ def test_weight_rows_take_a_range_of_a_stored_tensor():
     np.testing.assert_array_equal(r.get("q", out=out), fused[:2])
     with pytest.raises(WeightMapError, match=r"rows \(4, 8\) for v are outside its 6 rows"):
         WeightMap(rules=[W("v", "qkv", (6, 4), rows=(4, 8))]).resolve(store)
+
+
+def test_args_ignore_a_config_key_that_names_a_derived_field():
+    import attrs as _attrs
+
+    from cpullm.family import Args
+
+    @_attrs.define
+    class A(Args):
+        hidden_size: int = 8
+        head_dim: int = _attrs.field(init=False, default=0)     # derived only
+
+        def derive(self, config):
+            self.head_dim = self.hidden_size // 2
+
+    a = A.from_config({"hidden_size": 16, "head_dim": 999, "unknown": 1})
+    assert (a.hidden_size, a.head_dim) == (16, 8)
