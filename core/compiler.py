@@ -286,6 +286,12 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
             x_off, x_st = loc(n.inputs[0])
             Ir[3:10] = [x_off, x_st, out_off, out_st, n.width, n.attr("group_size"), f32_param(n.weight("weight"))]
             Fr[0] = n.attr("eps")
+        elif n.op == Op.LAYERNORM:
+            x_off, x_st = loc(n.inputs[0])
+            bias = n.weight("bias")
+            Ir[3:11] = [x_off, x_st, out_off, out_st, n.width, n.attr("group_size"),
+                        f32_param(n.weight("weight")), f32_param(bias) if bias else -1]
+            Fr[0] = n.attr("eps")
         elif n.op == Op.ROPE:
             x_off, x_st = loc(n.inputs[0])
             inv = np.asarray(n.attr("inv_freq"), np.float32)

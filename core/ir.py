@@ -32,6 +32,7 @@ class Op(enum.IntEnum):
     SELECT_ROWS = 11 # (x)              -> (R, width)   head entry: the rows the executor asks for
     GATED_DELTA = 12 # (qkv, z, b, a)   -> (T, nv*dv)   linear attention (Gated DeltaNet) with conv + recurrent state
     SCALE = 13       # (x)              -> x.shape      attrs: scale
+    LAYERNORM = 14   # (x)              -> x.shape      weights: weight, [bias]; attrs: eps, group_size
 
 
 # ``layer`` (ATTENTION, GATED_DELTA): the decoder layer's index. The node owns a state region (its

@@ -336,8 +336,14 @@ class _ArrayWeights:
     def source_of(self, name):
         return name
 
-    def get(self, name):
-        return self.arrays[name]
+    def shape(self, name):
+        return self.arrays[name].shape
+
+    def get(self, name, out=None):
+        if out is None:
+            return self.arrays[name]
+        out[...] = self.arrays[name]
+        return out
 
 
 def _sample_weights(graph, vocab: int, seed: int = 0) -> _ArrayWeights:
@@ -355,8 +361,10 @@ def _sample_weights(graph, vocab: int, seed: int = 0) -> _ArrayWeights:
             shapes[w["weight"]] = (n.width, width[n.inputs[0]])
             if "bias" in w:
                 shapes[w["bias"]] = (n.width,)
-        elif n.op == Op.RMSNORM:
+        elif n.op in (Op.RMSNORM, Op.LAYERNORM):
             shapes[w["weight"]] = (n.attr("group_size"),)
+            if "bias" in w:
+                shapes[w["bias"]] = (n.attr("group_size"),)
         elif n.op == Op.GATED_DELTA:
             nk, dk, nv, dv, ck = (n.attr(a) for a in ("n_k_heads", "k_head_dim", "n_v_heads",
                                                        "v_head_dim", "conv_kernel"))
