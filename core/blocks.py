@@ -10,6 +10,7 @@ the head, and the Gated DeltaNet mixer. Canonical weight names used here:
 """
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -72,8 +73,23 @@ def rope_parameters(config: dict, layer_type: str | None = None) -> dict:
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
+def plugin_rope_freqs(rope_type, params: dict, rotary_dim: int, n_ctx: int) -> tuple[np.ndarray, float]:
+    """A plugin RopeType's (inv_freq (rotary_dim/2,) float32, attention_scaling) for a context of
+    ``n_ctx``, checked: an UnsupportedConfigError naming the rope type otherwise."""
+    inv, scaling = rope_type.inv_freq(dict(params), int(rotary_dim), int(n_ctx))
+    inv = np.asarray(inv, np.float32).reshape(-1)
+    scaling = float(scaling)
+    if inv.shape != (rotary_dim // 2,) or not np.isfinite(inv).all() or not np.isfinite(scaling):
+        raise UnsupportedConfigError(
+            f"rope_type {rope_type.name!r} ({rope_type.plugin}) gave {inv.shape[0]} frequencies "
+            f"(need {rotary_dim // 2}, finite) or a non-finite attention scaling {scaling!r}: check the "
+            f"config's rope parameters")
+    return inv, scaling
+
+
 def make_rope(params: dict, head_dim: int, partial_rotary_factor: float = 1.0) -> RopeSpec:
-    """RopeSpec from rope parameters; an unknown ``rope_type`` fails at load, naming the key."""
+    """RopeSpec from rope parameters; an unknown ``rope_type`` fails at load, naming the key.
+    A ``rope_type`` the core lacks may come from a plugin (hook ``cpullm_rope_types``)."""
     rope_type = params.get("rope_type", "default")
     factor = params.get("partial_rotary_factor", partial_rotary_factor)
     rotary_dim = int(head_dim * float(factor))
@@ -86,9 +102,19 @@ def make_rope(params: dict, head_dim: int, partial_rotary_factor: float = 1.0) -
     elif rope_type == "llama3":
         inv = _llama3_inv_freq(inv, params)
     else:
-        raise UnsupportedConfigError(
-            f"config key 'rope_scaling.rope_type' (or rope_parameters) = {rope_type!r} is not "
-            f"supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        from .plugins import discover
+        plugin_types = discover().rope_types
+        if rope_type not in plugin_types:
+            raise UnsupportedConfigError(
+                f"config key 'rope_scaling.rope_type' (or rope_parameters) = {rope_type!r} is not "
+                f"supported (supported: {', '.join(SUPPORTED_ROPE_TYPES + tuple(sorted(plugin_types)))}; "
+                f"a plugin may add it)")
+        rt = plugin_types[rope_type]
+        plain = json.loads(json.dumps(params, default=str))
+        inv, scaling = plugin_rope_freqs(rt, plain, rotary_dim, 0)
+        return RopeSpec(theta=theta, rotary_dim=rotary_dim, inv_freq=tuple(float(x) for x in inv),
+                        attention_scaling=scaling, scaling=rope_type,
+                        scaling_params=json.dumps(plain, sort_keys=True), scaling_version=rt.version)
     return RopeSpec(theta=theta, rotary_dim=rotary_dim, inv_freq=tuple(float(x) for x in inv),
                     attention_scaling=1.0)
 
@@ -143,9 +169,13 @@ def linear(g: GraphBuilder, name: str, x: str, weight: str, out_features: int,
 
 
 def rope(g: GraphBuilder, name: str, x: str, n_heads: int, head_dim: int, spec: RopeSpec) -> str:
+    """ROPE node; a plugin scaling (``spec.scaling``) also records its name, version and
+    parameters, from which the compiler computes the frequencies for the program's context."""
+    scaling = ({"rope_type": spec.scaling, "rope_version": spec.scaling_version,
+                "rope_params": spec.scaling_params} if spec.scaling else {})
     return g.add(name, Op.ROPE, [x], group="rope", n_heads=n_heads, head_dim=head_dim,
                  rotary_dim=spec.rotary_dim, inv_freq=spec.inv_freq,
-                 attention_scaling=spec.attention_scaling)
+                 attention_scaling=spec.attention_scaling, **scaling)
 
 
 def glu_mlp(g: GraphBuilder, i: int, x: str, hidden: int, intermediate: int, act: str) -> str:

@@ -24,7 +24,7 @@ from typing import Callable
 import attrs
 import numpy as np
 
-from .ir import Graph, GraphError, Node, Op, VIEW_OPS
+from .ir import Graph, GraphError, Node, Op, VIEW_OPS, _plain_attrs, _plugin_spec
 
 QUANT_MODES = ("int8", "f32")
 HEAD_ROWS = 16          # head (final norm + lm_head) runs on at most this many rows at once
@@ -259,7 +259,7 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
         return off
 
     # ---- emit ------------------------------------------------------------------------------
-    rows_I, rows_F, names, groups, external = [], [], [], [], {}
+    rows_I, rows_F, names, groups, external, plugin_calls = [], [], [], [], {}, {}
     max_k, embed_rows = 32, 0
     for p in order:
         n = p.nodes[0]
@@ -294,10 +294,10 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
             Fr[0] = n.attr("eps")
         elif n.op == Op.ROPE:
             x_off, x_st = loc(n.inputs[0])
-            inv = np.asarray(n.attr("inv_freq"), np.float32)
+            inv, scaling = _rope_freqs(n, n_ctx)
             Ir[3:11] = [x_off, x_st, out_off, out_st, n.attr("n_heads"), n.attr("head_dim"),
                         n.attr("rotary_dim"), wf.add(inv)]
-            Fr[0] = n.attr("attention_scaling", 1.0)
+            Fr[0] = scaling
         elif n.op == Op.ATTENTION:
             (q_off, q_st), (k_off, k_st), (v_off, v_st) = (loc(i) for i in n.inputs)
             nkv, hd, window = n.attr("n_kv_heads"), n.attr("head_dim"), n.attr("window")
@@ -331,6 +331,10 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
                         wf.add(conv), f32_param(n.weight("dt_bias")), f32_param(n.weight("A_log")),
                         f32_param(n.weight("norm")), s_off]
             Fr[0] = n.attr("eps")
+        elif n.op == Op.PLUGIN:
+            plugin_calls[str(len(rows_I))] = _plugin_call(n, loc, nodes_by_out, weights, f32_param,
+                                                         (out_off, out_st))
+            Ir[1] = 2
         else:
             raise GraphError(f"{n.name}: the compiler has no emitter for op {n.op.name}")
         for spec in kernels:
@@ -365,6 +369,7 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
         "max_k": int(max_k),
         "embed_rows": int(embed_rows),
         "weight_slots": slots,
+        "plugin_ops": plugin_calls,
     }
     arrays = {
         "I": np.stack(rows_I), "F": np.stack(rows_F),
@@ -434,6 +439,47 @@ def attach_head_screen(program: Program, calibration=None) -> Program:
                            "columns_from": source, "q_off": offs["wq"], "q_cols": int(hq.shape[1]),
                            "s_off": offs["ws"], "s_cols": int(hs.shape[1]), "b_off": offs["wf"]}
     return Program(arrays=arrays, meta=meta)
+
+
+def _rope_freqs(n: Node, n_ctx: int) -> tuple[np.ndarray, float]:
+    """A ROPE node's (inv_freq, attention_scaling): its own attributes, or, for a plugin's RoPE
+    scaling (``rope_type`` attribute), the plugin's frequencies for a context of ``n_ctx``."""
+    name = n.attr("rope_type")
+    if not name:
+        return np.asarray(n.attr("inv_freq"), np.float32), n.attr("attention_scaling", 1.0)
+    import json
+
+    from .blocks import plugin_rope_freqs
+    from .plugins import discover
+    rt = discover().rope_types.get(name)
+    if rt is None or rt.version != n.attr("rope_version"):
+        have = f"version {rt.version!r}" if rt is not None else "none"
+        raise GraphError(f"{n.name}: RoPE scaling {name!r} version {n.attr('rope_version')!r} is not "
+                         f"installed ({have}); install the plugin that provides it")
+    return plugin_rope_freqs(rt, json.loads(n.attr("rope_params")), n.attr("rotary_dim"), n_ctx)
+
+
+def _plugin_call(n: Node, loc, nodes_by_out, weights, f32_param, out) -> dict:
+    """How the executor calls a PLUGIN node's kernels (``meta["plugin_ops"][row]``): its op, the
+    (offset, row stride, width) of each input and of the output, its weights (role, wf offset,
+    shape), the float params of the fast kernels and the attributes of the reference."""
+    spec = _plugin_spec(n.attr("plugin_op"), n.name)
+    widths = tuple(nodes_by_out[i].width for i in n.inputs)
+    attributes = _plain_attrs(n)
+    packed = []
+    for role, shape in spec.weight_roles(widths, attributes).items():
+        canonical = n.weight(role)
+        if tuple(weights.shape(canonical)) != tuple(shape):
+            raise GraphError(f"{n.name}: {spec.name} expects weight {role} of shape {tuple(shape)}, "
+                             f"{canonical} is {tuple(weights.shape(canonical))}")
+        packed.append([role, f32_param(canonical), [int(d) for d in shape]])
+    try:
+        params = [float(attributes[p]) for p in spec.params]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise GraphError(f"{n.name}: {spec.name} needs numeric attributes {list(spec.params)} ({exc})") from None
+    return {"op": spec.name, "version": spec.version, "node": n.name,
+            "inputs": [[*loc(i), nodes_by_out[i].width] for i in n.inputs],
+            "out": [out[0], out[1], n.width], "weights": packed, "params": params, "attrs": attributes}
 
 
 PRECISIONS = ("f32",)      # node attribute ``precision``: per-node override of the quant mode

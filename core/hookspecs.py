@@ -56,3 +56,31 @@ def cpullm_kernels():
     not only the plugin's own. ``cpullm.testing.check_plugin_kernels`` compares each kernel with
     the reference kernel, in prefill and decode; every kernel needs that test.
     """
+
+
+@hookspec
+def cpullm_ops():
+    """Return a list of :class:`cpullm.family.OpSpec`: IR ops the core does not have.
+
+    A family's graph adds a node of such an op with ``g.op(node_name, op_name, inputs,
+    weights={role: canonical name}, **attrs)``; the compiler plans its buffer, packs its weights
+    as float32 and records the call, and the executor runs the op's fast kernels (``prefill``
+    for batched rows, ``decode`` for one) or its numpy ``reference``. The OpSpec docstring is the
+    reference for its fields and calling conventions. ``name`` is unique across plugins (prefix
+    it with the plugin's name); a second plugin registering a name is an error of that plugin.
+    The op's ``version`` enters the execution-cache key through the graph. The conformance kit
+    compares the fast kernels with the reference on every checkpoint whose graph uses the op, in
+    prefill and decode. Ops apply to any family whose graph names them, not only the plugin's own.
+    """
+
+
+@hookspec
+def cpullm_rope_types():
+    """Return a list of :class:`cpullm.family.RopeType`: RoPE scalings selected by a config's
+    ``rope_type`` that the core does not have (the core has "default", "linear", "llama3").
+
+    :func:`cpullm.blocks.make_rope` looks ``rope_type`` up here when it is not a core type; the
+    frequencies are computed when the program is compiled, for its context length, so a scaling
+    may depend on the sequence length the program can hold (Phi-3's ``longrope``). The RopeType
+    docstring is the reference for its fields. Names are unique across plugins.
+    """

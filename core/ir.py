@@ -33,6 +33,8 @@ class Op(enum.IntEnum):
     GATED_DELTA = 12 # (qkv, z, b, a)   -> (T, nv*dv)   linear attention (Gated DeltaNet) with conv + recurrent state
     SCALE = 13       # (x)              -> x.shape      attrs: scale
     LAYERNORM = 14   # (x)              -> x.shape      weights: weight, [bias]; attrs: eps, group_size
+    PLUGIN = 15      # (inputs...)      -> (T, width)   a plugin's op (cpullm.family.OpSpec): attrs
+                     #                                  plugin_op (its name), op_version, its own attrs
 
 
 # ``layer`` (ATTENTION, GATED_DELTA): the decoder layer's index. The node owns a state region (its
@@ -129,9 +131,42 @@ class Graph:
                 raise GraphError(f"{n.name}: slice runs past its input")
             if n.op == Op.SELECT_ROWS and n.section != "head":
                 raise GraphError(f"{n.name}: SELECT_ROWS starts the head section")
+            if n.op == Op.PLUGIN:
+                _check_plugin_node(n, tuple(w))
             defined[n.output] = n
         if self.output not in defined or self.hidden not in defined:
             raise GraphError("graph output or hidden value is not defined")
+
+
+def _plugin_spec(op_name: str, where: str):
+    from .errors import PluginError
+    from .plugins import discover
+    try:
+        return discover().op(op_name)
+    except PluginError as exc:
+        raise GraphError(f"{where}: {exc}") from None
+
+
+def _check_plugin_node(n: Node, widths: tuple) -> None:
+    """A PLUGIN node agrees with its installed OpSpec: version, weight roles, width."""
+    spec = _plugin_spec(n.attr("plugin_op"), n.name)
+    if n.attr("op_version") != spec.version:
+        raise GraphError(f"{n.name}: built for {spec.name} version {n.attr('op_version')!r}, "
+                         f"installed {spec.version!r}")
+    attributes = _plain_attrs(n)
+    roles = dict(spec.weight_roles(widths, attributes))
+    if set(roles) != {r for r, _ in n.weights}:
+        raise GraphError(f"{n.name}: {spec.name} reads weights {sorted(roles)}, the node gives "
+                         f"{sorted(r for r, _ in n.weights)}")
+    if spec.width(widths, attributes) != n.width:
+        raise GraphError(f"{n.name}: {spec.name}'s shape rule gives width "
+                         f"{spec.width(widths, attributes)}, the node has {n.width}")
+
+
+def _plain_attrs(n: Node) -> dict:
+    """A node's attributes as JSON values (what an OpSpec's width, weight_roles and reference get)."""
+    own = {k: v for k, v in n.attrs if k not in ("plugin_op", "op_version")}
+    return json.loads(json.dumps(own, default=str))
 
 
 class GraphBuilder:
@@ -157,6 +192,21 @@ class GraphBuilder:
 
     def width(self, value: str) -> int:
         return self.widths[value]
+
+    def op(self, name: str, op_name: str, inputs, weights=None, group: str | None = None,
+           **attributes) -> str:
+        """A node of the plugin op ``op_name`` (cpullm.family.OpSpec, hook ``cpullm_ops``); its
+        width comes from the op's shape rule, its version is recorded (``op_version``)."""
+        spec = _plugin_spec(op_name, name)
+        widths = tuple(self.widths[i] for i in inputs)
+        plain = json.loads(json.dumps(attributes, default=str))
+        try:
+            width = int(spec.width(widths, plain))
+        except (ValueError, TypeError) as exc:
+            raise GraphError(f"{name}: {op_name} refuses inputs of widths {widths}: {exc}") from None
+        return self.add(name, Op.PLUGIN, inputs, width=width, weights=weights,
+                        group=group or spec.group or op_name, plugin_op=op_name,
+                        op_version=spec.version, **attributes)
 
     def begin_head(self, hidden: str) -> str:
         """End the per-token body; the head runs on the rows the executor selects."""

@@ -35,7 +35,9 @@ checks, each raising AssertionError with a message that says what failed:
 * every fused kernel (:class:`cpullm.family.KernelSpec`) gives the same logits as the reference
   kernel it replaces, one kernel at a time, in prefill and in decode: on this checkpoint when the
   kernel applies to it, else (for the family's own plugin's kernels) on a small sample graph of
-  the kernel's op.
+  the kernel's op;
+* every plugin op (:class:`cpullm.family.OpSpec`) the graph uses: its fast kernels give the same
+  logits as its numpy reference, in prefill and in decode.
 
 ``make_random_checkpoint`` writes a random checkpoint from the family's own weight map, for
 authors without a reference checkpoint at hand. Tests never assert a timing.
@@ -449,6 +451,40 @@ def check_plugin_kernels(model_dir, ids, tol: float = F32_TOLERANCE) -> dict:
     return report
 
 
+def check_plugin_ops(model, ids, tol: float = F32_TOLERANCE) -> dict:
+    """The graph's plugin ops (cpullm.family.OpSpec): the program run with their fast kernels
+    against the same program run with their numpy references, prefill (every position) and
+    cached decode. Ops without fast kernels are listed under ``"reference_only"``."""
+    from .executor import Executor
+
+    program = model.program
+    calls = program.meta.get("plugin_ops") or {}
+    used = sorted({c["op"] for c in calls.values()})
+    report = {"ops": used, "checked": {}, "reference_only": []}
+    if not used:
+        return report
+    from . import plugins
+    specs = plugins.discover().ops
+    fns = {name: k.fn for name, k in (model.kernels or {}).items()}
+    ids = [int(i) for i in ids]
+    split = max(1, len(ids) // 2)
+    fast = [name for name in used if specs[name].prefill or specs[name].decode]
+    report["reference_only"] = [name for name in used if name not in fast]
+    if not fast:
+        return report
+    runs = {impl: Executor(program, fns, op_impl=impl) for impl in ("fast", "reference")}
+    errs = {}
+    for path, run in (("prefill", lambda ex: (ex.reset(), ex.prefill(ids, all_logits=True))[1]),
+                      ("decode", lambda ex: _cached_logits(ex, ids, split))):
+        errs[path] = _rel_err(run(runs["fast"]), run(runs["reference"]))
+        assert errs[path] <= tol, (
+            f"the fast kernels of plugin ops {', '.join(fast)} differ from their numpy references by "
+            f"{errs[path]:.2e} (relative, tolerance {tol:.0e}) on the {path} path")
+    for name in fast:
+        report["checked"][name] = {"plugin": specs[name].plugin, "max_rel_err": max(errs.values())}
+    return report
+
+
 # ---------------------------------------------------------------------------------------------
 # Everything at once
 # ---------------------------------------------------------------------------------------------
@@ -484,6 +520,7 @@ def run_conformance(model_dir, ids, reference_logits=None, reference_tokens=None
     if int8:
         report["int8"] = check_int8(model_dir, ids, logits)
     report["plugin_kernels"] = check_plugin_kernels(model_dir, ids, tol)
+    report["plugin_ops"] = check_plugin_ops(model, ids, tol)
     windows = sorted({n.attr("window") for n in model.graph.nodes
                       if n.op == Op.ATTENTION and (n.attr("window") or 0) > 0})
     if windows and len(ids) <= windows[-1]:

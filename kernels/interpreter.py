@@ -11,7 +11,8 @@ and ``F`` (float64, NF columns) over flat arrays:
 Decode runs the whole token (every layer and the head) in a single call of :func:`run`; prefill
 runs the non-matmul ops through the same function between batched matmuls done by the executor.
 
-Column layout of ``I`` (common): 0 opcode, 1 impl (0 = here, 1 = external kernel), 2 section
+Column layout of ``I`` (common): 0 opcode, 1 impl (0 = here, 1 = external kernel, 2 = a
+plugin op's kernels, called by the executor), 2 section
 (0 body: ``rt[0]`` rows; 1 head: ``rt[3]`` rows). The rest is per op, documented at each branch.
 ``rt`` = [T, pos0, head_row0, head_rows, threads].
 """
@@ -44,6 +45,7 @@ OP_SELECT_ROWS = 11
 OP_GATED_DELTA = 12
 OP_SCALE = 13
 OP_LAYERNORM = 14
+OP_PLUGIN = 15         # a plugin's op: run by the executor from Python (meta["plugin_ops"]), never here
 
 WEIGHT_F32 = 0
 WEIGHT_Q8 = 1
