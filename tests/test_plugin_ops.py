@@ -4,7 +4,9 @@ out-of-tree packages in tests/third_party (test_third_party.py pip-installs them
 cpullm-plugin-neox adds ``neox.gelu_erf`` (exact GELU, which the core lacks) and runs GPT-NeoX
 with it at f32 parity with transformers; the op's fast kernels are compared with its numpy
 reference by the conformance kit, its version is in the execution-cache key, the profile
-reports it by its group.
+reports it by its group. cpullm-plugin-phi3 adds the ``longrope`` RoPE scaling (frequencies for
+the program's context length) and runs Phi-3 (fused qkv_proj / gate_up_proj taken as row ranges,
+partial rotary, sliding window) at f32 parity with transformers.
 """
 from __future__ import annotations
 
@@ -111,3 +113,44 @@ def test_the_kit_catches_a_fast_kernel_that_disagrees_with_the_reference(neox, n
     model = cpullm.load(neox_checkpoint, quant="f32", use_cache=False)
     with pytest.raises(AssertionError, match="neox.gelu_erf differ from their numpy references"):
         testing.check_plugin_ops(model, list(range(1, 20)))
+
+
+@pytest.fixture(scope="module")
+def phi3():
+    plugin = _import_plugin("cpullm-plugin-phi3", "cpullm_phi3.plugin")
+    plugins.register_for_tests(plugin)
+    plugins.discover(refresh=True)
+    tests_dir = str(THIRD_PARTY / "cpullm-plugin-phi3" / "tests")
+    sys.path.insert(0, tests_dir)
+    import test_phi3 as suite
+    yield suite
+    sys.path.remove(tests_dir)
+    plugins.unregister_for_tests(plugin)
+    plugins.discover(refresh=True)
+
+
+@pytest.mark.parametrize("name", ["longrope", "longrope_partial", "window"])
+def test_phi3_at_parity(phi3, name, tmp_path):
+    phi3.test_conformance(name, tmp_path)
+
+
+@pytest.mark.parametrize("name", ["longrope", "longrope_partial"])
+def test_phi3_longrope_short_and_long(phi3, name, tmp_path):
+    phi3.test_longrope_within_the_original_context_uses_the_short_factors(name, tmp_path)
+
+
+def test_rope_scaling_is_in_the_cache_key_and_refused_when_missing(phi3, tmp_path, monkeypatch):
+    from cpullm.compiler import graph_hash
+    from cpullm.errors import UnsupportedConfigError
+    from cpullm.family import read_config
+    from cpullm.ir import GraphBuilder
+
+    phi3._save(phi3.CONFIGS["longrope"], tmp_path)
+    fam = plugins.discover().family_for(read_config(tmp_path))
+    args = fam.args(read_config(tmp_path))
+    before = graph_hash(fam.build_graph(args, GraphBuilder()))
+    monkeypatch.setattr(plugins.discover().rope_types["longrope"], "version", "2")
+    assert graph_hash(fam.build_graph(fam.args(read_config(tmp_path)), GraphBuilder())) != before
+    monkeypatch.setattr(plugins.discover(), "rope_types", {})
+    with pytest.raises(UnsupportedConfigError, match="'longrope' is not supported .*a plugin may add it"):
+        fam.args(read_config(tmp_path))

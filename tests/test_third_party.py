@@ -187,3 +187,35 @@ def test_uninstall_removes_the_family(env, checkpoint):
     assert proc.stderr.startswith("cpullm: error: model_type 'tinyllama_variant' is not handled by "
                                   "any installed family (installed: ")
     assert "Traceback" not in proc.stderr
+
+
+NEOX, PHI3 = "cpullm-plugin-neox", "cpullm-plugin-phi3"
+NEOX_CONFIG = dict(model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"], vocab_size=256,
+                   hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                   max_position_embeddings=256, layer_norm_eps=1e-5, use_parallel_residual=True,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+PHI3_CONFIG = dict(model_type="phi3", architectures=["Phi3ForCausalLM"], vocab_size=256, hidden_size=64,
+                   intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   max_position_embeddings=128, original_max_position_embeddings=32,
+                   rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                    "short_factor": [1.0] * 8, "long_factor": [4.0] * 8})
+
+
+def test_plugins_with_their_own_op_and_rope_scaling(env):
+    """Installed as a user would: the GPT-NeoX plugin's op and the Phi-3 plugin's longrope run in
+    a fresh process, found through the entry points alone."""
+    env.pip_install(NEOX, PHI3)
+    try:
+        fams = env.families()
+        for dist, family in ((NEOX, "gpt_neox"), (PHI3, "phi3")):
+            assert fams["by_plugin"][dist]["error"] is None
+            assert [f["name"] for f in fams["by_plugin"][dist]["families"]] == [family]
+        for name, config in (("gpt_neox", NEOX_CONFIG), ("phi3", PHI3_CONFIG)):
+            d = env.root / f"tiny_{name}"
+            env.run("-c", "import json, sys; from cpullm.testing import make_random_checkpoint; "
+                          "make_random_checkpoint(json.loads(sys.argv[1]), sys.argv[2], std=0.3)",
+                    json.dumps(config), d)
+            out = json.loads(env.cpullm("run", d, "-p", "Hello", "-n", "4", "--json").stdout)
+            assert out["family"] == name and out["generated_tokens"] == 4
+    finally:
+        env.pip_uninstall(NEOX, PHI3)
