@@ -1,8 +1,9 @@
-"""The IR: a small closed set of ops over named values of shape (T, width).
+"""The IR: a small set of ops (the core's, plus plugin ops) over named values of shape (T, width).
 
 Every value is a float32 matrix with one row per token (T rows in the body, the selected rows in
 the head). Nodes are frozen and named ``"layers.{i}.{block}.{op}"`` so a graph dump diffs and a
-profile reads by name. Families never define ops: they compose :mod:`cpullm.blocks`.
+profile reads by name. Families compose :mod:`cpullm.blocks`; an op the core lacks comes from a
+plugin (hook ``cpullm_ops``) and enters the graph as a ``PLUGIN`` node (:meth:`GraphBuilder.op`).
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from .errors import CpullmError
 
 
 class Op(enum.IntEnum):
-    """The closed op set. Values are stable: they are the interpreter's opcodes."""
+    """The core's op set (plugin ops are PLUGIN nodes). Values are stable: they are the
+    interpreter's opcodes."""
 
     EMBED = 1        # ()               -> (T, H)       weights: table; attrs: scale
     RMSNORM = 2      # (x)              -> x.shape      weights: weight; attrs: eps, group
