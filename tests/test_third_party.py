@@ -90,6 +90,13 @@ def env(tmp_path_factory):
     if e.run("-m", "pip", "--version", check=False).returncode != 0:   # no pip beside cpullm
         if e.run("-m", "ensurepip", "-q", check=False).returncode != 0:
             pytest.skip("pip is not available to the virtual environment")
+    # The environment runs the cpullm under test: when the base environment's cpullm is another
+    # checkout (this one is installed in a virtual environment of its own), install this one.
+    repo = Path(__file__).resolve().parents[1]
+    probe = e.run("-c", "import cpullm, pathlib; print(pathlib.Path(cpullm.__file__).resolve().parents[1])",
+                  check=False)
+    if probe.stdout.strip() != str(repo):
+        e.run("-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-e", repo)
     # Build from copies: pip's in-tree build must not leave build/ and *.egg-info in the repo.
     shutil.copytree(THIRD_PARTY, e.src, ignore=shutil.ignore_patterns(
         "__pycache__", "build", "*.egg-info", ".pytest_cache"))
