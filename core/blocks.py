@@ -1,14 +1,16 @@
 """Shared builders every family composes: norms, RoPE variants, attention, MLP, decoder layers,
 the head, and the Gated DeltaNet mixer. Canonical weight names used here:
 
-    embed, final_norm, lm_head
+    embed, final_norm, lm_head  [final_norm_bias lm_head_bias]
     layers.{i}.attn_norm  layers.{i}.mlp_norm  [layers.{i}.post_attn_norm  layers.{i}.post_mlp_norm]
+    [layers.{i}.{attn_norm,mlp_norm,post_attn_norm,post_mlp_norm}_bias]   (LayerNorm with bias)
     layers.{i}.attn.{q,k,v,o}_proj  [.{q,k,v}_bias]  [.q_norm .k_norm]
     layers.{i}.mlp.{gate,up,down}_proj
     layers.{i}.linear_attn.{in_qkv,in_z,in_b,in_a,conv,dt_bias,A_log,norm,out_proj}
 """
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -84,8 +86,23 @@ def rope_parameters(config: dict, layer_type: str | None = None) -> dict:
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
+def plugin_rope_freqs(rope_type, params: dict, rotary_dim: int, n_ctx: int) -> tuple[np.ndarray, float]:
+    """A plugin RopeType's (inv_freq (rotary_dim/2,) float32, attention_scaling) for a context of
+    ``n_ctx``, checked: an UnsupportedConfigError naming the rope type otherwise."""
+    inv, scaling = rope_type.inv_freq(dict(params), int(rotary_dim), int(n_ctx))
+    inv = np.asarray(inv, np.float32).reshape(-1)
+    scaling = float(scaling)
+    if inv.shape != (rotary_dim // 2,) or not np.isfinite(inv).all() or not np.isfinite(scaling):
+        raise UnsupportedConfigError(
+            f"rope_type {rope_type.name!r} ({rope_type.plugin}) gave {inv.shape[0]} frequencies "
+            f"(need {rotary_dim // 2}, finite) or a non-finite attention scaling {scaling!r}: check the "
+            f"config's rope parameters")
+    return inv, scaling
+
+
 def make_rope(params: dict, head_dim: int, partial_rotary_factor: float = 1.0) -> RopeSpec:
-    """RopeSpec from rope parameters; an unknown ``rope_type`` fails at load, naming the key."""
+    """RopeSpec from rope parameters; an unknown ``rope_type`` fails at load, naming the key.
+    A ``rope_type`` the core lacks may come from a plugin (hook ``cpullm_rope_types``)."""
     rope_type = params.get("rope_type", "default")
     factor = rope_number(params, "partial_rotary_factor", partial_rotary_factor)
     rotary_dim = int(head_dim * factor)
@@ -101,9 +118,19 @@ def make_rope(params: dict, head_dim: int, partial_rotary_factor: float = 1.0) -
     elif rope_type == "llama3":
         inv = _llama3_inv_freq(inv, params)
     else:
-        raise UnsupportedConfigError(
-            f"config key 'rope_scaling.rope_type' (or rope_parameters) = {rope_type!r} is not "
-            f"supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        from .plugins import discover
+        plugin_types = discover().rope_types
+        if rope_type not in plugin_types:
+            raise UnsupportedConfigError(
+                f"config key 'rope_scaling.rope_type' (or rope_parameters) = {rope_type!r} is not "
+                f"supported (supported: {', '.join(SUPPORTED_ROPE_TYPES + tuple(sorted(plugin_types)))}; "
+                f"a plugin may add it)")
+        rt = plugin_types[rope_type]
+        plain = json.loads(json.dumps(params, default=str))
+        inv, scaling = plugin_rope_freqs(rt, plain, rotary_dim, 0)
+        return RopeSpec(theta=theta, rotary_dim=rotary_dim, inv_freq=tuple(float(x) for x in inv),
+                        attention_scaling=scaling, scaling=rope_type,
+                        scaling_params=json.dumps(plain, sort_keys=True), scaling_version=rt.version)
     return RopeSpec(theta=theta, rotary_dim=rotary_dim, inv_freq=tuple(float(x) for x in inv),
                     attention_scaling=1.0)
 
@@ -126,6 +153,29 @@ def rmsnorm(g: GraphBuilder, name: str, x: str, weight: str, eps: float, group_s
                  eps=float(eps), group_size=int(group_size or width))
 
 
+def layernorm(g: GraphBuilder, name: str, x: str, weight: str, eps: float, bias: str | None = None,
+              group_size: int | None = None) -> str:
+    """LayerNorm over the last dim (or each group of ``group_size`` columns):
+    ``(x - mean) / sqrt(var + eps) * w (+ bias)``, the biased variance, as torch computes it."""
+    width = g.width(x)
+    weights = {"weight": weight, **({"bias": bias} if bias else {})}
+    return g.add(name, Op.LAYERNORM, [x], weights=weights, group="norm", eps=float(eps),
+                 group_size=int(group_size or width))
+
+
+def norm(g: GraphBuilder, name: str, x: str, eps: float, kind: str = "rms", bias: bool = False,
+         group_size: int | None = None) -> str:
+    """The norm ``kind`` ("rms" | "layer") named ``name`` with the canonical weight ``name`` and,
+    with ``bias`` (LayerNorm only), ``name + "_bias"``."""
+    if kind == "rms":
+        if bias:
+            raise ValueError(f"{name}: an RMSNorm has no bias")
+        return rmsnorm(g, name, x, name, eps, group_size=group_size)
+    if kind == "layer":
+        return layernorm(g, name, x, name, eps, bias=f"{name}_bias" if bias else None, group_size=group_size)
+    raise ValueError(f"{name}: norm kind {kind!r} is not 'rms' or 'layer'")
+
+
 def linear(g: GraphBuilder, name: str, x: str, weight: str, out_features: int,
            bias: str | None = None, group: str = "") -> str:
     w = {"weight": weight}
@@ -135,9 +185,13 @@ def linear(g: GraphBuilder, name: str, x: str, weight: str, out_features: int,
 
 
 def rope(g: GraphBuilder, name: str, x: str, n_heads: int, head_dim: int, spec: RopeSpec) -> str:
+    """ROPE node; a plugin scaling (``spec.scaling``) also records its name, version and
+    parameters, from which the compiler computes the frequencies for the program's context."""
+    scaling = ({"rope_type": spec.scaling, "rope_version": spec.scaling_version,
+                "rope_params": spec.scaling_params} if spec.scaling else {})
     return g.add(name, Op.ROPE, [x], group="rope", n_heads=n_heads, head_dim=head_dim,
                  rotary_dim=spec.rotary_dim, inv_freq=spec.inv_freq,
-                 attention_scaling=spec.attention_scaling)
+                 attention_scaling=spec.attention_scaling, **scaling)
 
 
 def glu_mlp(g: GraphBuilder, i: int, x: str, hidden: int, intermediate: int, act: str) -> str:
@@ -152,11 +206,15 @@ def glu_mlp(g: GraphBuilder, i: int, x: str, hidden: int, intermediate: int, act
 def attention(g: GraphBuilder, i: int, x: str, *, hidden: int, n_heads: int, n_kv_heads: int,
               head_dim: int, rope_spec: RopeSpec | None, scale: float, qkv_bias: bool = False,
               o_bias: bool = False, qk_norm_eps: float | None = None, softcap: float = 0.0, window: int = 0,
-              output_gate: bool = False) -> str:
+              output_gate: bool = False, qk_norm_per_head: bool = True) -> str:
     """Grouped-query self-attention with the options the families need.
 
     output_gate: the q projection's rows are [q (n_heads*head_dim) | gate (n_heads*head_dim)]
     (the family's weight map puts them in that order); the output is o_proj(attn * sigmoid(gate)).
+    qk_norm_eps: RMSNorm q and k (weights ``q_norm``, ``k_norm``) before RoPE: over each head
+    (weights (head_dim,), Qwen3 / Gemma 3), or with ``qk_norm_per_head=False`` over the whole
+    projection (weights (n_heads*head_dim,) and (n_kv_heads*head_dim,), OLMo 2).
+    The ATTENTION node carries ``layer=i`` (see :mod:`cpullm.ir`: it labels the KV cache).
     """
     p = f"layers.{i}.attn"
     q_width = n_heads * head_dim
@@ -173,8 +231,9 @@ def attention(g: GraphBuilder, i: int, x: str, *, hidden: int, n_heads: int, n_k
     else:
         q = q_out
     if qk_norm_eps is not None:
-        q = rmsnorm(g, f"{p}.q_norm", q, f"{p}.q_norm", qk_norm_eps, group_size=head_dim)
-        k = rmsnorm(g, f"{p}.k_norm", k, f"{p}.k_norm", qk_norm_eps, group_size=head_dim)
+        group = head_dim if qk_norm_per_head else None
+        q = rmsnorm(g, f"{p}.q_norm", q, f"{p}.q_norm", qk_norm_eps, group_size=group)
+        k = rmsnorm(g, f"{p}.k_norm", k, f"{p}.k_norm", qk_norm_eps, group_size=group)
     if rope_spec is not None:
         q = rope(g, f"{p}.q_rope", q, n_heads, head_dim, rope_spec)
         k = rope(g, f"{p}.k_rope", k, n_kv_heads, head_dim, rope_spec)
@@ -207,30 +266,47 @@ def gated_delta(g: GraphBuilder, i: int, x: str, *, hidden: int, n_k_heads: int,
     return linear(g, f"{p}.out_proj", o, f"{p}.out_proj", hidden, group="linear_attn_proj")
 
 
-def decoder_layer(g: GraphBuilder, i: int, h: str, mixer, mlp, eps: float, sandwich: bool = False) -> str:
-    """Pre-norm layer: h += mixer(norm(h)); h += mlp(norm(h)).
+LAYOUTS = ("pre", "sandwich", "post")
 
-    sandwich (Gemma 2/3): h += post_attn_norm(mixer(attn_norm(h))); h += post_mlp_norm(mlp(mlp_norm(h))).
-    ``mixer`` and ``mlp`` are ``(g, i, x) -> value`` callables.
+
+def decoder_layer(g: GraphBuilder, i: int, h: str, mixer, mlp, eps: float, sandwich: bool = False,
+                  *, layout: str | None = None, norm_kind: str = "rms", norm_bias: bool = False) -> str:
+    """One decoder layer; ``mixer`` and ``mlp`` are ``(g, i, x) -> value`` callables.
+
+    layout "pre" (default):  h += mixer(attn_norm(h)); h += mlp(mlp_norm(h))
+           "sandwich" (Gemma 2/3; ``sandwich=True``):
+                             h += post_attn_norm(mixer(attn_norm(h))); h += post_mlp_norm(mlp(mlp_norm(h)))
+           "post" (OLMo 2):  h += post_attn_norm(mixer(h)); h += post_mlp_norm(mlp(h))
+    norm_kind "rms" | "layer" (LayerNorm); norm_bias: LayerNorms with a bias
+    (``layers.{i}.attn_norm_bias``, ...). Canonical norm names: the module docstring.
     """
+    layout = layout or ("sandwich" if sandwich else "pre")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layer layout {layout!r} is not one of {', '.join(LAYOUTS)}")
     p = f"layers.{i}"
-    x = rmsnorm(g, f"{p}.attn_norm", h, f"{p}.attn_norm", eps)
+
+    def nrm(name, x):
+        return norm(g, f"{p}.{name}", x, eps, kind=norm_kind, bias=norm_bias)
+
+    x = h if layout == "post" else nrm("attn_norm", h)
     a = mixer(g, i, x)
-    if sandwich:
-        a = rmsnorm(g, f"{p}.post_attn_norm", a, f"{p}.post_attn_norm", eps)
+    if layout != "pre":
+        a = nrm("post_attn_norm", a)
     h = g.add(f"{p}.attn_residual", Op.ADD, [h, a], group="residual")
-    x = rmsnorm(g, f"{p}.mlp_norm", h, f"{p}.mlp_norm", eps)
+    x = h if layout == "post" else nrm("mlp_norm", h)
     m = mlp(g, i, x)
-    if sandwich:
-        m = rmsnorm(g, f"{p}.post_mlp_norm", m, f"{p}.post_mlp_norm", eps)
+    if layout != "pre":
+        m = nrm("post_mlp_norm", m)
     return g.add(f"{p}.mlp_residual", Op.ADD, [h, m], group="residual")
 
 
-def lm_head(g: GraphBuilder, h: str, vocab: int, eps: float, final_softcap: float = 0.0) -> str:
-    """Final norm, lm_head (tied or not: the weight map decides), optional logit soft-capping."""
+def lm_head(g: GraphBuilder, h: str, vocab: int, eps: float, final_softcap: float = 0.0, *,
+            norm_kind: str = "rms", norm_bias: bool = False, bias: bool = False) -> str:
+    """Final norm (``norm_kind``, ``norm_bias`` as in :func:`decoder_layer`), lm_head (tied or
+    not: the weight map decides; ``bias``: ``lm_head_bias``), optional logit soft-capping."""
     x = g.begin_head(h)
-    x = rmsnorm(g, "final_norm", x, "final_norm", eps)
-    logits = linear(g, "lm_head", x, "lm_head", vocab, group="lm_head")
+    x = norm(g, "final_norm", x, eps, kind=norm_kind, bias=norm_bias)
+    logits = linear(g, "lm_head", x, "lm_head", vocab, group="lm_head", bias="lm_head_bias" if bias else None)
     if final_softcap:
         logits = g.add("final_softcap", Op.SOFTCAP, [logits], group="lm_head", cap=float(final_softcap))
     return logits

@@ -7,7 +7,11 @@ Passes:
 1. fuse   LINEAR nodes of one section that read the same value become one matrix (q/k/v,
           gate/up, Gated DeltaNet input projections); each member's output is a column view.
 2. pack   weights into flat blobs: ``wq`` int8 + ``ws`` binary16 scales (q8, block 32) or ``wf``
-          float32; tied tensors are packed once (embedding and lm_head share one matrix).
+          float32; one copy per tensor identity (source, transform, rows: ``ResolvedWeights.identity``),
+          so tied tensors are packed once (embedding and lm_head share one matrix) while two
+          canonical tensors read from one stored tensor with different transforms stay apart.
+          ``meta["weight_slots"]`` says where each canonical tensor went (the conformance kit
+          reads the program back against the weight map).
 3. plan   arena offsets by liveness (first fit); state regions for KV caches (full or ring) and
           linear-attention states.
 4. emit   the instruction table (see cpullm.kernels.interpreter for the column layout).
@@ -20,7 +24,7 @@ from typing import Callable
 import attrs
 import numpy as np
 
-from .ir import Graph, GraphError, Node, Op, VIEW_OPS
+from .ir import Graph, GraphError, Node, Op, VIEW_OPS, _plain_attrs, _plugin_spec
 
 QUANT_MODES = ("int8", "f32")
 HEAD_ROWS = 16          # head (final norm + lm_head) runs on at most this many rows at once
@@ -200,34 +204,49 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
     # ---- weights ---------------------------------------------------------------------------
     wq, ws, wf = _Blob(np.int8), _Blob(np.uint16), _Blob(np.float32)
     scratch = _Scratch()
-    packed: dict[tuple, tuple] = {}    # (sources, kind) -> (kind, w_off, s_off, Kp)
-    fparams: dict[str, int] = {}
+    packed: dict[tuple, tuple] = {}    # (identities, kind) -> (kind, w_off, s_off, Kp, rows)
+    fparams: dict = {}                  # identity -> (wf offset, size)
+    # canonical -> [kind "f32" | "q8", offset, size, row length, scale offset or -1]: where each
+    # matrix and float parameter went (meta["weight_slots"], read back by the conformance kit)
+    slots: dict[str, list] = {}
+    identity = getattr(weights, "identity", weights.source_of)
 
     def f32_param(canonical: str) -> int:
-        key = weights.source_of(canonical) if canonical in weights else canonical
+        key = identity(canonical) if canonical in weights else canonical
         if key not in fparams:
-            fparams[key] = wf.add(weights.get(canonical))
-        return fparams[key]
+            arr = weights.get(canonical)
+            fparams[key] = (wf.add(arr), int(arr.size))
+        off, size = fparams[key]
+        slots.setdefault(canonical, ["f32", off, size, size, -1])
+        return off
 
     def pack_matrix(canonicals: list[str], node: Node | None = None) -> tuple:
         mode = _precision(node, quant) if node is not None else quant
-        key = (tuple(weights.source_of(c) for c in canonicals), mode)
-        if key in packed:
-            return packed[key]
+        key = (tuple(identity(c) for c in canonicals), mode)
+        if key not in packed:
+            packed[key] = _pack(canonicals, mode)
+            if progress:
+                progress(canonicals[0])
+        kind, w_off, s_off, Kp, _ = packed[key]
+        r0 = 0
+        for c in canonicals:                # member rows of a fused matrix, for the weight slots
+            n = weights.shape(c)[0]
+            slots.setdefault(c, ["q8" if kind == K.WEIGHT_Q8 else "f32", w_off + r0 * Kp, n * Kp, Kp,
+                                 s_off + r0 * (Kp // 32) if kind == K.WEIGHT_Q8 else -1])
+            r0 += n
+        return packed[key]
+
+    def _pack(canonicals: list[str], mode: str) -> tuple:
         if mode == "int8":                 # the float32 matrix only lives until it is quantized
             rows = [weights.shape(c)[0] for c in canonicals]
             mat = scratch.take((sum(rows), weights.shape(canonicals[0])[1]))      # (N, K) float32
             for c, r0, r in zip(canonicals, np.cumsum([0] + rows), rows):
                 weights.get(c, out=mat[r0:r0 + r])
             q, s = quantize(mat)
-            packed[key] = (K.WEIGHT_Q8, wq.add(q), ws.add(s), q.shape[1], mat.shape[0])
-        else:
-            mats = [weights.get(c) for c in canonicals]
-            mat = mats[0] if len(mats) == 1 else np.concatenate(mats, axis=0)
-            packed[key] = (K.WEIGHT_F32, wf.add(mat), -1, mat.shape[1], mat.shape[0])
-        if progress:
-            progress(canonicals[0])
-        return packed[key]
+            return K.WEIGHT_Q8, wq.add(q), ws.add(s), q.shape[1], mat.shape[0]
+        mats = [weights.get(c) for c in canonicals]
+        mat = mats[0] if len(mats) == 1 else np.concatenate(mats, axis=0)
+        return K.WEIGHT_F32, wf.add(mat), -1, mat.shape[1], mat.shape[0]
 
     # ---- state -------------------------------------------------------------------------------
     state_regions, state_size = [], 0
@@ -240,7 +259,7 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
         return off
 
     # ---- emit ------------------------------------------------------------------------------
-    rows_I, rows_F, names, groups, external = [], [], [], [], {}
+    rows_I, rows_F, names, groups, external, plugin_calls = [], [], [], [], {}, {}
     max_k, embed_rows = 32, 0
     for p in order:
         n = p.nodes[0]
@@ -267,12 +286,18 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
             x_off, x_st = loc(n.inputs[0])
             Ir[3:10] = [x_off, x_st, out_off, out_st, n.width, n.attr("group_size"), f32_param(n.weight("weight"))]
             Fr[0] = n.attr("eps")
+        elif n.op == Op.LAYERNORM:
+            x_off, x_st = loc(n.inputs[0])
+            bias = n.weight("bias")
+            Ir[3:11] = [x_off, x_st, out_off, out_st, n.width, n.attr("group_size"),
+                        f32_param(n.weight("weight")), f32_param(bias) if bias else -1]
+            Fr[0] = n.attr("eps")
         elif n.op == Op.ROPE:
             x_off, x_st = loc(n.inputs[0])
-            inv = np.asarray(n.attr("inv_freq"), np.float32)
+            inv, scaling = _rope_freqs(n, n_ctx)
             Ir[3:11] = [x_off, x_st, out_off, out_st, n.attr("n_heads"), n.attr("head_dim"),
                         n.attr("rotary_dim"), wf.add(inv)]
-            Fr[0] = n.attr("attention_scaling", 1.0)
+            Fr[0] = scaling
         elif n.op == Op.ATTENTION:
             (q_off, q_st), (k_off, k_st), (v_off, v_st) = (loc(i) for i in n.inputs)
             nkv, hd, window = n.attr("n_kv_heads"), n.attr("head_dim"), n.attr("window")
@@ -306,6 +331,10 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
                         wf.add(conv), f32_param(n.weight("dt_bias")), f32_param(n.weight("A_log")),
                         f32_param(n.weight("norm")), s_off]
             Fr[0] = n.attr("eps")
+        elif n.op == Op.PLUGIN:
+            plugin_calls[str(len(rows_I))] = _plugin_call(n, loc, nodes_by_out, weights, f32_param,
+                                                         (out_off, out_st))
+            Ir[1] = 2
         else:
             raise GraphError(f"{n.name}: the compiler has no emitter for op {n.op.name}")
         for spec in kernels:
@@ -339,6 +368,8 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
         "quant": quant,
         "max_k": int(max_k),
         "embed_rows": int(embed_rows),
+        "weight_slots": slots,
+        "plugin_ops": plugin_calls,
     }
     arrays = {
         "I": np.stack(rows_I), "F": np.stack(rows_F),
@@ -408,6 +439,47 @@ def attach_head_screen(program: Program, calibration=None) -> Program:
                            "columns_from": source, "q_off": offs["wq"], "q_cols": int(hq.shape[1]),
                            "s_off": offs["ws"], "s_cols": int(hs.shape[1]), "b_off": offs["wf"]}
     return Program(arrays=arrays, meta=meta)
+
+
+def _rope_freqs(n: Node, n_ctx: int) -> tuple[np.ndarray, float]:
+    """A ROPE node's (inv_freq, attention_scaling): its own attributes, or, for a plugin's RoPE
+    scaling (``rope_type`` attribute), the plugin's frequencies for a context of ``n_ctx``."""
+    name = n.attr("rope_type")
+    if not name:
+        return np.asarray(n.attr("inv_freq"), np.float32), n.attr("attention_scaling", 1.0)
+    import json
+
+    from .blocks import plugin_rope_freqs
+    from .plugins import discover
+    rt = discover().rope_types.get(name)
+    if rt is None or rt.version != n.attr("rope_version"):
+        have = f"version {rt.version!r}" if rt is not None else "none"
+        raise GraphError(f"{n.name}: RoPE scaling {name!r} version {n.attr('rope_version')!r} is not "
+                         f"installed ({have}); install the plugin that provides it")
+    return plugin_rope_freqs(rt, json.loads(n.attr("rope_params")), n.attr("rotary_dim"), n_ctx)
+
+
+def _plugin_call(n: Node, loc, nodes_by_out, weights, f32_param, out) -> dict:
+    """How the executor calls a PLUGIN node's kernels (``meta["plugin_ops"][row]``): its op, the
+    (offset, row stride, width) of each input and of the output, its weights (role, wf offset,
+    shape), the float params of the fast kernels and the attributes of the reference."""
+    spec = _plugin_spec(n.attr("plugin_op"), n.name)
+    widths = tuple(nodes_by_out[i].width for i in n.inputs)
+    attributes = _plain_attrs(n)
+    packed = []
+    for role, shape in spec.weight_roles(widths, attributes).items():
+        canonical = n.weight(role)
+        if tuple(weights.shape(canonical)) != tuple(shape):
+            raise GraphError(f"{n.name}: {spec.name} expects weight {role} of shape {tuple(shape)}, "
+                             f"{canonical} is {tuple(weights.shape(canonical))}")
+        packed.append([role, f32_param(canonical), [int(d) for d in shape]])
+    try:
+        params = [float(attributes[p]) for p in spec.params]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise GraphError(f"{n.name}: {spec.name} needs numeric attributes {list(spec.params)} ({exc})") from None
+    return {"op": spec.name, "version": spec.version, "node": n.name,
+            "inputs": [[*loc(i), nodes_by_out[i].width] for i in n.inputs],
+            "out": [out[0], out[1], n.width], "weights": packed, "params": params, "attrs": attributes}
 
 
 PRECISIONS = ("f32",)      # node attribute ``precision``: per-node override of the quant mode

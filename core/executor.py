@@ -1,7 +1,8 @@
 """Runs an ExecutionProgram: batched prefill (matrix-matrix) and one-token decode.
 
 Decode is one compiled call for the whole token (every layer and the head) unless a plugin kernel
-replaces an op, in which case the token runs as a few segments between those kernels. Prefill
+replaces an op or the graph has plugin ops (cpullm.family.OpSpec), in which case the token runs as
+a few segments between those calls. Prefill
 runs chunks of up to ``max_chunk`` tokens: LINEAR ops as batched matmuls, everything else
 through the same interpreter, then the head on the rows asked for, ``head_rows`` at a time.
 """
@@ -23,7 +24,12 @@ from .kernels.q8_gemm import matmul_q8
 
 
 class Executor:
-    def __init__(self, program: Program, kernels: dict | None = None):
+    def __init__(self, program: Program, kernels: dict | None = None, ops: dict | None = None,
+                 op_impl: str = "fast"):
+        """``kernels``: KernelSpec name -> function (plugin kernels the program uses); ``ops``:
+        OpSpec name -> OpSpec for the program's plugin ops (default: the installed ones);
+        ``op_impl``: "fast" runs their fast kernels where they have them, "reference" their numpy
+        references (the conformance kit compares the two)."""
         self.program = program
         a = program.arrays
         m = program.meta
@@ -49,6 +55,7 @@ class Executor:
             from .errors import PluginError
             raise PluginError(f"the program uses plugin kernels that are not installed: {sorted(missing)}; "
                               "install the plugin again or clear the cache (`cpullm cache clear`)")
+        self.plugin_ops = _plugin_calls(self, m.get("plugin_ops") or {}, ops, op_impl)
         self.linear_rows = np.nonzero(self.I[:, 0] == K.OP_LINEAR)[0]
         self._decode_segments = self._segments(0, self.n_instr, batched=False)
         self._body_segments = self._segments(0, self.first_head, batched=True)
@@ -60,13 +67,16 @@ class Executor:
 
     # ---- segmentation -------------------------------------------------------------------------
     def _segments(self, start: int, end: int, batched: bool) -> list:
-        """[("interp", a, b) | ("linear", r) | ("external", r)] covering [start, end). Batched
-        segments run LINEARs as matrix products (matmul_q8 / matmul_f32)."""
+        """[("interp", a, b) | ("linear", r) | ("external", r) | ("plugin", r, batched)] covering
+        [start, end). Batched segments run LINEARs as matrix products (matmul_q8 / matmul_f32) and
+        plugin ops through their prefill kernel."""
         out, a = [], start
         for r in range(start, end):
             special = None
             if r in self.external:
                 special = ("external", r)
+            elif r in self.plugin_ops:
+                special = ("plugin", r, batched)
             elif batched and self.I[r, 0] == K.OP_LINEAR:
                 special = ("linear", r)
             if special:
@@ -92,6 +102,10 @@ class Executor:
                 self._interp(seg[1], seg[2])
             elif seg[0] == "linear":
                 self._linear_batched(seg[1])
+            elif seg[0] == "plugin":
+                r = seg[1]
+                pos0 = int(self.rt[1] + (self.rt[2] if self.I[r, 2] == 1 else 0))
+                self.plugin_ops[r](self.arena, self._rows(r), pos0, seg[2])
             else:
                 self._external(seg[1])
             if prof is not None:
@@ -350,6 +364,61 @@ class _Screen:
         tok, survivors = screen_argmax(*self.args, self.lower_max, self.counts, nthreads,
                                        int(self.MAX_ROWS_FRACTION * self.rows))
         return int(tok), int(survivors)
+
+
+def _rows_view(arena: np.ndarray, off: int, st: int, width: int, T: int) -> np.ndarray:
+    """(T, width) float32 view of the arena at (offset, row stride)."""
+    span = arena[off: off + (T - 1) * st + width]
+    if span.size != (T - 1) * st + width:
+        raise RuntimeError("plugin op operand runs past the arena")      # a compiler bug
+    return np.lib.stride_tricks.as_strided(span, shape=(T, width), strides=(st * 4, 4), writeable=True)
+
+
+class _PluginCall:
+    """One PLUGIN instruction: its weights and params as arrays, its kernels chosen once."""
+
+    def __init__(self, ex: Executor, call: dict, spec, impl: str):
+        from .errors import PluginError
+        if spec.version != call["version"]:
+            raise PluginError(f"the program was compiled for op {spec.name} version {call['version']!r}, "
+                              f"installed {spec.version!r}; clear the cache (`cpullm cache clear`)")
+        self.spec, self.call = spec, call
+        self.weights = [ex.wf[off: off + int(np.prod(shape))].reshape(shape) for _, off, shape in call["weights"]]
+        self.named = {role: w for (role, _, _), w in zip(call["weights"], self.weights)}
+        self.params = np.asarray(call["params"], np.float64)
+        fast = impl == "fast"
+        self.batched_fn = (spec.prefill or spec.decode) if fast else None
+        self.single_fn = (spec.decode or spec.prefill) if fast else None
+
+    def __call__(self, arena: np.ndarray, T: int, pos0: int, batched: bool) -> None:
+        ins = [_rows_view(arena, off, st, w, T) for off, st, w in self.call["inputs"]]
+        out = _rows_view(arena, *self.call["out"], T)
+        fn = self.batched_fn if batched else self.single_fn
+        if fn is not None:
+            fn(out, *ins, *self.weights, self.params, pos0)
+            return
+        res = np.asarray(self.spec.reference([np.array(x) for x in ins], self.named, self.call["attrs"], pos0))
+        if res.shape != out.shape:
+            from .errors import PluginError
+            raise PluginError(f"op {self.spec.name}'s reference returned shape {res.shape} for node "
+                              f"{self.call['node']}, expected {out.shape}")
+        out[...] = res
+
+
+def _plugin_calls(ex: Executor, calls: dict, ops: dict | None, impl: str) -> dict:
+    if not calls:
+        return {}
+    if impl not in ("fast", "reference"):
+        raise ValueError(f"op_impl must be 'fast' or 'reference', not {impl!r}")
+    if ops is None:
+        from .plugins import discover
+        ops = discover().ops
+    missing = sorted({c["op"] for c in calls.values()} - set(ops))
+    if missing:
+        from .errors import PluginError
+        raise PluginError(f"the program uses plugin ops that are not installed: {missing}; install the "
+                          "plugin again or clear the cache (`cpullm cache clear`)")
+    return {int(r): _PluginCall(ex, c, ops[c["op"]], impl) for r, c in calls.items()}
 
 
 def _median(xs) -> float:

@@ -35,33 +35,9 @@ hookimpl = pluggy.HookimplMarker("cpullm")
 @hookspec
 def cpullm_families():
     """Return a list of :class:`cpullm.family.FamilySpec`, one per family (a set of
-    ``model_type`` strings sharing one implementation).
-
-    A FamilySpec declares:
-
-    * ``name``: short name shown by ``cpullm families`` and in ``model.info()``;
-    * ``model_types``: the config.json ``model_type`` values it handles (a tuple of str), and
-      optionally ``architectures`` (config ``architectures`` names, used when no family claims
-      the model_type);
-    * ``args_class``: a subclass of :class:`cpullm.family.Args` (``@attrs.define``, fields named
-      after config keys). ``Args.from_config(config)`` keeps the known keys and ignores the rest;
-      ``derive(config)`` fills derived defaults and must *refuse at load* any setting the family
-      cannot run faithfully (unknown ``rope_type``, unsupported ``layer_types`` entry, ...) by
-      raising :class:`cpullm.errors.UnsupportedConfigError` naming the config key
-      (:func:`cpullm.family.require` does this in one line);
-    * ``weight_map(args) -> cpullm.weightmap.WeightMap``: checkpoint tensor names to canonical
-      names, as data. Every checkpoint tensor must be mapped or listed in ``ignore``; loading
-      reports every missing, unexpected or mis-shaped tensor in one WeightMapError;
-    * ``build_graph(args, g: cpullm.ir.GraphBuilder) -> cpullm.ir.Graph``: assembles the model
-      from the shared blocks in :mod:`cpullm.blocks` and returns ``g.build(logits)``. Families
-      never define ops;
-    * ``priority`` (default 0): when two installed families claim the same ``model_type`` (or
-      architecture), the higher priority wins; a tie goes to the plugin distribution name in
-      alphabetical order, then to the family name. The conflict is never silent: it is warned
-      about (:class:`cpullm.plugins.PluginConflictWarning`) and listed by ``cpullm families``;
-    * ``description``: one line for ``cpullm families``.
-
-    ``plugin`` and ``plugin_version`` are filled in by cpullm from the distribution.
+    ``model_type`` strings sharing one implementation). The FamilySpec docstring is the reference
+    for its fields (name, model_types, architectures, args_class, weight_map, build_graph,
+    priority, description); CONTRIBUTING.md walks through writing each one.
     """
 
 
@@ -79,4 +55,32 @@ def cpullm_kernels():
     kernel's results change. Kernels apply to every family whose graph has a supported node,
     not only the plugin's own. ``cpullm.testing.check_plugin_kernels`` compares each kernel with
     the reference kernel, in prefill and decode; every kernel needs that test.
+    """
+
+
+@hookspec
+def cpullm_ops():
+    """Return a list of :class:`cpullm.family.OpSpec`: IR ops the core does not have.
+
+    A family's graph adds a node of such an op with ``g.op(node_name, op_name, inputs,
+    weights={role: canonical name}, **attrs)``; the compiler plans its buffer, packs its weights
+    as float32 and records the call, and the executor runs the op's fast kernels (``prefill``
+    for batched rows, ``decode`` for one) or its numpy ``reference``. The OpSpec docstring is the
+    reference for its fields and calling conventions. ``name`` is unique across plugins (prefix
+    it with the plugin's name); a second plugin registering a name is an error of that plugin.
+    The op's ``version`` enters the execution-cache key through the graph. The conformance kit
+    compares the fast kernels with the reference on every checkpoint whose graph uses the op, in
+    prefill and decode. Ops apply to any family whose graph names them, not only the plugin's own.
+    """
+
+
+@hookspec
+def cpullm_rope_types():
+    """Return a list of :class:`cpullm.family.RopeType`: RoPE scalings selected by a config's
+    ``rope_type`` that the core does not have (the core has "default", "linear", "llama3").
+
+    :func:`cpullm.blocks.make_rope` looks ``rope_type`` up here when it is not a core type; the
+    frequencies are computed when the program is compiled, for its context length, so a scaling
+    may depend on the sequence length the program can hold (Phi-3's ``longrope``). The RopeType
+    docstring is the reference for its fields. Names are unique across plugins.
     """

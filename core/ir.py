@@ -1,8 +1,9 @@
-"""The IR: a small closed set of ops over named values of shape (T, width).
+"""The IR: a small set of ops (the core's, plus plugin ops) over named values of shape (T, width).
 
 Every value is a float32 matrix with one row per token (T rows in the body, the selected rows in
 the head). Nodes are frozen and named ``"layers.{i}.{block}.{op}"`` so a graph dump diffs and a
-profile reads by name. Families never define ops: they compose :mod:`cpullm.blocks`.
+profile reads by name. Families compose :mod:`cpullm.blocks`; an op the core lacks comes from a
+plugin (hook ``cpullm_ops``) and enters the graph as a ``PLUGIN`` node (:meth:`GraphBuilder.op`).
 """
 from __future__ import annotations
 
@@ -17,13 +18,14 @@ from .errors import CpullmError
 
 
 class Op(enum.IntEnum):
-    """The closed op set. Values are stable: they are the interpreter's opcodes."""
+    """The core's op set (plugin ops are PLUGIN nodes). Values are stable: they are the
+    interpreter's opcodes."""
 
     EMBED = 1        # ()               -> (T, H)       weights: table; attrs: scale
     RMSNORM = 2      # (x)              -> x.shape      weights: weight; attrs: eps, group
     LINEAR = 3       # (x (T,K))        -> (T, N)       weights: weight (N,K), [bias (N,)]
     ROPE = 4         # (x (T,h*d))      -> same         attrs: n_heads, head_dim, rope (RopeSpec)
-    ATTENTION = 5    # (q, k, v)        -> (T, nh*hd)   attrs: n_heads, n_kv_heads, head_dim, scale, softcap, window
+    ATTENTION = 5    # (q, k, v)        -> (T, nh*hd)   attrs: n_heads, n_kv_heads, head_dim, scale, softcap, window, layer
     GLU = 6          # (gate, up)       -> gate.shape   attrs: act ("silu" | "gelu_tanh")
     ADD = 7          # (a, b)           -> a.shape
     SIGMOID_MUL = 8  # (x, gate)        -> x.shape      x * sigmoid(gate)
@@ -32,6 +34,15 @@ class Op(enum.IntEnum):
     SELECT_ROWS = 11 # (x)              -> (R, width)   head entry: the rows the executor asks for
     GATED_DELTA = 12 # (qkv, z, b, a)   -> (T, nv*dv)   linear attention (Gated DeltaNet) with conv + recurrent state
     SCALE = 13       # (x)              -> x.shape      attrs: scale
+    LAYERNORM = 14   # (x)              -> x.shape      weights: weight, [bias]; attrs: eps, group_size
+    PLUGIN = 15      # (inputs...)      -> (T, width)   a plugin's op (cpullm.family.OpSpec): attrs
+                     #                                  plugin_op (its name), op_version, its own attrs
+
+
+# ``layer`` (ATTENTION, GATED_DELTA): the decoder layer's index. The node owns a state region (its
+# KV cache, or its recurrent state) in ``program.meta["state_regions"]``, labelled with it for the
+# memory report (``model.info()["memory"]``, per layer). A node built outside cpullm.blocks must
+# set it to its own layer's index (an int). The region is identified by the node's name.
 
 
 # Ops whose output is a view of their input (no buffer of their own).
@@ -122,9 +133,42 @@ class Graph:
                 raise GraphError(f"{n.name}: slice runs past its input")
             if n.op == Op.SELECT_ROWS and n.section != "head":
                 raise GraphError(f"{n.name}: SELECT_ROWS starts the head section")
+            if n.op == Op.PLUGIN:
+                _check_plugin_node(n, tuple(w))
             defined[n.output] = n
         if self.output not in defined or self.hidden not in defined:
             raise GraphError("graph output or hidden value is not defined")
+
+
+def _plugin_spec(op_name: str, where: str):
+    from .errors import PluginError
+    from .plugins import discover
+    try:
+        return discover().op(op_name)
+    except PluginError as exc:
+        raise GraphError(f"{where}: {exc}") from None
+
+
+def _check_plugin_node(n: Node, widths: tuple) -> None:
+    """A PLUGIN node agrees with its installed OpSpec: version, weight roles, width."""
+    spec = _plugin_spec(n.attr("plugin_op"), n.name)
+    if n.attr("op_version") != spec.version:
+        raise GraphError(f"{n.name}: built for {spec.name} version {n.attr('op_version')!r}, "
+                         f"installed {spec.version!r}")
+    attributes = _plain_attrs(n)
+    roles = dict(spec.weight_roles(widths, attributes))
+    if set(roles) != {r for r, _ in n.weights}:
+        raise GraphError(f"{n.name}: {spec.name} reads weights {sorted(roles)}, the node gives "
+                         f"{sorted(r for r, _ in n.weights)}")
+    if spec.width(widths, attributes) != n.width:
+        raise GraphError(f"{n.name}: {spec.name}'s shape rule gives width "
+                         f"{spec.width(widths, attributes)}, the node has {n.width}")
+
+
+def _plain_attrs(n: Node) -> dict:
+    """A node's attributes as JSON values (what an OpSpec's width, weight_roles and reference get)."""
+    own = {k: v for k, v in n.attrs if k not in ("plugin_op", "op_version")}
+    return json.loads(json.dumps(own, default=str))
 
 
 class GraphBuilder:
@@ -150,6 +194,21 @@ class GraphBuilder:
 
     def width(self, value: str) -> int:
         return self.widths[value]
+
+    def op(self, name: str, op_name: str, inputs, weights=None, group: str | None = None,
+           **attributes) -> str:
+        """A node of the plugin op ``op_name`` (cpullm.family.OpSpec, hook ``cpullm_ops``); its
+        width comes from the op's shape rule, its version is recorded (``op_version``)."""
+        spec = _plugin_spec(op_name, name)
+        widths = tuple(self.widths[i] for i in inputs)
+        plain = json.loads(json.dumps(attributes, default=str))
+        try:
+            width = int(spec.width(widths, plain))
+        except (ValueError, TypeError) as exc:
+            raise GraphError(f"{name}: {op_name} refuses inputs of widths {widths}: {exc}") from None
+        return self.add(name, Op.PLUGIN, inputs, width=width, weights=weights,
+                        group=group or spec.group or op_name, plugin_op=op_name,
+                        op_version=spec.version, **attributes)
 
     def begin_head(self, hidden: str) -> str:
         """End the per-token body; the head runs on the rows the executor selects."""

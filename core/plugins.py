@@ -22,7 +22,7 @@ import pluggy
 
 from . import hookspecs
 from .errors import PluginError, UnknownModelTypeError
-from .family import Args, FamilySpec, KernelSpec
+from .family import Args, FamilySpec, KernelSpec, OpSpec, RopeType
 
 ENTRY_POINT_GROUP = "cpullm"
 HOOKS = tuple(sorted(n for n in dir(hookspecs) if n.startswith("cpullm_")))
@@ -50,6 +50,15 @@ class Registry:
     families: list[FamilySpec]     # conflicts resolved, in precedence order
     kernels: list[KernelSpec]
     conflicts: list[str]           # human-readable notes on model_types claimed twice
+    ops: dict = attrs.field(factory=dict)          # OpSpec.name -> OpSpec
+    rope_types: dict = attrs.field(factory=dict)   # RopeType.name -> RopeType
+
+    def op(self, name: str) -> OpSpec:
+        """The installed plugin op ``name``; a PluginError naming the installed ones otherwise."""
+        if name not in self.ops:
+            raise PluginError(f"op {name!r} is not provided by any installed plugin (installed ops: "
+                              f"{', '.join(sorted(self.ops)) or 'none'}); install the plugin that provides it")
+        return self.ops[name]
 
     def family_for(self, config: dict) -> FamilySpec:
         """The family handling ``config['model_type']`` (or, failing that, its ``architectures``)."""
@@ -125,6 +134,8 @@ def discover(refresh: bool = False) -> Registry:
         infos: list[PluginInfo] = []
         families: list[FamilySpec] = []
         kernels: list[KernelSpec] = []
+        ops: dict[str, OpSpec] = {}
+        rope_types: dict[str, RopeType] = {}
         for info, plugin in loaded:
             infos.append(info)
             if plugin is None:
@@ -148,14 +159,21 @@ def discover(refresh: bool = False) -> Registry:
                         raise PluginError(f"kernel name {k.name!r} is already registered by "
                                           f"{other.plugin}; prefix kernel names with the plugin's")
                     k.plugin = owner
+                new_ops = _named(owner, "op", [_check_op(o) for o in _call(pm, plugin, "cpullm_ops")], ops)
+                new_ropes = _named(owner, "rope type",
+                                   [_check_rope_type(r) for r in _call(pm, plugin, "cpullm_rope_types")],
+                                   rope_types)
             except Exception as exc:
                 info.error = f"{type(exc).__name__}: {exc}"
                 continue
             info.families = fams
             families.extend(fams)
             kernels.extend(kerns)
+            ops.update(new_ops)
+            rope_types.update(new_ropes)
         families, conflicts = _resolve_conflicts(families)
-        _registry = Registry(plugins=infos, families=families, kernels=kernels, conflicts=conflicts)
+        _registry = Registry(plugins=infos, families=families, kernels=kernels, conflicts=conflicts,
+                             ops=ops, rope_types=rope_types)
         return _registry
 
 
@@ -227,6 +245,51 @@ def _check_kernel(k) -> KernelSpec:
         raise PluginError(f"KernelSpec {k.name!r}: op {getattr(k.op, 'name', k.op)} cannot be "
                           f"replaced by a plugin kernel (replaceable: {allowed})")
     return k
+
+
+def _named(owner: str, kind: str, specs: list, taken: dict) -> dict:
+    """{name: spec} of one plugin's ops or rope types, each tagged with its plugin; a name another
+    plugin (or this one) already registered is an error of this plugin."""
+    out = {}
+    for spec in specs:
+        if spec.name in taken or spec.name in out:
+            other = taken[spec.name].plugin if spec.name in taken else owner
+            raise PluginError(f"{kind} name {spec.name!r} is already registered by {other}; "
+                              f"prefix {kind} names with the plugin's")
+        spec.plugin = owner
+        out[spec.name] = spec
+    return out
+
+
+def _check_op(op) -> OpSpec:
+    if not isinstance(op, OpSpec):
+        raise PluginError(f"cpullm_ops returned {type(op).__name__}, not OpSpec")
+    if not isinstance(op.name, str) or not op.name:
+        raise PluginError(f"OpSpec.name must be a non-empty string, not {op.name!r}")
+    for field in ("width", "reference", "weight_roles"):
+        if not callable(getattr(op, field)):
+            raise PluginError(f"OpSpec {op.name!r}: {field} must be callable")
+    for field in ("prefill", "decode"):
+        if getattr(op, field) is not None and not callable(getattr(op, field)):
+            raise PluginError(f"OpSpec {op.name!r}: {field} must be callable or None")
+    if isinstance(op.params, str) or not all(isinstance(p, str) for p in op.params):
+        raise PluginError(f"OpSpec {op.name!r}: params must be a tuple of attribute names")
+    op.params = tuple(op.params)
+    return op
+
+
+CORE_ROPE_TYPES = ("default", "linear", "llama3")     # cpullm.blocks.SUPPORTED_ROPE_TYPES
+
+
+def _check_rope_type(rt) -> RopeType:
+    if not isinstance(rt, RopeType):
+        raise PluginError(f"cpullm_rope_types returned {type(rt).__name__}, not RopeType")
+    if not isinstance(rt.name, str) or not rt.name or rt.name in CORE_ROPE_TYPES:
+        raise PluginError(f"RopeType name {rt.name!r} must be a non-empty string other than the "
+                          f"core's ({', '.join(CORE_ROPE_TYPES)})")
+    if not callable(rt.inv_freq):
+        raise PluginError(f"RopeType {rt.name!r}: inv_freq must be callable")
+    return rt
 
 
 def _precedence(fam: FamilySpec):

@@ -17,6 +17,9 @@ checks, each raising AssertionError with a message that says what failed:
 * the weight map accounts for every tensor of the checkpoint (missing, unexpected and mis-shaped
   tensors are all reported), and resolving is idempotent: resolving twice, or reading a tensor
   twice, gives identical tensors, and transforms such as ``1 + w`` are applied exactly once;
+* the compiled program holds, for every matrix and norm weight, exactly the canonical tensor the
+  weight map gives (two canonical tensors read from one stored tensor with different transforms
+  or rows must not share one packed copy);
 * the graph validates, every weight it reads is resolved, and every resolved tensor is read by
   the graph (a mapped but unused tensor is a silently wrong model);
 * an f32 forward pass runs and gives finite logits of shape (T, vocab);
@@ -32,7 +35,9 @@ checks, each raising AssertionError with a message that says what failed:
 * every fused kernel (:class:`cpullm.family.KernelSpec`) gives the same logits as the reference
   kernel it replaces, one kernel at a time, in prefill and in decode: on this checkpoint when the
   kernel applies to it, else (for the family's own plugin's kernels) on a small sample graph of
-  the kernel's op.
+  the kernel's op;
+* every plugin op (:class:`cpullm.family.OpSpec`) the graph uses: its fast kernels give the same
+  logits as its numpy reference, in prefill and in decode.
 
 ``make_random_checkpoint`` writes a random checkpoint from the family's own weight map, for
 authors without a reference checkpoint at hand. Tests never assert a timing.
@@ -138,9 +143,45 @@ def check_weight_map(model_dir) -> dict:
     for canonical, (stored, transform) in first.found.items():
         if transform is not None:
             once = transform(store.get(stored), args)
+            if canonical in first.rows:
+                r0, r1 = first.rows[canonical]
+                once = once[r0:r1]
             assert np.array_equal(first.get(canonical), once), \
                 f"{canonical}: the {transform.name} transform was not applied exactly once"
     return {"tensors": len(first.names()), "ignored": len(first.ignored)}
+
+
+def compiled_weight_mismatches(graph, weights, program=None) -> list[str]:
+    """The canonical tensors whose copy in ``program`` (an f32 program of ``graph``; compiled here
+    if None) differs from ``weights.get(name)`` (``meta["weight_slots"]`` says where each went)."""
+    from .compiler import compile_graph
+
+    if program is None:
+        program = compile_graph(graph, weights, quant="f32", n_ctx=32, max_chunk=4)
+    wf = program.arrays["wf"]
+    bad = []
+    for name, (kind, off, size, _row, _s_off) in program.meta["weight_slots"].items():
+        want = np.asarray(weights.get(name), np.float32).reshape(-1)
+        if kind != "f32" or want.size != size or not np.array_equal(wf[off: off + size], want):
+            bad.append(name)
+    return sorted(bad)
+
+
+def check_compiled_weights(model_dir, program=None) -> dict:
+    """Every matrix and norm weight of the f32 program (``program``, or one compiled here) equals
+    the canonical tensor of the weight map. Two canonical tensors read from one stored tensor with
+    different transforms (or rows) are two tensors: a program that packed them as one would
+    compute a silently wrong model."""
+    from .ir import GraphBuilder
+    from .tensors import TensorStore
+
+    family, args = check_resolves(model_dir)
+    weights = family.weight_map(args).resolve(TensorStore(model_dir), args)
+    graph = family.build_graph(args, GraphBuilder())
+    bad = compiled_weight_mismatches(graph, weights, program)
+    assert not bad, (f"the compiled program does not hold the weight map's tensors for {', '.join(bad)}: "
+                     f"check rules that read one stored tensor with different transforms or rows")
+    return {"checked": len(weights.names())}
 
 
 def check_graph_weights(model_dir) -> dict:
@@ -297,8 +338,14 @@ class _ArrayWeights:
     def source_of(self, name):
         return name
 
-    def get(self, name):
-        return self.arrays[name]
+    def shape(self, name):
+        return self.arrays[name].shape
+
+    def get(self, name, out=None):
+        if out is None:
+            return self.arrays[name]
+        out[...] = self.arrays[name]
+        return out
 
 
 def _sample_weights(graph, vocab: int, seed: int = 0) -> _ArrayWeights:
@@ -316,8 +363,10 @@ def _sample_weights(graph, vocab: int, seed: int = 0) -> _ArrayWeights:
             shapes[w["weight"]] = (n.width, width[n.inputs[0]])
             if "bias" in w:
                 shapes[w["bias"]] = (n.width,)
-        elif n.op == Op.RMSNORM:
+        elif n.op in (Op.RMSNORM, Op.LAYERNORM):
             shapes[w["weight"]] = (n.attr("group_size"),)
+            if "bias" in w:
+                shapes[w["bias"]] = (n.attr("group_size"),)
         elif n.op == Op.GATED_DELTA:
             nk, dk, nv, dv, ck = (n.attr(a) for a in ("n_k_heads", "k_head_dim", "n_v_heads",
                                                        "v_head_dim", "conv_kernel"))
@@ -402,6 +451,40 @@ def check_plugin_kernels(model_dir, ids, tol: float = F32_TOLERANCE) -> dict:
     return report
 
 
+def check_plugin_ops(model, ids, tol: float = F32_TOLERANCE) -> dict:
+    """The graph's plugin ops (cpullm.family.OpSpec): the program run with their fast kernels
+    against the same program run with their numpy references, prefill (every position) and
+    cached decode. Ops without fast kernels are listed under ``"reference_only"``."""
+    from .executor import Executor
+
+    program = model.program
+    calls = program.meta.get("plugin_ops") or {}
+    used = sorted({c["op"] for c in calls.values()})
+    report = {"ops": used, "checked": {}, "reference_only": []}
+    if not used:
+        return report
+    from . import plugins
+    specs = plugins.discover().ops
+    fns = {name: k.fn for name, k in (model.kernels or {}).items()}
+    ids = [int(i) for i in ids]
+    split = max(1, len(ids) // 2)
+    fast = [name for name in used if specs[name].prefill or specs[name].decode]
+    report["reference_only"] = [name for name in used if name not in fast]
+    if not fast:
+        return report
+    runs = {impl: Executor(program, fns, op_impl=impl) for impl in ("fast", "reference")}
+    errs = {}
+    for path, run in (("prefill", lambda ex: (ex.reset(), ex.prefill(ids, all_logits=True))[1]),
+                      ("decode", lambda ex: _cached_logits(ex, ids, split))):
+        errs[path] = _rel_err(run(runs["fast"]), run(runs["reference"]))
+        assert errs[path] <= tol, (
+            f"the fast kernels of plugin ops {', '.join(fast)} differ from their numpy references by "
+            f"{errs[path]:.2e} (relative, tolerance {tol:.0e}) on the {path} path")
+    for name in fast:
+        report["checked"][name] = {"plugin": specs[name].plugin, "max_rel_err": max(errs.values())}
+    return report
+
+
 # ---------------------------------------------------------------------------------------------
 # Everything at once
 # ---------------------------------------------------------------------------------------------
@@ -423,6 +506,7 @@ def run_conformance(model_dir, ids, reference_logits=None, reference_tokens=None
     report["weight_map"] = check_weight_map(model_dir)
     report["graph"] = check_graph_weights(model_dir)
     model = _load(model_dir)
+    report["compiled_weights"] = check_compiled_weights(model_dir, model.program)
     logits = check_forward(model, ids)
     report["cached_decode_err"] = max(check_cached_decode(model, ids, logits, tol=tol),
                                       check_cached_decode(model, ids, logits, split=1, tol=tol))
@@ -436,6 +520,7 @@ def run_conformance(model_dir, ids, reference_logits=None, reference_tokens=None
     if int8:
         report["int8"] = check_int8(model_dir, ids, logits)
     report["plugin_kernels"] = check_plugin_kernels(model_dir, ids, tol)
+    report["plugin_ops"] = check_plugin_ops(model, ids, tol)
     windows = sorted({n.attr("window") for n in model.graph.nodes
                       if n.op == Op.ATTENTION and (n.attr("window") or 0) > 0})
     if windows and len(ids) <= windows[-1]:

@@ -33,7 +33,16 @@ from .limits import one_line
 
 @attrs.define(frozen=True)
 class Transform:
-    """A named, pure function ``(array f32, args) -> array f32`` applied once at load."""
+    """A named, pure function ``fn(stored, args) -> array``, applied once at load.
+
+    ``stored`` is the checkpoint tensor as float32 (never modify it in place: it may be a view of
+    the file), ``args`` the family's Args. The result must keep the stored shape (reorder or
+    rescale values; taking rows is ``W.rows``, reshaping is the graph's business); the canonical
+    tensor is never transformed again. Two rules may read one stored tensor with different
+    transforms: each canonical tensor is then its own matrix in the compiled program, while rules
+    with the same source, transform and rows share one copy (tied embeddings). The ``name`` enters
+    the execution-cache key, so give each transform of a plugin its own name.
+    """
 
     name: str
     fn: Callable
@@ -51,7 +60,10 @@ class W:
 
     ``{i}`` in both names expands over the layers (or over ``layers`` if given). ``tied_to`` names
     the canonical tensor used when the source is absent (tied embeddings). ``optional`` tensors may
-    be absent (biases a config may or may not enable are better made explicit by the family)."""
+    be absent (biases a config may or may not enable are better made explicit by the family).
+    ``rows=(start, stop)`` takes those rows (first axis) of the stored tensor, after the transform:
+    fused checkpoint projections (``qkv_proj``, ``gate_up_proj``) become separate canonical
+    tensors this way, and the compiler fuses LINEARs that share an input back into one matrix."""
 
     canonical: str
     source: str | None        # None: never stored (always tied_to another tensor)
@@ -60,6 +72,7 @@ class W:
     tied_to: str | None = None
     optional: bool = False
     layers: tuple | None = None
+    rows: tuple | None = None         # (start, stop) on the stored tensor's first axis
 
 
 @attrs.define
@@ -97,6 +110,7 @@ class WeightMap:
         rules = self.expand()
         missing, bad_shape, used = [], [], set()
         found: dict[str, tuple] = {}
+        row_ranges: dict[str, tuple] = {}
         for r in rules:
             stored = by_norm.get(r.source) if r.source else None
             if stored is None:
@@ -108,6 +122,13 @@ class WeightMap:
             if r.shape is not None and tuple(store.shape(stored)) != tuple(r.shape):
                 bad_shape.append(f"{stored}: expected {tuple(r.shape)}, found {tuple(store.shape(stored))}")
                 continue
+            if r.rows is not None:
+                r0, r1 = (int(v) for v in r.rows)
+                if not 0 <= r0 < r1 <= store.shape(stored)[0]:
+                    bad_shape.append(f"{stored}: rows {tuple(r.rows)} for {r.canonical} are outside its "
+                                     f"{store.shape(stored)[0]} rows")
+                    continue
+                row_ranges[r.canonical] = (r0, r1)
             found[r.canonical] = (stored, r.transform)
         ties = {}
         for r in rules:
@@ -130,7 +151,8 @@ class WeightMap:
                 "the checkpoint does not match the family's weight map: " + " | ".join(problems)
                 + ". Check that config.json belongs to these weights (layer count, head counts, "
                 "sizes) and that the right family plugin is installed")
-        return ResolvedWeights(store=store, found=found, ties=ties, ignored=ignored, args=args)
+        return ResolvedWeights(store=store, found=found, ties=ties, ignored=ignored, args=args,
+                               rows=row_ranges)
 
 
 _LISTED = 40   # names shown per kind of problem: all of a real mismatch, not 20k of a hostile one
@@ -151,6 +173,7 @@ class ResolvedWeights:
     ties: dict
     ignored: list
     args: object = None
+    rows: dict = attrs.field(factory=dict)     # canonical -> (start, stop) rows of its source
 
     def names(self) -> list[str]:
         return list(self.found) + list(self.ties)
@@ -165,27 +188,42 @@ class ResolvedWeights:
         canonical = self.ties.get(canonical, canonical)
         return self.found[canonical][0]
 
+    def identity(self, canonical: str) -> tuple:
+        """(source, transform, rows): equal for two canonical names exactly when they are the same
+        tensor (a tie, or two rules reading one stored tensor alike); the compiler packs one copy
+        per identity, never per source alone."""
+        canonical = self.ties.get(canonical, canonical)
+        stored, transform = self.found[canonical]
+        return stored, transform, self.rows.get(canonical)
+
     def shape(self, canonical: str) -> tuple:
-        """The canonical tensor's shape (transforms keep shapes)."""
-        return self.store.shape(self.source_of(canonical))
+        """The canonical tensor's shape: the stored one (transforms keep it), or its rows."""
+        stored, _, rows = self.identity(canonical)
+        shape = tuple(self.store.shape(stored))
+        return shape if rows is None else (rows[1] - rows[0], *shape[1:])
 
     def get(self, canonical: str, out: np.ndarray | None = None) -> np.ndarray:
         """The canonical tensor as float32; written into ``out`` (float32, its shape) if given."""
-        canonical = self.ties.get(canonical, canonical)
-        stored, transform = self.found[canonical]
-        if transform is None:
+        stored, transform, rows = self.identity(canonical)
+        if transform is None and rows is None:
             return self.store.get(stored) if out is None else self.store.get(stored, out=out)
-        arr = np.ascontiguousarray(transform(self.store.get(stored), self.args), dtype=np.float32)
-        if arr.shape != self.store.shape(stored):
-            raise WeightMapError(f"transform {transform.name} turned {stored} {self.store.shape(stored)} into "
-                                 f"{arr.shape}; a transform must keep the shape (reshape in the graph)")
+        arr = self.store.get(stored)
+        if transform is not None:
+            arr = np.ascontiguousarray(transform(arr, self.args), dtype=np.float32)
+            if arr.shape != self.store.shape(stored):
+                raise WeightMapError(f"transform {transform.name} turned {stored} {self.store.shape(stored)} "
+                                     f"into {arr.shape}; a transform must keep the shape (take rows with "
+                                     f"W(rows=...), reshape in the graph)")
+        if rows is not None:
+            arr = np.ascontiguousarray(arr[rows[0]: rows[1]])
         if out is not None:
             out[...] = arr
             return out
         return arr
 
     def fingerprint(self) -> list:
-        """What the mapping did, for cache keys: (canonical, source, transform name)."""
-        out = [[c, s, t.name if t else None] for c, (s, t) in sorted(self.found.items())]
+        """What the mapping did, for cache keys: (canonical, source, transform name[, rows])."""
+        out = [[c, s, t.name if t else None] + ([list(self.rows[c])] if c in self.rows else [])
+               for c, (s, t) in sorted(self.found.items())]
         out += [[c, "tied:" + t, None] for c, t in sorted(self.ties.items())]
         return out

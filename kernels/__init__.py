@@ -7,6 +7,8 @@ from . import numba_setup  # noqa: F401  (must precede every kernel import)
 
 # Bumped whenever a kernel's numerics, the packed weight layout or the KV cache layout change
 # (3: keys in tiles of 16 slots, cache capacities rounded up to 16; 4: the lm_head screen of
-# greedy decoding, kernels/head_screen.py; 5: screens only for lm_heads >= 64 MiB): it enters the
-# execution-cache key, so old compiled programs are rebuilt rather than misread.
-KERNELS_VERSION = "5"
+# greedy decoding, kernels/head_screen.py; 5: screens only for lm_heads >= 64 MiB; 6: one packed
+# copy per tensor identity (source, transform, rows), not per source; the LAYERNORM opcode; plugin
+# ops and RoPE scalings): it enters the execution-cache key, so old compiled programs are rebuilt
+# rather than misread.
+KERNELS_VERSION = "6"

@@ -11,7 +11,8 @@ and ``F`` (float64, NF columns) over flat arrays:
 Decode runs the whole token (every layer and the head) in a single call of :func:`run`; prefill
 runs the non-matmul ops through the same function between batched matmuls done by the executor.
 
-Column layout of ``I`` (common): 0 opcode, 1 impl (0 = here, 1 = external kernel), 2 section
+Column layout of ``I`` (common): 0 opcode, 1 impl (0 = here, 1 = external kernel, 2 = a
+plugin op's kernels, called by the executor), 2 section
 (0 body: ``rt[0]`` rows; 1 head: ``rt[3]`` rows). The rest is per op, documented at each branch.
 ``rt`` = [T, pos0, head_row0, head_rows, threads].
 """
@@ -23,7 +24,7 @@ from numba import njit
 from .attention import attention
 from .elementwise import binary_par, binary_rows, copy_rows, glu_par, glu_rows, unary_rows
 from .gated_delta import gated_delta
-from .norm import rmsnorm_par, rmsnorm_rows
+from .norm import layernorm_par, layernorm_rows, rmsnorm_par, rmsnorm_rows
 from .q8 import half_to_float, matvec_f32, matvec_q8, quantize_act_q16
 from .rope import rope_par, rope_rows
 
@@ -43,6 +44,8 @@ OP_SOFTCAP = 9
 OP_SELECT_ROWS = 11
 OP_GATED_DELTA = 12
 OP_SCALE = 13
+OP_LAYERNORM = 14
+OP_PLUGIN = 15         # a plugin's op: run by the executor from Python (meta["plugin_ops"]), never here
 
 WEIGHT_F32 = 0
 WEIGHT_Q8 = 1
@@ -96,6 +99,14 @@ def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs):
                 rmsnorm_par(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], wf, I[r, 9], F[r, 0], T)
             else:
                 rmsnorm_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], wf, I[r, 9], F[r, 0], 0, T)
+        elif op == OP_LAYERNORM:
+            # 3 x_off 4 x_st 5 o_off 6 o_st 7 width 8 group 9 w_off 10 b_off (-1: no bias); F0 eps
+            if par:
+                layernorm_par(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], wf, I[r, 9], I[r, 10],
+                              F[r, 0], T)
+            else:
+                layernorm_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], wf, I[r, 9], I[r, 10],
+                               F[r, 0], 0, T)
         elif op == OP_ROPE:
             # 3 x_off 4 x_st 5 o_off 6 o_st 7 n_heads 8 head_dim 9 rotary_dim 10 freq_off; F0 attention_scaling
             if par:

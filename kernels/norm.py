@@ -1,6 +1,8 @@
-"""RMSNorm over rows, or over groups of columns (per-head q/k norms), float32 in and out.
+"""RMSNorm and LayerNorm over rows, or over groups of columns (per-head q/k norms), float32 in
+and out.
 
-``out = x * rsqrt(mean(x^2) + eps) * w``; zero-centred (1 + w) weights arrive already folded.
+RMSNorm: ``out = x * rsqrt(mean(x^2) + eps) * w``; zero-centred (1 + w) weights arrive already
+folded. LayerNorm: ``out = (x - mean(x)) * rsqrt(var(x) + eps) * w (+ b)``.
 """
 from __future__ import annotations
 
@@ -42,3 +44,55 @@ def rmsnorm_ref(x: np.ndarray, w: np.ndarray, eps: float, group: int | None = No
     xg = x.reshape(T, width // group, group).astype(np.float32)
     ms = np.mean(xg * xg, axis=-1, keepdims=True)
     return (xg / np.sqrt(ms + np.float32(eps)) * w).reshape(T, width).astype(np.float32)
+
+
+# ---- LayerNorm: (x - mean) / sqrt(var + eps) * w [+ b], var the biased variance ----------------
+# Sums in written order, like rmsnorm_rows (no "reassoc": results must not depend on whether the
+# function was compiled in this process or loaded from numba's cache). Two passes over the row
+# (mean, then the centred sum of squares), as torch.nn.functional.layer_norm computes it.
+@njit(cache=True, fastmath={"nnan", "ninf", "nsz", "arcp", "afn"}, error_model="numpy")
+def layernorm_rows(arena, x_off, x_st, o_off, o_st, width, group, wf, w_off, b_off, eps, r0, r1):
+    """b_off < 0: no bias."""
+    n_groups = width // group
+    w = wf[w_off: w_off + group]
+    b = wf[b_off: b_off + group] if b_off >= 0 else wf[w_off: w_off + group]
+    inv_n = np.float32(1.0) / np.float32(group)
+    for t in range(r0, r1):
+        for gi in range(n_groups):
+            x = arena[x_off + t * x_st + gi * group: x_off + t * x_st + (gi + 1) * group]
+            o = arena[o_off + t * o_st + gi * group: o_off + t * o_st + (gi + 1) * group]
+            s = np.float32(0.0)
+            for j in range(group):
+                s += x[j]
+            mean = s * inv_n
+            ss = np.float32(0.0)
+            for j in range(group):
+                d = x[j] - mean
+                ss += d * d
+            inv = np.float32(1.0) / np.sqrt(ss * inv_n + np.float32(eps))
+            if b_off >= 0:
+                for j in range(group):
+                    o[j] = (x[j] - mean) * inv * w[j] + b[j]
+            else:
+                for j in range(group):
+                    o[j] = (x[j] - mean) * inv * w[j]
+
+
+@njit(cache=True, parallel=True)
+def layernorm_par(arena, x_off, x_st, o_off, o_st, width, group, wf, w_off, b_off, eps, T):
+    for t in prange(T):
+        layernorm_rows(arena, x_off, x_st, o_off, o_st, width, group, wf, w_off, b_off, eps, t, t + 1)
+
+
+def layernorm_ref(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, eps: float,
+                  group: int | None = None) -> np.ndarray:
+    """x (T, width), w and b (group,) or b None -> (T, width), computed in float64."""
+    T, width = x.shape
+    group = group or width
+    xg = x.reshape(T, width // group, group).astype(np.float64)
+    mean = xg.mean(-1, keepdims=True)
+    var = ((xg - mean) ** 2).mean(-1, keepdims=True)
+    y = (xg - mean) / np.sqrt(var + eps) * w
+    if b is not None:
+        y = y + b
+    return y.reshape(T, width).astype(np.float32)

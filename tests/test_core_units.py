@@ -244,3 +244,114 @@ def test_check_greedy_accepts_only_a_near_tie():
         testing.check_greedy(_ScriptedModel([3, 2, 0], clear), [0], reference)
     with pytest.raises(AssertionError, match="2 greedy tokens"):
         testing.check_greedy(_ScriptedModel([3, 1], clear), [0], reference)
+
+
+# ---- one stored tensor, two canonical tensors -------------------------------------------------
+
+
+def _tied_llama(tmp_path):
+    import attrs as _attrs
+
+    from cpullm import plugins
+    from cpullm.family import read_config
+    from cpullm.testing import make_random_checkpoint
+    from cpullm.weightmap import Transform
+    from tiny_configs import SMOLLM2_LIKE
+
+    cfg = dict(SMOLLM2_LIKE, model_type="llama", num_hidden_layers=2, tie_word_embeddings=True)
+    d = make_random_checkpoint(cfg, tmp_path / "tied")
+    fam = plugins.discover().family_for(cfg)
+    args = fam.args(read_config(d))
+    store = TensorStore(d)
+    wmap = fam.weight_map(args)
+    twice = Transform("twice", lambda w, args: w * np.float32(2.0))
+    V, H = args.vocab_size, args.hidden_size
+    rules = [W("lm_head", "model.embed_tokens.weight", (V, H), transform=twice)
+             if r.canonical == "lm_head" else r for r in wmap.rules]
+    doubled = _attrs.evolve(wmap, rules=rules).resolve(store, args)
+    return d, fam.build_graph(args, GraphBuilder()), wmap.resolve(store, args), doubled
+
+
+@pytest.mark.parametrize("quant", ["f32", "int8"])
+def test_lm_head_declared_as_twice_the_embedding_gives_twice_the_logits(tmp_path, quant):
+    """The embedding and a lm_head read from the same stored tensor with another transform are two
+    matrices: packing by source alone made the lm_head the embedding (logit ratio 1.000)."""
+    from cpullm.executor import Executor
+
+    _, graph, tied, doubled = _tied_llama(tmp_path)
+    ids = [3, 14, 15, 92, 65, 35]
+    logits = {}
+    for name, weights in (("tied", tied), ("doubled", doubled)):
+        ex = Executor(compile_graph(graph, weights, quant=quant, n_ctx=32, max_chunk=8))
+        logits[name] = ex.prefill(ids, all_logits=True)                         # (T, V)
+    big = np.abs(logits["tied"]) > 1e-2 * np.abs(logits["tied"]).max()
+    ratio = logits["doubled"][big] / logits["tied"][big]
+    assert f"{ratio.min():.3f}" == f"{ratio.max():.3f}" == "2.000"
+
+
+def test_tied_weights_with_one_transform_still_share_one_copy(tmp_path):
+    _, graph, tied, doubled = _tied_llama(tmp_path)
+    sizes = {name: compile_graph(graph, w, quant="int8", n_ctx=32, max_chunk=8).arrays["wq"].size
+             for name, w in (("tied", tied), ("doubled", doubled))}
+    V, H = tied.shape("embed")
+    assert sizes["doubled"] - sizes["tied"] >= V * H         # the doubled lm_head is a second matrix
+    prog = compile_graph(graph, tied, quant="int8", n_ctx=32, max_chunk=8)
+    slots = prog.meta["weight_slots"]
+    assert slots["lm_head"][:2] == slots["embed"][:2]        # one copy, read by both
+
+
+def test_the_kit_catches_a_program_that_aliases_two_transforms(tmp_path):
+    from cpullm import testing
+
+    d, graph, _, doubled = _tied_llama(tmp_path)
+    assert testing.compiled_weight_mismatches(graph, doubled) == []
+    assert testing.check_compiled_weights(d)["checked"] > 0
+
+    class SourceOnly:
+        """A compiler input that keys tensors on their source alone (the old packing key)."""
+
+        def __init__(self, w):
+            self.w = w
+
+        def __contains__(self, n):
+            return n in self.w
+
+        def identity(self, n):
+            return self.w.identity(n)[0]
+
+        def __getattr__(self, attr):
+            return getattr(self.w, attr)
+
+    assert testing.compiled_weight_mismatches(graph, SourceOnly(doubled)) == ["lm_head"]
+
+
+def test_weight_rows_take_a_range_of_a_stored_tensor():
+    fused = np.arange(24, dtype=np.float32).reshape(6, 4)           # (q 2 + k 2 + v 2, H 4)
+    store = _Store({"qkv": fused})
+    rules = [W("q", "qkv", (6, 4), rows=(0, 2)), W("k", "qkv", (6, 4), rows=(2, 4)),
+             W("v", "qkv", (6, 4), rows=(4, 6), transform=ADD_ONE)]
+    r = WeightMap(rules=rules).resolve(store)
+    np.testing.assert_array_equal(r.get("k"), fused[2:4])
+    np.testing.assert_array_equal(r.get("v"), fused[4:6] + 1)
+    assert r.shape("q") == (2, 4) and r.identity("q") != r.identity("k")
+    out = np.zeros((2, 4), np.float32)
+    np.testing.assert_array_equal(r.get("q", out=out), fused[:2])
+    with pytest.raises(WeightMapError, match=r"rows \(4, 8\) for v are outside its 6 rows"):
+        WeightMap(rules=[W("v", "qkv", (6, 4), rows=(4, 8))]).resolve(store)
+
+
+def test_args_ignore_a_config_key_that_names_a_derived_field():
+    import attrs as _attrs
+
+    from cpullm.family import Args
+
+    @_attrs.define
+    class A(Args):
+        hidden_size: int = 8
+        head_dim: int = _attrs.field(init=False, default=0)     # derived only
+
+        def derive(self, config):
+            self.head_dim = self.hidden_size // 2
+
+    a = A.from_config({"hidden_size": 16, "head_dim": 999, "unknown": 1})
+    assert (a.hidden_size, a.head_dim) == (16, 8)

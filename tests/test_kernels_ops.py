@@ -32,7 +32,7 @@ def _view(arena, off, T, st, w):
 
 def test_opcodes_match_ir():
     for name in ("EMBED", "RMSNORM", "LINEAR", "ROPE", "ATTENTION", "GLU", "ADD", "SIGMOID_MUL",
-                 "SOFTCAP", "SELECT_ROWS", "GATED_DELTA", "SCALE"):
+                 "SOFTCAP", "SELECT_ROWS", "GATED_DELTA", "SCALE", "LAYERNORM"):
         assert getattr(K, f"OP_{name}") == int(getattr(Op, name))
 
 
@@ -48,6 +48,62 @@ def test_rmsnorm(T, width, group, parallel):
         N.rmsnorm_rows(arena, xo, width + 3, end, width, width, group, w, 0, 1e-6, 0, T)
     got = arena[end: end + T * width].reshape(T, width)
     np.testing.assert_allclose(got, N.rmsnorm_ref(x, w, 1e-6, group), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("T,width,group", [(1, 37, 37), (5, 64, 16), (9, 96, 96)])
+@pytest.mark.parametrize("parallel", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_layernorm_against_numpy_and_torch(T, width, group, parallel, bias):
+    torch = pytest.importorskip("torch", reason="torch is a test dependency")
+    x = (rng.standard_normal((T, width)) * 3 + 1.5).astype(np.float32)     # far from mean zero
+    w = rng.standard_normal(group).astype(np.float32)
+    b = rng.standard_normal(group).astype(np.float32) if bias else None
+    wf = np.concatenate([w, b if bias else np.zeros(0, np.float32)])
+    b_off = group if bias else -1
+    arena, (xo,), end = _arena_with(x, extra=T * width)
+    if parallel:
+        N.layernorm_par(arena, xo, width + 3, end, width, width, group, wf, 0, b_off, 1e-5, T)
+    else:
+        N.layernorm_rows(arena, xo, width + 3, end, width, width, group, wf, 0, b_off, 1e-5, 0, T)
+    got = arena[end: end + T * width].reshape(T, width)
+    ref = N.layernorm_ref(x, w, b, 1e-5, group)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    tx = torch.from_numpy(x).reshape(T, width // group, group)
+    want = torch.nn.functional.layer_norm(tx, (group,), torch.from_numpy(w),
+                                          torch.from_numpy(b) if bias else None, 1e-5)
+    np.testing.assert_allclose(got, want.reshape(T, width).numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_layernorm_node_in_a_program_prefill_and_decode(bias):
+    """blocks.layernorm compiled and run by the interpreter: batched prefill and one-row decode."""
+    from cpullm import blocks
+    from cpullm.compiler import compile_graph
+    from cpullm.executor import Executor
+    from cpullm.ir import GraphBuilder
+
+    H, V = 40, 24
+    g = GraphBuilder()
+    h = blocks.embed(g, H)
+    h = blocks.layernorm(g, "ln", h, "ln", 1e-5, bias="ln_bias" if bias else None)
+    graph = g.build(blocks.lm_head(g, h, V, 1e-5, norm_kind="layer", norm_bias=bias))
+    arrays = {"embed": (rng.standard_normal((V, H)) * 2 + 1).astype(np.float32),
+              "ln": rng.standard_normal(H).astype(np.float32),
+              "final_norm": rng.standard_normal(H).astype(np.float32),
+              "lm_head": rng.standard_normal((V, H)).astype(np.float32)}
+    if bias:
+        arrays.update(ln_bias=rng.standard_normal(H).astype(np.float32),
+                      final_norm_bias=rng.standard_normal(H).astype(np.float32))
+    from cpullm.testing import _ArrayWeights
+    ex = Executor(compile_graph(graph, _ArrayWeights(arrays), quant="f32", n_ctx=16, max_chunk=8))
+    ids = [3, 1, 4, 1, 5]
+    x = N.layernorm_ref(arrays["embed"][ids], arrays["ln"], arrays.get("ln_bias"), 1e-5)
+    x = N.layernorm_ref(x, arrays["final_norm"], arrays.get("final_norm_bias"), 1e-5)
+    want = x @ arrays["lm_head"].T
+    np.testing.assert_allclose(ex.prefill(ids, all_logits=True), want, rtol=1e-4, atol=1e-4)
+    ex.reset()
+    got = np.stack([np.array(ex.decode(t)) for t in ids])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("rotary_dim", [16, 8])

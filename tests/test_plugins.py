@@ -191,7 +191,8 @@ def _bad_spec_plugin(name, **changes):
 
 
 @pytest.mark.parametrize("plugin, message", [
-    (_Misspelled(), "PluginError: cpullm_family is not a cpullm hook (hooks: cpullm_families, cpullm_kernels)"),
+    (_Misspelled(), "PluginError: cpullm_family is not a cpullm hook (hooks: cpullm_families, cpullm_kernels, "
+                    "cpullm_ops, cpullm_rope_types)"),
     (_Unmarked(), "PluginError: cpullm_families is not marked with @hookimpl"),
     (_NotAFamily(), "PluginError: cpullm_families returned dict, not FamilySpec"),
     (_bad_spec_plugin("string_types", model_types="llama"),
@@ -225,3 +226,72 @@ def test_family_spec_lists_become_tuples(registry):
     fam = attrs.evolve(_llama_clone("listy", model_types=("listy",)), model_types=["listy"])
     reg = registry(_plugin("listy_plugin", fam))
     assert reg.family_for({"model_type": "listy"}).model_types == ("listy",)
+
+
+# ---- plugin ops and RoPE scalings -----------------------------------------------------------
+
+
+def _op_plugin(plugin_name: str, *ops, rope_types=()):
+    ns = {"__name__": plugin_name}
+
+    @hookimpl
+    def cpullm_ops():
+        return list(ops)
+
+    @hookimpl
+    def cpullm_rope_types():
+        return list(rope_types)
+
+    ns["cpullm_ops"] = staticmethod(cpullm_ops)
+    ns["cpullm_rope_types"] = staticmethod(cpullm_rope_types)
+    return type(plugin_name, (), ns)()
+
+
+def _square_op(name="p.square"):
+    from cpullm.family import OpSpec
+    return OpSpec(name=name, width=lambda widths, attrs: widths[0],
+                  reference=lambda inputs, weights, attrs, pos0: inputs[0] * inputs[0])
+
+
+def test_duplicate_op_and_rope_type_names_are_errors_of_the_second_plugin(registry):
+    from cpullm.family import RopeType
+
+    rt = RopeType(name="p.rope", inv_freq=lambda params, rotary_dim, n_ctx: (np.ones(rotary_dim // 2), 1.0))
+    reg = registry(_op_plugin("aaa_ops", _square_op(), rope_types=[rt]),
+                   _op_plugin("bbb_ops", _square_op()),
+                   _op_plugin("ccc_ops", rope_types=[attrs.evolve(rt)]))
+    errs = {p.name: p.error for p in reg.plugins if p.name.endswith("_ops")}
+    assert errs["aaa_ops"] is None
+    assert "op name 'p.square' is already registered by aaa_ops" in errs["bbb_ops"]
+    assert "rope type name 'p.rope' is already registered by aaa_ops" in errs["ccc_ops"]
+    assert reg.ops["p.square"].plugin == "aaa_ops" and reg.rope_types["p.rope"].plugin == "aaa_ops"
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("not an op", "PluginError: cpullm_ops returned str, not OpSpec"),
+    (attrs.evolve(_square_op(), width=3), "PluginError: OpSpec 'p.square': width must be callable"),
+    (attrs.evolve(_square_op(), params="eps"),
+     "PluginError: OpSpec 'p.square': params must be a tuple of attribute names"),
+], ids=["not_an_op", "width", "params"])
+def test_malformed_op_is_reported_not_fatal(registry, spec, message):
+    reg = registry(_op_plugin("bad_ops", spec))
+    info = next(p for p in reg.plugins if p.name == "bad_ops")
+    assert info.error.startswith(message), info.error
+    assert reg.ops == {} or "p.square" not in reg.ops
+
+
+def test_a_plugin_cannot_replace_a_core_rope_type(registry):
+    from cpullm.family import RopeType
+
+    reg = registry(_op_plugin("rope_ops", rope_types=[RopeType(name="llama3", inv_freq=lambda *a: None)]))
+    info = next(p for p in reg.plugins if p.name == "rope_ops")
+    assert "must be a non-empty string other than the core's (default, linear, llama3)" in info.error
+
+
+def test_graph_refuses_an_op_no_plugin_provides():
+    from cpullm.ir import GraphBuilder, GraphError
+
+    g = GraphBuilder()
+    x = g.add("embed", Op.EMBED, [], width=8, weights={"table": "embed"})
+    with pytest.raises(GraphError, match=r"layers.0.x: op 'nobody.op' is not provided by any installed plugin"):
+        g.op("layers.0.x", "nobody.op", [x])

@@ -112,6 +112,13 @@ def env(tmp_path_factory):
             pytest.skip("pip is not available to the virtual environment")
     # --no-build-isolation builds with the setuptools seen here; bdist_wheel is built in from 70.1.
     e.run("-c", "import setuptools.command.bdist_wheel")
+    # The environment runs the cpullm under test: when the base environment's cpullm is another
+    # checkout (this one is installed in a virtual environment of its own), install this one.
+    repo = Path(__file__).resolve().parents[1]
+    probe = e.run("-c", "import cpullm, pathlib; print(pathlib.Path(cpullm.__file__).resolve().parents[1])",
+                  check=False)
+    if probe.stdout.strip() != str(repo):
+        e.run("-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-e", repo)
     # Build from copies: pip's in-tree build must not leave build/ and *.egg-info in the repo.
     shutil.copytree(THIRD_PARTY, e.src, ignore=shutil.ignore_patterns(
         "__pycache__", "build", "*.egg-info", ".pytest_cache"))
@@ -209,3 +216,35 @@ def test_uninstall_removes_the_family(env, checkpoint):
     assert proc.stderr.startswith("cpullm: error: model_type 'tinyllama_variant' is not handled by "
                                   "any installed family (installed: ")
     assert "Traceback" not in proc.stderr
+
+
+NEOX, PHI3 = "cpullm-plugin-neox", "cpullm-plugin-phi3"
+NEOX_CONFIG = dict(model_type="gpt_neox", architectures=["GPTNeoXForCausalLM"], vocab_size=256,
+                   hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                   max_position_embeddings=256, layer_norm_eps=1e-5, use_parallel_residual=True,
+                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+PHI3_CONFIG = dict(model_type="phi3", architectures=["Phi3ForCausalLM"], vocab_size=256, hidden_size=64,
+                   intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                   max_position_embeddings=128, original_max_position_embeddings=32,
+                   rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                    "short_factor": [1.0] * 8, "long_factor": [4.0] * 8})
+
+
+def test_plugins_with_their_own_op_and_rope_scaling(env):
+    """Installed as a user would: the GPT-NeoX plugin's op and the Phi-3 plugin's longrope run in
+    a fresh process, found through the entry points alone."""
+    env.pip_install(NEOX, PHI3)
+    try:
+        fams = env.families()
+        for dist, family in ((NEOX, "gpt_neox"), (PHI3, "phi3")):
+            assert fams["by_plugin"][dist]["error"] is None
+            assert [f["name"] for f in fams["by_plugin"][dist]["families"]] == [family]
+        for name, config in (("gpt_neox", NEOX_CONFIG), ("phi3", PHI3_CONFIG)):
+            d = env.root / f"tiny_{name}"
+            env.run("-c", "import json, sys; from cpullm.testing import make_random_checkpoint; "
+                          "make_random_checkpoint(json.loads(sys.argv[1]), sys.argv[2], std=0.3)",
+                    json.dumps(config), d)
+            out = json.loads(env.cpullm("run", d, "-p", "Hello", "-n", "4", "--json").stdout)
+            assert out["family"] == name and out["generated_tokens"] == 4
+    finally:
+        env.pip_uninstall(NEOX, PHI3)
