@@ -27,8 +27,9 @@ class Executor:
         self.program = program
         a = program.arrays
         m = program.meta
-        self.I, self.F = a["I"], a["F"]
-        self.wq, self.ws, self.wf = a["wq"], a["ws"], a["wf"]
+        # read-only views whether or not the program came from the (read-only) execution cache:
+        # the kernels then have one specialization per op, which numba's cache keeps
+        self.I, self.F, self.wq, self.ws, self.wf = (_read_only(a[k]) for k in ("I", "F", "wq", "ws", "wf"))
         self.n_instr = len(self.I)
         self.first_head = m["first_head"]
         self.n_ctx = m["n_ctx"]
@@ -50,6 +51,8 @@ class Executor:
             raise PluginError(f"the program uses plugin kernels that are not installed: {sorted(missing)}; "
                               "install the plugin again or clear the cache (`cpullm cache clear`)")
         self.linear_rows = np.nonzero(self.I[:, 0] == K.OP_LINEAR)[0]
+        # the state again for GATED_DELTA instructions, else None: run() then has no such branch
+        self.linear_state = self.state if bool(np.any(self.I[:, 0] == K.OP_GATED_DELTA)) else None
         self._decode_segments = self._segments(0, self.n_instr, batched=False)
         self._body_segments = self._segments(0, self.first_head, batched=True)
         self._head_segments = self._segments(self.first_head, self.n_instr, batched=True)
@@ -57,6 +60,18 @@ class Executor:
         self.profile: dict | None = None
         self.screen = _Screen(self, m["head_screen"]) if m.get("head_screen") else None
         self.screen_survivors = 0           # rows the last screened step computed exactly
+
+    def warm_up(self) -> float:
+        """Compile (or load from numba's cache) the head screen's kernel for this program's
+        argument types now rather than in the first greedy step; the interpreter's kernels are
+        compiled by cpullm.kernels.warmup. Returns the seconds spent compiling."""
+        if self.screen is None:
+            return 0.0
+        from .kernels.warmup import compile_seconds
+        c0 = compile_seconds()
+        sc = self.screen
+        screen_argmax.compile(tuple(numba.typeof(a) for a in (*sc.args, sc.lower_max, sc.counts, 1, 1)))
+        return compile_seconds() - c0
 
     # ---- segmentation -------------------------------------------------------------------------
     def _segments(self, start: int, end: int, batched: bool) -> list:
@@ -100,7 +115,7 @@ class Executor:
     def _interp(self, a: int, b: int):
         self.rt[4] = numba.get_num_threads()
         K.run(self.I, self.F, a, b, self.tokens, self.rt, self.arena, self.state,
-              self.wq, self.ws, self.wf, self.xq, self.xs)
+              self.wq, self.ws, self.wf, self.xq, self.xs, self.linear_state)
 
     def _rows(self, r: int) -> int:
         return int(self.rt[0] if self.I[r, 2] == 0 else self.rt[3])
@@ -350,6 +365,14 @@ class _Screen:
         tok, survivors = screen_argmax(*self.args, self.lower_max, self.counts, nthreads,
                                        int(self.MAX_ROWS_FRACTION * self.rows))
         return int(tok), int(survivors)
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    if not a.flags.writeable:
+        return a
+    v = a.view()
+    v.flags.writeable = False
+    return v
 
 
 def _median(xs) -> float:
