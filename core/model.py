@@ -105,24 +105,29 @@ class Model:
         kernel_fns = {k: v.fn for k, v in kernels.items()}
         # kernels this graph needs, compiled while the weights load (kernels/warmup.py)
         warm = warmup_for_graph(graph, quant, specs)
-        tokenizer = Tokenizer(model_dir)
+        try:
+            tokenizer = Tokenizer(model_dir)
 
-        def build() -> Program:
-            program = compile_graph(graph, weights, quant=quant, n_ctx=ctx, max_chunk=max_chunk, kernels=specs)
-            if quant == "int8":      # greedy decoding's lm_head screen, its columns from real activations
-                warm.finish()        # the calibration below runs the program
-                calibrate = lambda p: Executor(p, kernel_fns).head_inputs(  # noqa: E731
-                    tokenizer.encode(HEAD_CALIBRATION_TEXT))
-                program = attach_head_screen(program, calibrate)
-            return program
-        program, cache_status = _program_from_cache(
-            build, model_dir=model_dir, config=config, family=family, graph=graph, weights=weights,
-            store=store, quant=quant, n_ctx=ctx, max_chunk=max_chunk, kernels=specs,
-            cache_dir=cache_dir, use_cache=use_cache, mmap=mmap)
-        if mlock:
-            from .memory import mlock_arrays
-            mlock_arrays(program.arrays.values(), warn=notice)
-        compile_s = warm.finish()
+            def calibrate(p: Program):
+                warm.finish()                # the calibration runs the program
+                return Executor(p, kernel_fns).head_inputs(tokenizer.encode(HEAD_CALIBRATION_TEXT))
+
+            def build() -> Program:
+                program = compile_graph(graph, weights, quant=quant, n_ctx=ctx, max_chunk=max_chunk, kernels=specs)
+                if quant == "int8":      # greedy decoding's lm_head screen, its columns from real activations
+                    program = attach_head_screen(program, calibrate)
+                return program
+            program, cache_status = _program_from_cache(
+                build, model_dir=model_dir, config=config, family=family, graph=graph, weights=weights,
+                store=store, quant=quant, n_ctx=ctx, max_chunk=max_chunk, kernels=specs,
+                cache_dir=cache_dir, use_cache=use_cache, mmap=mmap)
+            if mlock:
+                from .memory import mlock_arrays
+                mlock_arrays(program.arrays.values(), warn=notice)
+            compile_s = warm.finish()
+        except BaseException:
+            warm.cancel()
+            raise
         executor = Executor(program, kernel_fns)
         compile_s += executor.warm_up()
         weights_info = {"checkpoint_bytes": store.nbytes(), "params": count_params(weights, store)}

@@ -359,6 +359,17 @@ class Warmup:
         return self.seconds
 
 
+    def cancel(self) -> None:
+        """Stop the child (the load failed): nothing it wrote is half-written (numba replaces
+        cache files whole)."""
+        self.finished = True
+        if self.child is not None and self.child.poll() is None:
+            self.child.kill()
+            self.child.wait()
+        if self.progress is not None:
+            self.progress.close()
+
+
 def warmup_for_graph(graph, quant: str, kernels=()) -> Warmup:
     """A started :class:`Warmup` for the units ``graph`` needs (``kernels``: plugin KernelSpecs,
     whose ops the interpreter does not run)."""
