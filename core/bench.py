@@ -20,8 +20,12 @@ Definitions (the same harness, :func:`measure_speed`, also drives llama.cpp and 
   one short forward pass has run, so every kernel is loaded): ``load_s_miss`` with a fresh,
   empty execution cache directory (the program is quantized and compiled), then ``load_s_hit``
   with that directory warm; the numba cache is warm for both (this process filled it).
-* **numba compile** (``warmup_compile_s``): ready time of a child with ``NUMBA_CACHE_DIR`` set to
-  an empty directory, minus the HIT ready time (the execution cache is warm for both).
+* **cold start** (``cold_start_s``): a first run. A child with ``NUMBA_CACHE_DIR`` set to an
+  empty directory and an empty execution cache directory, from process start to its first token
+  (load, then the prefill of a few tokens and the argmax); ``cold_start_compile_s`` is the part
+  of it the child spent compiling kernels (``Model.compile_s``).
+* **numba compile** (``warmup_compile_s``): that child's ready time minus the MISS ready time
+  (both with an empty execution cache; only the numba cache differs).
   ``numba_uncacheable`` lists the functions that child compiled but numba could not write to its
   on-disk cache (its "Cannot cache compiled function" warnings): every start recompiles those.
 * **memory**: ``model.info()["memory"]`` after the runs: packed weight bytes, KV bytes in use at
@@ -428,7 +432,10 @@ def memory_bound(model, steps: int = 32, token: int = 0) -> dict:
 
 # ---- load and compile times in child processes ------------------------------------------------------
 _CHILD = r"""
-import json, sys, time
+import os, sys
+if sys.path and sys.path[0] in ("", os.getcwd()):
+    del sys.path[0]        # a cpullm/ folder in the working directory must not shadow the package
+import json, time
 spec = json.loads(sys.argv[1])
 import cpullm
 from cpullm.memory import peak_rss_bytes
@@ -437,10 +444,12 @@ m = cpullm.load(spec["model"], quant=spec["quant"], threads=spec["threads"], n_c
                 cache_dir=spec["cache_dir"])
 load_s = time.perf_counter() - t0
 ex = m.executor
+first_token = []
 def forward():
     ex.reset()
-    lg = ex.prefill(spec["ids"])
-    ex.decode(int(lg.argmax()))
+    tok = int(ex.prefill(spec["ids"]).argmax())
+    first_token.append(time.time())
+    ex.decode(tok)
 t1 = time.perf_counter()
 forward()
 first_s = time.perf_counter() - t1
@@ -448,8 +457,9 @@ ready = time.time()
 t2 = time.perf_counter()
 forward()
 second_s = time.perf_counter() - t2
-print("CPULLM_BENCH_CHILD " + json.dumps({"ready_wall": ready, "load_s": load_s, "cache": m.cache_status,
-      "first_forward_s": first_s, "second_forward_s": second_s, "peak_rss_bytes": peak_rss_bytes()}))
+print("CPULLM_BENCH_CHILD " + json.dumps({"ready_wall": ready, "first_token_wall": first_token[0],
+      "load_s": load_s, "compile_s": m.compile_s, "cache": m.cache_status, "first_forward_s": first_s,
+      "second_forward_s": second_s, "peak_rss_bytes": peak_rss_bytes()}))
 """
 
 
@@ -466,6 +476,8 @@ def _child_load(spec: dict, env_extra: dict | None = None, timeout: float = 3600
         raise BenchError(f"the load-time child process failed (exit {proc.returncode}): {tail}")
     out = json.loads(line.split(" ", 1)[1])
     out["ready_s"] = out["ready_wall"] - t_spawn
+    if "first_token_wall" in out:
+        out["first_token_s"] = out["first_token_wall"] - t_spawn
     out["uncacheable"] = sorted(set(_UNCACHEABLE.findall(proc.stderr or "")))
     return out
 
@@ -496,12 +508,14 @@ def load_timings(model_dir, quant: str, threads: int, n_ctx: int, probe_ids: lis
                        cache_hit_status=str(hit["cache"]).split()[0],
                        peak_rss_bytes_hit_process=hit["peak_rss_bytes"])
         if compile:
-            say("numba compile time, empty NUMBA_CACHE_DIR (child process)")
+            say("cold start: empty numba cache and execution cache (child process)")
             numba_dir = tmp / "numba-cache"
             numba_dir.mkdir()
-            cold = _child_load(spec, {"NUMBA_CACHE_DIR": str(numba_dir)})
-            res.update(warmup_compile_s=max(0.0, cold["ready_s"] - hit["ready_s"]),
+            cold = _child_load(dict(spec, cache_dir=str(tmp / "exec-cache-cold")),
+                               {"NUMBA_CACHE_DIR": str(numba_dir)})
+            res.update(warmup_compile_s=max(0.0, cold["ready_s"] - miss["ready_s"]),
                        load_s_cold_numba=cold["ready_s"], numba_uncacheable=cold["uncacheable"],
+                       cold_start_s=cold.get("first_token_s"), cold_start_compile_s=cold.get("compile_s"),
                        first_forward_compile_s=max(0.0, cold["first_forward_s"] - cold["second_forward_s"]))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -560,7 +574,8 @@ def run_bench(model, prompt_tokens: int = 512, gen_tokens: int = 128, repeat: in
     )
     say("memory bound: decode steps alternating with a plain read of the same bytes")
     result.update(memory_bound(model, steps=min(32, gen_tokens), token=ids[0]))  # after the RSS snapshot
-    result.update({"load_s_hit": None, "load_s_miss": None, "warmup_compile_s": None})
+    result.update({"load_s_hit": None, "load_s_miss": None, "warmup_compile_s": None,
+                   "cold_start_s": None, "cold_start_compile_s": None})
     if load or compile:
         result.update(load_timings(model.model_dir, model.quant, model.threads, model.n_ctx,
                                    ids[:8], load=load, compile=compile, progress=say))
@@ -605,7 +620,11 @@ def format_report(r: dict) -> str:
         f"  load (this process)    {_s(r['load_s'], 's', '{:9.2f}')}  cache {r['cache']}",
         f"  load, cache MISS       {_s(r.get('load_s_miss'), 's', '{:9.2f}')}  process start to ready",
         f"  load, cache HIT        {_s(r.get('load_s_hit'), 's', '{:9.2f}')}  process start to ready",
-        f"  numba compile          {_s(r.get('warmup_compile_s'), 's', '{:9.2f}')}  cold numba cache",
+        f"  cold start             {_s(r.get('cold_start_s'), 's', '{:9.2f}')}  process start to first token, "
+        f"empty numba and execution caches"
+        + (f" ({r['cold_start_compile_s']:.2f} s compiling kernels)" if r.get("cold_start_compile_s") else ""),
+        f"  numba compile          {_s(r.get('warmup_compile_s'), 's', '{:9.2f}')}  cold minus warm numba cache "
+        f"(both cache MISS)",
         *([f"  numba could not cache (recompiled at every start): {', '.join(r['numba_uncacheable'])}"]
           if r.get("numba_uncacheable") else []),
         "",

@@ -136,7 +136,9 @@ def checksum(arr: np.ndarray) -> str:
     n8 = raw.size // 8 * 8
     h = hashlib.blake2b(digest_size=16)
     if n8:
-        h.update(_lane_hashes(raw[:n8].view(np.uint64), _LANES).tobytes())
+        words = raw[:n8].view(np.uint64)
+        words.flags.writeable = False      # one compiled specialization for fresh and mapped arrays
+        h.update(_lane_hashes(words, _LANES).tobytes())
     h.update(raw[n8:].tobytes())
     h.update(str(raw.size).encode())
     return h.hexdigest()

@@ -33,8 +33,9 @@ class Executor:
         self.program = program
         a = program.arrays
         m = program.meta
-        self.I, self.F = a["I"], a["F"]
-        self.wq, self.ws, self.wf = a["wq"], a["ws"], a["wf"]
+        # read-only views whether or not the program came from the (read-only) execution cache:
+        # the kernels then have one specialization per op, which numba's cache keeps
+        self.I, self.F, self.wq, self.ws, self.wf = (_read_only(a[k]) for k in ("I", "F", "wq", "ws", "wf"))
         self.n_instr = len(self.I)
         self.first_head = m["first_head"]
         self.n_ctx = m["n_ctx"]
@@ -57,6 +58,8 @@ class Executor:
                               "install the plugin again or clear the cache (`cpullm cache clear`)")
         self.plugin_ops = _plugin_calls(self, m.get("plugin_ops") or {}, ops, op_impl)
         self.linear_rows = np.nonzero(self.I[:, 0] == K.OP_LINEAR)[0]
+        # the state again for GATED_DELTA instructions, else None: run() then has no such branch
+        self.linear_state = self.state if bool(np.any(self.I[:, 0] == K.OP_GATED_DELTA)) else None
         self._decode_segments = self._segments(0, self.n_instr, batched=False)
         self._body_segments = self._segments(0, self.first_head, batched=True)
         self._head_segments = self._segments(self.first_head, self.n_instr, batched=True)
@@ -64,6 +67,18 @@ class Executor:
         self.profile: dict | None = None
         self.screen = _Screen(self, m["head_screen"]) if m.get("head_screen") else None
         self.screen_survivors = 0           # rows the last screened step computed exactly
+
+    def warm_up(self) -> float:
+        """Compile (or load from numba's cache) the head screen's kernel for this program's
+        argument types now rather than in the first greedy step; the interpreter's kernels are
+        compiled by cpullm.kernels.warmup. Returns the seconds spent compiling."""
+        if self.screen is None:
+            return 0.0
+        from .kernels.warmup import compile_seconds
+        c0 = compile_seconds()
+        sc = self.screen
+        screen_argmax.compile(tuple(numba.typeof(a) for a in (*sc.args, sc.lower_max, sc.counts, 1, 1)))
+        return compile_seconds() - c0
 
     # ---- segmentation -------------------------------------------------------------------------
     def _segments(self, start: int, end: int, batched: bool) -> list:
@@ -114,7 +129,7 @@ class Executor:
     def _interp(self, a: int, b: int):
         self.rt[4] = numba.get_num_threads()
         K.run(self.I, self.F, a, b, self.tokens, self.rt, self.arena, self.state,
-              self.wq, self.ws, self.wf, self.xq, self.xs)
+              self.wq, self.ws, self.wf, self.xq, self.xs, self.linear_state)
 
     def _rows(self, r: int) -> int:
         return int(self.rt[0] if self.I[r, 2] == 0 else self.rt[3])
@@ -419,6 +434,14 @@ def _plugin_calls(ex: Executor, calls: dict, ops: dict | None, impl: str) -> dic
         raise PluginError(f"the program uses plugin ops that are not installed: {missing}; install the "
                           "plugin again or clear the cache (`cpullm cache clear`)")
     return {int(r): _PluginCall(ex, c, ops[c["op"]], impl) for r, c in calls.items()}
+
+
+def _read_only(a: np.ndarray) -> np.ndarray:
+    if not a.flags.writeable:
+        return a
+    v = a.view()
+    v.flags.writeable = False
+    return v
 
 
 def _median(xs) -> float:

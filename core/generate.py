@@ -7,6 +7,7 @@ from typing import Iterator
 import attrs
 
 from .errors import PromptError
+from .kernels.warmup import compile_seconds
 from .sampling import Sampler, SamplingParams
 from .tokenize import IncrementalDecoder
 
@@ -19,6 +20,8 @@ class GenerationStats:
     decode_s: float = 0.0
     decode_steps: int = 0           # one-token forward passes (the first token comes from prefill)
     reused_tokens: int = 0          # prompt tokens restored from a prompt cache
+    compile_s: float = 0.0          # numba compiling kernels during this generation (cold cache only),
+                                    # kept out of prefill_s and decode_s
     stop_reason: str = ""           # "eos" | "stop" | "length"
 
     @property
@@ -49,10 +52,12 @@ def generate_ids(model, prompt_ids, max_new_tokens: int, params: SamplingParams,
     stop_ids = set(model.eos_token_ids if stop_ids is None else stop_ids)
     ex = model.executor
     model._check_fits(len(prompt_ids))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), compile_seconds()
     reused = model._start_sequence(prompt_ids)          # < len(prompt_ids): one token always runs
     logits = model._prefill_prompt(prompt_ids, reused)
-    stats.prefill_s = time.perf_counter() - t0
+    compiled = compile_seconds() - c0
+    stats.prefill_s = max(0.0, time.perf_counter() - t0 - compiled)
+    stats.compile_s += compiled
     stats.prompt_tokens, stats.reused_tokens = len(prompt_ids), reused
     history = list(prompt_ids)
     stats.stop_reason = "length"
@@ -72,12 +77,14 @@ def generate_ids(model, prompt_ids, max_new_tokens: int, params: SamplingParams,
             return
         if ex.n_past >= ex.n_ctx:
             return
-        t = time.perf_counter()
+        t, c0 = time.perf_counter(), compile_seconds()
         if greedy:
             next_tok = ex.decode_argmax(tok)
         else:
             logits = ex.decode(tok)
-        stats.decode_s += time.perf_counter() - t
+        compiled = compile_seconds() - c0
+        stats.decode_s += max(0.0, time.perf_counter() - t - compiled)
+        stats.compile_s += compiled
         stats.decode_steps += 1
 
 

@@ -20,6 +20,7 @@ from .executor import Executor
 from .family import read_config
 from .generate import GenerationStats, generate_ids, generate_text
 from .ir import GraphBuilder
+from .kernels.warmup import warmup_for_graph
 from .sampling import SamplingParams
 from .tensors import TensorStore
 from .tokenize import Tokenizer
@@ -53,7 +54,7 @@ def resolve_model_dir(path) -> Path:
 
 class Model:
     def __init__(self, *, model_dir, config, family, args, graph, program, executor, tokenizer,
-                 quant, threads, cache_status, load_s, kernels, weights_info):
+                 quant, threads, cache_status, load_s, kernels, weights_info, compile_s=0.0):
         self.model_dir = model_dir
         self.config = config
         self.family = family
@@ -68,6 +69,7 @@ class Model:
         self.load_s = load_s
         self.kernels = kernels
         self.weights_info = weights_info
+        self.compile_s = compile_s         # of load_s: numba compiling kernels (0.0 when all were cached)
         self.eos_token_ids = _eos_ids(config, tokenizer)
         self.n_ctx = executor.n_ctx
         self._seq: list[int] = []          # tokens currently in the KV cache
@@ -101,28 +103,38 @@ class Model:
         specs = list(registry.kernels) if plugin_kernels else []
         kernels = {k.name: k for k in specs}
         kernel_fns = {k: v.fn for k, v in kernels.items()}
-        tokenizer = Tokenizer(model_dir)
+        # kernels this graph needs, compiled while the weights load (kernels/warmup.py)
+        warm = warmup_for_graph(graph, quant, specs)
+        try:
+            tokenizer = Tokenizer(model_dir)
 
-        def build() -> Program:
-            program = compile_graph(graph, weights, quant=quant, n_ctx=ctx, max_chunk=max_chunk, kernels=specs)
-            if quant == "int8":      # greedy decoding's lm_head screen, its columns from real activations
-                calibrate = lambda p: Executor(p, kernel_fns).head_inputs(  # noqa: E731
-                    tokenizer.encode(HEAD_CALIBRATION_TEXT))
-                program = attach_head_screen(program, calibrate)
-            return program
-        program, cache_status = _program_from_cache(
-            build, model_dir=model_dir, config=config, family=family, graph=graph, weights=weights,
-            store=store, quant=quant, n_ctx=ctx, max_chunk=max_chunk, kernels=specs,
-            cache_dir=cache_dir, use_cache=use_cache, mmap=mmap)
-        if mlock:
-            from .memory import mlock_arrays
-            mlock_arrays(program.arrays.values(), warn=notice)
+            def calibrate(p: Program):
+                warm.finish()                # the calibration runs the program
+                return Executor(p, kernel_fns).head_inputs(tokenizer.encode(HEAD_CALIBRATION_TEXT))
+
+            def build() -> Program:
+                program = compile_graph(graph, weights, quant=quant, n_ctx=ctx, max_chunk=max_chunk, kernels=specs)
+                if quant == "int8":      # greedy decoding's lm_head screen, its columns from real activations
+                    program = attach_head_screen(program, calibrate)
+                return program
+            program, cache_status = _program_from_cache(
+                build, model_dir=model_dir, config=config, family=family, graph=graph, weights=weights,
+                store=store, quant=quant, n_ctx=ctx, max_chunk=max_chunk, kernels=specs,
+                cache_dir=cache_dir, use_cache=use_cache, mmap=mmap)
+            if mlock:
+                from .memory import mlock_arrays
+                mlock_arrays(program.arrays.values(), warn=notice)
+            compile_s = warm.finish()
+        except BaseException:
+            warm.cancel()
+            raise
         executor = Executor(program, kernel_fns)
-        weights_info = {"checkpoint_bytes": store.nbytes()}
+        compile_s += executor.warm_up()
+        weights_info = {"checkpoint_bytes": store.nbytes(), "params": count_params(weights, store)}
         return cls(model_dir=model_dir, config=config, family=family, args=args, graph=graph,
                    program=program, executor=executor, tokenizer=tokenizer, quant=quant,
                    threads=threads, cache_status=cache_status, load_s=time.perf_counter() - t0,
-                   kernels=kernels, weights_info=weights_info)
+                   kernels=kernels, weights_info=weights_info, compile_s=compile_s)
 
     # ---- forward -----------------------------------------------------------------------------
     def _check_fits(self, n: int):
@@ -240,7 +252,7 @@ class Model:
             "family": self.family.name,
             "plugin": self.family.plugin,
             "model_type": self.config.get("model_type"),
-            "params": int(self.program.meta.get("params", 0)),
+            "params": int(self.weights_info.get("params", 0)),
             "quant": self.quant,
             "threads": self.threads,
             "n_ctx": self.n_ctx,
@@ -248,9 +260,18 @@ class Model:
             "vocab": self.program.meta["vocab"],
             "cache": self.cache_status,
             "load_s": self.load_s,
+            "compile_s": self.compile_s,
             "prompt_cache": self.prompt_cache_status,
             "memory": memory_report(self),
         }
+
+
+def count_params(weights, store) -> int:
+    """Parameters of the model that runs: the elements of every checkpoint tensor the weight map
+    uses, each counted once (a tied lm_head shares the embedding's; tensors the runtime ignores,
+    such as a vision tower, are not counted)."""
+    sources = {stored for stored, _ in weights.found.values()}
+    return int(sum(int(np.prod(store.shape(name), dtype=np.int64)) for name in sources))
 
 
 def _eos_ids(config: dict, tokenizer) -> list[int]:

@@ -46,7 +46,8 @@ def glu_rows(arena, g_off, g_st, u_off, u_st, o_off, o_st, width, act, r0, r1):
 @njit(cache=True, parallel=True)
 def glu_par(arena, g_off, g_st, u_off, u_st, o_off, o_st, width, act, T):
     for t in prange(T):
-        glu_rows(arena, g_off, g_st, u_off, u_st, o_off, o_st, width, act, t, t + 1)
+        r = np.int64(t)          # one specialization of the row kernel: int64 rows, as the interpreter passes
+        glu_rows(arena, g_off, g_st, u_off, u_st, o_off, o_st, width, act, r, r + 1)
 
 
 def glu_ref(gate: np.ndarray, up: np.ndarray, act: int) -> np.ndarray:
@@ -80,7 +81,8 @@ def binary_rows(arena, a_off, a_st, b_off, b_st, o_off, o_st, width, kind, r0, r
 @njit(cache=True, parallel=True)
 def binary_par(arena, a_off, a_st, b_off, b_st, o_off, o_st, width, kind, T):
     for t in prange(T):
-        binary_rows(arena, a_off, a_st, b_off, b_st, o_off, o_st, width, kind, t, t + 1)
+        r = np.int64(t)          # one specialization of the row kernel: int64 rows, as the interpreter passes
+        binary_rows(arena, a_off, a_st, b_off, b_st, o_off, o_st, width, kind, r, r + 1)
 
 
 def binary_ref(a: np.ndarray, b: np.ndarray, kind: int) -> np.ndarray:

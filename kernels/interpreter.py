@@ -82,11 +82,16 @@ def _linear_rows(I, r, arena, wq, ws, wf, xq, xs, T):
 
 
 @njit(cache=True)
-def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs):
+def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_state):
     """Execute instructions [start, end) with runtime values ``rt`` = [T, pos0, head_row0,
     head_rows, threads] (threads: numba's thread count for this call, which attention splits
-    its work by)."""
+    its work by).
+
+    ``linear_state`` is ``state`` for a program with linear-attention (GATED_DELTA) instructions
+    and None for one without: numba then prunes that branch at compile time, so a model without
+    such layers never compiles the gated-delta kernels (about a seventh of a cold start)."""
     T_body, pos0, head_row0, head_rows, nthreads = rt[0], rt[1], rt[2], rt[3], rt[4]
+    row0 = np.int64(0)     # not the literal 0: the row kernels keep one (int64) specialization
     for r in range(start, end):
         op = I[r, 0]
         T = T_body if I[r, 2] == 0 else head_rows
@@ -98,7 +103,7 @@ def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs):
             if par:
                 rmsnorm_par(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], wf, I[r, 9], F[r, 0], T)
             else:
-                rmsnorm_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], wf, I[r, 9], F[r, 0], 0, T)
+                rmsnorm_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], wf, I[r, 9], F[r, 0], row0, T)
         elif op == OP_LAYERNORM:
             # 3 x_off 4 x_st 5 o_off 6 o_st 7 width 8 group 9 w_off 10 b_off (-1: no bias); F0 eps
             if par:
@@ -106,13 +111,13 @@ def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs):
                               F[r, 0], T)
             else:
                 layernorm_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], wf, I[r, 9], I[r, 10],
-                               F[r, 0], 0, T)
+                               F[r, 0], row0, T)
         elif op == OP_ROPE:
             # 3 x_off 4 x_st 5 o_off 6 o_st 7 n_heads 8 head_dim 9 rotary_dim 10 freq_off; F0 attention_scaling
             if par:
                 rope_par(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], I[r, 9], wf, I[r, 10], F[r, 0], pos0, T)
             else:
-                rope_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], I[r, 9], wf, I[r, 10], F[r, 0], pos0, 0, T)
+                rope_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], I[r, 9], wf, I[r, 10], F[r, 0], pos0, row0, T)
         elif op == OP_ATTENTION:
             # 3 q_off 4 q_st 5 k_off 6 k_st 7 v_off 8 v_st 9 o_off 10 o_st 11 n_heads 12 n_kv 13 head_dim
             # 14 cache_off 15 cap; F0 scale F1 softcap F2 window
@@ -124,18 +129,18 @@ def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs):
             if par:
                 glu_par(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], I[r, 9], I[r, 10], T)
             else:
-                glu_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], I[r, 9], I[r, 10], 0, T)
+                glu_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], I[r, 9], I[r, 10], row0, T)
         elif op == OP_ADD or op == OP_SIGMOID_MUL:
             # 3 a_off 4 a_st 5 b_off 6 b_st 7 o_off 8 o_st 9 width
             kind = 0 if op == OP_ADD else 1
             if par:
                 binary_par(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], I[r, 9], kind, T)
             else:
-                binary_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], I[r, 9], kind, 0, T)
+                binary_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], I[r, 9], kind, row0, T)
         elif op == OP_SOFTCAP or op == OP_SCALE:
             # 3 x_off 4 x_st 5 o_off 6 o_st 7 width; F0 cap or scale
             kind = 0 if op == OP_SOFTCAP else 1
-            unary_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], kind, F[r, 0], 0, T)
+            unary_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], kind, F[r, 0], row0, T)
         elif op == OP_SELECT_ROWS:
             # 3 x_off 4 x_st 5 o_off 6 o_st 7 width
             copy_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], head_row0, head_rows)
@@ -156,7 +161,9 @@ def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs):
         elif op == OP_GATED_DELTA:
             # 3 qkv_off 4 qkv_st 5 z_off 6 z_st 7 b_off 8 b_st 9 a_off 10 a_st 11 o_off 12 o_st
             # 13 nk 14 dk 15 nv 16 dv 17 conv_k 18 conv_w_off 19 dt_off 20 alog_off 21 norm_off 22 state_off; F0 eps
-            gated_delta(arena, state, wf, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], I[r, 9], I[r, 10],
+            if linear_state is None:
+                raise ValueError("cpullm interpreter: a GATED_DELTA instruction needs linear_state")
+            gated_delta(arena, linear_state, wf, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], I[r, 9], I[r, 10],
                         I[r, 11], I[r, 12], I[r, 13], I[r, 14], I[r, 15], I[r, 16], I[r, 17], I[r, 18],
                         I[r, 19], I[r, 20], I[r, 21], I[r, 22], F[r, 0], T)
         else:

@@ -34,7 +34,8 @@ def rmsnorm_rows(arena, x_off, x_st, o_off, o_st, width, group, wf, w_off, eps, 
 @njit(cache=True, parallel=True)
 def rmsnorm_par(arena, x_off, x_st, o_off, o_st, width, group, wf, w_off, eps, T):
     for t in prange(T):
-        rmsnorm_rows(arena, x_off, x_st, o_off, o_st, width, group, wf, w_off, eps, t, t + 1)
+        r = np.int64(t)          # one specialization of the row kernel: int64 rows, as the interpreter passes
+        rmsnorm_rows(arena, x_off, x_st, o_off, o_st, width, group, wf, w_off, eps, r, r + 1)
 
 
 def rmsnorm_ref(x: np.ndarray, w: np.ndarray, eps: float, group: int | None = None) -> np.ndarray:

@@ -38,8 +38,9 @@ def rope_rows(arena, x_off, x_st, o_off, o_st, n_heads, head_dim, rotary_dim, wf
 def rope_par(arena, x_off, x_st, o_off, o_st, n_heads, head_dim, rotary_dim, wf, f_off,
              att_scale, pos0, T):
     for t in prange(T):
+        r = np.int64(t)          # one specialization of the row kernel: int64 rows, as the interpreter passes
         rope_rows(arena, x_off, x_st, o_off, o_st, n_heads, head_dim, rotary_dim, wf, f_off,
-                  att_scale, pos0, t, t + 1)
+                  att_scale, pos0, r, r + 1)
 
 
 def rope_ref(x: np.ndarray, positions: np.ndarray, n_heads: int, head_dim: int,

@@ -163,22 +163,26 @@ def test_measure_speed_reuses_a_512_token_prompt():
 
 
 def test_compile_time_is_cold_minus_warm_ready_time(monkeypatch, tmp_path):
-    calls = []
+    calls, specs = [], []
 
     def fake_child(spec, env_extra=None, timeout=0):
         calls.append(env_extra or {})
+        specs.append(spec)
         cold = bool(env_extra and "NUMBA_CACHE_DIR" in env_extra)
         n = len(calls)
         return {"ready_s": 9.0 if cold else (3.0 if n == 1 else 2.0), "load_s": 1.0,
                 "cache": "MISS" if n == 1 else "HIT", "first_forward_s": 5.0 if cold else 0.2,
-                "second_forward_s": 0.1, "peak_rss_bytes": 1, "uncacheable": ["run"] if cold else []}
+                "second_forward_s": 0.1, "peak_rss_bytes": 1, "uncacheable": ["run"] if cold else [],
+                "first_token_s": 8.5 if cold else 1.5, "compile_s": 6.5 if cold else 0.0}
 
     monkeypatch.setattr(bench, "_child_load", fake_child)
     r = bench.load_timings(tmp_path, "int8", 1, 64, [1, 2, 3])
     assert r["load_s_miss"] == 3.0 and r["load_s_hit"] == 2.0
-    assert r["warmup_compile_s"] == pytest.approx(7.0)
+    assert r["warmup_compile_s"] == pytest.approx(6.0)             # cold minus MISS ready time
+    assert r["cold_start_s"] == 8.5 and r["cold_start_compile_s"] == 6.5   # the cold child's first token
     assert r["first_forward_compile_s"] == pytest.approx(4.9)
     assert r["numba_uncacheable"] == ["run"]                 # what the cold child could not cache
+    assert specs[2]["cache_dir"] != specs[0]["cache_dir"]    # a first run: both caches empty
     numba_dir = calls[2]["NUMBA_CACHE_DIR"]
     assert not os.path.exists(numba_dir)                      # the temporary dirs are removed
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 
-from .common import add_model_options, add_sampling_options, load_model
+from .common import add_model_options, add_sampling_options, load_model, progress_printer
 
 
 def add_parser(sub):
@@ -22,6 +22,28 @@ def add_parser(sub):
     return p
 
 
+def compiled_note(seconds: float) -> str:
+    """The stats line's note on numba compile time (a cold kernel cache: first run only); prefill
+    and decode rates never include it."""
+    return f", kernels compiled in {seconds:.1f} s (first run only)" if seconds >= 0.05 else ""
+
+
+def check_chat_template(args) -> None:
+    """Refuse --chat before loading (which compiles): the model needs a chat template, and that
+    template must accept this conversation (some reject a system message). Resolves a store name
+    or the default model into ``args.model`` so the load that follows uses the same directory."""
+    from cpullm.chat import render_template, require_template
+    from cpullm.model import resolve_model_dir
+
+    if args.model is None:
+        from cpullm.store import ensure_default_model
+        args.model = str(ensure_default_model(progress=progress_printer("default model")))
+    template = require_template(resolve_model_dir(args.model))
+    messages = [*([{"role": "system", "content": args.system}] if args.system else []),
+                {"role": "user", "content": args.prompt}]
+    render_template(template, messages)
+
+
 def run(args) -> int:
     from cpullm.errors import PromptError
     from cpullm.generate import GenerationStats
@@ -33,6 +55,8 @@ def run(args) -> int:
     require_utf8("--system", args.system)
     if not args.prompt.strip():
         raise PromptError("the prompt is empty: give some text with -p")
+    if args.chat:
+        check_chat_template(args)
     model = load_model(args)
     if args.prompt_cache:
         model.use_prompt_cache(args.prompt_cache)
@@ -44,7 +68,8 @@ def run(args) -> int:
     if args.json:
         text = "".join(pieces)
         out = {"model": str(model.model_dir), "family": model.family.name, "quant": model.quant,
-               "text": text, "cache": model.cache_status, **stats.as_dict()}
+               "text": text, "cache": model.cache_status, **stats.as_dict(),
+               "load_s": model.load_s, "load_compile_s": model.compile_s}
         if args.prompt_cache:
             out["prompt_cache"] = model.prompt_cache_status
         if args.prompt_cache:
@@ -60,6 +85,7 @@ def run(args) -> int:
     print(f"[{stats.prompt_tokens} prompt tokens, prefill {stats.prefill_tps:.1f} tok/s, "
           f"{stats.generated_tokens} generated, decode {stats.decode_tps:.1f} tok/s, "
           f"{model.quant}, {model.threads} threads, cache {model.cache_status}"
-          + (f", prompt cache {model.prompt_cache_status}" if args.prompt_cache else "") + "]",
+          + (f", prompt cache {model.prompt_cache_status}" if args.prompt_cache else "")
+          + compiled_note(model.compile_s + stats.compile_s) + "]",
           file=sys.stderr)
     return 0

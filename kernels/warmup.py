@@ -1,0 +1,388 @@
+"""Compile the kernels a program needs before it runs: only those, once each, counted, and on a
+machine with two cores or more shared with a child process through numba's on-disk cache.
+
+Every kernel is ``@njit(cache=True)``: the first process compiles it (seconds each; a cold start
+of a small Llama spends almost all its time here) and later ones load it from the cache. Left to
+itself numba compiles lazily on the first call, so a cold start is silent and its time lands in
+whatever call came first (the first prefill). :class:`Warmup` instead compiles, up front:
+
+* only the kernel groups (:data:`UNITS`) the model needs: a model without linear attention never
+  compiles the gated-delta kernels (:func:`cpullm.kernels.interpreter.run` gets
+  ``linear_state=None`` and numba prunes that branch), an f32 model not the q8 GEMM;
+* each with the exact signature the executor calls it with (:func:`signature`; read-only program
+  arrays, int64 scalars), so nothing is compiled twice;
+* the independent groups split between this process and a child (numba writes each compiled
+  kernel to its cache, the parent then loads it; the child starts while the parent still reads
+  and quantizes the weights); :func:`cpullm.kernels.interpreter.run`, which links them all, last.
+
+Two processes never compile the same kernel: a group and everything it calls belongs to one of
+them (numba numbers a kernel's cache files per process, so two writers of different signatures
+of one kernel could clash). ``CPULLM_COMPILE_PROCESSES=1`` keeps everything in this process.
+
+Progress goes to stderr as one line rewritten in place, only when stderr is a terminal and only
+when something is compiled. :func:`compile_seconds` is the process's total numba compile time
+(top-level compilations, from numba's event stream), which the generation stats use to report
+compile time apart from prefill.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+from . import numba_setup  # noqa: F401  (code-generation settings first)
+
+import numba  # noqa: E402
+from numba import types as nt  # noqa: E402
+from numba.core import event as _event  # noqa: E402
+
+# ---- the process's compile time ------------------------------------------------------------------
+
+
+class _CompileClock(_event.Listener):
+    """Sums the wall time of top-level numba compilations (nested callee compilations are inside
+    their caller's interval and not added again)."""
+
+    def __init__(self):
+        self.depth = 0
+        self.t0 = 0.0
+        self.total = 0.0
+        self.count = 0
+
+    def on_start(self, ev):
+        if self.depth == 0:
+            self.t0 = time.perf_counter()
+        self.depth += 1
+
+    def on_end(self, ev):
+        self.depth -= 1
+        self.count += 1
+        if self.depth == 0:
+            self.total += time.perf_counter() - self.t0
+
+
+_CLOCK = _CompileClock()
+_event.register("numba:compile", _CLOCK)
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling numba functions so far (loads from the on-disk
+    cache are not compilations and do not count)."""
+    return _CLOCK.total
+
+
+# ---- the signatures the executor calls the kernels with --------------------------------------------
+
+
+def _arr(dtype, ndim: int = 1, readonly: bool = False):
+    return nt.Array(dtype, ndim, "C", readonly=readonly)
+
+
+ARENA = _arr(nt.float32)                 # arena, state, x_s scratch
+WF = _arr(nt.float32, readonly=True)     # program arrays are read-only (Executor makes them so)
+WQ = _arr(nt.int8, readonly=True)
+WS = _arr(nt.uint16, readonly=True)
+PROG_I = _arr(nt.int64, 2, readonly=True)
+PROG_F = _arr(nt.float64, 2, readonly=True)
+INTS = _arr(nt.int64)                    # tokens, rt
+XQ = _arr(nt.int16)
+i64, f64 = nt.int64, nt.float64
+
+
+def run_signature(linear_state: bool) -> tuple:
+    """The signature of interpreter.run as the executor calls it."""
+    return (PROG_I, PROG_F, i64, i64, INTS, INTS, ARENA, ARENA, WQ, WS, WF, XQ, ARENA,
+            ARENA if linear_state else nt.none)
+
+
+def _kernels(unit: str) -> list:
+    """[(dispatcher, signature)] of one unit, callees before callers where both are listed."""
+    from . import attention, elementwise, gated_delta, interpreter, norm, q8_gemm, rope
+    f32_2, i16_2 = _arr(nt.float32, 2), _arr(nt.int16, 2)
+    wq2, ws2 = _arr(nt.int8, 2, readonly=True), _arr(nt.uint16, 2, readonly=True)
+    table = {
+        "linear": [(interpreter._linear_rows, (PROG_I, i64, ARENA, WQ, WS, WF, XQ, ARENA, i64))],
+        "norm": [(norm.rmsnorm_rows, (ARENA, *[i64] * 6, WF, i64, f64, i64, i64)),
+                 (norm.rmsnorm_par, (ARENA, *[i64] * 6, WF, i64, f64, i64))],
+        "layernorm": [(norm.layernorm_rows, (ARENA, *[i64] * 6, WF, i64, i64, f64, i64, i64)),
+                      (norm.layernorm_par, (ARENA, *[i64] * 6, WF, i64, i64, f64, i64))],
+        "rope": [(rope.rope_rows, (ARENA, *[i64] * 7, WF, i64, f64, i64, i64, i64)),
+                 (rope.rope_par, (ARENA, *[i64] * 7, WF, i64, f64, i64, i64))],
+        "attention": [(attention.attention, (ARENA, ARENA, *[i64] * 13, f64, f64, i64, i64, i64, i64))],
+        "glu": [(elementwise.glu_rows, (ARENA, *[i64] * 10)), (elementwise.glu_par, (ARENA, *[i64] * 9))],
+        "binary": [(elementwise.binary_rows, (ARENA, *[i64] * 10)), (elementwise.binary_par, (ARENA, *[i64] * 9))],
+        "unary": [(elementwise.unary_rows, (ARENA, *[i64] * 6, f64, i64, i64))],
+        "copy": [(elementwise.copy_rows, (ARENA, *[i64] * 7))],
+        "gated_delta": [(gated_delta.gated_delta, (ARENA, ARENA, WF, *[i64] * 20, f64, i64))],
+        # prefill's batched q8 LINEARs (row-contiguous activations, as every LINEAR of the shared
+        # blocks reads and writes whole buffers), and prompts of fewer than MIN_ROWS tokens
+        "gemm": [(q8_gemm._quantize_rows_q16, (f32_2, i16_2, f32_2)),
+                 (q8_gemm._gemm_panels, (i16_2, f32_2, wq2, ws2, i64, f32_2, i64)),
+                 (q8_gemm._matvec_rows, (f32_2, wq2, ws2, f32_2, XQ, ARENA))],
+        "run": [(interpreter.run, run_signature(False))],
+        "run_linear_state": [(interpreter.run, run_signature(True))],
+    }
+    return table[unit]
+
+
+UNITS = {
+    # unit: (IR op names that need it, None: every program (interpreter.run calls it whatever the
+    # ops), relative compile cost (seconds on a 2-core Zen 3), may run in the child). Units whose
+    # kernels call shared ones (the q8 matvec and activation quantizer: linear, gemm, and the
+    # weight quantizer and head screen compiled in this process) stay in this process.
+    "linear": (None, 3.2, False),
+    "gemm": (("LINEAR",), 4.5, False),
+    "norm": (None, 1.4, True),
+    "layernorm": (("LAYERNORM",), 1.4, True),
+    "rope": (None, 2.2, True),
+    "attention": (None, 13.0, True),
+    "glu": (None, 2.9, True),
+    "binary": (None, 2.1, True),
+    "unary": (None, 0.3, True),
+    "copy": (None, 0.2, True),
+    "gated_delta": (("GATED_DELTA",), 5.2, True),
+}
+RUN_COST = 6.0
+PARENT_HEAD_START = 3.0
+"""Seconds of other work (weights, quantization, checksums) this process does before it compiles:
+the split gives the child that much more."""
+
+
+def units_for(op_names, quant: str, linear_state: bool) -> list[str]:
+    """The units a graph with these op names needs (``linear_state``: it has GATED_DELTA ops the
+    interpreter runs, not a plugin kernel), ``run`` last."""
+    from .q8_gemm import GEMM_ISA
+    ops = set(op_names)
+    out = []
+    for unit, (needs, _, _) in UNITS.items():
+        if unit == "gated_delta" and not linear_state:
+            continue
+        if unit == "gemm" and (quant != "int8" or GEMM_ISA is None):
+            continue
+        if needs is None or ops & set(needs):
+            out.append(unit)
+    out.append("run_linear_state" if linear_state else "run")
+    return out
+
+
+def split(units: list[str]) -> tuple[list[str], list[str]]:
+    """(this process's units, the child's): each movable unit, largest first, goes to the side
+    with less work so far (this process starts with its fixed units and PARENT_HEAD_START)."""
+    mine = [u for u in units if u in UNITS and not UNITS[u][2]]
+    movable = sorted((u for u in units if u in UNITS and UNITS[u][2]), key=lambda u: -UNITS[u][1])
+    load_here = PARENT_HEAD_START + sum(UNITS[u][1] for u in mine)
+    load_child, child = 0.0, []
+    for u in movable:
+        if load_child < load_here:
+            child.append(u)
+            load_child += UNITS[u][1]
+        else:
+            mine.append(u)
+            load_here += UNITS[u][1]
+    return mine, child
+
+
+# ---- the cache ---------------------------------------------------------------------------------------
+
+
+def is_cached(dispatcher, sig) -> bool:
+    """True when ``dispatcher`` has ``sig`` compiled in this process or in numba's on-disk cache
+    (numba internals; False when they cannot tell, which only costs a progress line)."""
+    sig = tuple(sig)
+    try:
+        if sig in dispatcher.overloads:
+            return True
+        cache = dispatcher._cache
+        key = cache._index_key(sig, dispatcher.targetctx.codegen())
+        return key in cache._cache_file._load_index()
+    except Exception:  # noqa: BLE001 - numba internals moved: assume not cached
+        return False
+
+
+def unit_cached(unit: str) -> bool:
+    return all(is_cached(d, s) for d, s in _kernels(unit))
+
+
+def compile_unit(unit: str) -> None:
+    """Compile (or load from the cache) every kernel of ``unit``."""
+    for dispatcher, sig in _kernels(unit):
+        dispatcher.compile(sig)
+
+
+# ---- progress -------------------------------------------------------------------------------------------
+
+
+class _Progress:
+    """``cpullm: compiling kernels 7/12 (first run only; cached afterwards)`` on stderr, rewritten
+    in place; nothing unless stderr is a terminal."""
+
+    def __init__(self, total: int, stream=None):
+        self.stream = stream or sys.stderr
+        self.total, self.done = total, 0
+        self.lock = threading.Lock()
+        try:
+            self.live = self.stream.isatty() and os.environ.get("CPULLM_QUIET") != "1"
+        except (AttributeError, ValueError):
+            self.live = False
+        self.shown = False
+
+    def step(self, n: int = 1) -> None:
+        with self.lock:
+            self.done = min(self.total, self.done + n)
+            if self.live:
+                self.stream.write(f"\rcpullm: compiling kernels {self.done}/{self.total} "
+                                  "(first run only; cached afterwards)")
+                self.stream.flush()
+                self.shown = True
+
+    def close(self) -> None:
+        with self.lock:
+            if self.shown:
+                self.stream.write("\n")
+                self.stream.flush()
+                self.shown = False
+
+
+# ---- the child process ---------------------------------------------------------------------------------
+
+_CHILD = r"""
+import os, sys
+if sys.path and sys.path[0] in ("", os.getcwd()):
+    del sys.path[0]            # the working directory must not shadow the installed package
+from cpullm.kernels import warmup
+for unit in sys.argv[1:]:
+    warmup.compile_unit(unit)
+    print(unit, flush=True)
+"""
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def use_child() -> bool:
+    """Compile in two processes: two CPUs or more, unless CPULLM_COMPILE_PROCESSES=1."""
+    return os.environ.get("CPULLM_COMPILE_PROCESSES", "2") != "1" and _cpus() >= 2
+
+
+class Warmup:
+    """Compile ``units`` (from :func:`units_for`): :meth:`start` hands the child its share right
+    away (nothing happens when every unit is cached); :meth:`finish` compiles the rest here, waits
+    for the child, loads its kernels and compiles ``run``. ``seconds`` is the compile time it
+    spent (0.0 when everything came from the cache)."""
+
+    def __init__(self, units: list[str], parallel: bool | None = None):
+        self.units = list(units)
+        self.parallel = use_child() if parallel is None else parallel
+        self.child: subprocess.Popen | None = None
+        self.child_units: list[str] = []
+        self.reader: threading.Thread | None = None
+        self.progress: _Progress | None = None
+        self.todo: list[str] = []
+        self.reported: set = set()
+        self.compiled_before = 0.0
+        self.seconds = 0.0
+        self.finished = False
+
+    def start(self) -> "Warmup":
+        self.compiled_before = compile_seconds()
+        self.todo = [u for u in self.units if not unit_cached(u)]
+        if not self.todo:
+            return self
+        self.progress = _Progress(len(self.units))
+        self.progress.step(len(self.units) - len(self.todo))
+        mine, child = split(self.todo)
+        if self.parallel and child:
+            self._spawn(child)
+        return self
+
+    def _spawn(self, units: list[str]) -> None:
+        try:
+            self.child = subprocess.Popen([sys.executable, "-c", _CHILD, *units], stdout=subprocess.PIPE,
+                                          stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.child = None
+            return
+        self.child_units = list(units)
+
+        def read():
+            for line in self.child.stdout:
+                unit = line.strip()
+                if unit in units and unit not in self.reported:
+                    self.reported.add(unit)
+                    self.progress.step()
+
+        self.reader = threading.Thread(target=read, name="cpullm-compile-progress", daemon=True)
+        self.reader.start()
+
+    def finish(self) -> float:
+        """Compile what is left. Returns the compile time of the warm-up: the time spent here
+        (compiling, or waiting for the child) plus what this process compiled since
+        :meth:`start` (the weight quantizer, say); 0.0 when every kernel came from the cache."""
+        if self.finished:
+            return self.seconds
+        self.finished = True
+        if not self.todo:
+            for u in self.units:           # load from the cache now, not on the first call
+                compile_unit(u)
+            return 0.0
+        t0 = time.perf_counter()
+        meanwhile = compile_seconds() - self.compiled_before
+        try:
+            runs = [u for u in self.todo if u.startswith("run")]
+            here = [u for u in self.todo if u not in self.child_units and u not in runs]
+            for u in here:
+                compile_unit(u)
+                self.progress.step()
+            if self.child is not None:
+                self.child.wait()
+                if self.reader is not None:
+                    self.reader.join(timeout=5)
+            for u in self.child_units:     # loads what the child wrote (compiles what it did not)
+                compile_unit(u)
+                if u not in self.reported:
+                    self.progress.step()
+            for u in runs:
+                compile_unit(u)
+                self.progress.step()
+            for u in self.units:
+                if u not in self.todo:
+                    compile_unit(u)
+        finally:
+            if self.child is not None and self.child.poll() is None:
+                self.child.kill()
+                self.child.wait()
+            self.progress.close()
+        self.seconds = meanwhile + time.perf_counter() - t0
+        return self.seconds
+
+
+    def cancel(self) -> None:
+        """Stop the child (the load failed): nothing it wrote is half-written (numba replaces
+        cache files whole)."""
+        self.finished = True
+        if self.child is not None and self.child.poll() is None:
+            self.child.kill()
+            self.child.wait()
+        if self.progress is not None:
+            self.progress.close()
+
+
+def warmup_for_graph(graph, quant: str, kernels=()) -> Warmup:
+    """A started :class:`Warmup` for the units ``graph`` needs (``kernels``: plugin KernelSpecs,
+    whose ops the interpreter does not run)."""
+    ops, linear_state = set(), False
+    for n in graph.nodes:
+        ops.add(n.op.name)
+        if n.op.name == "GATED_DELTA" and not any(int(k.op) == int(n.op) and k.supports(n) for k in kernels):
+            linear_state = True
+    return Warmup(units_for(ops, quant, linear_state)).start()
+
+
+__all__ = ["Warmup", "compile_seconds", "compile_unit", "is_cached", "units_for", "split",
+           "warmup_for_graph"]

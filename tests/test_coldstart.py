@@ -1,0 +1,220 @@
+"""The first run: kernels compiled up front (only those the model needs, one signature each, in
+two processes), the progress line, compile time kept out of the prefill rate; plus the checks a
+first run meets early (chat template), the parameter count, and bench's child process started
+from a folder holding a ``cpullm/`` directory."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from cpullm.kernels import warmup
+from cpullm.testing import make_random_checkpoint
+from tiny_configs import LLAMA_UNTIED_BIAS, SMOLLM2_LIKE
+
+LLAMA_OPS = {"EMBED", "RMSNORM", "LINEAR", "ROPE", "ATTENTION", "GLU", "ADD", "SELECT_ROWS"}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_random_checkpoint(dict(SMOLLM2_LIKE, model_type="llama"), tmp_path_factory.mktemp("tiny"))
+
+
+# ---- which kernels, where ------------------------------------------------------------------------------
+def test_units_follow_the_graph_ops():
+    units = warmup.units_for(LLAMA_OPS, "int8", linear_state=False)
+    assert "gated_delta" not in units and units[-1] == "run"
+    hybrid = warmup.units_for(LLAMA_OPS | {"GATED_DELTA", "SIGMOID_MUL"}, "int8", linear_state=True)
+    assert "gated_delta" in hybrid and hybrid[-1] == "run_linear_state"
+    assert "gemm" not in warmup.units_for(LLAMA_OPS, "f32", linear_state=False)   # f32 prefill: sgemm
+
+
+def test_split_gives_each_unit_to_one_process_and_keeps_shared_kernels_here():
+    units = warmup.units_for(LLAMA_OPS | {"GATED_DELTA", "SOFTCAP"}, "int8", linear_state=True)
+    mine, child = warmup.split(units)
+    assert sorted(mine + child) == sorted(u for u in units if not u.startswith("run"))
+    assert not set(mine) & set(child)
+    # the q8 matvec / activation quantizer are shared with the weight quantizer and head screen,
+    # compiled in this process: the units calling them never go to the child
+    assert {"linear", "gemm"} <= set(mine)
+    assert "attention" in child                    # the largest movable unit
+
+
+def test_progress_line_only_on_a_terminal(monkeypatch):
+    monkeypatch.delenv("CPULLM_QUIET", raising=False)      # (CPULLM_QUIET=1 silences it too)
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty, pipe = Tty(), io.StringIO()
+    for stream in (tty, pipe):
+        p = warmup._Progress(3, stream=stream)
+        p.step()
+        p.step(2)
+        p.close()
+    assert pipe.getvalue() == ""
+    out = tty.getvalue()
+    assert out.startswith("\rcpullm: compiling kernels 1/3 (first run only; cached afterwards)")
+    assert out.endswith("\rcpullm: compiling kernels 3/3 (first run only; cached afterwards)\n")
+
+
+_SIGNATURES = r"""
+import json, sys
+import cpullm
+from cpullm.kernels import warmup
+m = cpullm.load(sys.argv[1], threads=1, n_ctx=128, cache_dir=sys.argv[2])
+for n in (9, 2, 1):                     # batched prefill (GEMM), a short prompt, one row
+    m.executor.reset()
+    m.executor.decode(int(m.executor.prefill(list(range(1, n + 1))).argmax()))
+used = {}
+for unit in list(warmup.UNITS) + ["run", "run_linear_state"]:
+    for disp, sig in warmup._kernels(unit):
+        used[disp.py_func.__qualname__] = [str(s) for s in disp.signatures]
+want = {}
+for unit in warmup.units_for({n.op.name for n in m.graph.nodes}, m.quant, False):
+    for disp, sig in warmup._kernels(unit):
+        want.setdefault(disp.py_func.__qualname__, []).append(str(tuple(sig)))
+print(json.dumps({"used": used, "want": want}))
+"""
+
+
+def test_the_executor_calls_each_kernel_with_the_warmed_signature_only(tiny, tmp_path):
+    """In a fresh process: after prefills and decodes of several lengths every kernel has exactly
+    the signature the warm-up compiled, and the gated-delta kernel (absent op) none."""
+    r = subprocess.run([sys.executable, "-c", _SIGNATURES, str(tiny), str(tmp_path / "cache")],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    used, want = out["used"], out["want"]
+    for name, sigs in used.items():
+        assert sorted(sigs) == sorted(want.get(name, [])), name
+    assert used["gated_delta"] == [] and used["attention"] != []
+
+
+# ---- compile time apart from prefill ------------------------------------------------------------------
+def test_compile_time_is_not_prefill_time(tiny, monkeypatch):
+    """A compilation during prefill (simulated through the compile clock) counts as compile_s,
+    not as prefill time."""
+    import cpullm
+    from cpullm import generate
+
+    m = cpullm.load(tiny, threads=1, n_ctx=128)
+    clock = {"t": 0.0}
+    monkeypatch.setattr(generate, "compile_seconds", lambda: clock["t"])
+    real_prefill = m._prefill_prompt
+
+    def slow_compile_prefill(ids, reused):
+        import time
+        time.sleep(0.2)
+        clock["t"] += 0.2                              # all of that sleep was "compiling"
+        return real_prefill(ids, reused)
+
+    monkeypatch.setattr(m, "_prefill_prompt", slow_compile_prefill)
+    stats = generate.GenerationStats()
+    list(m.generate_ids([1, 2, 3, 4], max_new_tokens=2, stats=stats))
+    assert stats.compile_s == pytest.approx(0.2)
+    assert stats.prefill_s < 0.2                       # the tiny model's prefill itself is quick
+
+
+def test_run_stats_line_names_compile_time():
+    from cpullm.commands.run import compiled_note
+    assert compiled_note(0.0) == ""
+    assert compiled_note(21.26) == ", kernels compiled in 21.3 s (first run only)"
+
+
+# ---- parameter count ------------------------------------------------------------------------------------
+def _llama_params(a: dict, tied: bool) -> int:
+    h, f, hd, V, L = (a["hidden_size"], a["intermediate_size"], a["head_dim"], a["vocab_size"],
+                      a["num_hidden_layers"])
+    q, kv = a["num_attention_heads"] * hd, a["num_key_value_heads"] * hd
+    per_layer = h * q + 2 * h * kv + q * h + 3 * h * f + 2 * h
+    if a.get("attention_bias"):
+        per_layer += q + 2 * kv + h
+    return L * per_layer + V * h * (1 if tied else 2) + h
+
+
+@pytest.mark.parametrize("cfg,tied", [(SMOLLM2_LIKE, True), (LLAMA_UNTIED_BIAS, False)])
+def test_info_reports_the_parameter_count(cfg, tied, tmp_path):
+    import cpullm
+    d = make_random_checkpoint(dict(cfg, model_type="llama"), tmp_path / "m")
+    m = cpullm.load(d, threads=1, n_ctx=64, cache_dir=tmp_path / "cache")
+    assert m.info()["params"] == _llama_params(cfg, tied)
+    again = cpullm.load(d, threads=1, n_ctx=64, cache_dir=tmp_path / "cache")     # a cache HIT too
+    assert again.cache_status == "HIT" and again.info()["params"] == m.info()["params"]
+
+
+def test_parameter_count_matches_transformers(tmp_path):
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    import cpullm
+    from hf_reference import save_tiny
+    config = transformers.LlamaConfig(**SMOLLM2_LIKE)
+    d = save_tiny(config, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_config(config)
+    m = cpullm.load(d, threads=1, n_ctx=64, cache_dir=tmp_path / "cache")
+    assert m.info()["params"] == hf.num_parameters()
+
+
+# ---- run --chat refuses before loading ---------------------------------------------------------------------
+def _no_load(*a, **k):
+    raise AssertionError("the model was loaded (and its kernels compiled) before the chat check")
+
+
+def test_run_chat_without_template_refuses_before_loading(tiny, tmp_path, monkeypatch, capsys):
+    from cpullm.cli import main
+    from cpullm.model import Model
+    from test_chat_templates import GEMMA2
+    base = tmp_path / "base"
+    base.mkdir()
+    for f in tiny.iterdir():
+        if f.name != "tokenizer_config.json":
+            os.symlink(f, base / f.name)
+    (base / "tokenizer_config.json").write_text("{}")
+    monkeypatch.setattr(Model, "load", classmethod(_no_load))
+    assert main(["run", str(base), "-p", "hi", "--chat"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("cpullm: error: ") and "has no chat template" in err and "\n" not in err
+    (base / "tokenizer_config.json").write_text(json.dumps({"chat_template": GEMMA2}))
+    assert main(["run", str(base), "-p", "hi", "--chat", "--system", "Be brief."]) == 2
+    assert "System role not supported" in capsys.readouterr().err
+
+
+# ---- bench's child process and the working directory -----------------------------------------------------------
+def test_bench_child_ignores_a_cpullm_folder_in_the_working_directory(tiny, tmp_path, monkeypatch):
+    """Started from a clone's parent (a ``cpullm/`` folder without ``__init__``, which Python
+    would import as a namespace package), the child still imports the installed package."""
+    from cpullm import bench
+    parent = tmp_path / "parent"
+    (parent / "cpullm" / "core").mkdir(parents=True)
+    monkeypatch.chdir(parent)
+    spec = {"model": str(tiny), "quant": "int8", "threads": 1, "n_ctx": 64,
+            "cache_dir": str(tmp_path / "cache"), "ids": [1, 2, 3]}
+    out = bench._child_load(spec)
+    assert out["ready_s"] > 0 and out["first_token_s"] > 0 and out["cache"].startswith("MISS")
+
+
+def test_warmup_child_ignores_a_cpullm_folder_in_the_working_directory(tmp_path):
+    (tmp_path / "cpullm").mkdir()
+    r = subprocess.run([sys.executable, "-c", warmup._CHILD, "copy"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split() == ["copy"]
+
+
+@pytest.mark.slow      # compiles every kernel of a small Llama with an empty numba cache (~1 min)
+def test_cold_start_in_two_processes_then_nothing_to_compile(tiny, tmp_path):
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), CPULLM_QUIET="1")
+    code = ("import sys, json, cpullm; m = cpullm.load(sys.argv[1], threads=1, n_ctx=64, cache_dir=sys.argv[2]); "
+            "print(json.dumps({'compile_s': m.compile_s}))")
+    first = subprocess.run([sys.executable, "-c", code, str(tiny), str(tmp_path / "c")], env=env,
+                           capture_output=True, text=True, timeout=1800)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert json.loads(first.stdout.splitlines()[-1])["compile_s"] > 0
+    second = subprocess.run([sys.executable, "-c", code, str(tiny), str(tmp_path / "c")], env=env,
+                            capture_output=True, text=True, timeout=600)
+    assert json.loads(second.stdout.splitlines()[-1])["compile_s"] == 0.0
