@@ -1,0 +1,91 @@
+"""Prefill over raw GGUF blocks (cpullm.kernels.kquant_gemm): the numba dequantizer against the
+numpy reference (bit for bit), the GEMM against the float64 reference, the few-rows path against
+the decode kernel's reference, on every format and awkward shapes."""
+import numpy as np
+import pytest
+
+from cpullm.kernels import gguf_blocks as gb
+from cpullm.kernels import kquant as kq
+from cpullm.kernels import kquant_gemm as kg
+from cpullm.kernels import numba_setup
+
+RNG = np.random.default_rng(20261205)
+FORMATS = ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K", "Q4_1", "Q5_0", "Q5_1"]
+
+
+def _shapes(name):
+    W = gb.FORMATS[name].block_weights
+    # N = 1, odd N, N past one tile's rows split over two threads, K one block and several
+    return [(1, W), (37, 3 * W), (301, 2 * W), (130, 4096 if W == 32 else 4096 + 256)]
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_dequantize_equals_reference_bit_for_bit(name):
+    fmt = gb.FORMATS[name]
+    for N, K in _shapes(name):
+        w = gb.random_blocks(name, N, K, RNG)
+        got = kg.dequantize(fmt.ggml_type, w, K)
+        want = gb.dequantize_ref(w, name, (N, K))
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_dequantize_rows_into_a_strided_tile():
+    N, K = 40, 512
+    w = gb.random_blocks("Q5_K", N, K, RNG)
+    buf = np.full((16, K + 8), np.nan, np.float32)
+    kg.dequantize_rows_into(kq.Q5_K, w, 10, 26, buf[:, :K])
+    np.testing.assert_array_equal(buf[:, :K], gb.dequantize_ref(w, "Q5_K", (N, K))[10:26])
+    assert np.isnan(buf[:, K:]).all()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("name", FORMATS)
+def test_matmul_matches_reference(name, threads):
+    fmt = gb.FORMATS[name]
+    saved = numba_setup.configured_threads()
+    numba_setup.configure(threads)
+    try:
+        for N, K in _shapes(name):
+            w = gb.random_blocks(name, N, K, RNG)
+            deq = np.abs(gb.dequantize_ref(w, name, (N, K))).astype(np.float64)
+            for T in (3, 37):
+                x = RNG.standard_normal((T, K)).astype(np.float32)
+                big = np.full((T, N + 5), np.nan, np.float32)          # out as a strided view
+                out = big[:, 2:N + 2]
+                kg.matmul(fmt.ggml_type, x, w, out)
+                ref = kg.matmul_ref(x, w, name, (N, K))
+                terms = np.abs(x).astype(np.float64) @ deq.T
+                assert (np.abs(out - ref) <= 2e-6 * terms + 1e-30).all()
+                assert np.isnan(big[:, :2]).all() and np.isnan(big[:, N + 2:]).all()
+    finally:
+        numba_setup.configure(saved)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_matmul_few_rows_is_decode_numerics(name):
+    # T < MIN_ROWS: each row quantized to int8 blocks and run through the decode matvec
+    fmt = gb.FORMATS[name]
+    N, K = 45, 2 * fmt.block_weights
+    w = gb.random_blocks(name, N, K, RNG)
+    for T in range(1, kg.MIN_ROWS):
+        x = RNG.standard_normal((T, K)).astype(np.float32)
+        out = np.full((T, N), np.nan, np.float32)
+        kg.matmul(fmt.ggml_type, x, w, out)
+        for t in range(T):
+            x_q, x_s, _ = kq.quantize_act_q8_ref(x[t])
+            ref = kq.matvec_ref(w, name, (N, K), x_q, x_s)
+            tol = 2e-6 * np.abs(gb.dequantize_ref(w, name, (N, K))).astype(np.float64) @ np.abs(x_q * np.repeat(x_s, 32))
+            assert (np.abs(out[t] - ref) <= tol + 1e-30).all()
+
+
+def test_matmul_rejects_bad_input():
+    w = gb.random_blocks("Q4_K", 4, 256, RNG)
+    x = np.zeros((5, 256), np.float32)
+    with pytest.raises(ValueError):
+        kg.matmul(kq.Q4_K, x, w, np.zeros((5, 3), np.float32))
+    with pytest.raises(ValueError):
+        kg.matmul(kq.Q6_K, x, w, np.zeros((5, 4), np.float32))
+    with pytest.raises(ValueError):
+        kg.matmul(9, x, w, np.zeros((5, 4), np.float32))
+    with pytest.raises(ValueError):
+        kg.dequantize(kq.Q4_K, w, 512)
