@@ -495,6 +495,39 @@ def _kq_row_dot(typingctx, w, x_q, x_s, x_m, n, fmt, isa):
     return sig, codegen
 
 
+@intrinsic
+def unpack_group_quants(typingctx, w, n, g, tq, r, o, fmt):
+    """tq[r, o:o + 32 G] = the quants of file block g of row n of the raw blocks w, 32-weight
+    block by block in weight order (G = 1, or 8 for the K-quants): signed for the formats
+    without a min (Q8_0 q, Q4_0 q - 8, Q5_0 q - 16), unsigned (0..31) for those with one. ``fmt`` a compile-time constant. The same IR
+    unpackers as the matvec, for the prefill GEMM's packing. No bounds checks."""
+    ok = (isinstance(w, types.Array) and w.dtype == types.uint8 and w.ndim == 2
+          and isinstance(tq, types.Array) and tq.dtype == types.int8 and tq.ndim == 2
+          and all(isinstance(i, types.Integer) for i in (n, g, r, o))
+          and isinstance(fmt, types.IntegerLiteral) and fmt.literal_value in _FORMATS_IR)
+    if not ok:
+        return None
+    F = _FORMATS_IR[fmt.literal_value]
+    sig = types.void(w, n, g, tq, r, o, fmt)
+
+    def codegen(context, builder, sig, args):
+        aw = context.make_array(sig.args[0])(context, builder, args[0])
+        at = context.make_array(sig.args[3])(context, builder, args[3])
+        n_, g_, r_, o_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 2, 4, 5))
+        wrow = builder.gep(builder.bitcast(aw.data, _P8), [builder.mul(n_, builder.extract_value(aw.strides, 0))])
+        gp = builder.gep(wrow, [builder.mul(g_, _c64(F.bytes))])
+        dst = builder.gep(builder.bitcast(at.data, _P8), [builder.add(builder.mul(r_, builder.extract_value(at.strides, 0)), o_)])
+        bias = getattr(F, "bias", 0) if not getattr(F, "has_min", True) else 0
+        for j in range(F.G):
+            q = F.quants(builder, None, gp, j)
+            if bias:                                     # Q4_0 / Q5_0: signed q - bias, no offset
+                q = builder.sub(q, _splat_c(_I8, 32, bias))
+            builder.store(q, builder.bitcast(builder.gep(dst, [_c64(32 * j)]), _vec(_I8, 32).as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 # ================================================================================================
 # matvec entry points
 # ================================================================================================

@@ -2,32 +2,45 @@
 
     matmul(fmt, x float32 (T, K), w uint8 (N, row bytes), out float32 (T, N))
 
-Paths (the same split as ``q8.matmul_q8_sgemm``, whose structure this follows):
+Paths, chosen by :func:`matmul`:
 
-* T >= MIN_ROWS: tiles of weight rows are dequantized (:func:`dequantize_rows_into`, serial
-  numba, nogil: the values of :func:`gguf_blocks.dequantize_ref` bit for bit) into a float32
-  buffer of TILE_BYTES and multiplied by OpenBLAS sgemm (numpy.matmul straight into the column
-  block of ``out``); the rows of W are split over the configured number of Python threads, each
-  running single-threaded OpenBLAS (no spinning pool, no barriers between tiles). Activations
-  stay float32: the result is the float32 product with the exactly dequantized weights.
+* **Integer GEMM** (``q8_gemm.GEMM_ISA`` set: AVX-512 VNNI or AVX2; every format but Q6_K),
+  T >= MIN_ROWS. The register micro-kernel of ``q8_gemm`` (W8A16: int16 activations per block of
+  32, ``vpdpwssd`` / ``vpmaddwd``) runs on the blocks' own quants: each panel of NR rows x
+  KC_BLOCKS blocks is unpacked into int8 quants by the decode kernels' own IR
+  (``kquant.unpack_group_quants``: Q8_0 q, Q4_0 q - 8, Q5_0 q - 16 signed; the others' q
+  unsigned) and a float32 scale a per block of 32 (d, or d sc for the K-quants), packed with
+  ``q8_gemm._pack_rows16`` and multiplied. The formats with a min (w = a q + c: Q4_1 / Q5_1
+  c = m, Q4_K / Q5_K c = -dmin mn) add the offsets afterwards as one float32 product of rank
+  K / 32:
+  out += xsum (T, K/32) @ C (N, K/32).T with xsum[t, b] = x_s[t, b] * sum of x_q[t]'s block b,
+  1/32 of the GEMM's multiply-adds (OpenBLAS sgemm). Numerics: the W8A16 GEMM's (activations
+  rounded to int16 per 32: 2^-16 of a block's largest value), the weights exact.
+  Q6_K stays on the float path: its sub-blocks of 16 carry their own int8 scales, and folding
+  them into int16 weights (|sc (q - 32)| <= 4064) could overflow the tile's int32 block sums.
+* **Dequantize + sgemm** (elsewhere, and for Q6_K), T >= MIN_ROWS: tiles of weight rows are
+  dequantized (:func:`dequantize_rows_into`, serial numba, nogil: the values of
+  :func:`gguf_blocks.dequantize_ref` bit for bit) into a float32 buffer of TILE_BYTES and
+  multiplied by OpenBLAS sgemm; the rows of W are split over the configured number of Python
+  threads, each running single-threaded OpenBLAS (as ``q8.matmul_q8_sgemm``). float32
+  activations.
 * T < MIN_ROWS: one ``kquant.quantize_act_q8`` + ``kquant.matvec`` per row (decode's numerics),
-  which reads the blocks once per row instead of writing them out as float32.
+  which reads the blocks once per row instead of unpacking every one.
 
 :func:`dequantize` (parallel, whole matrix) is also what a requantization on request
 (``quant="int8"`` of a GGUF) starts from.
-
-Not done yet: an integer GEMM on the blocks (the q8_gemm micro-kernel on unpacked quants, with
-the offsets as a rank-K/32 float correction); measured q8's W8A16 GEMM is 1.3-3x this path.
 """
 from __future__ import annotations
 
+import numba
 import numpy as np
 from numba import njit, prange
 
 from . import numba_setup
+from . import q8_gemm as g8
 from .gguf_blocks import BY_TYPE, block_format, dequantize_ref
-from .kquant import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, matvec, quantize_act_q8
-from .q8 import _pool, half_to_float
+from .kquant import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, matvec, quantize_act_q8, unpack_group_quants
+from .q8 import QBLOCK, _pool, half_to_float
 
 MIN_ROWS = 3
 """Fewest rows sent through dequantize + sgemm: below, a matvec per row reads the blocks once
@@ -183,6 +196,161 @@ def dequantize(fmt, w, K: int) -> np.ndarray:
 
 
 # ================================================================================================
+# integer GEMM on the blocks' quants (q8_gemm's micro-kernel)
+# ================================================================================================
+
+INT_FORMATS = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K)
+"""Formats the integer GEMM takes (Q6_K: the float path, see the module docstring)."""
+
+_HAS_MIN = (Q4_1, Q5_1, Q4_K, Q5_K)
+
+@njit(cache=True, inline="always")
+def _f16_at(w, n, p):
+    return half_to_float(np.uint16(w[n, p]) | (np.uint16(w[n, p + 1]) << np.uint16(8)))
+
+
+@njit(cache=True, inline="always")
+def _block_scale_offset(fmt, w, n, b):
+    """(a, c) of 32-weight block b of row n: w = a q + c for the quants of
+    kquant.unpack_group_quants (unsigned, Q8_0's signed)."""
+    if fmt == Q8_0:
+        return _f16_at(w, n, 34 * b), np.float32(0)
+    if fmt == Q4_0 or fmt == Q5_0:
+        return _f16_at(w, n, b * (18 if fmt == Q4_0 else 22)), np.float32(0)
+    if fmt == Q4_1 or fmt == Q5_1:
+        p = b * (20 if fmt == Q4_1 else 24)
+        return _f16_at(w, n, p), _f16_at(w, n, p + 2)
+    g, s = b // 8, b % 8                                   # Q4_K / Q5_K: super-block g, sub-block s
+    p = g * (144 if fmt == Q4_K else 176)
+    s4 = p + 4
+    if s < 4:
+        sc, mn = np.int32(w[n, s4 + s]) & 63, np.int32(w[n, s4 + s + 4]) & 63
+    else:
+        sc = (np.int32(w[n, s4 + s + 4]) & 15) | ((np.int32(w[n, s4 + s - 4]) >> 6) << 4)
+        mn = (np.int32(w[n, s4 + s + 4]) >> 4) | ((np.int32(w[n, s4 + s]) >> 6) << 4)
+    return _f16_at(w, n, p) * np.float32(sc), -(_f16_at(w, n, p + 2) * np.float32(mn))
+
+
+@njit(cache=True, inline="always")
+def _unpack_quants(fmt, w, n, g, tq, r, o):
+    """kquant.unpack_group_quants with a run-time fmt (a branch per format, each inlined IR)."""
+    if fmt == Q4_K:
+        unpack_group_quants(w, n, g, tq, r, o, 12)
+    elif fmt == Q8_0:
+        unpack_group_quants(w, n, g, tq, r, o, 8)
+    elif fmt == Q4_0:
+        unpack_group_quants(w, n, g, tq, r, o, 2)
+    elif fmt == Q5_K:
+        unpack_group_quants(w, n, g, tq, r, o, 13)
+    elif fmt == Q4_1:
+        unpack_group_quants(w, n, g, tq, r, o, 3)
+    elif fmt == Q5_0:
+        unpack_group_quants(w, n, g, tq, r, o, 6)
+    else:
+        unpack_group_quants(w, n, g, tq, r, o, 7)
+
+
+@njit(cache=True, nogil=True)
+def _decode_pack_chunk(fmt, w, n0, b0, nblocks, tq, wp, sp, C):
+    """Rows n0 .. n0 + NR - 1, blocks b0 .. b0 + nblocks - 1 of the raw blocks w -> the packed
+    chunk (wp, sp) of q8_gemm's layout (rows past N zero), and their offsets into C (N, nb).
+    b0 and nblocks are whole file blocks (KC_BLOCKS is a multiple of 8)."""
+    N = w.shape[0]
+    NR = g8.NR
+    G = 8 if (fmt == Q4_K or fmt == Q5_K) else 1
+    for r in range(NR):
+        n = n0 + r
+        if n < N:
+            for gg in range(b0 // G, (b0 + nblocks) // G):
+                _unpack_quants(fmt, w, n, gg, tq, r, (gg * G - b0) * 32)
+            for bb in range(nblocks):
+                a, c = _block_scale_offset(fmt, w, n, b0 + bb)
+                sp[bb * NR + r] = a
+                C[n, b0 + bb] = c
+        else:
+            tq[r, :nblocks * 32] = 0
+            for bb in range(nblocks):
+                sp[bb * NR + r] = 0.0
+    for g in range(NR // 16):
+        for bb in range(nblocks):
+            g8._pack_rows16(tq, 16 * g, bb, wp, bb * 16 * 2 * NR + g * 32)
+
+
+@njit(cache=True, parallel=True)
+def _gemm_blocks(fmt, x_q, x_s, w, T, out, C, nthreads):
+    """out[:T] = the W8A16 product on the blocks' quants (without the offsets, which go to C).
+
+    The panel / chunk / tile loop of ``q8_gemm._gemm_panels``, packing from the raw blocks.
+    """
+    N = w.shape[0]
+    nb = x_s.shape[1]
+    Tp = x_q.shape[0]
+    NR, TR, KC = g8.NR, g8.TR, g8.KC_BLOCKS
+    npanel = (N + NR - 1) // NR
+    nth = max(1, min(nthreads, npanel))
+    t_direct = T // TR * TR
+    for c in prange(nth):
+        tq = np.empty((NR, KC * QBLOCK), np.int8)
+        wp = np.empty(KC * 16 * 2 * NR, np.int16)
+        sp = np.empty(KC * NR, np.float32)
+        edge = np.empty((Tp if N % NR or not g8.SUM_INTO_OUT else TR, NR), np.float32)
+        for p in range(c * npanel // nth, (c + 1) * npanel // nth):
+            n0 = p * NR
+            ncols = min(NR, N - n0)
+            e0 = t_direct if g8.SUM_INTO_OUT and ncols == NR else 0
+            for b0 in range(0, nb, KC):
+                nblk = min(KC, nb - b0)
+                first = b0 == 0
+                _decode_pack_chunk(fmt, w, n0, b0, nblk, tq, wp, sp, C)
+                for t0 in range(0, e0, TR):
+                    g8._w8a16_tile(wp, sp, x_q, x_s, t0, b0 * QBLOCK, out, t0, n0, nblk, first)
+                for t0 in range(e0, Tp, TR):
+                    g8._w8a16_tile(wp, sp, x_q, x_s, t0, b0 * QBLOCK, edge, t0 - e0, 0, nblk, first)
+            for t in range(e0, T):
+                out[t, n0:n0 + ncols] = edge[t - e0, :ncols]
+
+
+@njit(cache=True, parallel=True)
+def _block_sums(x_q, x_s, T, xsum):
+    """xsum[t, b] = x_s[t, b] * sum of x_q[t, 32 b:32 b + 32] for t < T."""
+    for t in prange(T):
+        for b in range(xsum.shape[1]):
+            s = 0
+            for j in range(32):
+                s += np.int32(x_q[t, 32 * b + j])
+            xsum[t, b] = np.float32(s) * x_s[t, b]
+
+
+def matmul_int(fmt, x, w, out):
+    """The integer GEMM (module docstring); needs ``q8_gemm.GEMM_ISA`` and fmt in INT_FORMATS."""
+    fmt = int(fmt)
+    if g8.GEMM_ISA is None or fmt not in INT_FORMATS:
+        raise RuntimeError("kquant_gemm.matmul_int needs AVX2 or AVX-512 VNNI and a format of INT_FORMATS")
+    _check(fmt, x, w, out)
+    T, K = x.shape
+    nb = K // QBLOCK
+    Tp = (T + g8.TR - 1) // g8.TR * g8.TR
+    x_q, x_s = g8._activation_scratch(Tp, K)
+    g8._quantize_rows_q16(x, x_q, x_s)
+    C = np.zeros((w.shape[0], nb), np.float32)
+    _gemm_blocks(fmt, x_q, x_s, w, T, out, C, numba.get_num_threads())
+    if fmt in _HAS_MIN:
+        xsum = np.empty((T, nb), np.float32)
+        _block_sums(x_q, x_s, T, xsum)
+        out += xsum @ C.T
+
+
+def matmul_int_ref(x, w, fmt, shape):
+    """numpy reference of :func:`matmul_int` (float64): rows of x rounded as q8.quantize_act_q16_ref,
+    times the exactly dequantized weights."""
+    from .q8 import quantize_act_q16_ref
+    K = x.shape[1]
+    xr = np.stack([(lambda q, s: q.astype(np.float64) * np.repeat(s.astype(np.float64), 32))(*quantize_act_q16_ref(r, K))
+                   for r in x]) if x.shape[0] else np.zeros((0, K))
+    return xr @ dequantize_ref(w, fmt, shape).astype(np.float64).T
+
+
+# ================================================================================================
 # matmul (prefill)
 # ================================================================================================
 
@@ -244,6 +412,16 @@ def matmul(fmt, x, w, out):
         _matvec_rows(fmt, x, w, out, np.empty(K, np.int8), np.empty(K // 32, np.float32),
                      np.empty(K // 16, np.float32))
         return
+    if g8.GEMM_ISA is not None and fmt in INT_FORMATS:
+        matmul_int(fmt, x, w, out)
+    else:
+        matmul_sgemm(fmt, x, w, out)
+
+
+def matmul_sgemm(fmt, x, w, out):
+    """The dequantize + sgemm path (module docstring), any T and format."""
+    fmt = int(fmt)
+    _check(fmt, x, w, out)
     parts = numba_setup.configured_threads()
     if parts > 1 and w.shape[0] >= 64 * parts and numba_setup._openblas_libs():
         _matmul_split(fmt, x, w, out, parts)
@@ -251,7 +429,7 @@ def matmul(fmt, x, w, out):
         _matmul_rows(fmt, x, w, out, 0, w.shape[0])
 
 
-def matmul_ref(x, w, fmt, shape):
-    """numpy reference of the T >= MIN_ROWS path (float64): x @ dequantize_ref(w).T."""
+def matmul_sgemm_ref(x, w, fmt, shape):
+    """numpy reference of :func:`matmul_sgemm` (float64): x @ dequantize_ref(w).T."""
     return x.astype(np.float64) @ dequantize_ref(w, fmt, shape).astype(np.float64).T
 

@@ -7,7 +7,7 @@ import pytest
 from cpullm.kernels import gguf_blocks as gb
 from cpullm.kernels import kquant as kq
 from cpullm.kernels import kquant_gemm as kg
-from cpullm.kernels import numba_setup
+from cpullm.kernels import numba_setup, q8_gemm
 
 RNG = np.random.default_rng(20261205)
 FORMATS = ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K", "Q4_1", "Q5_0", "Q5_1"]
@@ -38,9 +38,17 @@ def test_dequantize_rows_into_a_strided_tile():
     assert np.isnan(buf[:, K:]).all()
 
 
+def _paths(name):
+    """(label, function, reference) of every T >= MIN_ROWS path that takes this format here."""
+    paths = [("sgemm", kg.matmul_sgemm, kg.matmul_sgemm_ref)]
+    if q8_gemm.GEMM_ISA is not None and gb.FORMATS[name].ggml_type in kg.INT_FORMATS:
+        paths.append(("int", kg.matmul_int, kg.matmul_int_ref))
+    return paths
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("name", FORMATS)
-def test_matmul_matches_reference(name, threads):
+def test_matmul_paths_match_their_references(name, threads):
     fmt = gb.FORMATS[name]
     saved = numba_setup.configured_threads()
     numba_setup.configure(threads)
@@ -48,17 +56,34 @@ def test_matmul_matches_reference(name, threads):
         for N, K in _shapes(name):
             w = gb.random_blocks(name, N, K, RNG)
             deq = np.abs(gb.dequantize_ref(w, name, (N, K))).astype(np.float64)
-            for T in (3, 37):
+            for T in (3, 4, 37):
                 x = RNG.standard_normal((T, K)).astype(np.float32)
-                big = np.full((T, N + 5), np.nan, np.float32)          # out as a strided view
-                out = big[:, 2:N + 2]
-                kg.matmul(fmt.ggml_type, x, w, out)
-                ref = kg.matmul_ref(x, w, name, (N, K))
+                if T > 3:
+                    x[1, 5] = 300.0                                        # an activation outlier
                 terms = np.abs(x).astype(np.float64) @ deq.T
-                assert (np.abs(out - ref) <= 2e-6 * terms + 1e-30).all()
-                assert np.isnan(big[:, :2]).all() and np.isnan(big[:, N + 2:]).all()
+                for label, fn, ref_fn in _paths(name):
+                    big = np.full((T, N + 5), np.nan, np.float32)      # out as a strided view
+                    out = big[:, 2:N + 2]
+                    fn(fmt.ggml_type, x, w, out)
+                    ref = ref_fn(x, w, name, (N, K))
+                    assert (np.abs(out - ref) <= 2e-6 * terms + 1e-30).all(), (label, N, K, T)
+                    assert np.isnan(big[:, :2]).all() and np.isnan(big[:, N + 2:]).all()
     finally:
         numba_setup.configure(saved)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_matmul_dispatches_to_the_integer_gemm_where_it_runs(name):
+    fmt = gb.FORMATS[name]
+    N, K, T = 70, 2 * fmt.block_weights, 5
+    w = gb.random_blocks(name, N, K, RNG)
+    x = RNG.standard_normal((T, K)).astype(np.float32)
+    out = np.empty((T, N), np.float32)
+    kg.matmul(fmt.ggml_type, x, w, out)
+    use_int = q8_gemm.GEMM_ISA is not None and fmt.ggml_type in kg.INT_FORMATS
+    want = np.empty((T, N), np.float32)
+    (kg.matmul_int if use_int else kg.matmul_sgemm)(fmt.ggml_type, x, w, want)
+    np.testing.assert_array_equal(out, want)
 
 
 @pytest.mark.parametrize("name", FORMATS)
