@@ -4,7 +4,7 @@
 
 Paths, chosen by :func:`matmul`:
 
-* **Integer GEMM** (``q8_gemm.GEMM_ISA`` set: AVX-512 VNNI or AVX2; every format but Q6_K),
+* **Integer GEMM** (``q8_gemm.GEMM_ISA`` set: AVX-512 VNNI or AVX2; every format),
   T >= MIN_ROWS. The register micro-kernel of ``q8_gemm`` (W8A16: int16 activations per block of
   32, ``vpdpwssd`` / ``vpmaddwd``) runs on the blocks' own quants: each panel of NR rows x
   KC_BLOCKS blocks is unpacked into int8 quants by the decode kernels' own IR
@@ -16,9 +16,10 @@ Paths, chosen by :func:`matmul`:
   out += xsum (T, K/32) @ C (N, K/32).T with xsum[t, b] = x_s[t, b] * sum of x_q[t]'s block b,
   1/32 of the GEMM's multiply-adds (OpenBLAS sgemm). Numerics: the W8A16 GEMM's (activations
   rounded to int16 per 32: 2^-16 of a block's largest value), the weights exact.
-  Q6_K stays on the float path: its sub-blocks of 16 carry their own int8 scales, and folding
-  them into int16 weights (|sc (q - 32)| <= 4064) could overflow the tile's int32 block sums.
-* **Dequantize + sgemm** (elsewhere, and for Q6_K), T >= MIN_ROWS: tiles of weight rows are
+  Q6_K, whose sub-blocks of 16 carry their own int8 scales, is packed as int16 weights
+  sc (q - 32) (|.| <= 4096) with scale d, against activations rounded to at most
+  Q6_K_ACT_QMAX = 16383 so the tile's int32 block sums cannot overflow.
+* **Dequantize + sgemm** (CPUs without AVX2), T >= MIN_ROWS: tiles of weight rows are
   dequantized (:func:`dequantize_rows_into`, serial numba, nogil: the values of
   :func:`gguf_blocks.dequantize_ref` bit for bit) into a float32 buffer of TILE_BYTES and
   multiplied by OpenBLAS sgemm; the rows of W are split over the configured number of Python
@@ -34,13 +35,14 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from . import numba_setup
 from . import q8_gemm as g8
 from .gguf_blocks import BY_TYPE, block_format, dequantize_ref
 from .kquant import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, matvec, quantize_act_q8, unpack_group_quants
-from .q8 import QBLOCK, _pool, half_to_float
+from .q8 import QBLOCK, _pool, _quantize_row, half_to_float
 
 MIN_ROWS = 3
 """Fewest rows sent through dequantize + sgemm: below, a matvec per row reads the blocks once
@@ -199,8 +201,8 @@ def dequantize(fmt, w, K: int) -> np.ndarray:
 # integer GEMM on the blocks' quants (q8_gemm's micro-kernel)
 # ================================================================================================
 
-INT_FORMATS = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K)
-"""Formats the integer GEMM takes (Q6_K: the float path, see the module docstring)."""
+INT_FORMATS = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)
+"""Formats the integer GEMM takes (all)."""
 
 _HAS_MIN = (Q4_1, Q5_1, Q4_K, Q5_K)
 
@@ -276,6 +278,86 @@ def _decode_pack_chunk(fmt, w, n0, b0, nblocks, tq, wp, sp, C):
             g8._pack_rows16(tq, 16 * g, bb, wp, bb * 16 * 2 * NR + g * 32)
 
 
+# ---- Q6_K: int16 weights sc (q - 32), activations rounded to 15 bits -----------------------------
+
+Q6_K_ACT_QMAX = 16383
+"""Largest activation quant of the Q6_K GEMM: its int16 weights reach |sc (q - 32)| = 128 * 32,
+and a block's int32 sum 32 * 4096 * 16383 = 2147352576 stays below 2^31 (with 32767 it would
+not). The activations' rounding is then 2^-15 of a block's largest value."""
+
+
+@njit(cache=True, nogil=True)
+def _unpack_q6_k_rows(w, n0, b0, nblocks, tq16):
+    """tq16[r, 32 bb + j] = sc (q - 32) (int16) of weight j of 32-block b0 + bb of row n0 + r,
+    for the rows of the panel inside w (the rest zero); b0, nblocks whole 256-blocks."""
+    N = w.shape[0]
+    for r in range(tq16.shape[0]):
+        n = n0 + r
+        if n >= N:
+            tq16[r, :nblocks * 32] = 0
+            continue
+        for gg in range(b0 // 8, (b0 + nblocks) // 8):
+            p = gg * 210
+            o = (gg * 8 - b0) * 32
+            for h in range(2):
+                for k in range(4):
+                    lo_shift = np.uint8(4 * (k // 2))
+                    hi_shift = np.uint8(2 * k)
+                    for l in range(32):
+                        lo = (w[n, p + 64 * h + 32 * (k % 2) + l] >> lo_shift) & np.uint8(15)
+                        hi = (w[n, p + 128 + 32 * h + l] >> hi_shift) & np.uint8(3)
+                        j = 128 * h + 32 * k + l
+                        sc = np.int16(np.int8(w[n, p + 192 + j // 16]))
+                        tq16[r, o + j] = sc * (np.int16(lo | (hi << np.uint8(4))) - np.int16(32))
+
+
+@intrinsic
+def _pack_rows16_i16(typingctx, tq16, n0, blk, wp, off):
+    """q8_gemm._pack_rows16 for int16 rows: rows n0 .. n0 + 15 of tq16 (int16 2-D), values
+    32 blk .. 32 blk + 31, transposed into wp as that kernel does (pair p of row n0 + lane at
+    int16 offset off + p * 2 * NR + 2 * lane). No bounds checks."""
+    ok = (isinstance(tq16, types.Array) and tq16.dtype == types.int16 and tq16.ndim == 2
+          and isinstance(wp, types.Array) and wp.dtype == types.int16 and wp.ndim == 1
+          and all(isinstance(i, types.Integer) for i in (n0, blk, off)))
+    if not ok:
+        return None
+    sig = types.void(tq16, n0, blk, wp, off)
+
+    def codegen(context, builder, sig, args):
+        from llvmlite import ir
+        at = context.make_array(sig.args[0])(context, builder, args[0])
+        awp = context.make_array(sig.args[3])(context, builder, args[3])
+        n0_, blk_, off_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 2, 4))
+        i8p = ir.IntType(8).as_pointer()
+        stride = builder.extract_value(at.strides, 0)
+        base = builder.gep(builder.bitcast(at.data, i8p), [builder.add(builder.mul(n0_, stride),
+                                                                       builder.shl(blk_, ir.Constant(ir.IntType(64), 6)))])
+        v16i32 = ir.VectorType(ir.IntType(32), 16)
+        rows = [builder.load(builder.bitcast(builder.gep(base, [builder.mul(stride, ir.Constant(ir.IntType(64), r))]),
+                                             v16i32.as_pointer()), align=1) for r in range(16)]
+        dst = builder.gep(awp.data, [off_])
+        for p, vec in enumerate(g8._transpose16(builder, rows)):
+            q = builder.bitcast(builder.gep(dst, [ir.Constant(ir.IntType(64), p * 2 * g8.NR)]), v16i32.as_pointer())
+            builder.store(vec, q, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True)
+def _decode_pack_chunk_q6_k(w, n0, b0, nblocks, tq16, wp, sp):
+    NR = g8.NR
+    N = w.shape[0]
+    _unpack_q6_k_rows(w, n0, b0, nblocks, tq16)
+    for r in range(NR):
+        n = n0 + r
+        for bb in range(nblocks):
+            sp[bb * NR + r] = _f16_at(w, n, ((b0 + bb) // 8) * 210 + 208) if n < N else np.float32(0.0)
+    for g in range(NR // 16):
+        for bb in range(nblocks):
+            _pack_rows16_i16(tq16, 16 * g, bb, wp, bb * 16 * 2 * NR + g * 32)
+
+
 @njit(cache=True, parallel=True)
 def _gemm_blocks(fmt, x_q, x_s, w, T, out, C, nthreads):
     """out[:T] = the W8A16 product on the blocks' quants (without the offsets, which go to C).
@@ -291,6 +373,7 @@ def _gemm_blocks(fmt, x_q, x_s, w, T, out, C, nthreads):
     t_direct = T // TR * TR
     for c in prange(nth):
         tq = np.empty((NR, KC * QBLOCK), np.int8)
+        tq16 = np.empty((NR if fmt == Q6_K else 0, KC * QBLOCK), np.int16)
         wp = np.empty(KC * 16 * 2 * NR, np.int16)
         sp = np.empty(KC * NR, np.float32)
         edge = np.empty((Tp if N % NR or not g8.SUM_INTO_OUT else TR, NR), np.float32)
@@ -301,7 +384,10 @@ def _gemm_blocks(fmt, x_q, x_s, w, T, out, C, nthreads):
             for b0 in range(0, nb, KC):
                 nblk = min(KC, nb - b0)
                 first = b0 == 0
-                _decode_pack_chunk(fmt, w, n0, b0, nblk, tq, wp, sp, C)
+                if fmt == Q6_K:
+                    _decode_pack_chunk_q6_k(w, n0, b0, nblk, tq16, wp, sp)
+                else:
+                    _decode_pack_chunk(fmt, w, n0, b0, nblk, tq, wp, sp, C)
                 for t0 in range(0, e0, TR):
                     g8._w8a16_tile(wp, sp, x_q, x_s, t0, b0 * QBLOCK, out, t0, n0, nblk, first)
                 for t0 in range(e0, Tp, TR):
@@ -331,7 +417,10 @@ def matmul_int(fmt, x, w, out):
     nb = K // QBLOCK
     Tp = (T + g8.TR - 1) // g8.TR * g8.TR
     x_q, x_s = g8._activation_scratch(Tp, K)
-    g8._quantize_rows_q16(x, x_q, x_s)
+    if fmt == Q6_K:
+        _quantize_rows(x, x_q, x_s, Q6_K_ACT_QMAX)
+    else:
+        g8._quantize_rows_q16(x, x_q, x_s)
     C = np.zeros((w.shape[0], nb), np.float32)
     _gemm_blocks(fmt, x_q, x_s, w, T, out, C, numba.get_num_threads())
     if fmt in _HAS_MIN:
@@ -340,13 +429,27 @@ def matmul_int(fmt, x, w, out):
         out += xsum @ C.T
 
 
+@njit(cache=True, parallel=True)
+def _quantize_rows(x, x_q, x_s, qmax):
+    """Rows of x float32 (T, K) -> x_q int16 (Tp, K) / x_s float32 (Tp, K // 32) with quants up
+    to qmax (q8._quantize_row); rows >= T zero."""
+    T = x.shape[0]
+    for t in prange(x_q.shape[0]):
+        if t < T:
+            _quantize_row(x[t], x_q[t], x_s[t], qmax)
+        else:
+            x_q[t, :] = 0
+            x_s[t, :] = 0.0
+
+
 def matmul_int_ref(x, w, fmt, shape):
-    """numpy reference of :func:`matmul_int` (float64): rows of x rounded as q8.quantize_act_q16_ref,
-    times the exactly dequantized weights."""
-    from .q8 import quantize_act_q16_ref
+    """numpy reference of :func:`matmul_int` (float64): rows of x rounded to int16 blocks of 32
+    (quants up to 32767, Q6_K's up to Q6_K_ACT_QMAX), times the exactly dequantized weights."""
+    from .q8 import _quantize_blocks_ref
+    qmax = Q6_K_ACT_QMAX if block_format(fmt).ggml_type == Q6_K else 32767
     K = x.shape[1]
-    xr = np.stack([(lambda q, s: q.astype(np.float64) * np.repeat(s.astype(np.float64), 32))(*quantize_act_q16_ref(r, K))
-                   for r in x]) if x.shape[0] else np.zeros((0, K))
+    q, d = _quantize_blocks_ref(x.reshape(-1, K), qmax, False)
+    xr = q.astype(np.float64) * np.repeat(d.astype(np.float64), 32, axis=1)
     return xr @ dequantize_ref(w, fmt, shape).astype(np.float64).T
 
 

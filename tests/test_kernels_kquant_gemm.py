@@ -114,3 +114,20 @@ def test_matmul_rejects_bad_input():
         kg.matmul(9, x, w, np.zeros((5, 4), np.float32))
     with pytest.raises(ValueError):
         kg.dequantize(kq.Q4_K, w, 512)
+
+
+@pytest.mark.skipif(q8_gemm.GEMM_ISA is None, reason="this CPU lacks AVX2+FMA+F16C (no integer GEMM here)")
+def test_q6_k_integer_gemm_at_its_overflow_limit():
+    # every int16 weight sc (q - 32) at 4096 (sc = -128, q = 0) against activations at their
+    # largest (one sign per block): each block's int32 sum is 32 * 4096 * 16383, just below 2^31
+    N, K, T = 70, 512, 4
+    w = gb.random_blocks("Q6_K", N, K, RNG, scale=1e-3)
+    b = w.reshape(-1, 210)
+    b[:, 0:192] = 0
+    b[:, 192:208] = 0x80
+    x = np.where(np.arange(K) // 32 % 2 == 0, 1.0, -1.0).astype(np.float32) * np.ones((T, 1), np.float32)
+    out = np.full((T, N), np.nan, np.float32)
+    kg.matmul_int(kq.Q6_K, x, w, out)
+    ref = kg.matmul_int_ref(x, w, "Q6_K", (N, K))
+    terms = np.abs(x).astype(np.float64) @ np.abs(gb.dequantize_ref(w, "Q6_K", (N, K))).astype(np.float64).T
+    assert (np.abs(out - ref) <= 2e-6 * terms).all()
