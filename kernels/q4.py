@@ -43,7 +43,11 @@ confirmed by the KL measurement the issue asks for):
 
 Entry points: ``quantize_q4(w float32 (N, K)) -> uint8 (N, Kp / 256 * 144)``, Kp = K rounded up
 to 256, and its reference dequantizer ``dequantize_q4_ref(blocks, N, K) -> float32 (N, K)``
-(gguf_blocks.dequantize_ref for Q4_K, the padding dropped).
+(gguf_blocks.dequantize_ref for Q4_K, the padding dropped); for the tensors kept at 6 bits,
+``quantize_q6_k(w) -> uint8 (N, Kp / 256 * 210)`` and ``dequantize_q6_k_ref``. Its quantizer:
+each sub-block of 16 gets a signed scale a (w ~ a q, q in -32..31) by least squares over 16
+candidate grids (the largest |x| mapped to -32 + t or 31 - t levels), d = max |a| / 127 (binary16),
+int8 sc = rint(a / d), and the quants are rounded against d sc as the dequantizer computes it.
 """
 from __future__ import annotations
 
@@ -163,3 +167,78 @@ def quantize_q4(w) -> np.ndarray:
 def dequantize_q4_ref(blocks, N: int, K: int) -> np.ndarray:
     """numpy reference: quantize_q4's blocks of an (N, K) matrix -> float32 (N, K)."""
     return dequantize_ref(blocks, Q4_K, (N, padded_k(K)))[:, :K]
+
+
+# ================================================================================================
+# Q6_K (the tensors the q4 mix keeps at 6 bits)
+# ================================================================================================
+
+_Q6_STEPS = np.linspace(0.0, 1.5, 8, dtype=np.float32)
+"""Candidate grids of a Q6_K sub-block: its largest |x| mapped to level -(32 - t) or 31 - t."""
+
+
+def _fit_q6_sub_blocks(x: np.ndarray) -> np.ndarray:
+    """x float32 (M, 16) -> signed scales a (M,): w ~ a q, q integer in -32..31, least squares."""
+    amax_i = np.abs(x).argmax(axis=1)
+    peak = x[np.arange(x.shape[0]), amax_i]                                  # signed largest value
+    live = peak != 0
+    peak = np.where(live, peak, 1).astype(np.float32)
+    levels = np.concatenate([-(32 - _Q6_STEPS), 31 - _Q6_STEPS])            # (C,)
+    a0 = peak[:, None] / levels[None, :]                                      # (M, C)
+    q = np.clip(np.rint(x[:, None, :] / a0[..., None]), -32, 31)             # (M, C, 16)
+    sqq = (q * q).sum(-1)
+    a = np.where(sqq > 0, (q * x[:, None, :]).sum(-1) / np.where(sqq > 0, sqq, 1), 0)
+    err = ((a[..., None] * q - x[:, None, :]) ** 2).sum(-1)
+    best = err.argmin(axis=1)
+    return np.where(live, a[np.arange(x.shape[0]), best], 0).astype(np.float32)
+
+
+def _quantize_q6_super_blocks(x: np.ndarray) -> np.ndarray:
+    """x float32 (nb, 256) -> Q6_K blocks uint8 (nb, 210)."""
+    nb = x.shape[0]
+    a = _fit_q6_sub_blocks(x.reshape(-1, 16)).reshape(nb, 16)
+    top = np.abs(a).max(axis=1) / np.float32(127)
+    if not (top <= np.float32(np.finfo(np.float16).max)).all():
+        raise ValueError("quantize_q6_k: a weight block's scale exceeds binary16 (|w| > ~2e8)")
+    h = top.astype(np.float16)
+    d = h.astype(np.float32)
+    sc = np.where(d[:, None] > 0, np.rint(a / np.where(d > 0, d, 1)[:, None]), 0)
+    sc = np.clip(sc, -128, 127).astype(np.int8)
+    step = d[:, None] * sc.astype(np.float32)                                # (nb, 16) as dequantized
+    inv = np.where(step != 0, np.float32(1) / np.where(step != 0, step, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(x.reshape(nb, 16, 16) * inv[..., None]), -32, 31).astype(np.int16) + 32
+    q = q.astype(np.uint8).reshape(nb, 2, 4, 32)                              # (nb, half h, k, l)
+    out = np.empty((nb, 210), np.uint8)
+    low = q & 15
+    ql = np.concatenate([low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], axis=2)
+    out[:, 0:128] = ql.reshape(nb, 128)                                       # ql[64 h + 32 (k % 2) + l]
+    high = q >> 4                                                             # 2 bits
+    qh = high[:, :, 0] | (high[:, :, 1] << 2) | (high[:, :, 2] << 4) | (high[:, :, 3] << 6)
+    out[:, 128:192] = qh.reshape(nb, 64)
+    out[:, 192:208] = sc.view(np.uint8)
+    out[:, 208:210] = h.view(np.uint8).reshape(nb, 2)
+    return out
+
+
+def quantize_q6_k(w) -> np.ndarray:
+    """w float (N, K) -> Q6_K blocks uint8 (N, Kp / 256 * 210), Kp = padded_k(K) (zero padding)."""
+    w = np.asarray(w, dtype=np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"quantize_q6_k expects a 2-D matrix, got shape {w.shape}")
+    if not np.isfinite(w).all():
+        raise ValueError("quantize_q6_k: the matrix holds non-finite values")
+    N, K = w.shape
+    Kp = padded_k(K)
+    out = np.empty((N, Kp // SUPER * 210), np.uint8)
+    step = max(1, _ROWS_PER_CHUNK_VALUES // Kp)
+    for r0 in range(0, N, step):
+        r1 = min(N, r0 + step)
+        x = np.zeros((r1 - r0, Kp), np.float32)
+        x[:, :K] = w[r0:r1]
+        out[r0:r1] = _quantize_q6_super_blocks(x.reshape(-1, SUPER)).reshape(r1 - r0, -1)
+    return out
+
+
+def dequantize_q6_k_ref(blocks, N: int, K: int) -> np.ndarray:
+    """numpy reference: quantize_q6_k's blocks of an (N, K) matrix -> float32 (N, K)."""
+    return dequantize_ref(blocks, "Q6_K", (N, padded_k(K)))[:, :K]

@@ -23,8 +23,8 @@ def _weights(kind, N, K):
     return (0.02 * w).astype(np.float32)
 
 
-def _ggml_quantize_q4_k():
-    """llama.cpp's own Q4_K quantizer (no imatrix) through its shared library, or None."""
+def _ggml_quantizer(fmt):
+    """llama.cpp's own quantizer of ``fmt`` (no imatrix) through its shared library, or None."""
     try:
         import llama_cpp
     except ImportError:
@@ -40,8 +40,8 @@ def _ggml_quantize_q4_k():
 
     def quantize(w):
         w = np.ascontiguousarray(w, np.float32)
-        out = np.zeros((w.shape[0], gb.Q4_K.row_bytes(w.shape[1])), np.uint8)
-        fn(gb.Q4_K.ggml_type, w.ctypes.data, out.ctypes.data, 0, w.shape[0], w.shape[1], None)
+        out = np.zeros((w.shape[0], fmt.row_bytes(w.shape[1])), np.uint8)
+        fn(fmt.ggml_type, w.ctypes.data, out.ctypes.data, 0, w.shape[0], w.shape[1], None)
         return out
     return quantize
 
@@ -66,7 +66,7 @@ def test_q4_layout_is_q4_k_and_error_is_small(kind):
 
 @pytest.mark.parametrize("kind", ["normal", "student_t3", "skewed"])
 def test_q4_error_no_worse_than_llama_cpp_q4_k(kind):
-    ggml_quantize = _ggml_quantize_q4_k()
+    ggml_quantize = _ggml_quantizer(gb.Q4_K)
     if ggml_quantize is None:
         pytest.skip("llama-cpp-python (its libggml-base) is not installed: no llama.cpp quantizer to compare with")
     N, K = 128, 2048
@@ -119,3 +119,43 @@ def test_q4_blocks_run_through_the_matvec():
     assert (np.abs(out - ref) <= 2e-6 * terms).all()
     # and the product is close to the float32 one
     assert np.abs(out - w @ x).max() <= 0.1 * np.abs(w @ x).max()
+
+
+# ---- Q6_K (the tensors the q4 mix keeps at 6 bits) ---------------------------------------------
+
+@pytest.mark.parametrize("kind", ["normal", "student_t3", "skewed"])
+def test_q6_k_layout_and_error(kind):
+    gguf_quants = pytest.importorskip("gguf.quants", reason="the gguf package is the independent oracle")
+    from gguf import GGMLQuantizationType
+    N, K = 64, 896                                   # padded to 1024
+    w = _weights(kind, N, K)
+    blocks = q4.quantize_q6_k(w)
+    assert blocks.shape == (N, 4 * 210)
+    full = gguf_quants.dequantize(blocks, GGMLQuantizationType.Q6_K)
+    np.testing.assert_allclose(full[:, :K], q4.dequantize_q6_k_ref(blocks, N, K), rtol=2e-7, atol=0)
+    assert (full[:, K:] == 0).all()
+    # 64 levels per sub-block of 16: about 4x finer than q4
+    assert _rmse(q4.dequantize_q6_k_ref(blocks, N, K), w) <= 0.025 * float(w.std())
+
+
+@pytest.mark.parametrize("kind", ["normal", "student_t3", "skewed"])
+def test_q6_k_error_no_worse_than_llama_cpp_q6_k(kind):
+    ggml_quantize = _ggml_quantizer(gb.Q6_K)
+    if ggml_quantize is None:
+        pytest.skip("llama-cpp-python (its libggml-base) is not installed: no llama.cpp quantizer to compare with")
+    N, K = 128, 2048
+    w = _weights(kind, N, K)
+    ours = _rmse(q4.dequantize_q6_k_ref(q4.quantize_q6_k(w), N, K), w)
+    theirs = _rmse(gb.dequantize_ref(ggml_quantize(w), "Q6_K", (N, K)), w)
+    assert ours <= 1.005 * theirs, (ours, theirs)
+
+
+def test_q6_k_edge_rows_and_bad_input():
+    w = np.zeros((3, 256), np.float32)
+    w[1] = -0.5
+    w[2, ::3] = 2.0
+    deq = q4.dequantize_q6_k_ref(q4.quantize_q6_k(w), 3, 256)
+    assert (deq[0] == 0).all()
+    np.testing.assert_allclose(deq[1:], w[1:], rtol=1e-3, atol=1e-4)
+    with pytest.raises(ValueError):
+        q4.quantize_q6_k(np.full((1, 256), np.inf, np.float32))
