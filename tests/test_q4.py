@@ -1,0 +1,161 @@
+"""cpullm's q4 quantizer (Q4_K blocks): layout checked by the gguf package's dequantizer, error
+against llama.cpp's own Q4_K quantizer, padding, edge blocks, and the kernels on its output."""
+import ctypes
+import os
+
+import numpy as np
+import pytest
+
+from cpullm.kernels import gguf_blocks as gb
+from cpullm.kernels import kquant as kq
+from cpullm.kernels import q4
+
+RNG = np.random.default_rng(20261206)
+
+
+def _weights(kind, N, K):
+    if kind == "normal":
+        w = RNG.standard_normal((N, K))
+    elif kind == "student_t3":                   # heavy tails, as real weight rows have
+        w = RNG.standard_t(3, (N, K))
+    else:                                        # skewed blocks: the min matters
+        w = RNG.standard_normal((N, K)) + 0.7 * np.abs(RNG.standard_normal((N, K)))
+    return (0.02 * w).astype(np.float32)
+
+
+def _ggml_quantizer(fmt):
+    """llama.cpp's own quantizer of ``fmt`` (no imatrix) through its shared library, or None."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    path = os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libggml-base.so")
+    if not os.path.exists(path):
+        return None
+    lib = ctypes.CDLL(path)
+    fn = lib.ggml_quantize_chunk
+    fn.restype = ctypes.c_size_t
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_int64, ctypes.c_void_p]
+
+    def quantize(w):
+        w = np.ascontiguousarray(w, np.float32)
+        out = np.zeros((w.shape[0], fmt.row_bytes(w.shape[1])), np.uint8)
+        fn(fmt.ggml_type, w.ctypes.data, out.ctypes.data, 0, w.shape[0], w.shape[1], None)
+        return out
+    return quantize
+
+
+def _rmse(a, b):
+    return float(np.sqrt(np.mean((a.astype(np.float64) - b) ** 2)))
+
+
+@pytest.mark.parametrize("kind", ["normal", "student_t3", "skewed"])
+def test_q4_layout_is_q4_k_and_error_is_small(kind):
+    gguf_quants = pytest.importorskip("gguf.quants", reason="the gguf package is the independent oracle")
+    from gguf import GGMLQuantizationType
+    N, K = 64, 1024
+    w = _weights(kind, N, K)
+    blocks = q4.quantize_q4(w)
+    assert blocks.shape == (N, K // 256 * 144) and blocks.dtype == np.uint8
+    deq = q4.dequantize_q4_ref(blocks, N, K)
+    np.testing.assert_allclose(gguf_quants.dequantize(blocks, GGMLQuantizationType.Q4_K), deq, rtol=2e-7, atol=0)
+    # 16 levels over each block's range: the error is a small fraction of the weights' spread
+    assert _rmse(deq, w) <= 0.1 * float(w.std())
+
+
+@pytest.mark.parametrize("kind", ["normal", "student_t3", "skewed"])
+def test_q4_error_no_worse_than_llama_cpp_q4_k(kind):
+    ggml_quantize = _ggml_quantizer(gb.Q4_K)
+    if ggml_quantize is None:
+        pytest.skip("llama-cpp-python (its libggml-base) is not installed: no llama.cpp quantizer to compare with")
+    N, K = 128, 2048
+    w = _weights(kind, N, K)
+    ours = _rmse(q4.dequantize_q4_ref(q4.quantize_q4(w), N, K), w)
+    theirs = _rmse(gb.dequantize_ref(ggml_quantize(w), "Q4_K", (N, K)), w)
+    assert ours <= 1.005 * theirs, (ours, theirs)
+
+
+def test_q4_pads_k_with_zero_weights():
+    N, K = 5, 896
+    w = _weights("normal", N, K)
+    blocks = q4.quantize_q4(w)
+    assert q4.padded_k(K) == 1024 and blocks.shape == (N, 4 * 144)
+    full = gb.dequantize_ref(blocks, "Q4_K", (N, 1024))
+    assert (full[:, K:] == 0).all()
+    np.testing.assert_array_equal(full[:, :K], q4.dequantize_q4_ref(blocks, N, K))
+
+
+def test_q4_edge_blocks():
+    w = np.zeros((4, 256), np.float32)
+    w[1] = 0.5                                   # a constant positive row: b = 0, a q = 0.5
+    w[2] = -0.25                                 # a constant negative row: the min carries it
+    w[3, ::2] = 3.0                              # two levels
+    deq = q4.dequantize_q4_ref(q4.quantize_q4(w), 4, 256)
+    assert (deq[0] == 0).all()
+    np.testing.assert_allclose(deq[1:], w[1:], rtol=2e-3, atol=1e-3)
+
+
+def test_q4_rejects_bad_input():
+    with pytest.raises(ValueError):
+        q4.quantize_q4(np.zeros(256, np.float32))
+    with pytest.raises(ValueError):
+        q4.quantize_q4(np.full((1, 256), np.nan, np.float32))
+    with pytest.raises(ValueError):
+        q4.quantize_q4(np.full((1, 256), 1e9, np.float32))
+
+
+def test_q4_blocks_run_through_the_matvec():
+    N, K = 33, 768
+    w = _weights("student_t3", N, K)
+    blocks = q4.quantize_q4(w)
+    x = RNG.standard_normal(K).astype(np.float32)
+    x_q, x_s, x_m = np.empty(K, np.int8), np.empty(K // 32, np.float32), np.empty(K // 16, np.float32)
+    kq.quantize_act_q8(x, x_q, x_s, x_m)
+    out = np.full(N, np.nan, np.float32)
+    kq.matvec(kq.Q4_K, blocks, x_q, x_s, x_m, out)
+    ref = kq.matvec_ref(blocks, "Q4_K", (N, K), x_q, x_s)
+    terms = np.abs(q4.dequantize_q4_ref(blocks, N, K)).astype(np.float64) @ np.abs(x_q * np.repeat(x_s, 32))
+    assert (np.abs(out - ref) <= 2e-6 * terms).all()
+    # and the product is close to the float32 one
+    assert np.abs(out - w @ x).max() <= 0.1 * np.abs(w @ x).max()
+
+
+# ---- Q6_K (the tensors the q4 mix keeps at 6 bits) ---------------------------------------------
+
+@pytest.mark.parametrize("kind", ["normal", "student_t3", "skewed"])
+def test_q6_k_layout_and_error(kind):
+    gguf_quants = pytest.importorskip("gguf.quants", reason="the gguf package is the independent oracle")
+    from gguf import GGMLQuantizationType
+    N, K = 64, 896                                   # padded to 1024
+    w = _weights(kind, N, K)
+    blocks = q4.quantize_q6_k(w)
+    assert blocks.shape == (N, 4 * 210)
+    full = gguf_quants.dequantize(blocks, GGMLQuantizationType.Q6_K)
+    np.testing.assert_allclose(full[:, :K], q4.dequantize_q6_k_ref(blocks, N, K), rtol=2e-7, atol=0)
+    assert (full[:, K:] == 0).all()
+    # 64 levels per sub-block of 16: about 4x finer than q4
+    assert _rmse(q4.dequantize_q6_k_ref(blocks, N, K), w) <= 0.025 * float(w.std())
+
+
+@pytest.mark.parametrize("kind", ["normal", "student_t3", "skewed"])
+def test_q6_k_error_no_worse_than_llama_cpp_q6_k(kind):
+    ggml_quantize = _ggml_quantizer(gb.Q6_K)
+    if ggml_quantize is None:
+        pytest.skip("llama-cpp-python (its libggml-base) is not installed: no llama.cpp quantizer to compare with")
+    N, K = 128, 2048
+    w = _weights(kind, N, K)
+    ours = _rmse(q4.dequantize_q6_k_ref(q4.quantize_q6_k(w), N, K), w)
+    theirs = _rmse(gb.dequantize_ref(ggml_quantize(w), "Q6_K", (N, K)), w)
+    assert ours <= 1.005 * theirs, (ours, theirs)
+
+
+def test_q6_k_edge_rows_and_bad_input():
+    w = np.zeros((3, 256), np.float32)
+    w[1] = -0.5
+    w[2, ::3] = 2.0
+    deq = q4.dequantize_q6_k_ref(q4.quantize_q6_k(w), 3, 256)
+    assert (deq[0] == 0).all()
+    np.testing.assert_allclose(deq[1:], w[1:], rtol=1e-3, atol=1e-4)
+    with pytest.raises(ValueError):
+        q4.quantize_q6_k(np.full((1, 256), np.inf, np.float32))
