@@ -6,15 +6,17 @@
 The output is what transformers' own GGUF loader builds in memory, saved the way
 ``save_pretrained`` would save a bf16 checkpoint:
 
-* tensors are dequantized with the ``gguf`` package, renamed to transformers' names (data tables
-  below), llama.cpp's Q/K row permutation is undone for ``llama`` and Gemma's ``1 + w`` norms are
-  turned back into ``w``; every tensor is written as bf16 (round to nearest even, like torch);
+* tensors are dequantized with the ``gguf`` package, renamed to transformers' names, llama.cpp's
+  Q/K row permutation and ``1 + w`` norms are undone where the architecture has them; every
+  tensor is written as bf16 (round to nearest even, like torch);
 * the tokenizer is rebuilt from the GGUF vocabulary with the ``tokenizers`` library alone
   (transformers is *not* needed), giving the same token ids as transformers' GGUF tokenizer;
 * everything is written into a hidden sibling directory first and renamed into place, so an
   interrupted conversion leaves nothing under the output name.
 
-Supported GGUF architectures: llama, qwen2, qwen3, gemma3 (Gemma 3 text).
+Everything that depends on the GGUF architecture (tensor names, layout changes, config keys,
+tokenizer specifics) comes from the installed plugins' :class:`cpullm.family.GGUFArch` (hook
+``cpullm_gguf_architectures``): the architectures ``cpullm convert`` supports are theirs.
 """
 from __future__ import annotations
 
@@ -33,11 +35,10 @@ import numpy as np
 
 from . import limits
 from .errors import ConfigError, ConversionError
-from .family import check_config
+from .family import GGUFArch, check_config
+from .plugins import discover
 
 Progress = Callable[[str, float], None]
-
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
 # ggml quantization types this converter accepts (names of gguf.GGMLQuantizationType).
 SUPPORTED_TENSOR_TYPES = (
@@ -46,7 +47,7 @@ SUPPORTED_TENSOR_TYPES = (
 )
 
 # ---------------------------------------------------------------------------------------------
-# Tensor names: GGUF -> transformers. Data tables, one per architecture.
+# Tensor names: GGUF -> transformers. llama.cpp's standard names; each GGUFArch picks its table.
 # ---------------------------------------------------------------------------------------------
 
 GLOBAL_TENSOR_NAMES = {
@@ -59,7 +60,7 @@ GLOBAL_TENSOR_NAMES = {
 # config.rope_scaling for llama3-style files).
 DROPPED_TENSORS = re.compile(r"^(rope_freqs\.weight|blk\.\d+\.attn_rot_embd\.weight)$")
 
-_DENSE_LAYER_NAMES = {
+DENSE_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -71,49 +72,49 @@ _DENSE_LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 
-_QK_NORM_NAMES = {
+QK_NORM_LAYER_NAMES = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
 
-# Gemma 2/3 "sandwich" norms: llama.cpp's ffn_norm is the *pre*-feedforward norm there.
-_GEMMA3_LAYER_NAMES = {
-    **_DENSE_LAYER_NAMES,
-    **_QK_NORM_NAMES,
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
+# The plugins' spec of one GGUF architecture (the name this module always used for it).
+ArchSpec = GGUFArch
 
 
-@dataclass(frozen=True)
-class ArchSpec:
-    """How one GGUF architecture maps onto a transformers model."""
-
-    model_type: str
-    architectures: tuple[str, ...]
-    layer_names: dict[str, str]          # GGUF leaf (blk.N.<leaf>.weight) -> HF leaf
-    required_layer_leaves: tuple[str, ...]
-    permute_qk: bool = False             # llama.cpp permuted q/k rows (llama only)
-    norm_offset: bool = False            # llama.cpp stores norms as (1 + w): subtract 1
+def gguf_architectures() -> dict[str, GGUFArch]:
+    """``general.architecture`` -> GGUFArch, over every installed plugin (hook
+    ``cpullm_gguf_architectures``)."""
+    return dict(discover().gguf_architectures)
 
 
-ARCH_SPECS: dict[str, ArchSpec] = {
-    "llama": ArchSpec("llama", ("LlamaForCausalLM",), _DENSE_LAYER_NAMES,
-                      ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
-                       "ffn_gate", "ffn_up", "ffn_down"), permute_qk=True),
-    "qwen2": ArchSpec("qwen2", ("Qwen2ForCausalLM",), _DENSE_LAYER_NAMES,
-                      ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm",
-                       "ffn_gate", "ffn_up", "ffn_down")),
-    "qwen3": ArchSpec("qwen3", ("Qwen3ForCausalLM",), {**_DENSE_LAYER_NAMES, **_QK_NORM_NAMES},
-                      ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm",
-                       "attn_k_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")),
-    "gemma3": ArchSpec("gemma3_text", ("Gemma3ForCausalLM",), _GEMMA3_LAYER_NAMES,
-                       ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm",
-                        "attn_k_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm",
-                        "ffn_gate", "ffn_up", "ffn_down"),
-                       norm_offset=True),
-}
+def supported_architectures() -> tuple[str, ...]:
+    """The GGUF architectures the installed plugins make convertible, sorted."""
+    return tuple(sorted(discover().gguf_architectures))
+
+
+def arch_spec(arch: Any) -> GGUFArch:
+    """The installed plugins' GGUFArch for ``arch``; a ConversionError naming the fix otherwise."""
+    specs = discover().gguf_architectures
+    if not isinstance(arch, str) or arch not in specs:
+        supported = ", ".join(sorted(specs)) or "none"
+        raise ConversionError(f"GGUF architecture {_shown(arch)} is not supported; cpullm converts "
+                              f"{supported} (the installed plugins' architectures); install the cpullm "
+                              "plugin of its family (`cpullm families` lists the installed ones)")
+    return specs[arch]
+
+
+def __getattr__(name: str):
+    # Former module constants, now computed from the installed plugins.
+    if name == "ARCH_SPECS":
+        return gguf_architectures()
+    if name == "SUPPORTED_ARCHITECTURES":
+        return supported_architectures()
+    if name == "PRE_TOKENIZER_SPLITS":
+        return discover().pre_tokenizer_splits()
+    if name == "END_OF_TURN_TOKENS":
+        return discover().end_of_turn_tokens()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
 _GLOBAL_TENSOR = re.compile(r"^([a-z0-9_]+)\.(weight|bias)$")
@@ -516,6 +517,9 @@ def _meta_int(meta: dict, arch: str, key: str, lo: int, hi: int, default: Any = 
     return value
 
 
+meta_int = _meta_int   # public: GGUFArch.config_extras read their numbers with it
+
+
 def _meta_float(meta: dict, arch: str, key: str, default: float) -> float:
     """``{arch}.{key}`` as a finite positive float (shortest round-tripping decimal)."""
     full = f"{arch}.{key}"
@@ -526,10 +530,15 @@ def _meta_float(meta: dict, arch: str, key: str, default: float) -> float:
     return _clean_float(value)
 
 
-def hyperparameters(meta: dict, reader) -> dict:
+meta_float = _meta_float
+
+
+def hyperparameters(meta: dict, reader, spec: GGUFArch | None = None) -> dict:
     """The architecture's shape from the GGUF metadata, under transformers' names, every value
-    checked against cpullm.limits (and head counts against each other)."""
+    checked against cpullm.limits (and head counts against each other). ``spec`` defaults to
+    the installed plugins' GGUFArch of the file's architecture."""
     arch = meta.get("general.architecture")
+    spec = spec or arch_spec(arch)
     hidden = _meta_int(meta, arch, "embedding_length", 1, limits.MAX_HIDDEN)
     heads = _meta_int(meta, arch, "attention.head_count", 1, limits.MAX_HEADS, per_layer=True)
     kv = _meta_int(meta, arch, "attention.head_count_kv", 1, limits.MAX_HEADS, default=heads, per_layer=True)
@@ -548,10 +557,8 @@ def hyperparameters(meta: dict, reader) -> dict:
         "rms_norm_eps": _meta_float(meta, arch, "attention.layer_norm_rms_epsilon", 1e-6),
         "rope_theta": _meta_float(meta, arch, "rope.freq_base", 10000.0),
     }
-    head_dim_key = "attention.key_length"
-    if meta.get(f"{arch}.{head_dim_key}") is None and arch == "llama":
-        head_dim_key = "rope.dimension_count"
-    if meta.get(f"{arch}.{head_dim_key}") is not None:
+    head_dim_key = next((k for k in spec.head_dim_keys if meta.get(f"{arch}.{k}") is not None), None)
+    if head_dim_key is not None:
         hp["head_dim"] = _meta_int(meta, arch, head_dim_key, 1, limits.MAX_HEAD_DIM)
     elif hidden % heads:
         raise ConversionError(f"GGUF {arch}.embedding_length = {hidden} is not a multiple of "
@@ -633,57 +640,6 @@ def _token_id(meta: dict, key: str) -> int | None:
     return v
 
 
-def _gemma3_extras(meta: dict, hp: dict, reader) -> dict:
-    arch = hp["arch"]
-    n = hp["num_hidden_layers"]
-    # llama.cpp hard-codes Gemma 3's pattern 6 (5 sliding layers, then 1 global); newer files
-    # may state it as a number or as one bool per layer (true = sliding window).
-    pattern = _md(meta, arch, "attention.sliding_window_pattern", 6)
-    if isinstance(pattern, list):
-        if len(pattern) != n or not all(isinstance(s, (bool, int)) for s in pattern):
-            raise ConversionError(f"GGUF sliding_window_pattern has {len(pattern)} entries for {n} layers; "
-                                  "the file is damaged")
-        layer_types = ["sliding_attention" if s else "full_attention" for s in pattern]
-        pattern = next((i + 1 for i, s in enumerate(pattern) if not s), n)
-    else:
-        pattern = _meta_int(meta, arch, "attention.sliding_window_pattern", 0, limits.MAX_LAYERS, default=6) or 6
-        layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
-    # llama.cpp: Gemma 3 27B (62 layers) scales queries by hidden/heads, the others by head_dim.
-    qpas = hp["hidden_size"] // hp["num_attention_heads"] if n == 62 else hp["head_dim"]
-    return {
-        "hidden_activation": "gelu_pytorch_tanh",
-        "query_pre_attn_scalar": qpas,
-        "sliding_window": _meta_int(meta, arch, "attention.sliding_window", 1, limits.MAX_CONTEXT, default=4096),
-        "sliding_window_pattern": pattern,
-        "layer_types": layer_types,
-        "rope_local_base_freq": 10000.0,
-        "final_logit_softcapping": None,
-        "attn_logit_softcapping": None,
-        "attention_bias": False,
-    }
-
-
-def _qwen_extras(meta: dict, hp: dict, reader) -> dict:
-    out = {"hidden_act": "silu", "use_sliding_window": False, "sliding_window": None,
-           "max_window_layers": hp["num_hidden_layers"]}
-    if hp["arch"] == "qwen3":
-        out["attention_bias"] = any(t.name.endswith("attn_q.bias") for t in reader.tensors)
-    return out
-
-
-def _llama_extras(meta: dict, hp: dict, reader) -> dict:
-    return {"hidden_act": "silu", "mlp_bias": False, "pretraining_tp": 1,
-            "attention_bias": any(t.name.endswith("attn_q.bias") for t in reader.tensors)}
-
-
-CONFIG_EXTRAS: dict[str, Callable[[dict, dict, Any], dict]] = {
-    "llama": _llama_extras,
-    "qwen2": _qwen_extras,
-    "qwen3": _qwen_extras,
-    "gemma3": _gemma3_extras,
-}
-
-
 def build_config(meta: dict, reader, spec: ArchSpec, hp: dict, tied: bool) -> dict:
     """config.json as transformers would write it (legacy keys: rope_theta, rope_scaling, torch_dtype)."""
     arch = hp["arch"]
@@ -710,7 +666,7 @@ def build_config(meta: dict, reader, spec: ArchSpec, hp: dict, tied: bool) -> di
         "use_cache": True,
         "torch_dtype": "bfloat16",
     }
-    cfg.update(CONFIG_EXTRAS[arch](meta, hp, reader))
+    cfg.update(spec.config_extras(meta, hp, tuple(t.name for t in reader.tensors)))
     return cfg
 
 
@@ -720,45 +676,6 @@ def build_config(meta: dict, reader, spec: ArchSpec, hp: dict, tied: bool) -> di
 
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
-
-# Pre-tokenizer split regexes per `tokenizer.ggml.pre`, as transformers' GGUF converter uses them.
-# A byte-level vocabulary whose pre type is not listed gets the GPT-2 regex (ByteLevel use_regex).
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN35_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
-    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_TEKKEN_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GPT4O_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-PRE_TOKENIZER_SPLITS = {
-    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0",
-                     "lfm2", "jina-v5-nano", "dbrx", "smaug-bpe"), _LLAMA3_SPLIT),
-    "tekken": _TEKKEN_SPLIT,
-    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez"), _QWEN2_SPLIT),
-    "qwen35": _QWEN35_SPLIT,
-    **dict.fromkeys(("gpt-4o", "llama4", "kanana2", "talkie", "minimax-m2"), _GPT4O_SPLIT),
-}
-
-# Token texts that end a turn; added to generation_config's eos list when the chat template uses them.
-END_OF_TURN_TOKENS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>", "<|end|>",
-                      "<|endoftext|>", "<turn|>")
-
 
 def byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character table used by byte-level BPE vocabularies."""
@@ -874,7 +791,7 @@ def _bpe_model(vocab, merges, **kw):
     return BPE(vocab=vocab, merges=merges, dropout=None, **kw)
 
 
-def _byte_level_backend(spec: TokenizerSpec):
+def _byte_level_backend(spec: TokenizerSpec, splits: dict[str, str]):
     """Byte-level BPE (GPT-2 / Llama 3 / Qwen / SmolLM): vocabulary spelled in the byte alphabet."""
     from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
 
@@ -885,7 +802,7 @@ def _byte_level_backend(spec: TokenizerSpec):
     merges = [tuple(m.split(" ")) for m in (spec.merges or [])]
     tok = Tokenizer(_bpe_model(vocab, merges, continuing_subword_prefix="", end_of_word_suffix="",
                                fuse_unk=False, byte_fallback=False))
-    split = PRE_TOKENIZER_SPLITS.get(spec.pre or "")
+    split = splits.get(spec.pre or "")   # an unlisted pre type gets the GPT-2 regex (ByteLevel use_regex)
     if split is None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
@@ -897,14 +814,14 @@ def _byte_level_backend(spec: TokenizerSpec):
     return tok, alphabet
 
 
-def _gemma_backend(spec: TokenizerSpec):
-    """Gemma's SentencePiece BPE: spaces become "▁" in a normalizer; merges rebuilt from token order."""
+def _replace_spaces_backend(spec: TokenizerSpec, splits: dict[str, str]):
+    """SentencePiece BPE whose spaces become "▁" in a normalizer (Gemma's); merges rebuilt from token order."""
     from tokenizers import Tokenizer, decoders, normalizers, pre_tokenizers
 
     # Tokens made only of spaces are stored with real spaces; the normalized text has "▁" instead.
     tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in spec.tokens]
     vocab = {t: i for i, t in enumerate(tokens)}
-    order = {t: -i for i, t in enumerate(tokens)}  # Gemma's scores do not follow merge order; position does
+    order = {t: -i for i, t in enumerate(tokens)}  # these scores do not follow merge order; position does
     merges = merges_from_vocab(vocab, order)
     unk = spec.token(spec.unk_id) or "<unk>"
     tok = Tokenizer(_bpe_model(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
@@ -914,7 +831,7 @@ def _gemma_backend(spec: TokenizerSpec):
     return tok, None
 
 
-def _sentencepiece_backend(spec: TokenizerSpec):
+def _metaspace_backend(spec: TokenizerSpec, splits: dict[str, str]):
     """Llama-style SentencePiece BPE (Llama 2, TinyLlama, Mistral v1): Metaspace, byte fallback."""
     from tokenizers import Tokenizer, decoders, pre_tokenizers
 
@@ -931,11 +848,14 @@ def _sentencepiece_backend(spec: TokenizerSpec):
     return tok, None
 
 
-def _select_backend(spec: TokenizerSpec, arch: str):
+_SENTENCEPIECE_BACKENDS = {"metaspace": _metaspace_backend, "replace_spaces": _replace_spaces_backend}
+
+
+def _select_backend(spec: TokenizerSpec, arch: GGUFArch):
     if spec.model == "gpt2":
         return _byte_level_backend
     if spec.model == "llama":
-        return _gemma_backend if arch.startswith("gemma") else _sentencepiece_backend
+        return _SENTENCEPIECE_BACKENDS[arch.sentencepiece]
     raise ConversionError(f"GGUF tokenizer model {spec.model!r} is not supported; "
                           "supported: gpt2 (byte-level BPE), llama (SentencePiece BPE)")
 
@@ -979,13 +899,14 @@ def _post_processor(spec: TokenizerSpec):
     return TemplateProcessing(single=single, pair=pair, special_tokens=special)
 
 
-def build_tokenizer(meta: dict):
-    """(tokenizers.Tokenizer, tokenizer_config dict, TokenizerSpec) from the GGUF metadata."""
+def build_tokenizer(meta: dict, arch_spec_: GGUFArch | None = None):
+    """(tokenizers.Tokenizer, tokenizer_config dict, TokenizerSpec) from the GGUF metadata.
+    ``arch_spec_`` defaults to the installed plugins' GGUFArch of the file's architecture."""
     spec = TokenizerSpec.from_metadata(meta)
     arch = meta.get("general.architecture", "")
-    backend = _select_backend(spec, arch)
+    backend = _select_backend(spec, arch_spec_ or arch_spec(arch))
     try:
-        tok, alphabet = backend(spec)
+        tok, alphabet = backend(spec, discover().pre_tokenizer_splits())
         _add_gguf_tokens(tok, spec, alphabet)
         tok.post_processor = _post_processor(spec)
     except Exception as exc:   # the tokenizers library rejects the vocabulary or merges
@@ -1007,13 +928,16 @@ def build_tokenizer(meta: dict):
     return tok, tok_config, spec
 
 
-def generation_config(spec: TokenizerSpec) -> dict:
-    """generation_config.json: bos, pad and every end-of-generation id the chat template uses."""
+def generation_config(spec: TokenizerSpec, end_of_turn_tokens: tuple[str, ...] | None = None) -> dict:
+    """generation_config.json: bos, pad and every end-of-generation id the chat template uses
+    (``end_of_turn_tokens`` defaults to the installed plugins' GGUFArch.end_of_turn_tokens)."""
+    if end_of_turn_tokens is None:
+        end_of_turn_tokens = discover().end_of_turn_tokens()
     eos = [spec.eos_id] if spec.eos_id is not None else []
     eos += spec.extra_eos_ids
     if spec.chat_template:
-        index = {t: i for i, t in enumerate(spec.tokens) if t in END_OF_TURN_TOKENS}
-        eos += [index[t] for t in END_OF_TURN_TOKENS if t in index and t in spec.chat_template]
+        index = {t: i for i, t in enumerate(spec.tokens) if t in end_of_turn_tokens}
+        eos += [index[t] for t in end_of_turn_tokens if t in index and t in spec.chat_template]
     eos = list(dict.fromkeys(eos))
     out = {"_from_model_config": True, "bos_token_id": spec.bos_id,
            "eos_token_id": eos[0] if len(eos) == 1 else (eos or None)}
@@ -1084,9 +1008,8 @@ def _move_into_place(tmp: Path, out_dir: Path) -> None:
 
 def _convert_into(reader, meta: dict, tmp: Path, progress: Progress | None) -> None:
     """Write every output file of the conversion into the (empty) directory ``tmp``."""
-    arch = meta.get("general.architecture")
-    spec = ARCH_SPECS[arch]
-    hp = hyperparameters(meta, reader)
+    spec = arch_spec(meta.get("general.architecture"))
+    hp = hyperparameters(meta, reader, spec)
     plan, tied = plan_tensors(reader, spec, hp)
     config = build_config(meta, reader, spec, hp, tied)
     try:   # the same checks a load runs: never write a config that cpullm itself would refuse
@@ -1095,7 +1018,7 @@ def _convert_into(reader, meta: dict, tmp: Path, progress: Progress | None) -> N
         raise ConversionError(f"{exc} (from the GGUF metadata)") from None
     if progress:
         progress("tokenizer", 0.02)
-    tok, tok_config, tspec = build_tokenizer(meta)
+    tok, tok_config, tspec = build_tokenizer(meta, spec)
     tok.save(str(tmp / "tokenizer.json"))
     _write_json(tmp / "tokenizer_config.json", tok_config)
     _write_json(tmp / "generation_config.json", generation_config(tspec))
@@ -1124,10 +1047,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *,
     if progress:
         progress("reading GGUF", 0.0)
     meta = read_metadata(reader)
-    arch = meta.get("general.architecture")
-    if not isinstance(arch, str) or arch not in ARCH_SPECS:
-        raise ConversionError(f"GGUF architecture {_shown(arch)} is not supported; cpullm converts "
-                              f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+    arch_spec(meta.get("general.architecture"))   # refuse an unsupported one before any work
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()

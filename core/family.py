@@ -220,6 +220,51 @@ class RopeType:
     plugin: str | None = None
 
 
+@attrs.define
+class GGUFArch:
+    """How one GGUF ``general.architecture`` becomes a Hugging Face checkpoint (hook
+    ``cpullm_gguf_architectures``): ``cpullm convert`` converts exactly the architectures that
+    installed plugins declare, and writes test/benchmark GGUFs with the same tables in reverse.
+
+    name             the GGUF ``general.architecture`` value ("qwen2"); unique across plugins
+    model_type       config.json ``model_type`` of the converted checkpoint
+    architectures    config.json ``architectures`` of the converted checkpoint
+    layer_names      GGUF layer leaf -> transformers leaf (``blk.N.<leaf>.weight`` ->
+                     ``model.layers.N.<hf leaf>.weight``); :data:`cpullm.convert.DENSE_LAYER_NAMES`
+                     and ``QK_NORM_LAYER_NAMES`` hold llama.cpp's standard ones to build on
+    required_layer_leaves  GGUF leaves every layer must have (a file missing one is refused)
+    permute_qk       llama.cpp permuted the q/k rows of this architecture (undone on convert)
+    norm_offset      llama.cpp stores this architecture's norm weights as ``1 + w``
+    head_dim_keys    metadata keys (after ``{name}.``) that give head_dim, first present wins;
+                     none present: hidden / heads
+    config_extras    ``(meta, hp, tensor_names) -> dict``: config.json keys beyond the shared
+                     ones (``meta`` the GGUF metadata, ``hp`` the checked hyperparameters under
+                     transformers' names plus ``"arch"``, ``tensor_names`` the file's tensors);
+                     read numbers with :func:`cpullm.convert.meta_int` so bad files are refused
+    sentencepiece    for ``tokenizer.ggml.model == "llama"`` vocabularies: "metaspace"
+                     (Metaspace pre-tokenizer, merges from scores) or "replace_spaces" (a
+                     normalizer turns " " into "▁"; merges rebuilt from token order)
+    pre_tokenizer_splits  ``tokenizer.ggml.pre`` value -> split regex of byte-level vocabularies
+                     (the union over installed plugins is used; an unlisted one gets GPT-2's)
+    end_of_turn_tokens  token texts that end a chat turn; each one a converted chat template
+                     uses is added to generation_config's eos ids (union over installed plugins)
+    """
+
+    name: str
+    model_type: str
+    architectures: tuple
+    layer_names: dict
+    required_layer_leaves: tuple
+    permute_qk: bool = False
+    norm_offset: bool = False
+    head_dim_keys: tuple = ("attention.key_length",)
+    config_extras: Callable = lambda meta, hp, tensor_names: {}
+    sentencepiece: str = "metaspace"
+    pre_tokenizer_splits: dict = attrs.field(factory=dict)
+    end_of_turn_tokens: tuple = ()
+    plugin: str | None = None
+
+
 def read_config(model_dir: Path) -> dict:
     """config.json as a dict, checked by :func:`check_config`, with errors that name the fix.
 

@@ -84,3 +84,18 @@ def cpullm_rope_types():
     may depend on the sequence length the program can hold (Phi-3's ``longrope``). The RopeType
     docstring is the reference for its fields. Names are unique across plugins.
     """
+
+
+@hookspec
+def cpullm_gguf_architectures():
+    """Return a list of :class:`cpullm.family.GGUFArch`: GGUF architectures ``cpullm convert``
+    turns into checkpoints of the plugin's families.
+
+    The core reads the GGUF container, checks every value and writes the checkpoint; everything
+    that depends on the architecture comes from here: the ``general.architecture`` name, the
+    model_type and architectures written to config.json, the tensor name table, llama.cpp's
+    layout changes to undo (q/k row permutation, ``1 + w`` norms), the config keys beyond the
+    shared ones, and the tokenizer's specifics. The GGUFArch docstring is the reference for its
+    fields. ``name`` is unique across plugins; a second plugin registering one is an error of
+    that plugin. Only installed plugins' architectures are convertible.
+    """

@@ -22,7 +22,7 @@ import pluggy
 
 from . import hookspecs
 from .errors import PluginError, UnknownModelTypeError
-from .family import Args, FamilySpec, KernelSpec, OpSpec, RopeType
+from .family import Args, FamilySpec, GGUFArch, KernelSpec, OpSpec, RopeType
 
 ENTRY_POINT_GROUP = "cpullm"
 HOOKS = tuple(sorted(n for n in dir(hookspecs) if n.startswith("cpullm_")))
@@ -52,6 +52,18 @@ class Registry:
     conflicts: list[str]           # human-readable notes on model_types claimed twice
     ops: dict = attrs.field(factory=dict)          # OpSpec.name -> OpSpec
     rope_types: dict = attrs.field(factory=dict)   # RopeType.name -> RopeType
+    gguf_architectures: dict = attrs.field(factory=dict)   # GGUFArch.name -> GGUFArch
+
+    def pre_tokenizer_splits(self) -> dict:
+        """``tokenizer.ggml.pre`` -> split regex, over every installed GGUF architecture."""
+        out: dict = {}
+        for arch in self.gguf_architectures.values():
+            out.update(arch.pre_tokenizer_splits)
+        return out
+
+    def end_of_turn_tokens(self) -> tuple:
+        """Every installed GGUF architecture's end-of-turn token texts, first mention first."""
+        return tuple(dict.fromkeys(t for a in self.gguf_architectures.values() for t in a.end_of_turn_tokens))
 
     def op(self, name: str) -> OpSpec:
         """The installed plugin op ``name``; a PluginError naming the installed ones otherwise."""
@@ -136,6 +148,7 @@ def discover(refresh: bool = False) -> Registry:
         kernels: list[KernelSpec] = []
         ops: dict[str, OpSpec] = {}
         rope_types: dict[str, RopeType] = {}
+        gguf_archs: dict[str, GGUFArch] = {}
         for info, plugin in loaded:
             infos.append(info)
             if plugin is None:
@@ -163,6 +176,10 @@ def discover(refresh: bool = False) -> Registry:
                 new_ropes = _named(owner, "rope type",
                                    [_check_rope_type(r) for r in _call(pm, plugin, "cpullm_rope_types")],
                                    rope_types)
+                new_archs = _named(owner, "GGUF architecture",
+                                   [_check_gguf_arch(a) for a in _call(pm, plugin, "cpullm_gguf_architectures")],
+                                   gguf_archs)
+                _check_pre_tokenizers(owner, new_archs, gguf_archs)
             except Exception as exc:
                 info.error = f"{type(exc).__name__}: {exc}"
                 continue
@@ -171,9 +188,10 @@ def discover(refresh: bool = False) -> Registry:
             kernels.extend(kerns)
             ops.update(new_ops)
             rope_types.update(new_ropes)
+            gguf_archs.update(new_archs)
         families, conflicts = _resolve_conflicts(families)
         _registry = Registry(plugins=infos, families=families, kernels=kernels, conflicts=conflicts,
-                             ops=ops, rope_types=rope_types)
+                             ops=ops, rope_types=rope_types, gguf_architectures=gguf_archs)
         return _registry
 
 
@@ -276,6 +294,52 @@ def _check_op(op) -> OpSpec:
         raise PluginError(f"OpSpec {op.name!r}: params must be a tuple of attribute names")
     op.params = tuple(op.params)
     return op
+
+
+def _check_gguf_arch(arch) -> GGUFArch:
+    if not isinstance(arch, GGUFArch):
+        raise PluginError(f"cpullm_gguf_architectures returned {type(arch).__name__}, not GGUFArch")
+    if not isinstance(arch.name, str) or not arch.name or not isinstance(arch.model_type, str):
+        raise PluginError(f"GGUFArch name and model_type must be non-empty strings, not "
+                          f"{arch.name!r}, {arch.model_type!r}")
+    for field in ("architectures", "required_layer_leaves", "head_dim_keys", "end_of_turn_tokens"):
+        value = getattr(arch, field)
+        if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+            raise PluginError(f"GGUFArch {arch.name!r}: {field} must be a tuple of strings, not {value!r}")
+        setattr(arch, field, tuple(value))
+    for field in ("layer_names", "pre_tokenizer_splits"):
+        value = getattr(arch, field)
+        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                  for k, v in value.items()):
+            raise PluginError(f"GGUFArch {arch.name!r}: {field} must map strings to strings")
+    missing = [leaf for leaf in arch.required_layer_leaves if leaf not in arch.layer_names]
+    if missing:
+        raise PluginError(f"GGUFArch {arch.name!r}: required_layer_leaves {missing} have no entry "
+                          "in layer_names")
+    if not callable(arch.config_extras):
+        raise PluginError(f"GGUFArch {arch.name!r}: config_extras must be callable")
+    if arch.sentencepiece not in SENTENCEPIECE_STYLES:
+        raise PluginError(f"GGUFArch {arch.name!r}: sentencepiece must be one of "
+                          f"{', '.join(SENTENCEPIECE_STYLES)}, not {arch.sentencepiece!r}")
+    return arch
+
+
+SENTENCEPIECE_STYLES = ("metaspace", "replace_spaces")   # cpullm.convert's SentencePiece backends
+
+
+def _check_pre_tokenizers(owner: str, new: dict, taken: dict) -> None:
+    """A ``tokenizer.ggml.pre`` name that an installed plugin already splits differently is an
+    error of the later plugin: the same file must not tokenize one way or another by install order."""
+    known = {}
+    for arch in taken.values():
+        for pre, regex in arch.pre_tokenizer_splits.items():
+            known.setdefault(pre, (regex, arch.plugin))
+    for arch in new.values():
+        for pre, regex in arch.pre_tokenizer_splits.items():
+            if pre in known and known[pre][0] != regex:
+                raise PluginError(f"GGUFArch {arch.name!r}: pre-tokenizer {pre!r} is already split "
+                                  f"differently by {known[pre][1]}; use another name")
+            known.setdefault(pre, (regex, owner))
 
 
 CORE_ROPE_TYPES = ("default", "linear", "llama3")     # cpullm.blocks.SUPPORTED_ROPE_TYPES

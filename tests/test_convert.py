@@ -351,8 +351,9 @@ def test_bf16_rounding_matches_torch():
 
 def test_unsupported_architecture(tmp_path):
     write_tiny_gguf(tmp_path / "m.gguf", "gpt2")
-    with pytest.raises(ConversionError, match=r"'gpt2' is not supported.*llama, qwen2, qwen3, gemma3"):
+    with pytest.raises(ConversionError, match=r"'gpt2' is not supported") as err:
         cv.convert_gguf(tmp_path / "m.gguf", tmp_path / "out")
+    assert all(arch in str(err.value) for arch in ("llama", "qwen2", "qwen3", "gemma3"))
     assert not (tmp_path / "out").exists()
 
 
@@ -612,3 +613,76 @@ def test_real_tokenizer_matches_transformers(name):
         msgs = [{"role": "user", "content": "Write a haiku about CPUs."}]
         assert hf_ours.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == \
             ref.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF architectures come from the plugins (hook cpullm_gguf_architectures)
+# ---------------------------------------------------------------------------------------------
+
+class _TinyArchPlugin:
+    """An out-of-tree plugin making the GGUF architecture "tinyarch" (llama's layout without the
+    q/k permutation) convertible, into a checkpoint of the installed llama family."""
+
+    @staticmethod
+    @__import__("cpullm.hookspecs", fromlist=["hookimpl"]).hookimpl
+    def cpullm_gguf_architectures():
+        from cpullm.family import GGUFArch
+
+        return [GGUFArch(
+            name="tinyarch", model_type="llama", architectures=("LlamaForCausalLM",),
+            layer_names=cv.DENSE_LAYER_NAMES, required_layer_leaves=tuple(cv.DENSE_LAYER_NAMES),
+            head_dim_keys=("attention.key_length",),
+            config_extras=lambda meta, hp, names: {"hidden_act": "silu", "tinyarch_layers": hp["num_hidden_layers"]},
+            pre_tokenizer_splits={"tinyarch-pre": r"\s+|\S+"}, end_of_turn_tokens=("<|im_end|>",))]
+
+
+@pytest.fixture
+def tiny_arch_plugin():
+    from cpullm import plugins
+
+    plugins.register_for_tests(_TinyArchPlugin)
+    plugins.discover(refresh=True)
+    yield _TinyArchPlugin
+    plugins.unregister_for_tests(_TinyArchPlugin)
+    plugins.discover(refresh=True)
+
+
+def test_a_plugins_hook_is_what_makes_an_architecture_convertible(tmp_path, request):
+    hf = write_tiny_gguf(tmp_path / "m.gguf", "tinyarch")
+    assert "tinyarch" not in cv.supported_architectures()
+    with pytest.raises(ConversionError, match=r"'tinyarch' is not supported.*install the cpullm plugin"):
+        cv.convert_gguf(tmp_path / "m.gguf", tmp_path / "out")
+
+    request.getfixturevalue("tiny_arch_plugin")
+    assert cv.arch_spec("tinyarch").plugin == "_TinyArchPlugin"
+    out = cv.convert_gguf(tmp_path / "m.gguf", tmp_path / "out")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "llama" and cfg["tinyarch_layers"] == 2   # the plugin's config_extras
+    got = read_safetensors(out / "model.safetensors")
+    for name, ref in hf.items():   # no q/k un-permutation: this plugin's layout says so
+        np.testing.assert_array_equal(got[name], bf16(ref), err_msg=name)
+    assert "tinyarch-pre" in cv.PRE_TOKENIZER_SPLITS
+
+
+def test_a_plugin_redefining_an_architecture_is_reported_not_used(tiny_arch_plugin):
+    import attrs
+
+    from cpullm import plugins
+    from cpullm.hookspecs import hookimpl
+
+    taken = attrs.evolve(cv.arch_spec("tinyarch"), plugin=None)
+
+    class Clash:
+        @staticmethod
+        @hookimpl
+        def cpullm_gguf_architectures():
+            return [taken]
+
+    plugins.register_for_tests(Clash)
+    try:
+        reg = plugins.discover(refresh=True)
+        info = next(p for p in reg.plugins if p.name == "Clash")
+        assert "GGUF architecture name 'tinyarch' is already registered" in info.error
+        assert reg.gguf_architectures["tinyarch"].plugin == "_TinyArchPlugin"
+    finally:
+        plugins.unregister_for_tests(Clash)

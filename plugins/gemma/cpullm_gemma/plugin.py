@@ -10,3 +10,10 @@ def cpullm_families():
     from .gemma3_text import FAMILY as GEMMA3_TEXT
 
     return [GEMMA, GEMMA2, GEMMA3, GEMMA3_TEXT]
+
+
+@hookimpl
+def cpullm_gguf_architectures():
+    from .gguf_arch import GEMMA3
+
+    return [GEMMA3]

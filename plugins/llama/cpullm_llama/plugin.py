@@ -7,3 +7,10 @@ def cpullm_families():
     from .llama import FAMILY
 
     return [FAMILY]
+
+
+@hookimpl
+def cpullm_gguf_architectures():
+    from .gguf_arch import GGUF_ARCH
+
+    return [GGUF_ARCH]

@@ -18,3 +18,10 @@ def cpullm_kernels():
     from .kernels import KERNEL
 
     return [KERNEL]
+
+
+@hookimpl
+def cpullm_gguf_architectures():
+    from .gguf_arch import QWEN2, QWEN3
+
+    return [QWEN2, QWEN3]
