@@ -35,17 +35,17 @@ the reader sees how the ratio moves with the machine's memory bandwidth.
 
 **Same weights.** Every runtime starts from the same Hugging Face checkpoint directory (the one
 ``cpullm pull`` produced, or any safetensors directory). For llama.cpp this script writes that
-checkpoint as an **F32 GGUF** with the ``gguf`` package's writer (tensor names from
-``gguf.get_tensor_name_map``; llama's Q/K row permutation and Gemma 3's ``1 + w`` norms applied
-exactly as llama.cpp's ``convert_hf_to_gguf.py`` does; the vocabulary and merges from
-tokenizer.json) and quantizes it to Q8_0 with ``llama_cpp.llama_model_quantize`` (llama.cpp's C
+checkpoint as an **F32 GGUF** with ``cpullm.gguf_writer`` (the ``gguf`` package's writer;
+tensor names, Q/K row permutation and ``1 + w`` norms from the installed plugin's GGUF table of
+the architecture, the one ``cpullm convert`` reads, as llama.cpp's ``convert_hf_to_gguf.py`` lays
+them out; the vocabulary and merges from tokenizer.json) and quantizes it to Q8_0 with ``llama_cpp.llama_model_quantize`` (llama.cpp's C
 quantizer; ``llama-quantize`` itself is not on PyPI). bf16 checkpoints are exact in F32, so
 llama.cpp's Q8_0 and cpullm's INT8 quantize the very same values. Re-quantizing a store
 model's original Q4 GGUF to Q8_0 was rejected: that would start from different numbers than the
 safetensors checkpoint cpullm runs. The Q8_0 file is kept under --work-dir (default
 ``~/.cache/cpullm/bench``), keyed by the checkpoint's identity, and reused. ``--gguf FILE``
-benchmarks a GGUF of your own instead. Supported architectures for the writer: llama, qwen2,
-qwen3, gemma3 (text). As a check that the weights really are the same, the report gives each
+benchmarks a GGUF of your own instead. The writer supports the model types whose plugins declare
+a GGUF architecture (``cpullm.convert.supported_architectures()``). As a check that the weights really are the same, the report gives each
 runtime's fidelity on the prompt's last-position logits against transformers f32 (cosine of
 mean-centred logits, same top-1).
 
@@ -104,26 +104,6 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
     if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type", "default")) == "default":
         scaling = None
     return float(theta if theta is not None else 10000.0), scaling
-
-
-def _arch(cfg: dict):
-    import gguf
-
-    mt = cfg.get("model_type")
-    table = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2,
-             "qwen3": gguf.MODEL_ARCH.QWEN3, "gemma3_text": gguf.MODEL_ARCH.GEMMA3}
-    if mt not in table:
-        raise SystemExit(f"compare.py: the GGUF writer supports model types {sorted(table)}, not "
-                         f"{mt!r}; pass a GGUF of the same weights with --gguf FILE")
-    return mt, table[mt]
-
-
-def _permute(w: np.ndarray, n_head: int, n_head_kv: int | None = None) -> np.ndarray:
-    """HF rotate-half layout -> llama.cpp's interleaved rows (convert_hf_to_gguf LlamaModel.permute)."""
-    if n_head_kv is not None and n_head != n_head_kv:
-        n_head = n_head_kv
-    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-            .swapaxes(1, 2).reshape(w.shape))
 
 
 def _llama3_rope_factors(cfg: dict, scaling: dict, theta: float) -> np.ndarray:
@@ -199,15 +179,22 @@ def checkpoint_identity(model_dir: Path) -> str:
 
 
 def write_f32_gguf(model_dir, out_path) -> Path:
-    """The checkpoint as an F32 GGUF that llama.cpp loads (see the module docstring)."""
+    """The checkpoint as an F32 GGUF that llama.cpp loads (see the module docstring), written by
+    cpullm's GGUF writer with the installed plugins' table of the architecture."""
     import gguf
 
+    from cpullm.errors import ConversionError
+    from cpullm.gguf_writer import gguf_arch_for_model_type, write_gguf
     from cpullm.tensors import TensorStore
 
     model_dir, out_path = Path(model_dir), Path(out_path)
     config = json.loads((model_dir / "config.json").read_text())
     cfg = _text_config(config)
-    mt, arch = _arch(cfg)
+    mt = cfg.get("model_type")
+    try:
+        layout = gguf_arch_for_model_type(mt)
+    except ConversionError as exc:
+        raise SystemExit(f"compare.py: {exc}; or pass a GGUF of the same weights with --gguf FILE") from None
     n_layers = int(cfg["num_hidden_layers"])
     n_head = int(cfg["num_attention_heads"])
     n_kv = int(cfg.get("num_key_value_heads") or n_head)
@@ -216,48 +203,46 @@ def write_f32_gguf(model_dir, out_path) -> Path:
     n_vocab = int(cfg["vocab_size"])
     theta, scaling = _rope(cfg)
 
-    w = gguf.GGUFWriter(str(out_path), gguf.MODEL_ARCH_NAMES[arch])
-    w.add_name(model_dir.name)
-    w.add_context_length(int(cfg.get("max_position_embeddings") or 4096))
-    w.add_embedding_length(hidden)
-    w.add_block_count(n_layers)
-    w.add_feed_forward_length(int(cfg["intermediate_size"]))
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_kv)
-    w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
-    w.add_rope_freq_base(theta)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    if mt == "llama":
-        w.add_rope_dimension_count(head_dim)
-    w.add_vocab_size(n_vocab)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    fields = {
+        "name": model_dir.name,
+        "context_length": int(cfg.get("max_position_embeddings") or 4096),
+        "embedding_length": hidden,
+        "block_count": n_layers,
+        "feed_forward_length": int(cfg["intermediate_size"]),
+        "head_count": n_head,
+        "head_count_kv": n_kv,
+        "layer_norm_rms_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+        "rope_freq_base": theta,
+        "key_length": head_dim,
+        "value_length": head_dim,
+    }
+    if "rope.dimension_count" in layout.head_dim_keys:
+        fields["rope_dimension_count"] = head_dim
+    fields.update(vocab_size=n_vocab, file_type=gguf.LlamaFileType.ALL_F32)
     extra: dict[str, np.ndarray] = {}
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind == "linear":
-            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-            w.add_rope_scaling_factor(float(scaling["factor"]))
+            fields.update(rope_scaling_type=gguf.RopeScalingType.LINEAR, rope_scaling_factor=float(scaling["factor"]))
         elif kind == "llama3" and mt == "llama":
             extra["rope_freqs.weight"] = _llama3_rope_factors(cfg, scaling, theta)
         elif kind == "yarn":
-            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-            w.add_rope_scaling_factor(float(scaling["factor"]))
-            w.add_rope_scaling_orig_ctx_len(int(scaling["original_max_position_embeddings"]))
+            fields.update(rope_scaling_type=gguf.RopeScalingType.YARN, rope_scaling_factor=float(scaling["factor"]),
+                          rope_scaling_orig_ctx_len=int(scaling["original_max_position_embeddings"]))
         else:
             raise SystemExit(f"compare.py: rope scaling {kind!r} is not supported by the GGUF writer; "
                              "use --gguf FILE")
     if mt == "gemma3_text":
         if cfg.get("sliding_window"):
-            w.add_sliding_window(int(cfg["sliding_window"]))
+            fields["sliding_window"] = int(cfg["sliding_window"])
         local = cfg.get("rope_local_base_freq")
         rp = cfg.get("rope_parameters")
         if isinstance(rp, dict) and isinstance(rp.get("sliding_attention"), dict):
             local = rp["sliding_attention"].get("rope_theta", local)
         if local:
-            w.add_rope_freq_base_swa(float(local))
+            fields["rope_freq_base_swa"] = float(local)
         if cfg.get("final_logit_softcapping"):
-            w.add_final_logit_softcapping(float(cfg["final_logit_softcapping"]))
+            fields["final_logit_softcapping"] = float(cfg["final_logit_softcapping"])
 
     # ---- vocabulary ----
     special_ids = set()
@@ -268,11 +253,9 @@ def write_f32_gguf(model_dir, out_path) -> Path:
                 if isinstance(x, int):
                     special_ids.add(x)
     tok_model, tokens, types, scores = _vocab(model_dir, n_vocab, special_ids)
-    w.add_tokenizer_model(tok_model)
-    w.add_token_list(tokens)
-    w.add_token_types(types)
+    fields.update(tokenizer_model=tok_model, token_list=tokens, token_types=types)
     if scores is not None:
-        w.add_token_scores(scores)
+        fields["token_scores"] = scores
     sv = gguf.SpecialVocab(model_dir, load_merges=tok_model == "gpt2", n_vocab=n_vocab)
     if tok_model == "gpt2" and not sv.merges:
         # llama.cpp requires the merges key; a merge-free byte-level BPE gets one inert merge
@@ -284,46 +267,33 @@ def write_f32_gguf(model_dir, out_path) -> Path:
             v = v[0] if v else None
         if isinstance(v, int) and key not in sv.special_token_ids:
             sv.special_token_ids[key] = v
-    sv.add_to_gguf(w, quiet=True)
 
     # ---- tensors ----
-    tmap = gguf.get_tensor_name_map(arch, n_layers)
     store = TensorStore(model_dir)
-    unmapped = []
-    for name in store.names():
-        if name.endswith("rotary_emb.inv_freq"):
-            continue
-        hf = name
-        for pre in ("model.language_model.", "language_model.model.", "language_model."):
-            if hf.startswith(pre):
-                hf = "model." + hf[len(pre):] if not hf.startswith("language_model.lm_head") else hf[len(pre):]
-                break
-        if hf.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                          "model.multi_modal_projector.")):
-            continue
-        new = tmap.get_name(hf, try_suffixes=(".weight", ".bias"))
-        if new is None:
-            unmapped.append(name)
-            continue
-        arr = np.ascontiguousarray(store.get(name), dtype=np.float32)
-        if mt == "llama" and hf.endswith(("q_proj.weight", "q_proj.bias")):
-            arr = _permute(arr, n_head, n_head)
-        elif mt == "llama" and hf.endswith(("k_proj.weight", "k_proj.bias")):
-            arr = _permute(arr, n_head, n_kv)
-        if mt == "gemma3_text" and hf.endswith("norm.weight"):
-            arr = arr + np.float32(1.0)
-        if new == "token_embd.weight" and arr.shape[0] > n_vocab:
-            arr = arr[:n_vocab]
-        w.add_tensor(new, np.ascontiguousarray(arr))
-    if unmapped:
-        raise SystemExit(f"compare.py: no GGUF name for {len(unmapped)} tensors, e.g. {unmapped[:3]}")
-    for name, arr in extra.items():
-        w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return out_path
+
+    def text_tensors():
+        """(transformers name of the text model, float32 array), multimodal prefixes removed."""
+        for name in store.names():
+            if name.endswith("rotary_emb.inv_freq"):
+                continue
+            hf = name
+            for pre in ("model.language_model.", "language_model.model.", "language_model."):
+                if hf.startswith(pre):
+                    hf = "model." + hf[len(pre):] if not hf.startswith("language_model.lm_head") else hf[len(pre):]
+                    break
+            if hf.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                              "model.multi_modal_projector.")):
+                continue
+            arr = np.asarray(store.get(name), dtype=np.float32)
+            if hf == "model.embed_tokens.weight" and arr.shape[0] > n_vocab:
+                arr = arr[:n_vocab]
+            yield hf, arr
+
+    try:
+        return write_gguf(out_path, layout.name, fields, text_tensors(), layout=layout,
+                          extra_tensors=extra, add_metadata=lambda w: sv.add_to_gguf(w, quiet=True))
+    except ConversionError as exc:
+        raise SystemExit(f"compare.py: {exc}") from None
 
 
 def quantize_q8_0(src, dst, threads: int) -> Path:

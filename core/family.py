@@ -110,6 +110,11 @@ class FamilySpec:
                   name in alphabetical order, then the family name; never silently (a
                   :class:`cpullm.plugins.PluginConflictWarning`, listed by ``cpullm families``)
     description   one line shown by ``cpullm families``
+    tiny_config   a tiny config.json (dict) of the family: a few layers, small widths, a
+                  vocabulary of at most 384 (the byte-level test tokenizer's), built like the real
+                  checkpoints (head layout, RoPE kind, tying). cpullm's registry-coverage test
+                  runs the conformance kit (:func:`cpullm.testing.run_family_conformance`) on it
+                  for every installed family; a family without one fails that test
     plugin, plugin_version  filled in by cpullm from the plugin's distribution
     """
 
@@ -121,6 +126,7 @@ class FamilySpec:
     architectures: tuple = ()
     priority: int = 0
     description: str = ""
+    tiny_config: dict | None = None
     plugin: str | None = None
     plugin_version: str | None = None
 

@@ -531,6 +531,15 @@ def run_conformance(model_dir, ids, reference_logits=None, reference_tokens=None
     return report
 
 
+def families_without_tiny_config(registry=None) -> list[str]:
+    """``plugin:family`` of every installed family that ships no ``FamilySpec.tiny_config``: the
+    registry-coverage test runs the kit on each family's tiny config and fails on these."""
+    from . import plugins
+
+    registry = registry or plugins.discover()
+    return [f"{f.plugin}:{f.name}" for f in registry.families if not f.tiny_config]
+
+
 def sample_ids(config: dict, n: int | None = None, seed: int = 0) -> list[int]:
     """Token ids for a tiny checkpoint: long enough to pass every sliding window, within the
     byte-level tokenizer's range."""

@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cpullm.convert import permute_qk
 from cpullm.testing import make_random_checkpoint
 from tiny_configs import LLAMA32_LIKE, LLAMA_UNTIED_BIAS
 
@@ -60,9 +61,8 @@ def test_gguf_writer_layout(checkpoint, f32_gguf):
     k = store.get("model.layers.0.self_attn.k_proj.weight")
     got_q = np.asarray(tensors["blk.0.attn_q.weight"].data).reshape(q.shape)
     got_k = np.asarray(tensors["blk.0.attn_k.weight"].data).reshape(k.shape)
-    np.testing.assert_array_equal(got_q, compare._permute(q, cfg["num_attention_heads"]))
-    np.testing.assert_array_equal(got_k, compare._permute(k, cfg["num_attention_heads"],
-                                                          cfg["num_key_value_heads"]))
+    np.testing.assert_array_equal(got_q, permute_qk(q, cfg["num_attention_heads"]))
+    np.testing.assert_array_equal(got_k, permute_qk(k, cfg["num_key_value_heads"]))
     field = r.fields["tokenizer.ggml.tokens"]
     assert len(field.data) == cfg["vocab_size"]
     assert r.fields["general.architecture"].contents() == "llama"
@@ -71,7 +71,7 @@ def test_gguf_writer_layout(checkpoint, f32_gguf):
 def test_permute_matches_llama_cpp_interleaving():
     # rows of one head [r0..r7] (two halves rotated together in HF) -> interleaved pairs
     w = np.arange(8, dtype=np.float32)[:, None]
-    assert compare._permute(w, 1)[:, 0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert permute_qk(w, 1)[:, 0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
 
 
 def test_compare_reports_a_missing_runtime_as_skipped(checkpoint, tmp_path, monkeypatch):

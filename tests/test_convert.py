@@ -99,16 +99,13 @@ def tiny_hf_weights(arch: str, layers: int = 2, vocab: int = 265, seed: int = 0,
     return w
 
 
-def _gguf_name(hf: str, arch: str) -> str:
-    """HF name -> GGUF name, inverting cpullm's own table (used only to *write* test files)."""
-    spec = cv.ARCH_SPECS.get(arch, cv.ARCH_SPECS["llama"])
-    for g, h in cv.GLOBAL_TENSOR_NAMES.items():
-        if hf.startswith(h + "."):
-            return g + hf[len(h):]
-    _, _, layer, rest = hf.split(".", 3)
-    leaf, kind = rest.rsplit(".", 1)
-    inverse = {v: k for k, v in spec.layer_names.items()}
-    return f"blk.{layer}.{inverse[leaf]}.{kind}"
+def _layout(arch: str):
+    """The GGUFArch naming the tensors of a tiny ``arch`` file: the installed one, or llama's
+    table without its q/k permutation for an architecture no plugin declares."""
+    import attrs
+
+    specs = cv.gguf_architectures()
+    return specs.get(arch) or attrs.evolve(specs["llama"], name=arch, permute_qk=False)
 
 
 def write_tiny_gguf(path: Path, arch: str = "llama", *, qtype: str = "F32", tied: bool = True,
@@ -116,6 +113,8 @@ def write_tiny_gguf(path: Path, arch: str = "llama", *, qtype: str = "F32", tied
                     identical_output: bool = False, extra_tensors: dict | None = None,
                     drop_tensors: tuple[str, ...] = (), meta: dict | None = None) -> dict[str, np.ndarray]:
     """Write a tiny GGUF of ``arch`` as llama.cpp would; returns the HF weights it encodes."""
+    from cpullm.gguf_writer import write_gguf
+
     s = TINY_SHAPES.get(arch, TINY_SHAPES["llama"])
     spm = arch == "gemma3"
     if spm:
@@ -123,72 +122,28 @@ def write_tiny_gguf(path: Path, arch: str = "llama", *, qtype: str = "F32", tied
     else:
         (tokens, types), scores = byte_level_vocab(), None
     hf = weights or tiny_hf_weights(arch if arch in TINY_SHAPES else "llama", layers, len(tokens), seed, tied)
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(layers)
-    w.add_context_length(512)
-    w.add_embedding_length(s["hidden"])
-    w.add_feed_forward_length(s["ffn"])
-    w.add_head_count(s["heads"])
-    w.add_head_count_kv(s["kv"])
-    w.add_layer_norm_rms_eps(1e-6)
-    w.add_rope_freq_base(10000.0)
+    fields = {"block_count": layers, "context_length": 512, "embedding_length": s["hidden"],
+              "feed_forward_length": s["ffn"], "head_count": s["heads"], "head_count_kv": s["kv"],
+              "layer_norm_rms_eps": 1e-6, "rope_freq_base": 10000.0}
     if arch != "llama":
-        w.add_key_length(s["head_dim"])
-        w.add_value_length(s["head_dim"])
+        fields.update(key_length=s["head_dim"], value_length=s["head_dim"])
     else:
-        w.add_rope_dimension_count(s["head_dim"])
+        fields["rope_dimension_count"] = s["head_dim"]
     if arch == "gemma3":
-        w.add_sliding_window(128)
-    w.add_tokenizer_model("llama" if spm else "gpt2")
-    w.add_tokenizer_pre("default" if spm else "qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
+        fields["sliding_window"] = 128
+    fields.update(tokenizer_model="llama" if spm else "gpt2", tokenizer_pre="default" if spm else "qwen2",
+                  token_list=tokens, token_types=types)
     if spm:
-        w.add_token_scores(scores)
-        w.add_bos_token_id(2)
-        w.add_eos_token_id(1)
-        w.add_unk_token_id(3)
-        w.add_pad_token_id(0)
-        w.add_add_bos_token(True)
+        fields.update(token_scores=scores, bos_token_id=2, eos_token_id=1, unk_token_id=3, pad_token_id=0,
+                      add_bos_token=True)
     else:
-        w.add_token_merges(BPE_MERGES)
-        w.add_bos_token_id(1)
-        w.add_eos_token_id(2)
-        w.add_pad_token_id(0)
-        w.add_add_bos_token(False)
-        w.add_chat_template(CHAT_TEMPLATE)
-    for key, value in (meta or {}).items():
-        if isinstance(value, str):
-            w.add_string(key, value)
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        else:
-            w.add_uint32(key, value)
+        fields.update(token_merges=BPE_MERGES, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                      add_bos_token=False, chat_template=CHAT_TEMPLATE)
     tensors = dict(hf)
     if identical_output:
         tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-    for name, arr in tensors.items():
-        g = _gguf_name(name, arch)
-        if g in drop_tensors:
-            continue
-        arr = arr.copy()
-        if arch == "llama" and ".attn_q." in g:
-            arr = llamacpp_permute(arr, s["heads"])
-        elif arch == "llama" and ".attn_k." in g:
-            arr = llamacpp_permute(arr, s["kv"])
-        if arch == "gemma3" and g.endswith("norm.weight"):
-            arr = arr + 1
-        if arr.ndim == 2 and qtype != "F32":
-            t = gguf.GGMLQuantizationType[qtype]
-            w.add_tensor(g, gguf.quants.quantize(arr, t), raw_dtype=t)
-        else:
-            w.add_tensor(g, arr)
-    for g, arr in (extra_tensors or {}).items():
-        w.add_tensor(g, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_gguf(path, arch, fields, tensors, layout=_layout(arch), qtype=qtype, metadata=meta,
+               extra_tensors=extra_tensors, skip=drop_tensors)
     return hf
 
 

@@ -15,7 +15,7 @@ from cpullm import blocks
 from cpullm.family import Args, FamilySpec
 from cpullm.ir import GraphBuilder
 
-from . import common
+from . import common, tiny_configs
 
 
 @attrs.define
@@ -67,4 +67,5 @@ FAMILY = FamilySpec(
     weight_map=weight_map,
     build_graph=build_graph,
     description="Gemma 2B/7B (GemmaForCausalLM)",
+    tiny_config=tiny_configs.GEMMA,
 )

@@ -18,7 +18,7 @@ from cpullm import blocks
 from cpullm.family import Args, FamilySpec
 from cpullm.ir import GraphBuilder
 
-from . import common
+from . import common, tiny_configs
 
 
 @attrs.define
@@ -79,4 +79,5 @@ FAMILY = FamilySpec(
     weight_map=weight_map,
     build_graph=build_graph,
     description="Gemma 2 2B/9B (Gemma2ForCausalLM): soft-capping, alternating sliding windows",
+    tiny_config=tiny_configs.GEMMA2,
 )

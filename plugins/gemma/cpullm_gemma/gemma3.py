@@ -17,7 +17,7 @@ import attrs
 from cpullm.family import FamilySpec, text_config
 from cpullm.ir import GraphBuilder
 
-from . import gemma3_text
+from . import gemma3_text, tiny_configs
 
 # (prefix found in checkpoints, prefix the weight map's rules use)
 TEXT_PREFIXES = [
@@ -57,4 +57,5 @@ FAMILY = FamilySpec(
     weight_map=weight_map,
     build_graph=build_graph,
     description="Gemma 3 4B+ multimodal checkpoints (text model only)",
+    tiny_config=tiny_configs.GEMMA3,
 )

@@ -14,6 +14,8 @@ from cpullm.family import Args, FamilySpec, require
 from cpullm.ir import GraphBuilder
 from cpullm.weightmap import W, WeightMap
 
+from . import tiny_configs
+
 
 @attrs.define
 class LlamaArgs(Args):
@@ -108,4 +110,5 @@ FAMILY = FamilySpec(
     weight_map=weight_map,
     build_graph=build_graph,
     description="Llama 2/3.x, SmolLM2 and other LlamaForCausalLM checkpoints",
+    tiny_config=tiny_configs.LLAMA,
 )

@@ -12,7 +12,7 @@ import attrs
 from cpullm import blocks
 from cpullm.family import Args, FamilySpec, require
 
-from . import dense
+from . import dense, tiny_configs
 
 
 @attrs.define
@@ -59,4 +59,5 @@ FAMILY = FamilySpec(
     weight_map=dense.weight_map,
     build_graph=dense.build_graph,
     description="Qwen2 / Qwen2.5 (incl. Coder, Math) Qwen2ForCausalLM checkpoints",
+    tiny_config=tiny_configs.QWEN2,
 )

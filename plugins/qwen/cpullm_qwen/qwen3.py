@@ -11,7 +11,7 @@ import attrs
 from cpullm import blocks
 from cpullm.family import Args, FamilySpec, require
 
-from . import dense
+from . import dense, tiny_configs
 
 
 @attrs.define
@@ -60,4 +60,5 @@ FAMILY = FamilySpec(
     weight_map=dense.weight_map,
     build_graph=dense.build_graph,
     description="Qwen3 dense Qwen3ForCausalLM checkpoints (q/k norm, explicit head_dim)",
+    tiny_config=tiny_configs.QWEN3,
 )

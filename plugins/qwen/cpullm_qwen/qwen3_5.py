@@ -11,7 +11,7 @@ import attrs
 
 from cpullm.family import FamilySpec, text_config
 
-from . import qwen3_5_text
+from . import qwen3_5_text, tiny_configs
 
 
 @attrs.define
@@ -32,4 +32,5 @@ FAMILY = FamilySpec(
     weight_map=qwen3_5_text.weight_map,
     build_graph=qwen3_5_text.build_graph,
     description="Qwen3.5 multimodal checkpoints: the text model (vision tower and MTP head ignored)",
+    tiny_config=tiny_configs.QWEN3_5,
 )
