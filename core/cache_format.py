@@ -460,7 +460,7 @@ def _explain_miss(root: Path, inputs: dict, model_dir) -> tuple[str, list[Path]]
 def load_or_build(build, *, model_dir, config, family, graph, weights, store, quant, n_ctx,
                   max_chunk, kernels, cache_dir=None, use_cache=True, mmap=True):
     """(program, "HIT" | "MISS (reason)"). A HIT runs neither the quantizer nor the compiler."""
-    from .model import notice
+    from .notices import notice
 
     inputs = cache_key_inputs(config=config, family=family, graph=graph, weights=weights, store=store,
                               quant=quant, n_ctx=n_ctx, max_chunk=max_chunk, kernels=kernels)

@@ -255,11 +255,12 @@ def _check_kernel(k) -> KernelSpec:
         raise PluginError(f"cpullm_kernels returned {type(k).__name__}, not KernelSpec")
     if not callable(k.fn) or not callable(k.supports):
         raise PluginError(f"KernelSpec {k.name!r}: fn and supports must be callable")
-    from .ir import Op
     from .kernels.interpreter import EXTERNAL_SIGNATURES   # only paid when a plugin has kernels
 
     if not isinstance(k.op, int) or int(k.op) not in EXTERNAL_SIGNATURES:
-        allowed = ", ".join(Op(o).name for o in EXTERNAL_SIGNATURES)
+        # each signature starts with the kernel's name, the op's name in lower case; naming the
+        # op through cpullm.ir instead would make the registry and the IR import each other
+        allowed = ", ".join(sig.split("(")[0].upper() for sig in EXTERNAL_SIGNATURES.values())
         raise PluginError(f"KernelSpec {k.name!r}: op {getattr(k.op, 'name', k.op)} cannot be "
                           f"replaced by a plugin kernel (replaceable: {allowed})")
     return k

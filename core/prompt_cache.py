@@ -124,7 +124,7 @@ class PromptCache:
 
     # ---- reading --------------------------------------------------------------------------
     def _stale(self, why: str):
-        from .model import notice
+        from .notices import notice
         notice(f"prompt cache {self.path} is {why}; not using it (it will be rewritten)")
         self.saved = None
         self.status = f"MISS ({why})"
