@@ -178,39 +178,23 @@ def checkpoint_identity(model_dir: Path) -> str:
     return h.hexdigest()[:16]
 
 
-def write_f32_gguf(model_dir, out_path) -> Path:
-    """The checkpoint as an F32 GGUF that llama.cpp loads (see the module docstring), written by
-    cpullm's GGUF writer with the installed plugins' table of the architecture."""
+def _header_fields(model_dir: Path, cfg: dict, layout) -> tuple[dict, dict]:
+    """(GGUFWriter fields of the model's shape and RoPE, extra tensors such as rope_freqs)."""
     import gguf
 
-    from cpullm.errors import ConversionError
-    from cpullm.gguf_writer import gguf_arch_for_model_type, write_gguf
-    from cpullm.tensors import TensorStore
-
-    model_dir, out_path = Path(model_dir), Path(out_path)
-    config = json.loads((model_dir / "config.json").read_text())
-    cfg = _text_config(config)
     mt = cfg.get("model_type")
-    try:
-        layout = gguf_arch_for_model_type(mt)
-    except ConversionError as exc:
-        raise SystemExit(f"compare.py: {exc}; or pass a GGUF of the same weights with --gguf FILE") from None
-    n_layers = int(cfg["num_hidden_layers"])
     n_head = int(cfg["num_attention_heads"])
-    n_kv = int(cfg.get("num_key_value_heads") or n_head)
     hidden = int(cfg["hidden_size"])
     head_dim = int(cfg.get("head_dim") or hidden // n_head)
-    n_vocab = int(cfg["vocab_size"])
     theta, scaling = _rope(cfg)
-
     fields = {
         "name": model_dir.name,
         "context_length": int(cfg.get("max_position_embeddings") or 4096),
         "embedding_length": hidden,
-        "block_count": n_layers,
+        "block_count": int(cfg["num_hidden_layers"]),
         "feed_forward_length": int(cfg["intermediate_size"]),
         "head_count": n_head,
-        "head_count_kv": n_kv,
+        "head_count_kv": int(cfg.get("num_key_value_heads") or n_head),
         "layer_norm_rms_eps": float(cfg.get("rms_norm_eps", 1e-6)),
         "rope_freq_base": theta,
         "key_length": head_dim,
@@ -218,7 +202,7 @@ def write_f32_gguf(model_dir, out_path) -> Path:
     }
     if "rope.dimension_count" in layout.head_dim_keys:
         fields["rope_dimension_count"] = head_dim
-    fields.update(vocab_size=n_vocab, file_type=gguf.LlamaFileType.ALL_F32)
+    fields.update(vocab_size=int(cfg["vocab_size"]), file_type=gguf.LlamaFileType.ALL_F32)
     extra: dict[str, np.ndarray] = {}
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type"))
@@ -243,8 +227,14 @@ def write_f32_gguf(model_dir, out_path) -> Path:
             fields["rope_freq_base_swa"] = float(local)
         if cfg.get("final_logit_softcapping"):
             fields["final_logit_softcapping"] = float(cfg["final_logit_softcapping"])
+    return fields, extra
 
-    # ---- vocabulary ----
+
+def _vocab_fields(model_dir: Path, config: dict, cfg: dict):
+    """(GGUFWriter fields of the vocabulary, gguf.SpecialVocab with merges and special ids)."""
+    import gguf
+
+    n_vocab = int(cfg["vocab_size"])
     special_ids = set()
     for src in (config, cfg):
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -253,7 +243,7 @@ def write_f32_gguf(model_dir, out_path) -> Path:
                 if isinstance(x, int):
                     special_ids.add(x)
     tok_model, tokens, types, scores = _vocab(model_dir, n_vocab, special_ids)
-    fields.update(tokenizer_model=tok_model, token_list=tokens, token_types=types)
+    fields = {"tokenizer_model": tok_model, "token_list": tokens, "token_types": types}
     if scores is not None:
         fields["token_scores"] = scores
     sv = gguf.SpecialVocab(model_dir, load_merges=tok_model == "gpt2", n_vocab=n_vocab)
@@ -267,33 +257,50 @@ def write_f32_gguf(model_dir, out_path) -> Path:
             v = v[0] if v else None
         if isinstance(v, int) and key not in sv.special_token_ids:
             sv.special_token_ids[key] = v
+    return fields, sv
 
-    # ---- tensors ----
+
+def _text_tensors(model_dir: Path, n_vocab: int):
+    """(transformers name of the text model, float32 array), multimodal prefixes removed, the
+    embedding cut to the vocabulary."""
+    from cpullm.tensors import TensorStore
+
     store = TensorStore(model_dir)
+    for name in store.names():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        hf = name
+        for pre in ("model.language_model.", "language_model.model.", "language_model."):
+            if hf.startswith(pre):
+                hf = "model." + hf[len(pre):] if not hf.startswith("language_model.lm_head") else hf[len(pre):]
+                break
+        if hf.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                          "model.multi_modal_projector.")):
+            continue
+        arr = np.asarray(store.get(name), dtype=np.float32)
+        if hf == "model.embed_tokens.weight" and arr.shape[0] > n_vocab:
+            arr = arr[:n_vocab]
+        yield hf, arr
 
-    def text_tensors():
-        """(transformers name of the text model, float32 array), multimodal prefixes removed."""
-        for name in store.names():
-            if name.endswith("rotary_emb.inv_freq"):
-                continue
-            hf = name
-            for pre in ("model.language_model.", "language_model.model.", "language_model."):
-                if hf.startswith(pre):
-                    hf = "model." + hf[len(pre):] if not hf.startswith("language_model.lm_head") else hf[len(pre):]
-                    break
-            if hf.startswith(("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
-                              "model.multi_modal_projector.")):
-                continue
-            arr = np.asarray(store.get(name), dtype=np.float32)
-            if hf == "model.embed_tokens.weight" and arr.shape[0] > n_vocab:
-                arr = arr[:n_vocab]
-            yield hf, arr
 
+def write_f32_gguf(model_dir, out_path) -> Path:
+    """The checkpoint as an F32 GGUF that llama.cpp loads (see the module docstring), written by
+    cpullm's GGUF writer with the installed plugins' table of the architecture."""
+    from cpullm.errors import ConversionError
+    from cpullm.gguf_writer import gguf_arch_for_model_type, write_gguf
+
+    model_dir, out_path = Path(model_dir), Path(out_path)
+    config = json.loads((model_dir / "config.json").read_text())
+    cfg = _text_config(config)
     try:
-        return write_gguf(out_path, layout.name, fields, text_tensors(), layout=layout,
-                          extra_tensors=extra, add_metadata=lambda w: sv.add_to_gguf(w, quiet=True))
+        layout = gguf_arch_for_model_type(cfg.get("model_type"))
+        fields, extra = _header_fields(model_dir, cfg, layout)
+        vocab, special = _vocab_fields(model_dir, config, cfg)
+        return write_gguf(out_path, layout.name, {**fields, **vocab},
+                          _text_tensors(model_dir, int(cfg["vocab_size"])), layout=layout,
+                          extra_tensors=extra, add_metadata=lambda w: special.add_to_gguf(w, quiet=True))
     except ConversionError as exc:
-        raise SystemExit(f"compare.py: {exc}") from None
+        raise SystemExit(f"compare.py: {exc}; or pass a GGUF of the same weights with --gguf FILE") from None
 
 
 def quantize_q8_0(src, dst, threads: int) -> Path:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
