@@ -191,8 +191,8 @@ def _bad_spec_plugin(name, **changes):
 
 
 @pytest.mark.parametrize("plugin, message", [
-    (_Misspelled(), "PluginError: cpullm_family is not a cpullm hook (hooks: cpullm_families, cpullm_kernels, "
-                    "cpullm_ops, cpullm_rope_types)"),
+    (_Misspelled(), "PluginError: cpullm_family is not a cpullm hook (hooks: cpullm_families, "
+                    "cpullm_gguf_architectures, cpullm_kernels, cpullm_ops, cpullm_rope_types)"),
     (_Unmarked(), "PluginError: cpullm_families is not marked with @hookimpl"),
     (_NotAFamily(), "PluginError: cpullm_families returned dict, not FamilySpec"),
     (_bad_spec_plugin("string_types", model_types="llama"),
