@@ -82,7 +82,7 @@ def unsafe_root_reason(root: Path) -> str | None:
     for path, follow in ((root, True), (root / "exec", False)):
         try:
             st = os.stat(path) if follow else os.lstat(path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):   # nothing there to trust; writing fails with its own notice
             continue
         except OSError as exc:
             return f"unreadable ({path}: {exc.strerror})"

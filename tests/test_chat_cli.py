@@ -42,12 +42,16 @@ def stats(child):
 
 
 def with_template(tmp_path, template):
-    """The shared tiny model's files with another tokenizer_config.json."""
+    """The shared tiny model's files with another tokenizer_config.json (hard links or copies:
+    a symlink leading out of the model directory is refused)."""
     d = tmp_path / "model"
     d.mkdir()
     for f in chat_model_dir().iterdir():
         if f.name != "tokenizer_config.json":
-            os.symlink(f, d / f.name)
+            try:
+                os.link(f, d / f.name)
+            except OSError:
+                shutil.copy2(f, d / f.name)
     (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": template} if template else {}))
     return d
 
