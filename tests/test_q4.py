@@ -10,16 +10,18 @@ from cpullm.kernels import gguf_blocks as gb
 from cpullm.kernels import kquant as kq
 from cpullm.kernels import q4
 
-RNG = np.random.default_rng(20261206)
+_KINDS = ("normal", "student_t3", "skewed")
 
 
 def _weights(kind, N, K):
+    """The same matrix for the same arguments, whatever tests ran before (or were skipped)."""
+    rng = np.random.default_rng([20261206, _KINDS.index(kind), N, K])
     if kind == "normal":
-        w = RNG.standard_normal((N, K))
+        w = rng.standard_normal((N, K))
     elif kind == "student_t3":                   # heavy tails, as real weight rows have
-        w = RNG.standard_t(3, (N, K))
+        w = rng.standard_t(3, (N, K))
     else:                                        # skewed blocks: the min matters
-        w = RNG.standard_normal((N, K)) + 0.7 * np.abs(RNG.standard_normal((N, K)))
+        w = rng.standard_normal((N, K)) + 0.7 * np.abs(rng.standard_normal((N, K)))
     return (0.02 * w).astype(np.float32)
 
 
@@ -109,7 +111,7 @@ def test_q4_blocks_run_through_the_matvec():
     N, K = 33, 768
     w = _weights("student_t3", N, K)
     blocks = q4.quantize_q4(w)
-    x = RNG.standard_normal(K).astype(np.float32)
+    x = np.random.default_rng(7).standard_normal(K).astype(np.float32)
     x_q, x_s, x_m = np.empty(K, np.int8), np.empty(K // 32, np.float32), np.empty(K // 16, np.float32)
     kq.quantize_act_q8(x, x_q, x_s, x_m)
     out = np.full(N, np.nan, np.float32)
@@ -134,8 +136,9 @@ def test_q6_k_layout_and_error(kind):
     full = gguf_quants.dequantize(blocks, GGMLQuantizationType.Q6_K)
     np.testing.assert_allclose(full[:, :K], q4.dequantize_q6_k_ref(blocks, N, K), rtol=2e-7, atol=0)
     assert (full[:, K:] == 0).all()
-    # 64 levels per sub-block of 16: about 4x finer than q4
-    assert _rmse(q4.dequantize_q6_k_ref(blocks, N, K), w) <= 0.025 * float(w.std())
+    # 64 levels per sub-block of 16 against q4's 16 per 32: about 4x finer (0.24-0.27x measured)
+    q4_err = _rmse(q4.dequantize_q4_ref(q4.quantize_q4(w), N, K), w)
+    assert _rmse(q4.dequantize_q6_k_ref(blocks, N, K), w) <= 0.3 * q4_err
 
 
 @pytest.mark.parametrize("kind", ["normal", "student_t3", "skewed"])
