@@ -147,23 +147,9 @@ class Model:
         """Reset the cache for a new sequence; returns how many leading tokens are reused: 0, or
         with a prompt cache attached (:meth:`use_prompt_cache`) the tokens whose state it restored
         (always fewer than ``len(ids)``, so at least one token is prefilled)."""
-        self.executor.reset()
+        from .sequence import Sequence
         self._seq = list(ids)
-        pc = getattr(self, "_prompt_cache", None)
-        return pc.start(self.executor, self._seq) if pc is not None else 0
-
-    def _prefill_prompt(self, ids: list[int], reused: int) -> np.ndarray:
-        """Prefill ``ids[reused:]`` and return the last token's logits. An attached prompt cache
-        may ask for the state at one position (``split_at``): the prefill stops there, the cache
-        records the sliding-window and linear-attention state, and the prefill goes on."""
-        ex = self.executor
-        pc = getattr(self, "_prompt_cache", None)
-        split = pc.split_at if pc is not None else None
-        if split is None or not (reused < split < len(ids)):
-            return ex.prefill(ids[reused:])
-        ex.prefill(ids[reused:split])
-        pc.snapshot_split(ex)
-        return ex.prefill(ids[split:])
+        return Sequence(ids, 1).restore(self.executor, getattr(self, "_prompt_cache", None))
 
     # ---- prompt cache ---------------------------------------------------------------------------
     def use_prompt_cache(self, path) -> "Model":
