@@ -229,6 +229,48 @@ class Model:
         return generate_ids(self, self._prompt_ids(prompt_ids), max_new_tokens, params, stats,
                             stop_ids=() if ignore_eos else None)
 
+    def generate_batch(self, prompts, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                       top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                       seed: int | None = None, stop: list[str] | None = None, sampling: list[dict] | None = None,
+                       parallel: int | None = None, chat: bool = False, system: str | None = None,
+                       ignore_eos: bool = False) -> list:
+        """Generate for every prompt together (continuous batching: ``parallel`` sequences share
+        each pass over the weights, the rest join as others finish). Returns a list of strings
+        for text prompts, of token-id lists for id prompts. ``sampling``: one dict of sampling
+        keywords per prompt (overrides the shared ones). A prompt's greedy output is the same as
+        :meth:`generate` gives it alone."""
+        from .engine import generate_batch
+        from .generate import TextStream
+        prompts = list(prompts)
+        ids = [self._prompt_ids(p, chat=chat, system=system) for p in prompts]
+        base = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                    repetition_penalty=repetition_penalty, seed=seed)
+        per = sampling if sampling is not None else [{}] * len(prompts)
+        params = [SamplingParams(**{**base, **dict(d)}).validate() for d in per]
+        out = generate_batch(self, ids, max_new_tokens, parallel=parallel, params=params,
+                             stop_ids=() if ignore_eos else None)
+        texts = []
+        for p, toks in zip(prompts, out):
+            if not isinstance(p, str):
+                texts.append(toks)
+                continue
+            ts = TextStream(self.tokenizer, stop)
+            pieces = []
+            for t in toks:
+                pieces.append(ts.push(t))
+                if ts.stopped:
+                    break
+            pieces.append(ts.flush())
+            texts.append("".join(pieces))
+        return texts
+
+    def engine(self, parallel: int | None = None, prefill_chunk: int | None = None):
+        """A :class:`cpullm.engine.Engine` on this model: submit requests from any thread, each
+        with its own sampling and cancel handle; ``parallel`` streams decode together (default:
+        :func:`cpullm.engine.default_parallel`)."""
+        from .engine import Engine
+        return Engine(self, parallel=parallel, prefill_chunk=prefill_chunk)
+
     # ---- reporting --------------------------------------------------------------------------------
     def info(self) -> dict:
         from .memory import memory_report

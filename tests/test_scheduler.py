@@ -143,3 +143,41 @@ def test_core_gated_delta_runs_per_sequence(tmp_path):
     alone = [_run(m, [p])[0] for p in prompts]
     assert _run(m, prompts) == alone
     assert alone == [list(m.generate_ids(p, N_NEW, ignore_eos=True)) for p in prompts]
+
+
+# ---- the Python API: model.generate_batch and the threaded engine ------------------------------------
+
+def test_generate_batch_equals_generate_per_prompt(llama):
+    prompts = _prompts(4)
+    texts = ["hello there", "a longer prompt about a quiet village by the sea"]
+    out = llama.generate_batch(prompts + texts, max_new_tokens=8, ignore_eos=True, parallel=3)
+    assert out[:len(prompts)] == [list(llama.generate_ids(p, 8, ignore_eos=True)) for p in prompts]
+    assert out[len(prompts):] == [llama.tokenizer.decode(list(llama.generate_ids(t, 8, ignore_eos=True)))
+                                  for t in texts]
+    sampled = llama.generate_batch(prompts[:2], max_new_tokens=6,
+                                   sampling=[{"temperature": 0.8, "seed": 1}, {"temperature": 0.0}])
+    assert sampled[0] == list(llama.generate_ids(prompts[0], 6, temperature=0.8, seed=1))
+    assert sampled[1] == list(llama.generate_ids(prompts[1], 6))
+
+
+def test_engine_serves_threads_with_cancel(llama):
+    prompts = _prompts(5)
+    alone = [list(llama.generate_ids(p, N_NEW, ignore_eos=True)) for p in prompts]
+    with llama.engine(parallel=3) as eng:
+        reqs = [eng.submit(p, N_NEW, stop_ids=()) for p in prompts]
+        victim = eng.submit(list(range(30)), 200, stop_ids=())
+        got = {}
+
+        def consume(i, r):
+            got[i] = list(r)
+        threads = [threading.Thread(target=consume, args=(i, r)) for i, r in enumerate(reqs)]
+        for t in threads:
+            t.start()
+        for n, _ in enumerate(victim):
+            if n == 2:
+                victim.cancel()
+        for t in threads:
+            t.join(60)
+        assert [got[i] for i in range(len(prompts))] == alone
+        assert victim.stats.stop_reason == "cancelled" and len(victim.seq.generated) < 10
+        assert eng.counts()["running"] == 0 and eng.counts()["free_slots"] == 3
