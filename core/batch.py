@@ -27,10 +27,38 @@ from .executor import Executor
 from .kernels import interpreter as K
 from .kernels.attention import attention
 from .kernels.batch_linear import linear_rows_f32, linear_rows_q8
+from .kernels.elementwise import binary_rows, glu_rows
+from .kernels.norm import layernorm_rows, rmsnorm_rows
 from .kernels.gated_delta import gated_delta
 from .kernels.rope import rope_rows
 
 PER_SEQUENCE_OPS = (K.OP_ROPE, K.OP_ATTENTION, K.OP_GATED_DELTA)
+# Row-wise ops the interpreter runs as a parallel loop over rows when T > 1. A decode batch has a
+# few rows, each op microseconds of work: a parallel region per op costs more than it saves (on a
+# loaded 2-core host, 2.6 ms of such ops per step at B = 1 became 190 ms at B = 2), so the
+# batch runs them serially with the same row kernels (the parallel versions call them per row:
+# the same numbers).
+SERIAL_ROW_OPS = (K.OP_RMSNORM, K.OP_LAYERNORM, K.OP_GLU, K.OP_ADD, K.OP_SIGMOID_MUL)
+
+
+@njit(cache=True)
+def _serial_rows(I, F, a, b, arena, wf, T):
+    """Instructions [a, b) (all in SERIAL_ROW_OPS) over rows [0, T), one thread."""
+    r0 = np.int64(0)
+    for r in range(a, b):
+        op = I[r, 0]
+        if op == K.OP_RMSNORM:
+            rmsnorm_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], wf, I[r, 9], F[r, 0], r0, T)
+        elif op == K.OP_LAYERNORM:
+            layernorm_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], wf, I[r, 9], I[r, 10],
+                           F[r, 0], r0, T)
+        elif op == K.OP_GLU:
+            glu_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], I[r, 9], I[r, 10], r0, T)
+        elif op == K.OP_ADD or op == K.OP_SIGMOID_MUL:
+            binary_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], I[r, 9],
+                        0 if op == K.OP_ADD else 1, r0, T)
+        else:
+            raise ValueError("cpullm batch: not a serial row op")
 
 
 @njit(cache=True)
@@ -113,11 +141,22 @@ class BatchDecoder:
             else:
                 continue
             if a < r:
-                out.append(("rows", a, r))
+                out.extend(self._row_segments(a, r))
             out.append(special)
             a = r + 1
         if a < end:
-            out.append(("rows", a, end))
+            out.extend(self._row_segments(a, end))
+        return out
+
+    def _row_segments(self, a: int, b: int) -> list:
+        """[a, b) as runs of SERIAL_ROW_OPS ("serial") and of other row-wise ops ("rows")."""
+        out = []
+        for r in range(a, b):
+            kind = "serial" if int(self.ex.I[r, 0]) in SERIAL_ROW_OPS else "rows"
+            if out and out[-1][0] == kind:
+                out[-1] = (kind, out[-1][1], r + 1)
+            else:
+                out.append((kind, r, r + 1))
         return out
 
     def decode(self, states: np.ndarray, slots, positions, tokens) -> np.ndarray:
@@ -152,6 +191,8 @@ class BatchDecoder:
                 self.rt[4] = numba.get_num_threads()
                 K.run(ex.I, ex.F, seg[1], seg[2], ex.tokens, self.rt, ex.arena, ex.state, ex.wq, ex.ws, ex.wf,
                       ex.xq, ex.xs, ex.linear_state)
+            elif kind == "serial":
+                _serial_rows(ex.I, ex.F, seg[1], seg[2], ex.arena, ex.wf, np.int64(T))
             elif kind == "linear":
                 self._linear(seg[1], T)
             elif kind == "seq":
