@@ -181,3 +181,12 @@ def test_engine_serves_threads_with_cancel(llama):
         assert [got[i] for i in range(len(prompts))] == alone
         assert victim.stats.stop_reason == "cancelled" and len(victim.seq.generated) < 10
         assert eng.counts()["running"] == 0 and eng.counts()["free_slots"] == 3
+
+
+def test_parallel_is_planned_against_available_memory(llama, monkeypatch):
+    from cpullm import engine
+    slot = llama.executor.state.size * 4
+    monkeypatch.setattr(engine, "available_memory_bytes", lambda: 10 * slot)
+    assert engine.default_parallel(llama) == min(engine.MAX_DEFAULT_PARALLEL, 4 * llama.threads, 5)
+    with pytest.raises(ConfigError, match="lower --parallel or --ctx"):
+        engine.Engine(llama, parallel=11)
