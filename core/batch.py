@@ -26,6 +26,7 @@ from numba import njit
 from .executor import Executor
 from .kernels import interpreter as K
 from .kernels.attention import attention
+from .kernels.attention_batch import attention_decode_batch
 from .kernels.batch_linear import linear_rows_f32, linear_rows_q8
 from .kernels.elementwise import binary_rows, glu_rows
 from .kernels.norm import layernorm_rows, rmsnorm_rows
@@ -62,13 +63,20 @@ def _serial_rows(I, F, a, b, arena, wf, T):
 
 
 @njit(cache=True)
-def _per_sequence(I, F, a, b, arena, states, slots, rows0, nrows, positions, wf, nthreads, has_linear):
+def _per_sequence(I, F, a, b, arena, states, slots, rows0, nrows, positions, wf, nthreads, has_linear, decode):
     """Instructions [a, b) (ROPE / ATTENTION / GATED_DELTA) for each sequence s: rows
     [rows0[s], rows0[s] + nrows[s]) of the arena, positions from positions[s], state
     states[slots[s]]. The operands' offsets are moved to the sequence's first row, so each kernel
-    sees what a decode of that sequence alone gives it (row 0, T = nrows[s])."""
+    sees what a decode of that sequence alone gives it (row 0, T = nrows[s]). ``decode`` (row s
+    is sequence s's one token): ATTENTION runs for all of them in one parallel region, with the
+    same numbers (kernels.attention_batch)."""
     for r in range(a, b):
         op = I[r, 0]
+        if decode and op == K.OP_ATTENTION:
+            attention_decode_batch(arena, states, slots, positions, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7],
+                                   I[r, 8], I[r, 9], I[r, 10], I[r, 11], I[r, 12], I[r, 13], I[r, 14], I[r, 15],
+                                   F[r, 0], F[r, 1], np.int64(F[r, 2]), nthreads)
+            continue
         for s in range(slots.shape[0]):
             state = states[slots[s]]
             row0, T, pos0 = rows0[s], nrows[s], positions[s]
@@ -197,7 +205,7 @@ class BatchDecoder:
                 self._linear(seg[1], T)
             elif kind == "seq":
                 _per_sequence(ex.I, ex.F, seg[1], seg[2], ex.arena, states, *seqs, ex.wf,
-                              numba.get_num_threads(), self.has_linear)
+                              numba.get_num_threads(), self.has_linear, True)
             elif kind == "external":
                 self._external(seg[1], states, seqs)
             else:

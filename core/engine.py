@@ -113,6 +113,8 @@ class Engine:
         self.parallel = int(parallel or default_parallel(model))
         check_fits_in_memory(model, self.parallel)
         self.scheduler = Scheduler(model, self.parallel, prefill_chunk)
+        if self.parallel > 1:
+            self.scheduler.warm_up()
         self._requests: dict[int, Request] = {}
         self._wake = threading.Event()
         self._closed = False

@@ -56,6 +56,15 @@ class Scheduler:
         self._lock = threading.Lock()
         self.steps = 0
 
+    def warm_up(self) -> None:
+        """Compile (or load from numba's cache) the batched decode's kernels now, with a 2-row step
+        on the first slots, rather than in the first step that batches two requests (a server
+        would stall its streams for it). The rows written are overwritten before they are read:
+        a sequence writes each position before attending to it, and admission zeroes its
+        recurrent state."""
+        n = min(2, self.n_slots)
+        self.decoder.decode(self.states, list(range(n)), [0] * n, [0] * n)
+
     # ---- capacity --------------------------------------------------------------------------
     @property
     def slot_bytes(self) -> int:

@@ -190,3 +190,11 @@ def test_parallel_is_planned_against_available_memory(llama, monkeypatch):
     assert engine.default_parallel(llama) == min(engine.MAX_DEFAULT_PARALLEL, 4 * llama.threads, 5)
     with pytest.raises(ConfigError, match="lower --parallel or --ctx"):
         engine.Engine(llama, parallel=11)
+
+
+def test_long_positions_split_keys_the_same_way_batched(llama):
+    """At positions past 2 x 32 keys the 3-KV-head model's decode splits each head's keys over the
+    2 threads: the batched rows still equal generate()'s."""
+    prompts = [list(range(3, 73)), list(range(5, 85)), [9, 8, 7]]
+    want = [list(llama.generate_ids(p, 10, ignore_eos=True)) for p in prompts]
+    assert _run(llama, prompts, n_new=10) == want
