@@ -27,7 +27,7 @@ from .executor import Executor
 from .kernels import interpreter as K
 from .kernels.attention import attention
 from .kernels.attention_batch import attention_decode_batch
-from .kernels.batch_linear import linear_rows_f32, linear_rows_q8
+from .kernels.batch_linear import _quantize_rows, _rows_q8, linear_rows_f32, linear_rows_q8
 from .kernels.elementwise import binary_rows, glu_rows
 from .kernels.norm import layernorm_rows, rmsnorm_rows
 from .kernels.gated_delta import gated_delta
@@ -99,6 +99,42 @@ def _per_sequence(I, F, a, b, arena, states, slots, rows0, nrows, positions, wf,
                 raise ValueError("cpullm batch: not a per-sequence opcode")
 
 
+@njit(cache=True)
+def _linear_batch(I, r, arena, wq, ws, wf, xq, xs, T):
+    """LINEAR r over rows [0, T) (q8 or f32 weights): kernels.batch_linear, then the bias."""
+    x_off, x_st, o_off, o_st, Kd, N = I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8]
+    kind, w_off, s_off, Kp, b_off = I[r, 9], I[r, 10], I[r, 11], I[r, 12], I[r, 13]
+    x = arena[x_off: x_off + T * x_st].reshape((T, x_st))[:, :Kd]
+    out = arena[o_off: o_off + T * o_st].reshape((T, o_st))[:, :N]
+    if kind == K.WEIGHT_Q8:
+        w = wq[w_off: w_off + N * Kp].reshape((N, Kp))
+        s = ws[s_off: s_off + N * (Kp // 32)].reshape((N, Kp // 32))
+        _quantize_rows(x, xq[:T, :Kp], xs[:T, :Kp // 32])
+        _rows_q8(w, s, xq[:T, :Kp], xs[:T, :Kp // 32], out)
+    else:
+        linear_rows_f32(x, wf[w_off: w_off + N * Kd].reshape((N, Kd)), out)
+    if b_off >= 0:
+        for t in range(T):
+            for n in range(N):
+                out[t, n] += wf[b_off + n]
+
+
+@njit(cache=True)
+def _fused(I, F, a, b, arena, states, slots, rows0, nrows, positions, wq, ws, wf, xq, xs, T, nthreads,
+           has_linear, decode):
+    """Instructions [a, b) of a batch in one compiled call: LINEARs (q8 / f32), SERIAL_ROW_OPS and
+    PER_SEQUENCE_OPS, as the separate segments run them (no Python between ops)."""
+    for r in range(a, b):
+        op = I[r, 0]
+        if op == K.OP_LINEAR:
+            _linear_batch(I, r, arena, wq, ws, wf, xq, xs, T)
+        elif op == K.OP_ROPE or op == K.OP_ATTENTION or op == K.OP_GATED_DELTA:
+            _per_sequence(I, F, r, r + 1, arena, states, slots, rows0, nrows, positions, wf, nthreads, has_linear,
+                          decode)
+        else:
+            _serial_rows(I, F, r, r + 1, arena, wf, T)
+
+
 # (offset column, row-stride column) pairs of a GATED_DELTA instruction's arena operands
 _GD_ROW_OPERANDS = ((3, 4), (5, 6), (7, 8), (9, 10), (11, 12))
 
@@ -111,8 +147,8 @@ class BatchDecoder:
         self.ex = ex
         self.has_linear = ex.linear_state is not None
         self.linear_kinds = {int(ex.I[r, 9]) for r in ex.linear_rows}
-        self.body = self._segments(0, ex.first_head)
-        self.head = self._segments(ex.first_head, ex.n_instr)
+        self.body = self._fused_segments(self._segments(0, ex.first_head))
+        self.head = self._fused_segments(self._segments(ex.first_head, ex.n_instr))
         rows = ex.max_chunk
         self.xq = np.zeros((rows, ex.xq.size), np.int16)         # batch rows' int16 activations
         self.xs = np.zeros((rows, ex.xs.size), np.float32)
@@ -154,6 +190,22 @@ class BatchDecoder:
             a = r + 1
         if a < end:
             out.extend(self._row_segments(a, end))
+        return out
+
+    def _fused_segments(self, segments: list) -> list:
+        """Runs of "serial", "seq" and q8/f32 "linear" segments become one "fused" segment,
+        executed by one compiled call (:func:`_fused`)."""
+        out = []
+        for seg in segments:
+            a, b = (seg[1], seg[1] + 1) if seg[0] == "linear" else (seg[1], seg[2]) if len(seg) == 3 else (None, None)
+            ok = seg[0] in ("serial", "seq") or (
+                seg[0] == "linear" and int(self.ex.I[seg[1], 9]) in (K.WEIGHT_Q8, K.WEIGHT_F32))
+            if ok and out and out[-1][0] == "fused" and out[-1][2] == a:
+                out[-1] = ("fused", out[-1][1], b)
+            elif ok:
+                out.append(("fused", a, b))
+            else:
+                out.append(seg)
         return out
 
     def _row_segments(self, a: int, b: int) -> list:
@@ -199,6 +251,9 @@ class BatchDecoder:
                 self.rt[4] = numba.get_num_threads()
                 K.run(ex.I, ex.F, seg[1], seg[2], ex.tokens, self.rt, ex.arena, ex.state, ex.wq, ex.ws, ex.wf,
                       ex.xq, ex.xs, ex.linear_state)
+            elif kind == "fused":
+                _fused(ex.I, ex.F, seg[1], seg[2], ex.arena, states, *seqs, ex.wq, ex.ws, ex.wf, self.xq, self.xs,
+                       np.int64(T), numba.get_num_threads(), self.has_linear, True)
             elif kind == "serial":
                 _serial_rows(ex.I, ex.F, seg[1], seg[2], ex.arena, ex.wf, np.int64(T))
             elif kind == "linear":

@@ -22,22 +22,34 @@ import numpy as np
 from numba import njit, prange
 
 from . import numba_setup  # noqa: F401  (code-generation settings first)
-from .q8 import HAVE_AVX2, _q8_row_dot_avx2, _q8_row_dot_generic, matvec_q8_ref, quantize_act_q16, \
-    quantize_act_q16_ref
+from .q8 import (HAVE_AVX2, LONG_ROW_K, _q8_row_dot_avx2, _q8_row_dot_avx2_l2, _q8_row_dot_generic,
+                 _q8_row_dot_generic_l2, matvec_q8_ref, quantize_act_q16, quantize_act_q16_ref)
 
 
 @njit(cache=True, parallel=True)
 def _rows_q8_avx2(w_q, w_s, x_q, x_s, out):
-    for n in prange(w_q.shape[0]):          # static split: each thread streams one range of W
-        for t in range(x_q.shape[0]):
-            out[t, n] = _q8_row_dot_avx2(w_q, w_s, x_q[t], x_s[t], n)
+    # static split: each thread streams one range of W; long rows prefetch into L2 as matvec_q8
+    # does (the same float32 result whichever prefetch)
+    if w_q.shape[1] >= LONG_ROW_K:
+        for n in prange(w_q.shape[0]):
+            for t in range(x_q.shape[0]):
+                out[t, n] = _q8_row_dot_avx2_l2(w_q, w_s, x_q[t], x_s[t], n)
+    else:
+        for n in prange(w_q.shape[0]):
+            for t in range(x_q.shape[0]):
+                out[t, n] = _q8_row_dot_avx2(w_q, w_s, x_q[t], x_s[t], n)
 
 
 @njit(cache=True, parallel=True)
 def _rows_q8_generic(w_q, w_s, x_q, x_s, out):
-    for n in prange(w_q.shape[0]):
-        for t in range(x_q.shape[0]):
-            out[t, n] = _q8_row_dot_generic(w_q, w_s, x_q[t], x_s[t], n)
+    if w_q.shape[1] >= LONG_ROW_K:
+        for n in prange(w_q.shape[0]):
+            for t in range(x_q.shape[0]):
+                out[t, n] = _q8_row_dot_generic_l2(w_q, w_s, x_q[t], x_s[t], n)
+    else:
+        for n in prange(w_q.shape[0]):
+            for t in range(x_q.shape[0]):
+                out[t, n] = _q8_row_dot_generic(w_q, w_s, x_q[t], x_s[t], n)
 
 
 _rows_q8 = _rows_q8_avx2 if HAVE_AVX2 else _rows_q8_generic

@@ -7,7 +7,7 @@ from cpullm.kernels import batch_linear as bl
 from cpullm.kernels import q8
 
 RNG = np.random.default_rng(28)
-SHAPES = [(5, 33), (37, 100), (101, 896)]
+SHAPES = [(5, 33), (37, 100), (101, 896), (9, 4864)]       # the last: long rows (LONG_ROW_K)
 
 
 def _scratch(B, Kp):
