@@ -198,3 +198,41 @@ def test_long_positions_split_keys_the_same_way_batched(llama):
     prompts = [list(range(3, 73)), list(range(5, 85)), [9, 8, 7]]
     want = [list(llama.generate_ids(p, 10, ignore_eos=True)) for p in prompts]
     assert _run(llama, prompts, n_new=10) == want
+
+
+def test_mixed_load_through_the_engine(llama):
+    """40 requests from 8 threads on 4 slots: different lengths, greedy and seeded sampling, a
+    quarter cancelled after a few tokens. Every request that completes equals the same request
+    run alone (generate), and every slot comes back."""
+    rng = np.random.default_rng(7)
+    reqs = []
+    for i in range(40):
+        prompt = [int(t) for t in rng.integers(0, 256, int(rng.integers(1, 50)))]
+        sampling = {} if i % 3 else {"temperature": 0.8, "top_p": 0.9, "seed": i}
+        reqs.append((prompt, int(rng.integers(1, 20)), sampling, i % 4 == 1))
+    results = {}
+    with llama.engine(parallel=4) as eng:
+        def client(k):
+            for i in range(k, len(reqs), 8):
+                prompt, n, sampling, cancel = reqs[i]
+                r = eng.submit(prompt, n, stop_ids=(), **sampling)
+                got = []
+                for tok in r:
+                    got.append(tok)
+                    if cancel and len(got) == 2:
+                        r.cancel()
+                results[i] = (got, r.stats.stop_reason)
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert eng.counts() == {"parallel": 4, "waiting": 0, "running": 0, "free_slots": 4}
+    assert len(results) == len(reqs)
+    for i, (prompt, n, sampling, cancel) in enumerate(reqs):
+        got, reason = results[i]
+        want = list(llama.generate_ids(prompt, n, ignore_eos=True, **sampling))
+        if reason == "cancelled":
+            assert cancel and got == want[:len(got)]
+        else:
+            assert got == want and reason == "length"
