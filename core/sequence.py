@@ -92,9 +92,6 @@ class Sequence:
     def done(self) -> bool:
         return self.phase == DONE
 
-    def prompt_left(self) -> int:
-        return len(self.prompt) - self.position if self.phase in (WAITING, PREFILL) else 0
-
     def check_fits(self, n_ctx: int) -> None:
         if len(self.prompt) > n_ctx:
             raise ContextOverflowError(
