@@ -405,9 +405,11 @@ class _PluginCall:
         self.batched_fn = (spec.prefill or spec.decode) if fast else None
         self.single_fn = (spec.decode or spec.prefill) if fast else None
 
-    def __call__(self, arena: np.ndarray, T: int, pos0: int, batched: bool) -> None:
-        ins = [_rows_view(arena, off, st, w, T) for off, st, w in self.call["inputs"]]
-        out = _rows_view(arena, *self.call["out"], T)
+    def __call__(self, arena: np.ndarray, T: int, pos0: int, batched: bool, row0: int = 0) -> None:
+        """Rows [row0, row0 + T) of the operands, the first at position pos0."""
+        ins = [_rows_view(arena, off + row0 * st, st, w, T) for off, st, w in self.call["inputs"]]
+        o_off, o_st, o_w = self.call["out"]
+        out = _rows_view(arena, o_off + row0 * o_st, o_st, o_w, T)
         fn = self.batched_fn if batched else self.single_fn
         if fn is not None:
             fn(out, *ins, *self.weights, self.params, pos0)

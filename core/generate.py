@@ -4,118 +4,118 @@ from __future__ import annotations
 import time
 from typing import Iterator
 
-import attrs
-
-from .errors import PromptError
 from .kernels.warmup import compile_seconds
-from .sampling import Sampler, SamplingParams
+from .sampling import SamplingParams
+from .sequence import GenerationStats, Sequence  # noqa: F401  (GenerationStats: re-exported)
 from .tokenize import IncrementalDecoder
 
 
-@attrs.define
-class GenerationStats:
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    decode_steps: int = 0           # one-token forward passes (the first token comes from prefill)
-    reused_tokens: int = 0          # prompt tokens restored from a prompt cache
-    compile_s: float = 0.0          # numba compiling kernels during this generation (cold cache only),
-                                    # kept out of prefill_s and decode_s
-    stop_reason: str = ""           # "eos" | "stop" | "length"
-
-    @property
-    def prefill_tps(self) -> float:
-        n = self.prompt_tokens - self.reused_tokens
-        return n / self.prefill_s if self.prefill_s > 0 else 0.0
-
-    @property
-    def decode_tps(self) -> float:
-        return self.decode_steps / self.decode_s if self.decode_s > 0 else 0.0
-
-    def as_dict(self) -> dict:
-        d = attrs.asdict(self)
-        d.update(prefill_tps=self.prefill_tps, decode_tps=self.decode_tps)
-        return d
-
-
 def generate_ids(model, prompt_ids, max_new_tokens: int, params: SamplingParams,
-                 stats: GenerationStats | None = None, stop_ids=None) -> Iterator[int]:
-    """Yield generated token ids; stops at an EOS id (not yielded) or after max_new_tokens."""
-    if max_new_tokens is None or int(max_new_tokens) <= 0:
-        raise PromptError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    prompt_ids = [int(t) for t in prompt_ids]
-    if not prompt_ids:
-        raise PromptError("the prompt is empty: give some text or token ids")
-    sampler = Sampler(params)
-    stats = stats if stats is not None else GenerationStats()
-    stop_ids = set(model.eos_token_ids if stop_ids is None else stop_ids)
+                 stats: GenerationStats | None = None, stop_ids=None, cancel=None) -> Iterator[int]:
+    """Yield generated token ids; stops at an EOS id (not yielded), after max_new_tokens, at the
+    end of the context, or when ``cancel`` (a threading.Event) is set (stop_reason "cancelled")."""
+    seq = Sequence(prompt_ids, max_new_tokens, params,
+                   stop_ids=model.eos_token_ids if stop_ids is None else stop_ids, stats=stats, cancel=cancel)
+    yield from run_alone(model, seq)
+
+
+def run_alone(model, seq: Sequence) -> Iterator[int]:
+    """Run ``seq`` by itself on the model's executor (one token per forward pass), restoring its
+    prompt from the model's prompt cache when one is attached."""
+    stats = seq.stats
     ex = model.executor
-    model._check_fits(len(prompt_ids))
+    seq.check_fits(model.n_ctx)
     t0, c0 = time.perf_counter(), compile_seconds()
-    reused = model._start_sequence(prompt_ids)          # < len(prompt_ids): one token always runs
-    logits = model._prefill_prompt(prompt_ids, reused)
+    model._seq = list(seq.prompt)           # what save_prompt_cache saves
+    pc = getattr(model, "_prompt_cache", None)
+    seq.restore(ex, pc)
+    logits = seq.prefill_alone(ex, pc)
     compiled = compile_seconds() - c0
     stats.prefill_s = max(0.0, time.perf_counter() - t0 - compiled)
     stats.compile_s += compiled
-    stats.prompt_tokens, stats.reused_tokens = len(prompt_ids), reused
-    history = list(prompt_ids)
-    stats.stop_reason = "length"
     # plain greedy needs only each step's argmax: the executor reads the lm_head through its
     # screen for it (the same token as the argmax of the full logits)
-    greedy = params.temperature == 0.0 and params.repetition_penalty == 1.0
-    next_tok = None
-    for i in range(int(max_new_tokens)):
-        tok = sampler(logits, history) if next_tok is None else next_tok
-        if tok in stop_ids:
-            stats.stop_reason = "eos"
-            return
-        history.append(tok)
-        stats.generated_tokens += 1
+    greedy = seq.greedy
+    tok = seq.take(ex.n_ctx, logits=logits)
+    while tok is not None:
         yield tok
-        if i + 1 == max_new_tokens:
+        if seq.done:
             return
-        if ex.n_past >= ex.n_ctx:
+        if seq.cancelled:
+            seq.finish("cancelled")
             return
         t, c0 = time.perf_counter(), compile_seconds()
         if greedy:
-            next_tok = ex.decode_argmax(tok)
+            nxt, logits = ex.decode_argmax(seq.pending), None
         else:
-            logits = ex.decode(tok)
+            nxt, logits = None, ex.decode(seq.pending)
+        seq.position = ex.n_past
         compiled = compile_seconds() - c0
         stats.decode_s += max(0.0, time.perf_counter() - t - compiled)
         stats.compile_s += compiled
         stats.decode_steps += 1
+        tok = seq.take(ex.n_ctx, logits=logits, token=nxt)
+
+
+class TextStream:
+    """Token ids in, text pieces out: incremental detokenization, with ``stop`` strings held back
+    until they can no longer start a stop string, and cut (not emitted) when one appears."""
+
+    def __init__(self, tokenizer, stop: list[str] | None = None):
+        self.dec = IncrementalDecoder(tokenizer)
+        self.stop = [s for s in (stop or []) if s]
+        self.hold = max((len(s) for s in self.stop), default=0)
+        self.pending = ""
+        self.stopped = False            # a stop string was found: the text ends here
+
+    def push(self, tok: int) -> str:
+        """The text that became final with ``tok`` ("" when none)."""
+        if self.stopped:
+            return ""
+        self.pending += self.dec.push(tok)
+        if not self.stop:
+            out, self.pending = self.pending, ""
+            return out
+        hit = min((self.pending.find(s) for s in self.stop if s in self.pending), default=-1)
+        if hit >= 0:
+            self.stopped = True
+            out, self.pending = self.pending[:hit], ""
+            return out
+        if len(self.pending) > self.hold:
+            out = self.pending[:-self.hold] if self.hold else self.pending
+            self.pending = self.pending[-self.hold:] if self.hold else ""
+            return out
+        return ""
+
+    def flush(self) -> str:
+        """The rest of the text once generation ended (cut at a stop string)."""
+        if self.stopped:
+            return ""
+        self.pending += self.dec.flush()
+        out, self.pending = self.pending, ""
+        if self.stop:
+            hit = min((out.find(s) for s in self.stop if s in out), default=-1)
+            if hit >= 0:
+                self.stopped = True
+                out = out[:hit]
+        return out
 
 
 def generate_text(model, prompt_ids, max_new_tokens: int, params: SamplingParams,
-                  stop: list[str] | None = None, stats: GenerationStats | None = None) -> Iterator[str]:
+                  stop: list[str] | None = None, stats: GenerationStats | None = None,
+                  cancel=None) -> Iterator[str]:
     """Yield text pieces; ``stop`` strings end generation and are not emitted."""
     stats = stats if stats is not None else GenerationStats()
-    dec = IncrementalDecoder(model.tokenizer)
-    stop = [s for s in (stop or []) if s]
-    hold = max((len(s) for s in stop), default=0)
-    pending = ""
-    for tok in generate_ids(model, prompt_ids, max_new_tokens, params, stats):
-        pending += dec.push(tok)
-        if stop:
-            hit = min((pending.find(s) for s in stop if s in pending), default=-1)
-            if hit >= 0:
-                if pending[:hit]:
-                    yield pending[:hit]
-                stats.stop_reason = "stop"
-                return
-            if len(pending) > hold:
-                yield pending[:-hold] if hold else pending
-                pending = pending[-hold:] if hold else ""
-        elif pending:
-            yield pending
-            pending = ""
-    pending += dec.flush()
-    if stop:
-        hit = min((pending.find(s) for s in stop if s in pending), default=-1)
-        if hit >= 0:
-            pending = pending[:hit]
+    text = TextStream(model.tokenizer, stop)
+    for tok in generate_ids(model, prompt_ids, max_new_tokens, params, stats, cancel=cancel):
+        piece = text.push(tok)
+        if piece:
+            yield piece
+        if text.stopped:
             stats.stop_reason = "stop"
-    if pending:
-        yield pending
+            return
+    piece = text.flush()
+    if text.stopped:
+        stats.stop_reason = "stop"
+    if piece:
+        yield piece

@@ -147,23 +147,9 @@ class Model:
         """Reset the cache for a new sequence; returns how many leading tokens are reused: 0, or
         with a prompt cache attached (:meth:`use_prompt_cache`) the tokens whose state it restored
         (always fewer than ``len(ids)``, so at least one token is prefilled)."""
-        self.executor.reset()
+        from .sequence import Sequence
         self._seq = list(ids)
-        pc = getattr(self, "_prompt_cache", None)
-        return pc.start(self.executor, self._seq) if pc is not None else 0
-
-    def _prefill_prompt(self, ids: list[int], reused: int) -> np.ndarray:
-        """Prefill ``ids[reused:]`` and return the last token's logits. An attached prompt cache
-        may ask for the state at one position (``split_at``): the prefill stops there, the cache
-        records the sliding-window and linear-attention state, and the prefill goes on."""
-        ex = self.executor
-        pc = getattr(self, "_prompt_cache", None)
-        split = pc.split_at if pc is not None else None
-        if split is None or not (reused < split < len(ids)):
-            return ex.prefill(ids[reused:])
-        ex.prefill(ids[reused:split])
-        pc.snapshot_split(ex)
-        return ex.prefill(ids[split:])
+        return Sequence(ids, 1).restore(self.executor, getattr(self, "_prompt_cache", None))
 
     # ---- prompt cache ---------------------------------------------------------------------------
     def use_prompt_cache(self, path) -> "Model":
@@ -242,6 +228,48 @@ class Model:
         params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed).validate()
         return generate_ids(self, self._prompt_ids(prompt_ids), max_new_tokens, params, stats,
                             stop_ids=() if ignore_eos else None)
+
+    def generate_batch(self, prompts, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                       top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                       seed: int | None = None, stop: list[str] | None = None, sampling: list[dict] | None = None,
+                       parallel: int | None = None, chat: bool = False, system: str | None = None,
+                       ignore_eos: bool = False) -> list:
+        """Generate for every prompt together (continuous batching: ``parallel`` sequences share
+        each pass over the weights, the rest join as others finish). Returns a list of strings
+        for text prompts, of token-id lists for id prompts. ``sampling``: one dict of sampling
+        keywords per prompt (overrides the shared ones). A prompt's greedy output is the same as
+        :meth:`generate` gives it alone."""
+        from .engine import generate_batch
+        from .generate import TextStream
+        prompts = list(prompts)
+        ids = [self._prompt_ids(p, chat=chat, system=system) for p in prompts]
+        base = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                    repetition_penalty=repetition_penalty, seed=seed)
+        per = sampling if sampling is not None else [{}] * len(prompts)
+        params = [SamplingParams(**{**base, **dict(d)}).validate() for d in per]
+        out = generate_batch(self, ids, max_new_tokens, parallel=parallel, params=params,
+                             stop_ids=() if ignore_eos else None)
+        texts = []
+        for p, toks in zip(prompts, out):
+            if not isinstance(p, str):
+                texts.append(toks)
+                continue
+            ts = TextStream(self.tokenizer, stop)
+            pieces = []
+            for t in toks:
+                pieces.append(ts.push(t))
+                if ts.stopped:
+                    break
+            pieces.append(ts.flush())
+            texts.append("".join(pieces))
+        return texts
+
+    def engine(self, parallel: int | None = None, prefill_chunk: int | None = None):
+        """A :class:`cpullm.engine.Engine` on this model: submit requests from any thread, each
+        with its own sampling and cancel handle; ``parallel`` streams decode together (default:
+        :func:`cpullm.engine.default_parallel`)."""
+        from .engine import Engine
+        return Engine(self, parallel=parallel, prefill_chunk=prefill_chunk)
 
     # ---- reporting --------------------------------------------------------------------------------
     def info(self) -> dict:

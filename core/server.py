@@ -5,10 +5,13 @@ Endpoints: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/chat/complet
 not), ``GET /health`` and ``GET /`` (a small chat page, ``cpullm/static``).
 
 How requests run: the event loop reads and validates each request, renders and tokenizes the
-prompt in a worker thread, then hands a *job* to the engine. The engine owns the model and runs
-one generation at a time, in arrival order, on its own thread; pieces of text flow back to the
-request's coroutine through an asyncio queue. A client that disconnects (streaming or not) sets
-its job's cancel flag: the engine stops that generation at the next token and takes the next job.
+prompt in a worker thread, then hands a *job* to the engine. The engine owns the model's
+scheduler (cpullm.scheduler), on its own thread: up to ``parallel`` jobs run at once, each decode
+step advancing all of them in one pass over the weights, long prompts prefilled a chunk at a
+time between those steps; the rest wait in arrival order. KV memory for ``parallel`` sequences
+of the whole context is allocated at start and reported by ``/health``. Pieces of text flow back
+to the request's coroutine through an asyncio queue. A client that disconnects (streaming or
+not) sets its job's cancel flag: its sequence leaves at the next step and frees its slot.
 At most ``max_queue`` jobs wait; more get 503.
 
 Bounds: an answer is at most ``max_tokens_cap`` tokens (an omitted ``max_tokens`` means the cap,
@@ -42,13 +45,12 @@ import asyncio
 import hmac
 import json
 import math
-import queue
 import sys
 import threading
 import time
 import traceback
 import uuid
-from contextlib import asynccontextmanager, closing
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from .errors import (ChatTemplateError, ConfigError, ContextOverflowError, CpullmError,
@@ -134,34 +136,98 @@ class Job:
 
 
 class Engine:
-    """Owns the model; a single thread runs queued jobs in order (no interleaving, no shared
-    state between requests beyond the model itself)."""
+    """Owns the model's scheduler (:class:`cpullm.engine.Engine`): up to ``parallel`` jobs decode
+    together, sharing each pass over the weights; the others wait in arrival order (at most
+    ``max_queue``; more get 503). Text pieces (stop strings applied) go back through each job's
+    emit; a job's cancel flag is its sequence's, so a client that leaves frees its slot at the
+    next step."""
 
-    def __init__(self, model, max_queue: int = DEFAULT_MAX_QUEUE):
+    def __init__(self, model, max_queue: int = DEFAULT_MAX_QUEUE, parallel: int | None = None,
+                 prefill_chunk: int | None = None):
+        from .engine import Engine as CoreEngine
         self.model = model
         self.max_queue = max_queue
-        self._queue: queue.Queue = queue.Queue()
+        self.core = CoreEngine(model, parallel, prefill_chunk)
+        self.parallel = self.core.parallel
         self._lock = threading.Lock()
         self._closed = False
+        self._jobs: set = set()
         self.counters = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0,
-                         "timed_out": 0, "generated_tokens": 0, "queued": 0, "active": 0}
-        self._active: Job | None = None
-        self._thread = threading.Thread(target=self._work, name="cpullm-engine", daemon=True)
-        self._thread.start()
+                         "timed_out": 0, "generated_tokens": 0}
 
     def submit(self, job: Job, loop: asyncio.AbstractEventLoop) -> "asyncio.Queue":
+        from .generate import TextStream
         out: asyncio.Queue = asyncio.Queue()
         job._emit = lambda item: loop.call_soon_threadsafe(out.put_nowait, item)
         with self._lock:
             if self._closed:
                 raise _shutting_down()
-            if self.counters["queued"] >= self.max_queue:
+            if self.core.scheduler.counts()["waiting"] >= self.max_queue:
                 raise ApiError(f"the server is busy ({self.max_queue} requests are already waiting); "
                                "retry in a moment", 503, "server_overloaded")
-            self.counters["queued"] += 1
             self.counters["requests"] += 1
-        self._queue.put(job)
+        text = TextStream(self.model.tokenizer, job.stop)
+        job.ended_by = None              # "stop" (a stop string) or "timeout", set on the engine thread
+        job.deadline = None
+
+        def on_token(tok):               # on the scheduler's thread
+            if tok is None:
+                self._finish(job, text)
+                return
+            if job.ended_by is not None or job.cancel.is_set():
+                return
+            if job.deadline is None and job.time_limit is not None:
+                job.deadline = time.monotonic() - job.stats.prefill_s + job.time_limit
+            piece = text.push(tok)
+            if piece:
+                job.emit(("piece", piece))
+            if text.stopped:
+                job.ended_by = "stop"
+            elif job.deadline is not None and time.monotonic() > job.deadline:
+                job.ended_by = "timeout"
+            if job.ended_by is not None:
+                job.cancel.set()         # frees the slot at the next step
+
+        try:
+            self.core.submit(job.ids, job.max_tokens, stats=job.stats, cancel=job.cancel,
+                             on_token=on_token, **job.sampling)
+        except Exception:
+            with self._lock:
+                self.counters["failed"] += 1
+            raise
+        with self._lock:
+            self._jobs.add(job)
         return out
+
+    def _finish(self, job: Job, text) -> None:
+        st = job.stats
+        if job.abort is not None:
+            outcome = "cancelled"
+            job.emit(("error", job.abort))
+        elif st.stop_reason == "error":
+            outcome = "failed"
+            job.emit(("error", RuntimeError("the generation failed (see the server log)")))
+        elif st.stop_reason == "cancelled" and job.ended_by is None:
+            outcome = "cancelled"
+            job.emit(("done", None))
+        else:
+            outcome = "completed"
+            if job.ended_by == "timeout":
+                outcome, job.timed_out, st.stop_reason = "timed_out", True, "length"
+            elif job.ended_by == "stop":
+                st.stop_reason = "stop"
+            else:
+                piece = text.flush()
+                if piece:
+                    job.emit(("piece", piece))
+                if text.stopped:
+                    st.stop_reason = "stop"
+            job.emit(("done", None))
+        with self._lock:
+            self.counters[outcome] += 1
+            self.counters["generated_tokens"] += st.generated_tokens
+            self._jobs.discard(job)
+        job.finished.set()
 
     def count_left_early(self) -> None:
         """A request whose client left before it reached the engine (during its render)."""
@@ -170,83 +236,28 @@ class Engine:
             self.counters["cancelled"] += 1
 
     def snapshot(self) -> dict:
+        c = self.core.scheduler.counts()
+        sch = self.core.scheduler
         with self._lock:
-            return dict(self.counters)
-
-    def _work(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            with self._lock:
-                self.counters["queued"] -= 1
-                self.counters["active"] = 1
-                self._active = job
-            outcome = "completed"
-            try:
-                if job.cancel.is_set():
-                    outcome = "cancelled"
-                else:
-                    outcome = self._run(job)
-                if job.abort is not None:
-                    job.emit(("error", job.abort))
-                else:
-                    job.emit(("done", None))
-            except CpullmError as exc:
-                outcome = "failed"
-                job.emit(("error", exc))
-            except Exception as exc:  # a bug: log it, answer 500, keep serving
-                outcome = "failed"
-                traceback.print_exc(file=sys.stderr)
-                job.emit(("error", exc))
-            finally:
-                with self._lock:
-                    self.counters[outcome] += 1
-                    self.counters["generated_tokens"] += job.stats.generated_tokens
-                    self.counters["active"] = 0
-                    self._active = None
-                job.finished.set()
-
-    def _run(self, job: Job) -> str:
-        """Generate, stopping at the job's cancel flag or its time limit (finish_reason
-        "length", as when max_tokens runs out)."""
-        s = job.sampling
-        deadline = None if job.time_limit is None else time.monotonic() + job.time_limit
-        pieces = self.model.generate(job.ids, max_new_tokens=job.max_tokens, stop=job.stop,
-                                     stats=job.stats, **s)
-        with closing(pieces):
-            for piece in pieces:
-                if job.cancel.is_set():
-                    return "cancelled"
-                job.emit(("piece", piece))
-                if deadline is not None and time.monotonic() > deadline:
-                    job.timed_out = True
-                    job.stats.stop_reason = "length"
-                    return "timed_out"
-        return "cancelled" if job.cancel.is_set() else "completed"
+            return {**self.counters, "queued": c["waiting"], "active": c["running"],
+                    "parallel": self.parallel, "kv_bytes_per_stream": sch.slot_bytes,
+                    "kv_bytes_planned": sch.kv_bytes}
 
     @property
     def closed(self) -> bool:
         return self._closed
 
     def close(self) -> None:
-        """Refuse new jobs; the running one and every waiting one end with a 503 error."""
+        """Refuse new jobs; the running ones and every waiting one end with a 503 error."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
-            active = self._active
-        if active is not None:
-            active.abort = _shutting_down()
-            active.cancel.set()
-        while True:                               # cancel everything still waiting
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.abort = _shutting_down()
-                job.cancel.set()
-                job.emit(("error", job.abort))
-        self._queue.put(None)
+            jobs = list(self._jobs)
+        for job in jobs:
+            job.abort = _shutting_down()
+            job.cancel.set()
+        self.core.close()
 
 
 def _shutting_down() -> ApiError:
@@ -714,8 +725,9 @@ def create_app(model, model_id: str | None = None, api_key: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_queue: int = DEFAULT_MAX_QUEUE,
                allowed_hosts: set[str] | None = None, max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP,
                request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
-               body_timeout: float = DEFAULT_BODY_TIMEOUT_S):
-    """The ASGI application serving ``model``. ``allowed_hosts``: Host names accepted (None: any).
+               body_timeout: float = DEFAULT_BODY_TIMEOUT_S, parallel: int | None = None):
+    """The ASGI application serving ``model``; ``parallel`` streams at once (None: chosen from
+    the machine, :func:`cpullm.engine.default_parallel`). ``allowed_hosts``: Host names accepted (None: any).
     ``max_tokens_cap``: the longest answer (an omitted max_tokens gets it); ``request_timeout``:
     seconds of generation per request (None: no limit); ``body_timeout``: seconds to send a body."""
     import anyio
@@ -727,7 +739,7 @@ def create_app(model, model_id: str | None = None, api_key: str | None = None,
     from starlette.staticfiles import StaticFiles
 
     model_id = model_id or Path(str(model.model_dir)).name
-    engine = Engine(model, max_queue=max_queue)
+    engine = Engine(model, max_queue=max_queue, parallel=parallel)
     api = Api(model, model_id, engine, max_tokens_cap=max_tokens_cap, request_timeout=request_timeout)
 
     def err(exc: Exception) -> Response:
@@ -1004,7 +1016,7 @@ def serve(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | None 
           max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP,
           request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
           header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
-          body_timeout: float = DEFAULT_BODY_TIMEOUT_S) -> None:
+          body_timeout: float = DEFAULT_BODY_TIMEOUT_S, parallel: int | None = None) -> None:
     """Serve until interrupted. ``port=0`` picks a free port; ``announce`` gets the ready line
     (with the real URL) once the socket listens. On SIGINT/SIGTERM the engine and the template
     worker stop first, so every waiting client gets the 503 JSON error and every stream an
@@ -1024,7 +1036,7 @@ def serve(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | None 
     allowed = LOOPBACK_NAMES if is_loopback(host) else None
     app = create_app(model, model_id=model_id, api_key=api_key, max_request_bytes=max_request_bytes,
                      max_queue=max_queue, allowed_hosts=allowed, max_tokens_cap=max_tokens_cap,
-                     request_timeout=request_timeout, body_timeout=body_timeout)
+                     request_timeout=request_timeout, body_timeout=body_timeout, parallel=parallel)
     bind_host = host.strip("[]")
     try:
         infos = socket.getaddrinfo(bind_host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)

@@ -106,15 +106,15 @@ def test_compile_time_is_not_prefill_time(tiny, monkeypatch):
     m = cpullm.load(tiny, threads=1, n_ctx=128)
     clock = {"t": 0.0}
     monkeypatch.setattr(generate, "compile_seconds", lambda: clock["t"])
-    real_prefill = m._prefill_prompt
+    real_prefill = m.executor.prefill
 
-    def slow_compile_prefill(ids, reused):
+    def slow_compile_prefill(ids, *a, **kw):
         import time
         time.sleep(0.2)
         clock["t"] += 0.2                              # all of that sleep was "compiling"
-        return real_prefill(ids, reused)
+        return real_prefill(ids, *a, **kw)
 
-    monkeypatch.setattr(m, "_prefill_prompt", slow_compile_prefill)
+    monkeypatch.setattr(m.executor, "prefill", slow_compile_prefill)
     stats = generate.GenerationStats()
     list(m.generate_ids([1, 2, 3, 4], max_new_tokens=2, stats=stats))
     assert stats.compile_s == pytest.approx(0.2)

@@ -154,3 +154,23 @@ def test_rope_scaling_is_in_the_cache_key_and_refused_when_missing(phi3, tmp_pat
     monkeypatch.setattr(plugins.discover(), "rope_types", {})
     with pytest.raises(UnsupportedConfigError, match="'longrope' is not supported .*a plugin may add it"):
         fam.args(read_config(tmp_path))
+
+
+def test_a_plugin_op_runs_per_sequence_in_the_scheduler(neox, neox_checkpoint):
+    """Continuous batching with a plugin op (and LayerNorm, partial RoPE): each request's greedy
+    tokens are the same alone, mixed with others, and from generate()."""
+    from cpullm.sampling import SamplingParams
+    from cpullm.scheduler import Scheduler
+    from cpullm.sequence import Sequence
+
+    model = cpullm.load(neox_checkpoint, quant="int8", use_cache=False, n_ctx=128, max_chunk=16)
+    prompts = [list(range(3, 3 + n)) for n in (4, 37, 1, 20)]
+
+    def run(ps):
+        sch = Scheduler(model, slots=3, prefill_chunk=16)
+        seqs = [sch.add(Sequence(p, 9, SamplingParams())) for p in ps]
+        sch.run_until_idle()
+        return [s.generated for s in seqs]
+    alone = [run([p])[0] for p in prompts]
+    assert run(prompts) == alone
+    assert alone == [list(model.generate_ids(p, 9, ignore_eos=True)) for p in prompts]

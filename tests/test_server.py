@@ -50,6 +50,32 @@ def test_models_and_health(server, client):
     assert client.models.retrieve(MODEL).id == MODEL
     h = httpx.get(server.url + "/health").json()
     assert h["status"] == "ok" and h["model"] == MODEL and h["n_ctx"] == 512
+    assert h["parallel"] >= 2 and h["kv_bytes_per_stream"] > 0      # 2 threads: 4 per thread, at most 8
+    assert h["kv_bytes_planned"] == h["parallel"] * h["kv_bytes_per_stream"]
+
+
+def test_a_short_request_is_answered_while_a_long_stream_runs(server):
+    """Continuous batching: the short request joins the running stream's decode steps instead of
+    waiting for it to finish."""
+    seen, done = [], threading.Event()
+
+    def long_stream():
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
+                          json={"prompt": "Once", "max_tokens": 400, "stream": True,
+                                "temperature": 0}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    seen.append(line)
+        done.set()
+    t = threading.Thread(target=long_stream)
+    t.start()
+    while len(seen) < 3 and not done.is_set():
+        threading.Event().wait(0.02)
+    r = httpx.post(server.url + "/v1/completions", timeout=120,
+                   json={"prompt": "Hi", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200
+    assert not done.is_set(), "the long stream ended before the short request was answered"
+    t.join(120)
 
 
 def test_chat_completion_matches_the_python_api(client, local):

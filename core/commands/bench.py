@@ -30,8 +30,23 @@ def add_parser(sub):
                    help="skip the cache MISS/HIT load-time child processes")
     p.add_argument("--no-compile-timing", action="store_true",
                    help="skip the cold-numba-cache compile-time child process")
+    p.add_argument("--concurrency", type=concurrency_list, default=None, metavar="N[,N...]",
+                   help="instead: N streams at once through the scheduler (--prompt-tokens each, "
+                        "--gen-tokens greedy tokens each): aggregate and per-stream decode tokens/s, "
+                        "time to first token median and p95; a list (1,2,4,8) gives the curve")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p
+
+
+def concurrency_list(text: str) -> list[int]:
+    import argparse
+    try:
+        ns = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        ns = []
+    if not ns or min(ns) < 1:
+        raise argparse.ArgumentTypeError(f"give stream counts >= 1 separated by commas (e.g. 1,2,4,8), got {text!r}")
+    return ns
 
 
 def check_args(args) -> None:
@@ -83,6 +98,8 @@ def run(args) -> int:
     profile = bool(args.profile or args.plot)
     model = load_model(args)
     say(f"loaded {model.model_dir} in {model.load_s:.2f} s (cache {model.cache_status})")
+    if args.concurrency:
+        return run_concurrency_bench(model, args, say)
     result = run_bench(model, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
                        repeat=args.repeat, profile=profile, load=not args.no_load_timing,
                        compile=not args.no_compile_timing, progress=say)
@@ -94,4 +111,18 @@ def run(args) -> int:
         print(format_report(result))
         if args.plot:
             print(f"\n  profile chart written to {result['plot']}")
+    return 0
+
+
+def run_concurrency_bench(model, args, say) -> int:
+    from cpullm.bench_concurrency import format_concurrency, run_concurrency
+
+    rows = []
+    for n in args.concurrency:
+        say(f"{n} stream(s) of {args.prompt_tokens} + {args.gen_tokens} tokens")
+        rows.append(run_concurrency(model, n, args.prompt_tokens, args.gen_tokens))
+    if args.json:
+        print(json.dumps({"concurrency": rows}, default=float))
+    else:
+        print(format_concurrency(rows))
     return 0

@@ -11,7 +11,11 @@ EPILOG = """\
 endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (stream or not),
 GET /health, GET / (chat page). Point an OpenAI client at http://HOST:PORT/v1.
 Requests that omit sampling fields get OpenAI's defaults (temperature 1, top_p 1), overridden
-by the model's generation_config.json. One generation runs at a time; others wait in order.
+by the model's generation_config.json. Up to --parallel requests generate at once (each decode
+step advances all of them in one pass over the weights; long prompts are prefilled a chunk at a
+time between steps); the others wait in arrival order. KV memory for --parallel sequences of
+--ctx tokens is allocated at start (GET /health: kv_bytes_planned); a prompt longer than --ctx
+gets a 400.
 Every answer is at most --max-tokens-cap tokens (also when a request omits max_tokens; a larger
 max_tokens ends with finish_reason "length") and --request-timeout seconds of generation; GET
 /health and /v1/models report these limits. The model's chat template renders in a separate
@@ -53,6 +57,9 @@ def add_parser(sub):
                    help="largest request body accepted, larger ones get 413 (default 4 MiB)")
     p.add_argument("--max-queue", type=positive_int, default=64,
                    help="requests allowed to wait for the model, more get 503 (default 64)")
+    p.add_argument("--parallel", type=positive_int, default=None, metavar="N",
+                   help="requests generating at once (default: 4 per thread, at most 8, and no more "
+                        "than whose KV fits in half the available memory)")
     p.add_argument("--max-tokens-cap", type=positive_int, default=1024,
                    help="longest answer in tokens, and what an omitted max_tokens means (default 1024)")
     p.add_argument("--request-timeout", type=positive_seconds, default=300.0, metavar="SECONDS",
@@ -119,7 +126,7 @@ def run(args) -> int:
               max_queue=args.max_queue, log_level=args.log_level,
               announce=lambda line: print(line, flush=True), max_tokens_cap=args.max_tokens_cap,
               request_timeout=args.request_timeout, header_timeout=args.header_timeout,
-              body_timeout=args.body_timeout)
+              body_timeout=args.body_timeout, parallel=args.parallel)
     except KeyboardInterrupt:
         pass
     print("cpullm: server stopped", file=sys.stderr, flush=True)

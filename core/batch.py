@@ -1,0 +1,320 @@
+"""One decode step for many sequences: B rows (one token of each), one pass over the weights.
+
+The rows share the executor's arena (row b is sequence b's token); each sequence keeps its own
+state (KV caches, linear-attention state) as one row of a (slots, state_floats) array laid out
+like the executor's own ``state``. The program is cut into segments:
+
+* ``rows``: instructions that treat rows independently (norms, GLU, residuals, embedding, the
+  head's row selection), run by the interpreter over all B rows at once;
+* ``linear``: a LINEAR over the B rows, each weight row read once for all of them
+  (:mod:`cpullm.kernels.batch_linear`, the one-token decode's numerics row by row);
+* ``seq``: ops with a position or a state (ROPE, ATTENTION, GATED_DELTA), run once per sequence
+  on its row, with its position and its state (:func:`_per_sequence`), exactly as a one-token
+  decode of that sequence alone runs them;
+* ``external`` / ``plugin``: plugin kernels and plugin ops, called per sequence.
+
+So a row's result does not depend on the other rows: batch invariance by construction, checked
+by tests/test_scheduler.py. The core names no family: what makes an op per-sequence is its
+opcode (it reads a position or a state), not a model.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit
+
+from .executor import Executor
+from .kernels import interpreter as K
+from .kernels.attention import attention
+from .kernels.attention_batch import attention_decode_batch
+from .kernels.batch_linear import _quantize_rows, _rows_q8, linear_rows_f32, linear_rows_q8
+from .kernels.elementwise import binary_rows, glu_rows
+from .kernels.norm import layernorm_rows, rmsnorm_rows
+from .kernels.gated_delta import gated_delta
+from .kernels.rope import rope_rows
+
+PER_SEQUENCE_OPS = (K.OP_ROPE, K.OP_ATTENTION, K.OP_GATED_DELTA)
+# Row-wise ops the interpreter runs as a parallel loop over rows when T > 1. A decode batch has a
+# few rows, each op microseconds of work: a parallel region per op costs more than it saves (on a
+# loaded 2-core host, 2.6 ms of such ops per step at B = 1 became 190 ms at B = 2), so the
+# batch runs them serially with the same row kernels (the parallel versions call them per row:
+# the same numbers).
+SERIAL_ROW_OPS = (K.OP_RMSNORM, K.OP_LAYERNORM, K.OP_GLU, K.OP_ADD, K.OP_SIGMOID_MUL)
+
+
+@njit(cache=True)
+def _serial_rows(I, F, a, b, arena, wf, T):
+    """Instructions [a, b) (all in SERIAL_ROW_OPS) over rows [0, T), one thread."""
+    r0 = np.int64(0)
+    for r in range(a, b):
+        op = I[r, 0]
+        if op == K.OP_RMSNORM:
+            rmsnorm_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], wf, I[r, 9], F[r, 0], r0, T)
+        elif op == K.OP_LAYERNORM:
+            layernorm_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], wf, I[r, 9], I[r, 10],
+                           F[r, 0], r0, T)
+        elif op == K.OP_GLU:
+            glu_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], I[r, 9], I[r, 10], r0, T)
+        elif op == K.OP_ADD or op == K.OP_SIGMOID_MUL:
+            binary_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], I[r, 9],
+                        0 if op == K.OP_ADD else 1, r0, T)
+        else:
+            raise ValueError("cpullm batch: not a serial row op")
+
+
+@njit(cache=True)
+def _per_sequence(I, F, a, b, arena, states, slots, rows0, nrows, positions, wf, nthreads, has_linear, decode):
+    """Instructions [a, b) (ROPE / ATTENTION / GATED_DELTA) for each sequence s: rows
+    [rows0[s], rows0[s] + nrows[s]) of the arena, positions from positions[s], state
+    states[slots[s]]. The operands' offsets are moved to the sequence's first row, so each kernel
+    sees what a decode of that sequence alone gives it (row 0, T = nrows[s]). ``decode`` (row s
+    is sequence s's one token): ATTENTION runs for all of them in one parallel region, with the
+    same numbers (kernels.attention_batch)."""
+    for r in range(a, b):
+        op = I[r, 0]
+        if decode and op == K.OP_ATTENTION:
+            attention_decode_batch(arena, states, slots, positions, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7],
+                                   I[r, 8], I[r, 9], I[r, 10], I[r, 11], I[r, 12], I[r, 13], I[r, 14], I[r, 15],
+                                   F[r, 0], F[r, 1], np.int64(F[r, 2]), nthreads)
+            continue
+        for s in range(slots.shape[0]):
+            state = states[slots[s]]
+            row0, T, pos0 = rows0[s], nrows[s], positions[s]
+            if op == K.OP_ROPE:
+                # rope_rows takes absolute rows: position pos0 + t for row t, so shift pos0 by row0
+                rope_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], I[r, 9], wf, I[r, 10],
+                          F[r, 0], pos0 - row0, row0, row0 + T)
+            elif op == K.OP_ATTENTION:
+                attention(arena, state, I[r, 3] + row0 * I[r, 4], I[r, 4], I[r, 5] + row0 * I[r, 6], I[r, 6],
+                          I[r, 7] + row0 * I[r, 8], I[r, 8], I[r, 9] + row0 * I[r, 10], I[r, 10],
+                          I[r, 11], I[r, 12], I[r, 13], I[r, 14], I[r, 15], F[r, 0], F[r, 1], np.int64(F[r, 2]),
+                          pos0, T, nthreads)
+            elif op == K.OP_GATED_DELTA:
+                if has_linear:
+                    gated_delta(arena, state, wf, I[r, 3] + row0 * I[r, 4], I[r, 4], I[r, 5] + row0 * I[r, 6],
+                                I[r, 6], I[r, 7] + row0 * I[r, 8], I[r, 8], I[r, 9] + row0 * I[r, 10], I[r, 10],
+                                I[r, 11] + row0 * I[r, 12], I[r, 12], I[r, 13], I[r, 14], I[r, 15], I[r, 16],
+                                I[r, 17], I[r, 18], I[r, 19], I[r, 20], I[r, 21], I[r, 22], F[r, 0], T)
+            else:
+                raise ValueError("cpullm batch: not a per-sequence opcode")
+
+
+@njit(cache=True)
+def _linear_batch(I, r, arena, wq, ws, wf, xq, xs, T):
+    """LINEAR r over rows [0, T) (q8 or f32 weights): kernels.batch_linear, then the bias."""
+    x_off, x_st, o_off, o_st, Kd, N = I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8]
+    kind, w_off, s_off, Kp, b_off = I[r, 9], I[r, 10], I[r, 11], I[r, 12], I[r, 13]
+    x = arena[x_off: x_off + T * x_st].reshape((T, x_st))[:, :Kd]
+    out = arena[o_off: o_off + T * o_st].reshape((T, o_st))[:, :N]
+    if kind == K.WEIGHT_Q8:
+        w = wq[w_off: w_off + N * Kp].reshape((N, Kp))
+        s = ws[s_off: s_off + N * (Kp // 32)].reshape((N, Kp // 32))
+        _quantize_rows(x, xq[:T, :Kp], xs[:T, :Kp // 32])
+        _rows_q8(w, s, xq[:T, :Kp], xs[:T, :Kp // 32], out)
+    else:
+        linear_rows_f32(x, wf[w_off: w_off + N * Kd].reshape((N, Kd)), out)
+    if b_off >= 0:
+        for t in range(T):
+            for n in range(N):
+                out[t, n] += wf[b_off + n]
+
+
+@njit(cache=True)
+def _fused(I, F, a, b, arena, states, slots, rows0, nrows, positions, wq, ws, wf, xq, xs, T, nthreads,
+           has_linear, decode):
+    """Instructions [a, b) of a batch in one compiled call: LINEARs (q8 / f32), SERIAL_ROW_OPS and
+    PER_SEQUENCE_OPS, as the separate segments run them (no Python between ops)."""
+    for r in range(a, b):
+        op = I[r, 0]
+        if op == K.OP_LINEAR:
+            _linear_batch(I, r, arena, wq, ws, wf, xq, xs, T)
+        elif op == K.OP_ROPE or op == K.OP_ATTENTION or op == K.OP_GATED_DELTA:
+            _per_sequence(I, F, r, r + 1, arena, states, slots, rows0, nrows, positions, wf, nthreads, has_linear,
+                          decode)
+        else:
+            _serial_rows(I, F, r, r + 1, arena, wf, T)
+
+
+# (offset column, row-stride column) pairs of a GATED_DELTA instruction's arena operands
+_GD_ROW_OPERANDS = ((3, 4), (5, 6), (7, 8), (9, 10), (11, 12))
+
+
+class BatchDecoder:
+    """Decode steps of many sequences on one executor's program (its arena and weights; each
+    sequence's state is its own)."""
+
+    def __init__(self, ex: Executor):
+        self.ex = ex
+        self.has_linear = ex.linear_state is not None
+        self.linear_kinds = {int(ex.I[r, 9]) for r in ex.linear_rows}
+        self.body = self._fused_segments(self._segments(0, ex.first_head))
+        self.head = self._fused_segments(self._segments(ex.first_head, ex.n_instr))
+        rows = ex.max_chunk
+        self.xq = np.zeros((rows, ex.xq.size), np.int16)         # batch rows' int16 activations
+        self.xs = np.zeros((rows, ex.xs.size), np.float32)
+        self.rt = np.zeros(5, np.int64)
+
+    @property
+    def max_rows(self) -> int:
+        """Sequences one step can decode (the arena's body rows)."""
+        return self.ex.max_chunk
+
+    @property
+    def single_path_identical(self) -> bool:
+        """True when every LINEAR is q8: one sequence may then decode through the executor's own
+        one-token path (and greedy through its lm_head screen) with the same numerics as here."""
+        return self.linear_kinds <= {K.WEIGHT_Q8}
+
+    def _segments(self, start: int, end: int) -> list:
+        ex, out, a = self.ex, [], start
+        I = ex.I
+        for r in range(start, end):
+            op = int(I[r, 0])
+            if r in ex.external:
+                special = ("external", r)
+            elif r in ex.plugin_ops:
+                special = ("plugin", r)
+            elif op == K.OP_LINEAR:
+                special = ("linear", r)
+            elif op in PER_SEQUENCE_OPS:
+                if out and out[-1][0] == "seq" and out[-1][2] == r and a == r:
+                    out[-1] = ("seq", out[-1][1], r + 1)
+                    a = r + 1
+                    continue
+                special = ("seq", r, r + 1)
+            else:
+                continue
+            if a < r:
+                out.extend(self._row_segments(a, r))
+            out.append(special)
+            a = r + 1
+        if a < end:
+            out.extend(self._row_segments(a, end))
+        return out
+
+    def _fused_segments(self, segments: list) -> list:
+        """Runs of "serial", "seq" and q8/f32 "linear" segments become one "fused" segment,
+        executed by one compiled call (:func:`_fused`)."""
+        out = []
+        for seg in segments:
+            a, b = (seg[1], seg[1] + 1) if seg[0] == "linear" else (seg[1], seg[2]) if len(seg) == 3 else (None, None)
+            ok = seg[0] in ("serial", "seq") or (
+                seg[0] == "linear" and int(self.ex.I[seg[1], 9]) in (K.WEIGHT_Q8, K.WEIGHT_F32))
+            if ok and out and out[-1][0] == "fused" and out[-1][2] == a:
+                out[-1] = ("fused", out[-1][1], b)
+            elif ok:
+                out.append(("fused", a, b))
+            else:
+                out.append(seg)
+        return out
+
+    def _row_segments(self, a: int, b: int) -> list:
+        """[a, b) as runs of SERIAL_ROW_OPS ("serial") and of other row-wise ops ("rows")."""
+        out = []
+        for r in range(a, b):
+            kind = "serial" if int(self.ex.I[r, 0]) in SERIAL_ROW_OPS else "rows"
+            if out and out[-1][0] == kind:
+                out[-1] = (kind, out[-1][1], r + 1)
+            else:
+                out.append((kind, r, r + 1))
+        return out
+
+    def decode(self, states: np.ndarray, slots, positions, tokens) -> np.ndarray:
+        """One token for each of B sequences: ``tokens[b]`` at position ``positions[b]`` of the
+        sequence whose state is ``states[slots[b]]``. Returns float32 logits (B, vocab) (a copy)."""
+        ex = self.ex
+        B = len(tokens)
+        if not 0 < B <= self.max_rows:
+            raise ValueError(f"a decode step takes 1..{self.max_rows} sequences, got {B}")
+        slots = np.asarray(slots, np.int64)
+        positions = np.asarray(positions, np.int64)
+        if np.any(positions >= ex.n_ctx):
+            raise ValueError("a sequence is at the end of its context")
+        ex.tokens[:B] = tokens
+        seqs = (slots, np.arange(B, dtype=np.int64), np.ones(B, np.int64), positions)
+        self.rt[:4] = (B, 0, 0, 0)
+        self._run(self.body, B, states, seqs)
+        out = np.empty((B, ex.vocab), np.float32)
+        lo = ex.program.meta["logits_offset"]
+        for g0 in range(0, B, ex.head_rows):
+            n = min(ex.head_rows, B - g0)
+            self.rt[2], self.rt[3] = g0, n
+            self._run(self.head, n, states, seqs)
+            out[g0: g0 + n] = ex.arena[lo: lo + n * ex.vocab].reshape(n, ex.vocab)
+        return out
+
+    def _run(self, segments, T: int, states, seqs):
+        ex = self.ex
+        for seg in segments:
+            kind = seg[0]
+            if kind == "rows":
+                self.rt[4] = numba.get_num_threads()
+                K.run(ex.I, ex.F, seg[1], seg[2], ex.tokens, self.rt, ex.arena, ex.state, ex.wq, ex.ws, ex.wf,
+                      ex.xq, ex.xs, ex.linear_state)
+            elif kind == "fused":
+                _fused(ex.I, ex.F, seg[1], seg[2], ex.arena, states, *seqs, ex.wq, ex.ws, ex.wf, self.xq, self.xs,
+                       np.int64(T), numba.get_num_threads(), self.has_linear, True)
+            elif kind == "serial":
+                _serial_rows(ex.I, ex.F, seg[1], seg[2], ex.arena, ex.wf, np.int64(T))
+            elif kind == "linear":
+                self._linear(seg[1], T)
+            elif kind == "seq":
+                _per_sequence(ex.I, ex.F, seg[1], seg[2], ex.arena, states, *seqs, ex.wf,
+                              numba.get_num_threads(), self.has_linear, True)
+            elif kind == "external":
+                self._external(seg[1], states, seqs)
+            else:
+                self._plugin(seg[1], seqs)
+
+    def _linear(self, r: int, T: int):
+        ex = self.ex
+        x_off, x_st, o_off, o_st, Kd, N, kind, w_off, s_off, Kp, b_off = (int(v) for v in ex.I[r, 3:14])
+        x = ex.arena[x_off: x_off + T * x_st].reshape(T, x_st)[:, :Kd]
+        out = ex.arena[o_off: o_off + T * o_st].reshape(T, o_st)[:, :N]
+        if kind == K.WEIGHT_Q8:
+            w = ex.wq[w_off: w_off + N * Kp].reshape(N, Kp)
+            s = ex.ws[s_off: s_off + N * (Kp // 32)].reshape(N, Kp // 32)
+            linear_rows_q8(x, w, s, out, self.xq[:, :Kp], self.xs[:, :Kp // 32])
+        elif kind == K.WEIGHT_F32:
+            linear_rows_f32(x, ex.wf[w_off: w_off + N * Kd].reshape(N, Kd), out)
+        else:
+            # a weight format this module does not know yet: the executor's batched matmul (right
+            # numbers; its row independence is that kernel's)
+            ex.rt[:] = self.rt
+            ex._linear_batched(r)
+            return
+        if b_off >= 0:
+            out += ex.wf[b_off: b_off + N]
+
+    def _external(self, r: int, states, seqs):
+        ex = self.ex
+        fn = ex.external[r]
+        I, F = ex.I[r], ex.F[r]
+        slots, rows0, nrows, _ = seqs
+        for s in range(len(slots)):
+            args = [int(v) for v in I[3:23]]
+            for off_col, st_col in _GD_ROW_OPERANDS:
+                args[off_col - 3] += int(rows0[s]) * args[st_col - 3]
+            fn(ex.arena, states[slots[s]], ex.wf, *args, float(F[0]), int(nrows[s]))
+
+    def _plugin(self, r: int, seqs):
+        ex = self.ex
+        call = ex.plugin_ops[r]
+        slots, rows0, nrows, positions = seqs
+        for s in range(len(slots)):
+            call(ex.arena, int(nrows[s]), int(positions[s]), False, row0=int(rows0[s]))
+
+
+def bind_state(ex: Executor, state: np.ndarray, n_past: int) -> tuple:
+    """Point executor ``ex`` at one sequence's ``state`` (positions from ``n_past``); returns what
+    to pass to :func:`unbind_state` to give it back its own."""
+    saved = (ex.state, ex.linear_state, ex.n_past)
+    ex.state = state
+    ex.linear_state = state if ex.linear_state is not None else None
+    ex.n_past = int(n_past)
+    return saved
+
+
+def unbind_state(ex: Executor, saved: tuple) -> None:
+    ex.state, ex.linear_state, ex.n_past = saved
+

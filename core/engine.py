@@ -1,0 +1,216 @@
+"""Engine: a scheduler on its own thread, for code that submits requests from other threads (the
+server, user code), each with its own sampling and a cancel handle.
+
+    engine = model.engine(parallel=4)
+    req = engine.submit(ids, max_new_tokens=64, temperature=0.7, seed=1)
+    for tok in req: ...            # blocks for each token; req.cancel() from anywhere
+    engine.close()
+
+``model.generate_batch(prompts, ...)`` runs a scheduler in the calling thread instead, for a
+fixed list of prompts.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import threading
+import traceback
+
+from .errors import ConfigError
+from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence
+
+MAX_DEFAULT_PARALLEL = 8
+"""Largest default --parallel: decode reads the weights once per step whatever the batch, and
+each extra stream adds arithmetic (one row dot per weight row); past ~4 streams per core a 2-core
+Zen 4 is compute-bound (see ``cpullm bench --concurrency``), so more streams only split its rate."""
+
+KV_MEMORY_SHARE = 0.5
+"""The default --parallel keeps the planned sequence state under this share of available memory."""
+
+
+def available_memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def default_parallel(model) -> int:
+    """Streams served at once when --parallel is not given: 4 per core the model runs on, at most
+    MAX_DEFAULT_PARALLEL, and no more than fit (their KV and state planned for the whole context)
+    in KV_MEMORY_SHARE of the available memory."""
+    cores = int(model.threads or os.cpu_count() or 1)
+    n = max(1, min(MAX_DEFAULT_PARALLEL, 4 * cores, model.executor.max_chunk))
+    avail = available_memory_bytes()
+    slot = model.executor.state.size * 4
+    if avail is not None and slot > 0:
+        n = max(1, min(n, int(avail * KV_MEMORY_SHARE) // slot))
+    return n
+
+
+def check_fits_in_memory(model, parallel: int) -> None:
+    """Refuse a --parallel / --ctx whose planned state exceeds the available memory."""
+    avail = available_memory_bytes()
+    need = parallel * model.executor.state.size * 4
+    if avail is not None and need > avail:
+        raise ConfigError(f"--parallel {parallel} at --ctx {model.n_ctx} plans {need / 2**20:.0f} MiB of KV and "
+                          f"state, more than the {avail / 2**20:.0f} MiB available; lower --parallel or --ctx")
+
+
+class Request:
+    """One submitted sequence: iterate for its token ids (blocking); ``cancel()`` from any
+    thread; ``stats`` and ``seq`` while or after it runs. ``on_token(tok)`` (tok None at the
+    end), if given at submit, is called on the engine's thread instead of queueing."""
+
+    def __init__(self, seq: Sequence, on_token=None):
+        self.seq = seq
+        self.on_token = on_token
+        self.error: BaseException | None = None
+        self.finished = threading.Event()
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+
+    @property
+    def stats(self):
+        return self.seq.stats
+
+    def cancel(self) -> None:
+        self.seq.cancel()
+
+    def _deliver(self, tok) -> None:
+        if tok is None:
+            self.finished.set()
+        if self.on_token is not None:
+            self.on_token(tok)
+        else:
+            self._q.put(tok)
+
+    def __iter__(self):
+        while True:
+            tok = self._q.get()
+            if tok is None:
+                if self.error is not None:
+                    raise self.error
+                return
+            yield tok
+
+    def result(self) -> list[int]:
+        """Every generated token id, once the request ends."""
+        for _ in self:
+            pass
+        return list(self.seq.generated)
+
+
+class Engine:
+    def __init__(self, model, parallel: int | None = None, prefill_chunk: int | None = None):
+        self.model = model
+        self.parallel = int(parallel or default_parallel(model))
+        check_fits_in_memory(model, self.parallel)
+        self.scheduler = Scheduler(model, self.parallel, prefill_chunk)
+        if self.parallel > 1:
+            self.scheduler.warm_up()
+        self._requests: dict[int, Request] = {}
+        self._wake = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="cpullm-scheduler", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt_ids, max_new_tokens: int = 128, *, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+               seed: int | None = None, stop_ids=None, stats=None, cancel=None, on_token=None) -> Request:
+        """Queue a sequence; errors in the request itself (empty prompt, too long for the
+        context, bad sampling values) raise here."""
+        if self._closed:
+            raise ConfigError("the engine is closed; create a new one (model.engine())")
+        params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed).validate()
+        seq = Sequence(prompt_ids, max_new_tokens, params,
+                       stop_ids=self.model.eos_token_ids if stop_ids is None else stop_ids,
+                       stats=stats, cancel=cancel)
+        req = Request(seq, on_token)
+        self._requests[id(seq)] = req
+        try:
+            self.scheduler.add(seq)
+        except BaseException:
+            self._requests.pop(id(seq), None)
+            raise
+        self._wake.set()
+        return req
+
+    def counts(self) -> dict:
+        return {"parallel": self.parallel, **self.scheduler.counts()}
+
+    def _loop(self) -> None:
+        sch = self.scheduler
+        while not self._closed:
+            if sch.idle:
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                events = sch.step()
+            except BaseException as exc:        # a bug: fail what runs, keep serving
+                traceback.print_exc(file=sys.stderr)
+                events = self._fail_running(exc)
+            for seq, tok in events:
+                req = self._requests.get(id(seq))
+                if req is None:
+                    continue
+                if tok is None:
+                    self._requests.pop(id(seq), None)
+                try:
+                    req._deliver(tok)
+                except Exception:               # a consumer's callback must not stop the others
+                    traceback.print_exc(file=sys.stderr)
+
+    def _fail_running(self, exc) -> list:
+        sch = self.scheduler
+        events = []
+        for seq in list(sch.running):
+            seq.finish("error")
+            sch._release(seq)
+            req = self._requests.get(id(seq))
+            if req is not None:
+                req.error = exc
+            events.append((seq, None))
+        return events
+
+    def close(self) -> None:
+        """Stop the thread; every unfinished request is cancelled and its iterator ends."""
+        self._closed = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+        for req in list(self._requests.values()):
+            req.seq.finish("cancelled")
+            req._deliver(None)
+        self._requests.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def generate_batch(model, prompts, max_new_tokens: int = 128, parallel: int | None = None,
+                   prefill_chunk: int | None = None, stop_ids=None, params=None, stats=None) -> list[list[int]]:
+    """Token ids generated for each prompt (lists of ids), ``parallel`` at a time through one
+    scheduler in the calling thread. ``params``: one SamplingParams for all, or a list of them."""
+    prompts = list(prompts)
+    if not isinstance(params, (list, tuple)):
+        params = [params or SamplingParams()] * len(prompts)
+    if len(params) != len(prompts):
+        raise ConfigError(f"give one sampling setting per prompt ({len(prompts)}), got {len(params)}")
+    n = int(parallel or min(len(prompts), default_parallel(model))) or 1
+    sch = Scheduler(model, max(1, n), prefill_chunk)
+    eos = model.eos_token_ids if stop_ids is None else stop_ids
+    seqs = [sch.add(Sequence(p, max_new_tokens, pp, stop_ids=eos,
+                             stats=None if stats is None else stats[i]))
+            for i, (p, pp) in enumerate(zip(prompts, params))]
+    sch.run_until_idle()
+    return [list(s.generated) for s in seqs]

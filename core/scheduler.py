@@ -1,0 +1,207 @@
+"""Continuous batching: many sequences share each pass over the weights.
+
+A :class:`Scheduler` owns ``slots`` KV slots, planned up front: one float32 state array per slot,
+laid out as the program's ``state_regions`` (KV caches of ``n_ctx`` positions, sliding-window
+rings, linear-attention states), so a sequence admitted always fits and memory never grows.
+Every :meth:`Scheduler.step`:
+
+1. drops cancelled sequences (their slot is free at once) and admits waiting ones, first come
+   first served, into free slots;
+2. prefills one chunk (at most ``prefill_chunk`` tokens) of one sequence that is still reading its
+   prompt, taking those in turn, so a long prompt never holds the others up for more than a chunk;
+   the chunk's last row gives the first token when the prompt is done;
+3. decodes one token of every sequence past its prompt in one pass over the weights
+   (:class:`cpullm.batch.BatchDecoder`); finished sequences leave and free their slot.
+
+A sequence's tokens do not depend on the others (batch invariance): its prefill chunks are cut
+from its own prompt only (so the same chunks alone or not) and run on its own state; its decode
+row is computed with the one-token decode's numerics whatever the batch holds. In int8 they are
+the tokens ``generate`` returns for it alone, exactly; tests/test_scheduler.py checks both.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+
+import numpy as np
+
+from .batch import BatchDecoder, bind_state, unbind_state
+from .errors import ConfigError
+from .kernels.warmup import compile_seconds
+from .sequence import DECODE, PREFILL, WAITING, Sequence
+
+
+class Scheduler:
+    def __init__(self, model, slots: int, prefill_chunk: int | None = None):
+        ex = model.executor
+        if slots < 1:
+            raise ConfigError(f"the scheduler needs at least 1 slot (--parallel N >= 1), got {slots}")
+        self.model, self.ex = model, ex
+        self.decoder = BatchDecoder(ex)
+        if slots > self.decoder.max_rows:
+            raise ConfigError(f"--parallel {slots} exceeds the {self.decoder.max_rows} rows one step can "
+                              f"run (the program's prefill chunk); load with a larger max_chunk or lower --parallel")
+        self.n_slots = int(slots)
+        self.state_floats = int(ex.state.size)
+        # KV for every slot, planned now: (slots, state_floats) float32
+        self.states = np.zeros((self.n_slots, self.state_floats), np.float32)
+        self.linear_regions = [(r["offset"], r["floats"]) for r in ex.program.meta["state_regions"]
+                               if r["kind"] == "linear"]
+        self.prefill_chunk = int(min(prefill_chunk or ex.max_chunk, ex.max_chunk))
+        self.free = list(range(self.n_slots - 1, -1, -1))
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._prefill_turn = 0
+        self._lock = threading.Lock()
+        self.steps = 0
+
+    def warm_up(self) -> None:
+        """Compile (or load from numba's cache) the batched decode's kernels now, with a 2-row step
+        on the first slots, rather than in the first step that batches two requests (a server
+        would stall its streams for it). The rows written are overwritten before they are read:
+        a sequence writes each position before attending to it, and admission zeroes its
+        recurrent state."""
+        n = min(2, self.n_slots)
+        self.decoder.decode(self.states, list(range(n)), [0] * n, [0] * n)
+
+    # ---- capacity --------------------------------------------------------------------------
+    @property
+    def slot_bytes(self) -> int:
+        return self.state_floats * 4
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of sequence state planned for all slots (allocated at construction)."""
+        return self.n_slots * self.slot_bytes
+
+    # ---- requests ----------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> Sequence:
+        """Queue ``seq`` (thread-safe). A prompt longer than the context raises
+        ContextOverflowError here, before it waits."""
+        seq.check_fits(self.ex.n_ctx)
+        with self._lock:
+            seq.phase = WAITING
+            self.waiting.append(seq)
+        return seq
+
+    @property
+    def idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    def counts(self) -> dict:
+        with self._lock:
+            return {"waiting": len(self.waiting), "running": len(self.running),
+                    "free_slots": len(self.free)}
+
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self) -> list[tuple[Sequence, int | None]]:
+        """Advance every sequence by one unit of work. Returns the (sequence, token) pairs emitted
+        this step, and (sequence, None) once for every sequence that ended (EOS, length, cancel)."""
+        events: list[tuple[Sequence, int | None]] = []
+        self._drop_cancelled(events)
+        self._admit()
+        self._prefill_one(events)
+        self._decode_all(events)
+        for seq in [s for s in self.running if s.done]:
+            self._release(seq)
+            events.append((seq, None))
+        self.steps += 1
+        return events
+
+    def _drop_cancelled(self, events):
+        with self._lock:
+            gone = [s for s in self.waiting if s.cancelled]
+            for s in gone:
+                self.waiting.remove(s)
+        for s in gone:
+            s.finish("cancelled")
+            events.append((s, None))
+        for s in [s for s in self.running if s.cancelled]:
+            s.finish("cancelled")
+            self._release(s)
+            events.append((s, None))
+
+    def _admit(self):
+        with self._lock:
+            while self.free and self.waiting:
+                seq = self.waiting.popleft()
+                seq.slot = self.free.pop()
+                seq.state = self.states[seq.slot]
+                for off, n in self.linear_regions:       # recurrent state starts at zero
+                    seq.state[off: off + n] = 0.0
+                seq.position = 0
+                seq.phase = PREFILL
+                self.running.append(seq)
+
+    def _release(self, seq: Sequence):
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq.slot is not None:
+            with self._lock:
+                self.free.append(seq.slot)
+            seq.slot, seq.state = None, None
+
+    def _prefill_one(self, events):
+        reading = [s for s in self.running if s.phase == PREFILL]
+        if not reading:
+            return
+        seq = reading[self._prefill_turn % len(reading)]
+        self._prefill_turn += 1
+        ids = seq.prompt[seq.position: seq.position + self.prefill_chunk]
+        t0, c0 = time.perf_counter(), compile_seconds()
+        saved = bind_state(self.ex, seq.state, seq.position)
+        try:
+            logits = self.ex.prefill(ids)
+            seq.position = self.ex.n_past
+        finally:
+            unbind_state(self.ex, saved)
+        compiled = compile_seconds() - c0
+        seq.stats.prefill_s += max(0.0, time.perf_counter() - t0 - compiled)
+        seq.stats.compile_s += compiled
+        if seq.position == len(seq.prompt):
+            tok = seq.take(self.ex.n_ctx, logits=logits)
+            if tok is not None:
+                events.append((seq, tok))
+
+    def _decode_all(self, events):
+        batch = [s for s in self.running if s.phase == DECODE and s.pending is not None]
+        if not batch:
+            return
+        ex = self.ex
+        t0, c0 = time.perf_counter(), compile_seconds()
+        if len(batch) == 1 and self.decoder.single_path_identical:
+            # one sequence: the executor's one-token path (and greedy through its lm_head screen),
+            # the same numbers as a batched row
+            seq = batch[0]
+            saved = bind_state(ex, seq.state, seq.position)
+            try:
+                if seq.greedy:
+                    outs = [(None, ex.decode_argmax(seq.pending))]
+                else:
+                    outs = [(ex.decode(seq.pending).copy(), None)]
+            finally:
+                unbind_state(ex, saved)
+        else:
+            logits = self.decoder.decode(self.states, [s.slot for s in batch], [s.position for s in batch],
+                                         [s.pending for s in batch])
+            outs = [(logits[i], None) if not s.greedy else (None, int(np.argmax(logits[i])))
+                    for i, s in enumerate(batch)]
+        compiled = compile_seconds() - c0
+        dt = max(0.0, time.perf_counter() - t0 - compiled)
+        for seq, (logits_row, tok) in zip(batch, outs):
+            seq.position += 1
+            seq.stats.decode_s += dt
+            seq.stats.decode_steps += 1
+            seq.stats.compile_s += compiled
+            got = seq.take(ex.n_ctx, logits=logits_row, token=tok)
+            if got is not None:
+                events.append((seq, got))
+
+    def run_until_idle(self, on_event=None) -> None:
+        """Step until every sequence added so far has ended."""
+        while not self.idle:
+            for ev in self.step():
+                if on_event is not None:
+                    on_event(*ev)
+

@@ -1,0 +1,154 @@
+"""Sequence: one running generation, shared by ``generate`` (one sequence on the model's
+executor) and the scheduler (many sequences, each in its own KV slot).
+
+A sequence owns what belongs to one request and nothing of the model: its prompt and generated
+token ids, its position (tokens whose keys/values and recurrent state sit in its slot), the slot
+itself (a float32 state array laid out as ``program.meta["state_regions"]``), its sampler and
+stop rules, its statistics and its cancel flag. Who runs the forward passes (the plain executor,
+or the scheduler's batched step) only feeds it logits or greedy tokens through :meth:`take`.
+"""
+from __future__ import annotations
+
+import threading
+
+import attrs
+import numpy as np
+
+from .errors import ContextOverflowError, PromptError
+from .sampling import Sampler, SamplingParams
+
+WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
+
+
+@attrs.define
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_steps: int = 0           # one-token forward passes (the first token comes from prefill)
+    reused_tokens: int = 0          # prompt tokens restored from a prompt cache
+    compile_s: float = 0.0          # numba compiling kernels during this generation (cold cache only),
+                                    # kept out of prefill_s and decode_s
+    stop_reason: str = ""           # "eos" | "stop" | "length" | "cancelled"
+
+    @property
+    def prefill_tps(self) -> float:
+        n = self.prompt_tokens - self.reused_tokens
+        return n / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return self.decode_steps / self.decode_s if self.decode_s > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        d = attrs.asdict(self)
+        d.update(prefill_tps=self.prefill_tps, decode_tps=self.decode_tps)
+        return d
+
+
+
+class Sequence:
+    def __init__(self, prompt_ids, max_new_tokens: int, params: SamplingParams | None = None,
+                 stop_ids=(), stats=None, cancel: threading.Event | None = None):
+        if max_new_tokens is None or int(max_new_tokens) <= 0:
+            raise PromptError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.prompt = [int(t) for t in prompt_ids]
+        if not self.prompt:
+            raise PromptError("the prompt is empty: give some text or token ids")
+        self.max_new_tokens = int(max_new_tokens)
+        self.params = (params or SamplingParams()).validate()
+        self.sampler = Sampler(self.params)
+        self.stop_ids = set(int(t) for t in stop_ids)
+        self.stats = stats if stats is not None else GenerationStats()
+        self.cancel_event = cancel if cancel is not None else threading.Event()
+        self.history: list[int] = list(self.prompt)    # prompt + generated (the repetition penalty's)
+        self.generated: list[int] = []
+        self.position = 0            # tokens whose state is in the slot
+        self.reused = 0              # leading prompt tokens restored rather than prefilled
+        self.pending: int | None = None   # the last emitted token, input of the next decode step
+        self.slot: int | None = None
+        self.state: np.ndarray | None = None
+        self.phase = WAITING
+        self.stats.prompt_tokens = len(self.prompt)
+        self.stats.stop_reason = "length"
+
+    # ---- what the runner asks --------------------------------------------------------------
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is the argmax of the logits (no sampler state needed), so a
+        runner may compute only the argmax (the executor's lm_head screen)."""
+        return self.params.temperature == 0.0 and self.params.repetition_penalty == 1.0
+
+    @property
+    def cancelled(self) -> bool:
+        return self.cancel_event.is_set()
+
+    def cancel(self) -> None:
+        """Ask the runner to stop this sequence at the next step (thread-safe)."""
+        self.cancel_event.set()
+
+    @property
+    def done(self) -> bool:
+        return self.phase == DONE
+
+    def check_fits(self, n_ctx: int) -> None:
+        if len(self.prompt) > n_ctx:
+            raise ContextOverflowError(
+                f"the prompt has {len(self.prompt)} tokens but the context holds {n_ctx}; shorten it or "
+                f"load with a larger n_ctx (--ctx N)")
+
+    # ---- what the runner reports ------------------------------------------------------------
+    def take(self, n_ctx: int, logits: np.ndarray | None = None, token: int | None = None) -> int | None:
+        """The model's output after the last prompt token or the pending token: ``logits``
+        (vocab,) to sample from, or a greedy ``token`` already chosen. Returns the new token if it
+        is emitted (then the caller yields it), None when the sequence ends here (an EOS id: not
+        emitted). Sets :attr:`pending` while the sequence goes on."""
+        tok = int(self.sampler(logits, self.history)) if token is None else int(token)
+        self.pending = None
+        if tok in self.stop_ids:
+            self.finish("eos")
+            return None
+        self.history.append(tok)
+        self.generated.append(tok)
+        self.stats.generated_tokens += 1
+        if len(self.generated) >= self.max_new_tokens or self.position >= n_ctx:
+            self.finish("length")
+        else:
+            self.pending = tok
+            self.phase = DECODE
+        return tok
+
+    def finish(self, reason: str) -> None:
+        if self.phase != DONE:
+            self.stats.stop_reason = reason
+            self.phase = DONE
+            self.pending = None
+
+    # ---- running alone on the model's executor -----------------------------------------------
+    def restore(self, ex, prompt_cache=None) -> int:
+        """Reset executor ``ex`` (its own state) for this sequence and restore the leading prompt
+        tokens ``prompt_cache`` holds; returns how many (always fewer than the prompt: at least
+        one token is prefilled, whose logits the first token comes from)."""
+        ex.reset()
+        self.reused = prompt_cache.start(ex, self.prompt) if prompt_cache is not None else 0
+        self.position = self.reused
+        self.stats.reused_tokens = self.reused
+        self.phase = PREFILL
+        return self.reused
+
+    def prefill_alone(self, ex, prompt_cache=None) -> np.ndarray:
+        """Prefill the rest of the prompt on ``ex`` after :meth:`restore`; returns the last prompt
+        token's logits. The cache may ask for the state at one position (``split_at``): the
+        prefill stops there, the cache records the sliding-window and linear-attention state,
+        and the prefill goes on."""
+        ids = self.prompt
+        split = prompt_cache.split_at if prompt_cache is not None else None
+        if split is None or not (self.reused < split < len(ids)):
+            logits = ex.prefill(ids[self.reused:])
+        else:
+            ex.prefill(ids[self.reused:split])
+            prompt_cache.snapshot_split(ex)
+            logits = ex.prefill(ids[split:])
+        self.position = ex.n_past
+        return logits
