@@ -38,7 +38,7 @@ def _where(frame) -> str:
     return " > ".join(names[-3:]) or "?"
 
 
-def sample_load(model_dir: str, quant: str, interval: float) -> dict:
+def sample_load(model_dir: str, quant: str, interval: float, cache_dir: str | None = None) -> dict:
     import cpullm
 
     main_id = threading.get_ident()
@@ -51,7 +51,9 @@ def sample_load(model_dir: str, quant: str, interval: float) -> dict:
             samples.append((time.perf_counter(), st, _where(frame) if frame is not None else "?"))
             stop.wait(interval)
 
-    with tempfile.TemporaryDirectory(prefix="cpullm-build-mem-") as cache:
+    with tempfile.TemporaryDirectory(prefix="cpullm-build-mem-") as tmp:
+        cache = cache_dir or tmp
+        before = _status()["VmRSS"]
         t = threading.Thread(target=run, daemon=True)
         t0 = time.perf_counter()
         t.start()
@@ -69,7 +71,7 @@ def sample_load(model_dir: str, quant: str, interval: float) -> dict:
         cur["anon"] = max(cur["anon"], st.get("RssAnon", 0))
         cur["file"] = max(cur["file"], st.get("RssFile", 0))
     return {"model": model_dir, "quant": quant, "load_s": load_s, "cache": model.cache_status,
-            "weights_bytes": mem["weights_bytes"], "peak_rss_bytes": final["VmHWM"],
+            "weights_bytes": mem["weights_bytes"], "peak_rss_bytes": final["VmHWM"], "rss_before": before,
             "peak_sample": {"rss": peak[1]["VmRSS"], "anon": peak[1].get("RssAnon", 0),
                             "file": peak[1].get("RssFile", 0), "where": peak[2]},
             "phases": by_phase, "samples": len(samples)}
@@ -81,15 +83,19 @@ def main(argv=None) -> int:
     p.add_argument("--quant", default="int8")
     p.add_argument("--interval", type=float, default=0.05)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--cache-dir", default=None,
+                   help="execution cache root to use (a second run with the same one samples a HIT); "
+                        "default: a fresh temporary one (a MISS)")
     a = p.parse_args(argv)
-    r = sample_load(a.model, a.quant, a.interval)
+    r = sample_load(a.model, a.quant, a.interval, a.cache_dir)
     if a.json:
         print(json.dumps(r, indent=1))
         return 0
     w = r["weights_bytes"]
     mb = lambda n: f"{n / 1e6:8.0f} MB"                                  # noqa: E731
     print(f"{r['model']} {r['quant']}: load {r['load_s']:.1f} s ({r['cache']}), weights {mb(w)}")
-    print(f"peak RSS {mb(r['peak_rss_bytes'])} = {r['peak_rss_bytes'] / w:.2f}x weights")
+    print(f"peak RSS {mb(r['peak_rss_bytes'])} = {r['peak_rss_bytes'] / w:.2f}x weights; "
+          f"RSS before the load (imports) {mb(r['rss_before'])}")
     ps = r["peak_sample"]
     print(f"at the peak sample: anon {mb(ps['anon'])}, file-backed {mb(ps['file'])}, in {ps['where']}")
     print("max RSS by phase (innermost cpullm frames):")
