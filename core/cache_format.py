@@ -10,7 +10,9 @@ Layout (one directory per key under ``<root>/exec/``)::
 No pickle: arrays are raw bytes described by (dtype, shape) from a fixed set, the rest is JSON.
 
 Writes are atomic. A new entry is written under ``.tmp.<key>.<host>.<pid>.<rand>`` in the same
-directory (arrays fsynced, the manifest last), then moved into place with one ``os.replace``. A
+directory (arrays fsynced, the manifest last), then moved into place with one ``os.replace``. On a
+MISS the build itself writes the weight arrays into that directory as it packs them (streams:
+compile_graph's ``workdir``), so they are never whole in memory. A
 reader only trusts a directory named ``<key>`` whose manifest parses, carries this format version
 and this key, agrees with its own checksum, was built for exactly the inputs of this load, and
 whose arrays have the recorded sizes and checksums. Anything else (a truncated file, a flipped
