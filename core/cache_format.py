@@ -315,8 +315,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def sweep(root: Path) -> int:
-    """Remove leftovers: temporary directories of writers that are gone (same host) or older than
-    an hour, and entries moved aside as damaged."""
+    """Remove leftovers: temporary directories of writers that are gone (same host) or that no one
+    wrote to for an hour, and entries moved aside as damaged."""
     n = 0
     now = time.time()
     for p in list(root.glob(".tmp.*")) + list(root.glob(".trash.*")) if root.is_dir() else []:
@@ -325,12 +325,24 @@ def sweep(root: Path) -> int:
             dead = False
             if parts[1] == "tmp" and len(parts) >= 6 and parts[3] == _HOST and parts[4].isdigit():
                 dead = not _pid_alive(int(parts[4]))
-            if parts[1] == "trash" or dead or now - p.stat().st_mtime > _STALE_TMP_S:
+            if parts[1] == "trash" or dead or now - _last_write(p) > _STALE_TMP_S:
                 shutil.rmtree(p, ignore_errors=True)
                 n += 1
         except (OSError, IndexError):
             pass
     return n
+
+
+def _last_write(path: Path) -> float:
+    """The latest mtime of a temporary directory and its files: a build writes its arrays there
+    for minutes, so a live writer's directory stays fresh however long it takes."""
+    t = path.stat().st_mtime
+    for f in path.iterdir() if path.is_dir() else []:
+        try:
+            t = max(t, f.stat().st_mtime)
+        except OSError:
+            pass
+    return t
 
 
 def _discard(entry: Path):

@@ -146,3 +146,22 @@ def test_a_miss_runs_the_same_logits_as_a_hit(tmp_path):
     assert not list((tmp_path / "c" / "exec").glob(".tmp.*"))      # the build's directory became the entry
     np.testing.assert_array_equal(miss.logits(ids), hit.logits(ids))
     np.testing.assert_array_equal(miss.logits(ids), off.logits(ids))
+
+
+def test_sweep_keeps_a_long_build_that_is_still_writing(tmp_path):
+    """A build writes into its temporary entry directory for as long as it packs; the sweep of
+    another process removes it only once nothing in it was written for an hour."""
+    import os
+    import time
+
+    from cpullm import cache_format
+    old = time.time() - 2 * 3600
+    live = tmp_path / f".tmp.k1.otherhost.{os.getpid()}.aaaa"     # another host: liveness unknown
+    stale = tmp_path / f".tmp.k2.otherhost.{os.getpid()}.bbbb"
+    for d in (live, stale):
+        d.mkdir()
+        (d / "wq.bin").write_bytes(b"x")
+        os.utime(d, (old, old))
+    os.utime(stale / "wq.bin", (old, old))                         # live's wq.bin was just written
+    assert cache_format.sweep(tmp_path) == 1
+    assert live.exists() and not stale.exists()
