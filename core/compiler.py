@@ -142,6 +142,9 @@ def _pack_q8_rows(weights, canonicals: list[str], quantize, wq, ws, scratch) -> 
         n_rows += n
         if hasattr(weights, "release"):
             weights.release(c)
+    if w_off is None:                                           # no rows at all
+        from .kernels.q8 import padded_k
+        w_off, s_off, Kp = wq.size, ws.size, padded_k(K)
     wq.pad()
     ws.pad()
     return w_off, s_off, Kp, n_rows
