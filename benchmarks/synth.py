@@ -168,6 +168,21 @@ def scaled_config(config: dict, layout: dict, scale: int) -> dict:
     return cfg
 
 
+def with_layers(config: dict, n_layers: int) -> dict:
+    """The same model cut to its first ``n_layers`` layers (widths kept): a full-width checkpoint
+    of a chosen size, e.g. Qwen3-1.7B's shapes at 8 layers is 0.7B parameters."""
+    cfg = copy.deepcopy(config)
+    t = text_section(cfg)
+    if not 0 < n_layers <= int(t["num_hidden_layers"]):
+        raise SynthError(f"--layers must be 1..{t['num_hidden_layers']}, not {n_layers}")
+    t["num_hidden_layers"] = n_layers
+    if isinstance(t.get("layer_types"), list):
+        t["layer_types"] = t["layer_types"][:n_layers]
+    if t.get("max_window_layers") is not None:
+        t["max_window_layers"] = min(int(t["max_window_layers"]), n_layers)
+    return cfg
+
+
 def _text_defaults(config: dict) -> dict:
     """transformers' defaults of the text config class, for keys a Hub config leaves out."""
     tc = _transformers_config(config)
@@ -483,8 +498,10 @@ class Progress:
 
 
 def write_checkpoint(name: str, out_dir, *, scale: int = 1, seed: int = 0, dtype: str = "BF16",
-                     progress: bool = True, max_shard_bytes: int | None = None) -> dict:
+                     progress: bool = True, max_shard_bytes: int | None = None,
+                     layers: int | None = None) -> dict:
     """Write the synthetic checkpoint of seed model ``name`` to ``out_dir`` (which must not exist).
+    ``layers``: keep only the first so many layers (after ``scale``).
 
     Returns a summary: files and their sizes, parameter count, seconds taken."""
     dtype = dtype.upper()
@@ -497,6 +514,8 @@ def write_checkpoint(name: str, out_dir, *, scale: int = 1, seed: int = 0, dtype
         raise SynthError(f"{out} exists; synth never overwrites: choose another --out or remove it")
     config, layout = load_seed(name)
     config = scaled_config(config, layout, scale)
+    if layers:
+        config = with_layers(config, layers)
     plan = tensor_plan(config, layout)
     limit = max_shard_bytes or layout["max_shard_bytes"]
     if scale > 1 and max_shard_bytes is None:
@@ -574,6 +593,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="output directory (one model) or parent directory (several)")
     p.add_argument("--scale", type=int, default=1, help="divide every width by this (tiny copy), default 1")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=None,
+                   help="keep only the first N layers (full widths unless --scale): a checkpoint of chosen size")
     p.add_argument("--dtype", default="bf16", help="bf16 (default), f32, or hub (the Hub's own dtype)")
     p.add_argument("--list", action="store_true", help="list the seed models and their sizes")
     p.add_argument("--quiet", action="store_true", help="no progress line")
@@ -589,7 +610,8 @@ def main(argv=None) -> int:
             raise SynthError("--out is required")
         for n in a.models:
             out = Path(a.out) if len(a.models) == 1 else Path(a.out) / n
-            s = write_checkpoint(n, out, scale=a.scale, seed=a.seed, dtype=a.dtype, progress=not a.quiet)
+            s = write_checkpoint(n, out, scale=a.scale, seed=a.seed, dtype=a.dtype, progress=not a.quiet,
+                                 layers=a.layers)
             size = sum(s["files"].values())
             print(f"{n}: {s['params'] / 1e9:.3f} B params, {s['tensors']} tensors, {len(s['files'])} "
                   f"shard(s), {size / 1e9:.2f} GB, {s['seconds']:.0f} s -> {s['dir']}")

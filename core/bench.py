@@ -20,6 +20,9 @@ Definitions (the same harness, :func:`measure_speed`, also drives llama.cpp and 
   one short forward pass has run, so every kernel is loaded): ``load_s_miss`` with a fresh,
   empty execution cache directory (the program is quantized and compiled), then ``load_s_hit``
   with that directory warm; the numba cache is warm for both (this process filled it).
+* **build peak RSS** (``build_peak_rss_bytes``): the MISS child's peak RSS (VmHWM), imports,
+  kernels, quantizing, the head screen's calibration and writing the entry included; the HIT
+  child's is ``peak_rss_bytes_hit_process``.
 * **cold start** (``cold_start_s``): a first run. A child with ``NUMBA_CACHE_DIR`` set to an
   empty directory and an empty execution cache directory, from process start to its first token
   (load, then the prefill of a few tokens and the argmax); ``cold_start_compile_s`` is the part
@@ -506,7 +509,8 @@ def load_timings(model_dir, quant: str, threads: int, n_ctx: int, probe_ids: lis
                        load_s_miss_inproc=miss["load_s"], load_s_hit_inproc=hit["load_s"],
                        cache_miss_status=str(miss["cache"]).split()[0],
                        cache_hit_status=str(hit["cache"]).split()[0],
-                       peak_rss_bytes_hit_process=hit["peak_rss_bytes"])
+                       peak_rss_bytes_hit_process=hit["peak_rss_bytes"],
+                       build_peak_rss_bytes=miss["peak_rss_bytes"])
         if compile:
             say("cold start: empty numba cache and execution cache (child process)")
             numba_dir = tmp / "numba-cache"
@@ -571,10 +575,12 @@ def run_bench(model, prompt_tokens: int = 512, gen_tokens: int = 128, repeat: in
         linear_state_bytes=mem.get("linear_state_bytes", 0),
         arena_bytes=mem["arena_bytes"],
         peak_rss_bytes=mem["peak_rss_bytes"],
+        context_plan=model.info()["context_plan"],
     )
     say("memory bound: decode steps alternating with a plain read of the same bytes")
     result.update(memory_bound(model, steps=min(32, gen_tokens), token=ids[0]))  # after the RSS snapshot
-    result.update({"load_s_hit": None, "load_s_miss": None, "warmup_compile_s": None,
+    result.update({"load_s_hit": None, "load_s_miss": None, "build_peak_rss_bytes": None,
+                   "peak_rss_bytes_hit_process": None, "warmup_compile_s": None,
                    "cold_start_s": None, "cold_start_compile_s": None})
     if load or compile:
         result.update(load_timings(model.model_dir, model.quant, model.threads, model.n_ctx,
@@ -596,6 +602,10 @@ def count_params(model_dir) -> int:
 # ---- reporting ------------------------------------------------------------------------------------------
 def _mb(n) -> str:
     return "?" if n is None else f"{n / 1e6:.1f} MB"
+
+
+def _ratio(a, b) -> str:
+    return "?" if not a or not b else f"{a / b:.2f}x"
 
 
 def _s(x, unit="s", fmt="{:.2f}") -> str:
@@ -620,6 +630,9 @@ def format_report(r: dict) -> str:
         f"  load (this process)    {_s(r['load_s'], 's', '{:9.2f}')}  cache {r['cache']}",
         f"  load, cache MISS       {_s(r.get('load_s_miss'), 's', '{:9.2f}')}  process start to ready",
         f"  load, cache HIT        {_s(r.get('load_s_hit'), 's', '{:9.2f}')}  process start to ready",
+        f"  build peak RSS         {_mb(r.get('build_peak_rss_bytes')):>12}  the cache MISS process "
+        f"({_ratio(r.get('build_peak_rss_bytes'), r.get('weights_bytes'))} the weights); "
+        f"cache HIT process {_mb(r.get('peak_rss_bytes_hit_process'))}",
         f"  cold start             {_s(r.get('cold_start_s'), 's', '{:9.2f}')}  process start to first token, "
         f"empty numba and execution caches"
         + (f" ({r['cold_start_compile_s']:.2f} s compiling kernels)" if r.get("cold_start_compile_s") else ""),
@@ -631,6 +644,10 @@ def format_report(r: dict) -> str:
         f"  memory: weights {_mb(r['weights_bytes'])}, KV {_mb(r['kv_bytes'])} in use "
         f"({_mb(r['kv_bytes_max'])} allocated), arena {_mb(r['arena_bytes'])}, "
         f"peak RSS {_mb(r['peak_rss_bytes'])}",
+        *([f"  context plan (n_ctx {r['n_ctx']}): KV {_mb(p['kv_bytes_max'])} (full attention "
+           f"{_mb(p['kv_full_attention_bytes'])}, sliding window {_mb(p['kv_sliding_window_bytes'])}), "
+           f"linear-attention state {_mb(p['linear_state_bytes'])}, arena {_mb(p['arena_bytes'])}"]
+          if (p := r.get("context_plan")) else []),
     ]
     if r.get("decode_weight_bytes"):
         lines += ["", format_memory_bound(r)]

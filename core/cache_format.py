@@ -10,7 +10,9 @@ Layout (one directory per key under ``<root>/exec/``)::
 No pickle: arrays are raw bytes described by (dtype, shape) from a fixed set, the rest is JSON.
 
 Writes are atomic. A new entry is written under ``.tmp.<key>.<host>.<pid>.<rand>`` in the same
-directory (arrays fsynced, the manifest last), then moved into place with one ``os.replace``. A
+directory (arrays fsynced, the manifest last), then moved into place with one ``os.replace``. On a
+MISS the build itself writes the weight arrays into that directory as it packs them (streams:
+compile_graph's ``workdir``), so they are never whole in memory. A
 reader only trusts a directory named ``<key>`` whose manifest parses, carries this format version
 and this key, agrees with its own checksum, was built for exactly the inputs of this load, and
 whose arrays have the recorded sizes and checksums. Anything else (a truncated file, a flipped
@@ -237,23 +239,39 @@ def _fsync_dir(path: Path):
         os.close(fd)
 
 
-def write_entry(root: Path, key: str, program: Program, inputs: dict, model_dir) -> Path:
-    """Write atomically; if another process won the race, keep its entry."""
+def new_tmp_dir(root: Path, key: str) -> Path:
+    """A fresh temporary entry directory (``.tmp.<key>.<host>.<pid>.<rand>``) under ``root``:
+    a build can write its arrays straight into it (compile_graph's ``workdir``)."""
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = root / f".tmp.{key}.{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def write_entry(root: Path, key: str, program: Program, inputs: dict, model_dir, tmp: Path | None = None) -> Path:
+    """Write atomically; if another process won the race, keep its entry. ``tmp``: the
+    temporary directory (:func:`new_tmp_dir`) the build already wrote some arrays into (as
+    ``<name>.bin``, mapped by cpullm.filearrays): those are synced and kept, not copied."""
+    from .filearrays import backing_path
+
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     sweep(root)
     final = root / key
-    tmp = root / f".tmp.{key}.{_HOST}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tmp = new_tmp_dir(root, key) if tmp is None else tmp
     try:
         table = {}
         delay = float(os.environ.get(_TEST_WRITE_DELAY_ENV) or 0)
         for name in ARRAY_NAMES:
-            arr = np.ascontiguousarray(program.arrays[name])
+            arr = program.arrays[name]
+            path = tmp / f"{name}.bin"
+            in_place = backing_path(arr) == str(path)
+            arr = np.ascontiguousarray(arr)
             if arr.dtype.str not in _DTYPES:
                 raise ValueError(f"array {name} has dtype {arr.dtype}, not storable")
-            with open(tmp / f"{name}.bin", "wb") as fh:
-                arr.reshape(-1).view(np.uint8).tofile(fh)
-                fh.flush()
+            with open(path, "rb" if in_place else "wb") as fh:
+                if not in_place:
+                    arr.reshape(-1).view(np.uint8).tofile(fh)
+                    fh.flush()
                 os.fsync(fh.fileno())
             table[name] = {"dtype": arr.dtype.str, "shape": list(arr.shape), "checksum": checksum(arr)}
             if delay:
@@ -297,8 +315,8 @@ def _pid_alive(pid: int) -> bool:
 
 
 def sweep(root: Path) -> int:
-    """Remove leftovers: temporary directories of writers that are gone (same host) or older than
-    an hour, and entries moved aside as damaged."""
+    """Remove leftovers: temporary directories of writers that are gone (same host) or that no one
+    wrote to for an hour, and entries moved aside as damaged."""
     n = 0
     now = time.time()
     for p in list(root.glob(".tmp.*")) + list(root.glob(".trash.*")) if root.is_dir() else []:
@@ -307,12 +325,24 @@ def sweep(root: Path) -> int:
             dead = False
             if parts[1] == "tmp" and len(parts) >= 6 and parts[3] == _HOST and parts[4].isdigit():
                 dead = not _pid_alive(int(parts[4]))
-            if parts[1] == "trash" or dead or now - p.stat().st_mtime > _STALE_TMP_S:
+            if parts[1] == "trash" or dead or now - _last_write(p) > _STALE_TMP_S:
                 shutil.rmtree(p, ignore_errors=True)
                 n += 1
         except (OSError, IndexError):
             pass
     return n
+
+
+def _last_write(path: Path) -> float:
+    """The latest mtime of a temporary directory and its files: a build writes its arrays there
+    for minutes, so a live writer's directory stays fresh however long it takes."""
+    t = path.stat().st_mtime
+    for f in path.iterdir() if path.is_dir() else []:
+        try:
+            t = max(t, f.stat().st_mtime)
+        except OSError:
+            pass
+    return t
 
 
 def _discard(entry: Path):
@@ -483,17 +513,43 @@ def load_or_build(build, *, model_dir, config, family, graph, weights, store, qu
             _discard(entry)
     if reason is None:
         reason, superseded = _explain_miss(root, inputs, model_dir)
-    program = build()
+    try:     # the build writes its weight arrays straight into the entry-to-be (streams)
+        tmp = new_tmp_dir(root, key)
+    except OSError:
+        tmp = None
     try:
-        write_entry(root, key, program, inputs, model_dir)
+        program = build(tmp)
+    except BaseException:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        write_entry(root, key, program, inputs, model_dir, tmp=tmp)
         for old in superseded:         # built from weight files that no longer exist
             _discard(old)
-        if mmap:   # run from the mapped copy, so a MISS and a HIT behave the same
-            program = read_entry(root / key, inputs, mmap=True)
+        if mmap or tmp is not None:
+            # run from the entry, so a MISS and a HIT behave the same; the build's own mappings
+            # go first, or RSS would count the pages of both
+            program = _drop(program)
+            program = read_entry(root / key, inputs, mmap=mmap)
     except (OSError, CacheError, TypeError, ValueError) as exc:
         notice(f"could not write the execution cache under {root} ({exc}); continuing without it "
                f"(set --cache-dir or CPULLM_CACHE_DIR to a writable directory)")
+        if program is None:
+            program = build(None)
     return program, f"MISS ({reason})"
+
+
+def _drop(program: Program) -> None:
+    """Release a program's mapped arrays (their resident pages) and collect it."""
+    import gc
+
+    from .filearrays import release
+    for arr in program.arrays.values():
+        release(arr)
+    program.arrays.clear()
+    gc.collect()
+    return None
 
 
 # ---- listing / clearing ---------------------------------------------------------------------------

@@ -19,6 +19,7 @@ Passes:
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import Callable
 
 import attrs
@@ -67,6 +68,20 @@ class _Blob:
         self.size += arr.size + pad
         return off
 
+    def extend(self, arr: np.ndarray) -> int:
+        """Append without padding (a matrix packed row block by row block stays contiguous)."""
+        arr = np.ascontiguousarray(arr, dtype=self.dtype).reshape(-1)
+        off = self.size
+        self.parts.append(arr)
+        self.size += arr.size
+        return off
+
+    def pad(self) -> None:
+        n = _align(self.size) - self.size
+        if n:
+            self.parts.append(np.zeros(n, self.dtype))
+            self.size += n
+
     def build(self) -> np.ndarray:
         if not self.parts:
             return np.zeros(16, self.dtype)
@@ -85,6 +100,54 @@ class _Scratch:
         if self.buf.size < n:
             self.buf = np.empty(n, np.float32)
         return self.buf[:n].reshape(shape)
+
+
+ROW_BLOCK_FLOATS = 1 << 24   # float32 values of one matrix held at once while packing q8 (64 MB)
+
+
+def _new_blob(workdir, name: str, dtype):
+    """A weight blob: in memory (``_Blob``), or written to ``workdir/<name>.bin`` as it grows."""
+    if workdir is None:
+        return _Blob(dtype)
+    from .filearrays import FileBlob
+    return FileBlob(os.path.join(str(workdir), f"{name}.bin"), dtype)
+
+
+def _pack_q8_rows(weights, canonicals: list[str], quantize, wq, ws, scratch) -> tuple:
+    """Quantize the row-stacked matrix of ``canonicals`` into ``wq``/``ws`` one row block at a
+    time (at most ROW_BLOCK_FLOATS float32 values: q8 scales are per row and block of 32, so
+    row blocks give the same bytes as the whole matrix), releasing each block's source pages once
+    read. Returns (wq offset, ws offset, Kp, rows). A 128256 x 3072 embedding is 1.6 GB as one
+    float32 matrix, 64 MB a block."""
+    K = int(weights.shape(canonicals[0])[1])
+    step = max(1, ROW_BLOCK_FLOATS // max(K, 1))
+    get_rows = getattr(weights, "get_rows", None)
+    w_off = s_off = None
+    Kp = n_rows = 0
+    for c in canonicals:
+        n = int(weights.shape(c)[0])
+        if get_rows is None:                                    # a plain mapping of tensors
+            blocks = [(0, n, lambda out, c=c: weights.get(c, out=out))]
+        else:
+            blocks = [(r0, min(n, r0 + step), lambda out, c=c, r0=r0: get_rows(c, r0, r0 + out.shape[0], out))
+                      for r0 in range(0, n, step)]
+        for r0, r1, read in blocks:
+            mat = scratch.take((r1 - r0, K))                    # (rows, K) float32
+            read(mat)
+            q, s = quantize(mat)                                # (rows, Kp) int8, (rows, Kp/32) uint16
+            wo, so = wq.extend(q), ws.extend(s)
+            w_off = wo if w_off is None else w_off
+            s_off = so if s_off is None else s_off
+            Kp = q.shape[1]
+        n_rows += n
+        if hasattr(weights, "release"):
+            weights.release(c)
+    if w_off is None:                                           # no rows at all
+        from .kernels.q8 import padded_k
+        w_off, s_off, Kp = wq.size, ws.size, padded_k(K)
+    wq.pad()
+    ws.pad()
+    return w_off, s_off, Kp, n_rows
 
 
 @attrs.define
@@ -126,7 +189,8 @@ def _fuse_linears(graph: Graph) -> tuple[list[_Phys], dict]:
 
 def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 4096,
                   max_chunk: int = DEFAULT_CHUNK, kernels: list | None = None,
-                  quantize: Callable | None = None, progress: Callable | None = None) -> Program:
+                  quantize: Callable | None = None, progress: Callable | None = None,
+                  workdir=None) -> Program:
     """Compile ``graph`` with ``weights`` (cpullm.weightmap.ResolvedWeights).
 
     ``quant``: "int8" (q8 block-32 weights for every LINEAR and the embedding) or "f32".
@@ -134,6 +198,9 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
     the reference kernel of that node.
     A LINEAR or EMBED node's ``precision`` attribute overrides ``quant`` for its weights
     (``"f32"``: kept float32 in every mode); only LINEARs of equal precision are fused.
+    ``workdir``: a directory where the weight blobs are written as they are packed
+    (``<name>.bin``) and mapped back (cpullm.filearrays), instead of joined in memory: the build
+    then holds one row block of a matrix at a time, not the model.
     """
     from .kernels import interpreter as K
     from .kernels.attention import padded_cap
@@ -202,7 +269,8 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
         return offsets[b] + c, widths[b]
 
     # ---- weights ---------------------------------------------------------------------------
-    wq, ws, wf = _Blob(np.int8), _Blob(np.uint16), _Blob(np.float32)
+    wq, ws, wf = (_new_blob(workdir, name, dtype)
+                  for name, dtype in (("wq", np.int8), ("ws", np.uint16), ("wf", np.float32)))
     scratch = _Scratch()
     packed: dict[tuple, tuple] = {}    # (identities, kind) -> (kind, w_off, s_off, Kp, rows)
     fparams: dict = {}                  # identity -> (wf offset, size)
@@ -237,13 +305,9 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
         return packed[key]
 
     def _pack(canonicals: list[str], mode: str) -> tuple:
-        if mode == "int8":                 # the float32 matrix only lives until it is quantized
-            rows = [weights.shape(c)[0] for c in canonicals]
-            mat = scratch.take((sum(rows), weights.shape(canonicals[0])[1]))      # (N, K) float32
-            for c, r0, r in zip(canonicals, np.cumsum([0] + rows), rows):
-                weights.get(c, out=mat[r0:r0 + r])
-            q, s = quantize(mat)
-            return K.WEIGHT_Q8, wq.add(q), ws.add(s), q.shape[1], mat.shape[0]
+        if mode == "int8":                 # row blocks of float32 only live until quantized
+            w_off, s_off, Kp, n = _pack_q8_rows(weights, canonicals, quantize, wq, ws, scratch)
+            return K.WEIGHT_Q8, w_off, s_off, Kp, n
         mats = [weights.get(c) for c in canonicals]
         mat = mats[0] if len(mats) == 1 else np.concatenate(mats, axis=0)
         return K.WEIGHT_F32, wf.add(mat), -1, mat.shape[1], mat.shape[0]
@@ -431,14 +495,21 @@ def attach_head_screen(program: Program, calibration=None) -> Program:
     arrays = dict(a)
     offs = {}
     for name, arr in (("wq", hq), ("ws", hs), ("wf", hb)):
-        base = arrays[name]
-        start = _align(base.size, 64)
-        arrays[name] = np.concatenate([base, np.zeros(start - base.size, base.dtype), arr.reshape(-1)])
-        offs[name] = start
+        arrays[name], offs[name] = _append_array(arrays[name], arr, 64)
     meta["head_screen"] = {"row": r, "k_sel": int(k_sel), "perm": [int(v) for v in perm],
                            "columns_from": source, "q_off": offs["wq"], "q_cols": int(hq.shape[1]),
                            "s_off": offs["ws"], "s_cols": int(hs.shape[1]), "b_off": offs["wf"]}
     return Program(arrays=arrays, meta=meta)
+
+
+def _append_array(base: np.ndarray, arr: np.ndarray, align: int) -> tuple[np.ndarray, int]:
+    """(``base`` + zeros to a multiple of ``align`` + ``arr``, offset of ``arr``): appended to
+    its file when ``base`` was built into one (compile_graph's ``workdir``), else concatenated."""
+    from .filearrays import append_mapped, backing_path
+    if backing_path(base) is not None:
+        return append_mapped(base, arr, align)
+    start = _align(base.size, align)
+    return np.concatenate([base, np.zeros(start - base.size, base.dtype), arr.reshape(-1)]), start
 
 
 def _rope_freqs(n: Node, n_ctx: int) -> tuple[np.ndarray, float]:

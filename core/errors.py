@@ -48,6 +48,10 @@ class ContextOverflowError(PromptError):
     """Prompt plus generated tokens would exceed the context length."""
 
 
+class ContextMemoryError(ConfigError):
+    """The KV cache and activations planned for the requested context do not fit in memory."""
+
+
 class SamplingError(CpullmError):
     """A sampling parameter is out of range."""
 

@@ -160,3 +160,55 @@ def mlock_arrays(arrays, warn) -> bool:
             return False
         done.append(arr)
     return True
+
+
+def available_bytes() -> int | None:
+    """Memory the system can give this process without swapping (MemAvailable), None where unknown."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def state_plan(meta: dict) -> dict:
+    """What a program's context costs, from its plan alone (before anything is allocated):
+    KV bytes of full-attention and of sliding-window layers at the full context, linear-attention
+    state, and the activation arena."""
+    full = sliding = linear = 0
+    for reg in meta["state_regions"]:
+        nbytes = int(reg["floats"]) * 4
+        if reg["kind"] != "kv":
+            linear += nbytes
+        elif reg.get("window"):
+            sliding += nbytes
+        else:
+            full += nbytes
+    return {"n_ctx": int(meta["n_ctx"]), "kv_bytes_max": full + sliding, "kv_full_attention_bytes": full,
+            "kv_sliding_window_bytes": sliding, "linear_state_bytes": linear,
+            "state_bytes": int(meta["state_floats"]) * 4, "arena_bytes": int(meta["arena_floats"]) * 4}
+
+
+def check_plan_fits(meta: dict, available: int | None = None) -> dict:
+    """The program's state plan (:func:`state_plan`); raise ContextMemoryError, naming a context
+    that fits, when its KV cache, states and arena exceed the memory available now. They are
+    zero pages until written, so without this check a context that does not fit would load and
+    then fail (or be killed) only once a long prompt fills it."""
+    from .errors import ContextMemoryError
+    plan = state_plan(meta)
+    available = available_bytes() if available is None else available
+    need = plan["state_bytes"] + plan["arena_bytes"]
+    if available is not None and need > available:
+        fixed = plan["linear_state_bytes"] + plan["arena_bytes"]
+        per_token = max(1.0, (plan["kv_bytes_max"]) / max(1, plan["n_ctx"]))
+        fits = int(max(0, 0.8 * available - fixed) / per_token)
+        ctx = 1 << max(8, fits.bit_length() - 1) if fits >= 256 else 0
+        raise ContextMemoryError(
+            f"a {plan['n_ctx']}-token context needs {_fmt(need)} for its KV cache and activations "
+            f"({_fmt(plan['kv_bytes_max'])} of KV), but only {_fmt(available)} of memory is available; "
+            + (f"load with a smaller context (--ctx {ctx}, n_ctx={ctx})" if ctx else
+               "free memory or use a machine with more RAM"))
+    return plan

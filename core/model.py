@@ -112,8 +112,9 @@ class Model:
                 warm.finish()                # the calibration runs the program
                 return Executor(p, kernel_fns).head_inputs(tokenizer.encode(HEAD_CALIBRATION_TEXT))
 
-            def build() -> Program:
-                program = compile_graph(graph, weights, quant=quant, n_ctx=ctx, max_chunk=max_chunk, kernels=specs)
+            def build(workdir=None) -> Program:
+                program = compile_graph(graph, weights, quant=quant, n_ctx=ctx, max_chunk=max_chunk,
+                                        kernels=specs, workdir=workdir)
                 if quant == "int8":      # greedy decoding's lm_head screen, its columns from real activations
                     program = attach_head_screen(program, calibrate)
                 return program
@@ -128,6 +129,8 @@ class Model:
         except BaseException:
             warm.cancel()
             raise
+        from .memory import check_plan_fits
+        check_plan_fits(program.meta)          # the KV cache of n_ctx, planned before it is allocated
         executor = Executor(program, kernel_fns)
         compile_s += executor.warm_up()
         weights_info = {"checkpoint_bytes": store.nbytes(), "params": count_params(weights, store)}
@@ -273,7 +276,7 @@ class Model:
 
     # ---- reporting --------------------------------------------------------------------------------
     def info(self) -> dict:
-        from .memory import memory_report
+        from .memory import memory_report, state_plan
         a = self.args
         return {
             "model_dir": str(self.model_dir),
@@ -291,6 +294,7 @@ class Model:
             "compile_s": self.compile_s,
             "prompt_cache": self.prompt_cache_status,
             "memory": memory_report(self),
+            "context_plan": state_plan(self.program.meta),
         }
 
 

@@ -174,6 +174,7 @@ class ResolvedWeights:
     ignored: list
     args: object = None
     rows: dict = attrs.field(factory=dict)     # canonical -> (start, stop) rows of its source
+    _whole: tuple = attrs.field(default=(None,), init=False, repr=False, eq=False)  # get_rows' transformed tensor
 
     def names(self) -> list[str]:
         return list(self.found) + list(self.ties)
@@ -220,6 +221,29 @@ class ResolvedWeights:
             out[...] = arr
             return out
         return arr
+
+    def get_rows(self, canonical: str, r0: int, r1: int, out: np.ndarray) -> np.ndarray:
+        """Rows ``r0:r1`` of the canonical tensor as float32, written into ``out`` (float32,
+        (r1 - r0, ...)): read from the stored rows alone when no transform applies; a transformed
+        tensor is computed whole once and kept until :meth:`release` (transforms may mix rows)."""
+        stored, transform, rows = self.identity(canonical)
+        if transform is None:
+            base = rows[0] if rows is not None else 0
+            return self.store.get_rows(stored, base + r0, base + r1, out=out)
+        key = (stored, transform, rows)
+        if self._whole[0] != key:
+            self._whole = (None,)
+            self._whole = (key, self.get(canonical))
+        out[...] = self._whole[1][r0:r1]
+        return out
+
+    def release(self, canonical: str) -> None:
+        """Drop what reading ``canonical`` left resident: the mapped source pages of its stored
+        tensor and a transformed copy kept by :meth:`get_rows`."""
+        stored, _, _ = self.identity(canonical)
+        self._whole = (None,)
+        if hasattr(self.store, "release"):
+            self.store.release(stored)
 
     def fingerprint(self) -> list:
         """What the mapping did, for cache keys: (canonical, source, transform name[, rows])."""

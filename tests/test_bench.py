@@ -63,6 +63,22 @@ def test_json_keys_and_types_with_load_timing(tiny, capsys):
     # KV in use after the 512-context run: 512 + 4 positions of every layer's K and V
     a = SMOLLM2_LIKE
     assert r["kv_bytes"] == a["num_hidden_layers"] * 2 * a["num_key_value_heads"] * a["head_dim"] * 516 * 4
+    # the build's peak RSS (the MISS child) and the HIT child's, and the context's memory plan
+    assert isinstance(r["build_peak_rss_bytes"], int) and r["build_peak_rss_bytes"] > r["weights_bytes"]
+    assert isinstance(r["peak_rss_bytes_hit_process"], int) and r["peak_rss_bytes_hit_process"] > 0
+    plan = r["context_plan"]
+    assert plan["n_ctx"] == r["n_ctx"] and plan["kv_bytes_max"] == r["kv_bytes_max"]
+    assert plan["kv_full_attention_bytes"] == r["kv_bytes_max"] and plan["kv_sliding_window_bytes"] == 0
+    assert "build peak RSS" in bench.format_report(r) and "context plan" in bench.format_report(r)
+
+
+def test_decode_at_a_chosen_context(tiny, capsys):
+    r = _bench_json(capsys, tiny, *SMALL, "--threads", "1", "--ctx", "1024", "--context-tokens", "900",
+                    "--no-load-timing", "--no-compile-timing")
+    assert r["decode_context_tokens"] == 900 and r["n_ctx"] == 1024
+    assert r["build_peak_rss_bytes"] is None                  # no MISS child without load timing
+    a = SMOLLM2_LIKE
+    assert r["kv_bytes"] == a["num_hidden_layers"] * 2 * a["num_key_value_heads"] * a["head_dim"] * 904 * 4
 
 
 def test_profile_shares_sum_to_one_and_plot(tiny, tmp_path, capsys):

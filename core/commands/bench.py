@@ -21,6 +21,8 @@ def add_parser(sub):
     add_model_options(p)
     p.add_argument("--prompt-tokens", type=positive_int, default=512, help="prompt length (default 512)")
     p.add_argument("--gen-tokens", type=positive_int, default=128, help="decode steps (default 128)")
+    p.add_argument("--context-tokens", type=positive_int, default=512,
+                   help="context of the second decode rate, decode @N (default 512; e.g. 8192 with --ctx 32768)")
     p.add_argument("--repeat", type=positive_int, default=3, help="runs; medians are reported (default 3)")
     p.add_argument("--profile", action="store_true",
                    help="add a per-op breakdown of decode and prefill time (one extra profiled run)")
@@ -101,7 +103,7 @@ def run(args) -> int:
     if args.concurrency:
         return run_concurrency_bench(model, args, say)
     result = run_bench(model, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
-                       repeat=args.repeat, profile=profile, load=not args.no_load_timing,
+                       repeat=args.repeat, profile=profile, context_tokens=args.context_tokens, load=not args.no_load_timing,
                        compile=not args.no_compile_timing, progress=say)
     if args.plot:
         result["plot"] = str(plot_profile(result, args.plot))
