@@ -4,7 +4,7 @@ Import this module first (``cpullm.kernels/__init__`` does). Ideally it is impor
 and numba too (``import cpullm`` can import it first thing): two of the settings are environment
 variables that their libraries read only when they load.
 
-What it sets, and why (numbers: benchmarks/kernels_q8.py, shared/reference/KERNELS.md):
+What it sets, and why (numbers from benchmarks/kernels_q8.py):
 
 1. LLVM ``--unroll-full-max-count=4``. Without it LLVM fully unrolls every ``for j in range(32)``
    block loop *before* the loop vectorizer sees it and emits 32 scalar ``imul``: block-quantized
@@ -12,8 +12,8 @@ What it sets, and why (numbers: benchmarks/kernels_q8.py, shared/reference/KERNE
    option is global to the process and applies to every later compile, including other modules'.
 
 2. CPU model. numba tunes for ``llvm.get_host_cpu_name()`` (``znver3`` here). On AVX-512 Intel
-   hosts that tuning carries LLVM's "prefer 256-bit vectors" flag, which KERNELS.md found to halve
-   the integer kernels; ``NUMBA_CPU_NAME=host`` fixed it there, but an unknown CPU name makes
+   hosts that tuning carries LLVM's "prefer 256-bit vectors" flag, which halved the integer kernels
+   there (measured with benchmarks/kernels_q8.py); ``NUMBA_CPU_NAME=host`` fixed it there, but an unknown CPU name makes
    LLVM print "'host' is not a recognized processor" on every compile and drops the scheduling
    model. The equivalent used here keeps the real CPU name and appends ``-prefer-256-bit`` to the
    host's feature string, on AVX-512 hosts only (on AVX2-only hosts such as the AMD EPYC of CI it
@@ -28,7 +28,7 @@ What it sets, and why (numbers: benchmarks/kernels_q8.py, shared/reference/KERNE
    the launch stays ~1.5-2 us for gaps up to ~100 us (decode's gaps between kernels are shorter)
    and the workers sleep after ~150-200 us; with 1000 a launch after a 50 us gap costs 8 us; with
    300000 they spin for milliseconds and fight OpenBLAS / the prefill threads for the 2 cores
-   (KERNELS.md: 2.7x slower prefill). A woken worker costs ~15-25 us.
+   (measured: 2.7x slower prefill). A woken worker costs ~15-25 us.
    ``OMP_WAIT_POLICY=passive`` would cost ~70 us per launch: it is not set. No spin setting helps
    when another process holds a core: a 2-thread barrier then stalls for scheduler time slices
    (decode measured 100x slower); use threads=1 on a busy machine.
