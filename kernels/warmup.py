@@ -91,10 +91,14 @@ XQ = _arr(nt.int16)
 i64, f64 = nt.int64, nt.float64
 
 
-def run_signature(linear_state: bool) -> tuple:
+WB = _arr(nt.uint8, readonly=True)       # wq's bytes, for raw-block (GGUF format) weights
+BLOCK_QUANTS = ("q4", "gguf")             # quant modes whose programs hold raw-block weights
+
+
+def run_signature(linear_state: bool, blocks: bool = False) -> tuple:
     """The signature of interpreter.run as the executor calls it."""
     return (PROG_I, PROG_F, i64, i64, INTS, INTS, ARENA, ARENA, WQ, WS, WF, XQ, ARENA,
-            ARENA if linear_state else nt.none)
+            ARENA if linear_state else nt.none, WB if blocks else nt.none)
 
 
 def _kernels(unit: str) -> list:
@@ -123,6 +127,8 @@ def _kernels(unit: str) -> list:
                  (q8_gemm._matvec_rows, (f32_2, wq2, ws2, f32_2, XQ, ARENA))],
         "run": [(interpreter.run, run_signature(False))],
         "run_linear_state": [(interpreter.run, run_signature(True))],
+        "run_blocks": [(interpreter.run, run_signature(False, True))],
+        "run_linear_state_blocks": [(interpreter.run, run_signature(True, True))],
     }
     return table[unit]
 
@@ -163,7 +169,7 @@ def units_for(op_names, quant: str, linear_state: bool) -> list[str]:
             continue
         if needs is None or ops & set(needs):
             out.append(unit)
-    out.append("run_linear_state" if linear_state else "run")
+    out.append(("run_linear_state" if linear_state else "run") + ("_blocks" if quant in BLOCK_QUANTS else ""))
     return out
 
 
