@@ -89,6 +89,9 @@ class Model:
             raise ConfigError(f"quant must be one of {', '.join(QUANT_MODES)}, not {quant!r}")
         threads = configure(threads)
         model_dir = resolve_model_dir(path)
+        if model_dir.is_dir():               # a store entry kept as its GGUF file
+            from .store import gguf_in_dir
+            model_dir = gguf_in_dir(model_dir) or model_dir
         quant, store, config, gguf_tokenizer = _source(model_dir, quant)
         registry = plugins.discover()
         family = registry.family_for(config)
