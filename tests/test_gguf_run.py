@@ -140,3 +140,22 @@ def test_q4_from_safetensors_close_to_f32(tmp_path):
     m.executor.reset()
     dec = np.stack([m.executor.decode(t).copy() for t in IDS])
     assert np.abs(dec - got).max() / np.abs(ref).max() < 0.05      # decode and prefill kernels agree
+
+
+def test_gguf_prompt_cache_and_profile(write, tmp_path):
+    path = write("Q4_1")
+    m = cpullm.load(path, use_cache=False)
+    prompt = [1, 5, 9, 17, 33, 65, 100, 7]
+    full = list(m.generate_ids(prompt, max_new_tokens=6))
+    m.use_prompt_cache(tmp_path / "p.cache")
+    list(m.generate_ids(prompt, max_new_tokens=6))
+    m.save_prompt_cache()
+    m2 = cpullm.load(path, use_cache=False).use_prompt_cache(tmp_path / "p.cache")
+    again = list(m2.generate_ids(prompt, max_new_tokens=6))
+    assert m2.prompt_cache_status.startswith("HIT") and again == full
+    m2.executor.start_profile()
+    m2.executor.reset()
+    m2.executor.prefill(prompt)
+    m2.executor.decode(3)
+    prof = m2.executor.stop_profile()
+    assert prof["mlp_up"] > 0 and prof["lm_head"] > 0
