@@ -103,8 +103,8 @@ def run_signature(linear_state: bool, blocks: bool = False) -> tuple:
 
 def _kernels(unit: str) -> list:
     """[(dispatcher, signature)] of one unit, callees before callers where both are listed."""
-    from . import attention, elementwise, gated_delta, interpreter, norm, q8_gemm, rope
-    f32_2, i16_2 = _arr(nt.float32, 2), _arr(nt.int16, 2)
+    from . import attention, elementwise, gated_delta, interpreter, kquant_gemm, norm, q8_gemm, rope
+    f32_2, i16_2, wb2 = _arr(nt.float32, 2), _arr(nt.int16, 2), _arr(nt.uint8, 2, readonly=True)
     wq2, ws2 = _arr(nt.int8, 2, readonly=True), _arr(nt.uint16, 2, readonly=True)
     table = {
         "linear": [(interpreter._linear_rows, (PROG_I, i64, ARENA, WQ, WS, WF, XQ, ARENA, i64))],
@@ -125,6 +125,12 @@ def _kernels(unit: str) -> list:
         "gemm": [(q8_gemm._quantize_rows_q16, (f32_2, i16_2, f32_2)),
                  (q8_gemm._gemm_panels, (i16_2, f32_2, wq2, ws2, i64, f32_2, i64)),
                  (q8_gemm._matvec_rows, (f32_2, wq2, ws2, f32_2, XQ, ARENA))],
+        # prefill's batched raw-block LINEARs (kquant_gemm's integer GEMM) and short prompts
+        "kquant_gemm": [(q8_gemm._quantize_rows_q16, (f32_2, i16_2, f32_2)),
+                        (kquant_gemm._quantize_rows, (f32_2, i16_2, f32_2, i64)),
+                        (kquant_gemm._gemm_blocks, (i64, i16_2, f32_2, wb2, i64, f32_2, f32_2, i64)),
+                        (kquant_gemm._block_sums, (i16_2, f32_2, i64, f32_2)),
+                        (kquant_gemm._matvec_rows, (i64, f32_2, wb2, f32_2, _arr(nt.int8), ARENA, ARENA))],
         "run": [(interpreter.run, run_signature(False))],
         "run_linear_state": [(interpreter.run, run_signature(True))],
         "run_blocks": [(interpreter.run, run_signature(False, True))],
@@ -140,6 +146,7 @@ UNITS = {
     # weight quantizer and head screen compiled in this process) stay in this process.
     "linear": (None, 3.2, False),
     "gemm": (("LINEAR",), 4.5, False),
+    "kquant_gemm": (("LINEAR",), 6.0, False),
     "norm": (None, 1.4, True),
     "layernorm": (("LAYERNORM",), 1.4, True),
     "rope": (None, 2.2, True),
@@ -166,6 +173,8 @@ def units_for(op_names, quant: str, linear_state: bool) -> list[str]:
         if unit == "gated_delta" and not linear_state:
             continue
         if unit == "gemm" and (quant != "int8" or GEMM_ISA is None):
+            continue
+        if unit == "kquant_gemm" and (quant not in BLOCK_QUANTS or GEMM_ISA is None):
             continue
         if needs is None or ops & set(needs):
             out.append(unit)
