@@ -75,6 +75,8 @@ def test_gguf_runs_each_block_format_as_it_is(write, fmt):
     ref = cpullm.load(path, quant="f32", use_cache=False).logits(IDS)
     got = m.logits(IDS)                     # prefill: kquant_gemm, int16 activations (measured <= 7e-5)
     _close(got, ref, 0.002)
+    m.executor.reset()                      # a prompt's last logits (head on one row, two passes
+    _close(m.executor.prefill(IDS)[None], ref[-1:], 0.002)          # on the int8 rounding)
     m.executor.reset()
     dec = np.stack([m.executor.decode(t).copy() for t in IDS])      # decode: kquant.matvec, int8
     _close(dec, ref, 0.03)                                              # activations (measured <= 0.011)
