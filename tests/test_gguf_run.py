@@ -161,3 +161,12 @@ def test_gguf_prompt_cache_and_profile(write, tmp_path):
     m2.executor.decode(3)
     prof = m2.executor.stop_profile()
     assert prof["mlp_up"] > 0 and prof["lm_head"] > 0
+
+
+def test_gguf_f16_matrices_go_the_int8_way(write):
+    path = write("F16")
+    m = cpullm.load(path, use_cache=False)
+    assert m.quant == "gguf" and set(m.info()["weight_formats"]) == {"int8", "f32"}
+    assert m.info()["gguf_formats"].get("F16", 0) > 0
+    ref = cpullm.load(path, quant="f32", use_cache=False).logits(IDS)
+    _close(m.logits(IDS), ref, 0.03)
