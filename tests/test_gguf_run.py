@@ -170,3 +170,17 @@ def test_gguf_f16_matrices_go_the_int8_way(write):
     assert m.info()["gguf_formats"].get("F16", 0) > 0
     ref = cpullm.load(path, quant="f32", use_cache=False).logits(IDS)
     _close(m.logits(IDS), ref, 0.03)
+
+
+def test_cli_runs_a_gguf_file(write, tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+    path = write("Q8_0")
+    env = dict(os.environ, CPULLM_CACHE_DIR=str(tmp_path / "c"))
+    r = subprocess.run([sys.executable, "-m", "cpullm.cli", "run", str(path), "-p", "the", "-n", "3",
+                        "--threads", "1", "--json"], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["quant"] == "gguf" and out["model"] == str(path)
