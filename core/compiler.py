@@ -25,7 +25,7 @@ import attrs
 import numpy as np
 
 from .ir import Graph, GraphError, Node, Op, VIEW_OPS, _plain_attrs, _plugin_spec
-from .quant_blocks import BLOCK_QUANTS, BlockPlan, pack_blocks
+from .quant_blocks import BLOCK_QUANTS, BlockPlan, pack_blocks, q8_0_as_q8
 
 QUANT_MODES = ("int8", "f32", "q4", "gguf")     # q4 / gguf: raw ggml blocks (cpullm.quant_blocks)
 HEAD_ROWS = 16          # head (final norm + lm_head) runs on at most this many rows at once
@@ -252,6 +252,9 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
         from .kernels.gguf_blocks import block_format
         data, Kp = pack_blocks(weights, canonicals, fmt, quant, scratch)      # uint8 (N, row bytes)
         block_bytes[fmt] = block_bytes.get(fmt, 0) + int(data.size)
+        as_q8 = q8_0_as_q8(data, Kp) if fmt == "Q8_0" else None
+        if as_q8 is not None:               # Q8_0 is q8 interleaved: the q8 kernels, same values
+            return K.WEIGHT_Q8, wq.add(as_q8[0]), ws.add(as_q8[1]), Kp, data.shape[0]
         return K.WEIGHT_BLOCKS, wq.add(data.view(np.int8)), block_format(fmt).ggml_type, Kp, data.shape[0]
 
     def _pack(canonicals: list[str], mode: str) -> tuple:

@@ -119,7 +119,8 @@ class Model:
 
             def build() -> Program:
                 program = compile_graph(graph, weights, quant=quant, n_ctx=ctx, max_chunk=max_chunk, kernels=specs)
-                if quant == "int8":      # greedy decoding's lm_head screen, its columns from real activations
+                if quant in ("int8", "gguf"):   # greedy decoding's lm_head screen (a q8 head: int8, or a
+                    # GGUF's Q8_0 one), its columns from real activations
                     program = attach_head_screen(program, calibrate)
                 return program
             program, cache_status = _program_from_cache(
@@ -297,7 +298,7 @@ def weight_format_bytes(program: Program) -> dict:
     a = program.arrays
     out = dict(blocks)
     q8 = int(a["wq"].nbytes) - sum(blocks.values()) + int(a["ws"].nbytes)
-    if q8 > 64:
+    if q8 > 4096:                  # (not the alignment padding of Q8_0 matrices held as q8)
         out["int8"] = q8
     out["f32"] = int(a["wf"].nbytes)
     return out

@@ -12,6 +12,11 @@ kernels/kquant.py (decode) and kernels/kquant_gemm.py (prefill):
   bits (:func:`more_bits_layer`). A matrix whose row length is not a multiple of 32 stays int8.
 
 The choice is made from the graph (ops, groups, where an output goes), never from family names.
+
+A Q8_0 matrix is cpullm's own q8 layout interleaved (per 32 weights a binary16 scale and 32 int8
+quants): :func:`q8_0_as_q8` splits it into q8's quants and scales, bit for bit the same values,
+so it runs through the q8 kernels (int16 activations in decode, as accurate as float32 ones) and,
+as an lm_head, gets greedy decoding's head screen. It is still counted as Q8_0.
 """
 from __future__ import annotations
 
@@ -87,3 +92,16 @@ def pack_blocks(weights, canonicals: list[str], fmt: str, quant: str, scratch) -
         weights.get(c, out=mat[r0:r0 + r])
     data = q4.quantize_q6_k(mat) if fmt == "Q6_K" else q4.quantize_q4(mat)
     return data, q4.padded_k(mat.shape[1])
+
+
+def q8_0_as_q8(data: np.ndarray, K: int):
+    """Q8_0 blocks uint8 (N, K / 32 * 34) -> (q int8 (N, K), s uint16 (N, K / 32)): the same
+    values in cpullm's q8 layout (w = f16(s) * q), or None when a quant is -128 (the q8 kernels
+    take |q| <= 127, which ggml's quantizer keeps)."""
+    N = data.shape[0]
+    blocks = data.reshape(N, K // 32, 34)
+    q = np.ascontiguousarray(blocks[:, :, 2:]).view(np.int8).reshape(N, K)
+    if (q == -128).any():
+        return None
+    s = np.ascontiguousarray(blocks[:, :, :2]).view(np.uint16).reshape(N, K // 32)
+    return q, s

@@ -172,7 +172,7 @@ def units_for(op_names, quant: str, linear_state: bool) -> list[str]:
     for unit, (needs, _, _) in UNITS.items():
         if unit == "gated_delta" and not linear_state:
             continue
-        if unit == "gemm" and (quant != "int8" or GEMM_ISA is None):
+        if unit == "gemm" and (quant not in ("int8", "gguf") or GEMM_ISA is None):   # gguf: Q8_0 as q8
             continue
         if unit == "kquant_gemm" and (quant not in BLOCK_QUANTS or GEMM_ISA is None):
             continue
