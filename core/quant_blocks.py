@@ -15,8 +15,9 @@ The choice is made from the graph (ops, groups, where an output goes), never fro
 
 A Q8_0 matrix is cpullm's own q8 layout interleaved (per 32 weights a binary16 scale and 32 int8
 quants): :func:`q8_0_as_q8` splits it into q8's quants and scales, bit for bit the same values,
-so it runs through the q8 kernels (int16 activations in decode, as accurate as float32 ones) and,
-as an lm_head, gets greedy decoding's head screen. It is still counted as Q8_0.
+so it runs through the q8 kernels (int16 activations in decode, as accurate as float32 ones).
+It is still counted as Q8_0. (The head screen would apply to such an lm_head, but it is an extra
+compact copy: a GGUF run keeps its resident weights at the file's tensor bytes instead.)
 """
 from __future__ import annotations
 
