@@ -184,3 +184,26 @@ def test_cli_runs_a_gguf_file(write, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["quant"] == "gguf" and out["model"] == str(path)
+
+
+def test_q4_pads_rows_that_are_not_whole_super_blocks(tmp_path):
+    """hidden 96 (intermediate 160): every row is padded with zero weights to 256 (Qwen2.5-0.5B's
+    896 -> 1024 the same way); prefill pads the activations, decode zeroes the padded quants,
+    the embedding gathers its row from the tied lm_head's padded Q6_K blocks."""
+    from cpullm.testing import make_random_checkpoint
+    d = make_random_checkpoint(dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=96,
+                                    intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, vocab_size=300, tie_word_embeddings=True,
+                                    max_position_embeddings=512), tmp_path / "ckpt", std=0.05)
+    ref = cpullm.load(d, quant="f32", use_cache=False).logits(IDS)
+    m = cpullm.load(d, quant="q4", use_cache=False)
+    fm = m.info()["weight_formats"]
+    assert fm["Q6_K"] > 0 and fm["Q4_K"] > 0 and "int8" not in fm, fm
+    slots = m.program.meta["weight_slots"]
+    emb = [v for k, v in slots.items() if k.startswith("embed")]
+    assert emb and emb[0][0] == "Q6_K" and emb[0][2:4] == [300 * 210, 256], emb   # one padded super-block a row
+    got = m.logits(IDS)
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 0.3
+    m.executor.reset()
+    dec = np.stack([m.executor.decode(t).copy() for t in IDS])
+    assert np.abs(dec - got).max() / np.abs(ref).max() < 0.05
