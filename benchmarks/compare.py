@@ -1028,6 +1028,9 @@ def main(argv=None) -> int:
     from cpullm.tokenize import Tokenizer
 
     model_dir = resolve_model_dir(args.model).resolve()
+    if not (model_dir / "config.json").is_file():      # a GGUF file, or a store entry kept as GGUF
+        sys.exit(f"compare: {model_dir} is not a checkpoint directory; compare runs safetensors "
+                 f"checkpoints (store models: `cpullm pull NAME --convert`)")
     config = json.loads((model_dir / "config.json").read_text())
     vocab = int(_text_config(config).get("vocab_size") or 0) or None
     threads = int(args.threads or physical_cores())

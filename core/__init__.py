@@ -16,10 +16,13 @@ __version__ = "0.1.0"
 from .errors import CpullmError  # noqa: E402
 
 
-def load(path, quant: str = "int8", threads: int | None = None, **kwargs):
-    """Load a model directory (or a model-store name) and return a ready :class:`cpullm.model.Model`.
+def load(path, quant: str | None = None, threads: int | None = None, **kwargs):
+    """Load a model directory, a GGUF file (or a model-store name) and return a ready
+    :class:`cpullm.model.Model`.
 
-    ``quant`` is ``"int8"`` (default: INT8 weights, one scale per block of 32) or ``"f32"`` (reference).
+    ``quant`` is ``"int8"`` (INT8 weights, one scale per block of 32; a directory's default),
+    ``"q4"`` (4-bit Q4_K blocks, cpullm.kernels.q4), ``"f32"`` (reference) or ``"gguf"`` (a GGUF
+    file's default: its quantized tensors run in their own block formats, not requantized).
     ``threads`` defaults to the number of physical cores. Other keyword arguments are passed to
     :meth:`cpullm.model.Model.load` (``n_ctx``, ``cache_dir``, ``use_cache``, ``mlock``, ``mmap``).
     """

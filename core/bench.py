@@ -351,7 +351,8 @@ def profile_pass(model, ids: list[int], gen_tokens: int) -> dict:
 # ---- the memory bound of decode ------------------------------------------------------------------
 def decode_weight_spans(program) -> list:
     """What one decode token reads from the weights, as views of the program's packed buffers:
-    every LINEAR's matrix once (q8: int8 values and binary16 block scales; f32: float32 values)
+    every LINEAR's matrix once (q8: int8 values and binary16 block scales; raw ggml blocks: their
+    bytes; f32: float32 values)
     and biases, adjacent ranges merged (so the read below streams as decode does, in long runs).
     The embedding row and the norm vectors are left out (a few KB). With a head screen, greedy
     decoding reads the screen instead of the lm_head (plus a few exact rows, left out too)."""
@@ -372,6 +373,9 @@ def decode_weight_spans(program) -> list:
         if kind == K.WEIGHT_Q8:
             ranges["wq"].append((w_off, w_off + N * Kp))
             ranges["ws"].append((s_off, s_off + N * (Kp // 32)))
+        elif kind == K.WEIGHT_BLOCKS:               # raw ggml blocks in wq's bytes; s_off: ggml type
+            from .kernels.gguf_blocks import block_format
+            ranges["wq"].append((w_off, w_off + N * block_format(s_off).row_bytes(Kp)))
         else:
             ranges["wf"].append((w_off, w_off + N * Kd))
         if b_off >= 0:

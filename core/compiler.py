@@ -26,8 +26,9 @@ import attrs
 import numpy as np
 
 from .ir import Graph, GraphError, Node, Op, VIEW_OPS, _plain_attrs, _plugin_spec
+from .quant_blocks import BLOCK_QUANTS, BlockPlan, pack_blocks, q8_0_as_q8
 
-QUANT_MODES = ("int8", "f32")
+QUANT_MODES = ("int8", "f32", "q4", "gguf")     # q4 / gguf: raw ggml blocks (cpullm.quant_blocks)
 HEAD_ROWS = 16          # head (final norm + lm_head) runs on at most this many rows at once
 DEFAULT_CHUNK = 512     # prefill rows per chunk
 
@@ -159,18 +160,20 @@ class _Phys:
     width: int
 
 
-def _fuse_linears(graph: Graph) -> tuple[list[_Phys], dict]:
-    """Group LINEARs reading the same value in one section; returns physical ops and the views
+def _fuse_linears(graph: Graph, weight_format: Callable | None = None) -> tuple[list[_Phys], dict]:
+    """Group LINEARs reading the same value in one section (and, given ``weight_format(node)``,
+    stored in the same block format); returns physical ops and the views
     {member output: (fused output, column start)}."""
+    fmt = weight_format or (lambda n: None)
     groups: dict[tuple, list[Node]] = {}
     for n in graph.nodes:
         if n.op == Op.LINEAR and n.name != "lm_head":
-            groups.setdefault((n.section, n.inputs[0], n.attr("precision")), []).append(n)
+            groups.setdefault((n.section, n.inputs[0], n.attr("precision"), fmt(n)), []).append(n)
     views, emitted, phys = {}, set(), []
     for n in graph.nodes:
         if n.name in emitted:
             continue
-        key = ((n.section, n.inputs[0], n.attr("precision"))
+        key = ((n.section, n.inputs[0], n.attr("precision"), fmt(n))
                if n.op == Op.LINEAR and n.name != "lm_head" else None)
         members = groups.get(key, [n]) if key else [n]
         if len(members) > 1:
@@ -193,7 +196,8 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
                   workdir=None) -> Program:
     """Compile ``graph`` with ``weights`` (cpullm.weightmap.ResolvedWeights).
 
-    ``quant``: "int8" (q8 block-32 weights for every LINEAR and the embedding) or "f32".
+    ``quant``: "int8" (q8 block-32 weights for every LINEAR and the embedding), "f32", or a mode
+    with raw ggml-block matrices (cpullm.quant_blocks: "q4", "gguf"; a matrix it leaves out is int8).
     ``kernels``: KernelSpecs from plugins; the first whose ``supports(node)`` is true replaces
     the reference kernel of that node.
     A LINEAR or EMBED node's ``precision`` attribute overrides ``quant`` for its weights
@@ -211,7 +215,8 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
         raise ConfigError(f"quant must be one of {', '.join(QUANT_MODES)}, not {quant!r}")
     quantize = quantize or quantize_weight_q8
     kernels = kernels or []
-    phys, views = _fuse_linears(graph)
+    block_plan = _block_plan(graph, weights, quant)
+    phys, views = _fuse_linears(graph, block_plan.fmt if block_plan else None)
     nodes_by_out = {n.output: n for n in graph.nodes}
 
     # ---- value layout: base buffer + column offset; views resolve to their base --------------
@@ -273,6 +278,7 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
                   for name, dtype in (("wq", np.int8), ("ws", np.uint16), ("wf", np.float32)))
     scratch = _Scratch()
     packed: dict[tuple, tuple] = {}    # (identities, kind) -> (kind, w_off, s_off, Kp, rows)
+    block_bytes: dict[str, int] = {}    # block format -> bytes of raw-block matrices
     fparams: dict = {}                  # identity -> (wf offset, size)
     # canonical -> [kind "f32" | "q8", offset, size, row length, scale offset or -1]: where each
     # matrix and float parameter went (meta["weight_slots"], read back by the conformance kit)
@@ -290,12 +296,18 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
 
     def pack_matrix(canonicals: list[str], node: Node | None = None) -> tuple:
         mode = _precision(node, quant) if node is not None else quant
+        fmt = block_plan.fmt(node) if block_plan and node is not None and mode == quant else None
+        if mode in BLOCK_QUANTS:
+            mode = f"blocks:{fmt}" if fmt else "int8"
         key = (tuple(identity(c) for c in canonicals), mode)
         if key not in packed:
-            packed[key] = _pack(canonicals, mode)
+            packed[key] = _pack_blocks(canonicals, fmt) if fmt else _pack(canonicals, mode)
             if progress:
                 progress(canonicals[0])
         kind, w_off, s_off, Kp, _ = packed[key]
+        if kind == K.WEIGHT_BLOCKS:
+            _block_slots(slots, weights, canonicals, fmt, w_off, Kp)
+            return packed[key]
         r0 = 0
         for c in canonicals:                # member rows of a fused matrix, for the weight slots
             n = weights.shape(c)[0]
@@ -303,6 +315,15 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
                                  s_off + r0 * (Kp // 32) if kind == K.WEIGHT_Q8 else -1])
             r0 += n
         return packed[key]
+
+    def _pack_blocks(canonicals: list[str], fmt: str) -> tuple:
+        from .kernels.gguf_blocks import block_format
+        data, Kp = pack_blocks(weights, canonicals, fmt, quant, scratch)      # uint8 (N, row bytes)
+        block_bytes[fmt] = block_bytes.get(fmt, 0) + int(data.size)
+        as_q8 = q8_0_as_q8(data, Kp) if fmt == "Q8_0" else None
+        if as_q8 is not None:               # Q8_0 is q8 interleaved: the q8 kernels, same values
+            return K.WEIGHT_Q8, wq.add(as_q8[0]), ws.add(as_q8[1]), Kp, data.shape[0]
+        return K.WEIGHT_BLOCKS, wq.add(data.view(np.int8)), block_format(fmt).ggml_type, Kp, data.shape[0]
 
     def _pack(canonicals: list[str], mode: str) -> tuple:
         if mode == "int8":                 # row blocks of float32 only live until quantized
@@ -434,6 +455,7 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
         "embed_rows": int(embed_rows),
         "weight_slots": slots,
         "plugin_ops": plugin_calls,
+        "block_bytes": block_bytes,
     }
     arrays = {
         "I": np.stack(rows_I), "F": np.stack(rows_F),
@@ -551,6 +573,22 @@ def _plugin_call(n: Node, loc, nodes_by_out, weights, f32_param, out) -> dict:
     return {"op": spec.name, "version": spec.version, "node": n.name,
             "inputs": [[*loc(i), nodes_by_out[i].width] for i in n.inputs],
             "out": [out[0], out[1], n.width], "weights": packed, "params": params, "attrs": attributes}
+
+
+def _block_plan(graph: Graph, weights, quant: str):
+    """A quant_blocks.BlockPlan for the raw-block modes, else None."""
+    return BlockPlan(graph, weights, quant) if quant in BLOCK_QUANTS else None
+
+
+def _block_slots(slots: dict, weights, canonicals: list[str], fmt: str, w_off: int, Kp: int) -> None:
+    """Weight slots of a raw-block matrix: [format name, byte offset in wq, bytes, Kp, -1]."""
+    from .kernels.gguf_blocks import block_format
+    rb = block_format(fmt).row_bytes(Kp)
+    r0 = 0
+    for c in canonicals:
+        n = weights.shape(c)[0]
+        slots.setdefault(c, [fmt, w_off + r0 * rb, n * rb, Kp, -1])
+        r0 += n
 
 
 PRECISIONS = ("f32",)      # node attribute ``precision``: per-node override of the quant mode

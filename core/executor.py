@@ -45,7 +45,7 @@ class Executor:
         self.arena = np.zeros(m["arena_floats"], np.float32)
         self.state = lazy_zeros(max(m["state_floats"], 16))   # KV caches + linear states
         self.xq = np.zeros(m["max_k"], np.int16)
-        self.xs = np.zeros(m["max_k"] // 32, np.float32)
+        self.xs = np.zeros(m["max_k"] // 32 * 3, np.float32)     # block scales (+ 16-sums: raw blocks)
         self.tokens = np.zeros(self.max_chunk, np.int64)
         self.rt = np.zeros(5, np.int64)             # [T, pos0, head_row0, head_rows, threads]
         self.n_past = 0
@@ -58,6 +58,8 @@ class Executor:
                               "install the plugin again or clear the cache (`cpullm cache clear`)")
         self.plugin_ops = _plugin_calls(self, m.get("plugin_ops") or {}, ops, op_impl)
         self.linear_rows = np.nonzero(self.I[:, 0] == K.OP_LINEAR)[0]
+        # wq's bytes for raw-block (GGUF format) weights, else None: run() then has no such branch
+        self.wb = _read_only(self.wq.view(np.uint8)) if _has_blocks(self.I) else None
         # the state again for GATED_DELTA instructions, else None: run() then has no such branch
         self.linear_state = self.state if bool(np.any(self.I[:, 0] == K.OP_GATED_DELTA)) else None
         self._decode_segments = self._segments(0, self.n_instr, batched=False)
@@ -129,7 +131,7 @@ class Executor:
     def _interp(self, a: int, b: int):
         self.rt[4] = numba.get_num_threads()
         K.run(self.I, self.F, a, b, self.tokens, self.rt, self.arena, self.state,
-              self.wq, self.ws, self.wf, self.xq, self.xs, self.linear_state)
+              self.wq, self.ws, self.wf, self.xq, self.xs, self.linear_state, self.wb)
 
     def _rows(self, r: int) -> int:
         return int(self.rt[0] if self.I[r, 2] == 0 else self.rt[3])
@@ -142,7 +144,9 @@ class Executor:
         # output over its inputs): no (T, N) temporary, which for T = 512 costs page faults
         x = self.arena[x_off: x_off + T * x_st].reshape(T, x_st)[:, :Kd]
         out = self.arena[o_off: o_off + T * o_st].reshape(T, o_st)[:, :N]
-        if kind == K.WEIGHT_Q8:
+        if kind == K.WEIGHT_BLOCKS:
+            _matmul_blocks(self.wb, s_off, w_off, Kp, x, out)
+        elif kind == K.WEIGHT_Q8:
             w = self.wq[w_off: w_off + N * Kp].reshape(N, Kp)
             s = self.ws[s_off: s_off + N * (Kp // 32)].reshape(N, Kp // 32)
             matmul_q8(x, w, s, out)
@@ -449,6 +453,27 @@ def lazy_zeros(n: int) -> np.ndarray:
     if n * 4 < 1 << 22:
         return np.zeros(n, np.float32)
     return np.frombuffer(mmap.mmap(-1, n * 4), np.float32)
+
+
+def _has_blocks(I: np.ndarray) -> bool:
+    """True when a LINEAR (kind column 9) or EMBED (column 6) reads raw ggml blocks."""
+    return bool(np.any((I[:, 0] == K.OP_LINEAR) & (I[:, 9] == K.WEIGHT_BLOCKS))
+                or np.any((I[:, 0] == K.OP_EMBED) & (I[:, 6] == K.WEIGHT_BLOCKS)))
+
+
+def _matmul_blocks(wb: np.ndarray, fmt: int, w_off: int, Kp: int, x: np.ndarray, out: np.ndarray) -> None:
+    """Prefill LINEAR over raw ggml blocks: out (T, N) = x (T, K) @ W.T by kquant_gemm.matmul;
+    rows stored padded to Kp weights (zero weights) get x padded with zeros."""
+    from .kernels.gguf_blocks import block_format
+    from .kernels.kquant_gemm import matmul
+    N = out.shape[1]
+    rb = block_format(fmt).row_bytes(Kp)
+    w = wb[w_off: w_off + N * rb].reshape(N, rb)
+    if x.shape[1] != Kp:
+        xp = np.zeros((x.shape[0], Kp), np.float32)
+        xp[:, :x.shape[1]] = x
+        x = xp
+    matmul(fmt, x, w, out)
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:

@@ -40,8 +40,11 @@ def resolve_model_dir(path) -> Path:
     if p.is_dir():
         return p
     if p.exists():
-        raise ModelNotFoundError(f"{p} is a file; give the model directory (with config.json and "
-                                 "*.safetensors), or convert a .gguf with `cpullm convert`")
+        from .gguf_model import is_gguf_file
+        if is_gguf_file(p):
+            return p
+        raise ModelNotFoundError(f"{p} is a file but not a GGUF file; give the model directory (with "
+                                 "config.json and *.safetensors) or a .gguf file")
     try:
         from .store import resolve_model
     except ImportError:  # pragma: no cover - the store ships with the core
@@ -76,21 +79,23 @@ class Model:
 
     # ---- loading ---------------------------------------------------------------------------
     @classmethod
-    def load(cls, path, quant: str = "int8", threads: int | None = None, n_ctx: int | None = None,
+    def load(cls, path, quant: str | None = None, threads: int | None = None, n_ctx: int | None = None,
              cache_dir=None, use_cache: bool = True, max_chunk: int = DEFAULT_CHUNK,
              mlock: bool = False, mmap: bool = True, plugin_kernels: bool = True) -> "Model":
         from .kernels.numba_setup import configure
 
         t0 = time.perf_counter()
-        if quant not in QUANT_MODES:
+        if quant is not None and quant not in QUANT_MODES:
             raise ConfigError(f"quant must be one of {', '.join(QUANT_MODES)}, not {quant!r}")
         threads = configure(threads)
         model_dir = resolve_model_dir(path)
-        config = read_config(model_dir)
+        if model_dir.is_dir():               # a store entry kept as its GGUF file
+            from .store import gguf_in_dir
+            model_dir = gguf_in_dir(model_dir) or model_dir
+        quant, store, config, gguf_tokenizer = _source(model_dir, quant)
         registry = plugins.discover()
         family = registry.family_for(config)
         args = family.args(config)
-        store = TensorStore(model_dir)
         weights = family.weight_map(args).resolve(store, args)
         if weights.ignored:
             notice(f"ignoring {len(weights.ignored)} tensors this runtime does not use "
@@ -106,7 +111,7 @@ class Model:
         # kernels this graph needs, compiled while the weights load (kernels/warmup.py)
         warm = warmup_for_graph(graph, quant, specs)
         try:
-            tokenizer = Tokenizer(model_dir)
+            tokenizer = gguf_tokenizer() if gguf_tokenizer else Tokenizer(model_dir)
 
             def calibrate(p: Program):
                 warm.finish()                # the calibration runs the program
@@ -115,7 +120,10 @@ class Model:
             def build(workdir=None) -> Program:
                 program = compile_graph(graph, weights, quant=quant, n_ctx=ctx, max_chunk=max_chunk,
                                         kernels=specs, workdir=workdir)
-                if quant == "int8":      # greedy decoding's lm_head screen, its columns from real activations
+                # greedy decoding's lm_head screen, its columns from real activations; not for a
+                # GGUF run as it is, whose resident weights stay within 5 % of the file's tensor
+                # bytes (Gemma 3 270M's Q8_0 head with a screen: 1.47x)
+                if quant == "int8":
                     program = attach_head_screen(program, calibrate)
                 return program
             program, cache_status = _program_from_cache(
@@ -134,6 +142,8 @@ class Model:
         executor = Executor(program, kernel_fns)
         compile_s += executor.warm_up()
         weights_info = {"checkpoint_bytes": store.nbytes(), "params": count_params(weights, store)}
+        if gguf_tokenizer:
+            weights_info.update(gguf_tensor_bytes=store.tensor_bytes(), gguf_formats=store.format_bytes())
         return cls(model_dir=model_dir, config=config, family=family, args=args, graph=graph,
                    program=program, executor=executor, tokenizer=tokenizer, quant=quant,
                    threads=threads, cache_status=cache_status, load_s=time.perf_counter() - t0,
@@ -293,9 +303,39 @@ class Model:
             "load_s": self.load_s,
             "compile_s": self.compile_s,
             "prompt_cache": self.prompt_cache_status,
+            "weight_formats": weight_format_bytes(self.program),
+            **({"gguf_formats": self.weights_info["gguf_formats"]} if "gguf_formats" in self.weights_info else {}),
             "memory": memory_report(self),
             "context_plan": state_plan(self.program.meta),
         }
+
+
+def _source(model_dir: Path, quant: str | None):
+    """(quant, tensor store, config, tokenizer factory or None) of a model directory or GGUF file.
+
+    A GGUF file runs as it is (quant "gguf": its block-format matrices executed in their own
+    formats) unless ``quant`` asks for a requantization; a directory defaults to "int8"."""
+    from .gguf_model import GGUFStore
+    if model_dir.is_file():
+        store = GGUFStore(model_dir)
+        return quant or "gguf", store, store.config(), store.tokenizer
+    if quant == "gguf":
+        raise ConfigError(f"quant='gguf' runs a GGUF file as it is, and {model_dir} is a directory; give "
+                          "the .gguf file, or use quant int8, q4 or f32")
+    return quant or "int8", TensorStore(model_dir), read_config(model_dir), None
+
+
+def weight_format_bytes(program: Program) -> dict:
+    """Bytes of the program's weights per storage format: each raw ggml block format, "int8"
+    (q8 quants + binary16 scales) and "f32" (float32 weights, norms, biases, RoPE tables)."""
+    blocks = {k: int(v) for k, v in (program.meta.get("block_bytes") or {}).items()}
+    a = program.arrays
+    out = dict(blocks)
+    q8 = int(a["wq"].nbytes) - sum(blocks.values()) + int(a["ws"].nbytes)
+    if q8 > 4096:                  # (not the alignment padding of Q8_0 matrices held as q8)
+        out["int8"] = q8
+    out["f32"] = int(a["wf"].nbytes)
+    return out
 
 
 def count_params(weights, store) -> int:

@@ -60,7 +60,11 @@ def model_identity(model) -> dict:
     from .compiler import graph_hash
     from .tensors import TensorStore
 
-    files = TensorStore(model.model_dir).identity()
+    if Path(model.model_dir).is_file():          # a GGUF file run as it is
+        from .gguf_model import GGUFStore
+        files = GGUFStore(model.model_dir).identity()
+    else:
+        files = TensorStore(model.model_dir).identity()
     v = _versions()
     return {
         "family": model.family.name,

@@ -2,7 +2,10 @@
 
 Layout under the store root (``$CPULLM_MODELS_DIR``, else ``~/.cache/cpullm/models``)::
 
-    <root>/<name>/                  a converted model directory (config.json, model.safetensors, ...)
+    <root>/<name>/<file>.gguf       a known model as it is (the GGUF, hard-linked to _downloads/ where
+                                    the filesystem allows): cpullm runs it without conversion
+    <root>/<name>/                  or, pulled with ``convert=True`` (``cpullm pull --convert``), a
+                                    converted model directory (config.json, model.safetensors, ...)
     <root>/<org>--<name>/           a Hugging Face Hub snapshot pulled as ``org/name``
     <root>/_downloads/<file>.gguf   verified GGUF files (a second pull of a removed model is fast)
 
@@ -113,9 +116,22 @@ def _store_dir_name(name: str) -> str:
 
 
 def is_complete_model_dir(path: Path) -> bool:
-    """A model directory with config.json and its safetensors weights."""
-    return (path / "config.json").is_file() and (
-        any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file())
+    """A model directory with config.json and its safetensors weights, or a store entry holding
+    one GGUF file (run as it is)."""
+    return ((path / "config.json").is_file() and (
+        any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file())) \
+        or gguf_in_dir(path) is not None
+
+
+def gguf_in_dir(path: Path) -> Path | None:
+    """The one ``*.gguf`` file of a directory without config.json (a store entry kept as GGUF)."""
+    try:
+        if (path / "config.json").exists():
+            return None
+        found = [p for p in path.glob("*.gguf") if p.is_file()]
+    except OSError:
+        return None
+    return found[0] if len(found) == 1 else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -361,11 +377,14 @@ def _unknown_name_error(name: str) -> StoreError:
                       "(or a Hugging Face repository as org/name)")
 
 
-def pull(name: str, dest_dir: str | os.PathLike | None = None, progress: Progress | None = None) -> Path:
+def pull(name: str, dest_dir: str | os.PathLike | None = None, progress: Progress | None = None,
+         convert: bool = False) -> Path:
     """Fetch a model into the store (``dest_dir`` overrides the store root); returns its directory.
 
     ``name`` is a known model (see KNOWN_MODELS) or a Hugging Face repository ``org/name``.
-    An existing complete model directory is reused without any download.
+    An existing complete model directory is reused without any download. A known model is kept
+    as its GGUF file (run as it is: its quantized tensors in their own formats, 4x smaller than a
+    bf16 copy) unless ``convert`` asks for a bf16 safetensors directory.
     """
     root = Path(os.path.expanduser(str(dest_dir))) if dest_dir else models_dir()
     key = name.strip()
@@ -375,22 +394,48 @@ def pull(name: str, dest_dir: str | os.PathLike | None = None, progress: Progres
     if model is None:
         raise _unknown_name_error(name)
     target = root / model.name
-    if is_complete_model_dir(target):
+
+    def done() -> bool:          # a converted directory when one is asked for, else either kind
+        return is_complete_model_dir(target) and not (convert and gguf_in_dir(target) is not None)
+    if done():
         return target
     progress = progress or _default_progress(f"pull {model.name}")
     with _lock(root, model.name):
-        if is_complete_model_dir(target):  # another process finished it meanwhile
+        if done():  # another process finished it meanwhile
             return target
-        if target.is_dir() and any(target.iterdir()):
+        kept_gguf = gguf_in_dir(target) is not None      # converted on request: replaces the GGUF entry
+        if target.is_dir() and any(target.iterdir()) and not kept_gguf:
             raise StoreError(f"{target} exists but is not a complete model directory; move it away "
                              f"or delete it, then run `cpullm pull {model.name}` again")
-        gguf_path = _assemble(model, root / DOWNLOADS, _scaled(progress, 0.0, 0.45))
+        gguf_path = _assemble(model, root / DOWNLOADS, _scaled(progress, 0.0, 0.45 if convert else 1.0))
+        if not convert:
+            _place_gguf(gguf_path, target)
+            progress("done", 1.0)
+            return target
         progress("converting", 0.45)
         from .convert import convert_gguf
 
-        convert_gguf(gguf_path, target, progress=_scaled(progress, 0.45, 1.0))
+        convert_gguf(gguf_path, target, progress=_scaled(progress, 0.45, 1.0), overwrite=kept_gguf)
     progress("done", 1.0)
     return target
+
+
+def _place_gguf(gguf_path: Path, target: Path) -> None:
+    """Put the verified GGUF into the store entry ``target`` atomically: a hard link to the
+    download (no second copy), or a copy where the filesystem has no hard links."""
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir(parents=True)
+    try:
+        try:
+            os.link(gguf_path, tmp / gguf_path.name)
+        except OSError:
+            shutil.copyfile(gguf_path, tmp / gguf_path.name)
+        if target.is_dir():          # empty (pull refuses a non-empty incomplete one)
+            target.rmdir()
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def fetch_gguf(name: str, dest_dir: str | os.PathLike | None = None, progress: Progress | None = None) -> Path:
@@ -454,8 +499,11 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
     if p.is_dir():
         return p
     if p.exists():
-        hint = " convert it first with `cpullm convert FILE.gguf OUT_DIR`;" if p.suffix == ".gguf" else ""
-        raise ModelNotFoundError(f"{p} is a file;{hint} give a model directory (config.json + *.safetensors)")
+        from .gguf_model import is_gguf_file
+        if is_gguf_file(p):
+            return p
+        raise ModelNotFoundError(f"{p} is a file but not a GGUF file; give a model directory "
+                                 "(config.json + *.safetensors) or a .gguf file")
     root = models_dir()
     for candidate in dict.fromkeys((text.strip(), text.strip().lower(), _store_dir_name(text))):
         if candidate and not candidate.startswith((".", "_")) and is_complete_model_dir(root / candidate):
@@ -559,6 +607,17 @@ def _model_entry(d: Path, cached: set[str]) -> dict:
     entry = {"name": d.name.replace("--", "/"), "path": str(d), "model_type": None, "family": None,
              "architectures": [], "params": 0, "size_bytes": _dir_size(d), "has_exec_cache": False}
     try:
+        gguf = gguf_in_dir(d)
+        if gguf is not None:
+            import numpy as np
+
+            from .gguf_model import GGUFStore
+            st = GGUFStore(gguf)
+            entry.update(model_type=st.spec.model_type, family=st.spec.model_type, format="gguf",
+                         architectures=list(st.spec.architectures),
+                         params=int(sum(int(np.prod(st.shape(n), dtype=np.int64)) for n in st.names())),
+                         has_exec_cache=str(gguf.resolve()) in cached)
+            return entry
         if not (d / "config.json").exists():
             raise ValueError("no config.json")
         config = read_json_file(d / "config.json")
@@ -572,7 +631,7 @@ def _model_entry(d: Path, cached: set[str]) -> dict:
                      params=count_params(d), has_exec_cache=str(d.resolve()) in cached)
     except OSError as exc:
         entry["broken"] = f"{exc.filename and Path(exc.filename).name or 'config.json'}: {exc.strerror or exc}"
-    except (ValueError, RuntimeError) as exc:
+    except (ValueError, RuntimeError, ConversionError) as exc:
         entry["broken"] = str(exc)
     return entry
 

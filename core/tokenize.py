@@ -26,12 +26,25 @@ class Tokenizer:
         except Exception as exc:
             raise TokenizerError(f"{path} cannot be read ({exc}); restore it from the checkpoint") from None
         cfg_path = model_dir / "tokenizer_config.json"
-        self.config: dict = {}
+        config: dict = {}
         if cfg_path.is_file():
             try:
-                self.config = json.loads(cfg_path.read_text(encoding="utf-8"))
+                config = json.loads(cfg_path.read_text(encoding="utf-8"))
             except json.JSONDecodeError:
-                self.config = {}
+                config = {}
+        self._setup(config)
+
+    @classmethod
+    def from_objects(cls, tok, config: dict) -> "Tokenizer":
+        """From a built ``tokenizers.Tokenizer`` and its tokenizer_config dict (a GGUF's metadata,
+        cpullm.convert.build_tokenizer), with no files."""
+        self = cls.__new__(cls)
+        self._tok = tok
+        self._setup(dict(config))
+        return self
+
+    def _setup(self, config: dict) -> None:
+        self.config = config if isinstance(config, dict) else {}
         self.bos_token = _token_str(self.config.get("bos_token"))
         self.eos_token = _token_str(self.config.get("eos_token"))
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None

@@ -245,6 +245,20 @@ class ResolvedWeights:
         if hasattr(self.store, "release"):
             self.store.release(stored)
 
+    def blocks(self, canonical: str):
+        """(ggml format name, uint8 (rows, row bytes)) when the canonical tensor is stored as raw
+        ggml blocks the runtime executes as they are (a GGUF store's quantized tensor, read with
+        no transform; its rows taken for ``rows``), else None."""
+        stored, transform, rows = self.identity(canonical)
+        get = getattr(self.store, "blocks", None)
+        if get is None or transform is not None:
+            return None
+        found = get(stored)
+        if found is None:
+            return None
+        fmt, data = found
+        return fmt, (data if rows is None else data[rows[0]: rows[1]])
+
     def fingerprint(self) -> list:
         """What the mapping did, for cache keys: (canonical, source, transform name[, rows])."""
         out = [[c, s, t.name if t else None] + ([list(self.rows[c])] if c in self.rows else [])

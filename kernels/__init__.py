@@ -9,6 +9,6 @@ from . import numba_setup  # noqa: F401  (must precede every kernel import)
 # (3: keys in tiles of 16 slots, cache capacities rounded up to 16; 4: the lm_head screen of
 # greedy decoding, kernels/head_screen.py; 5: screens only for lm_heads >= 64 MiB; 6: one packed
 # copy per tensor identity (source, transform, rows), not per source; the LAYERNORM opcode; plugin
-# ops and RoPE scalings): it enters the execution-cache key, so old compiled programs are rebuilt
+# ops and RoPE scalings; 7: raw ggml-block weights (WEIGHT_BLOCKS, quant modes q4 and gguf)): it enters the execution-cache key, so old compiled programs are rebuilt
 # rather than misread.
-KERNELS_VERSION = "6"
+KERNELS_VERSION = "7"

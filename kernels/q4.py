@@ -155,13 +155,35 @@ def quantize_q4(w) -> np.ndarray:
     Kp = padded_k(K)
     nb_row = Kp // SUPER
     out = np.empty((N, nb_row * Q4_K.block_bytes), np.uint8)
+    _chunked(w, out, Kp, _quantize_super_blocks)
+    return out
+
+
+def _chunked(w: np.ndarray, out: np.ndarray, Kp: int, quantize_blocks) -> None:
+    """out[rows] = quantize_blocks(rows of w zero-padded to Kp, as (n, 256) super-blocks), in
+    chunks of rows spread over the configured threads (numpy's array passes release the GIL:
+    measured 0.5 M weights/s per thread for Q4_K on a loaded 2-core VM)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .numba_setup import configured_threads
+    N, K = w.shape
     step = max(1, _ROWS_PER_CHUNK_VALUES // Kp)
-    for r0 in range(0, N, step):
+
+    def one(r0: int) -> None:
         r1 = min(N, r0 + step)
         x = np.zeros((r1 - r0, Kp), np.float32)
         x[:, :K] = w[r0:r1]
-        out[r0:r1] = _quantize_super_blocks(x.reshape(-1, SUPER)).reshape(r1 - r0, -1)
-    return out
+        out[r0:r1] = quantize_blocks(x.reshape(-1, SUPER)).reshape(r1 - r0, -1)
+
+    starts = list(range(0, N, step))
+    workers = min(len(starts), max(1, configured_threads()))
+    if workers <= 1:
+        for r0 in starts:
+            one(r0)
+        return
+    with ThreadPoolExecutor(workers) as pool:
+        for f in [pool.submit(one, r0) for r0 in starts]:
+            f.result()
 
 
 def dequantize_q4_ref(blocks, N: int, K: int) -> np.ndarray:
@@ -230,12 +252,7 @@ def quantize_q6_k(w) -> np.ndarray:
     N, K = w.shape
     Kp = padded_k(K)
     out = np.empty((N, Kp // SUPER * 210), np.uint8)
-    step = max(1, _ROWS_PER_CHUNK_VALUES // Kp)
-    for r0 in range(0, N, step):
-        r1 = min(N, r0 + step)
-        x = np.zeros((r1 - r0, Kp), np.float32)
-        x[:, :K] = w[r0:r1]
-        out[r0:r1] = _quantize_q6_super_blocks(x.reshape(-1, SUPER)).reshape(r1 - r0, -1)
+    _chunked(w, out, Kp, _quantize_q6_super_blocks)
     return out
 
 

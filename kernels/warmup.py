@@ -91,16 +91,20 @@ XQ = _arr(nt.int16)
 i64, f64 = nt.int64, nt.float64
 
 
-def run_signature(linear_state: bool) -> tuple:
+WB = _arr(nt.uint8, readonly=True)       # wq's bytes, for raw-block (GGUF format) weights
+BLOCK_QUANTS = ("q4", "gguf")             # quant modes whose programs hold raw-block weights
+
+
+def run_signature(linear_state: bool, blocks: bool = False) -> tuple:
     """The signature of interpreter.run as the executor calls it."""
     return (PROG_I, PROG_F, i64, i64, INTS, INTS, ARENA, ARENA, WQ, WS, WF, XQ, ARENA,
-            ARENA if linear_state else nt.none)
+            ARENA if linear_state else nt.none, WB if blocks else nt.none)
 
 
 def _kernels(unit: str) -> list:
     """[(dispatcher, signature)] of one unit, callees before callers where both are listed."""
-    from . import attention, elementwise, gated_delta, interpreter, norm, q8_gemm, rope
-    f32_2, i16_2 = _arr(nt.float32, 2), _arr(nt.int16, 2)
+    from . import attention, elementwise, gated_delta, interpreter, kquant_gemm, norm, q8_gemm, rope
+    f32_2, i16_2, wb2 = _arr(nt.float32, 2), _arr(nt.int16, 2), _arr(nt.uint8, 2, readonly=True)
     wq2, ws2 = _arr(nt.int8, 2, readonly=True), _arr(nt.uint16, 2, readonly=True)
     table = {
         "linear": [(interpreter._linear_rows, (PROG_I, i64, ARENA, WQ, WS, WF, XQ, ARENA, i64))],
@@ -121,8 +125,16 @@ def _kernels(unit: str) -> list:
         "gemm": [(q8_gemm._quantize_rows_q16, (f32_2, i16_2, f32_2)),
                  (q8_gemm._gemm_panels, (i16_2, f32_2, wq2, ws2, i64, f32_2, i64)),
                  (q8_gemm._matvec_rows, (f32_2, wq2, ws2, f32_2, XQ, ARENA))],
+        # prefill's batched raw-block LINEARs (kquant_gemm's integer GEMM) and short prompts
+        "kquant_gemm": [(q8_gemm._quantize_rows_q16, (f32_2, i16_2, f32_2)),
+                        (kquant_gemm._quantize_rows, (f32_2, i16_2, f32_2, i64)),
+                        (kquant_gemm._gemm_blocks, (i64, i16_2, f32_2, wb2, i64, f32_2, f32_2, i64)),
+                        (kquant_gemm._block_sums, (i16_2, f32_2, i64, f32_2)),
+                        (kquant_gemm._matvec_rows, (i64, f32_2, wb2, f32_2, _arr(nt.int8), ARENA, ARENA))],
         "run": [(interpreter.run, run_signature(False))],
         "run_linear_state": [(interpreter.run, run_signature(True))],
+        "run_blocks": [(interpreter.run, run_signature(False, True))],
+        "run_linear_state_blocks": [(interpreter.run, run_signature(True, True))],
     }
     return table[unit]
 
@@ -134,6 +146,7 @@ UNITS = {
     # weight quantizer and head screen compiled in this process) stay in this process.
     "linear": (None, 3.2, False),
     "gemm": (("LINEAR",), 4.5, False),
+    "kquant_gemm": (("LINEAR",), 6.0, False),
     "norm": (None, 1.4, True),
     "layernorm": (("LAYERNORM",), 1.4, True),
     "rope": (None, 2.2, True),
@@ -159,11 +172,13 @@ def units_for(op_names, quant: str, linear_state: bool) -> list[str]:
     for unit, (needs, _, _) in UNITS.items():
         if unit == "gated_delta" and not linear_state:
             continue
-        if unit == "gemm" and (quant != "int8" or GEMM_ISA is None):
+        if unit == "gemm" and (quant not in ("int8", "gguf") or GEMM_ISA is None):   # gguf: Q8_0 as q8
+            continue
+        if unit == "kquant_gemm" and (quant not in BLOCK_QUANTS or GEMM_ISA is None):
             continue
         if needs is None or ops & set(needs):
             out.append(unit)
-    out.append("run_linear_state" if linear_state else "run")
+    out.append(("run_linear_state" if linear_state else "run") + ("_blocks" if quant in BLOCK_QUANTS else ""))
     return out
 
 

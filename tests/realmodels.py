@@ -24,9 +24,9 @@ REAL_MODELS = tuple(store.known_model_names())
 
 @functools.lru_cache(maxsize=None)
 def real_model_dir(name: str) -> Path:
-    """The converted model directory of a known model (``cpullm.store.pull``)."""
+    """The converted model directory of a known model (``cpullm.store.pull(convert=True)``)."""
     try:
-        return store.pull(name)
+        return store.pull(name, convert=True)
     except NetworkUnavailableError as exc:
         pytest.skip(f"{name} is not in the store and cannot be downloaded: {exc}")
 

