@@ -250,7 +250,7 @@ class BatchDecoder:
             if kind == "rows":
                 self.rt[4] = numba.get_num_threads()
                 K.run(ex.I, ex.F, seg[1], seg[2], ex.tokens, self.rt, ex.arena, ex.state, ex.wq, ex.ws, ex.wf,
-                      ex.xq, ex.xs, ex.linear_state)
+                      ex.xq, ex.xs, ex.linear_state, ex.wb)
             elif kind == "fused":
                 _fused(ex.I, ex.F, seg[1], seg[2], ex.arena, states, *seqs, ex.wq, ex.ws, ex.wf, self.xq, self.xs,
                        np.int64(T), numba.get_num_threads(), self.has_linear, True)
@@ -277,6 +277,12 @@ class BatchDecoder:
             linear_rows_q8(x, w, s, out, self.xq[:, :Kp], self.xs[:, :Kp // 32])
         elif kind == K.WEIGHT_F32:
             linear_rows_f32(x, ex.wf[w_off: w_off + N * Kd].reshape(N, Kd), out)
+        elif kind == K.WEIGHT_BLOCKS:
+            # raw ggml blocks: each row through the one-token decode's own matvec (int8
+            # activations per 32, one pass), so every row equals a lone decode bit for bit; the
+            # weights are read once per row (no shared pass over them yet)
+            K._linear_blocks_rows(ex.I, np.int64(r), ex.arena, ex.wb, ex.wf, ex.xq, ex.xs, np.int64(T), False)
+            return
         else:
             # a weight format this module does not know yet: the executor's batched matmul (right
             # numbers; its row independence is that kernel's)

@@ -207,3 +207,14 @@ def test_q4_pads_rows_that_are_not_whole_super_blocks(tmp_path):
     m.executor.reset()
     dec = np.stack([m.executor.decode(t).copy() for t in IDS])
     assert np.abs(dec - got).max() / np.abs(ref).max() < 0.05
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q4_1", "Q8_0"])
+def test_gguf_batched_decode_equals_each_request_alone(write, fmt):
+    """The scheduler runs raw-block LINEARs row by row through the lone decode's matvec: a
+    request's greedy tokens are the same alone and among others of other lengths."""
+    m = cpullm.load(write(fmt), use_cache=False)
+    prompts = [IDS[:5], IDS, IDS[:1], IDS[3:9]]
+    alone = [list(m.generate_ids(p, max_new_tokens=6, temperature=0.0, ignore_eos=True)) for p in prompts]
+    mixed = m.generate_batch(prompts, max_new_tokens=6, parallel=3, ignore_eos=True)
+    assert mixed == alone
