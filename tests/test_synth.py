@@ -1,9 +1,9 @@
 """benchmarks/synth.py: synthetic checkpoints with the seed models' exact shapes.
 
-Each seed model's scaled-down copy (every width / 16, a few layers, same structure) is written,
-loaded by ``cpullm.load`` in INT8 and f32 and run for a few greedy steps; its f32 logits are
-compared with transformers' at every position of a 24-token input (past the scaled sliding
-windows of 8). The full-size plans (no weights written) are checked against what the Hub's
+Each seed model's scaled-down copy (every width / 16 but the Gated DeltaNet head dims, a few
+layers, same structure) is written, loaded by ``cpullm.load`` in INT8 and f32 and run for a few
+greedy steps; its f32 logits are compared with transformers' at every position of a 24-token
+input (past the scaled sliding windows of 8). The full-size plans (no weights written) are checked against what the Hub's
 checkpoints hold: parameter counts and, where known, shard sizes. The weight statistics, the
 streaming writer's bounds, atomicity and the tokenizer are checked on small cases.
 """
@@ -95,7 +95,7 @@ def test_scaled_copy_runs_in_cpullm_int8_and_f32_and_matches_transformers(tiny):
 
 def test_scaled_copy_keeps_the_structure(tiny):
     """Same tensor names as the full-size plan with the layers cut, same head counts, tying,
-    special ids; widths divided."""
+    special ids, Gated DeltaNet head dims; other widths divided."""
     name, d, _ = tiny
     full_cfg, layout = synth.load_seed(name)
     small_cfg = json.loads((d / "config.json").read_text())
@@ -109,7 +109,8 @@ def test_scaled_copy_keeps_the_structure(tiny):
     text_small = {n for n in stored if not any(v in n for v in vision)}
     assert text_small == text_full
     for key in ("num_attention_heads", "num_key_value_heads", "tie_word_embeddings", "vocab_size",
-                "final_logit_softcapping", "attn_logit_softcapping", "attention_bias"):
+                "final_logit_softcapping", "attn_logit_softcapping", "attention_bias",
+                "linear_key_head_dim", "linear_value_head_dim"):        # see synth.scaled_config
         assert synth.text_section(small_cfg).get(key) == synth.text_section(full_cfg).get(key), key
     for key in ("eos_token_id", "bos_token_id", "image_token_index", "image_token_id"):
         assert small_cfg.get(key) == full_cfg.get(key), key
