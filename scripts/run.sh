@@ -6,7 +6,7 @@
 set -euo pipefail
 source "$(dirname "$0")/env.sh"
 cpullm_env
-cpullm_install run -e . -e plugins/llama -e plugins/qwen -e plugins/gemma
+cpullm_install run -c constraints.txt -e . -e plugins/llama -e plugins/qwen -e plugins/gemma
 # The entry point, not `python -m`: a cpullm/ folder in the working directory must not shadow the install.
 cpullm=$(dirname "$CPULLM_PY")/cpullm
 [ -x "$cpullm" ] || cpullm=$cpullm.exe
