@@ -22,13 +22,14 @@ COUNTED = ["core", "core/commands", "kernels", "plugins/llama", "plugins/qwen", 
 
 # Lowest first. A module's layer is the first entry naming it or a package above it.
 LAYERS = [
-    ("foundation", ["errors", "limits", "notices", "hookspecs"]),
-    ("registry", ["family", "plugins", "weightmap", "tensors"]),
+    ("foundation", ["errors", "limits", "notices", "hookspecs", "filearrays"]),
+    ("registry", ["family", "plugins", "weightmap", "tensors", "gguf_model"]),
     ("graph", ["ir", "blocks"]),
-    ("compiler", ["compiler", "kernels"]),
+    ("compiler", ["compiler", "quant_blocks", "kernels"]),
     ("execution", ["cache_format", "executor", "prompt_cache", "memory"]),
-    ("generation", ["tokenize", "sampling", "generate", "model", "testing", "__init__"]),
-    ("shell", ["convert", "gguf_writer", "store", "bench", "chat", "template_sandbox", "server",
+    ("generation", ["tokenize", "sampling", "sequence", "generate", "batch", "scheduler", "engine", "model",
+                    "testing", "__init__"]),
+    ("shell", ["convert", "gguf_writer", "store", "bench", "bench_concurrency", "chat", "template_sandbox", "server",
                "cli", "commands"]),
 ]
 
