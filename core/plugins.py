@@ -13,9 +13,11 @@ prints it) and emitted as a :class:`PluginConflictWarning` on stderr: never a si
 """
 from __future__ import annotations
 
+import json
 import importlib.metadata as importlib_metadata
 import threading
 import warnings
+from pathlib import Path
 
 import attrs
 import pluggy
@@ -93,16 +95,15 @@ class Registry:
 
 
 # Which published plugin handles a model_type: only used to word the error message.
-_KNOWN_PLUGINS = {
-    "cpullm-plugin-llama": ("llama",),
-    "cpullm-plugin-qwen": ("qwen2", "qwen3", "qwen3_5", "qwen3_5_text"),
-    "cpullm-plugin-gemma": ("gemma", "gemma2", "gemma3", "gemma3_text"),
-}
-
-
 def _install_hint(model_type) -> str:
-    for dist, types in _KNOWN_PLUGINS.items():
-        if model_type in types:
+    """Which published plugin handles ``model_type``, from the index shipped as data
+    (static/plugin_index.json), or the general hint."""
+    try:
+        index = json.loads((Path(__file__).parent / "static" / "plugin_index.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        index = {}
+    for dist, types in index.items():
+        if isinstance(types, list) and model_type in types:
             return f"install {dist} (pip install {dist})"
     return "install a cpullm plugin for it (see `cpullm families` and CONTRIBUTING.md)"
 
