@@ -56,6 +56,7 @@ from pathlib import Path
 from .errors import (ChatTemplateError, ConfigError, ContextOverflowError, CpullmError,
                      SamplingError, ServerRequestError)
 from .generate import GenerationStats
+from .limits import one_line
 
 STATIC_DIR = Path(__file__).parent / "static"
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
@@ -77,10 +78,19 @@ class ApiError(ServerRequestError):
 
     def __init__(self, message: str, status: int = 400, code: str | None = None,
                  param: str | None = None, type: str | None = None):
-        super().__init__(message, status, code or "invalid_request_error")
+        super().__init__(one_line(message, 500), status, code or "invalid_request_error")
         self.param = param
         self.openai_code = code
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+
+def _quoted(value) -> str:
+    """A client's value quoted in an error message: JSON, one line, at most 80 characters."""
+    try:
+        text = json.dumps(value, ensure_ascii=True)
+    except (TypeError, ValueError, RecursionError):
+        text = repr(type(value))
+    return one_line(text, 80)
 
 
 def error_body(exc: Exception) -> tuple[int, dict]:
@@ -293,7 +303,7 @@ def _number(body: dict, key: str, default, lo=None, hi=None, lo_open=False, hi_o
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ApiError(f"{key} must be a number, got {json.dumps(v)}", param=key, code="invalid_type")
+        raise ApiError(f"{key} must be a number, got {_quoted(v)}", param=key, code="invalid_type")
     if lo is not None and (v <= lo if lo_open else v < lo) or hi is not None and (v >= hi if hi_open else v > hi):
         rng = f"{'(' if lo_open else '['}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}{')' if hi_open else ']'}"
         raise ApiError(f"{key} must be in {rng}, got {v}", param=key, code="invalid_value")
@@ -308,7 +318,7 @@ def _integer(body: dict, key: str, default, lo=None):
         if isinstance(v, float) and v.is_integer():
             v = int(v)
         else:
-            raise ApiError(f"{key} must be an integer, got {json.dumps(v)}", param=key, code="invalid_type")
+            raise ApiError(f"{key} must be an integer, got {_quoted(v)}", param=key, code="invalid_type")
     if lo is not None and v < lo:
         raise ApiError(f"{key} must be >= {lo}, got {v}", param=key, code="invalid_value")
     return int(v)
@@ -319,14 +329,14 @@ def _boolean(body: dict, key: str, default: bool) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise ApiError(f"{key} must be true or false, got {json.dumps(v)}", param=key, code="invalid_type")
+        raise ApiError(f"{key} must be true or false, got {_quoted(v)}", param=key, code="invalid_type")
     return v
 
 
 def _unsupported(body: dict, key: str, allowed, why: str) -> None:
     v = body.get(key)
     if v is not None and v not in allowed:
-        raise ApiError(f"{key}={json.dumps(v)} is not supported by this server: {why}", param=key,
+        raise ApiError(f"{key}={_quoted(v)} is not supported by this server: {why}", param=key,
                        code="unsupported_parameter")
 
 
@@ -396,7 +406,7 @@ class Api:
         m = body.get("model")
         if m is not None:
             if not isinstance(m, str):
-                raise ApiError(f"model must be a string, got {json.dumps(m)}", param="model", code="invalid_type")
+                raise ApiError(f"model must be a string, got {_quoted(m)}", param="model", code="invalid_type")
             if m != self.model_id:
                 raise ApiError(f"The model `{m}` does not exist: this server runs `{self.model_id}` "
                                "(GET /v1/models lists it)", 404, "model_not_found", "model")
