@@ -21,15 +21,280 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from . import numba_setup  # noqa: F401  (code-generation settings first)
-from .q8 import (HAVE_AVX2, LONG_ROW_K, _q8_row_dot_avx2, _q8_row_dot_avx2_l2, _q8_row_dot_generic,
-                 _q8_row_dot_generic_l2, matvec_q8_ref, quantize_act_q16, quantize_act_q16_ref)
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from . import numba_setup  # code-generation settings first
+from .q8 import (_F32, _I8, _I16, _I32, _I64, _P8, _V8F32, _V8I32, _V16I16, HAVE_AVX2, LONG_ROW_K, PREFETCH_BYTES,
+                 _c64, _decl, _emit_counted_loop, _hsum_v8f32, _ir_half_to_float_fresh, _prefetch_ahead,
+                 _q8_row_dot_avx2, _q8_row_dot_avx2_l2, _q8_row_dot_generic, _q8_row_dot_generic_l2,
+                 matvec_q8_ref, quantize_act_q16, quantize_act_q16_ref)
+
+
+# ================================================================================================
+# multi-row routine: one weight row against R batch rows, each weight block loaded and
+# sign-extended once, each (row, output) summed in exactly the one-row decode's float order
+# ================================================================================================
+
+HAVE_VNNI = HAVE_AVX2 and numba_setup.HOST_IS_X86 and {"avx512f", "avx512bw", "avx512vl", "avx512vnni"} <= numba_setup.HOST_FEATURES
+"""True when the multi-row routine uses ``vpdpwssd`` (AVX-512 VNNI on ymm; 32 vector registers)."""
+
+ROWS_PER_TILE = {"vnni": 8, "avx2": 4, "generic": 4}
+"""Batch rows one weight row is dotted with at a time: 2 float accumulators per row must stay in
+registers (AVX-512: 32 ymm, AVX2: 16)."""
+
+_V16I32 = ir.VectorType(_I32, 16)
+
+
+def _splat8(b, v):
+    """IR: float -> <8 x float> (every lane v)."""
+    sv = b.insert_element(ir.Constant(_V8F32, ir.Undefined), v, ir.Constant(_I32, 0))
+    return b.shuffle_vector(sv, sv, ir.Constant(_V8I32, [0] * 8))
+
+
+def _load_weight_block(b, wp, isa):
+    """IR: the 32 int8 weights at wp, sign-extended once for all batch rows: two <16 x i16>
+    (x86: ``vpmovsxbw``) or two <16 x i32> (generic)."""
+    v16i8 = ir.VectorType(_I8, 16)
+    halves = (b.load(b.bitcast(wp, v16i8.as_pointer()), align=1),
+              b.load(b.bitcast(b.gep(wp, [_c64(16)]), v16i8.as_pointer()), align=1))
+    wide = _V16I32 if isa == "generic" else _V16I16
+    return tuple(b.sext(h, wide) for h in halves)
+
+
+def _block_sums(b, module, w, xp, isa):
+    """IR: <8 x i32> sums of the sign-extended block w with the 32 int16 activations at xp,
+    lane for lane those of ``q8._block_dot_i32x8`` on the same ISA family (exact integers, so
+    any instruction that forms the same lanes gives the same float result):
+    x86 lane l = products 2l, 2l+1, 16+2l, 17+2l (``vpmaddwd`` x2 + add, or ``vpdpwssd`` x2);
+    generic lane l = products l, 8+l, 16+l, 24+l."""
+    x0 = b.load(b.bitcast(xp, _V16I16.as_pointer()), align=1)
+    x1 = b.load(b.bitcast(b.gep(xp, [_c64(32)]), _V16I16.as_pointer()), align=1)
+    if isa == "vnni":
+        dpwssd = _decl(module, "llvm.x86.avx512.vpdpwssd.256", _V8I32, [_V8I32, _V8I32, _V8I32])
+        as8 = lambda v: b.bitcast(v, _V8I32)  # noqa: E731  (the intrinsic types its int16 pairs as i32)
+        s = b.call(dpwssd, [ir.Constant(_V8I32, [0] * 8), as8(w[0]), as8(x0)])
+        return b.call(dpwssd, [s, as8(w[1]), as8(x1)])
+    if isa == "avx2":
+        maddwd = _decl(module, "llvm.x86.avx2.pmadd.wd", _V8I32, [_V16I16, _V16I16])
+        return b.add(b.call(maddwd, [w[0], x0]), b.call(maddwd, [w[1], x1]))
+    p = b.add(b.mul(w[0], b.sext(x0, _V16I32)), b.mul(w[1], b.sext(x1, _V16I32)))
+    half = lambda h: b.shuffle_vector(p, p, ir.Constant(_V8I32, list(range(8 * h, 8 * h + 8))))  # noqa: E731
+    return b.add(half(0), half(1))
+
+
+def _define_rows_dot(module, isa: str, R: int, locality: int):
+    """void @cpullm_q8_rows_dot_*(i8* w_row, i8* ws_row, i8* x, i64 x_stride, i8* xs, i64 xs_stride,
+    i64 nblocks, i8* out, i64 out_stride): out[t] = the q8 row dot of (w_row, ws_row) with batch
+    row t of (x, xs), for t < R (strides in bytes).
+
+    Per row t the float arithmetic is that of ``q8._define_row_dot`` (same ISA family): block b's
+    8 lane sums, converted to float, FMA'd with the factor f16(ws[b]) * xs[t, b] into accumulator
+    b % 2 in block order; then acc0 + acc1, an odd last block FMA'd into that, and the same
+    horizontal sum. Only the integer work and the loads are shared: each weight block is loaded
+    and sign-extended once for the R rows (and its scale converted once), and the R rows' 2R
+    accumulator chains interleave, where the one-row routine waits on one FMA chain per 2 blocks.
+    A prefetch PREFETCH_BYTES ahead of each block pair (``locality`` 3: L1, 2: L2).
+    """
+    name = f"cpullm_q8_rows_dot_v1_{isa}_r{R}_l{locality}"
+    fn = module.globals.get(name)
+    if fn is not None:
+        return fn
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [_P8, _P8, _P8, _I64, _P8, _I64, _I64, _P8, _I64]), name)
+    fn.linkage = "internal"
+    fn.attributes.add("nounwind")
+    w, ws, x, xst, xs, xsst, nb, out, ost = fn.args
+    zero = ir.Constant(_V8F32, [0.0] * 8)
+    fmuladd = _decl(module, "llvm.fmuladd.v8f32", _V8F32, [_V8F32, _V8F32, _V8F32])
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    wsp = b.bitcast(ws, _I16.as_pointer())
+    xrow = [b.gep(x, [b.mul(xst, _c64(t))]) for t in range(R)]
+    xsrow = [b.bitcast(b.gep(xs, [b.mul(xsst, _c64(t))]), _F32.as_pointer()) for t in range(R)]
+
+    def block(b, i, accs, prefetch):
+        """Block i for every row: accs (R values) -> new accs."""
+        off = b.shl(i, _c64(5))
+        wp = b.gep(w, [off])
+        if prefetch:
+            _prefetch_ahead(b, module, wp, locality)
+        wv = _load_weight_block(b, wp, isa)
+        h = _splat8(b, _ir_half_to_float_fresh(b, b.load(b.gep(wsp, [i]))))
+        xoff = b.shl(off, _c64(1))
+        new = []
+        for t in range(R):
+            sums = _block_sums(b, module, wv, b.gep(xrow[t], [xoff]), isa)
+            factor = b.fmul(h, _splat8(b, b.load(b.gep(xsrow[t], [i]))))
+            new.append(b.call(fmuladd, [b.sitofp(sums, _V8F32), factor, accs[t]]))
+        return new
+
+    def pair(b, j, accs):
+        even = block(b, j, accs[:R], True)
+        odd = block(b, b.add(j, _c64(1)), accs[R:], False)
+        return even + odd
+
+    pair_end = b.and_(nb, _c64(-2))
+    b, accs = _emit_counted_loop(fn, b, _c64(0), pair_end, 2, [zero] * (2 * R), pair, "pairs")
+    tots = [b.fadd(accs[t], accs[R + t]) for t in range(R)]
+    pre = b.block
+    odd_bb, done = fn.append_basic_block("odd"), fn.append_basic_block("odd_done")
+    b.cbranch(b.icmp_signed("<", pair_end, nb), odd_bb, done)
+    b = ir.IRBuilder(odd_bb)
+    odd_tots = block(b, pair_end, tots, False)
+    last = b.block
+    b.branch(done)
+    b = ir.IRBuilder(done)
+    finals = []
+    for t in range(R):
+        r = b.phi(_V8F32)
+        r.add_incoming(tots[t], pre)
+        r.add_incoming(odd_tots[t], last)
+        finals.append(r)
+    for t in range(R):
+        op = b.bitcast(b.gep(out, [b.mul(ost, _c64(t))]), _F32.as_pointer())
+        b.store(_hsum_v8f32(b, finals[t]), op)
+    b.ret_void()
+    return fn
+
+
+def _rows_dot_typer(w_q, w_s, x_q, x_s, out, n, t0, nrows, isa, locality):
+    ok = (isinstance(w_q, types.Array) and w_q.dtype == types.int8 and w_q.ndim == 2
+          and isinstance(w_s, types.Array) and w_s.dtype == types.uint16 and w_s.ndim == 2
+          and isinstance(x_q, types.Array) and x_q.dtype == types.int16 and x_q.ndim == 2
+          and isinstance(x_s, types.Array) and x_s.dtype == types.float32 and x_s.ndim == 2
+          and isinstance(out, types.Array) and out.dtype == types.float32 and out.ndim == 2
+          and all(isinstance(v, types.Integer) for v in (n, t0, nrows)))
+    if not ok:
+        return None
+    sig = types.void(w_q, w_s, x_q, x_s, out, n, t0, nrows)
+    rmax = ROWS_PER_TILE[isa]
+
+    def codegen(context, builder, sig, args):
+        aw, asc, ax, axs, ao = (context.make_array(t)(context, builder, v) for t, v in zip(sig.args[:5], args[:5]))
+        row, t0_, nr = (context.cast(builder, v, t, types.int64) for v, t in zip(args[5:], sig.args[5:]))
+        st = lambda a, k: builder.extract_value(a.strides, k)  # noqa: E731
+        ptr = lambda a, off: builder.gep(builder.bitcast(a.data, _P8), [off])  # noqa: E731
+        nb = builder.ashr(builder.extract_value(aw.shape, 1), _c64(5))
+        wrow = ptr(aw, builder.mul(row, st(aw, 0)))
+        srow = ptr(asc, builder.mul(row, st(asc, 0)))
+        xrow = ptr(ax, builder.mul(t0_, st(ax, 0)))
+        xsrow = ptr(axs, builder.mul(t0_, st(axs, 0)))
+        orow = ptr(ao, builder.add(builder.mul(t0_, st(ao, 0)), builder.mul(row, st(ao, 1))))
+        fn_args = [wrow, srow, xrow, st(ax, 0), xsrow, st(axs, 0), nb, orow, st(ao, 0)]
+        fnb = builder.function
+        done = fnb.append_basic_block("rows_dot_done")
+        switch = builder.switch(nr, done)
+        for R in range(1, rmax + 1):
+            bb = fnb.append_basic_block(f"rows_dot_{R}")
+            switch.add_case(ir.Constant(_I64, R), bb)
+            with builder.goto_block(bb):
+                builder.call(_define_rows_dot(builder.module, isa, R, locality), fn_args)
+                builder.branch(done)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _q8_rows_dot_vnni(typingctx, w_q, w_s, x_q, x_s, out, n, t0, nrows):
+    """out[t0:t0+nrows, n] = decode row dots of weight row n with batch rows t0..t0+nrows-1
+    (1 <= nrows <= ROWS_PER_TILE["vnni"]), AVX-512 VNNI; each equals ``q8._q8_row_dot_avx2``'s. No bounds checks."""
+    return _rows_dot_typer(w_q, w_s, x_q, x_s, out, n, t0, nrows, "vnni", 3)
+
+
+@intrinsic
+def _q8_rows_dot_vnni_l2(typingctx, w_q, w_s, x_q, x_s, out, n, t0, nrows):
+    """As _q8_rows_dot_vnni, prefetching the weight stream into L2."""
+    return _rows_dot_typer(w_q, w_s, x_q, x_s, out, n, t0, nrows, "vnni", 2)
+
+
+@intrinsic
+def _q8_rows_dot_avx2(typingctx, w_q, w_s, x_q, x_s, out, n, t0, nrows):
+    """As _q8_rows_dot_vnni with ``vpmaddwd`` (AVX2; nrows <= ROWS_PER_TILE["avx2"])."""
+    return _rows_dot_typer(w_q, w_s, x_q, x_s, out, n, t0, nrows, "avx2", 3)
+
+
+@intrinsic
+def _q8_rows_dot_avx2_l2(typingctx, w_q, w_s, x_q, x_s, out, n, t0, nrows):
+    """As _q8_rows_dot_avx2, prefetching the weight stream into L2."""
+    return _rows_dot_typer(w_q, w_s, x_q, x_s, out, n, t0, nrows, "avx2", 2)
+
+
+@intrinsic
+def _q8_rows_dot_generic(typingctx, w_q, w_s, x_q, x_s, out, n, t0, nrows):
+    """As _q8_rows_dot_vnni in portable IR; each equals ``q8._q8_row_dot_generic``'s."""
+    return _rows_dot_typer(w_q, w_s, x_q, x_s, out, n, t0, nrows, "generic", 3)
+
+
+@intrinsic
+def _q8_rows_dot_generic_l2(typingctx, w_q, w_s, x_q, x_s, out, n, t0, nrows):
+    """As _q8_rows_dot_generic, prefetching the weight stream into L2."""
+    return _rows_dot_typer(w_q, w_s, x_q, x_s, out, n, t0, nrows, "generic", 2)
+
+
+# The multi-row kernels: weight rows split over the threads (static ``prange``: each thread
+# streams one contiguous range of W, as matvec_q8 does), each weight row dotted with the B batch
+# rows in ceil(B / tile) near-equal tiles (B = 12 on AVX2: 3 tiles of 4).
+ROWS_PER_TILE_GENERIC = ROWS_PER_TILE["generic"]
+ROWS_PER_TILE_AVX2 = ROWS_PER_TILE["avx2"]
+ROWS_PER_TILE_VNNI = ROWS_PER_TILE["vnni"]
+
+@njit(cache=True, parallel=True)
+def _rows_q8_generic(w_q, w_s, x_q, x_s, out):
+    """out (B, N): the decode row dots through _q8_rows_dot_generic (tiles: above)."""
+    B = x_q.shape[0]
+    ntiles = (B + ROWS_PER_TILE_GENERIC - 1) // ROWS_PER_TILE_GENERIC
+    if w_q.shape[1] >= LONG_ROW_K:
+        for n in prange(w_q.shape[0]):
+            for i in range(ntiles):
+                t0 = B * i // ntiles
+                _q8_rows_dot_generic_l2(w_q, w_s, x_q, x_s, out, n, t0, B * (i + 1) // ntiles - t0)
+    else:
+        for n in prange(w_q.shape[0]):
+            for i in range(ntiles):
+                t0 = B * i // ntiles
+                _q8_rows_dot_generic(w_q, w_s, x_q, x_s, out, n, t0, B * (i + 1) // ntiles - t0)
 
 
 @njit(cache=True, parallel=True)
 def _rows_q8_avx2(w_q, w_s, x_q, x_s, out):
-    # static split: each thread streams one range of W; long rows prefetch into L2 as matvec_q8
-    # does (the same float32 result whichever prefetch)
+    """out (B, N): the decode row dots through _q8_rows_dot_avx2 (tiles: above)."""
+    B = x_q.shape[0]
+    ntiles = (B + ROWS_PER_TILE_AVX2 - 1) // ROWS_PER_TILE_AVX2
+    if w_q.shape[1] >= LONG_ROW_K:
+        for n in prange(w_q.shape[0]):
+            for i in range(ntiles):
+                t0 = B * i // ntiles
+                _q8_rows_dot_avx2_l2(w_q, w_s, x_q, x_s, out, n, t0, B * (i + 1) // ntiles - t0)
+    else:
+        for n in prange(w_q.shape[0]):
+            for i in range(ntiles):
+                t0 = B * i // ntiles
+                _q8_rows_dot_avx2(w_q, w_s, x_q, x_s, out, n, t0, B * (i + 1) // ntiles - t0)
+
+
+@njit(cache=True, parallel=True)
+def _rows_q8_vnni(w_q, w_s, x_q, x_s, out):
+    """out (B, N): the decode row dots through _q8_rows_dot_vnni (tiles: above)."""
+    B = x_q.shape[0]
+    ntiles = (B + ROWS_PER_TILE_VNNI - 1) // ROWS_PER_TILE_VNNI
+    if w_q.shape[1] >= LONG_ROW_K:
+        for n in prange(w_q.shape[0]):
+            for i in range(ntiles):
+                t0 = B * i // ntiles
+                _q8_rows_dot_vnni_l2(w_q, w_s, x_q, x_s, out, n, t0, B * (i + 1) // ntiles - t0)
+    else:
+        for n in prange(w_q.shape[0]):
+            for i in range(ntiles):
+                t0 = B * i // ntiles
+                _q8_rows_dot_vnni(w_q, w_s, x_q, x_s, out, n, t0, B * (i + 1) // ntiles - t0)
+
+
+@njit(cache=True, parallel=True)
+def _rows_q8_rowwise_avx2(w_q, w_s, x_q, x_s, out):
+    # the one-row decode routine once per (batch row, output): the previous kernel, kept as the
+    # baseline of benchmarks/batch_linear.py and a second witness in the tests
     if w_q.shape[1] >= LONG_ROW_K:
         for n in prange(w_q.shape[0]):
             for t in range(x_q.shape[0]):
@@ -41,7 +306,7 @@ def _rows_q8_avx2(w_q, w_s, x_q, x_s, out):
 
 
 @njit(cache=True, parallel=True)
-def _rows_q8_generic(w_q, w_s, x_q, x_s, out):
+def _rows_q8_rowwise_generic(w_q, w_s, x_q, x_s, out):
     if w_q.shape[1] >= LONG_ROW_K:
         for n in prange(w_q.shape[0]):
             for t in range(x_q.shape[0]):
@@ -52,7 +317,17 @@ def _rows_q8_generic(w_q, w_s, x_q, x_s, out):
                 out[t, n] = _q8_row_dot_generic(w_q, w_s, x_q[t], x_s[t], n)
 
 
-_rows_q8 = _rows_q8_avx2 if HAVE_AVX2 else _rows_q8_generic
+ROWS_Q8_KERNELS = {"generic": _rows_q8_generic}
+"""The multi-row kernel of every ISA this CPU runs (the tests check each against matvec_q8)."""
+if HAVE_AVX2:
+    ROWS_Q8_KERNELS["avx2"] = _rows_q8_avx2
+    _rows_q8_rowwise = _rows_q8_rowwise_avx2
+else:
+    _rows_q8_rowwise = _rows_q8_rowwise_generic
+if HAVE_VNNI:
+    ROWS_Q8_KERNELS["vnni"] = _rows_q8_vnni
+ROWS_Q8_ISA = "vnni" if HAVE_VNNI else "avx2" if HAVE_AVX2 else "generic"
+_rows_q8 = ROWS_Q8_KERNELS[ROWS_Q8_ISA]
 
 
 @njit(cache=True, nogil=True)
