@@ -27,7 +27,7 @@ from numba.extending import intrinsic
 
 from . import numba_setup  # code-generation settings first
 from .q8 import (_F32, _I8, _I16, _I32, _I64, _P8, _V8F32, _V8I32, _V16I16, HAVE_AVX2, LONG_ROW_K, PREFETCH_BYTES,
-                 _c64, _decl, _emit_counted_loop, _hsum_v8f32, _ir_half_to_float_fresh, _prefetch_ahead,
+                 _c64, _decl, _emit_counted_loop, _halves_to_floats, _hsum_v8f32, _ir_half_to_float_fresh, _prefetch_ahead,
                  _q8_row_dot_avx2, _q8_row_dot_avx2_l2, _q8_row_dot_generic, _q8_row_dot_generic_l2,
                  matvec_q8_ref, quantize_act_q16, quantize_act_q16_ref)
 
@@ -45,6 +45,10 @@ ROWS_PER_TILE = {"vnni": 8, "avx2": 4, "generic": 4}
 registers (AVX-512: 32 ymm, AVX2: 16)."""
 
 _V16I32 = ir.VectorType(_I32, 16)
+
+FACTOR_CHUNK = 64
+"""Blocks whose factors f16(w_s) * x_s the multi-row routine forms ahead into its stack buffer
+(R x 64 floats: 2 KiB for 8 rows)."""
 
 
 def _splat8(b, v):
@@ -67,15 +71,15 @@ def _block_sums(b, module, w, xp, isa):
     """IR: <8 x i32> sums of the sign-extended block w with the 32 int16 activations at xp,
     lane for lane those of ``q8._block_dot_i32x8`` on the same ISA family (exact integers, so
     any instruction that forms the same lanes gives the same float result):
-    x86 lane l = products 2l, 2l+1, 16+2l, 17+2l (``vpmaddwd`` x2 + add, or ``vpdpwssd`` x2);
+    x86 lane l = products 2l, 2l+1, 16+2l, 17+2l (``vpmaddwd`` x2 + add, or ``vpmaddwd`` + ``vpdpwssd``);
     generic lane l = products l, 8+l, 16+l, 24+l."""
     x0 = b.load(b.bitcast(xp, _V16I16.as_pointer()), align=1)
     x1 = b.load(b.bitcast(b.gep(xp, [_c64(32)]), _V16I16.as_pointer()), align=1)
     if isa == "vnni":
         dpwssd = _decl(module, "llvm.x86.avx512.vpdpwssd.256", _V8I32, [_V8I32, _V8I32, _V8I32])
+        maddwd = _decl(module, "llvm.x86.avx2.pmadd.wd", _V8I32, [_V16I16, _V16I16])
         as8 = lambda v: b.bitcast(v, _V8I32)  # noqa: E731  (the intrinsic types its int16 pairs as i32)
-        s = b.call(dpwssd, [ir.Constant(_V8I32, [0] * 8), as8(w[0]), as8(x0)])
-        return b.call(dpwssd, [s, as8(w[1]), as8(x1)])
+        return b.call(dpwssd, [b.call(maddwd, [w[0], x0]), as8(w[1]), as8(x1)])
     if isa == "avx2":
         maddwd = _decl(module, "llvm.x86.avx2.pmadd.wd", _V8I32, [_V16I16, _V16I16])
         return b.add(b.call(maddwd, [w[0], x0]), b.call(maddwd, [w[1], x1]))
@@ -92,12 +96,16 @@ def _define_rows_dot(module, isa: str, R: int, locality: int):
     Per row t the float arithmetic is that of ``q8._define_row_dot`` (same ISA family): block b's
     8 lane sums, converted to float, FMA'd with the factor f16(ws[b]) * xs[t, b] into accumulator
     b % 2 in block order; then acc0 + acc1, an odd last block FMA'd into that, and the same
-    horizontal sum. Only the integer work and the loads are shared: each weight block is loaded
-    and sign-extended once for the R rows (and its scale converted once), and the R rows' 2R
-    accumulator chains interleave, where the one-row routine waits on one FMA chain per 2 blocks.
-    A prefetch PREFETCH_BYTES ahead of each block pair (``locality`` 3: L1, 2: L2).
+    horizontal sum. What is shared: each weight block is loaded and sign-extended once for the R
+    rows, and the R rows' 2R accumulator chains interleave (the one-row routine waits on one FMA
+    chain per 2 blocks). The factors of a chunk of FACTOR_CHUNK blocks are formed first, 8 blocks
+    per ``vcvtph2ps`` + ``vmulps`` per row, into a stack buffer, from which each block's FMA takes
+    its factor as a broadcast memory operand (AVX-512: an embedded broadcast; no shuffle per
+    (row, block)). One loop step is one block for every row, the two accumulators of each row
+    swapping roles every step (so block b still lands in accumulator b % 2). A prefetch
+    PREFETCH_BYTES ahead of every block, as the one-row routine (``locality`` 3: L1, 2: L2).
     """
-    name = f"cpullm_q8_rows_dot_v1_{isa}_r{R}_l{locality}"
+    name = f"cpullm_q8_rows_dot_v2_{isa}_r{R}_l{locality}"
     fn = module.globals.get(name)
     if fn is not None:
         return fn
@@ -105,42 +113,69 @@ def _define_rows_dot(module, isa: str, R: int, locality: int):
     fn.linkage = "internal"
     fn.attributes.add("nounwind")
     w, ws, x, xst, xs, xsst, nb, out, ost = fn.args
+    CH = FACTOR_CHUNK
     zero = ir.Constant(_V8F32, [0.0] * 8)
     fmuladd = _decl(module, "llvm.fmuladd.v8f32", _V8F32, [_V8F32, _V8F32, _V8F32])
     b = ir.IRBuilder(fn.append_basic_block("entry"))
+    fbuf = b.alloca(ir.ArrayType(_F32, R * CH), name="factors")
+    fbase = b.bitcast(fbuf, _F32.as_pointer())
     wsp = b.bitcast(ws, _I16.as_pointer())
     xrow = [b.gep(x, [b.mul(xst, _c64(t))]) for t in range(R)]
     xsrow = [b.bitcast(b.gep(xs, [b.mul(xsst, _c64(t))]), _F32.as_pointer()) for t in range(R)]
+    frow = [b.gep(fbase, [_c64(t * CH)]) for t in range(R)]
 
-    def block(b, i, accs, prefetch):
-        """Block i for every row: accs (R values) -> new accs."""
+    def factors(b, c0, i, width):
+        """factors of blocks i .. i + width - 1 (chunk starting at c0) into the buffer, every row."""
+        h = b.load(b.bitcast(b.gep(wsp, [i]), ir.VectorType(_I16, width).as_pointer()), align=2)
+        hf = _halves_to_floats(b, h)
+        vf = ir.VectorType(_F32, width).as_pointer()
+        for t in range(R):
+            xv = b.load(b.bitcast(b.gep(xsrow[t], [i]), vf), align=4)
+            b.store(b.fmul(hf, xv), b.bitcast(b.gep(frow[t], [b.sub(i, c0)]), vf), align=4)
+
+    def block(b, i, c0, accs):
+        """Block i for every row, factors from the buffer (chunk at c0): accs (R values) -> new."""
         off = b.shl(i, _c64(5))
         wp = b.gep(w, [off])
-        if prefetch:
-            _prefetch_ahead(b, module, wp, locality)
         wv = _load_weight_block(b, wp, isa)
-        h = _splat8(b, _ir_half_to_float_fresh(b, b.load(b.gep(wsp, [i]))))
         xoff = b.shl(off, _c64(1))
         new = []
         for t in range(R):
             sums = _block_sums(b, module, wv, b.gep(xrow[t], [xoff]), isa)
-            factor = b.fmul(h, _splat8(b, b.load(b.gep(xsrow[t], [i]))))
+            factor = _splat8(b, b.load(b.gep(frow[t], [b.sub(i, c0)])))
             new.append(b.call(fmuladd, [b.sitofp(sums, _V8F32), factor, accs[t]]))
         return new
 
-    def pair(b, j, accs):
-        even = block(b, j, accs[:R], True)
-        odd = block(b, b.add(j, _c64(1)), accs[R:], False)
-        return even + odd
+    def chunk(b, c0, accs):
+        """Blocks [c0, min(c0 + CH, pair_end)): accs = [acc0 (R), acc1 (R)] -> new (c0 even, CH even)."""
+        c1 = b.select(b.icmp_signed("<", b.add(c0, _c64(CH)), pair_end), b.add(c0, _c64(CH)), pair_end)
+        end8 = b.add(c0, b.and_(b.sub(c1, c0), _c64(-8)))
+        b, _ = _emit_counted_loop(fn, b, c0, end8, 8, [], lambda b, i, a: (factors(b, c0, i, 8), [])[1], "f8")
+        b, _ = _emit_counted_loop(fn, b, end8, c1, 1, [], lambda b, i, a: (factors(b, c0, i, 1), [])[1], "f1")
+
+        def step(b, i, a):      # a = [this block's parity accumulators (R), the other parity's (R)]
+            _prefetch_ahead(b, module, b.gep(w, [b.shl(i, _c64(5))]), locality)
+            return a[R:] + block(b, i, c0, a[:R])
+
+        b, accs = _emit_counted_loop(fn, b, c0, c1, 1, accs, step, "blocks")
+        return b, accs
 
     pair_end = b.and_(nb, _c64(-2))
-    b, accs = _emit_counted_loop(fn, b, _c64(0), pair_end, 2, [zero] * (2 * R), pair, "pairs")
+
+    b, accs = _emit_counted_loop_nested(fn, b, _c64(0), pair_end, CH, [zero] * (2 * R), chunk)
     tots = [b.fadd(accs[t], accs[R + t]) for t in range(R)]
     pre = b.block
     odd_bb, done = fn.append_basic_block("odd"), fn.append_basic_block("odd_done")
     b.cbranch(b.icmp_signed("<", pair_end, nb), odd_bb, done)
     b = ir.IRBuilder(odd_bb)
-    odd_tots = block(b, pair_end, tots, False)
+    h = _splat8(b, _ir_half_to_float_fresh(b, b.load(b.gep(wsp, [pair_end]))))
+    wv = _load_weight_block(b, b.gep(w, [b.shl(pair_end, _c64(5))]), isa)
+    xoff = b.shl(pair_end, _c64(6))
+    odd_tots = []
+    for t in range(R):
+        sums = _block_sums(b, module, wv, b.gep(xrow[t], [xoff]), isa)
+        factor = b.fmul(h, _splat8(b, b.load(b.gep(xsrow[t], [pair_end]))))
+        odd_tots.append(b.call(fmuladd, [b.sitofp(sums, _V8F32), factor, tots[t]]))
     last = b.block
     b.branch(done)
     b = ir.IRBuilder(done)
@@ -155,6 +190,32 @@ def _define_rows_dot(module, isa: str, R: int, locality: int):
         b.store(_hsum_v8f32(b, finals[t]), op)
     b.ret_void()
     return fn
+
+
+def _emit_counted_loop_nested(fn, b, start, end, step, accs, body):
+    """IR: ``for i in range(start, end, step): accs = body(b, i, accs)`` where ``body`` may emit
+    blocks of its own: it returns (builder at the end of its last open block, new values)."""
+    pre = b.block
+    head, done = fn.append_basic_block("chunks"), fn.append_basic_block("chunks_done")
+    b.cbranch(b.icmp_signed("<", start, end), head, done)
+    b = ir.IRBuilder(head)
+    i = b.phi(_I64)
+    phis = [b.phi(a.type) for a in accs]
+    b, new = body(b, i, phis)
+    i_next = b.add(i, _c64(step))
+    last = b.block
+    for phi, v_in, v_loop in zip([i, *phis], [start, *accs], [i_next, *new]):
+        phi.add_incoming(v_in, pre)
+        phi.add_incoming(v_loop, last)
+    b.cbranch(b.icmp_signed("<", i_next, end), head, done)
+    b = ir.IRBuilder(done)
+    out = []
+    for a, n in zip(accs, new):
+        phi = b.phi(a.type)
+        phi.add_incoming(a, pre)
+        phi.add_incoming(n, last)
+        out.append(phi)
+    return b, out
 
 
 def _rows_dot_typer(w_q, w_s, x_q, x_s, out, n, t0, nrows, isa, locality):
