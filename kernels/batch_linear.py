@@ -126,6 +126,11 @@ def _define_rows_dot(module, isa: str, R: int, locality: int):
 
     def factors(b, c0, i, width):
         """factors of blocks i .. i + width - 1 (chunk starting at c0) into the buffer, every row."""
+        if width == 1:       # a lone scale: through vmovd, never a vpinsrw merging into an accumulator
+            hf = _ir_half_to_float_fresh(b, b.load(b.gep(wsp, [i])))
+            for t in range(R):
+                b.store(b.fmul(hf, b.load(b.gep(xsrow[t], [i]))), b.gep(frow[t], [b.sub(i, c0)]))
+            return
         h = b.load(b.bitcast(b.gep(wsp, [i]), ir.VectorType(_I16, width).as_pointer()), align=2)
         hf = _halves_to_floats(b, h)
         vf = ir.VectorType(_F32, width).as_pointer()
@@ -153,11 +158,12 @@ def _define_rows_dot(module, isa: str, R: int, locality: int):
         b, _ = _emit_counted_loop(fn, b, c0, end8, 8, [], lambda b, i, a: (factors(b, c0, i, 8), [])[1], "f8")
         b, _ = _emit_counted_loop(fn, b, end8, c1, 1, [], lambda b, i, a: (factors(b, c0, i, 1), [])[1], "f1")
 
-        def step(b, i, a):      # a = [this block's parity accumulators (R), the other parity's (R)]
+        def step(b, i, a):      # blocks i (even: a[:R]) and i + 1 (odd: a[R:])
             _prefetch_ahead(b, module, b.gep(w, [b.shl(i, _c64(5))]), locality)
-            return a[R:] + block(b, i, c0, a[:R])
+            even = block(b, i, c0, a[:R])
+            return even + block(b, b.add(i, _c64(1)), c0, a[R:])
 
-        b, accs = _emit_counted_loop(fn, b, c0, c1, 1, accs, step, "blocks")
+        b, accs = _emit_counted_loop(fn, b, c0, c1, 2, accs, step, "blocks")
         return b, accs
 
     pair_end = b.and_(nb, _c64(-2))
@@ -306,7 +312,14 @@ def _rows_q8_generic(w_q, w_s, x_q, x_s, out):
     """out (B, N): the decode row dots through _q8_rows_dot_generic (tiles: above)."""
     B = x_q.shape[0]
     ntiles = (B + ROWS_PER_TILE_GENERIC - 1) // ROWS_PER_TILE_GENERIC
-    if w_q.shape[1] >= LONG_ROW_K:
+    if B == 1:           # nothing to share: the one-row routine (faster alone, the same numbers)
+        if w_q.shape[1] >= LONG_ROW_K:
+            for n in prange(w_q.shape[0]):
+                out[0, n] = _q8_row_dot_generic_l2(w_q, w_s, x_q[0], x_s[0], n)
+        else:
+            for n in prange(w_q.shape[0]):
+                out[0, n] = _q8_row_dot_generic(w_q, w_s, x_q[0], x_s[0], n)
+    elif w_q.shape[1] >= LONG_ROW_K:
         for n in prange(w_q.shape[0]):
             for i in range(ntiles):
                 t0 = B * i // ntiles
@@ -323,7 +336,14 @@ def _rows_q8_avx2(w_q, w_s, x_q, x_s, out):
     """out (B, N): the decode row dots through _q8_rows_dot_avx2 (tiles: above)."""
     B = x_q.shape[0]
     ntiles = (B + ROWS_PER_TILE_AVX2 - 1) // ROWS_PER_TILE_AVX2
-    if w_q.shape[1] >= LONG_ROW_K:
+    if B == 1:           # nothing to share: the one-row routine (faster alone, the same numbers)
+        if w_q.shape[1] >= LONG_ROW_K:
+            for n in prange(w_q.shape[0]):
+                out[0, n] = _q8_row_dot_avx2_l2(w_q, w_s, x_q[0], x_s[0], n)
+        else:
+            for n in prange(w_q.shape[0]):
+                out[0, n] = _q8_row_dot_avx2(w_q, w_s, x_q[0], x_s[0], n)
+    elif w_q.shape[1] >= LONG_ROW_K:
         for n in prange(w_q.shape[0]):
             for i in range(ntiles):
                 t0 = B * i // ntiles
@@ -340,7 +360,14 @@ def _rows_q8_vnni(w_q, w_s, x_q, x_s, out):
     """out (B, N): the decode row dots through _q8_rows_dot_vnni (tiles: above)."""
     B = x_q.shape[0]
     ntiles = (B + ROWS_PER_TILE_VNNI - 1) // ROWS_PER_TILE_VNNI
-    if w_q.shape[1] >= LONG_ROW_K:
+    if B == 1:           # nothing to share: the one-row routine (faster alone, the same numbers)
+        if w_q.shape[1] >= LONG_ROW_K:
+            for n in prange(w_q.shape[0]):
+                out[0, n] = _q8_row_dot_avx2_l2(w_q, w_s, x_q[0], x_s[0], n)
+        else:
+            for n in prange(w_q.shape[0]):
+                out[0, n] = _q8_row_dot_avx2(w_q, w_s, x_q[0], x_s[0], n)
+    elif w_q.shape[1] >= LONG_ROW_K:
         for n in prange(w_q.shape[0]):
             for i in range(ntiles):
                 t0 = B * i // ntiles
