@@ -98,8 +98,8 @@ def _define_rows_dot(module, isa: str, R: int, locality: int):
     b % 2 in block order; then acc0 + acc1, an odd last block FMA'd into that, and the same
     horizontal sum. What is shared: each weight block is loaded and sign-extended once for the R
     rows, and the R rows' 2R accumulator chains interleave (the one-row routine waits on one FMA
-    chain per 2 blocks). The factors of a chunk of FACTOR_CHUNK blocks are formed first, 8 blocks
-    per ``vcvtph2ps`` + ``vmulps`` per row, into a stack buffer, from which each block's FMA takes
+    chain per 2 blocks). The factors of a chunk of FACTOR_CHUNK blocks are formed first, 8 (or 4)
+    blocks per ``vcvtph2ps`` + ``vmulps`` per row, into a stack buffer, from which each block's FMA takes
     its factor as a broadcast memory operand (AVX-512: an embedded broadcast; no shuffle per
     (row, block)). One loop step is one block for every row, the two accumulators of each row
     swapping roles every step (so block b still lands in accumulator b % 2). A prefetch
@@ -155,8 +155,10 @@ def _define_rows_dot(module, isa: str, R: int, locality: int):
         """Blocks [c0, min(c0 + CH, pair_end)): accs = [acc0 (R), acc1 (R)] -> new (c0 even, CH even)."""
         c1 = b.select(b.icmp_signed("<", b.add(c0, _c64(CH)), pair_end), b.add(c0, _c64(CH)), pair_end)
         end8 = b.add(c0, b.and_(b.sub(c1, c0), _c64(-8)))
+        end4 = b.add(end8, b.and_(b.sub(c1, end8), _c64(-4)))
         b, _ = _emit_counted_loop(fn, b, c0, end8, 8, [], lambda b, i, a: (factors(b, c0, i, 8), [])[1], "f8")
-        b, _ = _emit_counted_loop(fn, b, end8, c1, 1, [], lambda b, i, a: (factors(b, c0, i, 1), [])[1], "f1")
+        b, _ = _emit_counted_loop(fn, b, end8, end4, 4, [], lambda b, i, a: (factors(b, c0, i, 4), [])[1], "f4")
+        b, _ = _emit_counted_loop(fn, b, end4, c1, 1, [], lambda b, i, a: (factors(b, c0, i, 1), [])[1], "f1")
 
         def step(b, i, a):      # blocks i (even: a[:R]) and i + 1 (odd: a[R:])
             _prefetch_ahead(b, module, b.gep(w, [b.shl(i, _c64(5))]), locality)
@@ -304,6 +306,18 @@ def _q8_rows_dot_generic_l2(typingctx, w_q, w_s, x_q, x_s, out, n, t0, nrows):
 # streams one contiguous range of W, as matvec_q8 does), each weight row dotted with the B batch
 # rows in ceil(B / tile) near-equal tiles (B = 12 on AVX2: 3 tiles of 4).
 ROWS_PER_TILE_GENERIC = ROWS_PER_TILE["generic"]
+
+
+@njit(cache=True, inline="always")
+def _tile_starts(B, ntiles):
+    """First batch row of each of ntiles near-equal tiles of B rows, and B (ntiles + 1 values;
+    formed once per call: an integer division per (weight row, tile) cost ~10 % at B = 2)."""
+    starts = np.empty(ntiles + 1, np.int64)
+    for i in range(ntiles + 1):
+        starts[i] = B * i // ntiles
+    return starts
+
+
 ROWS_PER_TILE_AVX2 = ROWS_PER_TILE["avx2"]
 ROWS_PER_TILE_VNNI = ROWS_PER_TILE["vnni"]
 
@@ -312,6 +326,7 @@ def _rows_q8_generic(w_q, w_s, x_q, x_s, out):
     """out (B, N): the decode row dots through _q8_rows_dot_generic (tiles: above)."""
     B = x_q.shape[0]
     ntiles = (B + ROWS_PER_TILE_GENERIC - 1) // ROWS_PER_TILE_GENERIC
+    starts = _tile_starts(B, ntiles)
     if B == 1:           # nothing to share: the one-row routine (faster alone, the same numbers)
         if w_q.shape[1] >= LONG_ROW_K:
             for n in prange(w_q.shape[0]):
@@ -322,13 +337,11 @@ def _rows_q8_generic(w_q, w_s, x_q, x_s, out):
     elif w_q.shape[1] >= LONG_ROW_K:
         for n in prange(w_q.shape[0]):
             for i in range(ntiles):
-                t0 = B * i // ntiles
-                _q8_rows_dot_generic_l2(w_q, w_s, x_q, x_s, out, n, t0, B * (i + 1) // ntiles - t0)
+                _q8_rows_dot_generic_l2(w_q, w_s, x_q, x_s, out, n, starts[i], starts[i + 1] - starts[i])
     else:
         for n in prange(w_q.shape[0]):
             for i in range(ntiles):
-                t0 = B * i // ntiles
-                _q8_rows_dot_generic(w_q, w_s, x_q, x_s, out, n, t0, B * (i + 1) // ntiles - t0)
+                _q8_rows_dot_generic(w_q, w_s, x_q, x_s, out, n, starts[i], starts[i + 1] - starts[i])
 
 
 @njit(cache=True, parallel=True)
@@ -336,6 +349,7 @@ def _rows_q8_avx2(w_q, w_s, x_q, x_s, out):
     """out (B, N): the decode row dots through _q8_rows_dot_avx2 (tiles: above)."""
     B = x_q.shape[0]
     ntiles = (B + ROWS_PER_TILE_AVX2 - 1) // ROWS_PER_TILE_AVX2
+    starts = _tile_starts(B, ntiles)
     if B == 1:           # nothing to share: the one-row routine (faster alone, the same numbers)
         if w_q.shape[1] >= LONG_ROW_K:
             for n in prange(w_q.shape[0]):
@@ -346,13 +360,11 @@ def _rows_q8_avx2(w_q, w_s, x_q, x_s, out):
     elif w_q.shape[1] >= LONG_ROW_K:
         for n in prange(w_q.shape[0]):
             for i in range(ntiles):
-                t0 = B * i // ntiles
-                _q8_rows_dot_avx2_l2(w_q, w_s, x_q, x_s, out, n, t0, B * (i + 1) // ntiles - t0)
+                _q8_rows_dot_avx2_l2(w_q, w_s, x_q, x_s, out, n, starts[i], starts[i + 1] - starts[i])
     else:
         for n in prange(w_q.shape[0]):
             for i in range(ntiles):
-                t0 = B * i // ntiles
-                _q8_rows_dot_avx2(w_q, w_s, x_q, x_s, out, n, t0, B * (i + 1) // ntiles - t0)
+                _q8_rows_dot_avx2(w_q, w_s, x_q, x_s, out, n, starts[i], starts[i + 1] - starts[i])
 
 
 @njit(cache=True, parallel=True)
@@ -360,6 +372,7 @@ def _rows_q8_vnni(w_q, w_s, x_q, x_s, out):
     """out (B, N): the decode row dots through _q8_rows_dot_vnni (tiles: above)."""
     B = x_q.shape[0]
     ntiles = (B + ROWS_PER_TILE_VNNI - 1) // ROWS_PER_TILE_VNNI
+    starts = _tile_starts(B, ntiles)
     if B == 1:           # nothing to share: the one-row routine (faster alone, the same numbers)
         if w_q.shape[1] >= LONG_ROW_K:
             for n in prange(w_q.shape[0]):
@@ -370,13 +383,11 @@ def _rows_q8_vnni(w_q, w_s, x_q, x_s, out):
     elif w_q.shape[1] >= LONG_ROW_K:
         for n in prange(w_q.shape[0]):
             for i in range(ntiles):
-                t0 = B * i // ntiles
-                _q8_rows_dot_vnni_l2(w_q, w_s, x_q, x_s, out, n, t0, B * (i + 1) // ntiles - t0)
+                _q8_rows_dot_vnni_l2(w_q, w_s, x_q, x_s, out, n, starts[i], starts[i + 1] - starts[i])
     else:
         for n in prange(w_q.shape[0]):
             for i in range(ntiles):
-                t0 = B * i // ntiles
-                _q8_rows_dot_vnni(w_q, w_s, x_q, x_s, out, n, t0, B * (i + 1) // ntiles - t0)
+                _q8_rows_dot_vnni(w_q, w_s, x_q, x_s, out, n, starts[i], starts[i + 1] - starts[i])
 
 
 @njit(cache=True, parallel=True)
