@@ -6,11 +6,21 @@ Each weight row is read from memory once and dotted with every batch row while i
 (a q8 row is Kp bytes: 896 to 4864 for Qwen2.5-0.5B), so B sequences cost one weight stream,
 not B, which is what makes batched decode pay: decode is bound by reading the weights.
 
-Batch invariance is the point of these kernels, not an accident: every (row, output) product is
-computed by exactly the routine one-token decode uses (``q8._q8_row_dot_*``, whose float32 result
-is fixed by its written order of blocks; ``quantize_act_q16`` per row), so a row's result is
-bit-identical to the single-sequence decode and independent of what else is in the batch. The
-prefill GEMM (``q8_gemm.matmul_w8a16``) sums in another order and is not used here.
+Batch invariance is the point of these kernels, not an accident: every (row, output) value is
+computed with exactly the float arithmetic of the routine one-token decode uses
+(``q8._q8_row_dot_*``, whose float32 result is fixed by its written order of blocks;
+``quantize_act_q16`` per row), so a row's result is bit-identical to the single-sequence decode
+and independent of what else is in the batch. The prefill GEMM (``q8_gemm.matmul_w8a16``) sums in
+another order and is not used here.
+
+The q8 kernel (``_rows_q8``) is a multi-row routine (``_define_rows_dot``): per weight row and
+tile of up to 8 (AVX-512 VNNI) or 4 (AVX2, generic) batch rows, each block of 32 weights is loaded
+and sign-extended once, its integer dot with every row's block formed (the same 8 int32 lane sums
+as the one-row routine: exact, whichever instructions form them; ``vpmaddwd`` + ``vpdpwssd`` on
+VNNI), and only the float steps are per row, in the one-row routine's order. The row-wise kernel
+(the one-row routine once per (row, output): ``_rows_q8_rowwise``) is kept as the baseline.
+Measured (benchmarks/batch_linear.py, 75968 x 896, 2 threads, shared 2-core Zen 4, interleaved
+medians): see benchmarks/results/2026-12-04-batch-linear.md.
 
 The f32 variant keeps one compiled inner loop for every (row, output) pair, so its result does
 not depend on B either (it is not promised to equal ``q8.matvec_f32`` bit for bit: a fastmath
