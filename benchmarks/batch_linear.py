@@ -68,7 +68,7 @@ def main() -> None:
         med = {n: float(np.median(times[n, B])) for n in kernels}
         ratios = [float(np.median(np.array(times["rowwise", B]) / np.array(times[n, B]))) for n in kernels if n != "rowwise"]
         macs = a.n * Kp * B
-        print(f"| {B} | " + " | ".join(f"{med[n] * 1e3:.1f}" for n in kernels) + " | "
+        print(f"| {B} | " + " | ".join(f"{med[n] * 1e3:.{1 if med[n] > 0.01 else 3}f}" for n in kernels) + " | "
               + " | ".join(f"{macs / med[n] / 1e9:.1f}" for n in kernels) + " | "
               + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
 
