@@ -50,10 +50,12 @@ from .q8 import (_F32, _I8, _I16, _I32, _I64, _P8, _V8F32, _V8I32, _V16I16, HAVE
 HAVE_VNNI = HAVE_AVX2 and numba_setup.HOST_IS_X86 and {"avx512f", "avx512bw", "avx512vl", "avx512vnni"} <= numba_setup.HOST_FEATURES
 """True when the multi-row routine uses ``vpdpwssd`` (AVX-512 VNNI on ymm; 32 vector registers)."""
 
-ROWS_PER_TILE = {"vnni": 4, "avx2": 4, "generic": 4}
-WEIGHT_ROWS_PER_TILE = {"vnni": 2, "avx2": 1, "generic": 1}
+ROWS_PER_TILE = {"vnni": 8, "avx2": 4, "generic": 4}
 """Batch rows one weight row is dotted with at a time: 2 float accumulators per row must stay in
-registers (AVX-512: 32 ymm, AVX2: 16)."""
+registers (AVX-512: 32 ymm, AVX2: 16). A tile of 2 weight rows x 4 batch rows (each activation
+block loaded once for both) was tried on the Zen 4: faster L2-resident on 1 thread (B = 4: 0.64 vs
+0.88 ns per (row, block)) but slower streaming the 65 MB matrix on 2 threads (B = 2: 0.59x the
+row-wise kernel's speed, B = 8: 1.25x vs 1.45x for 1 x 8), so it was not kept."""
 
 _V16I32 = ir.VectorType(_I32, 16)
 
@@ -99,7 +101,7 @@ def _block_sums(b, module, w, xp, isa):
     return b.add(half(0), half(1))
 
 
-def _define_rows_dot(module, isa: str, M: int, R: int, locality: int):
+def _define_rows_dot(module, isa: str, R: int, locality: int):
     """void @cpullm_q8_rows_dot_*(i8* w_row, i8* ws_row, i8* x, i64 x_stride, i8* xs, i64 xs_stride,
     i64 nblocks, i8* out, i64 out_stride): out[t] = the q8 row dot of (w_row, ws_row) with batch
     row t of (x, xs), for t < R (strides in bytes).
@@ -116,59 +118,54 @@ def _define_rows_dot(module, isa: str, M: int, R: int, locality: int):
     swapping roles every step (so block b still lands in accumulator b % 2). A prefetch
     PREFETCH_BYTES ahead of every block, as the one-row routine (``locality`` 3: L1, 2: L2).
     """
-    name = f"cpullm_q8_rows_dot_v3_{isa}_m{M}_r{R}_l{locality}"
+    name = f"cpullm_q8_rows_dot_v2_{isa}_r{R}_l{locality}"
     fn = module.globals.get(name)
     if fn is not None:
         return fn
-    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [_P8, _I64, _P8, _I64, _P8, _I64, _P8, _I64, _I64, _P8,
-                                                             _I64, _I64]), name)
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [_P8, _P8, _P8, _I64, _P8, _I64, _I64, _P8, _I64]), name)
     fn.linkage = "internal"
     fn.attributes.add("nounwind")
-    w, wst, ws, wsst, x, xst, xs, xsst, nb, out, ost, ostn = fn.args
+    w, ws, x, xst, xs, xsst, nb, out, ost = fn.args
     CH = FACTOR_CHUNK
-    V = [(m, t) for m in range(M) for t in range(R)]       # (weight row, batch row) of each output
     zero = ir.Constant(_V8F32, [0.0] * 8)
     fmuladd = _decl(module, "llvm.fmuladd.v8f32", _V8F32, [_V8F32, _V8F32, _V8F32])
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    fbuf = b.alloca(ir.ArrayType(_F32, M * R * CH), name="factors")
+    fbuf = b.alloca(ir.ArrayType(_F32, R * CH), name="factors")
     fbase = b.bitcast(fbuf, _F32.as_pointer())
-    wrow = [b.gep(w, [b.mul(wst, _c64(m))]) for m in range(M)]
-    wsp = [b.bitcast(b.gep(ws, [b.mul(wsst, _c64(m))]), _I16.as_pointer()) for m in range(M)]
+    wsp = b.bitcast(ws, _I16.as_pointer())
     xrow = [b.gep(x, [b.mul(xst, _c64(t))]) for t in range(R)]
     xsrow = [b.bitcast(b.gep(xs, [b.mul(xsst, _c64(t))]), _F32.as_pointer()) for t in range(R)]
-    frow = [b.gep(fbase, [_c64(v * CH)]) for v in range(len(V))]
+    frow = [b.gep(fbase, [_c64(t * CH)]) for t in range(R)]
 
     def factors(b, c0, i, width):
-        """factors of blocks i .. i + width - 1 (chunk starting at c0) into the buffer, every output."""
-        for m in range(M):
-            if width == 1:   # a lone scale: through vmovd, never a vpinsrw merging into an accumulator
-                hf = _ir_half_to_float_fresh(b, b.load(b.gep(wsp[m], [i])))
-                for t in range(R):
-                    b.store(b.fmul(hf, b.load(b.gep(xsrow[t], [i]))), b.gep(frow[m * R + t], [b.sub(i, c0)]))
-                continue
-            h = b.load(b.bitcast(b.gep(wsp[m], [i]), ir.VectorType(_I16, width).as_pointer()), align=2)
-            hf = _halves_to_floats(b, h)
-            vf = ir.VectorType(_F32, width).as_pointer()
+        """factors of blocks i .. i + width - 1 (chunk starting at c0) into the buffer, every row."""
+        if width == 1:       # a lone scale: through vmovd, never a vpinsrw merging into an accumulator
+            hf = _ir_half_to_float_fresh(b, b.load(b.gep(wsp, [i])))
             for t in range(R):
-                xv = b.load(b.bitcast(b.gep(xsrow[t], [i]), vf), align=4)
-                b.store(b.fmul(hf, xv), b.bitcast(b.gep(frow[m * R + t], [b.sub(i, c0)]), vf), align=4)
+                b.store(b.fmul(hf, b.load(b.gep(xsrow[t], [i]))), b.gep(frow[t], [b.sub(i, c0)]))
+            return
+        h = b.load(b.bitcast(b.gep(wsp, [i]), ir.VectorType(_I16, width).as_pointer()), align=2)
+        hf = _halves_to_floats(b, h)
+        vf = ir.VectorType(_F32, width).as_pointer()
+        for t in range(R):
+            xv = b.load(b.bitcast(b.gep(xsrow[t], [i]), vf), align=4)
+            b.store(b.fmul(hf, xv), b.bitcast(b.gep(frow[t], [b.sub(i, c0)]), vf), align=4)
 
     def block(b, i, c0, accs):
-        """Block i for every output, factors from the buffer (chunk at c0): accs (M * R) -> new."""
+        """Block i for every row, factors from the buffer (chunk at c0): accs (R values) -> new."""
         off = b.shl(i, _c64(5))
-        wv = [_load_weight_block(b, b.gep(wrow[m], [off]), isa) for m in range(M)]
+        wp = b.gep(w, [off])
+        wv = _load_weight_block(b, wp, isa)
         xoff = b.shl(off, _c64(1))
         new = []
-        for v, (m, t) in enumerate(V):       # the same x loads for every m (LLVM merges them)
-            sums = _block_sums(b, module, wv[m], b.gep(xrow[t], [xoff]), isa)
-            factor = _splat8(b, b.load(b.gep(frow[v], [b.sub(i, c0)])))
-            new.append(b.call(fmuladd, [b.sitofp(sums, _V8F32), factor, accs[v]]))
+        for t in range(R):
+            sums = _block_sums(b, module, wv, b.gep(xrow[t], [xoff]), isa)
+            factor = _splat8(b, b.load(b.gep(frow[t], [b.sub(i, c0)])))
+            new.append(b.call(fmuladd, [b.sitofp(sums, _V8F32), factor, accs[t]]))
         return new
 
-    nv = len(V)
-
     def chunk(b, c0, accs):
-        """Blocks [c0, min(c0 + CH, pair_end)): accs = [acc0 (nv), acc1 (nv)] -> new (c0 even, CH even)."""
+        """Blocks [c0, min(c0 + CH, pair_end)): accs = [acc0 (R), acc1 (R)] -> new (c0 even, CH even)."""
         c1 = b.select(b.icmp_signed("<", b.add(c0, _c64(CH)), pair_end), b.add(c0, _c64(CH)), pair_end)
         end8 = b.add(c0, b.and_(b.sub(c1, c0), _c64(-8)))
         end4 = b.add(end8, b.and_(b.sub(c1, end8), _c64(-4)))
@@ -176,43 +173,42 @@ def _define_rows_dot(module, isa: str, M: int, R: int, locality: int):
         b, _ = _emit_counted_loop(fn, b, end8, end4, 4, [], lambda b, i, a: (factors(b, c0, i, 4), [])[1], "f4")
         b, _ = _emit_counted_loop(fn, b, end4, c1, 1, [], lambda b, i, a: (factors(b, c0, i, 1), [])[1], "f1")
 
-        def step(b, i, a):      # blocks i (even: a[:nv]) and i + 1 (odd: a[nv:])
-            for m in range(M):
-                _prefetch_ahead(b, module, b.gep(wrow[m], [b.shl(i, _c64(5))]), locality)
-            even = block(b, i, c0, a[:nv])
-            return even + block(b, b.add(i, _c64(1)), c0, a[nv:])
+        def step(b, i, a):      # blocks i (even: a[:R]) and i + 1 (odd: a[R:])
+            _prefetch_ahead(b, module, b.gep(w, [b.shl(i, _c64(5))]), locality)
+            even = block(b, i, c0, a[:R])
+            return even + block(b, b.add(i, _c64(1)), c0, a[R:])
 
         b, accs = _emit_counted_loop(fn, b, c0, c1, 2, accs, step, "blocks")
         return b, accs
 
     pair_end = b.and_(nb, _c64(-2))
 
-    b, accs = _emit_counted_loop_nested(fn, b, _c64(0), pair_end, CH, [zero] * (2 * nv), chunk)
-    tots = [b.fadd(accs[v], accs[nv + v]) for v in range(nv)]
+    b, accs = _emit_counted_loop_nested(fn, b, _c64(0), pair_end, CH, [zero] * (2 * R), chunk)
+    tots = [b.fadd(accs[t], accs[R + t]) for t in range(R)]
     pre = b.block
     odd_bb, done = fn.append_basic_block("odd"), fn.append_basic_block("odd_done")
     b.cbranch(b.icmp_signed("<", pair_end, nb), odd_bb, done)
     b = ir.IRBuilder(odd_bb)
-    hs = [_splat8(b, _ir_half_to_float_fresh(b, b.load(b.gep(wsp[m], [pair_end])))) for m in range(M)]
-    wv = [_load_weight_block(b, b.gep(wrow[m], [b.shl(pair_end, _c64(5))]), isa) for m in range(M)]
+    h = _splat8(b, _ir_half_to_float_fresh(b, b.load(b.gep(wsp, [pair_end]))))
+    wv = _load_weight_block(b, b.gep(w, [b.shl(pair_end, _c64(5))]), isa)
     xoff = b.shl(pair_end, _c64(6))
     odd_tots = []
-    for v, (m, t) in enumerate(V):
-        sums = _block_sums(b, module, wv[m], b.gep(xrow[t], [xoff]), isa)
-        factor = b.fmul(hs[m], _splat8(b, b.load(b.gep(xsrow[t], [pair_end]))))
-        odd_tots.append(b.call(fmuladd, [b.sitofp(sums, _V8F32), factor, tots[v]]))
+    for t in range(R):
+        sums = _block_sums(b, module, wv, b.gep(xrow[t], [xoff]), isa)
+        factor = b.fmul(h, _splat8(b, b.load(b.gep(xsrow[t], [pair_end]))))
+        odd_tots.append(b.call(fmuladd, [b.sitofp(sums, _V8F32), factor, tots[t]]))
     last = b.block
     b.branch(done)
     b = ir.IRBuilder(done)
     finals = []
-    for v in range(nv):
+    for t in range(R):
         r = b.phi(_V8F32)
-        r.add_incoming(tots[v], pre)
-        r.add_incoming(odd_tots[v], last)
+        r.add_incoming(tots[t], pre)
+        r.add_incoming(odd_tots[t], last)
         finals.append(r)
-    for v, (m, t) in enumerate(V):
-        op = b.bitcast(b.gep(out, [b.add(b.mul(ost, _c64(t)), b.mul(ostn, _c64(m)))]), _F32.as_pointer())
-        b.store(_hsum_v8f32(b, finals[v]), op)
+    for t in range(R):
+        op = b.bitcast(b.gep(out, [b.mul(ost, _c64(t))]), _F32.as_pointer())
+        b.store(_hsum_v8f32(b, finals[t]), op)
     b.ret_void()
     return fn
 
@@ -243,21 +239,21 @@ def _emit_counted_loop_nested(fn, b, start, end, step, accs, body):
     return b, out
 
 
-def _rows_dot_typer(w_q, w_s, x_q, x_s, out, n, t0, nrows, nw, isa, locality):
+def _rows_dot_typer(w_q, w_s, x_q, x_s, out, n, t0, nrows, isa, locality):
     ok = (isinstance(w_q, types.Array) and w_q.dtype == types.int8 and w_q.ndim == 2
           and isinstance(w_s, types.Array) and w_s.dtype == types.uint16 and w_s.ndim == 2
           and isinstance(x_q, types.Array) and x_q.dtype == types.int16 and x_q.ndim == 2
           and isinstance(x_s, types.Array) and x_s.dtype == types.float32 and x_s.ndim == 2
           and isinstance(out, types.Array) and out.dtype == types.float32 and out.ndim == 2
-          and all(isinstance(v, types.Integer) for v in (n, t0, nrows, nw)))
+          and all(isinstance(v, types.Integer) for v in (n, t0, nrows)))
     if not ok:
         return None
-    sig = types.void(w_q, w_s, x_q, x_s, out, n, t0, nrows, nw)
-    rmax, mmax = ROWS_PER_TILE[isa], WEIGHT_ROWS_PER_TILE[isa]
+    sig = types.void(w_q, w_s, x_q, x_s, out, n, t0, nrows)
+    rmax = ROWS_PER_TILE[isa]
 
     def codegen(context, builder, sig, args):
         aw, asc, ax, axs, ao = (context.make_array(t)(context, builder, v) for t, v in zip(sig.args[:5], args[:5]))
-        row, t0_, nr, nw_ = (context.cast(builder, v, t, types.int64) for v, t in zip(args[5:], sig.args[5:]))
+        row, t0_, nr = (context.cast(builder, v, t, types.int64) for v, t in zip(args[5:], sig.args[5:]))
         st = lambda a, k: builder.extract_value(a.strides, k)  # noqa: E731
         ptr = lambda a, off: builder.gep(builder.bitcast(a.data, _P8), [off])  # noqa: E731
         nb = builder.ashr(builder.extract_value(aw.shape, 1), _c64(5))
@@ -266,18 +262,16 @@ def _rows_dot_typer(w_q, w_s, x_q, x_s, out, n, t0, nrows, nw, isa, locality):
         xrow = ptr(ax, builder.mul(t0_, st(ax, 0)))
         xsrow = ptr(axs, builder.mul(t0_, st(axs, 0)))
         orow = ptr(ao, builder.add(builder.mul(t0_, st(ao, 0)), builder.mul(row, st(ao, 1))))
-        fn_args = [wrow, st(aw, 0), srow, st(asc, 0), xrow, st(ax, 0), xsrow, st(axs, 0), nb, orow, st(ao, 0),
-                   st(ao, 1)]
+        fn_args = [wrow, srow, xrow, st(ax, 0), xsrow, st(axs, 0), nb, orow, st(ao, 0)]
         fnb = builder.function
         done = fnb.append_basic_block("rows_dot_done")
-        switch = builder.switch(builder.add(builder.mul(nw_, _c64(64)), nr), done)
-        for M in range(1, mmax + 1):
-            for R in range(1, rmax + 1):
-                bb = fnb.append_basic_block(f"rows_dot_{M}_{R}")
-                switch.add_case(ir.Constant(_I64, 64 * M + R), bb)
-                with builder.goto_block(bb):
-                    builder.call(_define_rows_dot(builder.module, isa, M, R, locality), fn_args)
-                    builder.branch(done)
+        switch = builder.switch(nr, done)
+        for R in range(1, rmax + 1):
+            bb = fnb.append_basic_block(f"rows_dot_{R}")
+            switch.add_case(ir.Constant(_I64, R), bb)
+            with builder.goto_block(bb):
+                builder.call(_define_rows_dot(builder.module, isa, R, locality), fn_args)
+                builder.branch(done)
         builder.position_at_end(done)
         return context.get_dummy_value()
 
@@ -285,40 +279,40 @@ def _rows_dot_typer(w_q, w_s, x_q, x_s, out, n, t0, nrows, nw, isa, locality):
 
 
 @intrinsic
-def _q8_rows_dot_vnni(typingctx, w_q, w_s, x_q, x_s, out, n, t0, nrows, nw):
+def _q8_rows_dot_vnni(typingctx, w_q, w_s, x_q, x_s, out, n, t0, nrows):
     """out[t0:t0+nrows, n] = decode row dots of weight row n with batch rows t0..t0+nrows-1
     (1 <= nrows <= ROWS_PER_TILE["vnni"]), AVX-512 VNNI; each equals ``q8._q8_row_dot_avx2``'s. No bounds checks."""
-    return _rows_dot_typer(w_q, w_s, x_q, x_s, out, n, t0, nrows, nw, "vnni", 3)
+    return _rows_dot_typer(w_q, w_s, x_q, x_s, out, n, t0, nrows, "vnni", 3)
 
 
 @intrinsic
-def _q8_rows_dot_vnni_l2(typingctx, w_q, w_s, x_q, x_s, out, n, t0, nrows, nw):
+def _q8_rows_dot_vnni_l2(typingctx, w_q, w_s, x_q, x_s, out, n, t0, nrows):
     """As _q8_rows_dot_vnni, prefetching the weight stream into L2."""
-    return _rows_dot_typer(w_q, w_s, x_q, x_s, out, n, t0, nrows, nw, "vnni", 2)
+    return _rows_dot_typer(w_q, w_s, x_q, x_s, out, n, t0, nrows, "vnni", 2)
 
 
 @intrinsic
-def _q8_rows_dot_avx2(typingctx, w_q, w_s, x_q, x_s, out, n, t0, nrows, nw):
+def _q8_rows_dot_avx2(typingctx, w_q, w_s, x_q, x_s, out, n, t0, nrows):
     """As _q8_rows_dot_vnni with ``vpmaddwd`` (AVX2; nrows <= ROWS_PER_TILE["avx2"])."""
-    return _rows_dot_typer(w_q, w_s, x_q, x_s, out, n, t0, nrows, nw, "avx2", 3)
+    return _rows_dot_typer(w_q, w_s, x_q, x_s, out, n, t0, nrows, "avx2", 3)
 
 
 @intrinsic
-def _q8_rows_dot_avx2_l2(typingctx, w_q, w_s, x_q, x_s, out, n, t0, nrows, nw):
+def _q8_rows_dot_avx2_l2(typingctx, w_q, w_s, x_q, x_s, out, n, t0, nrows):
     """As _q8_rows_dot_avx2, prefetching the weight stream into L2."""
-    return _rows_dot_typer(w_q, w_s, x_q, x_s, out, n, t0, nrows, nw, "avx2", 2)
+    return _rows_dot_typer(w_q, w_s, x_q, x_s, out, n, t0, nrows, "avx2", 2)
 
 
 @intrinsic
-def _q8_rows_dot_generic(typingctx, w_q, w_s, x_q, x_s, out, n, t0, nrows, nw):
+def _q8_rows_dot_generic(typingctx, w_q, w_s, x_q, x_s, out, n, t0, nrows):
     """As _q8_rows_dot_vnni in portable IR; each equals ``q8._q8_row_dot_generic``'s."""
-    return _rows_dot_typer(w_q, w_s, x_q, x_s, out, n, t0, nrows, nw, "generic", 3)
+    return _rows_dot_typer(w_q, w_s, x_q, x_s, out, n, t0, nrows, "generic", 3)
 
 
 @intrinsic
-def _q8_rows_dot_generic_l2(typingctx, w_q, w_s, x_q, x_s, out, n, t0, nrows, nw):
+def _q8_rows_dot_generic_l2(typingctx, w_q, w_s, x_q, x_s, out, n, t0, nrows):
     """As _q8_rows_dot_generic, prefetching the weight stream into L2."""
-    return _rows_dot_typer(w_q, w_s, x_q, x_s, out, n, t0, nrows, nw, "generic", 2)
+    return _rows_dot_typer(w_q, w_s, x_q, x_s, out, n, t0, nrows, "generic", 2)
 
 
 # The multi-row kernels: weight rows split over the threads (static ``prange``: each thread
@@ -339,15 +333,11 @@ def _tile_starts(B, ntiles):
 
 ROWS_PER_TILE_AVX2 = ROWS_PER_TILE["avx2"]
 ROWS_PER_TILE_VNNI = ROWS_PER_TILE["vnni"]
-WEIGHT_ROWS_PER_TILE_GENERIC = WEIGHT_ROWS_PER_TILE["generic"]
-WEIGHT_ROWS_PER_TILE_AVX2 = WEIGHT_ROWS_PER_TILE["avx2"]
-WEIGHT_ROWS_PER_TILE_VNNI = WEIGHT_ROWS_PER_TILE["vnni"]
 
 @njit(cache=True, parallel=True)
 def _rows_q8_generic(w_q, w_s, x_q, x_s, out):
     """out (B, N): the decode row dots through _q8_rows_dot_generic (tiles: above)."""
     B = x_q.shape[0]
-    N = w_q.shape[0]
     ntiles = (B + ROWS_PER_TILE_GENERIC - 1) // ROWS_PER_TILE_GENERIC
     starts = _tile_starts(B, ntiles)
     if B == 1:           # nothing to share: the one-row routine (faster alone, the same numbers)
@@ -358,24 +348,19 @@ def _rows_q8_generic(w_q, w_s, x_q, x_s, out):
             for n in prange(w_q.shape[0]):
                 out[0, n] = _q8_row_dot_generic(w_q, w_s, x_q[0], x_s[0], n)
     elif w_q.shape[1] >= LONG_ROW_K:
-        for g in prange((N + WEIGHT_ROWS_PER_TILE_GENERIC - 1) // WEIGHT_ROWS_PER_TILE_GENERIC):
-            n = g * WEIGHT_ROWS_PER_TILE_GENERIC
+        for n in prange(w_q.shape[0]):
             for i in range(ntiles):
-                _q8_rows_dot_generic_l2(w_q, w_s, x_q, x_s, out, n, starts[i], starts[i + 1] - starts[i],
-                                    min(WEIGHT_ROWS_PER_TILE_GENERIC, N - n))
+                _q8_rows_dot_generic_l2(w_q, w_s, x_q, x_s, out, n, starts[i], starts[i + 1] - starts[i])
     else:
-        for g in prange((N + WEIGHT_ROWS_PER_TILE_GENERIC - 1) // WEIGHT_ROWS_PER_TILE_GENERIC):
-            n = g * WEIGHT_ROWS_PER_TILE_GENERIC
+        for n in prange(w_q.shape[0]):
             for i in range(ntiles):
-                _q8_rows_dot_generic(w_q, w_s, x_q, x_s, out, n, starts[i], starts[i + 1] - starts[i],
-                                    min(WEIGHT_ROWS_PER_TILE_GENERIC, N - n))
+                _q8_rows_dot_generic(w_q, w_s, x_q, x_s, out, n, starts[i], starts[i + 1] - starts[i])
 
 
 @njit(cache=True, parallel=True)
 def _rows_q8_avx2(w_q, w_s, x_q, x_s, out):
     """out (B, N): the decode row dots through _q8_rows_dot_avx2 (tiles: above)."""
     B = x_q.shape[0]
-    N = w_q.shape[0]
     ntiles = (B + ROWS_PER_TILE_AVX2 - 1) // ROWS_PER_TILE_AVX2
     starts = _tile_starts(B, ntiles)
     if B == 1:           # nothing to share: the one-row routine (faster alone, the same numbers)
@@ -386,24 +371,19 @@ def _rows_q8_avx2(w_q, w_s, x_q, x_s, out):
             for n in prange(w_q.shape[0]):
                 out[0, n] = _q8_row_dot_avx2(w_q, w_s, x_q[0], x_s[0], n)
     elif w_q.shape[1] >= LONG_ROW_K:
-        for g in prange((N + WEIGHT_ROWS_PER_TILE_AVX2 - 1) // WEIGHT_ROWS_PER_TILE_AVX2):
-            n = g * WEIGHT_ROWS_PER_TILE_AVX2
+        for n in prange(w_q.shape[0]):
             for i in range(ntiles):
-                _q8_rows_dot_avx2_l2(w_q, w_s, x_q, x_s, out, n, starts[i], starts[i + 1] - starts[i],
-                                    min(WEIGHT_ROWS_PER_TILE_AVX2, N - n))
+                _q8_rows_dot_avx2_l2(w_q, w_s, x_q, x_s, out, n, starts[i], starts[i + 1] - starts[i])
     else:
-        for g in prange((N + WEIGHT_ROWS_PER_TILE_AVX2 - 1) // WEIGHT_ROWS_PER_TILE_AVX2):
-            n = g * WEIGHT_ROWS_PER_TILE_AVX2
+        for n in prange(w_q.shape[0]):
             for i in range(ntiles):
-                _q8_rows_dot_avx2(w_q, w_s, x_q, x_s, out, n, starts[i], starts[i + 1] - starts[i],
-                                    min(WEIGHT_ROWS_PER_TILE_AVX2, N - n))
+                _q8_rows_dot_avx2(w_q, w_s, x_q, x_s, out, n, starts[i], starts[i + 1] - starts[i])
 
 
 @njit(cache=True, parallel=True)
 def _rows_q8_vnni(w_q, w_s, x_q, x_s, out):
     """out (B, N): the decode row dots through _q8_rows_dot_vnni (tiles: above)."""
     B = x_q.shape[0]
-    N = w_q.shape[0]
     ntiles = (B + ROWS_PER_TILE_VNNI - 1) // ROWS_PER_TILE_VNNI
     starts = _tile_starts(B, ntiles)
     if B == 1:           # nothing to share: the one-row routine (faster alone, the same numbers)
@@ -414,17 +394,13 @@ def _rows_q8_vnni(w_q, w_s, x_q, x_s, out):
             for n in prange(w_q.shape[0]):
                 out[0, n] = _q8_row_dot_avx2(w_q, w_s, x_q[0], x_s[0], n)
     elif w_q.shape[1] >= LONG_ROW_K:
-        for g in prange((N + WEIGHT_ROWS_PER_TILE_VNNI - 1) // WEIGHT_ROWS_PER_TILE_VNNI):
-            n = g * WEIGHT_ROWS_PER_TILE_VNNI
+        for n in prange(w_q.shape[0]):
             for i in range(ntiles):
-                _q8_rows_dot_vnni_l2(w_q, w_s, x_q, x_s, out, n, starts[i], starts[i + 1] - starts[i],
-                                    min(WEIGHT_ROWS_PER_TILE_VNNI, N - n))
+                _q8_rows_dot_vnni_l2(w_q, w_s, x_q, x_s, out, n, starts[i], starts[i + 1] - starts[i])
     else:
-        for g in prange((N + WEIGHT_ROWS_PER_TILE_VNNI - 1) // WEIGHT_ROWS_PER_TILE_VNNI):
-            n = g * WEIGHT_ROWS_PER_TILE_VNNI
+        for n in prange(w_q.shape[0]):
             for i in range(ntiles):
-                _q8_rows_dot_vnni(w_q, w_s, x_q, x_s, out, n, starts[i], starts[i + 1] - starts[i],
-                                    min(WEIGHT_ROWS_PER_TILE_VNNI, N - n))
+                _q8_rows_dot_vnni(w_q, w_s, x_q, x_s, out, n, starts[i], starts[i + 1] - starts[i])
 
 
 @njit(cache=True, parallel=True)
