@@ -19,8 +19,10 @@ and sign-extended once, its integer dot with every row's block formed (the same 
 as the one-row routine: exact, whichever instructions form them; ``vpmaddwd`` + ``vpdpwssd`` on
 VNNI), and only the float steps are per row, in the one-row routine's order. The row-wise kernel
 (the one-row routine once per (row, output): ``_rows_q8_rowwise``) is kept as the baseline.
-Measured (benchmarks/batch_linear.py, 75968 x 896, 2 threads, shared 2-core Zen 4, interleaved
-medians): see benchmarks/results/2026-12-04-batch-linear.md.
+Measured on the shared 2-core Zen 4 (benchmarks/batch_linear.py, a 65 MB matrix from DRAM, 2
+threads, interleaved): 1.3-1.5x the row-wise kernel's speed at B = 8 and 16, 1.1-1.3x at B = 4,
+equal at B = 1-2 (benchmarks/results/2026-12-04-batch-linear.md). The per-(row, block) float steps
+(convert + FMA) that batch invariance fixes keep it far from the prefill GEMM's ~4x.
 
 The f32 variant keeps one compiled inner loop for every (row, output) pair, so its result does
 not depend on B either (it is not promised to equal ``q8.matvec_f32`` bit for bit: a fastmath
@@ -36,8 +38,9 @@ from numba import types
 from numba.extending import intrinsic
 
 from . import numba_setup  # code-generation settings first
-from .q8 import (_F32, _I8, _I16, _I32, _I64, _P8, _V8F32, _V8I32, _V16I16, HAVE_AVX2, LONG_ROW_K, PREFETCH_BYTES,
-                 _c64, _decl, _emit_counted_loop, _halves_to_floats, _hsum_v8f32, _ir_half_to_float_fresh, _prefetch_ahead,
+from .q8 import (_F32, _I8, _I16, _I32, _I64, _P8, _V8F32, _V8I32, _V16I16, HAVE_AVX2, LONG_ROW_K,
+                 _c64, _decl, _emit_counted_loop, _halves_to_floats, _hsum_v8f32, _ir_half_to_float_fresh,
+                 _prefetch_ahead,
                  _q8_row_dot_avx2, _q8_row_dot_avx2_l2, _q8_row_dot_generic, _q8_row_dot_generic_l2,
                  matvec_q8_ref, quantize_act_q16, quantize_act_q16_ref)
 
@@ -47,7 +50,8 @@ from .q8 import (_F32, _I8, _I16, _I32, _I64, _P8, _V8F32, _V8I32, _V16I16, HAVE
 # sign-extended once, each (row, output) summed in exactly the one-row decode's float order
 # ================================================================================================
 
-HAVE_VNNI = HAVE_AVX2 and numba_setup.HOST_IS_X86 and {"avx512f", "avx512bw", "avx512vl", "avx512vnni"} <= numba_setup.HOST_FEATURES
+HAVE_VNNI = (HAVE_AVX2 and numba_setup.HOST_IS_X86
+             and {"avx512f", "avx512bw", "avx512vl", "avx512vnni"} <= numba_setup.HOST_FEATURES)
 """True when the multi-row routine uses ``vpdpwssd`` (AVX-512 VNNI on ymm; 32 vector registers)."""
 
 ROWS_PER_TILE = {"vnni": 8, "avx2": 4, "generic": 4}
@@ -110,13 +114,13 @@ def _define_rows_dot(module, isa: str, R: int, locality: int):
     8 lane sums, converted to float, FMA'd with the factor f16(ws[b]) * xs[t, b] into accumulator
     b % 2 in block order; then acc0 + acc1, an odd last block FMA'd into that, and the same
     horizontal sum. What is shared: each weight block is loaded and sign-extended once for the R
-    rows, and the R rows' 2R accumulator chains interleave (the one-row routine waits on one FMA
-    chain per 2 blocks). The factors of a chunk of FACTOR_CHUNK blocks are formed first, 8 (or 4)
-    blocks per ``vcvtph2ps`` + ``vmulps`` per row, into a stack buffer, from which each block's FMA takes
-    its factor as a broadcast memory operand (AVX-512: an embedded broadcast; no shuffle per
-    (row, block)). One loop step is one block for every row, the two accumulators of each row
-    swapping roles every step (so block b still lands in accumulator b % 2). A prefetch
-    PREFETCH_BYTES ahead of every block, as the one-row routine (``locality`` 3: L1, 2: L2).
+    rows, and the R rows' 2R accumulator chains interleave. The factors of a chunk of FACTOR_CHUNK
+    blocks are formed first, 8 (or 4) blocks per ``vcvtph2ps`` + ``vmulps`` per row, into a stack
+    buffer, from which each block's FMA takes its factor as a broadcast memory operand (AVX-512: an
+    embedded broadcast; no shuffle per (row, block)). One loop step is a pair of blocks (even, odd)
+    for every row: one block per step with the accumulators swapping roles cost 16 register moves
+    per step at R = 8 and measured 0.79 vs 0.64 ns per (row, block). One prefetch
+    ``q8.PREFETCH_BYTES`` ahead per pair (``locality`` 3: L1, 2: L2).
     """
     name = f"cpullm_q8_rows_dot_v2_{isa}_r{R}_l{locality}"
     fn = module.globals.get(name)
