@@ -29,11 +29,12 @@ import numpy as np
 from .batch import BatchDecoder, bind_state, unbind_state
 from .errors import ConfigError
 from .kernels.warmup import compile_seconds
+from .prefix_cache import PrefixCache
 from .sequence import DECODE, PREFILL, WAITING, Sequence
 
 
 class Scheduler:
-    def __init__(self, model, slots: int, prefill_chunk: int | None = None):
+    def __init__(self, model, slots: int, prefill_chunk: int | None = None, prefix_cache_bytes: int = 0):
         ex = model.executor
         if slots < 1:
             raise ConfigError(f"the scheduler needs at least 1 slot (--parallel N >= 1), got {slots}")
@@ -49,6 +50,11 @@ class Scheduler:
         self.linear_regions = [(r["offset"], r["floats"]) for r in ex.program.meta["state_regions"]
                                if r["kind"] == "linear"]
         self.prefill_chunk = int(min(prefill_chunk or ex.max_chunk, ex.max_chunk))
+        # prompts sharing whole prefill chunks of leading tokens restore them instead of running
+        # them again (cpullm.prefix_cache; its blocks are the chunks, so a restored state is the
+        # one the chunks would have left, exactly); off with prefix_cache_bytes=0
+        self.prefix_cache = PrefixCache(ex.program.meta["state_regions"], self.prefill_chunk, prefix_cache_bytes)
+        self.prefilled_tokens = 0       # prompt tokens run through the model (not restored)
         self.free = list(range(self.n_slots - 1, -1, -1))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -130,7 +136,8 @@ class Scheduler:
                 seq.state = self.states[seq.slot]
                 for off, n in self.linear_regions:       # recurrent state starts at zero
                     seq.state[off: off + n] = 0.0
-                seq.position = 0
+                seq.position = seq.reused = self.prefix_cache.restore(seq.prompt, seq.state)
+                seq.stats.reused_tokens = seq.reused
                 seq.phase = PREFILL
                 self.running.append(seq)
 
@@ -154,6 +161,8 @@ class Scheduler:
         try:
             logits = self.ex.prefill(ids)
             seq.position = self.ex.n_past
+            self.prefilled_tokens += len(ids)
+            self.prefix_cache.record(seq.prompt, seq.position, seq.state)
         finally:
             unbind_state(self.ex, saved)
         compiled = compile_seconds() - c0
