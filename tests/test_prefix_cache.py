@@ -85,3 +85,23 @@ def test_other_prefixes_do_not_hit(family_dir):
     sch, got, reused = _run(m, [a, b, c], 1, 2**20 * 64)
     assert reused == [0, 0, CHUNK]
     assert got == [_run(m, [p], 1, 0)[1][0] for p in (a, b, c)]
+
+
+def test_engine_shares_prefixes_by_default_and_reports_them(tmp_path):
+    d = make_random_checkpoint(FAMILIES["llama"], tmp_path / "m", seed=8)
+    m = cpullm.load(d, quant="int8", threads=2, n_ctx=128, max_chunk=CHUNK)
+    prompts = _prompts()
+    alone = [_run(m, [p], 1, 0)[1][0] for p in prompts]
+    with m.engine(parallel=2) as eng:
+        assert eng.prefix_stats()["budget_bytes"] > 0
+        first = eng.submit(prompts[0], N_NEW, stop_ids=()).result()
+        rest = [eng.submit(p, N_NEW, stop_ids=()) for p in prompts[1:]]
+        got = [first] + [r.result() for r in rest]
+        st = eng.prefix_stats()
+    assert got == alone
+    assert st["hits"] == len(prompts) - 1 and st["reused_tokens"] == 3 * 2 * CHUNK + CHUNK
+    assert st["prefilled_tokens"] == sum(len(p) for p in prompts) - st["reused_tokens"]
+    with m.engine(parallel=2, prefix_cache_bytes=0) as eng:
+        assert [eng.submit(p, N_NEW, stop_ids=()).result() for p in prompts] == alone
+        assert eng.prefix_stats()["hits"] == 0 and eng.prefix_stats()["bytes"] == 0
+    assert m.generate_batch(prompts, N_NEW, parallel=2, ignore_eos=True) == alone
