@@ -32,9 +32,9 @@ KV_MEMORY_SHARE = 0.5
 
 
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
-"""Default bound on the prefix cache (cpullm.prefix_cache): 256 MiB holds e.g. a 2048-token shared
-prompt of Qwen2.5-0.5B (12 KiB of KV per token), and stays within KV_MEMORY_SHARE of the
-available memory together with the planned KV (it gets less when that is short)."""
+"""Default bound on the prefix cache (cpullm.prefix_cache): 256 MiB hold ~10k tokens of shared
+prefixes of Qwen2.5-0.5B (24 KiB of float32 KV per token), and it stays within KV_MEMORY_SHARE of
+the available memory together with the planned KV (it gets less when that is short)."""
 
 
 def available_memory_bytes() -> int | None:

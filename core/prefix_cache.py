@@ -1,28 +1,29 @@
 """Prefix sharing for the scheduler: requests that start with the same tokens (a shared system
 prompt) restore the state of that prefix instead of prefilling it again.
 
-The cache works in blocks of ``block`` tokens, the scheduler's prefill chunk: a sequence's
-prefill chunks start at multiples of ``block`` (position 0, then every chunk is full but the
-last), so when a chunk ends at position ``p = k * block`` the sequence's slot holds exactly the
-state after ``prompt[:p]``. The cache then records block ``k`` of that prefix, keyed by the
-tokens ``prompt[:p]`` themselves (a dict key: equal prefixes only, no hash collisions):
+The cache works in blocks of ``block`` tokens, a divisor of the scheduler's prefill chunk, so
+every chunk starts and ends on a block boundary (but a prompt's last). After a chunk ran
+positions [start, end) of a prompt, the cache records each whole block ending in (start, end],
+keyed by the tokens ``prompt[:p]`` themselves (a dict key: equal prefixes only, no collisions):
 
-* full-attention KV regions (position q in row q, never overwritten): only the keys and values
-  of the block's own positions ``[p - block, p)``; the earlier ones are in blocks 1..k-1;
-* every other region (a sliding-window ring, a linear-attention recurrent state): a copy of the
-  whole region, since their state after ``p`` tokens cannot be rebuilt from anything else.
+* full-attention KV regions (position q in row q, never overwritten): the keys and values of the
+  block's own positions ``[p - block, p)``; the earlier ones are in blocks 1..k-1;
+* every other region (a sliding-window ring, a linear-attention recurrent state), only for the
+  block ending at ``end``: a copy of the whole region. Their state after ``p`` tokens cannot be
+  rebuilt from anything else, and the slot holds it only at the end of a chunk; so a model with
+  such layers reuses prefixes that end where a chunk ended, one without at any block.
 
-A new sequence whose prompt starts with blocks 1..k (and has at least one token more: the last
-prompt token's logits give its first token) gets them written into its slot and starts its
-prefill at ``k * block``. Its following chunks are the ones it would have run without the hit
-(the same grid), on the same state, so its tokens are the same, bit for bit (batch invariance;
-tests/test_prefix_cache.py checks it in f32 and int8, with sliding-window and linear-attention
-layers).
+A new sequence whose prompt starts with cached blocks 1..k (and has at least one token more: the
+last prompt token's logits give its first token) gets them written into its slot and starts its
+prefill at ``k * block``, on exactly the state its own prefill would have left there. Its tokens
+are the same as without the hit (tests/test_prefix_cache.py: f32 and int8, full attention,
+sliding-window and linear-attention layers, blocks equal to and smaller than the chunk), which
+for a block inside a chunk relies on a prefill row not depending on the other rows of its chunk.
 
-Memory is bounded: entries are evicted least recently used past ``budget_bytes`` (a restore
-touches blocks 1..k in order, so a prefix's later blocks outlive its earlier ones only briefly;
-a lookup stops at the first missing block). The core names no layer by family: what decides how
-a region is saved is its kind and window in ``program.meta["state_regions"]``.
+Memory is bounded: blocks are evicted least recently used past ``budget_bytes`` (a restore
+touches blocks 1..k in order; a lookup stops at the first missing block). The core names no layer
+by family: how a region is saved follows from its kind and window in
+``program.meta["state_regions"]``.
 """
 from __future__ import annotations
 
@@ -56,16 +57,30 @@ def write_positions(state: np.ndarray, reg: dict, lo: int, kv: np.ndarray) -> No
     v[:, rows, :] = kv[1]
 
 
+class _Block:
+    """One cached block: the full-attention KV of its positions (one array per full region) and,
+    when the prefix ends at a chunk boundary, a copy of every other region (``snap``, None if not)."""
+    __slots__ = ("kv", "snap")
+
+    def __init__(self, kv: list, snap: list | None):
+        self.kv, self.snap = kv, snap
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.kv) + (sum(a.nbytes for a in self.snap) if self.snap else 0)
+
+
 class PrefixCache:
     """A bounded LRU of prefix blocks for one program's state layout (see the module docstring)."""
 
     def __init__(self, regions: list[dict], block: int, budget_bytes: int):
         if block < 1:
             raise ValueError("a prefix block holds at least one token")
-        self.regions = list(regions)
+        self.full = [r for r in regions if _full_kv(r)]
+        self.other = [r for r in regions if not _full_kv(r)]
         self.block = int(block)
         self.budget_bytes = max(0, int(budget_bytes))
-        self.entries: OrderedDict[tuple, list[np.ndarray]] = OrderedDict()   # prefix -> arrays per region
+        self.entries: OrderedDict[tuple, _Block] = OrderedDict()     # prefix tokens -> its last block
         self.bytes = 0
         self.hits = 0                    # sequences that restored at least one block
         self.misses = 0                  # sequences that restored none
@@ -77,69 +92,85 @@ class PrefixCache:
     def enabled(self) -> bool:
         return self.budget_bytes > 0
 
-    def block_bytes(self) -> int:
-        """Bytes one block takes (the same for every block of this layout)."""
-        n = 0
-        for reg in self.regions:
-            n += (2 * reg["n_kv_heads"] * self.block * reg["head_dim"] if _full_kv(reg) else reg["floats"]) * 4
-        return n
+    def block_bytes(self, snapshot: bool = True) -> int:
+        """Bytes one block takes (with the other regions' copy, or without)."""
+        n = sum(2 * r["n_kv_heads"] * self.block * r["head_dim"] for r in self.full)
+        if snapshot:
+            n += sum(r["floats"] for r in self.other)
+        return n * 4
 
     # ---- lookup and restore -------------------------------------------------------------------
     def restore(self, prompt: list[int], state: np.ndarray) -> int:
-        """Write the longest cached prefix of ``prompt`` (whole blocks, shorter than the prompt)
-        into slot ``state``; returns its length in tokens (0: nothing cached)."""
+        """Write the longest cached prefix of ``prompt`` (whole blocks, shorter than the prompt,
+        ending where every region's state is known) into slot ``state``; returns its length in
+        tokens (0: nothing cached)."""
         if not self.enabled:
             return 0
-        found: list[list[np.ndarray]] = []
+        found: list[_Block] = []
+        usable = 0                      # blocks 1..usable can be restored
         p = self.block
         while p < len(prompt):
-            arrays = self.entries.get(tuple(prompt[:p]))
-            if arrays is None:
+            blk = self.entries.get(tuple(prompt[:p]))
+            if blk is None:
                 break
-            found.append(arrays)
+            found.append(blk)
+            if not self.other or blk.snap is not None:
+                usable = len(found)
             p += self.block
-        if not found:
+        if usable == 0:
             self.misses += 1
             return 0
-        n = len(found) * self.block
-        for k, arrays in enumerate(found):
+        for k, blk in enumerate(found[:usable]):
             self.entries.move_to_end(tuple(prompt[:(k + 1) * self.block]))
-            for reg, arr in zip(self.regions, arrays):
-                if _full_kv(reg):
-                    write_positions(state, reg, k * self.block, arr)
-        for reg, arr in zip(self.regions, found[-1]):
-            if not _full_kv(reg):
-                state[reg["offset"]: reg["offset"] + reg["floats"]] = arr
+            for reg, arr in zip(self.full, blk.kv):
+                write_positions(state, reg, k * self.block, arr)
+        for reg, arr in zip(self.other, found[usable - 1].snap or ()):
+            state[reg["offset"]: reg["offset"] + reg["floats"]] = arr
+        n = usable * self.block
         self.hits += 1
         self.reused_tokens += n
         return n
 
     # ---- recording ------------------------------------------------------------------------------
-    def record(self, prompt: list[int], position: int, state: np.ndarray) -> None:
-        """Called after a prefill chunk leaves slot ``state`` at ``position`` of ``prompt``: keep
-        the block that ends there, if it is a whole block not cached yet and fits the budget."""
-        if not self.enabled or position % self.block or position == 0 or position > len(prompt):
+    def record(self, prompt: list[int], start: int, end: int, state: np.ndarray) -> None:
+        """Called after a prefill chunk ran positions [start, end) of ``prompt`` on slot ``state``:
+        keep the whole blocks that end in (start, end] and are not cached yet. Only the block
+        ending at ``end`` gets the other regions' copy (their state at ``end`` is the slot's; at
+        an earlier boundary it is gone)."""
+        if not self.enabled:
             return
-        key = tuple(prompt[:position])
-        if key in self.entries:
+        first = (start // self.block + 1) * self.block
+        for p in range(first, min(end, len(prompt)) + 1, self.block):
+            self._record_one(tuple(prompt[:p]), p, state, with_snap=bool(self.other) and p == end)
+
+    def _record_one(self, key: tuple, p: int, state: np.ndarray, with_snap: bool) -> None:
+        blk = self.entries.get(key)
+        if blk is not None:
             self.entries.move_to_end(key)
+            if with_snap and blk.snap is None and self._make_room(self.block_bytes() - blk.nbytes, keep=key):
+                blk.snap = [state[r["offset"]: r["offset"] + r["floats"]].copy() for r in self.other]
+                self.bytes += sum(a.nbytes for a in blk.snap)
             return
-        size = self.block_bytes()
-        if size > self.budget_bytes:
+        if not self._make_room(self.block_bytes(with_snap), keep=None):
             return
-        arrays = []
-        for reg in self.regions:
-            if _full_kv(reg):
-                arrays.append(read_positions(state, reg, position - self.block, position))
-            else:
-                arrays.append(state[reg["offset"]: reg["offset"] + reg["floats"]].copy())
-        while self.bytes + size > self.budget_bytes and self.entries:
-            _, old = self.entries.popitem(last=False)
-            self.bytes -= sum(a.nbytes for a in old)
-            self.evicted_blocks += 1
-        self.entries[key] = arrays
-        self.bytes += sum(a.nbytes for a in arrays)
+        kv = [read_positions(state, r, p - self.block, p) for r in self.full]
+        snap = [state[r["offset"]: r["offset"] + r["floats"]].copy() for r in self.other] if with_snap else None
+        blk = _Block(kv, snap)
+        self.entries[key] = blk
+        self.bytes += blk.nbytes
         self.stored_blocks += 1
+
+    def _make_room(self, size: int, keep) -> bool:
+        """Evict least recently used blocks (not ``keep``) until ``size`` more bytes fit."""
+        if size > self.budget_bytes:
+            return False
+        while self.bytes + size > self.budget_bytes:
+            victim = next((k for k in self.entries if k != keep), None)
+            if victim is None:
+                return False
+            self.bytes -= self.entries.pop(victim).nbytes
+            self.evicted_blocks += 1
+        return True
 
     def clear(self) -> None:
         self.entries.clear()

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import cpullm
+from cpullm.errors import ConfigError
 from cpullm.prefix_cache import PrefixCache
 from cpullm.sampling import SamplingParams
 from cpullm.scheduler import Scheduler
@@ -105,3 +106,23 @@ def test_engine_shares_prefixes_by_default_and_reports_them(tmp_path):
         assert [eng.submit(p, N_NEW, stop_ids=()).result() for p in prompts] == alone
         assert eng.prefix_stats()["hits"] == 0 and eng.prefix_stats()["bytes"] == 0
     assert m.generate_batch(prompts, N_NEW, parallel=2, ignore_eos=True) == alone
+
+
+@pytest.mark.parametrize("quant", ["int8", "f32"])
+def test_blocks_smaller_than_the_chunk(family_dir, quant):
+    """Blocks of 4 tokens in chunks of 16: a model with only full attention reuses any whole block
+    of the shared prompt; one with ring or recurrent state only those ending where a chunk ended."""
+    m = cpullm.load(family_dir, quant=quant, threads=2, n_ctx=128, max_chunk=CHUNK)
+    prompts = _prompts()
+    alone = [_run(m, [p], 1, 0)[1][0] for p in prompts]
+    sch = Scheduler(m, slots=1, prefill_chunk=CHUNK, prefix_cache_bytes=64 * 2**20, prefix_block=4)
+    seqs = [sch.add(Sequence(p, N_NEW, SamplingParams())) for p in prompts]
+    sch.run_until_idle()
+    assert [s.generated for s in seqs] == alone
+    only_full = all(r["kind"] == "kv" and not r.get("window") for r in m.program.meta["state_regions"])
+    # SHARED = 37: 9 whole blocks of 4; prompts[4] is the first 17 tokens of it
+    want = [0, 36, 36, 36, 16] if only_full else [0, 32, 32, 32, 16]
+    assert [s.reused for s in seqs] == want
+    assert sch.prefilled_tokens == sum(len(p) for p in prompts) - sum(want)
+    with pytest.raises(ConfigError, match="divide the prefill chunk"):
+        Scheduler(m, slots=1, prefill_chunk=CHUNK, prefix_cache_bytes=1, prefix_block=5)
