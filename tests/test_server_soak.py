@@ -223,7 +223,7 @@ def test_soak_parallel_answers_equal_the_same_requests_alone():
     finally:
         single.stop()
     assert len(set(alone)) > len(specs) // 2     # the requests do differ
-    server = ServerProcess(chat_model_dir(), "--parallel", 4, "--prefill-chunk", 16, "--prefix-cache", 1,
+    server = ServerProcess(chat_model_dir(), "--parallel", 4, "--prefill-chunk", 128, "--prefix-cache", 1,
                            "--model-name", "tinychat", ctx=512)
     try:
         url = server.url
