@@ -6,12 +6,15 @@ every chunk starts and ends on a block boundary (but a prompt's last). After a c
 positions [start, end) of a prompt, the cache records each whole block ending in (start, end],
 keyed by the tokens ``prompt[:p]`` themselves (a dict key: equal prefixes only, no collisions):
 
-* full-attention KV regions (position q in row q, never overwritten): the keys and values of the
-  block's own positions ``[p - block, p)``; the earlier ones are in blocks 1..k-1;
-* every other region (a sliding-window ring, a linear-attention recurrent state), only for the
-  block ending at ``end``: a copy of the whole region. Their state after ``p`` tokens cannot be
-  rebuilt from anything else, and the slot holds it only at the end of a chunk; so a model with
-  such layers reuses prefixes that end where a chunk ended, one without at any block.
+* KV regions (position q in row q % cap; a full-attention region never wraps, a sliding-window
+  ring has cap >= window + chunk, so it still holds every position of the chunk just run): the
+  keys and values of the block's own positions ``[p - block, p)``; the earlier ones are in
+  blocks 1..k-1, and a restore to ``p`` writes back the last ``cap`` positions, as the ring of a
+  sequence that ran them holds them;
+* every other region (a linear-attention recurrent state), only for the block ending at
+  ``end``: a copy of the whole region. Its state after ``p`` tokens cannot be rebuilt from
+  anything else, and the slot holds it only at the end of a chunk; so a model with such layers
+  reuses prefixes that end where a chunk ended, one without at any block.
 
 A new sequence whose prompt starts with cached blocks 1..k (and has at least one token more: the
 last prompt token's logits give its first token) gets them written into its slot and starts its
@@ -34,16 +37,19 @@ import numpy as np
 from .kernels.attention import TILE, kv_views
 
 
-def _full_kv(reg: dict) -> bool:
-    return reg["kind"] == "kv" and not reg.get("window")
+def _positional(reg: dict) -> bool:
+    """A KV region: position q's keys and values sit in row q % cap (cap = the context for full
+    attention, >= window + chunk for a sliding-window ring), so a block's positions can be saved
+    and written back on their own."""
+    return reg["kind"] == "kv"
 
 
 def read_positions(state: np.ndarray, reg: dict, lo: int, hi: int) -> np.ndarray:
-    """Keys and values of positions [lo, hi) of a full-attention region of ``state`` (a slot):
-    (2, n_kv_heads, hi - lo, head_dim), a copy."""
+    """Keys and values of positions [lo, hi) of a KV region of ``state`` (a slot), which must
+    still hold them (hi - lo <= cap): (2, n_kv_heads, hi - lo, head_dim), a copy."""
     k, v = kv_views(state[reg["offset"]: reg["offset"] + reg["floats"]], reg["n_kv_heads"], reg["cap"],
                     reg["head_dim"])
-    rows = np.arange(lo, hi)
+    rows = np.arange(lo, hi) % reg["cap"]
     keys = k[:, rows // TILE, :, rows % TILE]            # (n, n_kv, head_dim)
     return np.stack([keys.transpose(1, 0, 2), v[:, rows, :]])
 
@@ -52,7 +58,7 @@ def write_positions(state: np.ndarray, reg: dict, lo: int, kv: np.ndarray) -> No
     """Put keys and values (2, n_kv_heads, n, head_dim) of positions [lo, lo + n) into ``state``."""
     k, v = kv_views(state[reg["offset"]: reg["offset"] + reg["floats"]], reg["n_kv_heads"], reg["cap"],
                     reg["head_dim"])
-    rows = np.arange(lo, lo + kv.shape[2])
+    rows = np.arange(lo, lo + kv.shape[2]) % reg["cap"]
     k[:, rows // TILE, :, rows % TILE] = kv[0].transpose(1, 0, 2)
     v[:, rows, :] = kv[1]
 
@@ -76,8 +82,8 @@ class PrefixCache:
     def __init__(self, regions: list[dict], block: int, budget_bytes: int):
         if block < 1:
             raise ValueError("a prefix block holds at least one token")
-        self.full = [r for r in regions if _full_kv(r)]
-        self.other = [r for r in regions if not _full_kv(r)]
+        self.full = [r for r in regions if _positional(r)]
+        self.other = [r for r in regions if not _positional(r)]
         self.block = int(block)
         self.budget_bytes = max(0, int(budget_bytes))
         self.entries: OrderedDict[tuple, _Block] = OrderedDict()     # prefix tokens -> its last block
@@ -120,13 +126,17 @@ class PrefixCache:
         if usable == 0:
             self.misses += 1
             return 0
+        n = usable * self.block
         for k, blk in enumerate(found[:usable]):
             self.entries.move_to_end(tuple(prompt[:(k + 1) * self.block]))
+            lo = k * self.block
             for reg, arr in zip(self.full, blk.kv):
-                write_positions(state, reg, k * self.block, arr)
+                # a ring keeps only the last cap positions (older ones would be overwritten anyway)
+                skip = max(0, n - reg["cap"] - lo)
+                if skip < self.block:
+                    write_positions(state, reg, lo + skip, arr[:, :, skip:])
         for reg, arr in zip(self.other, found[usable - 1].snap or ()):
             state[reg["offset"]: reg["offset"] + reg["floats"]] = arr
-        n = usable * self.block
         self.hits += 1
         self.reused_tokens += n
         return n

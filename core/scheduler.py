@@ -139,17 +139,20 @@ class Scheduler:
             events.append((s, None))
 
     def _admit(self):
+        admitted = []
         with self._lock:
             while self.free and self.waiting:
                 seq = self.waiting.popleft()
                 seq.slot = self.free.pop()
                 seq.state = self.states[seq.slot]
-                for off, n in self.linear_regions:       # recurrent state starts at zero
-                    seq.state[off: off + n] = 0.0
-                seq.position = seq.reused = self.prefix_cache.restore(seq.prompt, seq.state)
-                seq.stats.reused_tokens = seq.reused
-                seq.phase = PREFILL
-                self.running.append(seq)
+                admitted.append(seq)
+        for seq in admitted:             # (outside the lock: submitters do not wait for the copies)
+            for off, n in self.linear_regions:       # recurrent state starts at zero
+                seq.state[off: off + n] = 0.0
+            seq.position = seq.reused = self.prefix_cache.restore(seq.prompt, seq.state)
+            seq.stats.reused_tokens = seq.reused
+            seq.phase = PREFILL
+            self.running.append(seq)
 
     def _release(self, seq: Sequence):
         if seq in self.running:
