@@ -150,6 +150,10 @@ class PrefixCache:
         if not self.enabled:
             return
         first = (start // self.block + 1) * self.block
+        # a block whose positions a ring no longer holds is not kept (the compiler's rings hold
+        # window + chunk positions, so with chunks of at most the program's this never happens)
+        held_from = max((end - r["cap"] for r in self.full), default=0)
+        first = max(first, (max(0, held_from) + 2 * self.block - 1) // self.block * self.block)
         for p in range(first, min(end, len(prompt)) + 1, self.block):
             self._record_one(tuple(prompt[:p]), p, state, with_snap=bool(self.other) and p == end)
 
