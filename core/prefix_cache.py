@@ -16,9 +16,11 @@ keyed by the tokens ``prompt[:p]`` themselves (a dict key: equal prefixes only, 
   anything else, and the slot holds it only at the end of a chunk; so a model with such layers
   reuses prefixes that end where a chunk ended, one without at any block.
 
-A new sequence whose prompt starts with cached blocks 1..k (and has at least one token more: the
-last prompt token's logits give its first token) gets them written into its slot and starts its
-prefill at ``k * block``, on exactly the state its own prefill would have left there. Its tokens
+Before each prefill chunk of a sequence (its first, or a later one: a request admitted beside
+another with the same prefix catches up with what that one recorded meanwhile), a prompt that
+starts with cached blocks 1..k (and has at least one token more: the last prompt token's logits
+give its first token) gets them written into its slot and goes on from ``k * block``, on exactly
+the state its own prefill would have left there. Its tokens
 are the same as without the hit (tests/test_prefix_cache.py: f32 and int8, full attention,
 sliding-window and linear-attention layers, blocks equal to and smaller than the chunk), which
 for a block inside a chunk relies on a prefill row not depending on the other rows of its chunk.
@@ -88,8 +90,8 @@ class PrefixCache:
         self.budget_bytes = max(0, int(budget_bytes))
         self.entries: OrderedDict[tuple, _Block] = OrderedDict()     # prefix tokens -> its last block
         self.bytes = 0
-        self.hits = 0                    # sequences that restored at least one block
-        self.misses = 0                  # sequences that restored none
+        self.hits = 0                    # restores (a sequence may restore more between its chunks)
+        self.misses = 0                  # sequences that found nothing before their first chunk
         self.reused_tokens = 0           # prompt tokens restored rather than prefilled
         self.stored_blocks = 0
         self.evicted_blocks = 0
@@ -106,12 +108,13 @@ class PrefixCache:
         return n * 4
 
     # ---- lookup and restore -------------------------------------------------------------------
-    def restore(self, prompt: list[int], state: np.ndarray) -> int:
+    def restore(self, prompt: list[int], state: np.ndarray, have: int = 0) -> int:
         """Write the longest cached prefix of ``prompt`` (whole blocks, shorter than the prompt,
-        ending where every region's state is known) into slot ``state``; returns its length in
-        tokens (0: nothing cached)."""
+        ending where every region's state is known) into slot ``state``, which already holds the
+        state after ``have`` tokens of it (a block boundary); returns the prefix's length, or
+        ``have`` when the cache holds nothing longer."""
         if not self.enabled:
-            return 0
+            return have
         found: list[_Block] = []
         usable = 0                      # blocks 1..usable can be restored
         p = self.block
@@ -123,13 +126,16 @@ class PrefixCache:
             if not self.other or blk.snap is not None:
                 usable = len(found)
             p += self.block
-        if usable == 0:
-            self.misses += 1
-            return 0
         n = usable * self.block
+        if n <= have:
+            if have == 0:
+                self.misses += 1
+            return have
         for k, blk in enumerate(found[:usable]):
             self.entries.move_to_end(tuple(prompt[:(k + 1) * self.block]))
             lo = k * self.block
+            if lo + self.block <= have:          # already in the slot, the same numbers
+                continue
             for reg, arr in zip(self.full, blk.kv):
                 # a ring keeps only the last cap positions (older ones would be overwritten anyway)
                 skip = max(0, n - reg["cap"] - lo)
@@ -138,7 +144,7 @@ class PrefixCache:
         for reg, arr in zip(self.other, found[usable - 1].snap or ()):
             state[reg["offset"]: reg["offset"] + reg["floats"]] = arr
         self.hits += 1
-        self.reused_tokens += n
+        self.reused_tokens += n - have
         return n
 
     # ---- recording ------------------------------------------------------------------------------

@@ -146,11 +146,10 @@ class Scheduler:
                 seq.slot = self.free.pop()
                 seq.state = self.states[seq.slot]
                 admitted.append(seq)
-        for seq in admitted:             # (outside the lock: submitters do not wait for the copies)
+        for seq in admitted:             # (outside the lock: submitters do not wait for the zeroing)
             for off, n in self.linear_regions:       # recurrent state starts at zero
                 seq.state[off: off + n] = 0.0
-            seq.position = seq.reused = self.prefix_cache.restore(seq.prompt, seq.state)
-            seq.stats.reused_tokens = seq.reused
+            seq.position = seq.reused = 0
             seq.phase = PREFILL
             self.running.append(seq)
 
@@ -168,6 +167,12 @@ class Scheduler:
             return
         seq = reading[self._prefill_turn % len(reading)]
         self._prefill_turn += 1
+        # the longest cached prefix, if it is ahead of this sequence (cpullm.prefix_cache)
+        got = self.prefix_cache.restore(seq.prompt, seq.state, seq.position)
+        if got > seq.position:
+            seq.reused += got - seq.position
+            seq.position = got
+            seq.stats.reused_tokens = seq.reused
         # chunks end on the grid of prefill_chunk: from position 0 the same chunks as ever; after a
         # prefix hit inside a chunk, the first one ends where that chunk would have
         end = (seq.position // self.prefill_chunk + 1) * self.prefill_chunk
