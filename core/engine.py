@@ -31,6 +31,12 @@ KV_MEMORY_SHARE = 0.5
 """The default --parallel keeps the planned sequence state under this share of available memory."""
 
 
+DEFAULT_PREFIX_CACHE_BYTES = 256 * 2**20
+"""Default bound on the prefix cache (cpullm.prefix_cache): 256 MiB hold ~10k tokens of shared
+prefixes of Qwen2.5-0.5B (24 KiB of float32 KV per token), and it stays within KV_MEMORY_SHARE of
+the available memory together with the planned KV (it gets less when that is short)."""
+
+
 def available_memory_bytes() -> int | None:
     try:
         with open("/proc/meminfo") as f:
@@ -55,13 +61,25 @@ def default_parallel(model) -> int:
     return n
 
 
-def check_fits_in_memory(model, parallel: int) -> None:
-    """Refuse a --parallel / --ctx whose planned state exceeds the available memory."""
+def default_prefix_cache_bytes(model, parallel: int) -> int:
+    """DEFAULT_PREFIX_CACHE_BYTES, or what is left of KV_MEMORY_SHARE of the available memory
+    after the KV of ``parallel`` sequences, if less."""
     avail = available_memory_bytes()
-    need = parallel * model.executor.state.size * 4
+    n = DEFAULT_PREFIX_CACHE_BYTES
+    if avail is not None:
+        n = min(n, max(0, int(avail * KV_MEMORY_SHARE) - parallel * model.executor.state.size * 4))
+    return n
+
+
+def check_fits_in_memory(model, parallel: int, prefix_cache_bytes: int = 0) -> None:
+    """Refuse a --parallel / --ctx / --prefix-cache whose planned state exceeds the available memory."""
+    avail = available_memory_bytes()
+    kv = parallel * model.executor.state.size * 4
+    need = kv + prefix_cache_bytes
     if avail is not None and need > avail:
-        raise ConfigError(f"--parallel {parallel} at --ctx {model.n_ctx} plans {need / 2**20:.0f} MiB of KV and "
-                          f"state, more than the {avail / 2**20:.0f} MiB available; lower --parallel or --ctx")
+        raise ConfigError(f"--parallel {parallel} at --ctx {model.n_ctx} plans {kv / 2**20:.0f} MiB of KV and "
+                          f"state and --prefix-cache {prefix_cache_bytes / 2**20:.0f} MiB, more than the "
+                          f"{avail / 2**20:.0f} MiB available; lower --parallel or --ctx (or --prefix-cache)")
 
 
 class Request:
@@ -108,11 +126,16 @@ class Request:
 
 
 class Engine:
-    def __init__(self, model, parallel: int | None = None, prefill_chunk: int | None = None):
+    def __init__(self, model, parallel: int | None = None, prefill_chunk: int | None = None,
+                 prefix_cache_bytes: int | None = None):
+        """``prefix_cache_bytes``: bound on the KV kept for prompts' shared prefixes (None: the
+        default, :func:`default_prefix_cache_bytes`; 0: no prefix sharing)."""
         self.model = model
         self.parallel = int(parallel or default_parallel(model))
-        check_fits_in_memory(model, self.parallel)
-        self.scheduler = Scheduler(model, self.parallel, prefill_chunk)
+        if prefix_cache_bytes is None:
+            prefix_cache_bytes = default_prefix_cache_bytes(model, self.parallel)
+        check_fits_in_memory(model, self.parallel, int(prefix_cache_bytes))
+        self.scheduler = Scheduler(model, self.parallel, prefill_chunk, int(prefix_cache_bytes))
         if self.parallel > 1:
             self.scheduler.warm_up()
         self._requests: dict[int, Request] = {}
@@ -144,6 +167,11 @@ class Engine:
 
     def counts(self) -> dict:
         return {"parallel": self.parallel, **self.scheduler.counts()}
+
+    def prefix_stats(self) -> dict:
+        """The prefix cache's hits, misses, tokens reused, bytes held and budget, and the prompt
+        tokens prefilled (a snapshot; the scheduler's thread updates them)."""
+        return {**self.scheduler.prefix_cache.stats(), "prefilled_tokens": self.scheduler.prefilled_tokens}
 
     def _loop(self) -> None:
         sch = self.scheduler
@@ -198,7 +226,8 @@ class Engine:
 
 
 def generate_batch(model, prompts, max_new_tokens: int = 128, parallel: int | None = None,
-                   prefill_chunk: int | None = None, stop_ids=None, params=None, stats=None) -> list[list[int]]:
+                   prefill_chunk: int | None = None, stop_ids=None, params=None, stats=None,
+                   prefix_cache_bytes: int | None = None) -> list[list[int]]:
     """Token ids generated for each prompt (lists of ids), ``parallel`` at a time through one
     scheduler in the calling thread. ``params``: one SamplingParams for all, or a list of them."""
     prompts = list(prompts)
@@ -207,7 +236,9 @@ def generate_batch(model, prompts, max_new_tokens: int = 128, parallel: int | No
     if len(params) != len(prompts):
         raise ConfigError(f"give one sampling setting per prompt ({len(prompts)}), got {len(params)}")
     n = int(parallel or min(len(prompts), default_parallel(model))) or 1
-    sch = Scheduler(model, max(1, n), prefill_chunk)
+    if prefix_cache_bytes is None:
+        prefix_cache_bytes = default_prefix_cache_bytes(model, max(1, n))
+    sch = Scheduler(model, max(1, n), prefill_chunk, int(prefix_cache_bytes))
     eos = model.eos_token_ids if stop_ids is None else stop_ids
     seqs = [sch.add(Sequence(p, max_new_tokens, pp, stop_ids=eos,
                              stats=None if stats is None else stats[i]))

@@ -277,12 +277,14 @@ class Model:
             texts.append("".join(pieces))
         return texts
 
-    def engine(self, parallel: int | None = None, prefill_chunk: int | None = None):
+    def engine(self, parallel: int | None = None, prefill_chunk: int | None = None,
+               prefix_cache_bytes: int | None = None):
         """A :class:`cpullm.engine.Engine` on this model: submit requests from any thread, each
         with its own sampling and cancel handle; ``parallel`` streams decode together (default:
-        :func:`cpullm.engine.default_parallel`)."""
+        :func:`cpullm.engine.default_parallel`); prompts sharing leading chunks reuse their KV,
+        within ``prefix_cache_bytes`` (default :func:`cpullm.engine.default_prefix_cache_bytes`)."""
         from .engine import Engine
-        return Engine(self, parallel=parallel, prefill_chunk=prefill_chunk)
+        return Engine(self, parallel=parallel, prefill_chunk=prefill_chunk, prefix_cache_bytes=prefix_cache_bytes)
 
     # ---- reporting --------------------------------------------------------------------------------
     def info(self) -> dict:

@@ -153,11 +153,11 @@ class Engine:
     next step."""
 
     def __init__(self, model, max_queue: int = DEFAULT_MAX_QUEUE, parallel: int | None = None,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, prefix_cache_bytes: int | None = None):
         from .engine import Engine as CoreEngine
         self.model = model
         self.max_queue = max_queue
-        self.core = CoreEngine(model, parallel, prefill_chunk)
+        self.core = CoreEngine(model, parallel, prefill_chunk, prefix_cache_bytes)
         self.parallel = self.core.parallel
         self._lock = threading.Lock()
         self._closed = False
@@ -251,7 +251,7 @@ class Engine:
         with self._lock:
             return {**self.counters, "queued": c["waiting"], "active": c["running"],
                     "parallel": self.parallel, "kv_bytes_per_stream": sch.slot_bytes,
-                    "kv_bytes_planned": sch.kv_bytes}
+                    "kv_bytes_planned": sch.kv_bytes, "prefix_cache": self.core.prefix_stats()}
 
     @property
     def closed(self) -> bool:
@@ -735,9 +735,13 @@ def create_app(model, model_id: str | None = None, api_key: str | None = None,
                max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_queue: int = DEFAULT_MAX_QUEUE,
                allowed_hosts: set[str] | None = None, max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP,
                request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
-               body_timeout: float = DEFAULT_BODY_TIMEOUT_S, parallel: int | None = None):
+               body_timeout: float = DEFAULT_BODY_TIMEOUT_S, parallel: int | None = None,
+               prefix_cache_bytes: int | None = None, prefill_chunk: int | None = None):
     """The ASGI application serving ``model``; ``parallel`` streams at once (None: chosen from
-    the machine, :func:`cpullm.engine.default_parallel`). ``allowed_hosts``: Host names accepted (None: any).
+    the machine, :func:`cpullm.engine.default_parallel`); ``prefix_cache_bytes`` bounds the KV
+    kept for shared prompt prefixes (None: :func:`cpullm.engine.default_prefix_cache_bytes`);
+    ``prefill_chunk``: prompt tokens prefilled per scheduler step, also the prefix cache's block
+    (None: the program's max chunk). ``allowed_hosts``: Host names accepted (None: any).
     ``max_tokens_cap``: the longest answer (an omitted max_tokens gets it); ``request_timeout``:
     seconds of generation per request (None: no limit); ``body_timeout``: seconds to send a body."""
     import anyio
@@ -749,7 +753,8 @@ def create_app(model, model_id: str | None = None, api_key: str | None = None,
     from starlette.staticfiles import StaticFiles
 
     model_id = model_id or Path(str(model.model_dir)).name
-    engine = Engine(model, max_queue=max_queue, parallel=parallel)
+    engine = Engine(model, max_queue=max_queue, parallel=parallel, prefill_chunk=prefill_chunk,
+                    prefix_cache_bytes=prefix_cache_bytes)
     api = Api(model, model_id, engine, max_tokens_cap=max_tokens_cap, request_timeout=request_timeout)
 
     def err(exc: Exception) -> Response:
@@ -1026,7 +1031,8 @@ def serve(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | None 
           max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP,
           request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
           header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
-          body_timeout: float = DEFAULT_BODY_TIMEOUT_S, parallel: int | None = None) -> None:
+          body_timeout: float = DEFAULT_BODY_TIMEOUT_S, parallel: int | None = None,
+          prefix_cache_bytes: int | None = None, prefill_chunk: int | None = None) -> None:
     """Serve until interrupted. ``port=0`` picks a free port; ``announce`` gets the ready line
     (with the real URL) once the socket listens. On SIGINT/SIGTERM the engine and the template
     worker stop first, so every waiting client gets the 503 JSON error and every stream an
@@ -1046,7 +1052,8 @@ def serve(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | None 
     allowed = LOOPBACK_NAMES if is_loopback(host) else None
     app = create_app(model, model_id=model_id, api_key=api_key, max_request_bytes=max_request_bytes,
                      max_queue=max_queue, allowed_hosts=allowed, max_tokens_cap=max_tokens_cap,
-                     request_timeout=request_timeout, body_timeout=body_timeout, parallel=parallel)
+                     request_timeout=request_timeout, body_timeout=body_timeout, parallel=parallel,
+                     prefix_cache_bytes=prefix_cache_bytes, prefill_chunk=prefill_chunk)
     bind_host = host.strip("[]")
     try:
         infos = socket.getaddrinfo(bind_host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)

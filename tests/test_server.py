@@ -52,6 +52,8 @@ def test_models_and_health(server, client):
     assert h["status"] == "ok" and h["model"] == MODEL and h["n_ctx"] == 512
     assert h["parallel"] >= 2 and h["kv_bytes_per_stream"] > 0      # 2 threads: 4 per thread, at most 8
     assert h["kv_bytes_planned"] == h["parallel"] * h["kv_bytes_per_stream"]
+    pc = h["prefix_cache"]
+    assert pc["budget_bytes"] > 0 and 0 <= pc["bytes"] <= pc["budget_bytes"] and pc["block_tokens"] == 64
 
 
 def test_a_short_request_is_answered_while_a_long_stream_runs(server):

@@ -5,7 +5,7 @@ import argparse
 import os
 import sys
 
-from .common import add_model_options, load_model, positive_int
+from .common import add_model_options, load_model, non_negative_int, positive_int
 
 EPILOG = """\
 endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (stream or not),
@@ -15,7 +15,9 @@ by the model's generation_config.json. Up to --parallel requests generate at onc
 step advances all of them in one pass over the weights; long prompts are prefilled a chunk at a
 time between steps); the others wait in arrival order. KV memory for --parallel sequences of
 --ctx tokens is allocated at start (GET /health: kv_bytes_planned); a prompt longer than --ctx
-gets a 400.
+gets a 400. Requests whose prompts start with the same whole --prefill-chunk blocks (a shared
+system prompt) restore that KV instead of prefilling it again, within --prefix-cache MiB
+(GET /health: prefix_cache hits, reused_tokens, bytes).
 Every answer is at most --max-tokens-cap tokens (also when a request omits max_tokens; a larger
 max_tokens ends with finish_reason "length") and --request-timeout seconds of generation; GET
 /health and /v1/models report these limits. The model's chat template renders in a separate
@@ -60,6 +62,13 @@ def add_parser(sub):
     p.add_argument("--parallel", type=positive_int, default=None, metavar="N",
                    help="requests generating at once (default: 4 per thread, at most 8, and no more "
                         "than whose KV fits in half the available memory)")
+    p.add_argument("--prefix-cache", type=non_negative_int, default=None, metavar="MIB",
+                   help="MiB of KV kept for prompt prefixes shared between requests (a system prompt), "
+                        "reused in whole prefill chunks instead of prefilling them again; 0 turns it off "
+                        "(default: 256, less if the memory left after the --parallel KV is short)")
+    p.add_argument("--prefill-chunk", type=positive_int, default=None, metavar="N",
+                   help="prompt tokens prefilled per step between the others' decode steps, and the "
+                        "block in which shared prefixes are reused (default: the program's chunk, 512)")
     p.add_argument("--max-tokens-cap", type=positive_int, default=1024,
                    help="longest answer in tokens, and what an omitted max_tokens means (default 1024)")
     p.add_argument("--request-timeout", type=positive_seconds, default=300.0, metavar="SECONDS",
@@ -126,7 +135,9 @@ def run(args) -> int:
               max_queue=args.max_queue, log_level=args.log_level,
               announce=lambda line: print(line, flush=True), max_tokens_cap=args.max_tokens_cap,
               request_timeout=args.request_timeout, header_timeout=args.header_timeout,
-              body_timeout=args.body_timeout, parallel=args.parallel)
+              body_timeout=args.body_timeout, parallel=args.parallel,
+              prefix_cache_bytes=None if args.prefix_cache is None else args.prefix_cache * 2**20,
+              prefill_chunk=args.prefill_chunk)
     except KeyboardInterrupt:
         pass
     print("cpullm: server stopped", file=sys.stderr, flush=True)
