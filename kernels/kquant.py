@@ -59,8 +59,8 @@ from numba.extending import intrinsic
 
 from . import numba_setup
 from .gguf_blocks import BY_TYPE, FORMATS, dequantize_ref
-from .q8 import (PREFETCH_BYTES, _c64, _decl, _emit_counted_loop, _hsum_v8f32, _ir_half_to_float_fresh,
-                 _quantize_blocks_ref, _quantize_row)
+from .q8 import (_HALF_IN_HARDWARE, PREFETCH_BYTES, _c64, _decl, _emit_counted_loop, _hsum_v8f32,
+                 _ir_half_to_float, _ir_half_to_float_fresh, _quantize_blocks_ref, _quantize_row)
 
 ISA_GENERIC, ISA_AVX2, ISA_VNNI512 = 0, 1, 2
 ISA_NAMES = {ISA_GENERIC: "generic", ISA_AVX2: "avx2", ISA_VNNI512: "vnni512"}
@@ -261,6 +261,56 @@ class _Q8_0(_Legacy):
         super().__init__(fmt, False, 2, None, 0)
 
 
+def _halves8(b, gp, offs):
+    """<8 x float> of the binary16 values at byte offsets ``offs`` of gp (one vcvtph2ps on x86
+    with F16C: the 8 bits gathered through GPRs into a vector written whole, as
+    q8._ir_half_to_float_fresh does for one value)."""
+    v = ir.Constant(_vec(_I16, 8), [0] * 8)
+    for i, off in enumerate(offs):
+        v = b.insert_element(v, _load(b, gp, off, _I16), ir.Constant(_I32, i))
+    if _HALF_IN_HARDWARE and numba_setup.HOST_IS_X86:
+        cvt = ir.InlineAsm(ir.FunctionType(_vec(_F32, 8), [_vec(_I16, 8)]), "vcvtph2ps $1, $0", "=x,x")
+        return b.call(cvt, [v])
+    out = ir.Constant(_vec(_F32, 8), [0.0] * 8)
+    for i in range(8):
+        out = b.insert_element(out, _ir_half_to_float(b, b.extract_element(v, ir.Constant(_I32, i))),
+                               ir.Constant(_I32, i))
+    return out
+
+
+class _Legacy8(_Format):
+    """Eight consecutive blocks of a 32-weight format as one group (256 weights), as the K-quants
+    go: the 8 scales (and mins) in one vcvtph2ps, one <8 x float> of factors and one of offsets
+    per 8 blocks instead of a scalar conversion, splat and offset per block; on vnni512 two blocks
+    per zmm vpdpbusd. Q4_1 on one Zen 4 thread: 9.0 -> see benchmarks/results (the per-block scalar
+    work, not the dot products, bounded the one-block loop). The row's last K/32 % 8 blocks go
+    through the one-block routine (``one``)."""
+
+    G = 8
+
+    def __init__(self, one):
+        super().__init__(one.fmt)
+        self.one = one
+        self.bytes = 8 * one.bytes
+        self.signed = one.signed
+
+    def group(self, b, gp, xs, xm):
+        one, bb = self.one, self.one.bytes
+        d = _halves8(b, gp, [bb * i for i in range(8)])
+        xsv = b.load(b.bitcast(xs, _vec(_F32, 8).as_pointer()), align=4)
+        factors = b.fmul(d, xsv)
+        if one.has_min:             # w = d q + m
+            offset = b.fmul(_halves8(b, gp, [bb * i + 2 for i in range(8)]), _xm32(b, xm, 8))
+        elif one.bias:              # w = d (q - bias)
+            offset = b.fmul(b.fmul(d, _splat_c(_F32, 8, -float(one.bias))), _xm32(b, xm, 8))
+        else:
+            offset = None
+        return _Group(factors=factors, offset=offset)
+
+    def quants(self, b, st, gp, j):
+        return self.one.quants(b, st, b.gep(gp, [_c64(self.one.bytes * j)]), 0)
+
+
 def _k_scales_mins(b, gp):
     """The 12-byte scales field of Q4_K / Q5_K at gp + 4 -> (sc, mn) <8 x i32> (6 bits each)."""
     s = _load(b, gp, 4, _vec(_I8, 16))            # bytes 4..19 of the block: scales + 4 bytes of qh/qs
@@ -346,6 +396,9 @@ _FORMATS_IR = {
     Q5_K: _QK(FORMATS["Q5_K"], 16, 48),
     Q6_K: _Q6_K(FORMATS["Q6_K"]),
 }
+_WIDE_IR = {f: _Legacy8(_FORMATS_IR[f]) for f in (Q4_0, Q4_1, Q5_0, Q5_1)}
+"""The 32-weight formats whose rows go 8 blocks per group (Q8_0 stays one block per step: its
+signed dot takes one block per instruction, and it is mapped to cpullm's INT8 layout anyway)."""
 
 
 # ================================================================================================
@@ -384,14 +437,17 @@ def _hsum(b, v):
 
 
 def _define_row_dot(module, fmt_id: int, isa: int):
-    """float @cpullm_kq_row_dot_<fmt>_<isa>(i8* w_row, i8* x_q, i8* x_s, i8* x_m, i64 ngroups).
+    """float @cpullm_kq_row_dot_<fmt>_<isa>(i8* w_row, i8* x_q, i8* x_s, i8* x_m, i64 nblocks).
 
     One row of file blocks against the quantized activations (module docstring). Step width W
-    (32-weight blocks per integer dot): 2 for the K-quants on vnni512 (zmm), else 1. The 32-weight
-    formats go two file blocks per loop step (even / odd accumulators) with an odd tail.
+    (32-weight blocks per integer dot): 2 for the 256-weight groups (K-quants, and Q4_0 / Q4_1 /
+    Q5_0 / Q5_1 eight blocks at a time: ``_Legacy8``) on vnni512 (zmm), else 1. Q8_0, and the
+    last K/32 % 8 blocks of the other 32-weight formats, go two file blocks per loop step (even /
+    odd accumulators) with an odd tail.
     """
-    F = _FORMATS_IR[fmt_id]
-    name = f"cpullm_kq_row_dot_v1_{F.fmt.name}_{ISA_NAMES[isa]}"
+    F1 = _FORMATS_IR[fmt_id]
+    wide = _WIDE_IR.get(fmt_id)
+    name = f"cpullm_kq_row_dot_v2_{F1.fmt.name}_{ISA_NAMES[isa]}"
     fn = module.globals.get(name)
     if fn is not None:
         return fn
@@ -400,19 +456,19 @@ def _define_row_dot(module, fmt_id: int, isa: int):
     fn.attributes.add("alwaysinline")
     fn.attributes.add("nounwind")
     w, xq, xs_raw, xm_raw, ng = fn.args
-    W = 2 if (isa == ISA_VNNI512 and F.G == 8) else 1
-    L = 8 * W
-    vacc, v8f = _vec(_F32, L), _vec(_F32, 8)
-    zero, zero8 = ir.Constant(vacc, [0.0] * L), ir.Constant(v8f, [0.0] * 8)
-    fmuladd = _decl(module, f"llvm.fmuladd.v{L}f32", vacc, [vacc] * 3)
+    wide_step = 2 if isa == ISA_VNNI512 else 1
+    v8f, v16f = _vec(_F32, 8), _vec(_F32, 16)
+    zero8, zero16 = ir.Constant(v8f, [0.0] * 8), ir.Constant(v16f, [0.0] * 16)
+    fmuladds = {L: _decl(module, f"llvm.fmuladd.v{L}f32", _vec(_F32, L), [_vec(_F32, L)] * 3) for L in (8, 16)}
     prefetch = _decl(module, "llvm.prefetch.p0", ir.VoidType(), [_P8, _I32, _I32, _I32])
 
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     xs = b.bitcast(xs_raw, _F32.as_pointer())
     xm = b.bitcast(xm_raw, _F32.as_pointer())
 
-    def one_group(b, g, acc, first_slot):
-        """File block g; its 32-weight blocks alternate between acc[0] and acc[1] from first_slot."""
+    def one_group(b, F, W, g, acc, first_slot):
+        """File block (or 8-block group) g of format F; its 32-weight blocks alternate between
+        acc[0] and acc[1] from first_slot, W blocks per integer dot."""
         gp = b.gep(w, [b.mul(g, _c64(F.bytes))])
         for line in range(0, F.bytes, 64):
             b.call(prefetch, [b.gep(gp, [_c64(PREFETCH_BYTES + line)]), ir.Constant(_I32, 0),
@@ -429,19 +485,33 @@ def _define_row_dot(module, fmt_id: int, isa: int):
             x = _load(b, xq, b.shl(b.add(blk0, _c64(j)), _c64(5)), _vec(_I8, 32 * W))
             sums = _dot(b, module, q, x, isa, F.signed)
             slot = (first_slot + s) % 2
-            acc[slot] = b.call(fmuladd, [b.sitofp(sums, vacc), f, acc[slot]])
+            acc[slot] = b.call(fmuladds[8 * W], [b.sitofp(sums, _vec(_F32, 8 * W)), f, acc[slot]])
         return acc
 
-    accs = [zero, zero, zero8]
-    if F.G == 1:                                   # two file blocks per step, then an odd one
-        pairs_end = b.and_(ng, _c64(-2))
-        b, accs = _emit_counted_loop(fn, b, _c64(0), pairs_end, 2, accs,
-                                     lambda b, g, acc: one_group(b, b.add(g, _c64(1)), one_group(b, g, acc, 0), 1),
+    if F1.G == 1:
+        if wide is not None:                       # groups of 8 blocks, then the rest one by one
+            W = wide_step
+            zero = zero16 if W == 2 else zero8
+            b, (a0, a1, off) = _emit_counted_loop(fn, b, _c64(0), b.ashr(ng, _c64(3)), 1, [zero, zero, zero8],
+                                                  lambda b, g, acc: one_group(b, wide, W, g, acc, 0), "groups")
+            if W == 2:
+                a0, a1 = (b.fadd(_lanes(b, a, list(range(8))), _lanes(b, a, list(range(8, 16)))) for a in (a0, a1))
+            start = b.and_(ng, _c64(-8))
+            accs = [a0, a1, off]
+        else:
+            start, accs = _c64(0), [zero8, zero8, zero8]
+        pairs_end = b.and_(ng, _c64(-2))           # two file blocks per step, then an odd one
+        b, accs = _emit_counted_loop(fn, b, start, pairs_end, 2, accs,
+                                     lambda b, g, acc: one_group(b, F1, 1, b.add(g, _c64(1)),
+                                                                 one_group(b, F1, 1, g, acc, 0), 1),
                                      "pairs")
         b, accs = _emit_if_list(fn, b, b.icmp_signed("<", pairs_end, ng), accs,
-                                lambda b, acc: one_group(b, pairs_end, acc, 0), "odd")
+                                lambda b, acc: one_group(b, F1, 1, pairs_end, acc, 0), "odd")
     else:
-        b, accs = _emit_counted_loop(fn, b, _c64(0), ng, 1, accs, lambda b, g, acc: one_group(b, g, acc, 0), "groups")
+        W = wide_step
+        zero = zero16 if W == 2 else zero8
+        b, accs = _emit_counted_loop(fn, b, _c64(0), ng, 1, [zero, zero, zero8],
+                                     lambda b, g, acc: one_group(b, F1, W, g, acc, 0), "groups")
     total = b.fadd(_hsum(b, b.fadd(accs[0], accs[1])), _hsum_v8f32(b, accs[2]))
     b.ret(total)
     return fn

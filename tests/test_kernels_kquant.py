@@ -18,8 +18,11 @@ ISAS = [pytest.param(i, id=kq.ISA_NAMES[i]) for i in kq.ISAS]
 
 def _shapes(name):
     W = gb.FORMATS[name].block_weights
-    # N = 1, odd N, K one block, an odd and an even number of blocks, and a long row
-    return [(1, W), (7, W), (33, 2 * W), (5, 3 * W), (64, 5 * W), (3, 8192 if W == 256 else 4864)]
+    # N = 1, odd N, K one block, an odd and an even number of blocks, and a long row; for the
+    # 32-weight formats also groups of 8 blocks with an odd (19 = 2 * 8 + 3) and an even tail
+    # (30 = 3 * 8 + 6) after them
+    extra = [(6, 19 * W), (4, 30 * W)] if W == 32 else []
+    return [(1, W), (7, W), (33, 2 * W), (5, 3 * W), (64, 5 * W), (3, 8192 if W == 256 else 4864)] + extra
 
 
 def _act(K, scale=1.0):
