@@ -310,6 +310,26 @@ class _Legacy8(_Format):
     def quants(self, b, st, gp, j):
         return self.one.quants(b, st, b.gep(gp, [_c64(self.one.bytes * j)]), 0)
 
+    def pair_vnni(self, b, st, gp, j):
+        """(<64 x i8> quants, <16 x float> factors) of blocks j, j + 1 for one zmm vpdpbusd, or
+        None. Q4_0 / Q4_1 only: the 16 bytes of each block twice, masked to the low nibbles
+        (weights 0..15) and to the high ones in place (16 q, weights 16..31), whose int32 sums
+        the factor / 16 (a power of two: the same float product) scales back: one byte shuffle
+        and one AND for 64 weights instead of two shifts, two ANDs and three inserts. The lane
+        layout and every product equal the quants() path's (results identical). vpdpbusd only:
+        16 q x 127 overflows vpmaddubsw's int16 pairs, not vpdpbusd's int32 (4 x 240 x 128)."""
+        one = self.one
+        if one.qh_off is not None or one.signed:
+            return None
+        qa = _load(b, gp, one.bytes * j + one.qs_off, _vec(_I8, 16))
+        qb = _load(b, gp, one.bytes * (j + 1) + one.qs_off, _vec(_I8, 16))
+        z = b.shuffle_vector(qa, qb, _idx(*(list(range(16)) * 2 + list(range(16, 32)) * 2)))
+        q = b.and_(z, ir.Constant(_vec(_I8, 64), ([15] * 16 + [0xF0] * 16) * 2))
+        if not hasattr(st, "factors16"):          # [f, f / 16], once per group
+            st.factors16 = _concat(b, st.factors, b.fmul(st.factors, _splat_c(_F32, 8, 1.0 / 16)))
+        f = _lanes(b, st.factors16, [j] * 4 + [8 + j] * 4 + [j + 1] * 4 + [9 + j] * 4)
+        return q, f
+
 
 def _k_scales_mins(b, gp):
     """The 12-byte scales field of Q4_K / Q5_K at gp + 4 -> (sc, mn) <8 x i32> (6 bits each)."""
@@ -479,9 +499,13 @@ def _define_row_dot(module, fmt_id: int, isa: int):
         if st.offset is not None:
             acc[2] = b.fadd(acc[2], st.offset)
         for s, j in enumerate(range(0, F.G, W)):
-            qs = [F.quants(b, st, gp, j + e) for e in range(W)]
-            fs = [F.factor(b, st, j + e) for e in range(W)]
-            q, f = (qs[0], fs[0]) if W == 1 else (_concat(b, *qs), _concat(b, *fs))
+            pair = F.pair_vnni(b, st, gp, j) if (W == 2 and hasattr(F, "pair_vnni")) else None
+            if pair is not None:
+                q, f = pair
+            else:
+                qs = [F.quants(b, st, gp, j + e) for e in range(W)]
+                fs = [F.factor(b, st, j + e) for e in range(W)]
+                q, f = (qs[0], fs[0]) if W == 1 else (_concat(b, *qs), _concat(b, *fs))
             x = _load(b, xq, b.shl(b.add(blk0, _c64(j)), _c64(5)), _vec(_I8, 32 * W))
             sums = _dot(b, module, q, x, isa, F.signed)
             slot = (first_slot + s) % 2
