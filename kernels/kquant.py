@@ -35,8 +35,9 @@ multiplies signed values. Float32 sums across blocks, two accumulators (even / o
 ISA variants (``ISAS``), each compiled only on a CPU that runs it, all against the same numpy
 reference (:func:`matvec_ref`):
 
-* ``vnni512`` (AVX-512 F/BW/VL + VNNI): K-quants two 32-weight blocks per ``vpdpbusd`` on zmm,
-  16 float lanes; 32-weight formats one block per ymm ``vpdpbusd``.
+* ``vnni512`` (AVX-512 F/BW/VL + VNNI): K-quants, and Q4_0 / Q4_1 / Q5_0 / Q5_1 taken 8 blocks
+  at a time (``_Legacy8``), two 32-weight blocks per ``vpdpbusd`` on zmm, 16 float lanes; Q8_0
+  and the last K/32 % 8 blocks of a row one block per ymm ``vpdpbusd``.
 * ``avx2`` (AVX2 + FMA): ``vpmaddubsw`` + ``vpmaddwd`` by ones per block, ymm.
 * ``generic``: portable LLVM IR (widen, multiply, add); what LLVM makes of it for the host.
 
@@ -282,9 +283,11 @@ class _Legacy8(_Format):
     """Eight consecutive blocks of a 32-weight format as one group (256 weights), as the K-quants
     go: the 8 scales (and mins) in one vcvtph2ps, one <8 x float> of factors and one of offsets
     per 8 blocks instead of a scalar conversion, splat and offset per block; on vnni512 two blocks
-    per zmm vpdpbusd. Q4_1 on one Zen 4 thread: 9.0 -> see benchmarks/results (the per-block scalar
-    work, not the dot products, bounded the one-block loop). The row's last K/32 % 8 blocks go
-    through the one-block routine (``one``)."""
+    per zmm vpdpbusd. The per-block scalar work, not the dot products, bounded the one-block loop:
+    Q4_1 on one Zen 4 thread (2048 x 8192, vnni512) went 7.5 -> 13.4 G weights/s
+    (benchmarks/results/2026-12-04-kquant-speed.md). The row's last K/32 % 8 blocks go through the
+    one-block routine (``one``); the sums' order changes (per-lane float accumulators over groups),
+    so results differ from the one-block loop's in the last bits, within the tests' tolerance."""
 
     G = 8
 
