@@ -38,7 +38,8 @@ reference (:func:`matvec_ref`):
 * ``vnni512`` (AVX-512 F/BW/VL + VNNI): K-quants, and Q4_0 / Q4_1 / Q5_0 / Q5_1 taken 8 blocks
   at a time (``_Legacy8``), two 32-weight blocks per ``vpdpbusd`` on zmm, 16 float lanes; Q8_0
   and the last K/32 % 8 blocks of a row one block per ymm ``vpdpbusd``.
-* ``avx2`` (AVX2 + FMA): ``vpmaddubsw`` + ``vpmaddwd`` by ones per block, ymm.
+* ``avx2`` (AVX2 + FMA): ``vpmaddubsw`` + ``vpmaddwd`` by ones per block, ymm; the K-quants two
+  blocks per ``vpmaddwd`` and float step after one ``vphaddw`` (``_avx2_pair``).
 * ``generic``: portable LLVM IR (widen, multiply, add); what LLVM makes of it for the host.
 
 Each row's dot product is an LLVM IR routine inlined into a numba ``prange`` over rows (static

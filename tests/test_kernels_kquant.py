@@ -175,7 +175,7 @@ def _args():
 @pytest.mark.skipif(not kq.HAVE_AVX2, reason="x86 AVX2 host only")
 def test_avx2_codegen_uses_byte_multiply_adds():
     asm = _fresh_asm(kq.matvec_avx2, *_args())
-    for insn in ("vpmaddubsw", "vpmaddwd", "vcvtdq2ps", "vfmadd", "prefetcht0", "vpsignb"):
+    for insn in ("vpmaddubsw", "vpmaddwd", "vphaddw", "vcvtdq2ps", "vfmadd", "prefetcht0", "vpsignb"):
         assert insn in asm, f"{insn} missing: the AVX2 k-quant matvec lost its vector code"
 
 
