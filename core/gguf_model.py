@@ -108,6 +108,20 @@ class GGUFStore:
         out[...] = w
         return out
 
+    def get_rows(self, name: str, r0: int, r1: int, out: np.ndarray) -> np.ndarray:
+        """Rows ``r0:r1`` of the tensor as float32 into ``out`` (the row-block build's TensorStore
+        API): the tensor is dequantized whole once (head un-permuting mixes rows) and kept until
+        :meth:`release` or the next tensor."""
+        if getattr(self, "_whole", (None,))[0] != name:
+            self._whole = (None,)
+            self._whole = (name, self.get(name))
+        out[...] = self._whole[1][r0:r1]
+        return out
+
+    def release(self, name: str) -> None:
+        """Drop the whole tensor :meth:`get_rows` kept."""
+        self._whole = (None,)
+
     def blocks(self, name: str):
         """(format name, uint8 (rows, row bytes)) for a matrix stored in a block format the runtime
         executes as it is, else None (F32 / F16 / BF16 and other ggml types, vectors, tensors

@@ -35,9 +35,11 @@ multiplies signed values. Float32 sums across blocks, two accumulators (even / o
 ISA variants (``ISAS``), each compiled only on a CPU that runs it, all against the same numpy
 reference (:func:`matvec_ref`):
 
-* ``vnni512`` (AVX-512 F/BW/VL + VNNI): K-quants two 32-weight blocks per ``vpdpbusd`` on zmm,
-  16 float lanes; 32-weight formats one block per ymm ``vpdpbusd``.
-* ``avx2`` (AVX2 + FMA): ``vpmaddubsw`` + ``vpmaddwd`` by ones per block, ymm.
+* ``vnni512`` (AVX-512 F/BW/VL + VNNI): K-quants, and Q4_0 / Q4_1 / Q5_0 / Q5_1 taken 8 blocks
+  at a time (``_Legacy8``), two 32-weight blocks per ``vpdpbusd`` on zmm, 16 float lanes; Q8_0
+  and the last K/32 % 8 blocks of a row one block per ymm ``vpdpbusd``.
+* ``avx2`` (AVX2 + FMA): ``vpmaddubsw`` + ``vpmaddwd`` by ones per block, ymm; the K-quants two
+  blocks per ``vpmaddwd`` and float step after one ``vphaddw`` (``_avx2_pair``).
 * ``generic``: portable LLVM IR (widen, multiply, add); what LLVM makes of it for the host.
 
 Each row's dot product is an LLVM IR routine inlined into a numba ``prange`` over rows (static
@@ -59,8 +61,8 @@ from numba.extending import intrinsic
 
 from . import numba_setup
 from .gguf_blocks import BY_TYPE, FORMATS, dequantize_ref
-from .q8 import (PREFETCH_BYTES, _c64, _decl, _emit_counted_loop, _hsum_v8f32, _ir_half_to_float_fresh,
-                 _quantize_blocks_ref, _quantize_row)
+from .q8 import (_HALF_IN_HARDWARE, PREFETCH_BYTES, _c64, _decl, _emit_counted_loop, _hsum_v8f32,
+                 _ir_half_to_float, _ir_half_to_float_fresh, _quantize_blocks_ref, _quantize_row)
 
 ISA_GENERIC, ISA_AVX2, ISA_VNNI512 = 0, 1, 2
 ISA_NAMES = {ISA_GENERIC: "generic", ISA_AVX2: "avx2", ISA_VNNI512: "vnni512"}
@@ -261,6 +263,78 @@ class _Q8_0(_Legacy):
         super().__init__(fmt, False, 2, None, 0)
 
 
+def _halves8(b, gp, offs):
+    """<8 x float> of the binary16 values at byte offsets ``offs`` of gp (one vcvtph2ps on x86
+    with F16C: the 8 bits gathered through GPRs into a vector written whole, as
+    q8._ir_half_to_float_fresh does for one value)."""
+    v = ir.Constant(_vec(_I16, 8), [0] * 8)
+    for i, off in enumerate(offs):
+        v = b.insert_element(v, _load(b, gp, off, _I16), ir.Constant(_I32, i))
+    if _HALF_IN_HARDWARE and numba_setup.HOST_IS_X86:
+        cvt = ir.InlineAsm(ir.FunctionType(_vec(_F32, 8), [_vec(_I16, 8)]), "vcvtph2ps $1, $0", "=x,x")
+        return b.call(cvt, [v])
+    out = ir.Constant(_vec(_F32, 8), [0.0] * 8)
+    for i in range(8):
+        out = b.insert_element(out, _ir_half_to_float(b, b.extract_element(v, ir.Constant(_I32, i))),
+                               ir.Constant(_I32, i))
+    return out
+
+
+class _Legacy8(_Format):
+    """Eight consecutive blocks of a 32-weight format as one group (256 weights), as the K-quants
+    go: the 8 scales (and mins) in one vcvtph2ps, one <8 x float> of factors and one of offsets
+    per 8 blocks instead of a scalar conversion, splat and offset per block; on vnni512 two blocks
+    per zmm vpdpbusd. The per-block scalar work, not the dot products, bounded the one-block loop:
+    Q4_1 on one Zen 4 thread (2048 x 8192, vnni512) went 7.5 -> 13.4 G weights/s
+    (benchmarks/results/2026-12-04-kquant-speed.md). The row's last K/32 % 8 blocks go through the
+    one-block routine (``one``); the sums' order changes (per-lane float accumulators over groups),
+    so results differ from the one-block loop's in the last bits, within the tests' tolerance."""
+
+    G = 8
+
+    def __init__(self, one):
+        super().__init__(one.fmt)
+        self.one = one
+        self.bytes = 8 * one.bytes
+        self.signed = one.signed
+
+    def group(self, b, gp, xs, xm):
+        one, bb = self.one, self.one.bytes
+        d = _halves8(b, gp, [bb * i for i in range(8)])
+        xsv = b.load(b.bitcast(xs, _vec(_F32, 8).as_pointer()), align=4)
+        factors = b.fmul(d, xsv)
+        if one.has_min:             # w = d q + m
+            offset = b.fmul(_halves8(b, gp, [bb * i + 2 for i in range(8)]), _xm32(b, xm, 8))
+        elif one.bias:              # w = d (q - bias)
+            offset = b.fmul(b.fmul(d, _splat_c(_F32, 8, -float(one.bias))), _xm32(b, xm, 8))
+        else:
+            offset = None
+        return _Group(factors=factors, offset=offset)
+
+    def quants(self, b, st, gp, j):
+        return self.one.quants(b, st, b.gep(gp, [_c64(self.one.bytes * j)]), 0)
+
+    def pair_vnni(self, b, st, gp, j):
+        """(<64 x i8> quants, <16 x float> factors) of blocks j, j + 1 for one zmm vpdpbusd, or
+        None. Q4_0 / Q4_1 only: the 16 bytes of each block twice, masked to the low nibbles
+        (weights 0..15) and to the high ones in place (16 q, weights 16..31), whose int32 sums
+        the factor / 16 (a power of two: the same float product) scales back: one byte shuffle
+        and one AND for 64 weights instead of two shifts, two ANDs and three inserts. The lane
+        layout and every product equal the quants() path's (results identical). vpdpbusd only:
+        16 q x 127 overflows vpmaddubsw's int16 pairs, not vpdpbusd's int32 (4 x 240 x 128)."""
+        one = self.one
+        if one.qh_off is not None or one.signed:
+            return None
+        qa = _load(b, gp, one.bytes * j + one.qs_off, _vec(_I8, 16))
+        qb = _load(b, gp, one.bytes * (j + 1) + one.qs_off, _vec(_I8, 16))
+        z = b.shuffle_vector(qa, qb, _idx(*(list(range(16)) * 2 + list(range(16, 32)) * 2)))
+        q = b.and_(z, ir.Constant(_vec(_I8, 64), ([15] * 16 + [0xF0] * 16) * 2))
+        if not hasattr(st, "factors16"):          # [f, f / 16], once per group
+            st.factors16 = _concat(b, st.factors, b.fmul(st.factors, _splat_c(_F32, 8, 1.0 / 16)))
+        f = _lanes(b, st.factors16, [j] * 4 + [8 + j] * 4 + [j + 1] * 4 + [9 + j] * 4)
+        return q, f
+
+
 def _k_scales_mins(b, gp):
     """The 12-byte scales field of Q4_K / Q5_K at gp + 4 -> (sc, mn) <8 x i32> (6 bits each)."""
     s = _load(b, gp, 4, _vec(_I8, 16))            # bytes 4..19 of the block: scales + 4 bytes of qh/qs
@@ -346,6 +420,9 @@ _FORMATS_IR = {
     Q5_K: _QK(FORMATS["Q5_K"], 16, 48),
     Q6_K: _Q6_K(FORMATS["Q6_K"]),
 }
+_WIDE_IR = {f: _Legacy8(_FORMATS_IR[f]) for f in (Q4_0, Q4_1, Q5_0, Q5_1)}
+"""The 32-weight formats whose rows go 8 blocks per group (Q8_0 stays one block per step: its
+signed dot takes one block per instruction, and it is mapped to cpullm's INT8 layout anyway)."""
 
 
 # ================================================================================================
@@ -377,6 +454,27 @@ def _dot(b, module, q, x, isa, signed):
     return b.call(dpbusd, [ir.Constant(vi, [0] * (n // 4)), b.bitcast(q, vi), b.bitcast(x, vi)])
 
 
+def _avx2_pair(b, module, F, st, gp, j, xq, blk0):
+    """AVX2, unsigned quants: blocks j, j + 1 of a 256-weight group -> (<8 x i32> sums, <8 x float>
+    factors), one ``vpmaddwd`` and one float step for the two blocks instead of one each:
+    vpmaddubsw per block (int16 pairs <= 2 x 63 x 127), vphaddw of the two (<= 32004: exact in
+    int16 for quants up to 6 bits), vpmaddwd by ones. Lane l of the sums holds 8 weights: per
+    128-bit half h, lanes 4h, 4h + 1 block j's weights 16h .. 16h + 15, lanes 4h + 2, 4h + 3
+    block j + 1's; the factors follow (each old lane pair shares one factor, Q6_K's 16-weight
+    sub-blocks included)."""
+    v32i8, v16i16 = _vec(_I8, 32), _vec(_I16, 16)
+    maddubs = _decl(module, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8])
+    maddwd = _decl(module, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [v16i16] * 2)
+    haddw = _decl(module, "llvm.x86.avx2.phadd.w", v16i16, [v16i16] * 2)
+    m = []
+    for e in range(2):
+        x = _load(b, xq, b.shl(b.add(blk0, _c64(j + e)), _c64(5)), v32i8)
+        m.append(b.call(maddubs, [F.quants(b, st, gp, j + e), x]))
+    sums = b.call(maddwd, [b.call(haddw, m), _splat_c(_I16, 16, 1)])
+    f = b.shuffle_vector(F.factor(b, st, j), F.factor(b, st, j + 1), _idx(0, 2, 8, 10, 4, 6, 12, 14))
+    return sums, f
+
+
 def _hsum(b, v):
     if v.type.count == 16:
         v = b.fadd(_lanes(b, v, list(range(8))), _lanes(b, v, list(range(8, 16))))
@@ -384,14 +482,17 @@ def _hsum(b, v):
 
 
 def _define_row_dot(module, fmt_id: int, isa: int):
-    """float @cpullm_kq_row_dot_<fmt>_<isa>(i8* w_row, i8* x_q, i8* x_s, i8* x_m, i64 ngroups).
+    """float @cpullm_kq_row_dot_<fmt>_<isa>(i8* w_row, i8* x_q, i8* x_s, i8* x_m, i64 nblocks).
 
     One row of file blocks against the quantized activations (module docstring). Step width W
-    (32-weight blocks per integer dot): 2 for the K-quants on vnni512 (zmm), else 1. The 32-weight
-    formats go two file blocks per loop step (even / odd accumulators) with an odd tail.
+    (32-weight blocks per integer dot): 2 for the 256-weight groups (K-quants, and Q4_0 / Q4_1 /
+    Q5_0 / Q5_1 eight blocks at a time: ``_Legacy8``) on vnni512 (zmm), else 1. Q8_0, and the
+    last K/32 % 8 blocks of the other 32-weight formats, go two file blocks per loop step (even /
+    odd accumulators) with an odd tail.
     """
-    F = _FORMATS_IR[fmt_id]
-    name = f"cpullm_kq_row_dot_v1_{F.fmt.name}_{ISA_NAMES[isa]}"
+    F1 = _FORMATS_IR[fmt_id]
+    wide = _WIDE_IR.get(fmt_id)
+    name = f"cpullm_kq_row_dot_v2_{F1.fmt.name}_{ISA_NAMES[isa]}"
     fn = module.globals.get(name)
     if fn is not None:
         return fn
@@ -400,19 +501,19 @@ def _define_row_dot(module, fmt_id: int, isa: int):
     fn.attributes.add("alwaysinline")
     fn.attributes.add("nounwind")
     w, xq, xs_raw, xm_raw, ng = fn.args
-    W = 2 if (isa == ISA_VNNI512 and F.G == 8) else 1
-    L = 8 * W
-    vacc, v8f = _vec(_F32, L), _vec(_F32, 8)
-    zero, zero8 = ir.Constant(vacc, [0.0] * L), ir.Constant(v8f, [0.0] * 8)
-    fmuladd = _decl(module, f"llvm.fmuladd.v{L}f32", vacc, [vacc] * 3)
+    wide_step = 2 if isa == ISA_VNNI512 else 1
+    v8f, v16f = _vec(_F32, 8), _vec(_F32, 16)
+    zero8, zero16 = ir.Constant(v8f, [0.0] * 8), ir.Constant(v16f, [0.0] * 16)
+    fmuladds = {L: _decl(module, f"llvm.fmuladd.v{L}f32", _vec(_F32, L), [_vec(_F32, L)] * 3) for L in (8, 16)}
     prefetch = _decl(module, "llvm.prefetch.p0", ir.VoidType(), [_P8, _I32, _I32, _I32])
 
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     xs = b.bitcast(xs_raw, _F32.as_pointer())
     xm = b.bitcast(xm_raw, _F32.as_pointer())
 
-    def one_group(b, g, acc, first_slot):
-        """File block g; its 32-weight blocks alternate between acc[0] and acc[1] from first_slot."""
+    def one_group(b, F, W, g, acc, first_slot):
+        """File block (or 8-block group) g of format F; its 32-weight blocks alternate between
+        acc[0] and acc[1] from first_slot, W blocks per integer dot."""
         gp = b.gep(w, [b.mul(g, _c64(F.bytes))])
         for line in range(0, F.bytes, 64):
             b.call(prefetch, [b.gep(gp, [_c64(PREFETCH_BYTES + line)]), ir.Constant(_I32, 0),
@@ -422,26 +523,50 @@ def _define_row_dot(module, fmt_id: int, isa: int):
         acc = list(acc)
         if st.offset is not None:
             acc[2] = b.fadd(acc[2], st.offset)
+        if isa == ISA_AVX2 and F.G == 8 and not isinstance(F, _Legacy8):   # Q4_1: 0.76x with it
+            for s, j in enumerate(range(0, F.G, 2)):
+                sums, f = _avx2_pair(b, module, F, st, gp, j, xq, blk0)
+                slot = (first_slot + s) % 2
+                acc[slot] = b.call(fmuladds[8], [b.sitofp(sums, v8f), f, acc[slot]])
+            return acc
         for s, j in enumerate(range(0, F.G, W)):
-            qs = [F.quants(b, st, gp, j + e) for e in range(W)]
-            fs = [F.factor(b, st, j + e) for e in range(W)]
-            q, f = (qs[0], fs[0]) if W == 1 else (_concat(b, *qs), _concat(b, *fs))
+            pair = F.pair_vnni(b, st, gp, j) if (W == 2 and hasattr(F, "pair_vnni")) else None
+            if pair is not None:
+                q, f = pair
+            else:
+                qs = [F.quants(b, st, gp, j + e) for e in range(W)]
+                fs = [F.factor(b, st, j + e) for e in range(W)]
+                q, f = (qs[0], fs[0]) if W == 1 else (_concat(b, *qs), _concat(b, *fs))
             x = _load(b, xq, b.shl(b.add(blk0, _c64(j)), _c64(5)), _vec(_I8, 32 * W))
             sums = _dot(b, module, q, x, isa, F.signed)
             slot = (first_slot + s) % 2
-            acc[slot] = b.call(fmuladd, [b.sitofp(sums, vacc), f, acc[slot]])
+            acc[slot] = b.call(fmuladds[8 * W], [b.sitofp(sums, _vec(_F32, 8 * W)), f, acc[slot]])
         return acc
 
-    accs = [zero, zero, zero8]
-    if F.G == 1:                                   # two file blocks per step, then an odd one
-        pairs_end = b.and_(ng, _c64(-2))
-        b, accs = _emit_counted_loop(fn, b, _c64(0), pairs_end, 2, accs,
-                                     lambda b, g, acc: one_group(b, b.add(g, _c64(1)), one_group(b, g, acc, 0), 1),
+    if F1.G == 1:
+        if wide is not None:                       # groups of 8 blocks, then the rest one by one
+            W = wide_step
+            zero = zero16 if W == 2 else zero8
+            b, (a0, a1, off) = _emit_counted_loop(fn, b, _c64(0), b.ashr(ng, _c64(3)), 1, [zero, zero, zero8],
+                                                  lambda b, g, acc: one_group(b, wide, W, g, acc, 0), "groups")
+            if W == 2:
+                a0, a1 = (b.fadd(_lanes(b, a, list(range(8))), _lanes(b, a, list(range(8, 16)))) for a in (a0, a1))
+            start = b.and_(ng, _c64(-8))
+            accs = [a0, a1, off]
+        else:
+            start, accs = _c64(0), [zero8, zero8, zero8]
+        pairs_end = b.and_(ng, _c64(-2))           # two file blocks per step, then an odd one
+        b, accs = _emit_counted_loop(fn, b, start, pairs_end, 2, accs,
+                                     lambda b, g, acc: one_group(b, F1, 1, b.add(g, _c64(1)),
+                                                                 one_group(b, F1, 1, g, acc, 0), 1),
                                      "pairs")
         b, accs = _emit_if_list(fn, b, b.icmp_signed("<", pairs_end, ng), accs,
-                                lambda b, acc: one_group(b, pairs_end, acc, 0), "odd")
+                                lambda b, acc: one_group(b, F1, 1, pairs_end, acc, 0), "odd")
     else:
-        b, accs = _emit_counted_loop(fn, b, _c64(0), ng, 1, accs, lambda b, g, acc: one_group(b, g, acc, 0), "groups")
+        W = wide_step
+        zero = zero16 if W == 2 else zero8
+        b, accs = _emit_counted_loop(fn, b, _c64(0), ng, 1, [zero, zero, zero8],
+                                     lambda b, g, acc: one_group(b, F1, W, g, acc, 0), "groups")
     total = b.fadd(_hsum(b, b.fadd(accs[0], accs[1])), _hsum_v8f32(b, accs[2]))
     b.ret(total)
     return fn

@@ -18,8 +18,11 @@ ISAS = [pytest.param(i, id=kq.ISA_NAMES[i]) for i in kq.ISAS]
 
 def _shapes(name):
     W = gb.FORMATS[name].block_weights
-    # N = 1, odd N, K one block, an odd and an even number of blocks, and a long row
-    return [(1, W), (7, W), (33, 2 * W), (5, 3 * W), (64, 5 * W), (3, 8192 if W == 256 else 4864)]
+    # N = 1, odd N, K one block, an odd and an even number of blocks, and a long row; for the
+    # 32-weight formats also groups of 8 blocks with an odd (19 = 2 * 8 + 3) and an even tail
+    # (30 = 3 * 8 + 6) after them
+    extra = [(6, 19 * W), (4, 30 * W)] if W == 32 else []
+    return [(1, W), (7, W), (33, 2 * W), (5, 3 * W), (64, 5 * W), (3, 8192 if W == 256 else 4864)] + extra
 
 
 def _act(K, scale=1.0):
@@ -172,7 +175,7 @@ def _args():
 @pytest.mark.skipif(not kq.HAVE_AVX2, reason="x86 AVX2 host only")
 def test_avx2_codegen_uses_byte_multiply_adds():
     asm = _fresh_asm(kq.matvec_avx2, *_args())
-    for insn in ("vpmaddubsw", "vpmaddwd", "vcvtdq2ps", "vfmadd", "prefetcht0", "vpsignb"):
+    for insn in ("vpmaddubsw", "vpmaddwd", "vphaddw", "vcvtdq2ps", "vfmadd", "prefetcht0", "vpsignb"):
         assert insn in asm, f"{insn} missing: the AVX2 k-quant matvec lost its vector code"
 
 
