@@ -201,7 +201,7 @@ def run(args) -> dict:
     def add(runtime, outs, nbytes):
         rows.append({"model": model_name, "runtime": runtime, "mean_kl": mean_kl(ref, outs),
                      "bytes_per_token": nbytes})
-        say(f"  {runtime}: mean KL {rows[-1]['mean_kl']:.5f}")
+        say(f"  {runtime}: mean KL {_kl(rows[-1]['mean_kl'])}")
 
     for quant in ("gguf", "int8", "q4"):
         if quant in skip:
@@ -238,13 +238,17 @@ def run(args) -> dict:
     return report
 
 
+def _kl(x: float) -> str:
+    return f"{x:.5f}" if x >= 1e-3 else f"{x:.2e}"
+
+
 def table(reports: list) -> str:
     lines = ["| model | runtime | mean KL (nats) | weight bytes / token |", "|---|---|---:|---:|"]
     for rep in reports:
         for r in rep["rows"]:
             nb = r["bytes_per_token"]
             size = f"{nb / 1e6:.1f} MB" if nb else "n/a"
-            lines.append(f"| {r['model']} | {r['runtime']} | {r['mean_kl']:.5f} | {size} |")
+            lines.append(f"| {r['model']} | {r['runtime']} | {_kl(r['mean_kl'])} | {size} |")
     return "\n".join(lines)
 
 

@@ -108,6 +108,23 @@ class GGUFStore:
         out[...] = w
         return out
 
+    def get_rows(self, name: str, r0: int, r1: int, out: np.ndarray) -> np.ndarray:
+        """Rows ``r0:r1`` of :meth:`get`'s tensor written into ``out`` (float32 (r1 - r0, K)), as
+        the requantizing compiler reads matrices by row blocks: a block-format matrix whose rows
+        need no head permutation dequantizes those rows alone; any other tensor is read whole
+        and sliced."""
+        from .kernels.gguf_blocks import FORMATS
+        p = self._plan[name]
+        t = p.source
+        if t.tensor_type.name in FORMATS and len(p.shape) == 2 and not p.permute_heads:
+            from .kernels.kquant_gemm import dequantize
+            out[...] = dequantize(FORMATS[t.tensor_type.name], np.ascontiguousarray(t.data[r0:r1]), p.shape[1])
+            if p.subtract_one:
+                out -= np.float32(1.0)
+            return out
+        out[...] = self.get(name)[r0:r1]
+        return out
+
     def blocks(self, name: str):
         """(format name, uint8 (rows, row bytes)) for a matrix stored in a block format the runtime
         executes as it is, else None (F32 / F16 / BF16 and other ggml types, vectors, tensors
