@@ -26,8 +26,8 @@ scales (d sc, dmin mn) exactly as the dequantizer computes them. Its round-trip 
 a test against llama.cpp's own Q4_K quantizer without imatrix (``ggml_quantize_chunk``) where
 that library is installed.
 
-**Tensor choices** (decided by the compiler from the op, never from family names; to be
-confirmed by the KL measurement the issue asks for):
+**Tensor choices** (decided by the compiler from the op, never from family names; their KL
+against llama.cpp's Q4_K_M is measured by benchmarks/fidelity.py):
 
 * attention q / k / o and MLP gate / up: Q4_K.
 * attention v and MLP down: Q6_K in the layers where llama.cpp's Q4_K_M spends more bits (the

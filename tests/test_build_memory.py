@@ -82,7 +82,7 @@ def test_build_and_cached_load_peak_within_the_bounds(synth_qwen3, tmp_path):
     cached = hit["peak"] - hit["before"] - runtime
     print(f"\nruntime +{runtime / MB:.0f} MB; program {w / MB:.0f} MB: build +{build / MB:.0f} MB "
           f"({build / w:.2f}x), cached load +{cached / MB:.0f} MB ({cached / w:.2f}x) over the runtime")
-    # issue 26's bounds: the build at most 1.3x the program + 512 MB of working set, here held to
+    # the bounds cpullm promises: the build at most 1.3x the program + 512 MB of working set, here held to
     # 96 MB (one row block of 64 MB, the screen's temporaries); a cached load within 1.1x of
     # weights + KV + arena, plus this model's tokenizer (a 151936-token vocabulary: ~25 MB, which
     # the 0.1 MB model's byte-level tokenizer does not have)
