@@ -115,6 +115,7 @@ class _Worker:
         from . import template_sandbox as sandbox
 
         self.memory_mb = memory_mb
+        self.signalled = False
         script = Path(sandbox.__file__)
         # -I: no PYTHON* variables, no user site, not the script's folder on sys.path (it holds
         # modules named like the standard library's); an empty environment: nothing to leak.
@@ -139,10 +140,13 @@ class _Worker:
             raise ChatTemplateError(_jinja2_refusal(ready.get("message", "")))
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        # a worker sent SIGKILL is not alive even before the kernel has ended it: the next render
+        # would otherwise reuse it and read its end-of-file as a crash
+        return not self.signalled and self.proc.poll() is None
 
     def signal_kill(self) -> None:
         """SIGKILL only (safe from any thread): whoever renders sees end-of-file at once."""
+        self.signalled = True
         if self.proc.poll() is None:
             self.proc.kill()
 
