@@ -21,6 +21,7 @@ from .family import read_config
 from .generate import GenerationStats, generate_ids, generate_text
 from .ir import GraphBuilder
 from .kernels.warmup import warmup_for_graph
+from .quant_blocks import BlockPlan
 from .sampling import SamplingParams
 from .tensors import TensorStore
 from .tokenize import Tokenizer
@@ -109,7 +110,8 @@ class Model:
         kernels = {k.name: k for k in specs}
         kernel_fns = {k: v.fn for k, v in kernels.items()}
         # kernels this graph needs, compiled while the weights load (kernels/warmup.py)
-        warm = warmup_for_graph(graph, quant, specs)
+        q8_prefill = quant != "gguf" or BlockPlan(graph, weights, quant).body_has_q8(graph)
+        warm = warmup_for_graph(graph, quant, specs, q8_prefill=q8_prefill)
         try:
             tokenizer = gguf_tokenizer() if gguf_tokenizer else Tokenizer(model_dir)
 

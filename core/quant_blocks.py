@@ -55,6 +55,12 @@ class BlockPlan:
             self._memo[node.name] = self._choose(node)
         return self._memo[node.name]
 
+    def body_has_q8(self, graph: Graph) -> bool:
+        """True when a LINEAR of the per-token body runs on q8 weights (Q8_0 blocks, or a matrix
+        that goes the int8 way), so prefill needs the q8 GEMM; the head's rows are few."""
+        return any(n.op == Op.LINEAR and n.section == "body" and self.fmt(n) in (None, "Q8_0")
+                   for n in graph.nodes)
+
     def _choose(self, node: Node) -> str | None:
         if node.op not in (Op.LINEAR, Op.EMBED) or node.attr("precision") is not None:
             return None

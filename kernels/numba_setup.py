@@ -89,6 +89,10 @@ _llb.initialize_native_asmparser()   # numba does not: without it a kernel's inl
 import numba  # noqa: E402
 from numba.core import config as _config  # noqa: E402
 
+from . import numba_cache_lock  # noqa: E402
+
+numba_cache_lock.install()     # two processes compile into one cache at a cold start (warmup.py)
+
 
 
 def _host_features() -> str:

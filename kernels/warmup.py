@@ -11,13 +11,15 @@ whatever call came first (the first prefill). :class:`Warmup` instead compiles, 
   ``linear_state=None`` and numba prunes that branch), an f32 model not the q8 GEMM;
 * each with the exact signature the executor calls it with (:func:`signature`; read-only program
   arrays, int64 scalars), so nothing is compiled twice;
-* the independent groups split between this process and a child (numba writes each compiled
-  kernel to its cache, the parent then loads it; the child starts while the parent still reads
-  and quantizes the weights); :func:`cpullm.kernels.interpreter.run`, which links them all, last.
+* the groups balanced between this process and a child (numba writes each compiled kernel to
+  its cache, the parent then loads it; the child starts while the parent still reads the
+  weights); :func:`cpullm.kernels.interpreter.run`, which links them all, last and alone, so
+  every kernel it calls, used by the program's ops or not, is compiled before it.
 
-Two processes never compile the same kernel: a group and everything it calls belongs to one of
-them (numba numbers a kernel's cache files per process, so two writers of different signatures
-of one kernel could clash). ``CPULLM_COMPILE_PROCESSES=1`` keeps everything in this process.
+Units that call the same helpers form one group and go to one process (compiled in both they
+would cost twice). Two processes writing one numba cache are safe only with
+:mod:`cpullm.kernels.numba_cache_lock`; without it the groups whose helpers the load itself
+compiles stay here. ``CPULLM_COMPILE_PROCESSES=1`` keeps everything in this process.
 
 Progress goes to stderr as one line rewritten in place, only when stderr is a terminal and only
 when something is compiled. :func:`compile_seconds` is the process's total numba compile time
@@ -33,6 +35,7 @@ import threading
 import time
 
 from . import numba_setup  # noqa: F401  (code-generation settings first)
+from . import numba_cache_lock  # noqa: E402
 
 import numba  # noqa: E402
 from numba import types as nt  # noqa: E402
@@ -131,6 +134,9 @@ def _kernels(unit: str) -> list:
                         (kquant_gemm._gemm_blocks, (i64, i16_2, f32_2, wb2, i64, f32_2, f32_2, i64)),
                         (kquant_gemm._block_sums, (i16_2, f32_2, i64, f32_2)),
                         (kquant_gemm._matvec_rows, (i64, f32_2, wb2, f32_2, _arr(nt.int8), ARENA, ARENA))],
+        # the raw-block LINEAR and EMBED rows, as interpreter.run calls them (linked, not compiled, there)
+        "blocks": [(interpreter._linear_blocks_rows, (PROG_I, i64, ARENA, WB, WF, XQ, ARENA, i64, nt.boolean)),
+                   (interpreter._embed_blocks, (PROG_I, i64, ARENA, WB, INTS, nt.float32, i64))],
         "run": [(interpreter.run, run_signature(False))],
         "run_linear_state": [(interpreter.run, run_signature(True))],
         "run_blocks": [(interpreter.run, run_signature(False, True))],
@@ -140,63 +146,96 @@ def _kernels(unit: str) -> list:
 
 
 UNITS = {
-    # unit: (IR op names that need it, None: every program (interpreter.run calls it whatever the
-    # ops), relative compile cost (seconds on a 2-core Zen 3), may run in the child). Units whose
-    # kernels call shared ones (the q8 matvec and activation quantizer: linear, gemm, and the
-    # weight quantizer and head screen compiled in this process) stay in this process.
-    "linear": (None, 3.2, False),
-    "gemm": (("LINEAR",), 4.5, False),
-    "kquant_gemm": (("LINEAR",), 6.0, False),
-    "norm": (None, 1.4, True),
-    "layernorm": (("LAYERNORM",), 1.4, True),
-    "rope": (None, 2.2, True),
-    "attention": (None, 13.0, True),
-    "glu": (None, 2.9, True),
-    "binary": (None, 2.1, True),
-    "unary": (None, 0.3, True),
-    "copy": (None, 0.2, True),
-    "gated_delta": (("GATED_DELTA",), 5.2, True),
+    # unit: (IR op names that need it, None: every program (interpreter.run links its kernels
+    # whatever the ops), compile cost (seconds on a 2-core Zen 4, measured one by one), sharing
+    # group, linked by interpreter.run). Units of one group call the same helpers (the q8
+    # activation quantizer and matvec; the block matvec and dequantizer), so they go to the same
+    # process: compiled twice they would cost twice. The prefill GEMMs are called by the executor,
+    # not by interpreter.run, so run can compile while they do.
+    "linear": (None, 2.9, "q8", True),
+    "gemm": (("LINEAR",), 4.2, "q8", False),
+    "blocks": (None, 5.8, "blocks", True),
+    "kquant_gemm": (("LINEAR",), 9.0, "blocks", False),
+    "norm": (None, 0.9, "norm", True),
+    "layernorm": (None, 1.8, "norm", True),
+    "rope": (None, 1.3, "rope", True),
+    "attention": (None, 11.6, "attention", True),
+    "glu": (None, 0.9, "glu", True),
+    "binary": (None, 0.8, "binary", True),
+    "unary": (None, 0.3, "unary", True),
+    "copy": (None, 0.3, "copy", True),
+    "gated_delta": (("GATED_DELTA",), 5.2, "gated_delta", True),
 }
-RUN_COST = 6.0
-PARENT_HEAD_START = 3.0
-"""Seconds of other work (weights, quantization, checksums) this process does before it compiles:
-the split gives the child that much more."""
+LOAD_GROUPS = ("q8", "blocks")
+"""Groups whose helpers the loading process may compile itself while the child runs (the INT8
+and 4-bit weight quantizers, the head screen, the GGUF dequantizer). Without the cache lock
+(:mod:`cpullm.kernels.numba_cache_lock`) they stay in this process: two processes must then never
+compile signatures of one function at the same time."""
+RUN_COST = 4.7
+"""interpreter.run itself (every callee already compiled: numba still generates machine code for
+the whole call tree it links)."""
+PARENT_HEAD_START = 2.0
+"""Seconds of other work (weights, checksums, the loader's own kernels) this process does before
+it compiles: the split gives the child that much more."""
 
 
-def units_for(op_names, quant: str, linear_state: bool) -> list[str]:
+def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True) -> list[str]:
     """The units a graph with these op names needs (``linear_state``: it has GATED_DELTA ops the
-    interpreter runs, not a plugin kernel), ``run`` last."""
+    interpreter runs, not a plugin kernel; ``q8_prefill``: a body LINEAR of a GGUF run as it is
+    has q8 weights (Q8_0), so prefill needs the q8 GEMM), ``run`` last."""
     from .q8_gemm import GEMM_ISA
     ops = set(op_names)
+    blocks = quant in BLOCK_QUANTS
     out = []
-    for unit, (needs, _, _) in UNITS.items():
+    for unit, (needs, *_) in UNITS.items():
         if unit == "gated_delta" and not linear_state:
             continue
-        if unit == "gemm" and (quant not in ("int8", "gguf") or GEMM_ISA is None):   # gguf: Q8_0 as q8
+        if unit == "gemm" and (quant not in ("int8", "gguf") or GEMM_ISA is None
+                               or (quant == "gguf" and not q8_prefill)):
             continue
-        if unit == "kquant_gemm" and (quant not in BLOCK_QUANTS or GEMM_ISA is None):
+        if unit == "kquant_gemm" and (not blocks or GEMM_ISA is None):
+            continue
+        if unit == "blocks" and not blocks:
             continue
         if needs is None or ops & set(needs):
             out.append(unit)
-    out.append(("run_linear_state" if linear_state else "run") + ("_blocks" if quant in BLOCK_QUANTS else ""))
+    out.append(("run_linear_state" if linear_state else "run") + ("_blocks" if blocks else ""))
     return out
 
 
-def split(units: list[str]) -> tuple[list[str], list[str]]:
-    """(this process's units, the child's): each movable unit, largest first, goes to the side
-    with less work so far (this process starts with its fixed units and PARENT_HEAD_START)."""
-    mine = [u for u in units if u in UNITS and not UNITS[u][2]]
-    movable = sorted((u for u in units if u in UNITS and UNITS[u][2]), key=lambda u: -UNITS[u][1])
-    load_here = PARENT_HEAD_START + sum(UNITS[u][1] for u in mine)
-    load_child, child = 0.0, []
-    for u in movable:
+def linked_by_run(unit: str) -> bool:
+    return UNITS[unit][3]
+
+
+def split(units: list[str], cache_locked: bool | None = None) -> tuple[list[str], list[str]]:
+    """(this process's units, the child's), whole groups each. With the cache lock the groups
+    holding a unit ``run`` does not link go to the child (this process compiles ``run`` meanwhile),
+    then the others, largest first, to the side with less work so far (this process starts with
+    PARENT_HEAD_START and RUN_COST). Without the lock the :data:`LOAD_GROUPS` stay here. The
+    child's list has the units ``run`` links first, so ``run`` can start before the child ends."""
+    if cache_locked is None:
+        cache_locked = numba_cache_lock.INSTALLED
+    groups: dict[str, list[str]] = {}
+    for u in units:
+        if u in UNITS:
+            groups.setdefault(UNITS[u][2], []).append(u)
+    cost = {g: sum(UNITS[u][1] for u in us) for g, us in groups.items()}
+    if cache_locked:
+        here, there = [], [g for g, us in groups.items() if not all(map(linked_by_run, us))]
+    else:
+        here, there = [g for g in groups if g in LOAD_GROUPS], []
+    load_here = PARENT_HEAD_START + RUN_COST + sum(cost[g] for g in here)
+    load_child = sum(cost[g] for g in there)
+    for g in sorted((g for g in groups if g not in here and g not in there), key=lambda g: -cost[g]):
         if load_child < load_here:
-            child.append(u)
-            load_child += UNITS[u][1]
+            there.append(g)
+            load_child += cost[g]
         else:
-            mine.append(u)
-            load_here += UNITS[u][1]
-    return mine, child
+            here.append(g)
+            load_here += cost[g]
+    mine = [u for g in here for u in groups[g]]
+    child = [u for g in there for u in groups[g]]
+    return mine, sorted(child, key=lambda u: not linked_by_run(u))
 
 
 # ---- the cache ---------------------------------------------------------------------------------------
@@ -288,8 +327,9 @@ def use_child() -> bool:
 class Warmup:
     """Compile ``units`` (from :func:`units_for`): :meth:`start` hands the child its share right
     away (nothing happens when every unit is cached); :meth:`finish` compiles the rest here, waits
-    for the child, loads its kernels and compiles ``run``. ``seconds`` is the compile time it
-    spent (0.0 when everything came from the cache)."""
+    for the child's units that ``run`` links, loads them, compiles ``run`` while the child still
+    compiles the prefill GEMMs, then waits for those. ``seconds`` is the compile time it spent
+    (0.0 when everything came from the cache)."""
 
     def __init__(self, units: list[str], parallel: bool | None = None):
         self.units = list(units)
@@ -300,6 +340,7 @@ class Warmup:
         self.progress: _Progress | None = None
         self.todo: list[str] = []
         self.reported: set = set()
+        self.reported_change = threading.Condition()
         self.compiled_before = 0.0
         self.seconds = 0.0
         self.finished = False
@@ -329,8 +370,12 @@ class Warmup:
             for line in self.child.stdout:
                 unit = line.strip()
                 if unit in units and unit not in self.reported:
-                    self.reported.add(unit)
+                    with self.reported_change:
+                        self.reported.add(unit)
+                        self.reported_change.notify_all()
                     self.progress.step()
+            with self.reported_change:           # end of file: the child is gone
+                self.reported_change.notify_all()
 
         self.reader = threading.Thread(target=read, name="cpullm-compile-progress", daemon=True)
         self.reader.start()
@@ -354,17 +399,21 @@ class Warmup:
             for u in here:
                 compile_unit(u)
                 self.progress.step()
-            if self.child is not None:
-                self.child.wait()
-                if self.reader is not None:
-                    self.reader.join(timeout=5)
-            for u in self.child_units:     # loads what the child wrote (compiles what it did not)
+            linked = [u for u in self.child_units if linked_by_run(u)]
+            self._wait_for_child(linked)
+            for u in linked:               # loads what the child wrote (compiles what it did not)
                 compile_unit(u)
                 if u not in self.reported:
                     self.progress.step()
             for u in runs:
                 compile_unit(u)
                 self.progress.step()
+            self._wait_for_child(self.child_units)
+            for u in self.child_units:
+                if not linked_by_run(u):
+                    compile_unit(u)
+                    if u not in self.reported:
+                        self.progress.step()
             for u in self.units:
                 if u not in self.todo:
                     compile_unit(u)
@@ -376,6 +425,17 @@ class Warmup:
         self.seconds = meanwhile + time.perf_counter() - t0
         return self.seconds
 
+    def _wait_for_child(self, units: list[str]) -> None:
+        """Until the child reported every unit of ``units`` or ended."""
+        if self.child is None:
+            return
+        with self.reported_change:
+            while not set(units) <= self.reported and self.child.poll() is None:
+                self.reported_change.wait(timeout=0.5)
+        if not set(units) <= self.reported:
+            self.child.wait()
+            if self.reader is not None:
+                self.reader.join(timeout=5)
 
     def cancel(self) -> None:
         """Stop the child (the load failed): nothing it wrote is half-written (numba replaces
@@ -388,15 +448,15 @@ class Warmup:
             self.progress.close()
 
 
-def warmup_for_graph(graph, quant: str, kernels=()) -> Warmup:
+def warmup_for_graph(graph, quant: str, kernels=(), q8_prefill: bool = True) -> Warmup:
     """A started :class:`Warmup` for the units ``graph`` needs (``kernels``: plugin KernelSpecs,
-    whose ops the interpreter does not run)."""
+    whose ops the interpreter does not run; ``q8_prefill``: see :func:`units_for`)."""
     ops, linear_state = set(), False
     for n in graph.nodes:
         ops.add(n.op.name)
         if n.op.name == "GATED_DELTA" and not any(int(k.op) == int(n.op) and k.supports(n) for k in kernels):
             linear_state = True
-    return Warmup(units_for(ops, quant, linear_state)).start()
+    return Warmup(units_for(ops, quant, linear_state, q8_prefill)).start()
 
 
 __all__ = ["Warmup", "compile_seconds", "compile_unit", "is_cached", "units_for", "split",

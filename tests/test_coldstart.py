@@ -33,14 +33,24 @@ def test_units_follow_the_graph_ops():
     assert "gemm" not in warmup.units_for(LLAMA_OPS, "f32", linear_state=False)   # f32 prefill: sgemm
 
 
-def test_split_gives_each_unit_to_one_process_and_keeps_shared_kernels_here():
-    units = warmup.units_for(LLAMA_OPS | {"GATED_DELTA", "SOFTCAP"}, "int8", linear_state=True)
-    mine, child = warmup.split(units)
-    assert sorted(mine + child) == sorted(u for u in units if not u.startswith("run"))
-    assert not set(mine) & set(child)
-    # the q8 matvec / activation quantizer are shared with the weight quantizer and head screen,
-    # compiled in this process: the units calling them never go to the child
-    assert {"linear", "gemm"} <= set(mine)
+def test_split_gives_each_unit_to_one_process_and_keeps_groups_together():
+    units = warmup.units_for(LLAMA_OPS | {"GATED_DELTA", "SOFTCAP"}, "gguf", linear_state=True)
+    for locked in (True, False):
+        mine, child = warmup.split(units, cache_locked=locked)
+        assert sorted(mine + child) == sorted(u for u in units if not u.startswith("run"))
+        assert not set(mine) & set(child)
+        for a, b in (("linear", "gemm"), ("blocks", "kquant_gemm"), ("norm", "layernorm")):
+            assert (a in mine) == (b in mine), (a, b, locked)    # one group: their shared helpers once
+    # with the cache lock the prefill GEMMs (which interpreter.run does not link) go to the child,
+    # after the units run links, so run compiles here while the child compiles them
+    mine, child = warmup.split(units, cache_locked=True)
+    assert {"gemm", "kquant_gemm"} <= set(child)
+    linked = [warmup.linked_by_run(u) for u in child]
+    assert linked == sorted(linked, reverse=True)
+    # without it the q8 and block helpers, which the load compiles too (weight quantizer, head
+    # screen, GGUF dequantizer), stay in this process
+    mine, child = warmup.split(units, cache_locked=False)
+    assert {"linear", "gemm", "blocks", "kquant_gemm"} <= set(mine)
     assert "attention" in child                    # the largest movable unit
 
 
@@ -76,7 +86,7 @@ for unit in list(warmup.UNITS) + ["run", "run_linear_state"]:
     for disp, sig in warmup._kernels(unit):
         used[f"{disp.py_func.__module__}.{disp.py_func.__qualname__}"] = [str(s) for s in disp.signatures]
 want = {}
-for unit in warmup.units_for({n.op.name for n in m.graph.nodes}, m.quant, False):
+for unit in warmup.units_for({n.op.name for n in m.graph.nodes}, m.quant, False, sys.argv[3] == "1"):
     for disp, sig in warmup._kernels(unit):
         want.setdefault(f"{disp.py_func.__module__}.{disp.py_func.__qualname__}", []).append(str(tuple(sig)))
 print(json.dumps({"used": used, "want": want}))
@@ -86,7 +96,7 @@ print(json.dumps({"used": used, "want": want}))
 def test_the_executor_calls_each_kernel_with_the_warmed_signature_only(tiny, tmp_path):
     """In a fresh process: after prefills and decodes of several lengths every kernel has exactly
     the signature the warm-up compiled, and the gated-delta kernel (absent op) none."""
-    r = subprocess.run([sys.executable, "-c", _SIGNATURES, str(tiny), str(tmp_path / "cache")],
+    r = subprocess.run([sys.executable, "-c", _SIGNATURES, str(tiny), str(tmp_path / "cache"), "1"],
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])

@@ -218,3 +218,24 @@ def test_gguf_batched_decode_equals_each_request_alone(write, fmt):
     alone = [list(m.generate_ids(p, max_new_tokens=6, temperature=0.0, ignore_eos=True)) for p in prompts]
     mixed = m.generate_batch(prompts, max_new_tokens=6, parallel=3, ignore_eos=True)
     assert mixed == alone
+
+
+def test_a_block_format_gguf_calls_each_kernel_with_the_warmed_signature_only(write, tmp_path):
+    """Like the default model (a Q4_1 GGUF): in a fresh process the block kernels run with the
+    signatures the warm-up compiled, and the q8 prefill GEMM, which no body LINEAR needs, is never
+    compiled."""
+    import json
+    import subprocess
+    import sys
+
+    from test_coldstart import _SIGNATURES
+    path = write("Q4_1")
+    r = subprocess.run([sys.executable, "-c", _SIGNATURES, str(path), str(tmp_path / "cache"), "0"],
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    used, want = out["used"], out["want"]
+    for name, sigs in used.items():
+        assert sorted(sigs) == sorted(want.get(name, [])), name
+    assert used["cpullm.kernels.interpreter._linear_blocks_rows"] != []
+    assert used["cpullm.kernels.q8_gemm._gemm_panels"] == []
