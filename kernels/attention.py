@@ -470,6 +470,58 @@ def _attend_part(arena, state, q0, nq, hd, k_base, v_base, cap, lo, p, scale, so
                     aj[d] += w * vrow[d]
 
 
+@njit(cache=True, inline="always")
+def key_splits(pairs, nthreads, pos0):
+    """Key ranges per (query row, KV head) pair: 1, or enough that ``pairs`` jobs fill (or
+    divide evenly over) the threads, each range at least MIN_SPLIT_KEYS keys (the first row's
+    position ``pos0`` bounds the keys)."""
+    if pairs < nthreads or (pairs % nthreads != 0 and pairs < BALANCE_PAIRS * nthreads):
+        return max(1, min(nthreads // math.gcd(pairs, nthreads), (pos0 + 1) // MIN_SPLIT_KEYS))
+    return 1
+
+
+@njit(cache=True, fastmath=True, error_model="numpy")
+def _normalize_into(out, o0, acc, tot, nq, hd):
+    """out[o0 + j*hd + d] = acc[j*hd + d] / tot[j]: a job's heads when its keys were not split."""
+    for j in range(nq):
+        inv = np.float32(1.0) / tot[j]
+        for d in range(hd):
+            out[o0 + j * hd + d] = acc[j * hd + d] * inv
+
+
+@njit(cache=True, fastmath=True, error_model="numpy")
+def _keep_part(part, job, acc, mx, tot, nq, hd):
+    """part[job, j] = (acc[j*hd:(j+1)*hd], mx[j], tot[j]): one key range's partial softmax."""
+    for j in range(nq):
+        for d in range(hd):
+            part[job, j, d] = acc[j * hd + d]
+        part[job, j, hd] = mx[j]
+        part[job, j, hd + 1] = tot[j]
+
+
+@njit(cache=True, fastmath=True, error_model="numpy")
+def _combine_parts(out, o0, part, first, stride, nsplit, nq, hd):
+    """out[o0 + j*hd:] for heads j < nq from the key ranges part[first + r*stride], r < nsplit:
+    rescale each range's sums to the common max, add, normalize (flash-decoding's combine).
+    :func:`attention` and the batched decode share it, so their rows agree to the bit."""
+    for j in range(nq):
+        m = part[first, j, hd]
+        for r in range(1, nsplit):
+            m = max(m, part[first + r * stride, j, hd])
+        total = np.float32(0.0)
+        for d in range(hd):                  # loops, not array expressions: in a parallel
+            out[o0 + j * hd + d] = 0.0       # function those become parallel regions
+        for r in range(nsplit):
+            row = part[first + r * stride, j]
+            w = exp_f32(row[hd] - m)
+            total += w * row[hd + 1]
+            for d in range(hd):
+                out[o0 + j * hd + d] += w * row[d]
+        inv = np.float32(1.0) / total
+        for d in range(hd):
+            out[o0 + j * hd + d] *= inv
+
+
 MAX_CHUNKS = 64
 """Parallel chunks of jobs per call (each allocates its scratch once): numba's static schedule
 gives each thread a contiguous range of chunks, and chunk c takes jobs c, c + 64, ..."""
@@ -512,9 +564,7 @@ def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
     size = n_kv * cap * head_dim
     span = pos0 + T if window <= 0 else min(pos0 + T, window)
     pairs = T * n_kv
-    splits = 1
-    if pairs < nthreads or (pairs % nthreads != 0 and pairs < BALANCE_PAIRS * nthreads):
-        splits = max(1, min(nthreads // math.gcd(pairs, nthreads), (pos0 + 1) // MIN_SPLIT_KEYS))
+    splits = key_splits(pairs, nthreads, pos0)
     jobs = pairs * splits
     hd = head_dim
     part = np.empty((jobs, group, hd + 2), np.float32) if splits > 1 else np.empty((1, 1, 1), np.float32)
@@ -540,39 +590,15 @@ def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
             _attend_part(arena, state, q0, group, hd, c_off + kvh * cap * hd, c_off + size + kvh * cap * hd,
                          cap, k0, k1, scale, softcap, qbuf, scores, acc, mx, tot, T <= STREAM_ROWS)
             if splits == 1:
-                o0 = o_off + t * o_st + kvh * group * hd
-                for j in range(group):
-                    inv = np.float32(1.0) / tot[j]
-                    for d in range(hd):
-                        arena[o0 + j * hd + d] = acc[j * hd + d] * inv
+                _normalize_into(arena, o_off + t * o_st + kvh * group * hd, acc, tot, group, hd)
             else:
-                for j in range(group):
-                    for d in range(hd):
-                        part[job, j, d] = acc[j * hd + d]
-                    part[job, j, hd] = mx[j]
-                    part[job, j, hd + 1] = tot[j]
+                _keep_part(part, job, acc, mx, tot, group, hd)
     if splits > 1:                                   # combine the key ranges of each pair
         for pair in range(pairs):
             kvh = pair // T
             t = pair % T
-            o0 = o_off + t * o_st + kvh * group * hd
-            for j in range(group):
-                m = part[(kvh * splits) * T + t, j, hd]
-                for s in range(1, splits):
-                    m = max(m, part[(kvh * splits + s) * T + t, j, hd])
-                total = np.float32(0.0)
-                out = arena[o0 + j * hd: o0 + (j + 1) * hd]
-                for d in range(hd):                  # loops, not array expressions: in a parallel
-                    out[d] = 0.0                     # function those become parallel regions
-                for s in range(splits):
-                    row = part[(kvh * splits + s) * T + t, j]
-                    w = exp_f32(row[hd] - m)
-                    total += w * row[hd + 1]
-                    for d in range(hd):
-                        out[d] += w * row[d]
-                inv = np.float32(1.0) / total
-                for d in range(hd):
-                    out[d] *= inv
+            _combine_parts(arena, o_off + t * o_st + kvh * group * hd, part, (kvh * splits) * T + t, T, splits,
+                           group, hd)
 
 
 def attention_ref(q, k, v, n_heads, n_kv, head_dim, scale, softcap=0.0, window=0, pos0=0,

@@ -11,13 +11,11 @@ Qwen2.5-0.5B step spent in per-sequence RoPE and attention calls).
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import njit, prange
 
-from .attention import BALANCE_PAIRS, MAX_CHUNKS, MIN_SPLIT_KEYS, STREAM_ROWS, TILE, _attend_part, kv_write
-from .vmath import exp_f32
+from .attention import (MAX_CHUNKS, STREAM_ROWS, TILE, _attend_part, _combine_parts, _keep_part,
+                        _normalize_into, key_splits, kv_write)
 
 
 @njit(cache=True, parallel=True, fastmath=True, error_model="numpy")
@@ -34,12 +32,9 @@ def attention_decode_batch(arena, states, slots, positions, q_off, q_st, k_off, 
         pos0 = positions[s]
         kv_write(arena, states[slots[s]], k_off + s * k_st, k_st, v_off + s * v_st, v_st, n_kv, head_dim,
                  c_off, cap, pos0, 1)
-        pairs = n_kv                                   # T = 1: one row per KV head
-        sp = 1
-        if pairs < nthreads or (pairs % nthreads != 0 and pairs < BALANCE_PAIRS * nthreads):
-            sp = max(1, min(nthreads // math.gcd(pairs, nthreads), (pos0 + 1) // MIN_SPLIT_KEYS))
+        sp = key_splits(n_kv, nthreads, pos0)          # T = 1: one row per KV head
         splits[s] = sp
-        first_job[s + 1] = first_job[s] + pairs * sp
+        first_job[s + 1] = first_job[s] + n_kv * sp
         span = pos0 + 1 if window <= 0 else min(pos0 + 1, window)
         max_span = max(max_span, span)
     jobs = first_job[B]
@@ -73,38 +68,12 @@ def attention_decode_batch(arena, states, slots, positions, q_off, q_st, k_off, 
                          c_off + size + kvh * cap * hd, cap, k0, k1, scale, softcap, qbuf, scores, acc, mx, tot,
                          1 <= STREAM_ROWS)
             if sp == 1:
-                o0 = o_off + s * o_st + kvh * group * hd
-                for j in range(group):
-                    inv = np.float32(1.0) / tot[j]
-                    for d in range(hd):
-                        arena[o0 + j * hd + d] = acc[j * hd + d] * inv
+                _normalize_into(arena, o_off + s * o_st + kvh * group * hd, acc, tot, group, hd)
             else:
-                for j in range(group):
-                    for d in range(hd):
-                        part[job, j, d] = acc[j * hd + d]
-                    part[job, j, hd] = mx[j]
-                    part[job, j, hd + 1] = tot[j]
+                _keep_part(part, job, acc, mx, tot, group, hd)
     for s in range(B):                                 # combine the key ranges of each pair
         sp = splits[s]
-        if sp == 1:
-            continue
-        for kvh in range(n_kv):
-            base = first_job[s] + kvh * sp
-            o0 = o_off + s * o_st + kvh * group * hd
-            for j in range(group):
-                m = part[base, j, hd]
-                for r in range(1, sp):
-                    m = max(m, part[base + r, j, hd])
-                total = np.float32(0.0)
-                out = arena[o0 + j * hd: o0 + (j + 1) * hd]
-                for d in range(hd):
-                    out[d] = 0.0
-                for r in range(sp):
-                    row = part[base + r, j]
-                    w = exp_f32(row[hd] - m)
-                    total += w * row[hd + 1]
-                    for d in range(hd):
-                        out[d] += w * row[d]
-                inv = np.float32(1.0) / total
-                for d in range(hd):
-                    out[d] *= inv
+        if sp > 1:
+            for kvh in range(n_kv):
+                _combine_parts(arena, o_off + s * o_st + kvh * group * hd, part, first_job[s] + kvh * sp, 1, sp,
+                               group, hd)
