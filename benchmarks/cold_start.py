@@ -13,6 +13,9 @@ tree, from ``getrusage(RUSAGE_CHILDREN)``: the compile child included), each run
 On a shared machine wall time moves with the load; CPU time much less.
 
     python benchmarks/cold_start.py --build old=/path/to/python --build new=.venv/bin/python --reps 3
+
+A build may name its own model (``--build old=PYTHON@MODEL``): the default model as each build's
+README command runs it (a converted INT8 directory before, the GGUF file as it is now).
 """
 from __future__ import annotations
 
@@ -51,8 +54,9 @@ def run_once(python: str, model: str, prompt: str, threads: int, numba_dir: Path
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--build", action="append", required=True, metavar="NAME=PYTHON",
-                    help="a build to time: a name and the interpreter whose cpullm it runs (repeatable)")
+    ap.add_argument("--build", action="append", required=True, metavar="NAME=PYTHON[@MODEL]",
+                    help="a build to time: a name, the interpreter whose cpullm it runs, and optionally "
+                         "its own model (else --model) (repeatable)")
     ap.add_argument("--model", default="smollm2-135m-instruct", help="model (default: the default model)")
     ap.add_argument("--prompt", default="What is the capital of France?")
     ap.add_argument("--threads", type=int, default=2)
@@ -61,7 +65,11 @@ def main(argv=None) -> int:
                     help="execution cache empty for every run (cold) or filled once per build (warm)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    builds = dict(b.split("=", 1) for b in args.build)
+    builds, models = {}, {}
+    for b in args.build:
+        name, _, rest = b.partition("=")
+        builds[name], _, model = rest.partition("@")
+        models[name] = model or args.model
     tmp = Path(tempfile.mkdtemp(prefix="cpullm-coldstart-"))
     cwd = tmp / "cwd"                  # not the repository: its folders must not shadow a build
     cwd.mkdir()
@@ -71,14 +79,14 @@ def main(argv=None) -> int:
         if args.exec_cache == "warm":
             for name, py in builds.items():
                 warm_exec[name] = tmp / f"exec-{name}"
-                run_once(py, args.model, args.prompt, args.threads, tmp / f"numba-fill-{name}",
+                run_once(py, models[name], args.prompt, args.threads, tmp / f"numba-fill-{name}",
                          warm_exec[name], cwd)
         order = list(builds)
         for rep in range(args.reps):
             for name in (order if rep % 2 == 0 else order[::-1]):
                 numba_dir = tmp / f"numba-{name}-{rep}"
                 exec_dir = warm_exec.get(name) or tmp / f"exec-{name}-{rep}"
-                r = run_once(builds[name], args.model, args.prompt, args.threads, numba_dir, exec_dir, cwd)
+                r = run_once(builds[name], models[name], args.prompt, args.threads, numba_dir, exec_dir, cwd)
                 results[name].append(r)
                 shutil.rmtree(numba_dir, ignore_errors=True)
                 print(f"{name:>6} run {rep + 1}: wall {r['wall_s']:6.1f} s, cpu {r['cpu_s']:6.1f} s  {r['stats']}",
@@ -89,13 +97,13 @@ def main(argv=None) -> int:
                       "cpu_s_median": statistics.median(r["cpu_s"] for r in rs), "runs": rs}
                for name, rs in results.items()}
     if args.json:
-        print(json.dumps({"model": args.model, "threads": args.threads, "exec_cache": args.exec_cache,
+        print(json.dumps({"models": models, "threads": args.threads, "exec_cache": args.exec_cache,
                           "builds": builds, "results": summary}))
         return 0
-    print(f"cold start of `cpullm run {args.model} -n 1`, empty numba cache, execution cache "
+    print(f"cold start of `cpullm run MODEL -n 1`, empty numba cache, execution cache "
           f"{args.exec_cache}, {args.threads} threads, {args.reps} alternating runs per build (medians)")
     for name, s in summary.items():
-        print(f"  {name:>8}: wall {s['wall_s_median']:6.1f} s   cpu {s['cpu_s_median']:6.1f} s")
+        print(f"  {name:>8}: wall {s['wall_s_median']:6.1f} s   cpu {s['cpu_s_median']:6.1f} s   {models[name]}")
     return 0
 
 
