@@ -45,7 +45,7 @@ model's original Q4 GGUF to Q8_0 was rejected: that would start from different n
 safetensors checkpoint cpullm runs. The Q8_0 file is kept under --work-dir (default
 ``~/.cache/cpullm/bench``), keyed by the checkpoint's identity, and reused. ``--gguf FILE``
 benchmarks a GGUF of your own instead. The writer supports the model types whose plugins declare
-a GGUF architecture (``cpullm.convert.supported_architectures()``). As a check that the weights really are the same, the report gives each
+a GGUF architecture (``cpullm.gguf_file.supported_architectures()``). As a check that the weights really are the same, the report gives each
 runtime's fidelity on the prompt's last-position logits against transformers f32 (cosine of
 mean-centred logits, same top-1).
 

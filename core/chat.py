@@ -78,10 +78,10 @@ def require_template(model, tools=None) -> str:
     ChatTemplateError saying it has none and what to do."""
     if isinstance(model, (str, Path)):
         model_dir, config = Path(model), None
-        from .store import gguf_in_dir
+        from .locations import gguf_in_dir
         gguf = model_dir if model_dir.is_file() else (gguf_in_dir(model_dir) if model_dir.is_dir() else None)
         if gguf is not None:            # a GGUF file: the template is in its metadata
-            from .convert import open_gguf
+            from .gguf_file import open_gguf
             tpl = open_gguf(gguf).metadata.get("tokenizer.chat_template")
             model_dir, config = gguf, {"chat_template": tpl if isinstance(tpl, str) else None}
     else:

@@ -34,7 +34,7 @@ class GGUFStore:
     """The tensors of one GGUF file under the names ``convert`` gives them (TensorStore's API)."""
 
     def __init__(self, path):
-        from .convert import (ARCH_SPECS, SUPPORTED_ARCHITECTURES, hyperparameters, open_gguf,
+        from .gguf_file import (ARCH_SPECS, SUPPORTED_ARCHITECTURES, hyperparameters, open_gguf,
                               plan_tensors, read_metadata)
         from .limits import shown
         self.path = Path(os.path.expanduser(str(path)))
@@ -55,7 +55,8 @@ class GGUFStore:
     def config(self) -> dict:
         """config.json as ``convert`` writes it, checked like a directory's, with
         ``_generation_config`` from the tokenizer metadata."""
-        from .convert import build_config, build_tokenizer, generation_config
+        from .gguf_file import build_config
+        from .gguf_vocab import build_tokenizer, generation_config
         from .family import check_config
         config = build_config(self.meta, self.reader, self.spec, self.hp, self.tied)
         try:
@@ -68,7 +69,7 @@ class GGUFStore:
 
     def tokenizer(self):
         """cpullm.tokenize.Tokenizer built from the vocabulary in the metadata."""
-        from .convert import build_tokenizer
+        from .gguf_vocab import build_tokenizer
         from .tokenize import Tokenizer
         tok, tok_config, _ = getattr(self, "_tok", None) or build_tokenizer(self.meta)
         return Tokenizer.from_objects(tok, tok_config)
@@ -90,7 +91,7 @@ class GGUFStore:
         """The tensor as float32 in transformers' shape and convention (what ``convert`` writes,
         before its bf16 rounding): the supported block formats dequantized by the runtime's own
         parallel kernel, others by the ``gguf`` package."""
-        from .convert import materialize, unpermute_qk
+        from .gguf_file import materialize, unpermute_qk
         from .kernels.gguf_blocks import FORMATS
         p = self._plan[name]
         t = p.source
@@ -126,7 +127,7 @@ class GGUFStore:
         """(format name, uint8 (rows, row bytes)) for a matrix stored in a block format the runtime
         executes as it is, else None (F32 / F16 / BF16 and other ggml types, vectors, tensors
         ``convert`` transforms by value)."""
-        from .convert import unpermute_qk
+        from .gguf_file import unpermute_qk
         from .kernels.gguf_blocks import FORMATS
         p = self._plan.get(name)
         if p is None or len(p.shape) != 2 or p.subtract_one:

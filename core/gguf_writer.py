@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
-from .convert import GLOBAL_TENSOR_NAMES, _import_gguf, arch_spec, gguf_architectures, permute_qk
+from .gguf_file import GLOBAL_TENSOR_NAMES, _import_gguf, arch_spec, gguf_architectures, permute_qk
 from .errors import ConversionError
 from .family import GGUFArch
 

@@ -13,7 +13,7 @@ from typing import Iterator
 
 import numpy as np
 
-from . import plugins
+from . import locations, plugins
 from .compiler import DEFAULT_CHUNK, QUANT_MODES, Program, attach_head_screen, compile_graph
 from .errors import ConfigError, ContextOverflowError, ModelNotFoundError, PromptError
 from .executor import Executor
@@ -36,24 +36,13 @@ def notice(msg: str) -> None:
 
 
 def resolve_model_dir(path) -> Path:
-    """A directory path, or a model-store name (``cpullm pull NAME``)."""
-    p = Path(os.path.expanduser(str(path)))
-    if p.is_dir():
-        return p
-    if p.exists():
-        from .gguf_model import is_gguf_file
-        if is_gguf_file(p):
-            return p
-        raise ModelNotFoundError(f"{p} is a file but not a GGUF file; give the model directory (with "
-                                 "config.json and *.safetensors) or a .gguf file")
-    try:
-        from .store import resolve_model
-    except ImportError:  # pragma: no cover - the store ships with the core
-        resolve_model = None
-    if resolve_model is not None and "/" not in str(path) and not p.is_absolute():
-        return resolve_model(str(path))
-    raise ModelNotFoundError(f"model directory {p} does not exist; give a path to a Hugging Face "
-                             "checkpoint directory or a name from `cpullm models`")
+    """A model directory or GGUF file from a path, or a model-store name (``cpullm pull NAME``)."""
+    text = str(path)
+    p = Path(os.path.expanduser(text))
+    if not p.exists() and ("/" in text or p.is_absolute()):
+        raise ModelNotFoundError(f"model directory {p} does not exist; give a path to a Hugging Face "
+                                 "checkpoint directory or a name from `cpullm models`")
+    return locations.resolve_model(text)
 
 
 class Model:
@@ -91,7 +80,7 @@ class Model:
         threads = configure(threads)
         model_dir = resolve_model_dir(path)
         if model_dir.is_dir():               # a store entry kept as its GGUF file
-            from .store import gguf_in_dir
+            from .locations import gguf_in_dir
             model_dir = gguf_in_dir(model_dir) or model_dir
         quant, store, config, gguf_tokenizer = _source(model_dir, quant)
         registry = plugins.discover()

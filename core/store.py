@@ -18,7 +18,6 @@ half-written model behind.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -34,7 +33,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .errors import ConversionError, ModelNotFoundError, NetworkUnavailableError, StoreError
+from . import locations
+from .errors import ConversionError, NetworkUnavailableError, StoreError
+from .locations import (exec_cache_root, gguf_in_dir, is_complete_model_dir, models_dir,  # noqa: F401
+                        store_dir_name)
 
 Progress = Callable[[str, float], None]
 
@@ -92,46 +94,6 @@ KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
     ),
 )}
-
-
-# ---------------------------------------------------------------------------------------------
-# Locations
-# ---------------------------------------------------------------------------------------------
-
-def models_dir() -> Path:
-    """The store root: ``$CPULLM_MODELS_DIR``, else ``~/.cache/cpullm/models``."""
-    root = os.environ.get("CPULLM_MODELS_DIR") or Path.home() / ".cache" / "cpullm" / "models"
-    return Path(os.path.expanduser(str(root)))
-
-
-def exec_cache_root() -> Path:
-    """The execution-cache root: ``$CPULLM_CACHE_DIR``, else ``~/.cache/cpullm``."""
-    root = os.environ.get("CPULLM_CACHE_DIR") or Path.home() / ".cache" / "cpullm"
-    return Path(os.path.expanduser(str(root)))
-
-
-def _store_dir_name(name: str) -> str:
-    """The directory name of a store entry: ``org/name`` -> ``org--name``."""
-    return name.strip().replace("/", "--")
-
-
-def is_complete_model_dir(path: Path) -> bool:
-    """A model directory with config.json and its safetensors weights, or a store entry holding
-    one GGUF file (run as it is)."""
-    return ((path / "config.json").is_file() and (
-        any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").is_file())) \
-        or gguf_in_dir(path) is not None
-
-
-def gguf_in_dir(path: Path) -> Path | None:
-    """The one ``*.gguf`` file of a directory without config.json (a store entry kept as GGUF)."""
-    try:
-        if (path / "config.json").exists():
-            return None
-        found = [p for p in path.glob("*.gguf") if p.is_file()]
-    except OSError:
-        return None
-    return found[0] if len(found) == 1 else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,7 +263,7 @@ def _expected_sha256(model: KnownModel, downloads: Path) -> str | None:
 
 def verify_gguf(path: Path) -> None:
     """Accept a GGUF only if it parses and every tensor's data lies inside the file."""
-    from .convert import open_gguf
+    from .gguf_file import open_gguf
 
     try:
         open_gguf(path)
@@ -452,7 +414,7 @@ def _pull_hub(repo_id: str, root: Path, progress: Progress) -> Path:
     """``org/name`` from the Hugging Face Hub via huggingface_hub.snapshot_download (optional)."""
     if not re.fullmatch(r"[\w.\-]+/[\w.\-]+", repo_id):
         raise StoreError(f"{repo_id!r} is not a Hugging Face repository name; use org/name")
-    target = root / _store_dir_name(repo_id)
+    target = root / store_dir_name(repo_id)
     if is_complete_model_dir(target):
         return target
     try:
@@ -490,30 +452,9 @@ def _pull_hub(repo_id: str, root: Path, progress: Progress) -> Path:
 
 
 def resolve_model(name_or_path: str | os.PathLike) -> Path:
-    """A model directory from a path or a store name; never downloads (see ``pull``).
-
-    Raises ModelNotFoundError naming the fix (``cpullm pull NAME`` or a correct path).
-    """
-    text = str(name_or_path)
-    p = Path(os.path.expanduser(text))
-    if p.is_dir():
-        return p
-    if p.exists():
-        from .gguf_model import is_gguf_file
-        if is_gguf_file(p):
-            return p
-        raise ModelNotFoundError(f"{p} is a file but not a GGUF file; give a model directory "
-                                 "(config.json + *.safetensors) or a .gguf file")
-    root = models_dir()
-    for candidate in dict.fromkeys((text.strip(), text.strip().lower(), _store_dir_name(text))):
-        if candidate and not candidate.startswith((".", "_")) and is_complete_model_dir(root / candidate):
-            return root / candidate
-    if text.strip().lower() in KNOWN_MODELS or "/" in text.strip():
-        raise ModelNotFoundError(f"model {text!r} is not in the store ({root}); fetch it with "
-                                 f"`cpullm pull {text.strip()}`")
-    raise ModelNotFoundError(f"no model directory or store model named {text!r}; give a path to a model "
-                             f"directory, a name from `cpullm models`, or pull one of: "
-                             f"{', '.join(known_model_names())}")
+    """A model directory or GGUF file from a path or a store name; never downloads (see ``pull``).
+    Raises ModelNotFoundError naming the fix (``cpullm pull NAME`` or a correct path)."""
+    return locations.resolve_model(name_or_path, tuple(known_model_names()))
 
 
 def ensure_default_model(progress: Progress | None = None) -> Path:

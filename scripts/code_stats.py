@@ -23,14 +23,15 @@ COUNTED = ["core", "core/commands", "kernels", "plugins/llama", "plugins/qwen", 
 # Lowest first. A module's layer is the first entry naming it or a package above it.
 LAYERS = [
     ("foundation", ["errors", "limits", "notices", "hookspecs", "filearrays"]),
-    ("registry", ["family", "plugins", "weightmap", "tensors", "gguf_model"]),
+    ("kernels", ["kernels"]),          # numba kernels: import nothing of cpullm outside their package
+    ("registry", ["family", "plugins", "weightmap", "tensors", "gguf_file", "gguf_vocab", "gguf_model",
+                  "locations", "tokenize"]),
     ("graph", ["ir", "blocks"]),
-    ("compiler", ["compiler", "quant_blocks", "kernels"]),
-    ("execution", ["cache_format", "executor", "prompt_cache", "memory"]),
-    ("generation", ["tokenize", "sampling", "sequence", "generate", "batch", "scheduler", "engine", "model",
-                    "testing", "__init__"]),
-    ("shell", ["convert", "gguf_writer", "store", "bench", "bench_concurrency", "chat", "template_sandbox", "server",
-               "cli", "commands"]),
+    ("compiler", ["compiler", "quant_blocks"]),
+    ("execution", ["cache_format", "executor", "prompt_cache", "prefix_cache", "memory"]),
+    ("generation", ["sampling", "sequence", "generate", "batch", "scheduler", "engine", "model", "chat",
+                    "template_sandbox", "testing", "__init__"]),
+    ("shell", ["convert", "gguf_writer", "store", "bench", "bench_concurrency", "server", "cli", "commands"]),
 ]
 
 

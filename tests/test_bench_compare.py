@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cpullm.convert import permute_qk
+from cpullm.gguf_file import permute_qk
 from cpullm.testing import make_random_checkpoint
 from tiny_configs import LLAMA32_LIKE, LLAMA_UNTIED_BIAS
 

@@ -15,6 +15,8 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from cpullm import convert as cv  # noqa: E402
+from cpullm import gguf_file as gf  # noqa: E402
+from cpullm import gguf_vocab as gv  # noqa: E402
 from cpullm.errors import ConversionError  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
@@ -47,7 +49,7 @@ def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def byte_level_vocab() -> tuple[list[str], list[int]]:
-    table = cv.byte_to_unicode()
+    table = gv.byte_to_unicode()
     tokens = SPECIAL + [table[b] for b in range(256)] + ["Ġt", "he", "Ġthe", "in", "Ġa", "ĠĠ"]
     types = [3] * len(SPECIAL) + [1] * (len(tokens) - len(SPECIAL))
     return tokens, types
@@ -104,7 +106,7 @@ def _layout(arch: str):
     table without its q/k permutation for an architecture no plugin declares."""
     import attrs
 
-    specs = cv.gguf_architectures()
+    specs = gf.gguf_architectures()
     return specs.get(arch) or attrs.evolve(specs["llama"], name=arch, permute_qk=False)
 
 
@@ -158,7 +160,7 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
         assert info["dtype"] == "BF16", name
         start, end = info["data_offsets"]
         bits = np.frombuffer(raw[8 + n + start:8 + n + end], dtype="<u2").reshape(info["shape"])
-        out[name] = cv.bf16_bits_to_f32(bits)
+        out[name] = gf.bf16_bits_to_f32(bits)
     return out
 
 
@@ -175,7 +177,7 @@ def test_safetensors_file_reads_with_the_official_library(tiny_llama, tmp_path):
 
 
 def bf16(x: np.ndarray) -> np.ndarray:
-    return cv.bf16_bits_to_f32(cv.f32_to_bf16_bits(x))
+    return gf.bf16_bits_to_f32(gf.f32_to_bf16_bits(x))
 
 
 @pytest.fixture
@@ -221,10 +223,10 @@ def test_llama_qk_unpermute_restores_hf_rows(tiny_llama, tmp_path):
 def test_unpermute_inverts_llamacpp_permute():
     w = np.arange(8 * 16 * 3, dtype=np.float32).reshape(8 * 16, 3)
     for heads in (1, 2, 8):
-        np.testing.assert_array_equal(cv.unpermute_qk(llamacpp_permute(w, heads), heads), w)
-        np.testing.assert_array_equal(cv.permute_qk(w, heads), llamacpp_permute(w, heads))
+        np.testing.assert_array_equal(gf.unpermute_qk(llamacpp_permute(w, heads), heads), w)
+        np.testing.assert_array_equal(gf.permute_qk(w, heads), llamacpp_permute(w, heads))
     bias = np.arange(32, dtype=np.float32)
-    np.testing.assert_array_equal(cv.unpermute_qk(llamacpp_permute(bias, 4), 4), bias)
+    np.testing.assert_array_equal(gf.unpermute_qk(llamacpp_permute(bias, 4), 4), bias)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gemma3"])
@@ -288,7 +290,7 @@ def test_quantized_tensors_are_dequantized(qtype, tmp_path):
 
 def test_unsupported_tensor_type_fails_before_writing(tmp_path, monkeypatch):
     write_tiny_gguf(tmp_path / "m.gguf", "llama", qtype="Q8_0")
-    monkeypatch.setattr(cv, "SUPPORTED_TENSOR_TYPES", ("F32",))
+    monkeypatch.setattr(gf, "SUPPORTED_TENSOR_TYPES", ("F32",))
     with pytest.raises(ConversionError, match=r"ggml types: .*\(Q8_0\).*supported: F32"):
         cv.convert_gguf(tmp_path / "m.gguf", tmp_path / "out")
     assert not (tmp_path / "out").exists() and _leftovers(tmp_path, "out") == []
@@ -299,7 +301,7 @@ def test_bf16_rounding_matches_torch():
     rng = np.random.default_rng(0)
     x = np.concatenate([rng.standard_normal(10000).astype(np.float32) * 10.0 ** rng.integers(-8, 8, 10000),
                         np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 3.3895314e38, 1e-45, -1e-40], np.float32)])
-    ours = cv.f32_to_bf16_bits(x)
+    ours = gf.f32_to_bf16_bits(x)
     theirs = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     np.testing.assert_array_equal(ours, theirs)
 
@@ -450,7 +452,7 @@ def test_sentencepiece_tokenizer_adds_bos_and_byte_fallback(tmp_path):
 
 def test_merges_from_vocab_orders_by_score_then_left_length():
     vocab = {"a": 0, "b": 1, "c": 2, "ab": 3, "bc": 4, "abc": 5}
-    merges = cv.merges_from_vocab(vocab, {t: -i for t, i in vocab.items()})
+    merges = gv.merges_from_vocab(vocab, {t: -i for t, i in vocab.items()})
     assert merges == [("a", "b"), ("b", "c"), ("ab", "c"), ("a", "bc")]
 
 
@@ -585,7 +587,7 @@ class _TinyArchPlugin:
 
         return [GGUFArch(
             name="tinyarch", model_type="llama", architectures=("LlamaForCausalLM",),
-            layer_names=cv.DENSE_LAYER_NAMES, required_layer_leaves=tuple(cv.DENSE_LAYER_NAMES),
+            layer_names=gf.DENSE_LAYER_NAMES, required_layer_leaves=tuple(gf.DENSE_LAYER_NAMES),
             head_dim_keys=("attention.key_length",),
             config_extras=lambda meta, hp, names: {"hidden_act": "silu", "tinyarch_layers": hp["num_hidden_layers"]},
             pre_tokenizer_splits={"tinyarch-pre": r"\s+|\S+"}, end_of_turn_tokens=("<|im_end|>",))]
@@ -604,19 +606,19 @@ def tiny_arch_plugin():
 
 def test_a_plugins_hook_is_what_makes_an_architecture_convertible(tmp_path, request):
     hf = write_tiny_gguf(tmp_path / "m.gguf", "tinyarch")
-    assert "tinyarch" not in cv.supported_architectures()
+    assert "tinyarch" not in gf.supported_architectures()
     with pytest.raises(ConversionError, match=r"'tinyarch' is not supported.*install the cpullm plugin"):
         cv.convert_gguf(tmp_path / "m.gguf", tmp_path / "out")
 
     request.getfixturevalue("tiny_arch_plugin")
-    assert cv.arch_spec("tinyarch").plugin == "_TinyArchPlugin"
+    assert gf.arch_spec("tinyarch").plugin == "_TinyArchPlugin"
     out = cv.convert_gguf(tmp_path / "m.gguf", tmp_path / "out")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "llama" and cfg["tinyarch_layers"] == 2   # the plugin's config_extras
     got = read_safetensors(out / "model.safetensors")
     for name, ref in hf.items():   # no q/k un-permutation: this plugin's layout says so
         np.testing.assert_array_equal(got[name], bf16(ref), err_msg=name)
-    assert "tinyarch-pre" in cv.PRE_TOKENIZER_SPLITS
+    assert "tinyarch-pre" in gf.PRE_TOKENIZER_SPLITS
 
 
 def test_a_plugin_redefining_an_architecture_is_reported_not_used(tiny_arch_plugin):
@@ -625,7 +627,7 @@ def test_a_plugin_redefining_an_architecture_is_reported_not_used(tiny_arch_plug
     from cpullm import plugins
     from cpullm.hookspecs import hookimpl
 
-    taken = attrs.evolve(cv.arch_spec("tinyarch"), plugin=None)
+    taken = attrs.evolve(gf.arch_spec("tinyarch"), plugin=None)
 
     class Clash:
         @staticmethod

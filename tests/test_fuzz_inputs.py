@@ -50,7 +50,7 @@ def make_gguf_seed(path: Path) -> tuple[bytes, int]:
     """(bytes of a tiny llama GGUF, length of its header: where tensor data starts)."""
     import test_convert
 
-    from cpullm.convert import open_gguf
+    from cpullm.gguf_file import open_gguf
 
     test_convert.write_tiny_gguf(path, "llama", layers=2)
     reader = open_gguf(path)

@@ -145,7 +145,7 @@ def test_gguf_shape_metadata_is_checked(tmp_path, capsys, key, value, expect):
 
 
 def test_gguf_metadata_arrays_nested_deeply_are_refused(tmp_path):
-    from cpullm.convert import open_gguf
+    from cpullm.gguf_file import open_gguf
 
     value = b""
     for _ in range(200):                          # 200 arrays, each holding the next
@@ -157,7 +157,7 @@ def test_gguf_metadata_arrays_nested_deeply_are_refused(tmp_path):
 
 
 def test_gguf_tensor_whose_element_count_wraps_int64_is_refused(tmp_path):
-    from cpullm.convert import open_gguf
+    from cpullm.gguf_file import open_gguf
 
     # one F32 tensor of shape (2**32, 2**32): 2**64 elements, which int64 arithmetic makes 0
     info = _gguf_string("token_embd.weight") + struct.pack("<I", 2) + struct.pack("<QQ", 2 ** 32, 2 ** 32)

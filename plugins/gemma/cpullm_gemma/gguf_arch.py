@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from cpullm import limits
-from cpullm.convert import DENSE_LAYER_NAMES, QK_NORM_LAYER_NAMES, meta_int
+from cpullm.gguf_file import DENSE_LAYER_NAMES, QK_NORM_LAYER_NAMES, meta_int
 from cpullm.errors import ConversionError
 from cpullm.family import GGUFArch
 

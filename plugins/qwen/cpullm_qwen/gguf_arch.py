@@ -1,7 +1,7 @@
 """How llama.cpp's ``qwen2`` and ``qwen3`` GGUF architectures convert to transformers checkpoints."""
 from __future__ import annotations
 
-from cpullm.convert import DENSE_LAYER_NAMES, QK_NORM_LAYER_NAMES
+from cpullm.gguf_file import DENSE_LAYER_NAMES, QK_NORM_LAYER_NAMES
 from cpullm.family import GGUFArch
 
 # Pre-tokenizer split regexes per ``tokenizer.ggml.pre``, as transformers' GGUF converter uses them.
