@@ -14,7 +14,7 @@ Passes:
           reads the program back against the weight map).
 3. plan   arena offsets by liveness (first fit); state regions for KV caches (full or ring) and
           linear-attention states.
-4. emit   the instruction table (see cpullm.kernels.interpreter for the column layout).
+4. emit   the instruction table (its columns: cpullm.kernels.program_table).
 """
 from __future__ import annotations
 
@@ -206,7 +206,7 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
     (``<name>.bin``) and mapped back (cpullm.filearrays), instead of joined in memory: the build
     then holds one row block of a matrix at a time, not the model.
     """
-    from .kernels import interpreter as K
+    from .kernels import program_table as P
     from .kernels.attention import padded_cap
     from .kernels.q8 import quantize_weight_q8
 
@@ -305,14 +305,14 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
             if progress:
                 progress(canonicals[0])
         kind, w_off, s_off, Kp, _ = packed[key]
-        if kind == K.WEIGHT_BLOCKS:
+        if kind == P.WEIGHT_BLOCKS:
             _block_slots(slots, weights, canonicals, fmt, w_off, Kp)
             return packed[key]
         r0 = 0
         for c in canonicals:                # member rows of a fused matrix, for the weight slots
             n = weights.shape(c)[0]
-            slots.setdefault(c, ["q8" if kind == K.WEIGHT_Q8 else "f32", w_off + r0 * Kp, n * Kp, Kp,
-                                 s_off + r0 * (Kp // 32) if kind == K.WEIGHT_Q8 else -1])
+            slots.setdefault(c, ["q8" if kind == P.WEIGHT_Q8 else "f32", w_off + r0 * Kp, n * Kp, Kp,
+                                 s_off + r0 * (Kp // 32) if kind == P.WEIGHT_Q8 else -1])
             r0 += n
         return packed[key]
 
@@ -322,16 +322,16 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
         block_bytes[fmt] = block_bytes.get(fmt, 0) + int(data.size)
         as_q8 = q8_0_as_q8(data, Kp) if fmt == "Q8_0" else None
         if as_q8 is not None:               # Q8_0 is q8 interleaved: the q8 kernels, same values
-            return K.WEIGHT_Q8, wq.add(as_q8[0]), ws.add(as_q8[1]), Kp, data.shape[0]
-        return K.WEIGHT_BLOCKS, wq.add(data.view(np.int8)), block_format(fmt).ggml_type, Kp, data.shape[0]
+            return P.WEIGHT_Q8, wq.add(as_q8[0]), ws.add(as_q8[1]), Kp, data.shape[0]
+        return P.WEIGHT_BLOCKS, wq.add(data.view(np.int8)), block_format(fmt).ggml_type, Kp, data.shape[0]
 
     def _pack(canonicals: list[str], mode: str) -> tuple:
         if mode == "int8":                 # row blocks of float32 only live until quantized
             w_off, s_off, Kp, n = _pack_q8_rows(weights, canonicals, quantize, wq, ws, scratch)
-            return K.WEIGHT_Q8, w_off, s_off, Kp, n
+            return P.WEIGHT_Q8, w_off, s_off, Kp, n
         mats = [weights.get(c) for c in canonicals]
         mat = mats[0] if len(mats) == 1 else np.concatenate(mats, axis=0)
-        return K.WEIGHT_F32, wf.add(mat), -1, mat.shape[1], mat.shape[0]
+        return P.WEIGHT_F32, wf.add(mat), -1, mat.shape[1], mat.shape[0]
 
     # ---- state -------------------------------------------------------------------------------
     state_regions, state_size = [], 0
@@ -348,9 +348,10 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
     max_k, embed_rows = 32, 0
     for p in order:
         n = p.nodes[0]
-        Ir = np.full(K.NI, -1, np.int64)
-        Fr = np.zeros(K.NF, np.float64)
-        Ir[0], Ir[1], Ir[2] = int(n.op), 0, 0 if n.section == "body" else 1
+        Ir = np.full(P.NI, -1, np.int64)
+        Fr = np.zeros(P.NF, np.float64)
+        _fill(Ir, {P.COL_OP: int(n.op), P.COL_IMPL: P.IMPL_INTERPRETER,
+                   P.COL_SECTION: P.SECTION_BODY if n.section == "body" else P.SECTION_HEAD})
         out_off, out_st = loc(p.output)
         if n.op == Op.LINEAR:
             x_off, x_st = loc(n.inputs[0])
@@ -361,70 +362,86 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
                 bias = np.concatenate([weights.get(m.weight("bias")) if m.weight("bias")
                                        else np.zeros(m.width, np.float32) for m in p.nodes])
                 bias_off = wf.add(bias)
-            Ir[3:14] = [x_off, x_st, out_off, out_st, Kdim, p.width, kind, w_off, s_off, Kp, bias_off]
+            _fill(Ir, {P.LINEAR_X_OFF: x_off, P.LINEAR_X_ST: x_st, P.LINEAR_OUT_OFF: out_off,
+                       P.LINEAR_OUT_ST: out_st, P.LINEAR_K: Kdim, P.LINEAR_N: p.width, P.LINEAR_KIND: kind,
+                       P.LINEAR_W_OFF: w_off, P.LINEAR_S_OFF: s_off, P.LINEAR_KP: Kp,
+                       P.LINEAR_BIAS_OFF: bias_off})
             max_k = max(max_k, Kp)
         elif n.op == Op.EMBED:
             kind, w_off, s_off, Kp, embed_rows = pack_matrix([n.weight("table")], n)
-            Ir[3:10] = [out_off, out_st, n.width, kind, w_off, s_off, Kp]
-            Fr[0] = n.attr("scale", 1.0)
-        elif n.op == Op.RMSNORM:
+            _fill(Ir, {P.EMBED_OUT_OFF: out_off, P.EMBED_OUT_ST: out_st, P.EMBED_WIDTH: n.width,
+                       P.EMBED_KIND: kind, P.EMBED_W_OFF: w_off, P.EMBED_S_OFF: s_off, P.EMBED_KP: Kp})
+            Fr[P.F_EMBED_SCALE] = n.attr("scale", 1.0)
+        elif n.op in (Op.RMSNORM, Op.LAYERNORM):
             x_off, x_st = loc(n.inputs[0])
-            Ir[3:10] = [x_off, x_st, out_off, out_st, n.width, n.attr("group_size"), f32_param(n.weight("weight"))]
-            Fr[0] = n.attr("eps")
-        elif n.op == Op.LAYERNORM:
-            x_off, x_st = loc(n.inputs[0])
-            bias = n.weight("bias")
-            Ir[3:11] = [x_off, x_st, out_off, out_st, n.width, n.attr("group_size"),
-                        f32_param(n.weight("weight")), f32_param(bias) if bias else -1]
-            Fr[0] = n.attr("eps")
+            _fill(Ir, {P.NORM_X_OFF: x_off, P.NORM_X_ST: x_st, P.NORM_OUT_OFF: out_off, P.NORM_OUT_ST: out_st,
+                       P.NORM_WIDTH: n.width, P.NORM_GROUP: n.attr("group_size"),
+                       P.NORM_W_OFF: f32_param(n.weight("weight"))})
+            if n.op == Op.LAYERNORM:
+                bias = n.weight("bias")
+                Ir[P.NORM_BIAS_OFF] = f32_param(bias) if bias else -1
+            Fr[P.F_NORM_EPS] = n.attr("eps")
         elif n.op == Op.ROPE:
             x_off, x_st = loc(n.inputs[0])
             inv, scaling = _rope_freqs(n, n_ctx)
-            Ir[3:11] = [x_off, x_st, out_off, out_st, n.attr("n_heads"), n.attr("head_dim"),
-                        n.attr("rotary_dim"), wf.add(inv)]
-            Fr[0] = scaling
+            _fill(Ir, {P.ROPE_X_OFF: x_off, P.ROPE_X_ST: x_st, P.ROPE_OUT_OFF: out_off, P.ROPE_OUT_ST: out_st,
+                       P.ROPE_N_HEADS: n.attr("n_heads"), P.ROPE_HEAD_DIM: n.attr("head_dim"),
+                       P.ROPE_ROTARY_DIM: n.attr("rotary_dim"), P.ROPE_FREQ_OFF: wf.add(inv)})
+            Fr[P.F_ROPE_SCALING] = scaling
         elif n.op == Op.ATTENTION:
             (q_off, q_st), (k_off, k_st), (v_off, v_st) = (loc(i) for i in n.inputs)
             nkv, hd, window = n.attr("n_kv_heads"), n.attr("head_dim"), n.attr("window")
             cap = padded_cap(n_ctx if not window else min(n_ctx, window + max_chunk))   # whole key tiles
             c_off = add_state(n, 2 * nkv * cap * hd, "kv", cap=cap, n_kv_heads=nkv, head_dim=hd,
                               window=window, layer=n.attr("layer"))
-            Ir[3:16] = [q_off, q_st, k_off, k_st, v_off, v_st, out_off, out_st, n.attr("n_heads"),
-                        nkv, hd, c_off, cap]
-            Fr[0:3] = [n.attr("scale"), n.attr("softcap"), window]
+            _fill(Ir, {P.ATTENTION_Q_OFF: q_off, P.ATTENTION_Q_ST: q_st, P.ATTENTION_K_OFF: k_off,
+                       P.ATTENTION_K_ST: k_st, P.ATTENTION_V_OFF: v_off, P.ATTENTION_V_ST: v_st,
+                       P.ATTENTION_OUT_OFF: out_off, P.ATTENTION_OUT_ST: out_st,
+                       P.ATTENTION_N_HEADS: n.attr("n_heads"), P.ATTENTION_N_KV_HEADS: nkv,
+                       P.ATTENTION_HEAD_DIM: hd, P.ATTENTION_CACHE_OFF: c_off, P.ATTENTION_CAP: cap})
+            _fill(Fr, {P.F_ATTENTION_SCALE: n.attr("scale"), P.F_ATTENTION_SOFTCAP: n.attr("softcap"),
+                       P.F_ATTENTION_WINDOW: window})
         elif n.op == Op.GLU:
             (g_off, g_st), (u_off, u_st) = (loc(i) for i in n.inputs)
-            act = {"silu": 0, "gelu_tanh": 1}[n.attr("act")]
-            Ir[3:11] = [g_off, g_st, u_off, u_st, out_off, out_st, n.width, act]
+            act = {"silu": P.GLU_ACT_SILU, "gelu_tanh": P.GLU_ACT_GELU_TANH}[n.attr("act")]
+            _fill(Ir, {P.GLU_GATE_OFF: g_off, P.GLU_GATE_ST: g_st, P.GLU_UP_OFF: u_off, P.GLU_UP_ST: u_st,
+                       P.GLU_OUT_OFF: out_off, P.GLU_OUT_ST: out_st, P.GLU_WIDTH: n.width, P.GLU_ACT: act})
         elif n.op in (Op.ADD, Op.SIGMOID_MUL):
             (a_off, a_st), (b_off, b_st) = (loc(i) for i in n.inputs)
-            Ir[3:10] = [a_off, a_st, b_off, b_st, out_off, out_st, n.width]
-        elif n.op in (Op.SOFTCAP, Op.SCALE):
+            _fill(Ir, {P.BINARY_A_OFF: a_off, P.BINARY_A_ST: a_st, P.BINARY_B_OFF: b_off, P.BINARY_B_ST: b_st,
+                       P.BINARY_OUT_OFF: out_off, P.BINARY_OUT_ST: out_st, P.BINARY_WIDTH: n.width})
+        elif n.op in (Op.SOFTCAP, Op.SCALE, Op.SELECT_ROWS):
             x_off, x_st = loc(n.inputs[0])
-            Ir[3:8] = [x_off, x_st, out_off, out_st, n.width]
-            Fr[0] = n.attr("cap") if n.op == Op.SOFTCAP else n.attr("scale")
-        elif n.op == Op.SELECT_ROWS:
-            x_off, x_st = loc(n.inputs[0])
-            Ir[3:8] = [x_off, x_st, out_off, out_st, n.width]
+            _fill(Ir, {P.UNARY_X_OFF: x_off, P.UNARY_X_ST: x_st, P.UNARY_OUT_OFF: out_off,
+                       P.UNARY_OUT_ST: out_st, P.UNARY_WIDTH: n.width})
+            if n.op != Op.SELECT_ROWS:
+                Fr[P.F_UNARY_PARAM] = n.attr("cap") if n.op == Op.SOFTCAP else n.attr("scale")
         elif n.op == Op.GATED_DELTA:
-            locs = [loc(i) for i in n.inputs]
+            (qkv_off, qkv_st), (z_off, z_st), (b_off, b_st), (a_off, a_st) = (loc(i) for i in n.inputs)
             nk, dk, nv, dv, ck = (n.attr(a) for a in ("n_k_heads", "k_head_dim", "n_v_heads", "v_head_dim", "conv_kernel"))
             conv = weights.get(n.weight("conv")).reshape(2 * nk * dk + nv * dv, ck)
             from .kernels.gated_delta import state_size as gd_state
             s_off = add_state(n, gd_state(nk, dk, nv, dv, ck), "linear", layer=n.attr("layer"))
-            Ir[3:23] = [*locs[0], *locs[1], *locs[2], *locs[3], out_off, out_st, nk, dk, nv, dv, ck,
-                        wf.add(conv), f32_param(n.weight("dt_bias")), f32_param(n.weight("A_log")),
-                        f32_param(n.weight("norm")), s_off]
-            Fr[0] = n.attr("eps")
+            _fill(Ir, {P.GATED_DELTA_QKV_OFF: qkv_off, P.GATED_DELTA_QKV_ST: qkv_st,
+                       P.GATED_DELTA_Z_OFF: z_off, P.GATED_DELTA_Z_ST: z_st,
+                       P.GATED_DELTA_B_OFF: b_off, P.GATED_DELTA_B_ST: b_st,
+                       P.GATED_DELTA_A_OFF: a_off, P.GATED_DELTA_A_ST: a_st,
+                       P.GATED_DELTA_OUT_OFF: out_off, P.GATED_DELTA_OUT_ST: out_st,
+                       P.GATED_DELTA_NK: nk, P.GATED_DELTA_DK: dk, P.GATED_DELTA_NV: nv, P.GATED_DELTA_DV: dv,
+                       P.GATED_DELTA_CONV_K: ck, P.GATED_DELTA_CONV_W_OFF: wf.add(conv),
+                       P.GATED_DELTA_DT_OFF: f32_param(n.weight("dt_bias")),
+                       P.GATED_DELTA_ALOG_OFF: f32_param(n.weight("A_log")),
+                       P.GATED_DELTA_NORM_OFF: f32_param(n.weight("norm")), P.GATED_DELTA_STATE_OFF: s_off})
+            Fr[P.F_GATED_DELTA_EPS] = n.attr("eps")
         elif n.op == Op.PLUGIN:
             plugin_calls[str(len(rows_I))] = _plugin_call(n, loc, nodes_by_out, weights, f32_param,
                                                          (out_off, out_st))
-            Ir[1] = 2
+            Ir[P.COL_IMPL] = P.IMPL_PLUGIN_OP
         else:
             raise GraphError(f"{n.name}: the compiler has no emitter for op {n.op.name}")
         for spec in kernels:
             if int(spec.op) == int(n.op) and spec.supports(n):
-                Ir[1] = 1
+                Ir[P.COL_IMPL] = P.IMPL_EXTERNAL
                 external[len(rows_I)] = spec.name
                 break
         rows_I.append(Ir)
@@ -434,7 +451,7 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
 
     logits_off, _ = loc(graph.output)
     hidden_off, hidden_st = loc(graph.hidden)
-    first_head = next(i for i, row in enumerate(rows_I) if row[2] == 1)
+    first_head = next(i for i, row in enumerate(rows_I) if row[P.COL_SECTION] == P.SECTION_HEAD)
     meta = {
         "names": names,
         "groups": groups,
@@ -469,14 +486,17 @@ def head_screen_row(program: Program) -> int | None:
     a q8 LINEAR of the head without bias or plugin kernel (its output is then the logits) of at
     least ``head_screen.MIN_LM_HEAD_BYTES``; else None."""
     from .kernels import head_screen
-    from .kernels import interpreter as K
+    from .kernels import program_table as P
     I = program.I
     r = len(I) - 1
-    if (I[r, 0] != K.OP_LINEAR or I[r, 1] != 0 or I[r, 2] != 1 or I[r, 9] != K.WEIGHT_Q8 or I[r, 13] >= 0
-            or int(I[r, 12]) > 32 * head_screen.MAX_BLOCKS or int(I[r, 12]) < 64):
+    if (I[r, P.COL_OP] != P.OP_LINEAR or I[r, P.COL_IMPL] != P.IMPL_INTERPRETER
+            or I[r, P.COL_SECTION] != P.SECTION_HEAD):
         return None
-    N, Kp = int(I[r, 8]), int(I[r, 12])
-    if N * (Kp + Kp // 16) < head_screen.MIN_LM_HEAD_BYTES:
+    lin = P.linear_operands(I[r])
+    if (lin.kind != P.WEIGHT_Q8 or lin.bias_off >= 0
+            or lin.kp > 32 * head_screen.MAX_BLOCKS or lin.kp < 64):
+        return None
+    if lin.n * (lin.kp + lin.kp // 16) < head_screen.MIN_LM_HEAD_BYTES:
         return None
     return r
 
@@ -489,12 +509,14 @@ def attach_head_screen(program: Program, calibration=None) -> Program:
     kept at 8 bits are where those carry the most energy, which decides how many rows the screen
     leaves to compute exactly (never which token it returns). Without it, where the final norm's
     weights are largest."""
+    from .kernels import program_table as P
     from .kernels.head_screen import build_screen, screen_columns, sel_columns
     r = head_screen_row(program)
     if r is None:
         return program
     a, I = program.arrays, program.I
-    Kdim, N, w_off, s_off, Kp, x_off = (int(I[r, c]) for c in (7, 8, 10, 11, 12, 3))
+    lin = P.linear_operands(I[r])
+    Kdim, N, w_off, s_off, Kp, x_off = lin.k, lin.n, lin.w_off, lin.s_off, lin.kp, lin.x_off
     w_q = a["wq"][w_off: w_off + N * Kp].reshape(N, Kp)
     w_s = a["ws"][s_off: s_off + N * (Kp // 32)].reshape(N, Kp // 32)
     x = calibration(program) if calibration is not None else None
@@ -503,9 +525,10 @@ def attach_head_screen(program: Program, calibration=None) -> Program:
         source = f"calibration ({len(x)} rows)"
     else:
         prev = r - 1
-        from .kernels import interpreter as K
-        if prev >= 0 and I[prev, 0] == K.OP_RMSNORM and int(I[prev, 5]) == x_off and int(I[prev, 7]) == Kdim:
-            importance = np.abs(a["wf"][int(I[prev, 9]): int(I[prev, 9]) + Kdim])
+        if (prev >= 0 and I[prev, P.COL_OP] == P.OP_RMSNORM and int(I[prev, P.NORM_OUT_OFF]) == x_off
+                and int(I[prev, P.NORM_WIDTH]) == Kdim):
+            norm_w = int(I[prev, P.NORM_W_OFF])
+            importance = np.abs(a["wf"][norm_w: norm_w + Kdim])
             source = "final norm weights"
         else:
             importance = np.ones(Kdim)
@@ -602,6 +625,13 @@ def _precision(node: Node, quant: str) -> str:
     if p not in PRECISIONS:
         raise GraphError(f"{node.name}: precision {p!r} is not one of {', '.join(PRECISIONS)}")
     return p
+
+
+def _fill(row: np.ndarray, columns: dict) -> None:
+    """Write ``{column: value}`` into one instruction's row of I or F (column names:
+    cpullm.kernels.program_table)."""
+    for column, value in columns.items():
+        row[column] = value
 
 
 def _merge(free: list) -> list:
