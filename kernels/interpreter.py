@@ -37,7 +37,8 @@ from .program_table import (  # noqa: F401  (re-exported: the opcodes and weight
 )
 
 # Ops a plugin kernel may replace, and the arguments its function receives (the reference
-# kernel's signature). The executor calls the external function with exactly these.
+# kernel's signature). The executor calls the external function with exactly these: the integers
+# are the row's program_table.GATED_DELTA_KERNEL_COLUMNS, in that order.
 EXTERNAL_SIGNATURES = {
     OP_GATED_DELTA: "gated_delta(arena, state, wf, qkv_off, qkv_st, z_off, z_st, b_off, b_st, "
                     "a_off, a_st, o_off, o_st, nk, dk, nv, dv, conv_k, conv_w_off, dt_off, alog_off, "
