@@ -36,23 +36,6 @@ def test_opcodes_match_ir():
         assert getattr(K, f"OP_{name}") == int(getattr(Op, name))
 
 
-def test_program_table_names_distinct_columns_per_op():
-    """Within one op's layout no two names share a column, and every column lies past the common
-    ones (I) and inside the tables: a name set to a taken or out-of-range column fails here."""
-    from cpullm.kernels import program_table as P
-    layouts = ("LINEAR", "EMBED", "NORM", "ROPE", "ATTENTION", "GLU", "BINARY", "UNARY", "GATED_DELTA")
-    ints = {k: v for k, v in vars(P).items() if k.isupper() and type(v) is int}
-    assert (P.COL_OP, P.COL_IMPL, P.COL_SECTION) == (0, 1, 2)
-    for op in layouts:
-        cols = {k: v for k, v in ints.items() if k.startswith(op + "_") and not k.startswith("GLU_ACT_")}
-        assert len(cols) >= 5 and len(set(cols.values())) == len(cols), (op, cols)
-        assert all(3 <= c < P.NI for c in cols.values()), (op, cols)
-        fcols = {k: v for k, v in ints.items() if k.startswith("F_" + op + "_")}
-        assert len(set(fcols.values())) == len(fcols) and all(0 <= c < P.NF for c in fcols.values()), (op, fcols)
-    assert len(P.GATED_DELTA_KERNEL_COLUMNS) == 20 and len(set(P.GATED_DELTA_KERNEL_COLUMNS)) == 20
-    assert {c for pair in P.GATED_DELTA_ROW_OPERANDS for c in pair} <= set(P.GATED_DELTA_KERNEL_COLUMNS)
-
-
 @pytest.mark.parametrize("T,width,group", [(1, 37, 37), (5, 64, 16), (9, 96, 96)])
 @pytest.mark.parametrize("parallel", [False, True])
 def test_rmsnorm(T, width, group, parallel):
