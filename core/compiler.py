@@ -227,7 +227,7 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
     emitter = _Emitter(layout, packer, weights, kernels or [], n_ctx=n_ctx, max_chunk=max_chunk)
     for p in order:                                                                        # 4. emit
         emitter.emit(p)
-    return _assemble(graph, layout, packer, emitter, quant=quant, n_ctx=n_ctx, max_chunk=max_chunk)
+    return _assemble(graph, layout, packer, emitter, quant=quant, n_ctx=n_ctx, max_chunk=max_chunk)  # 5.
 
 
 def _check_quant(quant: str) -> None:
