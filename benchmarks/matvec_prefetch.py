@@ -26,7 +26,7 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import intrinsic
 
-from cpullm.kernels import interpreter as K
+from cpullm.kernels import program_table as P
 from cpullm.kernels import q8
 
 
@@ -49,7 +49,8 @@ _MV_L1, _MV_L2 = _matvec(3), _matvec(2)
 def _sweep(mode, I, arena, wq, ws, xq, xs, long_k):
     """mode 0: L1 everywhere; 1: L2 for rows >= long_k; 2: L2 everywhere."""
     for r in range(I.shape[0]):
-        x_off, o_off, Kd, N, w_off, s_off, Kp = I[r, 3], I[r, 5], I[r, 7], I[r, 8], I[r, 10], I[r, 11], I[r, 12]
+        x_off, o_off, Kd, N = I[r, P.LINEAR_X_OFF], I[r, P.LINEAR_OUT_OFF], I[r, P.LINEAR_K], I[r, P.LINEAR_N]
+        w_off, s_off, Kp = I[r, P.LINEAR_W_OFF], I[r, P.LINEAR_S_OFF], I[r, P.LINEAR_KP]
         q8.quantize_act_q16(arena[x_off:x_off + Kd], xq[:Kp], xs[:Kp // 32])
         w = wq[w_off: w_off + N * Kp].reshape(N, Kp)
         s = ws[s_off: s_off + N * (Kp // 32)].reshape(N, Kp // 32)
@@ -68,11 +69,12 @@ def main(argv=None) -> None:
     m = cpullm.load(args.model, threads=args.threads)
     ex = m.executor
     body_end = ex.screen.row if ex.screen is not None else ex.first_head
-    rows = [r for r in range(body_end) if ex.I[r, 0] == K.OP_LINEAR and ex.I[r, 9] == K.WEIGHT_Q8]
+    rows = [r for r in range(body_end)
+            if ex.I[r, P.COL_OP] == P.OP_LINEAR and ex.I[r, P.LINEAR_KIND] == P.WEIGHT_Q8]
     if not rows:
         raise SystemExit("matvec_prefetch: the program has no INT8 body matrices (load it with --quant int8)")
     lin = np.ascontiguousarray(ex.I[rows])
-    nbytes = sum(int(r[8]) * int(r[12]) * 17 // 16 for r in lin)        # int8 values + a binary16 per 32
+    nbytes = sum(int(r[P.LINEAR_N]) * int(r[P.LINEAR_KP]) * 17 // 16 for r in lin)        # int8 values + a binary16 per 32
     sweep_args = (lin, ex.arena, ex.wq, ex.ws, ex.xq, ex.xs, q8.LONG_ROW_K)
     names = ["L1", "L2 long", "L2"]
     for mode in range(3):

@@ -25,6 +25,7 @@ from numba import njit
 
 from .executor import Executor
 from .kernels import interpreter as K
+from .kernels import program_table as P
 from .kernels.attention import attention
 from .kernels.attention_batch import attention_decode_batch
 from .kernels.batch_linear import _quantize_rows, _rows_q8, linear_rows_f32, linear_rows_q8
@@ -33,13 +34,13 @@ from .kernels.norm import layernorm_rows, rmsnorm_rows
 from .kernels.gated_delta import gated_delta
 from .kernels.rope import rope_rows
 
-PER_SEQUENCE_OPS = (K.OP_ROPE, K.OP_ATTENTION, K.OP_GATED_DELTA)
+PER_SEQUENCE_OPS = (P.OP_ROPE, P.OP_ATTENTION, P.OP_GATED_DELTA)
 # Row-wise ops the interpreter runs as a parallel loop over rows when T > 1. A decode batch has a
 # few rows, each op microseconds of work: a parallel region per op costs more than it saves (on a
 # loaded 2-core host, 2.6 ms of such ops per step at B = 1 became 190 ms at B = 2), so the
 # batch runs them serially with the same row kernels (the parallel versions call them per row:
 # the same numbers).
-SERIAL_ROW_OPS = (K.OP_RMSNORM, K.OP_LAYERNORM, K.OP_GLU, K.OP_ADD, K.OP_SIGMOID_MUL)
+SERIAL_ROW_OPS = (P.OP_RMSNORM, P.OP_LAYERNORM, P.OP_GLU, P.OP_ADD, P.OP_SIGMOID_MUL)
 
 
 @njit(cache=True)
@@ -47,17 +48,21 @@ def _serial_rows(I, F, a, b, arena, wf, T):
     """Instructions [a, b) (all in SERIAL_ROW_OPS) over rows [0, T), one thread."""
     r0 = np.int64(0)
     for r in range(a, b):
-        op = I[r, 0]
-        if op == K.OP_RMSNORM:
-            rmsnorm_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], wf, I[r, 9], F[r, 0], r0, T)
-        elif op == K.OP_LAYERNORM:
-            layernorm_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], wf, I[r, 9], I[r, 10],
-                           F[r, 0], r0, T)
-        elif op == K.OP_GLU:
-            glu_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], I[r, 9], I[r, 10], r0, T)
-        elif op == K.OP_ADD or op == K.OP_SIGMOID_MUL:
-            binary_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], I[r, 9],
-                        0 if op == K.OP_ADD else 1, r0, T)
+        op = I[r, P.COL_OP]
+        if op == P.OP_RMSNORM:
+            rmsnorm_rows(arena, I[r, P.NORM_X_OFF], I[r, P.NORM_X_ST], I[r, P.NORM_OUT_OFF], I[r, P.NORM_OUT_ST],
+                         I[r, P.NORM_WIDTH], I[r, P.NORM_GROUP], wf, I[r, P.NORM_W_OFF], F[r, P.F_NORM_EPS], r0, T)
+        elif op == P.OP_LAYERNORM:
+            layernorm_rows(arena, I[r, P.NORM_X_OFF], I[r, P.NORM_X_ST], I[r, P.NORM_OUT_OFF], I[r, P.NORM_OUT_ST],
+                           I[r, P.NORM_WIDTH], I[r, P.NORM_GROUP], wf, I[r, P.NORM_W_OFF], I[r, P.NORM_BIAS_OFF],
+                           F[r, P.F_NORM_EPS], r0, T)
+        elif op == P.OP_GLU:
+            glu_rows(arena, I[r, P.GLU_GATE_OFF], I[r, P.GLU_GATE_ST], I[r, P.GLU_UP_OFF], I[r, P.GLU_UP_ST],
+                     I[r, P.GLU_OUT_OFF], I[r, P.GLU_OUT_ST], I[r, P.GLU_WIDTH], I[r, P.GLU_ACT], r0, T)
+        elif op == P.OP_ADD or op == P.OP_SIGMOID_MUL:
+            binary_rows(arena, I[r, P.BINARY_A_OFF], I[r, P.BINARY_A_ST], I[r, P.BINARY_B_OFF], I[r, P.BINARY_B_ST],
+                        I[r, P.BINARY_OUT_OFF], I[r, P.BINARY_OUT_ST], I[r, P.BINARY_WIDTH],
+                        0 if op == P.OP_ADD else 1, r0, T)
         else:
             raise ValueError("cpullm batch: not a serial row op")
 
@@ -71,30 +76,46 @@ def _per_sequence(I, F, a, b, arena, states, slots, rows0, nrows, positions, wf,
     is sequence s's one token): ATTENTION runs for all of them in one parallel region, with the
     same numbers (kernels.attention_batch)."""
     for r in range(a, b):
-        op = I[r, 0]
-        if decode and op == K.OP_ATTENTION:
-            attention_decode_batch(arena, states, slots, positions, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7],
-                                   I[r, 8], I[r, 9], I[r, 10], I[r, 11], I[r, 12], I[r, 13], I[r, 14], I[r, 15],
-                                   F[r, 0], F[r, 1], np.int64(F[r, 2]), nthreads)
+        op = I[r, P.COL_OP]
+        if decode and op == P.OP_ATTENTION:
+            attention_decode_batch(arena, states, slots, positions, I[r, P.ATTENTION_Q_OFF], I[r, P.ATTENTION_Q_ST],
+                                   I[r, P.ATTENTION_K_OFF], I[r, P.ATTENTION_K_ST], I[r, P.ATTENTION_V_OFF],
+                                   I[r, P.ATTENTION_V_ST], I[r, P.ATTENTION_OUT_OFF], I[r, P.ATTENTION_OUT_ST],
+                                   I[r, P.ATTENTION_N_HEADS], I[r, P.ATTENTION_N_KV_HEADS], I[r, P.ATTENTION_HEAD_DIM],
+                                   I[r, P.ATTENTION_CACHE_OFF], I[r, P.ATTENTION_CAP], F[r, P.F_ATTENTION_SCALE],
+                                   F[r, P.F_ATTENTION_SOFTCAP], np.int64(F[r, P.F_ATTENTION_WINDOW]), nthreads)
             continue
         for s in range(slots.shape[0]):
             state = states[slots[s]]
             row0, T, pos0 = rows0[s], nrows[s], positions[s]
-            if op == K.OP_ROPE:
+            if op == P.OP_ROPE:
                 # rope_rows takes absolute rows: position pos0 + t for row t, so shift pos0 by row0
-                rope_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], I[r, 9], wf, I[r, 10],
-                          F[r, 0], pos0 - row0, row0, row0 + T)
-            elif op == K.OP_ATTENTION:
-                attention(arena, state, I[r, 3] + row0 * I[r, 4], I[r, 4], I[r, 5] + row0 * I[r, 6], I[r, 6],
-                          I[r, 7] + row0 * I[r, 8], I[r, 8], I[r, 9] + row0 * I[r, 10], I[r, 10],
-                          I[r, 11], I[r, 12], I[r, 13], I[r, 14], I[r, 15], F[r, 0], F[r, 1], np.int64(F[r, 2]),
-                          pos0, T, nthreads)
-            elif op == K.OP_GATED_DELTA:
+                rope_rows(arena, I[r, P.ROPE_X_OFF], I[r, P.ROPE_X_ST], I[r, P.ROPE_OUT_OFF], I[r, P.ROPE_OUT_ST],
+                          I[r, P.ROPE_N_HEADS], I[r, P.ROPE_HEAD_DIM], I[r, P.ROPE_ROTARY_DIM], wf,
+                          I[r, P.ROPE_FREQ_OFF], F[r, P.F_ROPE_SCALING], pos0 - row0, row0, row0 + T)
+            elif op == P.OP_ATTENTION:
+                q_st, k_st = I[r, P.ATTENTION_Q_ST], I[r, P.ATTENTION_K_ST]
+                v_st, o_st = I[r, P.ATTENTION_V_ST], I[r, P.ATTENTION_OUT_ST]
+                attention(arena, state, I[r, P.ATTENTION_Q_OFF] + row0 * q_st, q_st,
+                          I[r, P.ATTENTION_K_OFF] + row0 * k_st, k_st, I[r, P.ATTENTION_V_OFF] + row0 * v_st, v_st,
+                          I[r, P.ATTENTION_OUT_OFF] + row0 * o_st, o_st, I[r, P.ATTENTION_N_HEADS],
+                          I[r, P.ATTENTION_N_KV_HEADS], I[r, P.ATTENTION_HEAD_DIM], I[r, P.ATTENTION_CACHE_OFF],
+                          I[r, P.ATTENTION_CAP], F[r, P.F_ATTENTION_SCALE], F[r, P.F_ATTENTION_SOFTCAP],
+                          np.int64(F[r, P.F_ATTENTION_WINDOW]), pos0, T, nthreads)
+            elif op == P.OP_GATED_DELTA:
                 if has_linear:
-                    gated_delta(arena, state, wf, I[r, 3] + row0 * I[r, 4], I[r, 4], I[r, 5] + row0 * I[r, 6],
-                                I[r, 6], I[r, 7] + row0 * I[r, 8], I[r, 8], I[r, 9] + row0 * I[r, 10], I[r, 10],
-                                I[r, 11] + row0 * I[r, 12], I[r, 12], I[r, 13], I[r, 14], I[r, 15], I[r, 16],
-                                I[r, 17], I[r, 18], I[r, 19], I[r, 20], I[r, 21], I[r, 22], F[r, 0], T)
+                    qkv_st, z_st, b_st = I[r, P.GATED_DELTA_QKV_ST], I[r, P.GATED_DELTA_Z_ST], I[r, P.GATED_DELTA_B_ST]
+                    a_st, out_st = I[r, P.GATED_DELTA_A_ST], I[r, P.GATED_DELTA_OUT_ST]
+                    gated_delta(arena, state, wf, I[r, P.GATED_DELTA_QKV_OFF] + row0 * qkv_st, qkv_st,
+                                I[r, P.GATED_DELTA_Z_OFF] + row0 * z_st, z_st,
+                                I[r, P.GATED_DELTA_B_OFF] + row0 * b_st, b_st,
+                                I[r, P.GATED_DELTA_A_OFF] + row0 * a_st, a_st,
+                                I[r, P.GATED_DELTA_OUT_OFF] + row0 * out_st, out_st,
+                                I[r, P.GATED_DELTA_NK], I[r, P.GATED_DELTA_DK], I[r, P.GATED_DELTA_NV],
+                                I[r, P.GATED_DELTA_DV], I[r, P.GATED_DELTA_CONV_K], I[r, P.GATED_DELTA_CONV_W_OFF],
+                                I[r, P.GATED_DELTA_DT_OFF], I[r, P.GATED_DELTA_ALOG_OFF],
+                                I[r, P.GATED_DELTA_NORM_OFF], I[r, P.GATED_DELTA_STATE_OFF],
+                                F[r, P.F_GATED_DELTA_EPS], T)
             else:
                 raise ValueError("cpullm batch: not a per-sequence opcode")
 
@@ -102,11 +123,12 @@ def _per_sequence(I, F, a, b, arena, states, slots, rows0, nrows, positions, wf,
 @njit(cache=True)
 def _linear_batch(I, r, arena, wq, ws, wf, xq, xs, T):
     """LINEAR r over rows [0, T) (q8 or f32 weights): kernels.batch_linear, then the bias."""
-    x_off, x_st, o_off, o_st, Kd, N = I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8]
-    kind, w_off, s_off, Kp, b_off = I[r, 9], I[r, 10], I[r, 11], I[r, 12], I[r, 13]
+    x_off, x_st, o_off, o_st = I[r, P.LINEAR_X_OFF], I[r, P.LINEAR_X_ST], I[r, P.LINEAR_OUT_OFF], I[r, P.LINEAR_OUT_ST]
+    Kd, N, kind = I[r, P.LINEAR_K], I[r, P.LINEAR_N], I[r, P.LINEAR_KIND]
+    w_off, s_off, Kp, b_off = I[r, P.LINEAR_W_OFF], I[r, P.LINEAR_S_OFF], I[r, P.LINEAR_KP], I[r, P.LINEAR_BIAS_OFF]
     x = arena[x_off: x_off + T * x_st].reshape((T, x_st))[:, :Kd]
     out = arena[o_off: o_off + T * o_st].reshape((T, o_st))[:, :N]
-    if kind == K.WEIGHT_Q8:
+    if kind == P.WEIGHT_Q8:
         w = wq[w_off: w_off + N * Kp].reshape((N, Kp))
         s = ws[s_off: s_off + N * (Kp // 32)].reshape((N, Kp // 32))
         _quantize_rows(x, xq[:T, :Kp], xs[:T, :Kp // 32])
@@ -125,18 +147,14 @@ def _fused(I, F, a, b, arena, states, slots, rows0, nrows, positions, wq, ws, wf
     """Instructions [a, b) of a batch in one compiled call: LINEARs (q8 / f32), SERIAL_ROW_OPS and
     PER_SEQUENCE_OPS, as the separate segments run them (no Python between ops)."""
     for r in range(a, b):
-        op = I[r, 0]
-        if op == K.OP_LINEAR:
+        op = I[r, P.COL_OP]
+        if op == P.OP_LINEAR:
             _linear_batch(I, r, arena, wq, ws, wf, xq, xs, T)
-        elif op == K.OP_ROPE or op == K.OP_ATTENTION or op == K.OP_GATED_DELTA:
+        elif op == P.OP_ROPE or op == P.OP_ATTENTION or op == P.OP_GATED_DELTA:
             _per_sequence(I, F, r, r + 1, arena, states, slots, rows0, nrows, positions, wf, nthreads, has_linear,
                           decode)
         else:
             _serial_rows(I, F, r, r + 1, arena, wf, T)
-
-
-# (offset column, row-stride column) pairs of a GATED_DELTA instruction's arena operands
-_GD_ROW_OPERANDS = ((3, 4), (5, 6), (7, 8), (9, 10), (11, 12))
 
 
 class BatchDecoder:
@@ -146,7 +164,7 @@ class BatchDecoder:
     def __init__(self, ex: Executor):
         self.ex = ex
         self.has_linear = ex.linear_state is not None
-        self.linear_kinds = {int(ex.I[r, 9]) for r in ex.linear_rows}
+        self.linear_kinds = {int(ex.I[r, P.LINEAR_KIND]) for r in ex.linear_rows}
         self.body = self._fused_segments(self._segments(0, ex.first_head))
         self.head = self._fused_segments(self._segments(ex.first_head, ex.n_instr))
         rows = ex.max_chunk
@@ -163,18 +181,18 @@ class BatchDecoder:
     def single_path_identical(self) -> bool:
         """True when every LINEAR is q8: one sequence may then decode through the executor's own
         one-token path (and greedy through its lm_head screen) with the same numerics as here."""
-        return self.linear_kinds <= {K.WEIGHT_Q8}
+        return self.linear_kinds <= {P.WEIGHT_Q8}
 
     def _segments(self, start: int, end: int) -> list:
         ex, out, a = self.ex, [], start
         I = ex.I
         for r in range(start, end):
-            op = int(I[r, 0])
+            op = int(I[r, P.COL_OP])
             if r in ex.external:
                 special = ("external", r)
             elif r in ex.plugin_ops:
                 special = ("plugin", r)
-            elif op == K.OP_LINEAR:
+            elif op == P.OP_LINEAR:
                 special = ("linear", r)
             elif op in PER_SEQUENCE_OPS:
                 if out and out[-1][0] == "seq" and out[-1][2] == r and a == r:
@@ -199,7 +217,7 @@ class BatchDecoder:
         for seg in segments:
             a, b = (seg[1], seg[1] + 1) if seg[0] == "linear" else (seg[1], seg[2]) if len(seg) == 3 else (None, None)
             ok = seg[0] in ("serial", "seq") or (
-                seg[0] == "linear" and int(self.ex.I[seg[1], 9]) in (K.WEIGHT_Q8, K.WEIGHT_F32))
+                seg[0] == "linear" and int(self.ex.I[seg[1], P.LINEAR_KIND]) in (P.WEIGHT_Q8, P.WEIGHT_F32))
             if ok and out and out[-1][0] == "fused" and out[-1][2] == a:
                 out[-1] = ("fused", out[-1][1], b)
             elif ok:
@@ -212,7 +230,7 @@ class BatchDecoder:
         """[a, b) as runs of SERIAL_ROW_OPS ("serial") and of other row-wise ops ("rows")."""
         out = []
         for r in range(a, b):
-            kind = "serial" if int(self.ex.I[r, 0]) in SERIAL_ROW_OPS else "rows"
+            kind = "serial" if int(self.ex.I[r, P.COL_OP]) in SERIAL_ROW_OPS else "rows"
             if out and out[-1][0] == kind:
                 out[-1] = (kind, out[-1][1], r + 1)
             else:
@@ -268,16 +286,16 @@ class BatchDecoder:
 
     def _linear(self, r: int, T: int):
         ex = self.ex
-        x_off, x_st, o_off, o_st, Kd, N, kind, w_off, s_off, Kp, b_off = (int(v) for v in ex.I[r, 3:14])
+        x_off, x_st, o_off, o_st, Kd, N, kind, w_off, s_off, Kp, b_off = P.linear_operands(ex.I[r])
         x = ex.arena[x_off: x_off + T * x_st].reshape(T, x_st)[:, :Kd]
         out = ex.arena[o_off: o_off + T * o_st].reshape(T, o_st)[:, :N]
-        if kind == K.WEIGHT_Q8:
+        if kind == P.WEIGHT_Q8:
             w = ex.wq[w_off: w_off + N * Kp].reshape(N, Kp)
             s = ex.ws[s_off: s_off + N * (Kp // 32)].reshape(N, Kp // 32)
             linear_rows_q8(x, w, s, out, self.xq[:, :Kp], self.xs[:, :Kp // 32])
-        elif kind == K.WEIGHT_F32:
+        elif kind == P.WEIGHT_F32:
             linear_rows_f32(x, ex.wf[w_off: w_off + N * Kd].reshape(N, Kd), out)
-        elif kind == K.WEIGHT_BLOCKS:
+        elif kind == P.WEIGHT_BLOCKS:
             # raw ggml blocks: each row through the one-token decode's own matvec (int8
             # activations per 32, one pass), so every row equals a lone decode bit for bit; the
             # weights are read once per row (no shared pass over them yet)
@@ -298,10 +316,10 @@ class BatchDecoder:
         I, F = ex.I[r], ex.F[r]
         slots, rows0, nrows, _ = seqs
         for s in range(len(slots)):
-            args = [int(v) for v in I[3:23]]
-            for off_col, st_col in _GD_ROW_OPERANDS:
-                args[off_col - 3] += int(rows0[s]) * args[st_col - 3]
-            fn(ex.arena, states[slots[s]], ex.wf, *args, float(F[0]), int(nrows[s]))
+            cols = {c: int(I[c]) for c in P.GATED_DELTA_KERNEL_COLUMNS}     # in the kernel's argument order
+            for off_col, st_col in P.GATED_DELTA_ROW_OPERANDS:              # moved to the sequence's first row
+                cols[off_col] += int(rows0[s]) * cols[st_col]
+            fn(ex.arena, states[slots[s]], ex.wf, *cols.values(), float(F[P.F_GATED_DELTA_EPS]), int(nrows[s]))
 
     def _plugin(self, r: int, seqs):
         ex = self.ex

@@ -356,7 +356,7 @@ def decode_weight_spans(program) -> list:
     and biases, adjacent ranges merged (so the read below streams as decode does, in long runs).
     The embedding row and the norm vectors are left out (a few KB). With a head screen, greedy
     decoding reads the screen instead of the lm_head (plus a few exact rows, left out too)."""
-    from .kernels import interpreter as K
+    from .kernels import program_table as P
     a = program.arrays
     I = a["I"]
     ranges: dict[str, list] = {"wq": [], "ws": [], "wf": []}
@@ -366,14 +366,15 @@ def decode_weight_spans(program) -> list:
         ranges["wq"].append((screen["q_off"], screen["q_off"] + N * screen["q_cols"]))
         ranges["ws"].append((screen["s_off"], screen["s_off"] + N * screen["s_cols"]))
         ranges["wf"].append((screen["b_off"], screen["b_off"] + 3 * N))
-    for r in np.nonzero(I[:, 0] == K.OP_LINEAR)[0]:
+    for r in np.nonzero(I[:, P.COL_OP] == P.OP_LINEAR)[0]:
         if screen and r == screen["row"]:
             continue
-        Kd, N, kind, w_off, s_off, Kp, b_off = (int(v) for v in I[r, 7:14])
-        if kind == K.WEIGHT_Q8:
+        lin = P.linear_operands(I[r])
+        Kd, N, kind, w_off, s_off, Kp, b_off = lin.k, lin.n, lin.kind, lin.w_off, lin.s_off, lin.kp, lin.bias_off
+        if kind == P.WEIGHT_Q8:
             ranges["wq"].append((w_off, w_off + N * Kp))
             ranges["ws"].append((s_off, s_off + N * (Kp // 32)))
-        elif kind == K.WEIGHT_BLOCKS:               # raw ggml blocks in wq's bytes; s_off: ggml type
+        elif kind == P.WEIGHT_BLOCKS:               # raw ggml blocks in wq's bytes; s_off: ggml type
             from .kernels.gguf_blocks import block_format
             ranges["wq"].append((w_off, w_off + N * block_format(s_off).row_bytes(Kp)))
         else:

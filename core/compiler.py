@@ -3,18 +3,26 @@
 The program is plain arrays plus a JSON-able ``meta`` dict, so the execution cache stores it
 without pickle (cpullm.cache_format) and maps it back.
 
-Passes:
-1. fuse   LINEAR nodes of one section that read the same value become one matrix (q/k/v,
-          gate/up, Gated DeltaNet input projections); each member's output is a column view.
-2. pack   weights into flat blobs: ``wq`` int8 + ``ws`` binary16 scales (q8, block 32) or ``wf``
-          float32; one copy per tensor identity (source, transform, rows: ``ResolvedWeights.identity``),
-          so tied tensors are packed once (embedding and lm_head share one matrix) while two
-          canonical tensors read from one stored tensor with different transforms stay apart.
-          ``meta["weight_slots"]`` says where each canonical tensor went (the conformance kit
-          reads the program back against the weight map).
-3. plan   arena offsets by liveness (first fit); state regions for KV caches (full or ring) and
-          linear-attention states.
-4. emit   the instruction table (see cpullm.kernels.interpreter for the column layout).
+Passes, in the order :func:`compile_graph` runs them:
+1. fuse   (_fuse_linears) LINEAR nodes of one section that read the same value become one
+          matrix (q/k/v, gate/up, Gated DeltaNet input projections); each member's output is a
+          column view.
+2. layout (_value_layout) every value resolves to a base buffer and a column in it.
+3. plan   (_plan_arena) arena offsets by liveness, first fit.
+4. emit   (_Emitter) one row of the instruction table per physical op (columns:
+          cpullm.kernels.program_table). Each row packs its op's weights (_WeightPacker) and
+          places its state (_StatePlan: KV caches, full or ring, and linear-attention states) as
+          it is written, so blobs and state follow the program's order. Weights go into flat
+          blobs: ``wq`` int8 + ``ws`` binary16 scales (q8, block 32; or raw ggml blocks) or
+          ``wf`` float32; one copy per tensor identity (source, transform, rows:
+          ``ResolvedWeights.identity``), so tied tensors are packed once (embedding and lm_head
+          share one matrix) while two canonical tensors read from one stored tensor with
+          different transforms stay apart. ``meta["weight_slots"]`` says where each canonical
+          tensor went (the conformance kit reads the program back against the weight map).
+5. assemble (_assemble) the tables, the built blobs and the meta the executor reads.
+
+The greedy lm_head screen is added afterwards by :func:`attach_head_screen` (the caller's step:
+its calibration runs the compiled program).
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ import attrs
 import numpy as np
 
 from .ir import Graph, GraphError, Node, Op, VIEW_OPS, _plain_attrs, _plugin_spec
+from .kernels import program_table as P
 from .quant_blocks import BLOCK_QUANTS, BlockPlan, pack_blocks, q8_0_as_q8
 
 QUANT_MODES = ("int8", "f32", "q4", "gguf")     # q4 / gguf: raw ggml blocks (cpullm.quant_blocks)
@@ -206,34 +215,71 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
     (``<name>.bin``) and mapped back (cpullm.filearrays), instead of joined in memory: the build
     then holds one row block of a matrix at a time, not the model.
     """
-    from .kernels import interpreter as K
-    from .kernels.attention import padded_cap
     from .kernels.q8 import quantize_weight_q8
 
+    _check_quant(quant)
+    block_plan = _block_plan(graph, weights, quant)
+    phys, views = _fuse_linears(graph, block_plan.fmt if block_plan else None)            # 1. fuse
+    layout = _value_layout(graph, phys, views)                                             # 2. layout
+    order = [p for p in phys if p.nodes[0].op not in VIEW_OPS]     # the ops that get a row
+    _plan_arena(graph, order, layout, max_chunk)                                           # 3. plan
+    packer = _WeightPacker(weights, quant, block_plan, quantize or quantize_weight_q8, workdir, progress)
+    emitter = _Emitter(layout, packer, weights, kernels or [], n_ctx=n_ctx, max_chunk=max_chunk)
+    for p in order:                                                                        # 4. emit
+        emitter.emit(p)
+    return _assemble(graph, layout, packer, emitter, quant=quant, n_ctx=n_ctx, max_chunk=max_chunk)  # 5.
+
+
+def _check_quant(quant: str) -> None:
+    """Reject a quant mode the compiler does not know."""
     if quant not in QUANT_MODES:
         from .errors import ConfigError
         raise ConfigError(f"quant must be one of {', '.join(QUANT_MODES)}, not {quant!r}")
-    quantize = quantize or quantize_weight_q8
-    kernels = kernels or []
-    block_plan = _block_plan(graph, weights, quant)
-    phys, views = _fuse_linears(graph, block_plan.fmt if block_plan else None)
-    nodes_by_out = {n.output: n for n in graph.nodes}
 
-    # ---- value layout: base buffer + column offset; views resolve to their base --------------
-    def base_of(value: str) -> tuple[str, int]:
-        if value in views:
-            return views[value]
-        n = nodes_by_out.get(value)
+
+@attrs.define
+class _Layout:
+    """Where every value lives: its base buffer (a physical op's output) plus a column offset, and
+    each base buffer's width, section and arena offset (filled by :func:`_plan_arena`)."""
+
+    views: dict             # fused member output -> (fused output, column start)
+    nodes_by_out: dict      # value -> the IR node writing it
+    widths: dict            # base buffer -> row width (floats)
+    section_of: dict        # base buffer -> "body" | "head"
+    offsets: dict = attrs.Factory(dict)     # base buffer -> arena offset (floats)
+    arena_size: int = 0
+
+    def base_of(self, value: str) -> tuple[str, int]:
+        """(base buffer, column offset) of ``value``: views resolve to what they view."""
+        if value in self.views:
+            return self.views[value]
+        n = self.nodes_by_out.get(value)
         if n is not None and n.op in VIEW_OPS:
-            b, c = base_of(n.inputs[0])
+            b, c = self.base_of(n.inputs[0])
             return b, c + n.attr("start")
         return value, 0
 
-    widths = {p.output: p.width for p in phys if p.nodes[0].op not in VIEW_OPS}
-    section_of = {p.output: p.nodes[0].section for p in phys}
+    def loc(self, value: str) -> tuple[int, int]:
+        """(arena offset, row stride) of ``value``."""
+        b, c = self.base_of(value)
+        return self.offsets[b] + c, self.widths[b]
 
-    # ---- liveness over physical ops (views keep their base alive) ----------------------------
-    order = [p for p in phys if p.nodes[0].op not in VIEW_OPS]
+    def rows(self, base: str, max_chunk: int) -> int:
+        """Rows a base buffer holds: a prefill chunk in the body, HEAD_ROWS in the head."""
+        return max_chunk if self.section_of[base] == "body" else HEAD_ROWS
+
+
+def _value_layout(graph: Graph, phys: list[_Phys], views: dict) -> _Layout:
+    """Resolve values to base buffers: one per physical op that is not a view."""
+    return _Layout(views=views, nodes_by_out={n.output: n for n in graph.nodes},
+                   widths={p.output: p.width for p in phys if p.nodes[0].op not in VIEW_OPS},
+                   section_of={p.output: p.nodes[0].section for p in phys})
+
+
+def _plan_arena(graph: Graph, order: list[_Phys], layout: _Layout, max_chunk: int) -> None:
+    """Place every base buffer in the arena, first fit, reusing a buffer's space after its last
+    reader (the hidden state and the logits stay live through the head, which re-reads hidden)."""
+    base_of = layout.base_of
     last_use: dict[str, int] = {}
     for idx, p in enumerate(order):
         for m in p.nodes:
@@ -244,10 +290,9 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
     last_use[hidden_base] = head_end            # the head re-reads hidden for each row group
     last_use[base_of(graph.output)[0]] = head_end
 
-    offsets, free, arena_size = {}, [], 0       # free: list of (offset, size)
+    offsets, free, arena_size = layout.offsets, [], 0       # free: list of (offset, size)
     for idx, p in enumerate(order):
-        rows = max_chunk if section_of[p.output] == "body" else HEAD_ROWS
-        size = _align(rows * widths[p.output], 64)
+        size = _align(layout.rows(p.output, max_chunk) * layout.widths[p.output], 64)
         spot = None
         for j, (off, sz) in enumerate(free):
             if sz >= size:
@@ -264,202 +309,283 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
             for inp in m.inputs:
                 b = base_of(inp)[0]
                 if last_use.get(b) == idx and b in offsets and b not in (hidden_base,):
-                    free.append((offsets[b], _align((max_chunk if section_of[b] == "body" else HEAD_ROWS) * widths[b], 64)))
+                    free.append((offsets[b], _align(layout.rows(b, max_chunk) * layout.widths[b], 64)))
                     last_use[b] = -1
         free.sort()
         free = _merge(free)
+    layout.arena_size = arena_size
 
-    def loc(value: str) -> tuple[int, int]:
-        b, c = base_of(value)
-        return offsets[b] + c, widths[b]
 
-    # ---- weights ---------------------------------------------------------------------------
-    wq, ws, wf = (_new_blob(workdir, name, dtype)
-                  for name, dtype in (("wq", np.int8), ("ws", np.uint16), ("wf", np.float32)))
-    scratch = _Scratch()
-    packed: dict[tuple, tuple] = {}    # (identities, kind) -> (kind, w_off, s_off, Kp, rows)
-    block_bytes: dict[str, int] = {}    # block format -> bytes of raw-block matrices
-    fparams: dict = {}                  # identity -> (wf offset, size)
-    # canonical -> [kind "f32" | "q8", offset, size, row length, scale offset or -1]: where each
-    # matrix and float parameter went (meta["weight_slots"], read back by the conformance kit)
-    slots: dict[str, list] = {}
-    identity = getattr(weights, "identity", weights.source_of)
+class _WeightPacker:
+    """Packs weights into the flat blobs ``wq`` (int8 / raw block bytes), ``ws`` (binary16 scales)
+    and ``wf`` (float32), one copy per tensor identity, and records where each canonical tensor
+    went (``meta["weight_slots"]``)."""
 
-    def f32_param(canonical: str) -> int:
-        key = identity(canonical) if canonical in weights else canonical
-        if key not in fparams:
+    def __init__(self, weights, quant: str, block_plan, quantize: Callable, workdir, progress):
+        self.weights, self.quant, self.block_plan = weights, quant, block_plan
+        self.quantize, self.progress = quantize, progress
+        self.wq, self.ws, self.wf = (_new_blob(workdir, name, dtype)
+                                     for name, dtype in (("wq", np.int8), ("ws", np.uint16), ("wf", np.float32)))
+        self.scratch = _Scratch()
+        self.packed: dict[tuple, tuple] = {}    # (identities, kind) -> (kind, w_off, s_off, Kp, rows)
+        self.block_bytes: dict[str, int] = {}   # block format -> bytes of raw-block matrices
+        self.fparams: dict = {}                 # identity -> (wf offset, size)
+        # canonical -> [kind "f32" | "q8", offset, size, row length, scale offset or -1]: where
+        # each matrix and float parameter went (read back by the conformance kit)
+        self.slots: dict[str, list] = {}
+        self.identity = getattr(weights, "identity", weights.source_of)
+
+    def f32_param(self, canonical: str) -> int:
+        """wf offset of a float32 parameter (norm weight, bias, ...), packed once per identity."""
+        weights = self.weights
+        key = self.identity(canonical) if canonical in weights else canonical
+        if key not in self.fparams:
             arr = weights.get(canonical)
-            fparams[key] = (wf.add(arr), int(arr.size))
-        off, size = fparams[key]
-        slots.setdefault(canonical, ["f32", off, size, size, -1])
+            self.fparams[key] = (self.wf.add(arr), int(arr.size))
+        off, size = self.fparams[key]
+        self.slots.setdefault(canonical, ["f32", off, size, size, -1])
         return off
 
-    def pack_matrix(canonicals: list[str], node: Node | None = None) -> tuple:
+    def matrix(self, canonicals: list[str], node: Node | None = None) -> tuple:
+        """(kind, w_off, s_off, Kp, rows) of the row-stacked matrix of ``canonicals``, in the
+        weight mode of ``node`` (its precision, else the quant mode)."""
+        quant, block_plan = self.quant, self.block_plan
         mode = _precision(node, quant) if node is not None else quant
         fmt = block_plan.fmt(node) if block_plan and node is not None and mode == quant else None
         if mode in BLOCK_QUANTS:
             mode = f"blocks:{fmt}" if fmt else "int8"
-        key = (tuple(identity(c) for c in canonicals), mode)
-        if key not in packed:
-            packed[key] = _pack_blocks(canonicals, fmt) if fmt else _pack(canonicals, mode)
-            if progress:
-                progress(canonicals[0])
-        kind, w_off, s_off, Kp, _ = packed[key]
-        if kind == K.WEIGHT_BLOCKS:
-            _block_slots(slots, weights, canonicals, fmt, w_off, Kp)
-            return packed[key]
+        key = (tuple(self.identity(c) for c in canonicals), mode)
+        if key not in self.packed:
+            self.packed[key] = self._pack_blocks(canonicals, fmt) if fmt else self._pack(canonicals, mode)
+            if self.progress:
+                self.progress(canonicals[0])
+        kind, w_off, s_off, Kp, _ = self.packed[key]
+        if kind == P.WEIGHT_BLOCKS:
+            _block_slots(self.slots, self.weights, canonicals, fmt, w_off, Kp)
+            return self.packed[key]
         r0 = 0
         for c in canonicals:                # member rows of a fused matrix, for the weight slots
-            n = weights.shape(c)[0]
-            slots.setdefault(c, ["q8" if kind == K.WEIGHT_Q8 else "f32", w_off + r0 * Kp, n * Kp, Kp,
-                                 s_off + r0 * (Kp // 32) if kind == K.WEIGHT_Q8 else -1])
+            n = self.weights.shape(c)[0]
+            self.slots.setdefault(c, ["q8" if kind == P.WEIGHT_Q8 else "f32", w_off + r0 * Kp, n * Kp, Kp,
+                                      s_off + r0 * (Kp // 32) if kind == P.WEIGHT_Q8 else -1])
             r0 += n
-        return packed[key]
+        return self.packed[key]
 
-    def _pack_blocks(canonicals: list[str], fmt: str) -> tuple:
+    def bias(self, nodes: list[Node]) -> int:
+        """wf offset of the fused bias of LINEAR ``nodes`` (zeros for a member without one), or
+        -1 when none has a bias."""
+        if not any(m.weight("bias") for m in nodes):
+            return -1
+        bias = np.concatenate([self.weights.get(m.weight("bias")) if m.weight("bias")
+                               else np.zeros(m.width, np.float32) for m in nodes])
+        return self.wf.add(bias)
+
+    def _pack_blocks(self, canonicals: list[str], fmt: str) -> tuple:
         from .kernels.gguf_blocks import block_format
-        data, Kp = pack_blocks(weights, canonicals, fmt, quant, scratch)      # uint8 (N, row bytes)
-        block_bytes[fmt] = block_bytes.get(fmt, 0) + int(data.size)
+        data, Kp = pack_blocks(self.weights, canonicals, fmt, self.quant, self.scratch)   # uint8 (N, row bytes)
+        self.block_bytes[fmt] = self.block_bytes.get(fmt, 0) + int(data.size)
         as_q8 = q8_0_as_q8(data, Kp) if fmt == "Q8_0" else None
         if as_q8 is not None:               # Q8_0 is q8 interleaved: the q8 kernels, same values
-            return K.WEIGHT_Q8, wq.add(as_q8[0]), ws.add(as_q8[1]), Kp, data.shape[0]
-        return K.WEIGHT_BLOCKS, wq.add(data.view(np.int8)), block_format(fmt).ggml_type, Kp, data.shape[0]
+            return P.WEIGHT_Q8, self.wq.add(as_q8[0]), self.ws.add(as_q8[1]), Kp, data.shape[0]
+        return P.WEIGHT_BLOCKS, self.wq.add(data.view(np.int8)), block_format(fmt).ggml_type, Kp, data.shape[0]
 
-    def _pack(canonicals: list[str], mode: str) -> tuple:
+    def _pack(self, canonicals: list[str], mode: str) -> tuple:
         if mode == "int8":                 # row blocks of float32 only live until quantized
-            w_off, s_off, Kp, n = _pack_q8_rows(weights, canonicals, quantize, wq, ws, scratch)
-            return K.WEIGHT_Q8, w_off, s_off, Kp, n
-        mats = [weights.get(c) for c in canonicals]
+            w_off, s_off, Kp, n = _pack_q8_rows(self.weights, canonicals, self.quantize, self.wq, self.ws,
+                                                self.scratch)
+            return P.WEIGHT_Q8, w_off, s_off, Kp, n
+        mats = [self.weights.get(c) for c in canonicals]
         mat = mats[0] if len(mats) == 1 else np.concatenate(mats, axis=0)
-        return K.WEIGHT_F32, wf.add(mat), -1, mat.shape[1], mat.shape[0]
+        return P.WEIGHT_F32, self.wf.add(mat), -1, mat.shape[1], mat.shape[0]
 
-    # ---- state -------------------------------------------------------------------------------
-    state_regions, state_size = [], 0
 
-    def add_state(node: Node, floats: int, kind: str, **info) -> int:
-        nonlocal state_size
-        off = state_size
-        state_size = _align(state_size + floats, 64)
-        state_regions.append({"node": node.name, "kind": kind, "offset": off, "floats": floats, **info})
+class _StatePlan:
+    """The ``state`` array's regions: KV caches and linear-attention states, one per node."""
+
+    def __init__(self):
+        self.regions: list[dict] = []
+        self.size = 0
+
+    def add(self, node: Node, floats: int, kind: str, **info) -> int:
+        """Offset of a new region of ``floats`` for ``node`` (64-float aligned)."""
+        off = self.size
+        self.size = _align(self.size + floats, 64)
+        self.regions.append({"node": node.name, "kind": kind, "offset": off, "floats": floats, **info})
         return off
 
-    # ---- emit ------------------------------------------------------------------------------
-    rows_I, rows_F, names, groups, external, plugin_calls = [], [], [], [], {}, {}
-    max_k, embed_rows = 32, 0
-    for p in order:
-        n = p.nodes[0]
-        Ir = np.full(K.NI, -1, np.int64)
-        Fr = np.zeros(K.NF, np.float64)
-        Ir[0], Ir[1], Ir[2] = int(n.op), 0, 0 if n.section == "body" else 1
-        out_off, out_st = loc(p.output)
-        if n.op == Op.LINEAR:
-            x_off, x_st = loc(n.inputs[0])
-            Kdim = nodes_by_out[n.inputs[0]].width
-            kind, w_off, s_off, Kp, _ = pack_matrix([m.weight("weight") for m in p.nodes], n)
-            bias_off = -1
-            if any(m.weight("bias") for m in p.nodes):
-                bias = np.concatenate([weights.get(m.weight("bias")) if m.weight("bias")
-                                       else np.zeros(m.width, np.float32) for m in p.nodes])
-                bias_off = wf.add(bias)
-            Ir[3:14] = [x_off, x_st, out_off, out_st, Kdim, p.width, kind, w_off, s_off, Kp, bias_off]
-            max_k = max(max_k, Kp)
-        elif n.op == Op.EMBED:
-            kind, w_off, s_off, Kp, embed_rows = pack_matrix([n.weight("table")], n)
-            Ir[3:10] = [out_off, out_st, n.width, kind, w_off, s_off, Kp]
-            Fr[0] = n.attr("scale", 1.0)
-        elif n.op == Op.RMSNORM:
-            x_off, x_st = loc(n.inputs[0])
-            Ir[3:10] = [x_off, x_st, out_off, out_st, n.width, n.attr("group_size"), f32_param(n.weight("weight"))]
-            Fr[0] = n.attr("eps")
-        elif n.op == Op.LAYERNORM:
-            x_off, x_st = loc(n.inputs[0])
-            bias = n.weight("bias")
-            Ir[3:11] = [x_off, x_st, out_off, out_st, n.width, n.attr("group_size"),
-                        f32_param(n.weight("weight")), f32_param(bias) if bias else -1]
-            Fr[0] = n.attr("eps")
-        elif n.op == Op.ROPE:
-            x_off, x_st = loc(n.inputs[0])
-            inv, scaling = _rope_freqs(n, n_ctx)
-            Ir[3:11] = [x_off, x_st, out_off, out_st, n.attr("n_heads"), n.attr("head_dim"),
-                        n.attr("rotary_dim"), wf.add(inv)]
-            Fr[0] = scaling
-        elif n.op == Op.ATTENTION:
-            (q_off, q_st), (k_off, k_st), (v_off, v_st) = (loc(i) for i in n.inputs)
-            nkv, hd, window = n.attr("n_kv_heads"), n.attr("head_dim"), n.attr("window")
-            cap = padded_cap(n_ctx if not window else min(n_ctx, window + max_chunk))   # whole key tiles
-            c_off = add_state(n, 2 * nkv * cap * hd, "kv", cap=cap, n_kv_heads=nkv, head_dim=hd,
-                              window=window, layer=n.attr("layer"))
-            Ir[3:16] = [q_off, q_st, k_off, k_st, v_off, v_st, out_off, out_st, n.attr("n_heads"),
-                        nkv, hd, c_off, cap]
-            Fr[0:3] = [n.attr("scale"), n.attr("softcap"), window]
-        elif n.op == Op.GLU:
-            (g_off, g_st), (u_off, u_st) = (loc(i) for i in n.inputs)
-            act = {"silu": 0, "gelu_tanh": 1}[n.attr("act")]
-            Ir[3:11] = [g_off, g_st, u_off, u_st, out_off, out_st, n.width, act]
-        elif n.op in (Op.ADD, Op.SIGMOID_MUL):
-            (a_off, a_st), (b_off, b_st) = (loc(i) for i in n.inputs)
-            Ir[3:10] = [a_off, a_st, b_off, b_st, out_off, out_st, n.width]
-        elif n.op in (Op.SOFTCAP, Op.SCALE):
-            x_off, x_st = loc(n.inputs[0])
-            Ir[3:8] = [x_off, x_st, out_off, out_st, n.width]
-            Fr[0] = n.attr("cap") if n.op == Op.SOFTCAP else n.attr("scale")
-        elif n.op == Op.SELECT_ROWS:
-            x_off, x_st = loc(n.inputs[0])
-            Ir[3:8] = [x_off, x_st, out_off, out_st, n.width]
-        elif n.op == Op.GATED_DELTA:
-            locs = [loc(i) for i in n.inputs]
-            nk, dk, nv, dv, ck = (n.attr(a) for a in ("n_k_heads", "k_head_dim", "n_v_heads", "v_head_dim", "conv_kernel"))
-            conv = weights.get(n.weight("conv")).reshape(2 * nk * dk + nv * dv, ck)
-            from .kernels.gated_delta import state_size as gd_state
-            s_off = add_state(n, gd_state(nk, dk, nv, dv, ck), "linear", layer=n.attr("layer"))
-            Ir[3:23] = [*locs[0], *locs[1], *locs[2], *locs[3], out_off, out_st, nk, dk, nv, dv, ck,
-                        wf.add(conv), f32_param(n.weight("dt_bias")), f32_param(n.weight("A_log")),
-                        f32_param(n.weight("norm")), s_off]
-            Fr[0] = n.attr("eps")
-        elif n.op == Op.PLUGIN:
-            plugin_calls[str(len(rows_I))] = _plugin_call(n, loc, nodes_by_out, weights, f32_param,
-                                                         (out_off, out_st))
-            Ir[1] = 2
-        else:
-            raise GraphError(f"{n.name}: the compiler has no emitter for op {n.op.name}")
-        for spec in kernels:
-            if int(spec.op) == int(n.op) and spec.supports(n):
-                Ir[1] = 1
-                external[len(rows_I)] = spec.name
-                break
-        rows_I.append(Ir)
-        rows_F.append(Fr)
-        names.append(p.output)
-        groups.append(n.group or n.op.name.lower())
 
-    logits_off, _ = loc(graph.output)
-    hidden_off, hidden_st = loc(graph.hidden)
-    first_head = next(i for i, row in enumerate(rows_I) if row[2] == 1)
+class _Emitter:
+    """Writes the instruction table, one row per physical op (columns: cpullm.kernels.program_table),
+    packing each op's weights and placing its state as it goes, so blobs and state follow the
+    program's order."""
+
+    def __init__(self, layout: _Layout, packer: _WeightPacker, weights, kernels: list, *, n_ctx: int,
+                 max_chunk: int):
+        self.layout, self.packer, self.weights, self.kernels = layout, packer, weights, kernels
+        self.n_ctx, self.max_chunk = n_ctx, max_chunk
+        self.states = _StatePlan()
+        self.rows_I, self.rows_F, self.names, self.groups = [], [], [], []
+        self.external: dict[int, str] = {}       # row -> KernelSpec name replacing its kernel
+        self.plugin_calls: dict[str, dict] = {}  # row -> how the executor calls a plugin op
+        self.max_k, self.embed_rows = 32, 0
+
+    def emit(self, p: _Phys) -> None:
+        """Append the row of physical op ``p``."""
+        n = p.nodes[0]
+        method = _EMITTERS.get(n.op)
+        if method is None:
+            raise GraphError(f"{n.name}: the compiler has no emitter for op {n.op.name}")
+        Ir = np.full(P.NI, -1, np.int64)
+        Fr = np.zeros(P.NF, np.float64)
+        _fill(Ir, {P.COL_OP: int(n.op), P.COL_IMPL: P.IMPL_INTERPRETER,
+                   P.COL_SECTION: P.SECTION_BODY if n.section == "body" else P.SECTION_HEAD})
+        getattr(self, method)(p, n, Ir, Fr, *self.layout.loc(p.output))
+        for spec in self.kernels:
+            if int(spec.op) == int(n.op) and spec.supports(n):
+                Ir[P.COL_IMPL] = P.IMPL_EXTERNAL
+                self.external[len(self.rows_I)] = spec.name
+                break
+        self.rows_I.append(Ir)
+        self.rows_F.append(Fr)
+        self.names.append(p.output)
+        self.groups.append(n.group or n.op.name.lower())
+
+    # One method per column layout: (physical op, its first node, its I row, its F row, output offset, stride).
+    def linear(self, phys, n, Ir, Fr, out_off, out_st):
+        x_off, x_st = self.layout.loc(n.inputs[0])
+        Kdim = self.layout.nodes_by_out[n.inputs[0]].width
+        kind, w_off, s_off, Kp, _ = self.packer.matrix([m.weight("weight") for m in phys.nodes], n)
+        bias_off = self.packer.bias(phys.nodes)
+        _fill(Ir, {P.LINEAR_X_OFF: x_off, P.LINEAR_X_ST: x_st, P.LINEAR_OUT_OFF: out_off,
+                   P.LINEAR_OUT_ST: out_st, P.LINEAR_K: Kdim, P.LINEAR_N: phys.width, P.LINEAR_KIND: kind,
+                   P.LINEAR_W_OFF: w_off, P.LINEAR_S_OFF: s_off, P.LINEAR_KP: Kp, P.LINEAR_BIAS_OFF: bias_off})
+        self.max_k = max(self.max_k, Kp)
+
+    def embed(self, phys, n, Ir, Fr, out_off, out_st):
+        kind, w_off, s_off, Kp, self.embed_rows = self.packer.matrix([n.weight("table")], n)
+        _fill(Ir, {P.EMBED_OUT_OFF: out_off, P.EMBED_OUT_ST: out_st, P.EMBED_WIDTH: n.width,
+                   P.EMBED_KIND: kind, P.EMBED_W_OFF: w_off, P.EMBED_S_OFF: s_off, P.EMBED_KP: Kp})
+        Fr[P.F_EMBED_SCALE] = n.attr("scale", 1.0)
+
+    def norm(self, phys, n, Ir, Fr, out_off, out_st):
+        x_off, x_st = self.layout.loc(n.inputs[0])
+        _fill(Ir, {P.NORM_X_OFF: x_off, P.NORM_X_ST: x_st, P.NORM_OUT_OFF: out_off, P.NORM_OUT_ST: out_st,
+                   P.NORM_WIDTH: n.width, P.NORM_GROUP: n.attr("group_size"),
+                   P.NORM_W_OFF: self.packer.f32_param(n.weight("weight"))})
+        if n.op == Op.LAYERNORM:
+            bias = n.weight("bias")
+            Ir[P.NORM_BIAS_OFF] = self.packer.f32_param(bias) if bias else -1
+        Fr[P.F_NORM_EPS] = n.attr("eps")
+
+    def rope(self, phys, n, Ir, Fr, out_off, out_st):
+        x_off, x_st = self.layout.loc(n.inputs[0])
+        inv, scaling = _rope_freqs(n, self.n_ctx)
+        _fill(Ir, {P.ROPE_X_OFF: x_off, P.ROPE_X_ST: x_st, P.ROPE_OUT_OFF: out_off, P.ROPE_OUT_ST: out_st,
+                   P.ROPE_N_HEADS: n.attr("n_heads"), P.ROPE_HEAD_DIM: n.attr("head_dim"),
+                   P.ROPE_ROTARY_DIM: n.attr("rotary_dim"), P.ROPE_FREQ_OFF: self.packer.wf.add(inv)})
+        Fr[P.F_ROPE_SCALING] = scaling
+
+    def attention(self, phys, n, Ir, Fr, out_off, out_st):
+        from .kernels.attention import padded_cap
+        (q_off, q_st), (k_off, k_st), (v_off, v_st) = (self.layout.loc(i) for i in n.inputs)
+        nkv, hd, window = n.attr("n_kv_heads"), n.attr("head_dim"), n.attr("window")
+        n_ctx = self.n_ctx
+        cap = padded_cap(n_ctx if not window else min(n_ctx, window + self.max_chunk))   # whole key tiles
+        c_off = self.states.add(n, 2 * nkv * cap * hd, "kv", cap=cap, n_kv_heads=nkv, head_dim=hd,
+                                window=window, layer=n.attr("layer"))
+        _fill(Ir, {P.ATTENTION_Q_OFF: q_off, P.ATTENTION_Q_ST: q_st, P.ATTENTION_K_OFF: k_off,
+                   P.ATTENTION_K_ST: k_st, P.ATTENTION_V_OFF: v_off, P.ATTENTION_V_ST: v_st,
+                   P.ATTENTION_OUT_OFF: out_off, P.ATTENTION_OUT_ST: out_st,
+                   P.ATTENTION_N_HEADS: n.attr("n_heads"), P.ATTENTION_N_KV_HEADS: nkv,
+                   P.ATTENTION_HEAD_DIM: hd, P.ATTENTION_CACHE_OFF: c_off, P.ATTENTION_CAP: cap})
+        _fill(Fr, {P.F_ATTENTION_SCALE: n.attr("scale"), P.F_ATTENTION_SOFTCAP: n.attr("softcap"),
+                   P.F_ATTENTION_WINDOW: window})
+
+    def glu(self, phys, n, Ir, Fr, out_off, out_st):
+        (g_off, g_st), (u_off, u_st) = (self.layout.loc(i) for i in n.inputs)
+        act = {"silu": P.GLU_ACT_SILU, "gelu_tanh": P.GLU_ACT_GELU_TANH}[n.attr("act")]
+        _fill(Ir, {P.GLU_GATE_OFF: g_off, P.GLU_GATE_ST: g_st, P.GLU_UP_OFF: u_off, P.GLU_UP_ST: u_st,
+                   P.GLU_OUT_OFF: out_off, P.GLU_OUT_ST: out_st, P.GLU_WIDTH: n.width, P.GLU_ACT: act})
+
+    def binary(self, phys, n, Ir, Fr, out_off, out_st):
+        (a_off, a_st), (b_off, b_st) = (self.layout.loc(i) for i in n.inputs)
+        _fill(Ir, {P.BINARY_A_OFF: a_off, P.BINARY_A_ST: a_st, P.BINARY_B_OFF: b_off, P.BINARY_B_ST: b_st,
+                   P.BINARY_OUT_OFF: out_off, P.BINARY_OUT_ST: out_st, P.BINARY_WIDTH: n.width})
+
+    def unary(self, phys, n, Ir, Fr, out_off, out_st):
+        x_off, x_st = self.layout.loc(n.inputs[0])
+        _fill(Ir, {P.UNARY_X_OFF: x_off, P.UNARY_X_ST: x_st, P.UNARY_OUT_OFF: out_off,
+                   P.UNARY_OUT_ST: out_st, P.UNARY_WIDTH: n.width})
+        if n.op != Op.SELECT_ROWS:
+            Fr[P.F_UNARY_PARAM] = n.attr("cap") if n.op == Op.SOFTCAP else n.attr("scale")
+
+    def gated_delta(self, phys, n, Ir, Fr, out_off, out_st):
+        from .kernels.gated_delta import state_size
+        (qkv_off, qkv_st), (z_off, z_st), (b_off, b_st), (a_off, a_st) = (self.layout.loc(i) for i in n.inputs)
+        nk, dk, nv, dv, ck = (n.attr(a) for a in ("n_k_heads", "k_head_dim", "n_v_heads", "v_head_dim", "conv_kernel"))
+        conv = self.weights.get(n.weight("conv")).reshape(2 * nk * dk + nv * dv, ck)
+        s_off = self.states.add(n, state_size(nk, dk, nv, dv, ck), "linear", layer=n.attr("layer"))
+        f32_param = self.packer.f32_param
+        _fill(Ir, {P.GATED_DELTA_QKV_OFF: qkv_off, P.GATED_DELTA_QKV_ST: qkv_st,
+                   P.GATED_DELTA_Z_OFF: z_off, P.GATED_DELTA_Z_ST: z_st,
+                   P.GATED_DELTA_B_OFF: b_off, P.GATED_DELTA_B_ST: b_st,
+                   P.GATED_DELTA_A_OFF: a_off, P.GATED_DELTA_A_ST: a_st,
+                   P.GATED_DELTA_OUT_OFF: out_off, P.GATED_DELTA_OUT_ST: out_st,
+                   P.GATED_DELTA_NK: nk, P.GATED_DELTA_DK: dk, P.GATED_DELTA_NV: nv, P.GATED_DELTA_DV: dv,
+                   P.GATED_DELTA_CONV_K: ck, P.GATED_DELTA_CONV_W_OFF: self.packer.wf.add(conv),
+                   P.GATED_DELTA_DT_OFF: f32_param(n.weight("dt_bias")),
+                   P.GATED_DELTA_ALOG_OFF: f32_param(n.weight("A_log")),
+                   P.GATED_DELTA_NORM_OFF: f32_param(n.weight("norm")), P.GATED_DELTA_STATE_OFF: s_off})
+        Fr[P.F_GATED_DELTA_EPS] = n.attr("eps")
+
+    def plugin(self, phys, n, Ir, Fr, out_off, out_st):
+        self.plugin_calls[str(len(self.rows_I))] = _plugin_call(
+            n, self.layout.loc, self.layout.nodes_by_out, self.weights, self.packer.f32_param, (out_off, out_st))
+        Ir[P.COL_IMPL] = P.IMPL_PLUGIN_OP
+
+
+# IR op -> the _Emitter method writing its row (ops sharing a column layout share a method)
+_EMITTERS = {
+    Op.LINEAR: "linear", Op.EMBED: "embed", Op.RMSNORM: "norm", Op.LAYERNORM: "norm", Op.ROPE: "rope",
+    Op.ATTENTION: "attention", Op.GLU: "glu", Op.ADD: "binary", Op.SIGMOID_MUL: "binary",
+    Op.SOFTCAP: "unary", Op.SCALE: "unary", Op.SELECT_ROWS: "unary", Op.GATED_DELTA: "gated_delta",
+    Op.PLUGIN: "plugin",
+}
+
+
+def _assemble(graph: Graph, layout: _Layout, packer: _WeightPacker, emitter: _Emitter, *, quant: str,
+              n_ctx: int, max_chunk: int) -> Program:
+    """The Program: the emitted tables, the built blobs and the meta the executor reads."""
+    rows_I = emitter.rows_I
+    logits_off, _ = layout.loc(graph.output)
+    hidden_off, hidden_st = layout.loc(graph.hidden)
+    first_head = next(i for i, row in enumerate(rows_I) if row[P.COL_SECTION] == P.SECTION_HEAD)
+    nodes_by_out = layout.nodes_by_out
     meta = {
-        "names": names,
-        "groups": groups,
-        "external": {str(k): v for k, v in external.items()},
+        "names": emitter.names,
+        "groups": emitter.groups,
+        "external": {str(k): v for k, v in emitter.external.items()},
         "first_head": first_head,
         "logits_offset": logits_off,
         "vocab": nodes_by_out[graph.output].width,
         "hidden_offset": hidden_off,
         "hidden_width": nodes_by_out[graph.hidden].width,
-        "arena_floats": int(arena_size),
-        "state_floats": int(state_size),
-        "state_regions": state_regions,
+        "arena_floats": int(layout.arena_size),
+        "state_floats": int(emitter.states.size),
+        "state_regions": emitter.states.regions,
         "max_chunk": int(max_chunk),
         "head_rows": HEAD_ROWS,
         "n_ctx": int(n_ctx),
         "quant": quant,
-        "max_k": int(max_k),
-        "embed_rows": int(embed_rows),
-        "weight_slots": slots,
-        "plugin_ops": plugin_calls,
-        "block_bytes": block_bytes,
+        "max_k": int(emitter.max_k),
+        "embed_rows": int(emitter.embed_rows),
+        "weight_slots": packer.slots,
+        "plugin_ops": emitter.plugin_calls,
+        "block_bytes": packer.block_bytes,
     }
     arrays = {
-        "I": np.stack(rows_I), "F": np.stack(rows_F),
-        "wq": wq.build(), "ws": ws.build(), "wf": wf.build(),
+        "I": np.stack(rows_I), "F": np.stack(emitter.rows_F),
+        "wq": packer.wq.build(), "ws": packer.ws.build(), "wf": packer.wf.build(),
     }
     return Program(arrays=arrays, meta=meta)
 
@@ -469,14 +595,16 @@ def head_screen_row(program: Program) -> int | None:
     a q8 LINEAR of the head without bias or plugin kernel (its output is then the logits) of at
     least ``head_screen.MIN_LM_HEAD_BYTES``; else None."""
     from .kernels import head_screen
-    from .kernels import interpreter as K
     I = program.I
     r = len(I) - 1
-    if (I[r, 0] != K.OP_LINEAR or I[r, 1] != 0 or I[r, 2] != 1 or I[r, 9] != K.WEIGHT_Q8 or I[r, 13] >= 0
-            or int(I[r, 12]) > 32 * head_screen.MAX_BLOCKS or int(I[r, 12]) < 64):
+    if (I[r, P.COL_OP] != P.OP_LINEAR or I[r, P.COL_IMPL] != P.IMPL_INTERPRETER
+            or I[r, P.COL_SECTION] != P.SECTION_HEAD):
         return None
-    N, Kp = int(I[r, 8]), int(I[r, 12])
-    if N * (Kp + Kp // 16) < head_screen.MIN_LM_HEAD_BYTES:
+    lin = P.linear_operands(I[r])
+    if (lin.kind != P.WEIGHT_Q8 or lin.bias_off >= 0
+            or lin.kp > 32 * head_screen.MAX_BLOCKS or lin.kp < 64):
+        return None
+    if lin.n * (lin.kp + lin.kp // 16) < head_screen.MIN_LM_HEAD_BYTES:
         return None
     return r
 
@@ -494,7 +622,8 @@ def attach_head_screen(program: Program, calibration=None) -> Program:
     if r is None:
         return program
     a, I = program.arrays, program.I
-    Kdim, N, w_off, s_off, Kp, x_off = (int(I[r, c]) for c in (7, 8, 10, 11, 12, 3))
+    lin = P.linear_operands(I[r])
+    Kdim, N, w_off, s_off, Kp, x_off = lin.k, lin.n, lin.w_off, lin.s_off, lin.kp, lin.x_off
     w_q = a["wq"][w_off: w_off + N * Kp].reshape(N, Kp)
     w_s = a["ws"][s_off: s_off + N * (Kp // 32)].reshape(N, Kp // 32)
     x = calibration(program) if calibration is not None else None
@@ -503,9 +632,10 @@ def attach_head_screen(program: Program, calibration=None) -> Program:
         source = f"calibration ({len(x)} rows)"
     else:
         prev = r - 1
-        from .kernels import interpreter as K
-        if prev >= 0 and I[prev, 0] == K.OP_RMSNORM and int(I[prev, 5]) == x_off and int(I[prev, 7]) == Kdim:
-            importance = np.abs(a["wf"][int(I[prev, 9]): int(I[prev, 9]) + Kdim])
+        if (prev >= 0 and I[prev, P.COL_OP] == P.OP_RMSNORM and int(I[prev, P.NORM_OUT_OFF]) == x_off
+                and int(I[prev, P.NORM_WIDTH]) == Kdim):
+            norm_w = int(I[prev, P.NORM_W_OFF])
+            importance = np.abs(a["wf"][norm_w: norm_w + Kdim])
             source = "final norm weights"
         else:
             importance = np.ones(Kdim)
@@ -602,6 +732,13 @@ def _precision(node: Node, quant: str) -> str:
     if p not in PRECISIONS:
         raise GraphError(f"{node.name}: precision {p!r} is not one of {', '.join(PRECISIONS)}")
     return p
+
+
+def _fill(row: np.ndarray, columns: dict) -> None:
+    """Write ``{column: value}`` into one instruction's row of I or F (column names:
+    cpullm.kernels.program_table)."""
+    for column, value in columns.items():
+        row[column] = value
 
 
 def _merge(free: list) -> list:

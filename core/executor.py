@@ -17,6 +17,7 @@ import numpy as np
 from .compiler import Program
 from .errors import ContextOverflowError, PromptError
 from .kernels import interpreter as K
+from .kernels import program_table as P
 from .kernels.attention import TILE, kv_views
 from .kernels.head_screen import padded_blocks, screen_argmax
 from .kernels.q8 import matmul_f32
@@ -57,11 +58,11 @@ class Executor:
             raise PluginError(f"the program uses plugin kernels that are not installed: {sorted(missing)}; "
                               "install the plugin again or clear the cache (`cpullm cache clear`)")
         self.plugin_ops = _plugin_calls(self, m.get("plugin_ops") or {}, ops, op_impl)
-        self.linear_rows = np.nonzero(self.I[:, 0] == K.OP_LINEAR)[0]
+        self.linear_rows = np.nonzero(self.I[:, P.COL_OP] == P.OP_LINEAR)[0]
         # wq's bytes for raw-block (GGUF format) weights, else None: run() then has no such branch
         self.wb = _read_only(self.wq.view(np.uint8)) if _has_blocks(self.I) else None
         # the state again for GATED_DELTA instructions, else None: run() then has no such branch
-        self.linear_state = self.state if bool(np.any(self.I[:, 0] == K.OP_GATED_DELTA)) else None
+        self.linear_state = self.state if bool(np.any(self.I[:, P.COL_OP] == P.OP_GATED_DELTA)) else None
         self._decode_segments = self._segments(0, self.n_instr, batched=False)
         self._body_segments = self._segments(0, self.first_head, batched=True)
         self._head_segments = self._segments(self.first_head, self.n_instr, batched=True)
@@ -94,7 +95,7 @@ class Executor:
                 special = ("external", r)
             elif r in self.plugin_ops:
                 special = ("plugin", r, batched)
-            elif batched and self.I[r, 0] == K.OP_LINEAR:
+            elif batched and self.I[r, P.COL_OP] == P.OP_LINEAR:
                 special = ("linear", r)
             if special:
                 if a < r:
@@ -121,7 +122,7 @@ class Executor:
                 self._linear_batched(seg[1])
             elif seg[0] == "plugin":
                 r = seg[1]
-                pos0 = int(self.rt[1] + (self.rt[2] if self.I[r, 2] == 1 else 0))
+                pos0 = int(self.rt[1] + (self.rt[2] if self.I[r, P.COL_SECTION] == P.SECTION_HEAD else 0))
                 self.plugin_ops[r](self.arena, self._rows(r), pos0, seg[2])
             else:
                 self._external(seg[1])
@@ -134,19 +135,18 @@ class Executor:
               self.wq, self.ws, self.wf, self.xq, self.xs, self.linear_state, self.wb)
 
     def _rows(self, r: int) -> int:
-        return int(self.rt[0] if self.I[r, 2] == 0 else self.rt[3])
+        return int(self.rt[0] if self.I[r, P.COL_SECTION] == P.SECTION_BODY else self.rt[3])
 
     def _linear_batched(self, r: int):
-        I = self.I[r]
-        x_off, x_st, o_off, o_st, Kd, N, kind, w_off, s_off, Kp, b_off = (int(v) for v in I[3:14])
+        x_off, x_st, o_off, o_st, Kd, N, kind, w_off, s_off, Kp, b_off = P.linear_operands(self.I[r])
         T = self._rows(r)
         # row-strided views of the arena, written in place (the compiler never places an op's
         # output over its inputs): no (T, N) temporary, which for T = 512 costs page faults
         x = self.arena[x_off: x_off + T * x_st].reshape(T, x_st)[:, :Kd]
         out = self.arena[o_off: o_off + T * o_st].reshape(T, o_st)[:, :N]
-        if kind == K.WEIGHT_BLOCKS:
+        if kind == P.WEIGHT_BLOCKS:
             _matmul_blocks(self.wb, s_off, w_off, Kp, x, out)
-        elif kind == K.WEIGHT_Q8:
+        elif kind == P.WEIGHT_Q8:
             w = self.wq[w_off: w_off + N * Kp].reshape(N, Kp)
             s = self.ws[s_off: s_off + N * (Kp // 32)].reshape(N, Kp // 32)
             matmul_q8(x, w, s, out)
@@ -160,10 +160,11 @@ class Executor:
         fn = self.external[r]
         I, F = self.I[r], self.F[r]
         T = self._rows(r)
-        if I[0] == K.OP_GATED_DELTA:
-            fn(self.arena, self.state, self.wf, *(int(v) for v in I[3:23]), float(F[0]), T)
+        if I[P.COL_OP] == P.OP_GATED_DELTA:
+            fn(self.arena, self.state, self.wf, *(int(I[c]) for c in P.GATED_DELTA_KERNEL_COLUMNS),
+               float(F[P.F_GATED_DELTA_EPS]), T)
         else:  # pragma: no cover - guarded by EXTERNAL_SIGNATURES at compile time
-            raise RuntimeError(f"no external calling convention for opcode {I[0]}")
+            raise RuntimeError(f"no external calling convention for opcode {I[P.COL_OP]}")
 
     # ---- public -------------------------------------------------------------------------------
     def reset(self):
@@ -236,13 +237,14 @@ class Executor:
         """The lm_head's input rows (T, K) for ``ids`` (one prefill chunk at most) run as a fresh
         sequence, or None when the program does not end in a LINEAR. Resets the sequence after."""
         r = self.n_instr - 1
-        if self.I[r, 0] != K.OP_LINEAR or r < self.first_head:
+        if self.I[r, P.COL_OP] != P.OP_LINEAR or r < self.first_head:
             return None
         ids = np.asarray(ids, np.int64).reshape(-1)[: self.max_chunk]
         ids = ids[(ids >= 0) & (ids < self._embed_rows())]
         if ids.size == 0:
             return None
-        x_off, x_st, Kd = int(self.I[r, 3]), int(self.I[r, 4]), int(self.I[r, 7])
+        lin = P.linear_operands(self.I[r])
+        x_off, x_st, Kd = lin.x_off, lin.x_st, lin.k
         self.reset()
         T = ids.size
         self.tokens[:T] = ids
@@ -336,8 +338,8 @@ class _Screen:
 
     def __init__(self, ex: Executor, sc: dict):
         self.row = int(sc["row"])
-        I = ex.I[self.row]
-        x_off, Kd, N, w_off, s_off, Kp = (int(I[c]) for c in (3, 7, 8, 10, 11, 12))
+        lin = P.linear_operands(ex.I[self.row])
+        x_off, Kd, N, w_off, s_off, Kp = lin.x_off, lin.k, lin.n, lin.w_off, lin.s_off, lin.kp
         nb = Kp // 32
         self.segments = ex._segments(0, self.row, batched=False)
         self.args = (
@@ -456,9 +458,10 @@ def lazy_zeros(n: int) -> np.ndarray:
 
 
 def _has_blocks(I: np.ndarray) -> bool:
-    """True when a LINEAR (kind column 9) or EMBED (column 6) reads raw ggml blocks."""
-    return bool(np.any((I[:, 0] == K.OP_LINEAR) & (I[:, 9] == K.WEIGHT_BLOCKS))
-                or np.any((I[:, 0] == K.OP_EMBED) & (I[:, 6] == K.WEIGHT_BLOCKS)))
+    """True when a LINEAR or EMBED reads raw ggml blocks."""
+    op = I[:, P.COL_OP]
+    return bool(np.any((op == P.OP_LINEAR) & (I[:, P.LINEAR_KIND] == P.WEIGHT_BLOCKS))
+                or np.any((op == P.OP_EMBED) & (I[:, P.EMBED_KIND] == P.WEIGHT_BLOCKS)))
 
 
 def _matmul_blocks(wb: np.ndarray, fmt: int, w_off: int, Kp: int, x: np.ndarray, out: np.ndarray) -> None:

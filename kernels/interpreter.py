@@ -12,10 +12,8 @@ and ``F`` (float64, NF columns) over flat arrays:
 Decode runs the whole token (every layer and the head) in a single call of :func:`run`; prefill
 runs the non-matmul ops through the same function between batched matmuls done by the executor.
 
-Column layout of ``I`` (common): 0 opcode, 1 impl (0 = here, 1 = external kernel, 2 = a
-plugin op's kernels, called by the executor), 2 section
-(0 body: ``rt[0]`` rows; 1 head: ``rt[3]`` rows). The rest is per op, documented at each branch.
-``rt`` = [T, pos0, head_row0, head_rows, threads].
+The columns of ``I`` and ``F`` are named in :mod:`cpullm.kernels.program_table` (every reader
+indexes them by those names). ``rt`` = [T, pos0, head_row0, head_rows, threads].
 """
 from __future__ import annotations
 
@@ -31,32 +29,16 @@ from .kquant import _ROW_BYTES, _ROW_WEIGHTS, quantize_act_q8
 from .kquant_gemm import dequantize_rows_into
 from .q8 import half_to_float, matvec_f32, matvec_q8, quantize_act_q16
 from .rope import rope_par, rope_rows
-
-NI = 24
-NF = 4
-
-# Opcodes (== cpullm.ir.Op values; a test checks they agree).
-OP_EMBED = 1
-OP_RMSNORM = 2
-OP_LINEAR = 3
-OP_ROPE = 4
-OP_ATTENTION = 5
-OP_GLU = 6
-OP_ADD = 7
-OP_SIGMOID_MUL = 8
-OP_SOFTCAP = 9
-OP_SELECT_ROWS = 11
-OP_GATED_DELTA = 12
-OP_SCALE = 13
-OP_LAYERNORM = 14
-OP_PLUGIN = 15         # a plugin's op: run by the executor from Python (meta["plugin_ops"]), never here
-
-WEIGHT_F32 = 0
-WEIGHT_Q8 = 1
-WEIGHT_BLOCKS = 2      # raw ggml blocks (kernels/gguf_blocks.py) in wq's bytes; s_off holds the ggml type
+from . import program_table as P
+from .program_table import (  # noqa: F401  (re-exported: the opcodes and weight kinds by their old home)
+    NF, NI, OP_ADD, OP_ATTENTION, OP_EMBED, OP_GATED_DELTA, OP_GLU, OP_LAYERNORM, OP_LINEAR, OP_PLUGIN,
+    OP_RMSNORM, OP_ROPE, OP_SCALE, OP_SELECT_ROWS, OP_SIGMOID_MUL, OP_SOFTCAP, WEIGHT_BLOCKS, WEIGHT_F32,
+    WEIGHT_Q8,
+)
 
 # Ops a plugin kernel may replace, and the arguments its function receives (the reference
-# kernel's signature). The executor calls the external function with exactly these.
+# kernel's signature). The executor calls the external function with exactly these: the integers
+# are the row's program_table.GATED_DELTA_KERNEL_COLUMNS, in that order.
 EXTERNAL_SIGNATURES = {
     OP_GATED_DELTA: "gated_delta(arena, state, wf, qkv_off, qkv_st, z_off, z_st, b_off, b_st, "
                     "a_off, a_st, o_off, o_st, nk, dk, nv, dv, conv_k, conv_w_off, dt_off, alog_off, "
@@ -66,10 +48,10 @@ EXTERNAL_SIGNATURES = {
 
 @njit(cache=True)
 def _linear_rows(I, r, arena, wq, ws, wf, xq, xs, T):
-    """LINEAR, row by row through the matrix-vector kernels (decode; T is 1 or small).
-    I: 3 x_off 4 x_st 5 o_off 6 o_st 7 K 8 N 9 kind 10 w_off 11 s_off 12 Kp 13 bias_off"""
-    x_off, x_st, o_off, o_st = I[r, 3], I[r, 4], I[r, 5], I[r, 6]
-    K, N, kind, w_off, s_off, Kp, b_off = I[r, 7], I[r, 8], I[r, 9], I[r, 10], I[r, 11], I[r, 12], I[r, 13]
+    """LINEAR, row by row through the matrix-vector kernels (decode; T is 1 or small)."""
+    x_off, x_st, o_off, o_st = I[r, P.LINEAR_X_OFF], I[r, P.LINEAR_X_ST], I[r, P.LINEAR_OUT_OFF], I[r, P.LINEAR_OUT_ST]
+    K, N, kind = I[r, P.LINEAR_K], I[r, P.LINEAR_N], I[r, P.LINEAR_KIND]
+    w_off, s_off, Kp, b_off = I[r, P.LINEAR_W_OFF], I[r, P.LINEAR_S_OFF], I[r, P.LINEAR_KP], I[r, P.LINEAR_BIAS_OFF]
     for t in range(T):
         x = arena[x_off + t * x_st: x_off + t * x_st + K]
         out = arena[o_off + t * o_st: o_off + t * o_st + N]
@@ -89,12 +71,13 @@ def _linear_rows(I, r, arena, wq, ws, wf, xq, xs, T):
 @njit(cache=True)
 def _linear_blocks_rows(I, r, arena, wb, wf, xq, xs, T, refine):
     """LINEAR over raw ggml blocks, row by row through kquant.matvec (decode; T is 1 or small).
-    I: 3 x_off 4 x_st 5 o_off 6 o_st 7 K 8 N 9 kind (WEIGHT_BLOCKS) 10 w_off (bytes into wb)
-    11 ggml type 12 Kp (weights per stored row: K, or K padded with zero weights to whole blocks)
-    13 bias_off. Activations: int8 per block of 32 (kquant.quantize_act_q8) in xq's bytes, their
-    scales and 16-sums in xs (the executor sizes xs to max_k // 32 * 3); padding columns zero."""
-    x_off, x_st, o_off, o_st = I[r, 3], I[r, 4], I[r, 5], I[r, 6]
-    K, N, w_off, fmt, Kp, b_off = I[r, 7], I[r, 8], I[r, 10], I[r, 11], I[r, 12], I[r, 13]
+    LINEAR_W_OFF counts bytes into wb, LINEAR_S_OFF holds the ggml type, LINEAR_KP is K or K
+    padded with zero weights to whole blocks. Activations: int8 per block of 32
+    (kquant.quantize_act_q8) in xq's bytes, their scales and 16-sums in xs (the executor sizes xs
+    to max_k // 32 * 3); padding columns zero."""
+    x_off, x_st, o_off, o_st = I[r, P.LINEAR_X_OFF], I[r, P.LINEAR_X_ST], I[r, P.LINEAR_OUT_OFF], I[r, P.LINEAR_OUT_ST]
+    K, N, w_off, fmt = I[r, P.LINEAR_K], I[r, P.LINEAR_N], I[r, P.LINEAR_W_OFF], I[r, P.LINEAR_S_OFF]
+    Kp, b_off = I[r, P.LINEAR_KP], I[r, P.LINEAR_BIAS_OFF]
     row_bytes = Kp // _ROW_WEIGHTS[fmt] * _ROW_BYTES[fmt]
     x_q = xq.view(np.int8)[:Kp]
     x_s = xs[:Kp // 32]
@@ -134,8 +117,10 @@ def _linear_blocks_rows(I, r, arena, wb, wf, xq, xs, T, refine):
 @njit(cache=True)
 def _embed_blocks(I, r, arena, wb, tokens, scale, T):
     """EMBED from raw ggml blocks: each token's row dequantized (kquant_gemm.dequantize_rows_into).
-    I: 3 o_off 4 o_st 5 H 6 kind 7 w_off (bytes into wb) 8 ggml type 9 Kp (H padded to whole blocks)."""
-    o_off, o_st, H, w_off, fmt, Kp = I[r, 3], I[r, 4], I[r, 5], I[r, 7], I[r, 8], I[r, 9]
+    EMBED_W_OFF counts bytes into wb, EMBED_S_OFF holds the ggml type, EMBED_KP is H padded to
+    whole blocks."""
+    o_off, o_st, H = I[r, P.EMBED_OUT_OFF], I[r, P.EMBED_OUT_ST], I[r, P.EMBED_WIDTH]
+    w_off, fmt, Kp = I[r, P.EMBED_W_OFF], I[r, P.EMBED_S_OFF], I[r, P.EMBED_KP]
     row_bytes = Kp // _ROW_WEIGHTS[fmt] * _ROW_BYTES[fmt]
     buf = np.empty((1, Kp), np.float32)
     for t in range(T):
@@ -161,66 +146,74 @@ def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_s
     T_body, pos0, head_row0, head_rows, nthreads = rt[0], rt[1], rt[2], rt[3], rt[4]
     row0 = np.int64(0)     # not the literal 0: the row kernels keep one (int64) specialization
     for r in range(start, end):
-        op = I[r, 0]
-        T = T_body if I[r, 2] == 0 else head_rows
+        op = I[r, P.COL_OP]
+        head = I[r, P.COL_SECTION] == P.SECTION_HEAD
+        T = head_rows if head else T_body
         par = T > 1
         if op == OP_LINEAR:
-            if I[r, 9] == WEIGHT_BLOCKS:
+            if I[r, P.LINEAR_KIND] == WEIGHT_BLOCKS:
                 if wb is None:
                     raise ValueError("cpullm interpreter: a WEIGHT_BLOCKS LINEAR needs wb")
-                _linear_blocks_rows(I, r, arena, wb, wf, xq, xs, T, I[r, 2] == 1 and T_body > 1)
+                _linear_blocks_rows(I, r, arena, wb, wf, xq, xs, T, head and T_body > 1)
             else:
                 _linear_rows(I, r, arena, wq, ws, wf, xq, xs, T)
         elif op == OP_RMSNORM:
-            # 3 x_off 4 x_st 5 o_off 6 o_st 7 width 8 group 9 w_off; F0 eps
+            x_off, x_st, o_off, o_st = I[r, P.NORM_X_OFF], I[r, P.NORM_X_ST], I[r, P.NORM_OUT_OFF], I[r, P.NORM_OUT_ST]
+            width, group, w_off, eps = I[r, P.NORM_WIDTH], I[r, P.NORM_GROUP], I[r, P.NORM_W_OFF], F[r, P.F_NORM_EPS]
             if par:
-                rmsnorm_par(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], wf, I[r, 9], F[r, 0], T)
+                rmsnorm_par(arena, x_off, x_st, o_off, o_st, width, group, wf, w_off, eps, T)
             else:
-                rmsnorm_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], wf, I[r, 9], F[r, 0], row0, T)
+                rmsnorm_rows(arena, x_off, x_st, o_off, o_st, width, group, wf, w_off, eps, row0, T)
         elif op == OP_LAYERNORM:
-            # 3 x_off 4 x_st 5 o_off 6 o_st 7 width 8 group 9 w_off 10 b_off (-1: no bias); F0 eps
+            x_off, x_st, o_off, o_st = I[r, P.NORM_X_OFF], I[r, P.NORM_X_ST], I[r, P.NORM_OUT_OFF], I[r, P.NORM_OUT_ST]
+            width, group, w_off, eps = I[r, P.NORM_WIDTH], I[r, P.NORM_GROUP], I[r, P.NORM_W_OFF], F[r, P.F_NORM_EPS]
+            b_off = I[r, P.NORM_BIAS_OFF]
             if par:
-                layernorm_par(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], wf, I[r, 9], I[r, 10],
-                              F[r, 0], T)
+                layernorm_par(arena, x_off, x_st, o_off, o_st, width, group, wf, w_off, b_off, eps, T)
             else:
-                layernorm_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], wf, I[r, 9], I[r, 10],
-                               F[r, 0], row0, T)
+                layernorm_rows(arena, x_off, x_st, o_off, o_st, width, group, wf, w_off, b_off, eps, row0, T)
         elif op == OP_ROPE:
-            # 3 x_off 4 x_st 5 o_off 6 o_st 7 n_heads 8 head_dim 9 rotary_dim 10 freq_off; F0 attention_scaling
+            x_off, x_st, o_off, o_st = I[r, P.ROPE_X_OFF], I[r, P.ROPE_X_ST], I[r, P.ROPE_OUT_OFF], I[r, P.ROPE_OUT_ST]
+            n_heads, head_dim, rotary_dim = I[r, P.ROPE_N_HEADS], I[r, P.ROPE_HEAD_DIM], I[r, P.ROPE_ROTARY_DIM]
+            freq_off, scaling = I[r, P.ROPE_FREQ_OFF], F[r, P.F_ROPE_SCALING]
             if par:
-                rope_par(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], I[r, 9], wf, I[r, 10], F[r, 0], pos0, T)
+                rope_par(arena, x_off, x_st, o_off, o_st, n_heads, head_dim, rotary_dim, wf, freq_off, scaling, pos0, T)
             else:
-                rope_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], I[r, 9], wf, I[r, 10], F[r, 0], pos0, row0, T)
+                rope_rows(arena, x_off, x_st, o_off, o_st, n_heads, head_dim, rotary_dim, wf, freq_off, scaling,
+                          pos0, row0, T)
         elif op == OP_ATTENTION:
-            # 3 q_off 4 q_st 5 k_off 6 k_st 7 v_off 8 v_st 9 o_off 10 o_st 11 n_heads 12 n_kv 13 head_dim
-            # 14 cache_off 15 cap; F0 scale F1 softcap F2 window
-            attention(arena, state, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], I[r, 9], I[r, 10],
-                      I[r, 11], I[r, 12], I[r, 13], I[r, 14], I[r, 15], F[r, 0], F[r, 1], np.int64(F[r, 2]), pos0, T,
-                      nthreads)
+            attention(arena, state, I[r, P.ATTENTION_Q_OFF], I[r, P.ATTENTION_Q_ST], I[r, P.ATTENTION_K_OFF],
+                      I[r, P.ATTENTION_K_ST], I[r, P.ATTENTION_V_OFF], I[r, P.ATTENTION_V_ST],
+                      I[r, P.ATTENTION_OUT_OFF], I[r, P.ATTENTION_OUT_ST], I[r, P.ATTENTION_N_HEADS],
+                      I[r, P.ATTENTION_N_KV_HEADS], I[r, P.ATTENTION_HEAD_DIM], I[r, P.ATTENTION_CACHE_OFF],
+                      I[r, P.ATTENTION_CAP], F[r, P.F_ATTENTION_SCALE], F[r, P.F_ATTENTION_SOFTCAP],
+                      np.int64(F[r, P.F_ATTENTION_WINDOW]), pos0, T, nthreads)
         elif op == OP_GLU:
-            # 3 g_off 4 g_st 5 u_off 6 u_st 7 o_off 8 o_st 9 width 10 act
+            g_off, g_st, u_off, u_st = I[r, P.GLU_GATE_OFF], I[r, P.GLU_GATE_ST], I[r, P.GLU_UP_OFF], I[r, P.GLU_UP_ST]
+            o_off, o_st, width, act = I[r, P.GLU_OUT_OFF], I[r, P.GLU_OUT_ST], I[r, P.GLU_WIDTH], I[r, P.GLU_ACT]
             if par:
-                glu_par(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], I[r, 9], I[r, 10], T)
+                glu_par(arena, g_off, g_st, u_off, u_st, o_off, o_st, width, act, T)
             else:
-                glu_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], I[r, 9], I[r, 10], row0, T)
+                glu_rows(arena, g_off, g_st, u_off, u_st, o_off, o_st, width, act, row0, T)
         elif op == OP_ADD or op == OP_SIGMOID_MUL:
-            # 3 a_off 4 a_st 5 b_off 6 b_st 7 o_off 8 o_st 9 width
+            a_off, a_st, b_off, b_st = I[r, P.BINARY_A_OFF], I[r, P.BINARY_A_ST], I[r, P.BINARY_B_OFF], I[r, P.BINARY_B_ST]
+            o_off, o_st, width = I[r, P.BINARY_OUT_OFF], I[r, P.BINARY_OUT_ST], I[r, P.BINARY_WIDTH]
             kind = 0 if op == OP_ADD else 1
             if par:
-                binary_par(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], I[r, 9], kind, T)
+                binary_par(arena, a_off, a_st, b_off, b_st, o_off, o_st, width, kind, T)
             else:
-                binary_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], I[r, 9], kind, row0, T)
+                binary_rows(arena, a_off, a_st, b_off, b_st, o_off, o_st, width, kind, row0, T)
         elif op == OP_SOFTCAP or op == OP_SCALE:
-            # 3 x_off 4 x_st 5 o_off 6 o_st 7 width; F0 cap or scale
             kind = 0 if op == OP_SOFTCAP else 1
-            unary_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], kind, F[r, 0], row0, T)
+            unary_rows(arena, I[r, P.UNARY_X_OFF], I[r, P.UNARY_X_ST], I[r, P.UNARY_OUT_OFF], I[r, P.UNARY_OUT_ST],
+                       I[r, P.UNARY_WIDTH], kind, F[r, P.F_UNARY_PARAM], row0, T)
         elif op == OP_SELECT_ROWS:
-            # 3 x_off 4 x_st 5 o_off 6 o_st 7 width
-            copy_rows(arena, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], head_row0, head_rows)
+            copy_rows(arena, I[r, P.UNARY_X_OFF], I[r, P.UNARY_X_ST], I[r, P.UNARY_OUT_OFF], I[r, P.UNARY_OUT_ST],
+                      I[r, P.UNARY_WIDTH], head_row0, head_rows)
         elif op == OP_EMBED:
-            # 3 o_off 4 o_st 5 H 6 kind 7 w_off 8 s_off 9 Kp; F0 scale
-            o_off, o_st, H, kind, w_off, s_off, Kp = I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], I[r, 9]
-            sc = np.float32(F[r, 0])
+            o_off, o_st, H, kind = I[r, P.EMBED_OUT_OFF], I[r, P.EMBED_OUT_ST], I[r, P.EMBED_WIDTH], I[r, P.EMBED_KIND]
+            w_off, s_off, Kp = I[r, P.EMBED_W_OFF], I[r, P.EMBED_S_OFF], I[r, P.EMBED_KP]
+            sc = np.float32(F[r, P.F_EMBED_SCALE])
             if kind == WEIGHT_BLOCKS:
                 if wb is None:
                     raise ValueError("cpullm interpreter: a WEIGHT_BLOCKS EMBED needs wb")
@@ -237,12 +230,15 @@ def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_s
                     for j in range(H):
                         arena[o + j] = wf[w_off + tok * H + j] * sc
         elif op == OP_GATED_DELTA:
-            # 3 qkv_off 4 qkv_st 5 z_off 6 z_st 7 b_off 8 b_st 9 a_off 10 a_st 11 o_off 12 o_st
-            # 13 nk 14 dk 15 nv 16 dv 17 conv_k 18 conv_w_off 19 dt_off 20 alog_off 21 norm_off 22 state_off; F0 eps
             if linear_state is None:
                 raise ValueError("cpullm interpreter: a GATED_DELTA instruction needs linear_state")
-            gated_delta(arena, linear_state, wf, I[r, 3], I[r, 4], I[r, 5], I[r, 6], I[r, 7], I[r, 8], I[r, 9], I[r, 10],
-                        I[r, 11], I[r, 12], I[r, 13], I[r, 14], I[r, 15], I[r, 16], I[r, 17], I[r, 18],
-                        I[r, 19], I[r, 20], I[r, 21], I[r, 22], F[r, 0], T)
+            gated_delta(arena, linear_state, wf,
+                        I[r, P.GATED_DELTA_QKV_OFF], I[r, P.GATED_DELTA_QKV_ST], I[r, P.GATED_DELTA_Z_OFF],
+                        I[r, P.GATED_DELTA_Z_ST], I[r, P.GATED_DELTA_B_OFF], I[r, P.GATED_DELTA_B_ST],
+                        I[r, P.GATED_DELTA_A_OFF], I[r, P.GATED_DELTA_A_ST], I[r, P.GATED_DELTA_OUT_OFF],
+                        I[r, P.GATED_DELTA_OUT_ST], I[r, P.GATED_DELTA_NK], I[r, P.GATED_DELTA_DK],
+                        I[r, P.GATED_DELTA_NV], I[r, P.GATED_DELTA_DV], I[r, P.GATED_DELTA_CONV_K],
+                        I[r, P.GATED_DELTA_CONV_W_OFF], I[r, P.GATED_DELTA_DT_OFF], I[r, P.GATED_DELTA_ALOG_OFF],
+                        I[r, P.GATED_DELTA_NORM_OFF], I[r, P.GATED_DELTA_STATE_OFF], F[r, P.F_GATED_DELTA_EPS], T)
         else:
             raise ValueError("cpullm interpreter: unknown opcode")

@@ -18,7 +18,7 @@ from cpullm.compiler import compile_graph  # noqa: E402
 from cpullm.executor import Executor  # noqa: E402
 from cpullm.family import read_config  # noqa: E402
 from cpullm.ir import Graph, GraphBuilder, GraphError, Op  # noqa: E402
-from cpullm.kernels import interpreter as K  # noqa: E402
+from cpullm.kernels import program_table as P  # noqa: E402
 from cpullm.tensors import TensorStore  # noqa: E402
 from test_qwen_parity import IDS, make_checkpoint  # noqa: E402
 
@@ -80,18 +80,18 @@ def test_linear_attention_path_int8_fidelity_on_its_own(qwen35):
 
 def test_precision_attribute_keeps_weights_f32_and_splits_fusion(qwen35):
     d, _ = qwen35
-    meta_kind = lambda ex: {name: int(ex.I[r, 9]) for r, name in enumerate(ex.program.meta["names"])
-                            if ex.I[r, 0] == K.OP_LINEAR}
+    meta_kind = lambda ex: {name: int(ex.I[r, P.LINEAR_KIND]) for r, name in enumerate(ex.program.meta["names"])
+                            if ex.I[r, P.COL_OP] == P.OP_LINEAR}
     plain = meta_kind(executor(d, "int8"))
     fused_la = next(n for n in plain if "linear_attn.in_qkv" in n)
-    assert "linear_attn.in_z" in fused_la and plain[fused_la] == K.WEIGHT_Q8
+    assert "linear_attn.in_z" in fused_la and plain[fused_la] == P.WEIGHT_Q8
     kinds = meta_kind(executor(d, "int8", keep_f32=LINEAR_ATTN))
     for name, kind in kinds.items():
-        assert kind == (K.WEIGHT_F32 if ".linear_attn." in name else K.WEIGHT_Q8), name
+        assert kind == (P.WEIGHT_F32 if ".linear_attn." in name else P.WEIGHT_Q8), name
     assert any("in_qkv" in n and "in_a" in n for n in kinds)        # equal precision still fuses
     split = meta_kind(executor(d, "int8", keep_f32=lambda n: n.name.endswith((".in_b", ".in_a"))))
     ba = next(n for n in split if n.endswith("in_b+layers.0.linear_attn.in_a"))
-    assert split[ba] == K.WEIGHT_F32 and "in_b" not in next(n for n in split if "0.linear_attn.in_qkv" in n)
+    assert split[ba] == P.WEIGHT_F32 and "in_b" not in next(n for n in split if "0.linear_attn.in_qkv" in n)
 
 
 def test_unknown_precision_is_rejected(qwen35):
