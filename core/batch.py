@@ -268,7 +268,7 @@ class BatchDecoder:
             if kind == "rows":
                 self.rt[4] = numba.get_num_threads()
                 K.run(ex.I, ex.F, seg[1], seg[2], ex.tokens, self.rt, ex.arena, ex.state, ex.wq, ex.ws, ex.wf,
-                      ex.xq, ex.xs, ex.linear_state, ex.wb)
+                      ex.xq, ex.xs, *ex.optional_operands())
             elif kind == "fused":
                 _fused(ex.I, ex.F, seg[1], seg[2], ex.arena, states, *seqs, ex.wq, ex.ws, ex.wf, self.xq, self.xs,
                        np.int64(T), numba.get_num_threads(), self.has_linear, True)

@@ -17,6 +17,7 @@ import numpy as np
 from .compiler import Program
 from .errors import ContextOverflowError, PromptError
 from .kernels import interpreter as K
+from .kernels.warmup import run_flags
 from .kernels import program_table as P
 from .kernels.attention import TILE, kv_views
 from .kernels.head_screen import padded_blocks, screen_argmax
@@ -59,10 +60,14 @@ class Executor:
                               "install the plugin again or clear the cache (`cpullm cache clear`)")
         self.plugin_ops = _plugin_calls(self, m.get("plugin_ops") or {}, ops, op_impl)
         self.linear_rows = np.nonzero(self.I[:, P.COL_OP] == P.OP_LINEAR)[0]
-        # wq's bytes for raw-block (GGUF format) weights, else None: run() then has no such branch
-        self.wb = _read_only(self.wq.view(np.uint8)) if _has_blocks(self.I) else None
-        # the state again for GATED_DELTA instructions, else None: run() then has no such branch
-        self.linear_state = self.state if bool(np.any(self.I[:, P.COL_OP] == P.OP_GATED_DELTA)) else None
+        # run()'s optional operands: each None unless the program has the instructions that read
+        # it, and numba then compiles run() without their branch (kernels.warmup.run_flags)
+        flags = run_flags(self.I)
+        wb = _read_only(self.wq.view(np.uint8)) if flags["blocks"] or flags["embed_blocks"] else None
+        self.wb = wb if flags["blocks"] else None                  # LINEARs over raw ggml blocks
+        self.wb_embed = wb if flags["embed_blocks"] else None      # an EMBED table of raw blocks
+        self.wf_layernorm = self.wf if flags["layernorm"] else None
+        self.linear_state = self.state if flags["linear_state"] else None   # GATED_DELTA's state
         self._decode_segments = self._segments(0, self.n_instr, batched=False)
         self._body_segments = self._segments(0, self.first_head, batched=True)
         self._head_segments = self._segments(self.first_head, self.n_instr, batched=True)
@@ -132,7 +137,11 @@ class Executor:
     def _interp(self, a: int, b: int):
         self.rt[4] = numba.get_num_threads()
         K.run(self.I, self.F, a, b, self.tokens, self.rt, self.arena, self.state,
-              self.wq, self.ws, self.wf, self.xq, self.xs, self.linear_state, self.wb)
+              self.wq, self.ws, self.wf, self.xq, self.xs, *self.optional_operands())
+
+    def optional_operands(self) -> tuple:
+        """run()'s last arguments: linear_state, wb, wb_embed, wf_layernorm (None where unused)."""
+        return self.linear_state, self.wb, self.wb_embed, self.wf_layernorm
 
     def _rows(self, r: int) -> int:
         return int(self.rt[0] if self.I[r, P.COL_SECTION] == P.SECTION_BODY else self.rt[3])
@@ -455,13 +464,6 @@ def lazy_zeros(n: int) -> np.ndarray:
     if n * 4 < 1 << 22:
         return np.zeros(n, np.float32)
     return np.frombuffer(mmap.mmap(-1, n * 4), np.float32)
-
-
-def _has_blocks(I: np.ndarray) -> bool:
-    """True when a LINEAR or EMBED reads raw ggml blocks."""
-    op = I[:, P.COL_OP]
-    return bool(np.any((op == P.OP_LINEAR) & (I[:, P.LINEAR_KIND] == P.WEIGHT_BLOCKS))
-                or np.any((op == P.OP_EMBED) & (I[:, P.EMBED_KIND] == P.WEIGHT_BLOCKS)))
 
 
 def _matmul_blocks(wb: np.ndarray, fmt: int, w_off: int, Kp: int, x: np.ndarray, out: np.ndarray) -> None:

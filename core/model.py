@@ -21,7 +21,7 @@ from .family import read_config
 from .generate import GenerationStats, generate_ids, generate_text
 from .ir import GraphBuilder
 from .kernels.warmup import warmup_for_graph
-from .quant_blocks import BlockPlan
+from .quant_blocks import BLOCK_QUANTS, BlockPlan
 from .sampling import SamplingParams
 from .tensors import TensorStore
 from .tokenize import Tokenizer
@@ -47,7 +47,7 @@ def resolve_model_dir(path) -> Path:
 
 class Model:
     def __init__(self, *, model_dir, config, family, args, graph, program, executor, tokenizer,
-                 quant, threads, cache_status, load_s, kernels, weights_info, compile_s=0.0):
+                 quant, threads, cache_status, load_s, kernels, weights_info, compile_s=0.0, kernel_units=()):
         self.model_dir = model_dir
         self.config = config
         self.family = family
@@ -63,6 +63,7 @@ class Model:
         self.kernels = kernels
         self.weights_info = weights_info
         self.compile_s = compile_s         # of load_s: numba compiling kernels (0.0 when all were cached)
+        self.kernel_units = list(kernel_units)   # the kernel groups compiled up front (kernels/warmup.py)
         self.eos_token_ids = _eos_ids(config, tokenizer)
         self.n_ctx = executor.n_ctx
         self._seq: list[int] = []          # tokens currently in the KV cache
@@ -99,8 +100,8 @@ class Model:
         kernels = {k.name: k for k in specs}
         kernel_fns = {k: v.fn for k, v in kernels.items()}
         # kernels this graph needs, compiled while the weights load (kernels/warmup.py)
-        q8_prefill = quant != "gguf" or BlockPlan(graph, weights, quant).body_has_q8(graph)
-        warm = warmup_for_graph(graph, quant, specs, q8_prefill=q8_prefill)
+        flags = BlockPlan(graph, weights, quant).warmup_flags(graph) if quant in BLOCK_QUANTS else {}
+        warm = warmup_for_graph(graph, quant, specs, **flags)
         try:
             tokenizer = gguf_tokenizer() if gguf_tokenizer else Tokenizer(model_dir)
 
@@ -138,7 +139,8 @@ class Model:
         return cls(model_dir=model_dir, config=config, family=family, args=args, graph=graph,
                    program=program, executor=executor, tokenizer=tokenizer, quant=quant,
                    threads=threads, cache_status=cache_status, load_s=time.perf_counter() - t0,
-                   kernels=kernels, weights_info=weights_info, compile_s=compile_s)
+                   kernels=kernels, weights_info=weights_info, compile_s=compile_s,
+                   kernel_units=warm.units)
 
     # ---- forward -----------------------------------------------------------------------------
     def _check_fits(self, n: int):

@@ -61,6 +61,14 @@ class BlockPlan:
         return any(n.op == Op.LINEAR and n.section == "body" and self.fmt(n) in (None, "Q8_0")
                    for n in graph.nodes)
 
+    def warmup_flags(self, graph: Graph) -> dict:
+        """Which kernels the program will need (arguments of kernels.warmup.units_for): a LINEAR,
+        the EMBED, over raw blocks (Q8_0 runs as q8); the q8 prefill GEMM."""
+        def on_blocks(op) -> bool:
+            return any(n.op == op and self.fmt(n) not in (None, "Q8_0") for n in graph.nodes)
+        return {"q8_prefill": self.body_has_q8(graph),
+                "blocks": on_blocks(Op.LINEAR), "embed_blocks": on_blocks(Op.EMBED)}
+
     def _choose(self, node: Node) -> str | None:
         if node.op not in (Op.LINEAR, Op.EMBED) or node.attr("precision") is not None:
             return None

@@ -133,7 +133,7 @@ def _embed_blocks(I, r, arena, wb, tokens, scale, T):
 
 
 @njit(cache=True)
-def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_state, wb):
+def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_state, wb, wb_embed, wf_layernorm):
     """Execute instructions [start, end) with runtime values ``rt`` = [T, pos0, head_row0,
     head_rows, threads] (threads: numba's thread count for this call, which attention splits
     its work by).
@@ -141,8 +141,11 @@ def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_s
     ``linear_state`` is ``state`` for a program with linear-attention (GATED_DELTA) instructions
     and None for one without: numba then prunes that branch at compile time, so a model without
     such layers never compiles the gated-delta kernels (about a seventh of a cold start).
-    ``wb`` is ``wq`` viewed as uint8 for a program with raw-block (GGUF format) weights and None
-    for one without: the same pruning keeps the block kernels out of an int8 program's compile."""
+    ``wb`` is ``wq`` viewed as uint8 for a program whose LINEARs read raw-block (GGUF format)
+    weights, ``wb_embed`` the same for one whose EMBED table is raw blocks, ``wf_layernorm`` is
+    ``wf`` for one with LAYERNORM: each None otherwise, and the same pruning keeps the block
+    kernels out of an int8 program's compile, the block dequantizer (2 s of a cold start) out of a
+    GGUF whose table is Q8_0, the layer norm out of an RMSNorm model's."""
     T_body, pos0, head_row0, head_rows, nthreads = rt[0], rt[1], rt[2], rt[3], rt[4]
     row0 = np.int64(0)     # not the literal 0: the row kernels keep one (int64) specialization
     for r in range(start, end):
@@ -165,13 +168,15 @@ def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_s
             else:
                 rmsnorm_rows(arena, x_off, x_st, o_off, o_st, width, group, wf, w_off, eps, row0, T)
         elif op == OP_LAYERNORM:
+            if wf_layernorm is None:
+                raise ValueError("cpullm interpreter: a LAYERNORM instruction needs wf_layernorm")
             x_off, x_st, o_off, o_st = I[r, P.NORM_X_OFF], I[r, P.NORM_X_ST], I[r, P.NORM_OUT_OFF], I[r, P.NORM_OUT_ST]
             width, group, w_off, eps = I[r, P.NORM_WIDTH], I[r, P.NORM_GROUP], I[r, P.NORM_W_OFF], F[r, P.F_NORM_EPS]
             b_off = I[r, P.NORM_BIAS_OFF]
             if par:
-                layernorm_par(arena, x_off, x_st, o_off, o_st, width, group, wf, w_off, b_off, eps, T)
+                layernorm_par(arena, x_off, x_st, o_off, o_st, width, group, wf_layernorm, w_off, b_off, eps, T)
             else:
-                layernorm_rows(arena, x_off, x_st, o_off, o_st, width, group, wf, w_off, b_off, eps, row0, T)
+                layernorm_rows(arena, x_off, x_st, o_off, o_st, width, group, wf_layernorm, w_off, b_off, eps, row0, T)
         elif op == OP_ROPE:
             x_off, x_st, o_off, o_st = I[r, P.ROPE_X_OFF], I[r, P.ROPE_X_ST], I[r, P.ROPE_OUT_OFF], I[r, P.ROPE_OUT_ST]
             n_heads, head_dim, rotary_dim = I[r, P.ROPE_N_HEADS], I[r, P.ROPE_HEAD_DIM], I[r, P.ROPE_ROTARY_DIM]
@@ -215,9 +220,9 @@ def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_s
             w_off, s_off, Kp = I[r, P.EMBED_W_OFF], I[r, P.EMBED_S_OFF], I[r, P.EMBED_KP]
             sc = np.float32(F[r, P.F_EMBED_SCALE])
             if kind == WEIGHT_BLOCKS:
-                if wb is None:
-                    raise ValueError("cpullm interpreter: a WEIGHT_BLOCKS EMBED needs wb")
-                _embed_blocks(I, r, arena, wb, tokens, sc, T)
+                if wb_embed is None:
+                    raise ValueError("cpullm interpreter: a WEIGHT_BLOCKS EMBED needs wb_embed")
+                _embed_blocks(I, r, arena, wb_embed, tokens, sc, T)
                 continue
             for t in range(T):
                 tok = tokens[t]

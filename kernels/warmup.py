@@ -36,6 +36,7 @@ import time
 
 from . import numba_setup  # noqa: F401  (code-generation settings first)
 from . import numba_cache_lock  # noqa: E402
+from . import program_table as P  # noqa: E402
 
 import numba  # noqa: E402
 from numba import types as nt  # noqa: E402
@@ -98,15 +99,42 @@ WB = _arr(nt.uint8, readonly=True)       # wq's bytes, for raw-block (GGUF forma
 BLOCK_QUANTS = ("q4", "gguf")             # quant modes whose programs hold raw-block weights
 
 
-def run_signature(linear_state: bool, blocks: bool = False) -> tuple:
-    """The signature of interpreter.run as the executor calls it."""
+RUN_FLAGS = ("linear_state", "blocks", "embed_blocks", "layernorm")
+"""interpreter.run's optional operands, in its argument order: each an array for a program with
+the instructions that read it (GATED_DELTA run by the interpreter; a LINEAR over raw ggml blocks;
+an EMBED table of raw blocks; LAYERNORM), None otherwise, and numba compiles one specialization
+of run per combination, without the kernels of the None ones."""
+
+
+def run_flags(I) -> dict:
+    """Which of RUN_FLAGS a compiled program's instruction table ``I`` needs (the executor passes
+    the operands accordingly)."""
+    import numpy as np
+    mine = I[:, P.COL_IMPL] == P.IMPL_INTERPRETER
+    op = I[:, P.COL_OP]
+    return {"linear_state": bool(np.any(mine & (op == P.OP_GATED_DELTA))),
+            "blocks": bool(np.any(mine & (op == P.OP_LINEAR) & (I[:, P.LINEAR_KIND] == P.WEIGHT_BLOCKS))),
+            "embed_blocks": bool(np.any(mine & (op == P.OP_EMBED) & (I[:, P.EMBED_KIND] == P.WEIGHT_BLOCKS))),
+            "layernorm": bool(np.any(mine & (op == P.OP_LAYERNORM)))}
+
+
+def run_unit(flags: dict) -> str:
+    """The warm-up unit of interpreter.run with these RUN_FLAGS, e.g. ``run+blocks+layernorm``."""
+    return "run" + "".join(f"+{f}" for f in RUN_FLAGS if flags.get(f))
+
+
+def run_signature(flags: dict) -> tuple:
+    """The signature of interpreter.run as the executor calls it with these RUN_FLAGS."""
+    optional = {"linear_state": ARENA, "blocks": WB, "embed_blocks": WB, "layernorm": WF}
     return (PROG_I, PROG_F, i64, i64, INTS, INTS, ARENA, ARENA, WQ, WS, WF, XQ, ARENA,
-            ARENA if linear_state else nt.none, WB if blocks else nt.none)
+            *(optional[f] if flags.get(f) else nt.none for f in RUN_FLAGS))
 
 
 def _kernels(unit: str) -> list:
     """[(dispatcher, signature)] of one unit, callees before callers where both are listed."""
     from . import attention, elementwise, gated_delta, interpreter, kquant_gemm, norm, q8_gemm, rope
+    if unit.startswith("run"):
+        return [(interpreter.run, run_signature({f: True for f in unit.split("+")[1:]}))]
     f32_2, i16_2, wb2 = _arr(nt.float32, 2), _arr(nt.int16, 2), _arr(nt.uint8, 2, readonly=True)
     wq2, ws2 = _arr(nt.int8, 2, readonly=True), _arr(nt.uint16, 2, readonly=True)
     table = {
@@ -135,12 +163,8 @@ def _kernels(unit: str) -> list:
                         (kquant_gemm._block_sums, (i16_2, f32_2, i64, f32_2)),
                         (kquant_gemm._matvec_rows, (i64, f32_2, wb2, f32_2, _arr(nt.int8), ARENA, ARENA))],
         # the raw-block LINEAR and EMBED rows, as interpreter.run calls them (linked, not compiled, there)
-        "blocks": [(interpreter._linear_blocks_rows, (PROG_I, i64, ARENA, WB, WF, XQ, ARENA, i64, nt.boolean)),
-                   (interpreter._embed_blocks, (PROG_I, i64, ARENA, WB, INTS, nt.float32, i64))],
-        "run": [(interpreter.run, run_signature(False))],
-        "run_linear_state": [(interpreter.run, run_signature(True))],
-        "run_blocks": [(interpreter.run, run_signature(False, True))],
-        "run_linear_state_blocks": [(interpreter.run, run_signature(True, True))],
+        "blocks": [(interpreter._linear_blocks_rows, (PROG_I, i64, ARENA, WB, WF, XQ, ARENA, i64, nt.boolean))],
+        "embed_blocks": [(interpreter._embed_blocks, (PROG_I, i64, ARENA, WB, INTS, nt.float32, i64))],
     }
     return table[unit]
 
@@ -154,10 +178,11 @@ UNITS = {
     # not by interpreter.run, so run can compile while they do.
     "linear": (None, 2.9, "q8", True),
     "gemm": (("LINEAR",), 4.2, "q8", False),
-    "blocks": (None, 5.8, "blocks", True),
+    "blocks": (None, 3.6, "blocks", True),
+    "embed_blocks": (None, 2.2, "blocks", True),
     "kquant_gemm": (("LINEAR",), 9.0, "blocks", False),
     "norm": (None, 0.9, "norm", True),
-    "layernorm": (None, 1.8, "norm", True),
+    "layernorm": (("LAYERNORM",), 1.8, "norm", True),
     "rope": (None, 1.3, "rope", True),
     "attention": (None, 11.6, "attention", True),
     "glu": (None, 0.9, "glu", True),
@@ -179,27 +204,32 @@ PARENT_HEAD_START = 2.0
 it compiles: the split gives the child that much more."""
 
 
-def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True) -> list[str]:
-    """The units a graph with these op names needs (``linear_state``: it has GATED_DELTA ops the
-    interpreter runs, not a plugin kernel; ``q8_prefill``: a body LINEAR of a GGUF run as it is
-    has q8 weights (Q8_0), so prefill needs the q8 GEMM), ``run`` last."""
+def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True, blocks: bool | None = None,
+              embed_blocks: bool | None = None) -> list[str]:
+    """The units a graph with these op names needs, ``run`` last. ``linear_state``: it has
+    GATED_DELTA ops the interpreter runs, not a plugin kernel; ``q8_prefill``: a body LINEAR of a
+    GGUF run as it is has q8 weights (Q8_0), so prefill needs the q8 GEMM; ``blocks`` /
+    ``embed_blocks``: a LINEAR / the EMBED reads raw ggml blocks (default: quant is a block mode)."""
     from .q8_gemm import GEMM_ISA
     ops = set(op_names)
-    blocks = quant in BLOCK_QUANTS
+    if blocks is None:
+        blocks = quant in BLOCK_QUANTS
+    if embed_blocks is None:
+        embed_blocks = quant in BLOCK_QUANTS
     out = []
     for unit, (needs, *_) in UNITS.items():
         if unit == "gated_delta" and not linear_state:
             continue
-        if unit == "gemm" and (quant not in ("int8", "gguf") or GEMM_ISA is None
-                               or (quant == "gguf" and not q8_prefill)):
+        if unit == "gemm" and (quant == "f32" or GEMM_ISA is None or (quant in BLOCK_QUANTS and not q8_prefill)):
             continue
-        if unit == "kquant_gemm" and (not blocks or GEMM_ISA is None):
+        if unit in ("kquant_gemm", "blocks") and (not blocks or (unit == "kquant_gemm" and GEMM_ISA is None)):
             continue
-        if unit == "blocks" and not blocks:
+        if unit == "embed_blocks" and not embed_blocks:
             continue
         if needs is None or ops & set(needs):
             out.append(unit)
-    out.append(("run_linear_state" if linear_state else "run") + ("_blocks" if blocks else ""))
+    out.append(run_unit({"linear_state": linear_state, "blocks": blocks, "embed_blocks": embed_blocks,
+                         "layernorm": "LAYERNORM" in ops}))
     return out
 
 
@@ -448,15 +478,16 @@ class Warmup:
             self.progress.close()
 
 
-def warmup_for_graph(graph, quant: str, kernels=(), q8_prefill: bool = True) -> Warmup:
+def warmup_for_graph(graph, quant: str, kernels=(), q8_prefill: bool = True, blocks: bool | None = None,
+                     embed_blocks: bool | None = None) -> Warmup:
     """A started :class:`Warmup` for the units ``graph`` needs (``kernels``: plugin KernelSpecs,
-    whose ops the interpreter does not run; ``q8_prefill``: see :func:`units_for`)."""
+    whose ops the interpreter does not run; the rest: see :func:`units_for`)."""
     ops, linear_state = set(), False
     for n in graph.nodes:
         ops.add(n.op.name)
         if n.op.name == "GATED_DELTA" and not any(int(k.op) == int(n.op) and k.supports(n) for k in kernels):
             linear_state = True
-    return Warmup(units_for(ops, quant, linear_state, q8_prefill)).start()
+    return Warmup(units_for(ops, quant, linear_state, q8_prefill, blocks, embed_blocks)).start()
 
 
 __all__ = ["Warmup", "compile_seconds", "compile_unit", "is_cached", "units_for", "split",

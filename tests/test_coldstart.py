@@ -29,7 +29,10 @@ def test_units_follow_the_graph_ops():
     units = warmup.units_for(LLAMA_OPS, "int8", linear_state=False)
     assert "gated_delta" not in units and units[-1] == "run"
     hybrid = warmup.units_for(LLAMA_OPS | {"GATED_DELTA", "SIGMOID_MUL"}, "int8", linear_state=True)
-    assert "gated_delta" in hybrid and hybrid[-1] == "run_linear_state"
+    assert "gated_delta" in hybrid and hybrid[-1] == "run+linear_state"
+    assert "layernorm" not in units and warmup.units_for(LLAMA_OPS | {"LAYERNORM"}, "int8", False)[-1] == "run+layernorm"
+    gguf = warmup.units_for(LLAMA_OPS, "gguf", False, q8_prefill=False, blocks=True, embed_blocks=False)
+    assert gguf[-1] == "run+blocks" and "embed_blocks" not in gguf and "gemm" not in gguf
     assert "gemm" not in warmup.units_for(LLAMA_OPS, "f32", linear_state=False)   # f32 prefill: sgemm
 
 
@@ -77,26 +80,29 @@ _SIGNATURES = r"""
 import json, sys
 import cpullm
 from cpullm.kernels import warmup
-m = cpullm.load(sys.argv[1], threads=1, n_ctx=128, cache_dir=sys.argv[2])
+m = cpullm.load(sys.argv[1], threads=1, n_ctx=128, cache_dir=sys.argv[2],
+                quant=sys.argv[3] if len(sys.argv) > 3 else None)
 for n in (9, 2, 1):                     # batched prefill (GEMM), a short prompt, one row
     m.executor.reset()
     m.executor.decode(int(m.executor.prefill(list(range(1, n + 1))).argmax()))
 used = {}
-for unit in list(warmup.UNITS) + ["run", "run_linear_state"]:
+for unit in list(warmup.UNITS) + ["run"]:
     for disp, sig in warmup._kernels(unit):
         used[f"{disp.py_func.__module__}.{disp.py_func.__qualname__}"] = [str(s) for s in disp.signatures]
 want = {}
-for unit in warmup.units_for({n.op.name for n in m.graph.nodes}, m.quant, False, sys.argv[3] == "1"):
+assert warmup.run_unit(warmup.run_flags(m.executor.I)) == m.kernel_units[-1]
+for unit in m.kernel_units:
     for disp, sig in warmup._kernels(unit):
-        want.setdefault(f"{disp.py_func.__module__}.{disp.py_func.__qualname__}", []).append(str(tuple(sig)))
-print(json.dumps({"used": used, "want": want}))
+        want.setdefault(f"{disp.py_func.__module__}.{disp.py_func.__qualname__}", set()).add(str(tuple(sig)))
+print(json.dumps({"used": used, "want": {k: sorted(v) for k, v in want.items()}}))
 """
 
 
-def test_the_executor_calls_each_kernel_with_the_warmed_signature_only(tiny, tmp_path):
+@pytest.mark.parametrize("quant", ["int8", "q4"])
+def test_the_executor_calls_each_kernel_with_the_warmed_signature_only(tiny, tmp_path, quant):
     """In a fresh process: after prefills and decodes of several lengths every kernel has exactly
     the signature the warm-up compiled, and the gated-delta kernel (absent op) none."""
-    r = subprocess.run([sys.executable, "-c", _SIGNATURES, str(tiny), str(tmp_path / "cache"), "1"],
+    r = subprocess.run([sys.executable, "-c", _SIGNATURES, str(tiny), str(tmp_path / "cache"), quant],
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])

@@ -230,7 +230,7 @@ def test_a_block_format_gguf_calls_each_kernel_with_the_warmed_signature_only(wr
 
     from test_coldstart import _SIGNATURES
     path = write("Q4_1")
-    r = subprocess.run([sys.executable, "-c", _SIGNATURES, str(path), str(tmp_path / "cache"), "0"],
+    r = subprocess.run([sys.executable, "-c", _SIGNATURES, str(path), str(tmp_path / "cache")],
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
