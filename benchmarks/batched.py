@@ -5,7 +5,7 @@ For each N of ``--streams``, N distinct ``--prompt-tokens``-token prompts, ``--g
 tokens each (end of text ignored), on ``--threads`` threads, each engine in a fresh process, the
 engines alternating:
 
-* **cpullm**: ``cpullm bench --concurrency N``'s measurement (:func:`cpullm.bench_concurrency.
+* **cpullm**: ``cpullm bench --concurrency N``'s measurement (:func:`cpullm.bench.concurrency.
   run_concurrency`): the scheduler with N slots, prompts prefilled in chunks between decode
   steps, every decode step one pass over the weights for all active streams. INT8 from the
   checkpoint directory.
@@ -50,7 +50,7 @@ def _percentile(xs, q):
 
 def run_cpullm(spec: dict) -> dict:
     import cpullm
-    from cpullm.bench_concurrency import run_concurrency
+    from cpullm.bench import run_concurrency
     model = cpullm.load(spec["model_dir"], quant="int8", threads=spec["threads"],
                         n_ctx=spec["prompt_tokens"] + spec["gen_tokens"] + 16)
     return run_concurrency(model, spec["n"], spec["prompt_tokens"], spec["gen_tokens"])

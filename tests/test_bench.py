@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from cpullm import bench
+from cpullm.bench import startup
 from cpullm.cli import main
 from cpullm.testing import make_random_checkpoint
 from tiny_configs import SMOLLM2_LIKE
@@ -191,7 +192,7 @@ def test_compile_time_is_cold_minus_warm_ready_time(monkeypatch, tmp_path):
                 "second_forward_s": 0.1, "peak_rss_bytes": 1, "uncacheable": ["run"] if cold else [],
                 "first_token_s": 8.5 if cold else 1.5, "compile_s": 6.5 if cold else 0.0}
 
-    monkeypatch.setattr(bench, "_child_load", fake_child)
+    monkeypatch.setattr(startup, "_child_load", fake_child)
     r = bench.load_timings(tmp_path, "int8", 1, 64, [1, 2, 3])
     assert r["load_s_miss"] == 3.0 and r["load_s_hit"] == 2.0
     assert r["warmup_compile_s"] == pytest.approx(6.0)             # cold minus MISS ready time
@@ -218,7 +219,7 @@ def test_uncacheable_functions_are_read_from_numba_warnings(monkeypatch):
               'x.py:1: NumbaWarning: Cannot cache compiled function "run" as it uses dynamic globals\n')
     line = 'CPULLM_BENCH_CHILD {"ready_wall": 1.0, "load_s": 0.5}'
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 0, line, stderr))
-    assert bench._child_load({})["uncacheable"] == ["_matvec_q8_avx2", "run"]
+    assert startup._child_load({})["uncacheable"] == ["_matvec_q8_avx2", "run"]
 
 
 def test_decode_weight_bytes_f32_with_biases(tmp_path):

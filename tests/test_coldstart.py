@@ -205,13 +205,13 @@ def test_run_chat_without_template_refuses_before_loading(tiny, tmp_path, monkey
 def test_bench_child_ignores_a_cpullm_folder_in_the_working_directory(tiny, tmp_path, monkeypatch):
     """Started from a clone's parent (a ``cpullm/`` folder without ``__init__``, which Python
     would import as a namespace package), the child still imports the installed package."""
-    from cpullm import bench
+    from cpullm.bench import startup
     parent = tmp_path / "parent"
     (parent / "cpullm" / "core").mkdir(parents=True)
     monkeypatch.chdir(parent)
     spec = {"model": str(tiny), "quant": "int8", "threads": 1, "n_ctx": 64,
             "cache_dir": str(tmp_path / "cache"), "ids": [1, 2, 3]}
-    out = bench._child_load(spec)
+    out = startup._child_load(spec)
     assert out["ready_s"] > 0 and out["first_token_s"] > 0 and out["cache"].startswith("MISS")
 
 

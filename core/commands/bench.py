@@ -117,7 +117,7 @@ def run(args) -> int:
 
 
 def run_concurrency_bench(model, args, say) -> int:
-    from cpullm.bench_concurrency import format_concurrency, run_concurrency
+    from cpullm.bench import format_concurrency, run_concurrency
 
     rows = []
     for n in args.concurrency:

@@ -16,10 +16,10 @@ import time
 
 import numpy as np
 
-from .bench import prompt_ids
-from .sampling import SamplingParams
-from .scheduler import Scheduler
-from .sequence import Sequence
+from .harness import prompt_ids
+from ..sampling import SamplingParams
+from ..scheduler import Scheduler
+from ..sequence import Sequence
 
 
 def _percentile(xs, q: float) -> float:

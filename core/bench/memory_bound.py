@@ -1,0 +1,99 @@
+"""The memory bound of decode: the weight bytes one token reads, and the rate a plain
+parallel read of exactly those bytes reaches, alternating with decode steps."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .harness import CpullmRunner, greedy, next_token
+
+
+# ---- the memory bound of decode ------------------------------------------------------------------
+def decode_weight_spans(program) -> list:
+    """What one decode token reads from the weights, as views of the program's packed buffers:
+    every LINEAR's matrix once (q8: int8 values and binary16 block scales; raw ggml blocks: their
+    bytes; f32: float32 values)
+    and biases, adjacent ranges merged (so the read below streams as decode does, in long runs).
+    The embedding row and the norm vectors are left out (a few KB). With a head screen, greedy
+    decoding reads the screen instead of the lm_head (plus a few exact rows, left out too)."""
+    from ..kernels import program_table as P
+    a = program.arrays
+    I = a["I"]
+    ranges: dict[str, list] = {"wq": [], "ws": [], "wf": []}
+    screen = program.meta.get("head_screen")
+    if screen:
+        N = int(program.meta["vocab"])
+        ranges["wq"].append((screen["q_off"], screen["q_off"] + N * screen["q_cols"]))
+        ranges["ws"].append((screen["s_off"], screen["s_off"] + N * screen["s_cols"]))
+        ranges["wf"].append((screen["b_off"], screen["b_off"] + 3 * N))
+    for r in np.nonzero(I[:, P.COL_OP] == P.OP_LINEAR)[0]:
+        if screen and r == screen["row"]:
+            continue
+        lin = P.linear_operands(I[r])
+        Kd, N, kind, w_off, s_off, Kp, b_off = lin.k, lin.n, lin.kind, lin.w_off, lin.s_off, lin.kp, lin.bias_off
+        if kind == P.WEIGHT_Q8:
+            ranges["wq"].append((w_off, w_off + N * Kp))
+            ranges["ws"].append((s_off, s_off + N * (Kp // 32)))
+        elif kind == P.WEIGHT_BLOCKS:               # raw ggml blocks in wq's bytes; s_off: ggml type
+            from ..kernels.gguf_blocks import block_format
+            ranges["wq"].append((w_off, w_off + N * block_format(s_off).row_bytes(Kp)))
+        else:
+            ranges["wf"].append((w_off, w_off + N * Kd))
+        if b_off >= 0:
+            ranges["wf"].append((b_off, b_off + N))
+    views = []
+    for name, rs in ranges.items():
+        merged: list[list[int]] = []
+        for lo, hi in sorted(rs):
+            if merged and lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        views += [a[name][lo:hi] for lo, hi in merged]
+    return views
+
+
+def decode_weight_bytes(program) -> int:
+    """Bytes of :func:`decode_weight_spans`: the weights one decode token reads."""
+    return int(sum(v.nbytes for v in decode_weight_spans(program)))
+
+
+def memory_bound(model, steps: int = 32, token: int = 0) -> dict:
+    """Decode against this machine's streaming read rate, measured side by side: ``steps`` decode
+    steps (after a one-token prompt), each followed by a plain parallel read of exactly the bytes
+    one decode token reads (:func:`decode_weight_spans`, :func:`cpullm.kernels.bandwidth.read_sum_u32`).
+    Alternating the two makes both see the same machine: on a shared host the read rate alone
+    moves by 30 % within a minute. Medians; the first two steps of each are dropped."""
+    import numba
+
+    from ..kernels.bandwidth import as_words, read_sum_u32
+    spans = decode_weight_spans(model.program)
+    per_token = int(sum(v.nbytes for v in spans))            # = decode_weight_bytes(program)
+    words = [as_words(v) for v in spans]
+    nth = numba.get_num_threads()
+    steps = max(3, int(steps))
+    runner = CpullmRunner(model)
+    runner.reset()
+    tok = greedy(runner.prefill([int(token)]))
+    dec, rd = [], []
+    for _ in range(steps + 2):
+        t0 = time.perf_counter()
+        tok = next_token(runner, tok)
+        t1 = time.perf_counter()
+        for w in words:
+            read_sum_u32(w, nth)
+        t2 = time.perf_counter()
+        dec.append(t1 - t0)
+        rd.append(t2 - t1)
+    runner.reset()
+    dec_s, rd_s = float(np.median(dec[2:])), float(np.median(rd[2:]))
+    return {
+        "decode_weight_bytes": per_token,
+        "read_gbps": per_token / rd_s / 1e9,
+        "read_gbps_best": per_token / min(rd[2:]) / 1e9,
+        "decode_gbps": per_token / dec_s / 1e9,
+        "decode_tps_bound": 1.0 / rd_s,
+        "decode_bound_share": rd_s / dec_s,
+        "memory_bound_steps": steps,
+    }
