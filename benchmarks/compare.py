@@ -35,7 +35,7 @@ the reader sees how the ratio moves with the machine's memory bandwidth.
 
 **Same weights.** Every runtime starts from the same Hugging Face checkpoint directory (the one
 ``cpullm pull`` produced, or any safetensors directory). For llama.cpp this script writes that
-checkpoint as an **F32 GGUF** with ``cpullm.gguf_writer`` (the ``gguf`` package's writer;
+checkpoint as an **F32 GGUF** with ``cpullm.convert.gguf_writer`` (the ``gguf`` package's writer;
 tensor names, Q/K row permutation and ``1 + w`` norms from the installed plugin's GGUF table of
 the architecture, the one ``cpullm convert`` reads, as llama.cpp's ``convert_hf_to_gguf.py`` lays
 them out; the vocabulary and merges from tokenizer.json) and quantizes it to Q8_0 with ``llama_cpp.llama_model_quantize`` (llama.cpp's C
@@ -287,7 +287,7 @@ def write_f32_gguf(model_dir, out_path) -> Path:
     """The checkpoint as an F32 GGUF that llama.cpp loads (see the module docstring), written by
     cpullm's GGUF writer with the installed plugins' table of the architecture."""
     from cpullm.errors import ConversionError
-    from cpullm.gguf_writer import gguf_arch_for_model_type, write_gguf
+    from cpullm.convert.gguf_writer import gguf_arch_for_model_type, write_gguf
 
     model_dir, out_path = Path(model_dir), Path(out_path)
     config = json.loads((model_dir / "config.json").read_text())

@@ -236,7 +236,7 @@ class GGUFArch:
     model_type       config.json ``model_type`` of the converted checkpoint
     architectures    config.json ``architectures`` of the converted checkpoint
     layer_names      GGUF layer leaf -> transformers leaf (``blk.N.<leaf>.weight`` ->
-                     ``model.layers.N.<hf leaf>.weight``); :data:`cpullm.convert.DENSE_LAYER_NAMES`
+                     ``model.layers.N.<hf leaf>.weight``); :data:`cpullm.gguf_file.DENSE_LAYER_NAMES`
                      and ``QK_NORM_LAYER_NAMES`` hold llama.cpp's standard ones to build on
     required_layer_leaves  GGUF leaves every layer must have (a file missing one is refused)
     permute_qk       llama.cpp permuted the q/k rows of this architecture (undone on convert)
@@ -246,7 +246,7 @@ class GGUFArch:
     config_extras    ``(meta, hp, tensor_names) -> dict``: config.json keys beyond the shared
                      ones (``meta`` the GGUF metadata, ``hp`` the checked hyperparameters under
                      transformers' names plus ``"arch"``, ``tensor_names`` the file's tensors);
-                     read numbers with :func:`cpullm.convert.meta_int` so bad files are refused
+                     read numbers with :func:`cpullm.gguf_file.meta_int` so bad files are refused
     sentencepiece    for ``tokenizer.ggml.model == "llama"`` vocabularies: "metaspace"
                      (Metaspace pre-tokenizer, merges from scores) or "replace_spaces" (a
                      normalizer turns " " into "▁"; merges rebuilt from token order)

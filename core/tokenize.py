@@ -37,7 +37,7 @@ class Tokenizer:
     @classmethod
     def from_objects(cls, tok, config: dict) -> "Tokenizer":
         """From a built ``tokenizers.Tokenizer`` and its tokenizer_config dict (a GGUF's metadata,
-        cpullm.convert.build_tokenizer), with no files."""
+        cpullm.gguf_vocab.build_tokenizer), with no files."""
         self = cls.__new__(cls)
         self._tok = tok
         self._setup(dict(config))

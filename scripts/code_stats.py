@@ -31,7 +31,7 @@ LAYERS = [
     ("execution", ["cache_format", "executor", "prompt_cache", "prefix_cache", "memory"]),
     ("generation", ["sampling", "sequence", "generate", "batch", "scheduler", "engine", "model", "chat",
                     "template_sandbox", "testing", "__init__"]),
-    ("shell", ["convert", "gguf_writer", "store", "bench", "server", "cli", "commands"]),
+    ("shell", ["convert", "store", "bench", "server", "cli", "commands"]),
 ]
 
 

@@ -15,6 +15,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from cpullm import convert as cv  # noqa: E402
+from cpullm.convert import directory as cv_directory  # noqa: E402
 from cpullm import gguf_file as gf  # noqa: E402
 from cpullm import gguf_vocab as gv  # noqa: E402
 from cpullm.errors import ConversionError  # noqa: E402
@@ -115,7 +116,7 @@ def write_tiny_gguf(path: Path, arch: str = "llama", *, qtype: str = "F32", tied
                     identical_output: bool = False, extra_tensors: dict | None = None,
                     drop_tensors: tuple[str, ...] = (), meta: dict | None = None) -> dict[str, np.ndarray]:
     """Write a tiny GGUF of ``arch`` as llama.cpp would; returns the HF weights it encodes."""
-    from cpullm.gguf_writer import write_gguf
+    from cpullm.convert.gguf_writer import write_gguf
 
     s = TINY_SHAPES.get(arch, TINY_SHAPES["llama"])
     spm = arch == "gemma3"
@@ -379,13 +380,13 @@ def _leftovers(parent: Path, name: str) -> list[str]:
 @pytest.mark.parametrize("exc", [RuntimeError("disk full"), KeyboardInterrupt()])
 def test_interrupted_conversion_leaves_nothing(tiny_llama, tmp_path, monkeypatch, exc):
     path, _ = tiny_llama
-    real = cv.write_safetensors
+    real = cv_directory.write_safetensors
 
     def failing(target, plan, progress=None):
         real(target, plan[:3], progress)  # part of the file is written, then it dies
         raise exc
 
-    monkeypatch.setattr(cv, "write_safetensors", failing)
+    monkeypatch.setattr(cv_directory, "write_safetensors", failing)
     with pytest.raises(type(exc)):
         cv.convert_gguf(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()

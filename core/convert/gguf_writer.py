@@ -19,9 +19,9 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
-from .gguf_file import GLOBAL_TENSOR_NAMES, _import_gguf, arch_spec, gguf_architectures, permute_qk
-from .errors import ConversionError
-from .family import GGUFArch
+from ..gguf_file import GLOBAL_TENSOR_NAMES, _import_gguf, arch_spec, gguf_architectures, permute_qk
+from ..errors import ConversionError
+from ..family import GGUFArch
 
 
 def gguf_arch_for_model_type(model_type: str) -> GGUFArch:
@@ -35,7 +35,7 @@ def gguf_arch_for_model_type(model_type: str) -> GGUFArch:
 
 
 def gguf_tensor_name(hf_name: str, layout: GGUFArch) -> str | None:
-    """The GGUF name of a transformers tensor (the inverse of ``cpullm.convert.hf_tensor_name``),
+    """The GGUF name of a transformers tensor (the inverse of ``cpullm.gguf_file.hf_tensor_name``),
     or None when the table has no entry: ``model.layers.3.self_attn.q_proj.weight`` ->
     ``blk.3.attn_q.weight``."""
     for gguf_base, hf_base in GLOBAL_TENSOR_NAMES.items():
