@@ -21,7 +21,7 @@ Passes, in the order :func:`compile_graph` runs them:
           tensor went (the conformance kit reads the program back against the weight map).
 5. assemble (_assemble) the tables, the built blobs and the meta the executor reads.
 
-The greedy lm_head screen is added afterwards by :func:`attach_head_screen` (the caller's step:
+The greedy lm_head screen is added afterwards by :func:`cpullm.head_screen.attach` (the caller's step:
 its calibration runs the compiled program).
 """
 from __future__ import annotations
@@ -588,80 +588,6 @@ def _assemble(graph: Graph, layout: _Layout, packer: _WeightPacker, emitter: _Em
         "wq": packer.wq.build(), "ws": packer.ws.build(), "wf": packer.wf.build(),
     }
     return Program(arrays=arrays, meta=meta)
-
-
-def head_screen_row(program: Program) -> int | None:
-    """The instruction a head screen replaces in greedy decoding: the program's last one, if it is
-    a q8 LINEAR of the head without bias or plugin kernel (its output is then the logits) of at
-    least ``head_screen.MIN_LM_HEAD_BYTES``; else None."""
-    from .kernels import head_screen
-    I = program.I
-    r = len(I) - 1
-    if (I[r, P.COL_OP] != P.OP_LINEAR or I[r, P.COL_IMPL] != P.IMPL_INTERPRETER
-            or I[r, P.COL_SECTION] != P.SECTION_HEAD):
-        return None
-    lin = P.linear_operands(I[r])
-    if (lin.kind != P.WEIGHT_Q8 or lin.bias_off >= 0
-            or lin.kp > 32 * head_screen.MAX_BLOCKS or lin.kp < 64):
-        return None
-    if lin.n * (lin.kp + lin.kp // 16) < head_screen.MIN_LM_HEAD_BYTES:
-        return None
-    return r
-
-
-def attach_head_screen(program: Program, calibration=None) -> Program:
-    """Pack greedy decoding's lm_head screen (cpullm.kernels.head_screen) into ``program`` (its
-    arrays grow; ``meta["head_screen"]`` says where) when :func:`head_screen_row` allows one.
-
-    ``calibration(program)`` returns lm_head inputs (T, K) of some real text, or None: the columns
-    kept at 8 bits are where those carry the most energy, which decides how many rows the screen
-    leaves to compute exactly (never which token it returns). Without it, where the final norm's
-    weights are largest."""
-    from .kernels.head_screen import build_screen, screen_columns, sel_columns
-    r = head_screen_row(program)
-    if r is None:
-        return program
-    a, I = program.arrays, program.I
-    lin = P.linear_operands(I[r])
-    Kdim, N, w_off, s_off, Kp, x_off = lin.k, lin.n, lin.w_off, lin.s_off, lin.kp, lin.x_off
-    w_q = a["wq"][w_off: w_off + N * Kp].reshape(N, Kp)
-    w_s = a["ws"][s_off: s_off + N * (Kp // 32)].reshape(N, Kp // 32)
-    x = calibration(program) if calibration is not None else None
-    if x is not None and len(x):
-        importance = np.sqrt((np.asarray(x, np.float64)[:, :Kdim] ** 2).mean(0))
-        source = f"calibration ({len(x)} rows)"
-    else:
-        prev = r - 1
-        if (prev >= 0 and I[prev, P.COL_OP] == P.OP_RMSNORM and int(I[prev, P.NORM_OUT_OFF]) == x_off
-                and int(I[prev, P.NORM_WIDTH]) == Kdim):
-            norm_w = int(I[prev, P.NORM_W_OFF])
-            importance = np.abs(a["wf"][norm_w: norm_w + Kdim])
-            source = "final norm weights"
-        else:
-            importance = np.ones(Kdim)
-            source = "none"
-    k_sel = sel_columns(Kp)
-    perm = screen_columns(importance, Kp, k_sel)
-    hq, hs, hb = build_screen(w_q, w_s, perm, k_sel)
-    meta = dict(program.meta)
-    arrays = dict(a)
-    offs = {}
-    for name, arr in (("wq", hq), ("ws", hs), ("wf", hb)):
-        arrays[name], offs[name] = _append_array(arrays[name], arr, 64)
-    meta["head_screen"] = {"row": r, "k_sel": int(k_sel), "perm": [int(v) for v in perm],
-                           "columns_from": source, "q_off": offs["wq"], "q_cols": int(hq.shape[1]),
-                           "s_off": offs["ws"], "s_cols": int(hs.shape[1]), "b_off": offs["wf"]}
-    return Program(arrays=arrays, meta=meta)
-
-
-def _append_array(base: np.ndarray, arr: np.ndarray, align: int) -> tuple[np.ndarray, int]:
-    """(``base`` + zeros to a multiple of ``align`` + ``arr``, offset of ``arr``): appended to
-    its file when ``base`` was built into one (compile_graph's ``workdir``), else concatenated."""
-    from .filearrays import append_mapped, backing_path
-    if backing_path(base) is not None:
-        return append_mapped(base, arr, align)
-    start = _align(base.size, align)
-    return np.concatenate([base, np.zeros(start - base.size, base.dtype), arr.reshape(-1)]), start
 
 
 def _rope_freqs(n: Node, n_ctx: int) -> tuple[np.ndarray, float]:

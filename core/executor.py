@@ -9,7 +9,6 @@ through the same interpreter, then the head on the rows asked for, ``head_rows``
 from __future__ import annotations
 
 import time
-from collections import deque
 
 import numba
 import numpy as np
@@ -18,9 +17,9 @@ from .compiler import Program
 from .errors import ContextOverflowError, PromptError
 from .kernels import interpreter as K
 from .kernels.warmup import run_flags
+from .head_screen import HeadScreen
 from .kernels import program_table as P
 from .kernels.attention import TILE, kv_views
-from .kernels.head_screen import padded_blocks, screen_argmax
 from .kernels.q8 import matmul_f32
 from .kernels.q8_gemm import matmul_q8
 
@@ -73,7 +72,7 @@ class Executor:
         self._head_segments = self._segments(self.first_head, self.n_instr, batched=True)
         self._head_segments_1 = self._segments(self.first_head, self.n_instr, batched=False)
         self.profile: dict | None = None
-        self.screen = _Screen(self, m["head_screen"]) if m.get("head_screen") else None
+        self.screen = HeadScreen(self, m["head_screen"]) if m.get("head_screen") else None
         self.screen_survivors = 0           # rows the last screened step computed exactly
 
     def warm_up(self) -> float:
@@ -84,8 +83,7 @@ class Executor:
             return 0.0
         from .kernels.warmup import compile_seconds
         c0 = compile_seconds()
-        sc = self.screen
-        screen_argmax.compile(tuple(numba.typeof(a) for a in (*sc.args, sc.lower_max, sc.counts, 1, 1)))
+        self.screen.compile_kernel()
         return compile_seconds() - c0
 
     # ---- segmentation -------------------------------------------------------------------------
@@ -274,7 +272,7 @@ class Executor:
         (lowest index on ties), which is greedy decoding's next token. With a head screen
         (``program.meta["head_screen"]``) the lm_head may be read through it (the same token; the
         logits buffer is then left unwritten): the executor times both heads as it goes and uses
-        the faster one (:class:`_Screen`)."""
+        the faster one (:class:`cpullm.head_screen.HeadScreen`)."""
         sc = self.screen
         if sc is None:
             return int(np.argmax(self.decode(token)))
@@ -340,60 +338,6 @@ class Executor:
         for r, sec in prof.items():
             out[groups[r]] = out.get(groups[r], 0.0) + sec
         return out
-
-
-class _Screen:
-    """The executor's views of a head screen (cpullm.kernels.head_screen) and its scratch."""
-
-    def __init__(self, ex: Executor, sc: dict):
-        self.row = int(sc["row"])
-        lin = P.linear_operands(ex.I[self.row])
-        x_off, Kd, N, w_off, s_off, Kp = lin.x_off, lin.k, lin.n, lin.w_off, lin.s_off, lin.kp
-        nb = Kp // 32
-        self.segments = ex._segments(0, self.row, batched=False)
-        self.args = (
-            ex.arena[x_off: x_off + Kd],                                    # x: the lm_head's input row
-            np.asarray(sc["perm"], np.int64), int(sc["k_sel"]) // 32,
-            ex.wq[sc["q_off"]: sc["q_off"] + N * sc["q_cols"]].reshape(N, sc["q_cols"]),
-            ex.ws[sc["s_off"]: sc["s_off"] + N * sc["s_cols"]].reshape(N, sc["s_cols"]),
-            ex.wf[sc["b_off"]: sc["b_off"] + 3 * N].reshape(N, 3),
-            ex.wq[w_off: w_off + N * Kp].reshape(N, Kp), ex.ws[s_off: s_off + N * nb].reshape(N, nb),
-            np.zeros(Kp, np.int16), np.zeros(nb, np.float32),                  # exact activations
-            np.zeros(Kp, np.int16), np.zeros(padded_blocks(Kp), np.float32),   # permuted activations
-            np.zeros(Kp, np.float32), np.zeros(Kp, np.float32),
-            np.zeros(N, np.float32), np.zeros(N, np.int64), np.zeros(N, np.float32),
-        )
-        self.rows, self.steps = N, 0
-        self.t_screen: deque = deque(maxlen=self.WINDOW)     # the head's last times per step
-        self.t_plain: deque = deque(maxlen=self.WINDOW)
-        threads = max(1, numba.config.NUMBA_NUM_THREADS)
-        self.lower_max = np.zeros(threads, np.float32)
-        self.counts = np.zeros(threads, np.int64)
-
-    # Which head a greedy step uses. The screen pays where its bounds leave few rows to compute
-    # exactly (out of order, ~0.3 us a row on 2 threads) and the lm_head is large next to the
-    # caches: it depends on the model, the machine and the text. Each step's head is timed; the
-    # one with the lower median over its last WINDOW steps is used, the other one every
-    # EXPLORE-th step, so the choice follows the text (medians: a shared host's stalls do not
-    # flip it). A screened step that leaves more than MAX_ROWS_FRACTION of the rows runs the
-    # plain head instead of computing them.
-    MAX_ROWS_FRACTION, EXPLORE, WINDOW = 1 / 16, 16, 8
-
-    def choose(self) -> bool:
-        """True: read the lm_head through the screen this step."""
-        self.steps += 1
-        if len(self.t_screen) < 2 or len(self.t_plain) < 2:     # a first look at both
-            return len(self.t_screen) <= len(self.t_plain)
-        faster = _median(self.t_screen) <= _median(self.t_plain)
-        return faster if self.steps % self.EXPLORE else not faster
-
-    def record(self, screened: bool, seconds: float) -> None:
-        (self.t_screen if screened else self.t_plain).append(seconds)
-
-    def argmax(self, nthreads: int) -> tuple[int, int]:
-        tok, survivors = screen_argmax(*self.args, self.lower_max, self.counts, nthreads,
-                                       int(self.MAX_ROWS_FRACTION * self.rows))
-        return int(tok), int(survivors)
 
 
 def _rows_view(arena: np.ndarray, off: int, st: int, width: int, T: int) -> np.ndarray:
@@ -487,8 +431,3 @@ def _read_only(a: np.ndarray) -> np.ndarray:
     v = a.view()
     v.flags.writeable = False
     return v
-
-
-def _median(xs) -> float:
-    v = sorted(xs)
-    return v[len(v) // 2]

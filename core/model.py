@@ -13,8 +13,8 @@ from typing import Iterator
 
 import numpy as np
 
-from . import locations, plugins
-from .compiler import DEFAULT_CHUNK, QUANT_MODES, Program, attach_head_screen, compile_graph
+from . import head_screen, locations, plugins
+from .compiler import DEFAULT_CHUNK, QUANT_MODES, Program, compile_graph
 from .errors import ConfigError, ContextOverflowError, ModelNotFoundError, PromptError
 from .executor import Executor
 from .family import read_config
@@ -107,7 +107,7 @@ class Model:
 
             def calibrate(p: Program):
                 warm.finish()                # the calibration runs the program
-                return Executor(p, kernel_fns).head_inputs(tokenizer.encode(HEAD_CALIBRATION_TEXT))
+                return Executor(p, kernel_fns).head_inputs(tokenizer.encode(head_screen.HEAD_CALIBRATION_TEXT))
 
             def build(workdir=None) -> Program:
                 program = compile_graph(graph, weights, quant=quant, n_ctx=ctx, max_chunk=max_chunk,
@@ -116,7 +116,7 @@ class Model:
                 # GGUF run as it is, whose resident weights stay within 5 % of the file's tensor
                 # bytes (Gemma 3 270M's Q8_0 head with a screen: 1.47x)
                 if quant == "int8":
-                    program = attach_head_screen(program, calibrate)
+                    program = head_screen.attach(program, calibrate)
                 return program
             program, cache_status = _program_from_cache(
                 build, model_dir=model_dir, config=config, family=family, graph=graph, weights=weights,
@@ -354,20 +354,7 @@ def _eos_ids(config: dict, tokenizer) -> list[int]:
     return sorted(set(ids))
 
 
-HEAD_CALIBRATION_TEXT = (
-    "The history of computing is a story of ideas that became machines. Early calculators could "
-    "add and subtract; later designs stored programs in memory, and compilers turned readable "
-    "instructions into code. Today a small language model runs on an ordinary laptop.\n\n"
-    "Question: What is the capital of France, and why is it famous?\nAnswer: Paris is the capital "
-    "of France. It is known for the Eiffel Tower, the Louvre, its cafés and its long history.\n\n"
-    "def fibonacci(n: int) -> list[int]:\n    \"\"\"Return the first n Fibonacci numbers.\"\"\"\n"
-    "    out, a, b = [], 0, 1\n    for _ in range(n):\n        out.append(a)\n        a, b = b, a + b\n"
-    "    return out\n\nprint(fibonacci(10))  # [0, 1, 1, 2, 3, 5, 8, 13, 21, 34]\n\n"
-    "Once upon a time, in a village by the sea, there lived an old fisherman and his cat. Every "
-    "morning they walked to the harbour together, and every evening they came home with a story."
-)
-"""Text whose lm_head inputs choose the columns the head screen keeps at 8 bits (compile time only;
-it changes how many rows greedy steps recompute exactly, never which token they return)."""
+
 
 
 def _program_from_cache(build, **kw) -> tuple[Program, str]:

@@ -124,13 +124,14 @@ def test_row_blocks_into_files_give_the_in_memory_program(tmp_path, monkeypatch)
 
 
 def test_screen_appended_to_files_equals_concatenated(tmp_path, monkeypatch):
-    from cpullm.kernels import head_screen
-    monkeypatch.setattr(head_screen, "MIN_LM_HEAD_BYTES", 0)      # a screen for this tiny head
+    from cpullm import head_screen
+    from cpullm.kernels import head_screen as screen_kernels
+    monkeypatch.setattr(screen_kernels, "MIN_LM_HEAD_BYTES", 0)   # a screen for this tiny head
     d = make_random_checkpoint(LLAMA, tmp_path / "m", seed=4)
     work = tmp_path / "work"
     work.mkdir()
-    mem = compiler.attach_head_screen(_compile(d))
-    streamed = compiler.attach_head_screen(_compile(d, workdir=work))
+    mem = head_screen.attach(_compile(d))
+    streamed = head_screen.attach(_compile(d, workdir=work))
     assert mem.meta["head_screen"] == streamed.meta["head_screen"]
     for name in ("wq", "ws", "wf"):
         np.testing.assert_array_equal(streamed.arrays[name], mem.arrays[name])
