@@ -2,7 +2,7 @@
 
 Endpoints: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/chat/completions``,
 ``POST /v1/completions`` (both streaming as server-sent events ending in ``data: [DONE]``, or
-not), ``GET /health`` and ``GET /`` (a small chat page, ``cpullm/static``).
+not), ``GET /health`` and ``GET /`` (a small chat page, ``cpullm/serve/static``).
 
 How requests run: the event loop reads and validates each request, renders and tokenizes the
 prompt in a worker thread, then hands a *job* to the engine. The engine owns the model's
@@ -53,10 +53,10 @@ import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from .errors import (ChatTemplateError, ConfigError, ContextOverflowError, CpullmError,
+from ..errors import (ChatTemplateError, ConfigError, ContextOverflowError, CpullmError,
                      SamplingError, ServerRequestError)
-from .generate import GenerationStats
-from .limits import one_line
+from ..generate import GenerationStats
+from ..limits import one_line
 
 STATIC_DIR = Path(__file__).parent / "static"
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
@@ -154,7 +154,7 @@ class Engine:
 
     def __init__(self, model, max_queue: int = DEFAULT_MAX_QUEUE, parallel: int | None = None,
                  prefill_chunk: int | None = None, prefix_cache_bytes: int | None = None):
-        from .engine import Engine as CoreEngine
+        from ..engine import Engine as CoreEngine
         self.model = model
         self.max_queue = max_queue
         self.core = CoreEngine(model, parallel, prefill_chunk, prefix_cache_bytes)
@@ -166,7 +166,7 @@ class Engine:
                          "timed_out": 0, "generated_tokens": 0}
 
     def submit(self, job: Job, loop: asyncio.AbstractEventLoop) -> "asyncio.Queue":
-        from .generate import TextStream
+        from ..generate import TextStream
         out: asyncio.Queue = asyncio.Queue()
         job._emit = lambda item: loop.call_soon_threadsafe(out.put_nowait, item)
         with self._lock:
@@ -485,7 +485,7 @@ class Api:
 
     # -- endpoint-specific parsing (runs in a worker thread: rendering and tokenizing cost CPU)
     def prepare_chat(self, body: dict, cancel: threading.Event | None = None) -> RequestSpec:
-        from .chat import RenderCancelled, check_messages, chat_prompt_ids
+        from ..chat import RenderCancelled, check_messages, chat_prompt_ids
 
         self._check_common(body)
         if "messages" not in body:
@@ -561,7 +561,7 @@ class Api:
 
 
 def _version() -> str:
-    from . import __version__
+    from .. import __version__
     return __version__
 
 
@@ -869,7 +869,7 @@ def create_app(model, model_id: str | None = None, api_key: str | None = None,
 
 
 def _limits(api: Api, max_request_bytes: int | None = None, body_timeout: float | None = None) -> dict:
-    from . import chat
+    from .. import chat
 
     out = {"max_tokens_cap": api.max_tokens_cap, "request_timeout_s": api.request_timeout,
            "template_timeout_s": chat.RENDER_TIMEOUT_S, "template_memory_mb": chat.RENDER_MEMORY_MB,
@@ -1041,7 +1041,7 @@ def serve(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | None 
 
     import uvicorn
 
-    from .chat import stop_render_worker
+    from ..chat import stop_render_worker
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):
