@@ -97,9 +97,9 @@ class Registry:
 # Which published plugin handles a model_type: only used to word the error message.
 def _install_hint(model_type) -> str:
     """Which published plugin handles ``model_type``, from the index shipped as data
-    (static/plugin_index.json), or the general hint."""
+    (plugin_index.json beside this module), or the general hint."""
     try:
-        index = json.loads((Path(__file__).parent / "static" / "plugin_index.json").read_text(encoding="utf-8"))
+        index = json.loads((Path(__file__).parent / "plugin_index.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         index = {}
     for dist, types in index.items():

@@ -9,7 +9,7 @@ import cpullm
 import cpullm.store
 from cpullm import errors
 from cpullm.cli import main
-from cpullm.commands import bench as bench_command
+from cpullm.cli.commands import bench as bench_command
 
 
 @pytest.fixture

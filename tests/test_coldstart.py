@@ -139,7 +139,7 @@ def test_compile_time_is_not_prefill_time(tiny, monkeypatch):
 
 
 def test_run_stats_line_names_compile_time():
-    from cpullm.commands.run import compiled_note
+    from cpullm.cli.commands.run import compiled_note
     assert compiled_note(0.0) == ""
     assert compiled_note(21.26) == ", kernels compiled in 21.3 s (first run only)"
 

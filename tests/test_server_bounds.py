@@ -215,7 +215,7 @@ def test_generation_time_is_capped_and_the_key_comes_from_a_file(long_model, tmp
 
 
 def test_api_key_sources(tmp_path, monkeypatch):
-    from cpullm.commands.serve import api_key
+    from cpullm.cli.commands.serve import api_key
     from cpullm.errors import ConfigError
 
     monkeypatch.setenv("CPULLM_API_KEY", "from-env")

@@ -113,7 +113,7 @@ def run(args) -> int:
     from cpullm.errors import ConfigError
 
     try:
-        from cpullm.server import is_loopback, serve
+        from cpullm.serve import is_loopback, serve
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as exc:

@@ -1,5 +1,6 @@
-"""The ``cpullm`` command line. Each command lives in ``cpullm.commands.<name>`` with
-``add_parser(subparsers)`` and ``run(args) -> int``. User errors print one line and exit 2."""
+"""The ``cpullm`` command line (``cpullm`` or ``python -m cpullm.cli``). Each command lives in
+``cpullm.cli.commands.<name>`` with ``add_parser(subparsers)`` and ``run(args) -> int``. User
+errors print one line and exit 2."""
 from __future__ import annotations
 
 import argparse
@@ -7,8 +8,8 @@ import importlib
 import os
 import sys
 
-from . import __version__
-from .errors import CpullmError
+from .. import __version__
+from ..errors import CpullmError
 
 COMMANDS = ["families", "run", "chat", "bench", "serve", "convert", "pull", "models", "cache"]
 
@@ -20,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         try:
-            mod = importlib.import_module(f"cpullm.commands.{name}")
+            mod = importlib.import_module(f"cpullm.cli.commands.{name}")
         except ImportError as exc:   # a command whose optional pieces are absent still lists
             sp = sub.add_parser(name, help=f"(unavailable: {exc})")
             sp.set_defaults(func=lambda a, e=exc: _unavailable(e))
@@ -58,6 +59,3 @@ def main(argv=None) -> int:
     except BrokenPipeError:
         return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

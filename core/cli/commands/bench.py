@@ -8,7 +8,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..errors import MissingDependencyError, OutputPathError
+from ...errors import MissingDependencyError, OutputPathError
 from .common import add_model_options, load_model, positive_int
 
 

@@ -1,0 +1,188 @@
+"""The server's engine: one model, the requests' generations on its scheduler, each cancellable.
+
+How requests run: the event loop reads and validates each request, renders and tokenizes the
+prompt in a worker thread, then hands a *job* to the engine. The engine owns the model's
+scheduler (cpullm.scheduler), on its own thread: up to ``parallel`` jobs run at once, each decode
+step advancing all of them in one pass over the weights, long prompts prefilled a chunk at a
+time between those steps; the rest wait in arrival order. KV memory for ``parallel`` sequences
+of the whole context is allocated at start and reported by ``/health``. Pieces of text flow back
+to the request's coroutine through an asyncio queue. A client that disconnects (streaming or
+not) sets its job's cancel flag: its sequence leaves at the next step and frees its slot.
+At most ``max_queue`` jobs wait; more get 503. A job's generation time is bounded by its
+``time_limit`` (then it ends with finish_reason "length"). On shutdown the running generations
+and every waiting job end with the 503 ``server_shutting_down`` error.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+from ..generate import GenerationStats
+from .openai import ApiError, shutting_down_error
+
+DEFAULT_MAX_QUEUE = 64
+
+
+class Job:
+    """One generation: prompt ids, limits, sampling; a cancel flag; text pieces out via ``emit``."""
+
+    def __init__(self, ids: list[int], max_tokens: int, sampling: dict, stop: list[str],
+                 time_limit: float | None = None):
+        self.ids = ids
+        self.max_tokens = max_tokens
+        self.sampling = sampling
+        self.stop = stop
+        self.time_limit = time_limit      # seconds of generation, from when the engine takes it
+        self.timed_out = False
+        self.abort: Exception | None = None    # set with cancel: the error the client gets
+        self.cancel = threading.Event()
+        self.stats = GenerationStats()
+        self.finished = threading.Event()
+        self._emit = None
+
+    def emit(self, item) -> None:
+        try:
+            self._emit(item)
+        except RuntimeError:        # the event loop is gone (server shutting down)
+            self.cancel.set()
+
+
+class Engine:
+    """Owns the model's scheduler (:class:`cpullm.engine.Engine`): up to ``parallel`` jobs decode
+    together, sharing each pass over the weights; the others wait in arrival order (at most
+    ``max_queue``; more get 503). Text pieces (stop strings applied) go back through each job's
+    emit; a job's cancel flag is its sequence's, so a client that leaves frees its slot at the
+    next step."""
+
+    def __init__(self, model, max_queue: int = DEFAULT_MAX_QUEUE, parallel: int | None = None,
+                 prefill_chunk: int | None = None, prefix_cache_bytes: int | None = None):
+        from ..engine import Engine as CoreEngine
+        self.model = model
+        self.max_queue = max_queue
+        self.core = CoreEngine(model, parallel, prefill_chunk, prefix_cache_bytes)
+        self.parallel = self.core.parallel
+        self._lock = threading.Lock()
+        self._closed = False
+        self._jobs: set = set()
+        self.counters = {"requests": 0, "completed": 0, "cancelled": 0, "failed": 0,
+                         "timed_out": 0, "generated_tokens": 0}
+
+    def submit(self, job: Job, loop: asyncio.AbstractEventLoop) -> "asyncio.Queue":
+        from ..generate import TextStream
+        out: asyncio.Queue = asyncio.Queue()
+        job._emit = lambda item: loop.call_soon_threadsafe(out.put_nowait, item)
+        with self._lock:
+            if self._closed:
+                raise shutting_down_error()
+            if self.core.scheduler.counts()["waiting"] >= self.max_queue:
+                raise ApiError(f"the server is busy ({self.max_queue} requests are already waiting); "
+                               "retry in a moment", 503, "server_overloaded")
+            self.counters["requests"] += 1
+        text = TextStream(self.model.tokenizer, job.stop)
+        job.ended_by = None              # "stop" (a stop string) or "timeout", set on the engine thread
+        job.deadline = None
+
+        def on_token(tok):               # on the scheduler's thread
+            if tok is None:
+                self._finish(job, text)
+                return
+            if job.ended_by is not None or job.cancel.is_set():
+                return
+            if job.deadline is None and job.time_limit is not None:
+                job.deadline = time.monotonic() - job.stats.prefill_s + job.time_limit
+            piece = text.push(tok)
+            if piece:
+                job.emit(("piece", piece))
+            if text.stopped:
+                job.ended_by = "stop"
+            elif job.deadline is not None and time.monotonic() > job.deadline:
+                job.ended_by = "timeout"
+            if job.ended_by is not None:
+                job.cancel.set()         # frees the slot at the next step
+
+        try:
+            self.core.submit(job.ids, job.max_tokens, stats=job.stats, cancel=job.cancel,
+                             on_token=on_token, **job.sampling)
+        except Exception:
+            with self._lock:
+                self.counters["failed"] += 1
+            raise
+        with self._lock:
+            self._jobs.add(job)
+        return out
+
+    def _finish(self, job: Job, text) -> None:
+        st = job.stats
+        if job.abort is not None:
+            outcome = "cancelled"
+            job.emit(("error", job.abort))
+        elif st.stop_reason == "error":
+            outcome = "failed"
+            job.emit(("error", RuntimeError("the generation failed (see the server log)")))
+        elif st.stop_reason == "cancelled" and job.ended_by is None:
+            outcome = "cancelled"
+            job.emit(("done", None))
+        else:
+            outcome = "completed"
+            if job.ended_by == "timeout":
+                outcome, job.timed_out, st.stop_reason = "timed_out", True, "length"
+            elif job.ended_by == "stop":
+                st.stop_reason = "stop"
+            else:
+                piece = text.flush()
+                if piece:
+                    job.emit(("piece", piece))
+                if text.stopped:
+                    st.stop_reason = "stop"
+            job.emit(("done", None))
+        with self._lock:
+            self.counters[outcome] += 1
+            self.counters["generated_tokens"] += st.generated_tokens
+            self._jobs.discard(job)
+        job.finished.set()
+
+    def count_left_early(self) -> None:
+        """A request whose client left before it reached the engine (during its render)."""
+        with self._lock:
+            self.counters["requests"] += 1
+            self.counters["cancelled"] += 1
+
+    def snapshot(self) -> dict:
+        c = self.core.scheduler.counts()
+        sch = self.core.scheduler
+        with self._lock:
+            return {**self.counters, "queued": c["waiting"], "active": c["running"],
+                    "parallel": self.parallel, "kv_bytes_per_stream": sch.slot_bytes,
+                    "kv_bytes_planned": sch.kv_bytes, "prefix_cache": self.core.prefix_stats()}
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Refuse new jobs; the running ones and every waiting one end with a 503 error."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            jobs = list(self._jobs)
+        for job in jobs:
+            job.abort = shutting_down_error()
+            job.cancel.set()
+        self.core.close()
+
+
+async def job_pieces(out: asyncio.Queue, job: Job):
+    """Async iterator over a job's text pieces; raises the job's error; cancels it when left early."""
+    try:
+        while True:
+            kind, data = await out.get()
+            if kind == "piece":
+                yield data
+            elif kind == "error":
+                raise data
+            else:
+                return
+    finally:
+        job.cancel.set()

@@ -1,0 +1,579 @@
+"""The HTTP side of ``cpullm serve``: the ASGI application (starlette) and running it (uvicorn).
+
+Endpoints: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/chat/completions``,
+``POST /v1/completions`` (both streaming as server-sent events ending in ``data: [DONE]``, or
+not), ``GET /health`` and ``GET /`` (a small chat page, ``cpullm/serve/static``).
+
+Bounds: ``request_timeout`` seconds of generation per request (then it ends with finish_reason
+"length"). A client has ``header_timeout`` seconds to send its request line and headers (else
+the connection closes; a custom uvicorn protocol, since uvicorn bounds only idle keep-alive
+connections) and ``body_timeout`` seconds for its body (else 408). Chat templates render in a
+worker process with their own time and memory limits (``cpullm.chat``); a client that leaves
+during the render stops it. ``/health`` and ``/v1/models`` report the limits. On SIGINT/SIGTERM
+the engine stops first: the running generation and every waiting request end with the 503
+``server_shutting_down`` error (a stream gets it as its last event).
+
+With an API key, every ``/v1/`` request needs ``Authorization: Bearer KEY`` (compared in constant
+time); the page and ``/health`` stay open (they reveal nothing and run nothing). Bound to
+loopback, the server also refuses Host headers that are not loopback names (DNS rebinding), and
+POST bodies must be ``application/json`` (so a web page elsewhere cannot post to it without a
+CORS preflight, which this server never grants).
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import sys
+import threading
+import time
+import traceback
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import ChatTemplateError, ConfigError, CpullmError
+from .engine import DEFAULT_MAX_QUEUE, Engine, Job, job_pieces
+from .openai import (DEFAULT_MAX_TOKENS_CAP, DEFAULT_REQUEST_TIMEOUT_S, Api, ApiError, RequestSpec,
+                     error_body, json_bytes, shutting_down_error, surrogate_path)
+
+if TYPE_CHECKING:
+    from starlette.exceptions import HTTPException
+    from starlette.requests import Request
+
+STATIC_DIR = Path(__file__).parent / "static"
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+DEFAULT_HEADER_TIMEOUT_S = 10.0       # to send a request's line and headers
+DEFAULT_BODY_TIMEOUT_S = 30.0         # to send its body (4 MiB at ~140 KB/s)
+LOOPBACK_NAMES = {"127.0.0.1", "localhost", "::1", "[::1]"}
+PAGE_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+            "img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'; form-action 'none'")
+
+
+# ---- ASGI plumbing --------------------------------------------------------------------------------
+def _host_name(host_header: str) -> str:
+    h = host_header.strip().lower()
+    if h.startswith("["):
+        return h[: h.find("]") + 1] if "]" in h else h
+    return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
+
+
+async def _send_json(send, status: int, obj, headers=()) -> None:
+    body = json_bytes(obj)
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class Guard:
+    """Pure ASGI middleware: Host check (loopback servers), bearer API key on /v1/, a last-resort
+    JSON 500, and ``nosniff`` on every response."""
+
+    def __init__(self, app, api_key: str | None, allowed_hosts: set[str] | None, engine=None):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.allowed_hosts = allowed_hosts
+        self.engine = engine
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.allowed_hosts is not None and _host_name(headers.get("host", "")) not in self.allowed_hosts:
+            return await _send_json(send, 400, {"error": {
+                "message": "this server is bound to loopback and only answers requests for "
+                           "localhost / 127.0.0.1 / [::1] (Host header refused)",
+                "type": "invalid_request_error", "param": None, "code": "invalid_host"}})
+        if self.api_key is not None and scope["path"].startswith("/v1"):
+            auth = headers.get("authorization", "")
+            scheme, _, token = auth.partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
+                return await _send_json(send, 401, {"error": {
+                    "message": "Incorrect or missing API key: send the header "
+                               "'Authorization: Bearer <key>' with the key the server was started with",
+                    "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}},
+                    headers=[(b"www-authenticate", b"Bearer")])
+        started = streaming = False
+
+        async def guarded_send(message):
+            nonlocal started, streaming
+            if message["type"] == "http.response.start":
+                started = True
+                streaming = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                                for k, v in message.get("headers", []))
+                message = dict(message)
+                message["headers"] = [*message.get("headers", []), (b"x-content-type-options", b"nosniff")]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, guarded_send)
+        except asyncio.CancelledError:
+            # the server's shutdown grace ran out with this request still going: answer as the
+            # docs say (503 JSON, or an error event ending the stream), then end quietly
+            if self.engine is None or not self.engine.closed:
+                raise
+            await self._shutdown_answer(send, started, streaming)
+        except Exception as exc:
+            if isinstance(exc, OSError):          # the client went away
+                return
+            traceback.print_exc(file=sys.stderr)
+            if not started:
+                status, body = error_body(exc)
+                await _send_json(send, status, body)
+
+
+    @staticmethod
+    async def _shutdown_answer(send, started: bool, streaming: bool) -> None:
+        import anyio
+
+        _, body = error_body(shutting_down_error())
+        with anyio.move_on_after(1.0):                # a client that reads nothing gets nothing
+            try:
+                if not started:
+                    await _send_json(send, 503, body)
+                elif streaming:
+                    await send({"type": "http.response.body", "more_body": False,
+                                "body": f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()})
+            except OSError:
+                pass
+
+
+class SSEResponse:
+    """Server-sent events from an async iterator of ``data:`` payloads (str). Watches for the
+    client's disconnect while streaming and calls ``on_disconnect`` (the job's cancel)."""
+
+    def __init__(self, events, on_disconnect):
+        self.events = events
+        self.on_disconnect = on_disconnect
+
+    async def __call__(self, scope, receive, send):
+        import anyio
+
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no")]})
+        async with anyio.create_task_group() as tg:
+            async def watch():
+                while True:
+                    msg = await receive()
+                    if msg["type"] == "http.disconnect":
+                        self.on_disconnect()
+                        tg.cancel_scope.cancel()
+                        return
+
+            tg.start_soon(watch)
+            try:
+                async for data in self.events:
+                    await send({"type": "http.response.body", "body": f"data: {data}\n\n".encode("utf-8"),
+                                "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except OSError:
+                self.on_disconnect()
+            finally:
+                tg.cancel_scope.cancel()
+                with anyio.CancelScope(shield=True):     # run the events' cleanup now, not at GC
+                    await self.events.aclose()
+
+
+async def _read_json(request, limit: int, timeout: float = DEFAULT_BODY_TIMEOUT_S) -> dict:
+    ctype = request.headers.get("content-type", "")
+    if ctype.split(";")[0].strip().lower() != "application/json":
+        raise ApiError("send the request body as JSON with the header 'Content-Type: application/json'",
+                       415, "unsupported_media_type")
+    cl = request.headers.get("content-length")
+    if cl is not None and cl.strip().isdigit() and int(cl) > limit:
+        raise ApiError(f"the request body is {int(cl)} bytes; the limit is {limit} (the server's "
+                       "--max-request-bytes)", 413, "request_too_large")
+    import anyio
+
+    buf = bytearray()
+    with anyio.move_on_after(timeout) as scope:
+        async for chunk in request.stream():
+            buf += chunk
+            if len(buf) > limit:
+                raise ApiError(f"the request body is over the limit of {limit} bytes (the server's "
+                               "--max-request-bytes)", 413, "request_too_large")
+    if scope.cancelled_caught:
+        raise ApiError(f"the request body did not arrive within {timeout:g} s; send it at once",
+                       408, "request_timeout")
+    try:
+        body = json.loads(bytes(buf).decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ApiError("the request body is not UTF-8 text", code="invalid_json") from None
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(f"the request body is not valid JSON ({str(exc)[:120]}); send a JSON object",
+                       code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(f"the request body must be a JSON object, not {type(body).__name__}",
+                       code="invalid_json")
+    where = surrogate_path(body)
+    if where is not None:
+        top = where.split(".")[0].split("[")[0]
+        raise ApiError(f"{where[:200]} holds a lone UTF-16 surrogate (an escape such as \\ud800 "
+                       "without its pair), which is not text; send valid Unicode",
+                       param=top if top in body else None, code="invalid_value")
+    return body
+
+
+def error_response(exc: Exception):
+    """The OpenAI error JSON for ``exc``; an unexpected failure's traceback goes to the log."""
+    from starlette.responses import Response
+
+    status, body = error_body(exc)
+    if status >= 500 and not isinstance(exc, CpullmError):
+        traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+    return Response(json_bytes(body), status, media_type="application/json")
+
+
+class Endpoints:
+    """The route handlers over one :class:`Api` (its model and engine) and the body limits."""
+
+    def __init__(self, api: Api, max_request_bytes: int, body_timeout: float):
+        self.api = api
+        self.engine = api.engine
+        self.max_request_bytes = max_request_bytes
+        self.body_timeout = body_timeout
+
+    def routes(self) -> list:
+        from starlette.routing import Mount, Route
+        from starlette.staticfiles import StaticFiles
+
+        return [
+            Route("/", self.page, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model_info, methods=["GET"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
+        ]
+
+    async def models(self, request: Request):
+        from starlette.responses import JSONResponse
+        return JSONResponse({"object": "list", "data": [_model_card(self.api)]})
+
+    async def model_info(self, request: Request):
+        from starlette.responses import JSONResponse
+
+        mid, model_id = request.path_params["model_id"], self.api.model_id
+        if mid != model_id:
+            return error_response(ApiError(f"The model `{mid}` does not exist: this server runs "
+                                           f"`{model_id}`", 404, "model_not_found", "model"))
+        return JSONResponse(_model_card(self.api))
+
+    async def health(self, request: Request):
+        from starlette.responses import JSONResponse
+        return JSONResponse({"status": "ok", "model": self.api.model_id, "n_ctx": self.api.model.n_ctx,
+                             "limits": _limits(self.api, self.max_request_bytes, self.body_timeout),
+                             **self.engine.snapshot()})
+
+    async def page(self, request: Request):
+        from starlette.responses import FileResponse
+        return FileResponse(STATIC_DIR / "index.html", headers={
+            "content-security-policy": PAGE_CSP, "cache-control": "no-cache"})
+
+    async def completions(self, request: Request):
+        return await self._complete(request, self.api.prepare_completion)
+
+    async def chat_completions(self, request: Request):
+        return await self._complete(request, self.api.prepare_chat)
+
+    async def not_found(self, request: Request, exc: HTTPException):
+        """404 and 405 (and any other HTTPException) as OpenAI-shaped errors."""
+        if exc.status_code == 404:
+            e = ApiError(f"Unknown request URL: {request.method} {request.url.path}. Endpoints: "
+                         "GET /v1/models, POST /v1/chat/completions, POST /v1/completions, "
+                         "GET /health, GET /", 404, "unknown_url")
+        elif exc.status_code == 405:
+            e = ApiError(f"{request.method} is not allowed on {request.url.path}", 405,
+                         "method_not_allowed")
+        else:
+            e = ApiError(str(exc.detail), exc.status_code)
+        return error_response(e)
+
+    @asynccontextmanager
+    async def lifespan(self, app):
+        try:
+            yield
+        finally:
+            self.engine.close()
+
+    async def _prepare(self, request: Request, prepare, body):
+        """Render and tokenize in a thread; a client that leaves meanwhile cancels the render
+        (its worker is killed, nothing keeps running for nobody). Returns (spec, gone)."""
+        import anyio
+
+        cancel = threading.Event()
+        gone, spec, failure = False, None, None
+        async with anyio.create_task_group() as tg:
+            async def watch():
+                nonlocal gone
+                while True:
+                    if (await request.receive())["type"] == "http.disconnect":
+                        gone = True
+                        cancel.set()
+                        return
+
+            tg.start_soon(watch)
+            try:
+                spec = await anyio.to_thread.run_sync(prepare, body, cancel)
+            except Exception as exc:
+                failure = exc
+            tg.cancel_scope.cancel()
+        if failure is not None and not gone:
+            raise failure
+        return spec, gone
+
+    async def _complete(self, request: Request, prepare):
+        """Read, prepare and submit one completion request; answer it streamed or whole."""
+        from starlette.responses import Response
+
+        api, engine = self.api, self.engine
+        try:
+            body = await _read_json(request, self.max_request_bytes, self.body_timeout)
+            spec, gone = await self._prepare(request, prepare, body)
+            if gone:
+                engine.count_left_early()
+                return Response(b"", 499)            # the client left; nobody reads this
+            job = Job(spec.ids, spec.max_tokens, spec.sampling, spec.stop, api.request_timeout)
+            out = engine.submit(job, asyncio.get_running_loop())
+        except Exception as exc:
+            if engine.closed and (isinstance(exc, ChatTemplateError) or
+                                  getattr(exc, "openai_code", None) == "chat_template_error"):
+                exc = shutting_down_error()           # the render was stopped by the shutdown
+            return error_response(exc)
+        rid = ("chatcmpl-" if spec.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+        if spec.stream:
+            return SSEResponse(_sse_events(api, spec, job, out, rid, created), job.cancel.set)
+        return await _collect(request, api, spec, job, out, rid, created)
+
+
+def create_app(model, model_id: str | None = None, api_key: str | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_queue: int = DEFAULT_MAX_QUEUE,
+               allowed_hosts: set[str] | None = None, max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP,
+               request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
+               body_timeout: float = DEFAULT_BODY_TIMEOUT_S, parallel: int | None = None,
+               prefix_cache_bytes: int | None = None, prefill_chunk: int | None = None):
+    """The ASGI application serving ``model``; ``parallel`` streams at once (None: chosen from
+    the machine, :func:`cpullm.engine.default_parallel`); ``prefix_cache_bytes`` bounds the KV
+    kept for shared prompt prefixes (None: :func:`cpullm.engine.default_prefix_cache_bytes`);
+    ``prefill_chunk``: prompt tokens prefilled per scheduler step, also the prefix cache's block
+    (None: the program's max chunk). ``allowed_hosts``: Host names accepted (None: any).
+    ``max_tokens_cap``: the longest answer (an omitted max_tokens gets it); ``request_timeout``:
+    seconds of generation per request (None: no limit); ``body_timeout``: seconds to send a body."""
+    from starlette.applications import Starlette
+    from starlette.exceptions import HTTPException
+
+    model_id = model_id or Path(str(model.model_dir)).name
+    engine = Engine(model, max_queue=max_queue, parallel=parallel, prefill_chunk=prefill_chunk,
+                    prefix_cache_bytes=prefix_cache_bytes)
+    api = Api(model, model_id, engine, max_tokens_cap=max_tokens_cap, request_timeout=request_timeout)
+    endpoints = Endpoints(api, max_request_bytes, body_timeout)
+    app = Starlette(routes=endpoints.routes(), exception_handlers={HTTPException: endpoints.not_found},
+                    lifespan=endpoints.lifespan)
+    app.state.engine = engine
+    app.state.model_id = model_id
+    guarded = Guard(app, api_key, allowed_hosts, engine)
+    guarded.engine = engine
+    return guarded
+
+
+def _limits(api: Api, max_request_bytes: int | None = None, body_timeout: float | None = None) -> dict:
+    from .. import chat
+
+    out = {"max_tokens_cap": api.max_tokens_cap, "request_timeout_s": api.request_timeout,
+           "template_timeout_s": chat.RENDER_TIMEOUT_S, "template_memory_mb": chat.RENDER_MEMORY_MB,
+           "max_queue": api.engine.max_queue}
+    if max_request_bytes is not None:
+        out["max_request_bytes"] = max_request_bytes
+    if body_timeout is not None:
+        out["body_timeout_s"] = body_timeout
+    return out
+
+
+def _model_card(api: Api) -> dict:
+    m = api.model
+    return {"id": api.model_id, "object": "model", "created": api.created, "owned_by": "cpullm",
+            "family": m.family.name, "quant": m.quant, "n_ctx": m.n_ctx,
+            "max_tokens_cap": api.max_tokens_cap, "request_timeout_s": api.request_timeout}
+
+
+async def _collect(request, api: Api, spec: RequestSpec, job: Job, out, rid, created):
+    """A non-streaming answer; a client that disconnects while waiting cancels its job."""
+    import anyio
+    from starlette.responses import Response
+
+    pieces: list[str] = []
+    failure = None
+    gone = False
+    async with anyio.create_task_group() as tg:
+        async def watch():
+            nonlocal gone
+            while True:
+                msg = await request.receive()
+                if msg["type"] == "http.disconnect":
+                    gone = True
+                    job.cancel.set()
+                    tg.cancel_scope.cancel()
+                    return
+
+        tg.start_soon(watch)
+        try:
+            async for p in job_pieces(out, job):
+                pieces.append(p)
+        except Exception as exc:
+            failure = exc
+        tg.cancel_scope.cancel()
+    if gone:
+        return Response(b"", 499)                  # the client left; nobody reads this
+    if failure is not None:
+        return error_response(failure)
+    obj = api.answer(spec, rid, created, "".join(pieces), job.stats)
+    return Response(json_bytes(obj), 200, media_type="application/json")
+
+
+async def _sse_events(api: Api, spec: RequestSpec, job: Job, out, rid, created):
+    """The ``data:`` payloads of a streamed answer, ``[DONE]`` last; an error mid-stream is sent
+    as an ``{"error": ...}`` event."""
+    chat = spec.kind == "chat"
+
+    def chunk(**fields):
+        return api.chunk(spec, rid, created, **fields)
+
+    try:
+        if chat:
+            yield chunk(delta={"role": "assistant", "content": ""})
+        async for piece in job_pieces(out, job):
+            yield chunk(delta={"content": piece}) if chat else chunk(text=piece)
+        yield chunk(delta={}, text="", finish=api.finish_reason(job.stats))
+        if spec.include_usage:
+            yield chunk(empty=True, usage=api.usage(job.stats, spec))
+    except Exception as exc:
+        _, body = error_body(exc)
+        if not isinstance(exc, CpullmError):
+            traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+        yield json.dumps(body, ensure_ascii=False)
+    finally:
+        job.cancel.set()
+    yield "[DONE]"
+
+
+# ---- running it -------------------------------------------------------------------------------------
+def is_loopback(host: str) -> bool:
+    import ipaddress
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def header_timeout_protocol(header_timeout: float):
+    """uvicorn's h11 protocol with a deadline for each request's line and headers.
+
+    uvicorn times out only idle keep-alive connections after a response; a client that connects
+    and sends nothing, or trickles its headers a byte at a time, would hold its connection
+    forever. Here each request cycle (a new connection, or the next request on a kept-alive one)
+    must have delivered its complete headers ``header_timeout`` seconds after it began, or the
+    connection is closed. The body has its own deadline in the application."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeoutProtocol(H11Protocol):
+        _header_cycle = 0
+        _header_timer = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm_header_deadline()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self._arm_header_deadline()
+
+        def connection_lost(self, exc):
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            super().connection_lost(exc)
+
+        def _arm_header_deadline(self):
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            self._header_cycle += 1
+            self._header_timer = self.loop.call_later(header_timeout, self._header_deadline,
+                                                      self._header_cycle)
+
+        def _header_deadline(self, cycle: int):
+            if cycle == self._header_cycle and not self.transport.is_closing() and \
+                    self.conn.their_state is h11.IDLE:      # no complete request line + headers yet
+                self.transport.close()
+
+    return HeaderTimeoutProtocol
+
+
+def serve(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          model_id: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+          max_queue: int = DEFAULT_MAX_QUEUE, log_level: str = "warning", announce=print,
+          max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP,
+          request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
+          header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
+          body_timeout: float = DEFAULT_BODY_TIMEOUT_S, parallel: int | None = None,
+          prefix_cache_bytes: int | None = None, prefill_chunk: int | None = None) -> None:
+    """Serve until interrupted. ``port=0`` picks a free port; ``announce`` gets the ready line
+    (with the real URL) once the socket listens. On SIGINT/SIGTERM the engine and the template
+    worker stop first, so every waiting client gets the 503 JSON error and every stream an
+    error event, before uvicorn's graceful close."""
+    import socket
+
+    import uvicorn
+
+    from ..chat import stop_render_worker
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            app.engine.close()
+            stop_render_worker()
+            await super().shutdown(sockets=sockets)
+
+    allowed = LOOPBACK_NAMES if is_loopback(host) else None
+    app = create_app(model, model_id=model_id, api_key=api_key, max_request_bytes=max_request_bytes,
+                     max_queue=max_queue, allowed_hosts=allowed, max_tokens_cap=max_tokens_cap,
+                     request_timeout=request_timeout, body_timeout=body_timeout, parallel=parallel,
+                     prefix_cache_bytes=prefix_cache_bytes, prefill_chunk=prefill_chunk)
+    bind_host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(bind_host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        app.engine.close()
+        raise ConfigError(f"cannot resolve --host {host!r} ({exc.strerror}); give an IP address "
+                          "such as 127.0.0.1") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        app.engine.close()
+        raise ConfigError(f"cannot listen on {host}:{port} ({exc.strerror}); pick another --port "
+                          "(or stop the program using it)") from None
+    real_port = sock.getsockname()[1]
+    shown = f"[{bind_host}]" if ":" in bind_host else bind_host
+    config = uvicorn.Config(app, log_level=log_level, access_log=log_level in ("info", "debug", "trace"),
+                            timeout_graceful_shutdown=3, lifespan="on", server_header=False,
+                            http=header_timeout_protocol(header_timeout), timeout_keep_alive=5)
+    server = Server(config)
+    announce(f"cpullm: serving {model_id or Path(str(model.model_dir)).name} at "
+             f"http://{shown}:{real_port}/ (OpenAI API: http://{shown}:{real_port}/v1, "
+             f"chat page: http://{shown}:{real_port}/)")
+    try:
+        server.run(sockets=[sock])
+    finally:
+        app.engine.close()
+        stop_render_worker()
+        sock.close()

@@ -1,0 +1,395 @@
+"""The OpenAI-compatible API: request validation and parsing, response objects, OpenAI-shaped errors.
+
+Sampling defaults for fields a request omits: OpenAI's (temperature 1, top_p 1), overridden by
+the checkpoint's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty).
+Extensions accepted beside OpenAI's fields: ``top_k``, ``min_p``, ``repetition_penalty``,
+``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``). ``tools`` are passed to the chat
+template; tool calls come back as plain text. Lone UTF-16 surrogates anywhere in a body, and
+sampling values that would overflow the sampler (a temperature under 1e-3 other than 0), are
+400s. An answer is at most ``max_tokens_cap`` tokens (an omitted ``max_tokens`` means the cap,
+not the rest of the context; a larger one is cut with finish_reason "length").
+
+Errors are OpenAI-shaped JSON: ``{"error": {"message", "type", "param", "code"}}``.
+"""
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+
+from ..errors import (ChatTemplateError, ContextOverflowError, CpullmError, SamplingError,
+                      ServerRequestError)
+from ..generate import GenerationStats
+from ..limits import one_line
+
+DEFAULT_MAX_TOKENS_CAP = 1024         # longest answer per request; an omitted max_tokens gets this
+DEFAULT_REQUEST_TIMEOUT_S = 300.0     # generation time per request: 1024 tokens at ~4 tok/s (a 4B model)
+MIN_TEMPERATURE = 1e-3                # logits / T must stay finite: 3.4e38 (float32 max) / 1e-3 is
+MAX_REPETITION_PENALTY = 1e3          # ... and so must penalized ones (x * 1e3, x / 1e-3)
+MAX_STOP = 16
+
+
+class ApiError(ServerRequestError):
+    """A request error with the OpenAI error fields (``type``, ``param``, ``code``)."""
+
+    def __init__(self, message: str, status: int = 400, code: str | None = None,
+                 param: str | None = None, type: str | None = None):
+        super().__init__(one_line(message, 500), status, code or "invalid_request_error")
+        self.param = param
+        self.openai_code = code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+
+def _quoted(value) -> str:
+    """A client's value quoted in an error message: JSON, one line, at most 80 characters."""
+    try:
+        text = json.dumps(value, ensure_ascii=True)
+    except (TypeError, ValueError, RecursionError):
+        text = repr(type(value))
+    return one_line(text, 80)
+
+
+def error_body(exc: Exception) -> tuple[int, dict]:
+    """(HTTP status, OpenAI error object) for any exception."""
+    if isinstance(exc, ApiError):
+        status, typ, param, code = exc.status, exc.type, exc.param, exc.openai_code
+    elif isinstance(exc, ServerRequestError):
+        status, param = exc.status, None
+        typ = "invalid_request_error" if status < 500 else "server_error"
+        code = exc.code
+    elif isinstance(exc, ContextOverflowError):
+        status, typ, param, code = 400, "invalid_request_error", "messages", "context_length_exceeded"
+    elif isinstance(exc, ChatTemplateError):
+        status, typ, param, code = 400, "invalid_request_error", "messages", "chat_template_error"
+    elif isinstance(exc, SamplingError):
+        status, typ, param, code = 400, "invalid_request_error", None, "invalid_value"
+    elif isinstance(exc, CpullmError):
+        status, typ, param, code = 400, "invalid_request_error", None, None
+    else:
+        return 500, {"error": {"message": f"internal server error ({type(exc).__name__}); "
+                                          "the server log has the details",
+                               "type": "server_error", "param": None, "code": None}}
+    return status, {"error": {"message": str(exc), "type": typ, "param": param, "code": code}}
+
+
+def json_bytes(obj) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def shutting_down_error() -> ApiError:
+    return ApiError("the server is shutting down; retry on another instance or once it is back",
+                    503, "server_shutting_down")
+
+
+# ---- request parsing ---------------------------------------------------------------------------------
+class RequestSpec:
+    """A checked request: prompt ids, answer length, sampling, stop strings, how to answer."""
+
+    def __init__(self, kind, ids, max_tokens, sampling, stop, stream, include_usage):
+        self.kind, self.ids, self.max_tokens = kind, ids, max_tokens
+        self.sampling, self.stop = sampling, stop
+        self.stream, self.include_usage = stream, include_usage
+
+
+def _number(body: dict, key: str, default, lo=None, hi=None, lo_open=False, hi_open=False):
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ApiError(f"{key} must be a number, got {_quoted(v)}", param=key, code="invalid_type")
+    if lo is not None and (v <= lo if lo_open else v < lo) or hi is not None and (v >= hi if hi_open else v > hi):
+        rng = f"{'(' if lo_open else '['}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}{')' if hi_open else ']'}"
+        raise ApiError(f"{key} must be in {rng}, got {v}", param=key, code="invalid_value")
+    return float(v)
+
+
+def _integer(body: dict, key: str, default, lo=None):
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        else:
+            raise ApiError(f"{key} must be an integer, got {_quoted(v)}", param=key, code="invalid_type")
+    if lo is not None and v < lo:
+        raise ApiError(f"{key} must be >= {lo}, got {v}", param=key, code="invalid_value")
+    return int(v)
+
+
+def _boolean(body: dict, key: str, default: bool) -> bool:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ApiError(f"{key} must be true or false, got {_quoted(v)}", param=key, code="invalid_type")
+    return v
+
+
+def _unsupported(body: dict, key: str, allowed, why: str) -> None:
+    v = body.get(key)
+    if v is not None and v not in allowed:
+        raise ApiError(f"{key}={_quoted(v)} is not supported by this server: {why}", param=key,
+                       code="unsupported_parameter")
+
+
+def _check_sampling_value(key: str, v: float) -> None:
+    """Values inside the documented ranges that still break the sampler's arithmetic."""
+    if key == "temperature" and 0.0 < v < MIN_TEMPERATURE:
+        raise ApiError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {v:g} "
+                       "(smaller values overflow the sampler)", param=key, code="invalid_value")
+    if key == "repetition_penalty" and not 1 / MAX_REPETITION_PENALTY <= v <= MAX_REPETITION_PENALTY:
+        raise ApiError(f"repetition_penalty must be in [{1 / MAX_REPETITION_PENALTY:g}, "
+                       f"{MAX_REPETITION_PENALTY:g}] (1 = off), got {v:g}", param=key, code="invalid_value")
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")            # C speed; only lone surrogates fail
+        return False
+    except UnicodeEncodeError:
+        return True
+
+
+def surrogate_path(obj, where: str = "") -> str | None:
+    """Where in a parsed JSON body a string holds a lone UTF-16 surrogate ("\\ud800"), which
+    no tokenizer can encode; None when there is none. Iterative: bodies nest deeply."""
+    stack = [(obj, where)]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if _has_surrogate(value):
+                return path or "the body"
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if _has_surrogate(k):
+                    return f"{path}.{k!a}" if path else f"key {k!a}"
+                stack.append((v, f"{path}.{k}" if path else k))
+        elif isinstance(value, list):
+            stack.extend((v, f"{path}[{i}]") for i, v in enumerate(value))
+    return None
+
+
+class Api:
+    """The API over one model: parses and checks requests into :class:`RequestSpec`, shapes the
+    answers. ``engine`` is the :class:`cpullm.serve.engine.Engine` the requests run on."""
+
+    def __init__(self, model, model_id: str, engine,
+                 max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP,
+                 request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S):
+        self.model = model
+        self.model_id = model_id
+        self.engine = engine
+        self.max_tokens_cap = max_tokens_cap
+        self.request_timeout = request_timeout
+        self.created = int(time.time())
+        self.fingerprint = f"cpullm-{_version()}-{model.quant}"
+        self.vocab = int(model.program.meta.get("vocab", model.tokenizer.vocab_size))
+        gc = model.config.get("_generation_config") or {}
+        self.defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+                         "repetition_penalty": 1.0}
+        for k in self.defaults:
+            v = gc.get(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                try:
+                    _check_sampling_value(k, float(v))
+                except ApiError:
+                    continue                        # the checkpoint's value would break sampling
+                self.defaults[k] = type(self.defaults[k])(v)
+
+    # -- shared fields
+    def _check_common(self, body: dict) -> None:
+        m = body.get("model")
+        if m is not None:
+            if not isinstance(m, str):
+                raise ApiError(f"model must be a string, got {_quoted(m)}", param="model", code="invalid_type")
+            if m != self.model_id:
+                raise ApiError(f"The model `{m}` does not exist: this server runs `{self.model_id}` "
+                               "(GET /v1/models lists it)", 404, "model_not_found", "model")
+        _unsupported(body, "n", (1,), "one choice per request (send several requests)")
+        _unsupported(body, "best_of", (1,), "one choice per request")
+        _unsupported(body, "logprobs", (False, 0), "log-probabilities are not returned")
+        _unsupported(body, "top_logprobs", (0,), "log-probabilities are not returned")
+        _unsupported(body, "presence_penalty", (0, 0.0), "use repetition_penalty instead")
+        _unsupported(body, "frequency_penalty", (0, 0.0), "use repetition_penalty instead")
+        lb = body.get("logit_bias")
+        if lb not in (None, {}):
+            raise ApiError("logit_bias is not supported by this server", param="logit_bias",
+                           code="unsupported_parameter")
+        rf = body.get("response_format")
+        if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+            raise ApiError("response_format other than {\"type\": \"text\"} is not supported by this "
+                           "server (no constrained decoding)", param="response_format",
+                           code="unsupported_parameter")
+
+    def _sampling(self, body: dict) -> dict:
+        d = self.defaults
+        seed = _integer(body, "seed", None)
+        out = {
+            "temperature": _number(body, "temperature", d["temperature"], 0.0, 2.0),
+            "top_p": _number(body, "top_p", d["top_p"], 0.0, 1.0, lo_open=True),
+            "top_k": _integer(body, "top_k", d["top_k"], 0),
+            "min_p": _number(body, "min_p", d["min_p"], 0.0, 1.0, hi_open=True),
+            "repetition_penalty": _number(body, "repetition_penalty", d["repetition_penalty"], 0.0,
+                                          lo_open=True),
+            "seed": None if seed is None else seed & (2**64 - 1),
+        }
+        _check_sampling_value("temperature", out["temperature"])
+        _check_sampling_value("repetition_penalty", out["repetition_penalty"])
+        return out
+
+    def _stop(self, body: dict) -> list[str]:
+        stop = body.get("stop")
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise ApiError("stop must be a string or a list of strings", param="stop", code="invalid_type")
+        if len(stop) > MAX_STOP:
+            raise ApiError(f"stop takes at most {MAX_STOP} strings, got {len(stop)}", param="stop",
+                           code="invalid_value")
+        return [s for s in stop if s]
+
+    def _max_tokens(self, body: dict, n_prompt: int, prompt_param: str) -> int:
+        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        n = _integer(body, key, None, 1)
+        n_ctx = self.model.n_ctx
+        room = n_ctx - n_prompt
+        if room <= 0:
+            raise ApiError(f"This model's maximum context length is {n_ctx} tokens, but the "
+                           f"{prompt_param} take {n_prompt} tokens; shorten them (or restart the "
+                           "server with a larger --ctx)", 400, "context_length_exceeded", prompt_param)
+        if n is None:
+            return min(room, self.max_tokens_cap)
+        if n > room:
+            raise ApiError(f"This model's maximum context length is {n_ctx} tokens; you requested "
+                           f"{n_prompt + n} tokens ({n_prompt} in the {prompt_param}, {n} in the "
+                           f"completion): lower {key} to at most {room} or shorten the {prompt_param}",
+                           400, "context_length_exceeded", key)
+        return min(n, self.max_tokens_cap)        # over the cap: finish_reason "length"
+
+    def _stream_flags(self, body: dict) -> tuple[bool, bool]:
+        stream = _boolean(body, "stream", False)
+        so = body.get("stream_options")
+        include_usage = False
+        if so is not None:
+            if not isinstance(so, dict):
+                raise ApiError("stream_options must be an object", param="stream_options", code="invalid_type")
+            include_usage = _boolean(so, "include_usage", False)
+        return stream, include_usage
+
+    # -- endpoint-specific parsing (runs in a worker thread: rendering and tokenizing cost CPU)
+    def prepare_chat(self, body: dict, cancel: threading.Event | None = None) -> RequestSpec:
+        from ..chat import RenderCancelled, check_messages, chat_prompt_ids
+
+        self._check_common(body)
+        if "messages" not in body:
+            raise ApiError("messages is required: a list of {role, content} objects", param="messages",
+                           code="missing_required_parameter")
+        try:
+            messages = check_messages(body["messages"])
+        except ChatTemplateError as exc:
+            raise ApiError(str(exc), param="messages", code="invalid_value") from None
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise ApiError("tools must be a list", param="tools", code="invalid_type")
+        extra = body.get("chat_template_kwargs") or {}
+        if not isinstance(extra, dict):
+            raise ApiError("chat_template_kwargs must be an object", param="chat_template_kwargs",
+                           code="invalid_type")
+        extra = {k: v for k, v in extra.items() if isinstance(k, str) and k.isidentifier() and
+                 k not in ("messages", "tools", "bos_token", "eos_token", "add_generation_prompt",
+                           "cancel")}
+        stream, include_usage = self._stream_flags(body)
+        sampling, stop = self._sampling(body), self._stop(body)
+        try:
+            ids = chat_prompt_ids(self.model, messages, tools=tools, cancel=cancel, **extra)
+        except RenderCancelled:
+            raise
+        except ChatTemplateError as exc:
+            raise ApiError(str(exc), param="messages", code="chat_template_error") from None
+        if not ids:
+            raise ApiError("the chat template rendered an empty prompt", param="messages")
+        max_tokens = self._max_tokens(body, len(ids), "messages")
+        return RequestSpec("chat", ids, max_tokens, sampling, stop, stream, include_usage)
+
+    def prepare_completion(self, body: dict, cancel: threading.Event | None = None) -> RequestSpec:
+        self._check_common(body)
+        _unsupported(body, "echo", (False,), "the prompt is not echoed")
+        _unsupported(body, "suffix", ("",), "no fill-in-the-middle")
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]                                  # a batch of one
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ApiError("prompt is empty: give some text", param="prompt", code="invalid_value")
+            ids = self.model.tokenizer.encode(prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                         for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.vocab]
+            if bad:
+                raise ApiError(f"prompt token ids must be in [0, {self.vocab}), got {bad[0]}",
+                               param="prompt", code="invalid_value")
+            ids = list(prompt)
+        elif prompt is None:
+            raise ApiError("prompt is required: a string (or a list of token ids)", param="prompt",
+                           code="missing_required_parameter")
+        elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+            raise ApiError("batched prompts are not supported: send one request per prompt",
+                           param="prompt", code="unsupported_parameter")
+        else:
+            raise ApiError("prompt must be a non-empty string or a list of token ids", param="prompt",
+                           code="invalid_type")
+        stream, include_usage = self._stream_flags(body)
+        sampling, stop = self._sampling(body), self._stop(body)
+        max_tokens = self._max_tokens(body, len(ids), "prompt")
+        return RequestSpec("completion", ids, max_tokens, sampling, stop, stream, include_usage)
+
+    # -- responses
+    def finish_reason(self, stats: GenerationStats) -> str:
+        return "length" if stats.stop_reason == "length" else "stop"
+
+    @staticmethod
+    def usage(stats: GenerationStats, spec: RequestSpec) -> dict:
+        p, c = len(spec.ids), stats.generated_tokens
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def answer(self, spec: RequestSpec, rid: str, created: int, text: str, stats: GenerationStats) -> dict:
+        """The response object of a non-streamed answer."""
+        usage, fr = self.usage(stats, spec), self.finish_reason(stats)
+        if spec.kind == "chat":
+            return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_id,
+                    "system_fingerprint": self.fingerprint,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                 "logprobs": None, "finish_reason": fr}],
+                    "usage": usage}
+        return {"id": rid, "object": "text_completion", "created": created, "model": self.model_id,
+                "system_fingerprint": self.fingerprint,
+                "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": fr}],
+                "usage": usage}
+
+    def chunk(self, spec: RequestSpec, rid: str, created: int, delta=None, text=None, finish=None,
+              usage=None, empty=False) -> str:
+        """One streamed chunk as JSON text: a chat ``delta`` or completion ``text``; ``empty``:
+        no choices (the last chunk, carrying the usage)."""
+        chat = spec.kind == "chat"
+        c = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+             "created": created, "model": self.model_id, "system_fingerprint": self.fingerprint}
+        if empty:
+            c["choices"] = []
+        elif chat:
+            c["choices"] = [{"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}]
+        else:
+            c["choices"] = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
+        if usage is not None or spec.include_usage:
+            c["usage"] = usage
+        return json.dumps(c, ensure_ascii=False, separators=(",", ":"))
+
+
+def _version() -> str:
+    from .. import __version__
+    return __version__
+
+
