@@ -98,17 +98,25 @@ print(json.dumps({"used": used, "want": {k: sorted(v) for k, v in want.items()}}
 """
 
 
-@pytest.mark.parametrize("quant", ["int8", "q4"])
-def test_the_executor_calls_each_kernel_with_the_warmed_signature_only(tiny, tmp_path, quant):
-    """In a fresh process: after prefills and decodes of several lengths every kernel has exactly
-    the signature the warm-up compiled, and the gated-delta kernel (absent op) none."""
-    r = subprocess.run([sys.executable, "-c", _SIGNATURES, str(tiny), str(tmp_path / "cache"), quant],
-                       capture_output=True, text=True, timeout=900)
+def used_kernel_signatures(model_path, cache_dir, quant: str | None = None) -> dict:
+    """In a fresh process, after prefills and decodes of several lengths: {kernel: signatures it
+    ran with}, having checked that every kernel ran with exactly the signatures the warm-up
+    compiled (Model.kernel_units)."""
+    args = [sys.executable, "-c", _SIGNATURES, str(model_path), str(cache_dir)] + ([quant] if quant else [])
+    r = subprocess.run(args, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     used, want = out["used"], out["want"]
     for name, sigs in used.items():
         assert sorted(sigs) == sorted(want.get(name, [])), name
+    return used
+
+
+@pytest.mark.parametrize("quant", ["int8", "q4"])
+def test_the_executor_calls_each_kernel_with_the_warmed_signature_only(tiny, tmp_path, quant):
+    """Every kernel runs with exactly the signature the warm-up compiled, and the gated-delta
+    kernel (absent op) not at all."""
+    used = used_kernel_signatures(tiny, tmp_path / "cache", quant)
     # (kernels keyed by module: q8_gemm and kquant_gemm both have a _matvec_rows)
     assert used["cpullm.kernels.gated_delta.gated_delta"] == [] and used["cpullm.kernels.attention.attention"] != []
 

@@ -224,18 +224,7 @@ def test_a_block_format_gguf_calls_each_kernel_with_the_warmed_signature_only(wr
     """Like the default model (a Q4_1 GGUF): in a fresh process the block kernels run with the
     signatures the warm-up compiled, and the q8 prefill GEMM, which no body LINEAR needs, is never
     compiled."""
-    import json
-    import subprocess
-    import sys
-
-    from test_coldstart import _SIGNATURES
-    path = write("Q4_1")
-    r = subprocess.run([sys.executable, "-c", _SIGNATURES, str(path), str(tmp_path / "cache")],
-                       capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-2000:]
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    used, want = out["used"], out["want"]
-    for name, sigs in used.items():
-        assert sorted(sigs) == sorted(want.get(name, [])), name
+    from test_coldstart import used_kernel_signatures
+    used = used_kernel_signatures(write("Q4_1"), tmp_path / "cache")
     assert used["cpullm.kernels.interpreter._linear_blocks_rows"] != []
     assert used["cpullm.kernels.q8_gemm._gemm_panels"] == []
