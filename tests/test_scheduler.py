@@ -183,6 +183,29 @@ def test_engine_serves_threads_with_cancel(llama):
         assert eng.counts()["running"] == 0 and eng.counts()["free_slots"] == 3
 
 
+def test_a_request_submitted_mid_stream_joins_the_running_decode(llama):
+    """Continuous batching, counted in tokens rather than time: a 3-token request submitted
+    when a 60-token stream has emitted 3 tokens ends a few scheduler steps later (one to
+    prefill, then one token a step beside the long stream), long before that stream ends; both
+    equal what they give alone."""
+    long_prompt, short_prompt = [5, 6, 7], [9, 8]
+    want_long = list(llama.generate_ids(long_prompt, 60, ignore_eos=True))
+    want_short = list(llama.generate_ids(short_prompt, 3, ignore_eos=True))
+    order, short = [], []
+    with llama.engine(parallel=2) as eng:
+        def on_long(tok):                      # runs on the engine's thread, between steps
+            order.append(("long", tok))
+            if tok is not None and sum(1 for k, t in order if k == "long") == 3:
+                short.append(eng.submit(short_prompt, 3, stop_ids=(),
+                                        on_token=lambda t: order.append(("short", t))))
+        long = eng.submit(long_prompt, 60, stop_ids=(), on_token=on_long)
+        assert long.finished.wait(120) and short and short[0].finished.wait(120)
+    long_before_short_ended = sum(1 for k, t in order[:order.index(("short", None))] if k == "long")
+    assert long_before_short_ended <= 3 + 4           # prefill step + 3 decode steps, with slack of 1
+    assert [t for k, t in order if k == "long"] == want_long + [None]
+    assert [t for k, t in order if k == "short"] == want_short + [None]
+
+
 def test_parallel_is_planned_against_available_memory(llama, monkeypatch):
     from cpullm import engine
     slot = llama.executor.state.size * 4

@@ -56,28 +56,29 @@ def test_models_and_health(server, client):
     assert pc["budget_bytes"] > 0 and 0 <= pc["bytes"] <= pc["budget_bytes"] and pc["block_tokens"] == 64
 
 
-def test_a_short_request_is_answered_while_a_long_stream_runs(server):
-    """Continuous batching: the short request joins the running stream's decode steps instead of
-    waiting for it to finish."""
-    seen, done = [], threading.Event()
+def test_a_request_sent_during_a_stream_is_answered_like_alone(server, client):
+    """A short request sent while a long stream runs gets the text it gets alone, and the stream
+    too (that the short one joins the running decode steps, counted in steps, is
+    test_scheduler's test_a_request_submitted_mid_stream_joins_the_running_decode)."""
+    short = dict(model=MODEL, prompt="Hi", max_tokens=3, temperature=0)
+    want_short = client.completions.create(**short).choices[0].text
+    long = dict(model=MODEL, prompt="Once", max_tokens=200, temperature=0)
+    want_long = client.completions.create(**long).choices[0].text
+    pieces, started, done = [], threading.Event(), threading.Event()
 
     def long_stream():
-        with httpx.stream("POST", server.url + "/v1/completions", timeout=120,
-                          json={"prompt": "Once", "max_tokens": 400, "stream": True,
-                                "temperature": 0}) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    seen.append(line)
+        for c in client.completions.create(**long, stream=True):
+            pieces.append(c.choices[0].text if c.choices else "")
+            if len(pieces) >= 3:
+                started.set()
+        started.set()
         done.set()
     t = threading.Thread(target=long_stream)
     t.start()
-    while len(seen) < 3 and not done.is_set():
-        threading.Event().wait(0.02)
-    r = httpx.post(server.url + "/v1/completions", timeout=120,
-                   json={"prompt": "Hi", "max_tokens": 3, "temperature": 0})
-    assert r.status_code == 200
-    assert not done.is_set(), "the long stream ended before the short request was answered"
+    assert started.wait(120)
+    assert client.completions.create(**short).choices[0].text == want_short
     t.join(120)
+    assert done.is_set() and "".join(pieces) == want_long
 
 
 def test_chat_completion_matches_the_python_api(client, local):
