@@ -230,6 +230,17 @@ def _header_fields(model_dir: Path, cfg: dict, layout) -> tuple[dict, dict]:
     return fields, extra
 
 
+def _inert_merge(tokens: list[str]) -> str:
+    """"a b" for the first vocabulary entry ab that splits into two entries a and b."""
+    have = set(tokens)
+    for t in tokens:
+        for cut in range(1, len(t)):
+            if t[:cut] in have and t[cut:] in have:
+                return f"{t[:cut]} {t[cut:]}"
+    raise SystemExit("compare.py: the byte-level vocabulary has no merges and no two-part entry "
+                     "to make the one merge llama.cpp requires; pass a GGUF with --gguf FILE")
+
+
 def _vocab_fields(model_dir: Path, config: dict, cfg: dict):
     """(GGUFWriter fields of the vocabulary, gguf.SpecialVocab with merges and special ids)."""
     import gguf
@@ -249,8 +260,9 @@ def _vocab_fields(model_dir: Path, config: dict, cfg: dict):
     sv = gguf.SpecialVocab(model_dir, load_merges=tok_model == "gpt2", n_vocab=n_vocab)
     if tok_model == "gpt2" and not sv.merges:
         # llama.cpp requires the merges key; a merge-free byte-level BPE gets one inert merge
-        # (the benchmark feeds token ids, llama.cpp never tokenizes text here).
-        sv.merges = [f"{tokens[0]} {tokens[1]}"]
+        # (the benchmark feeds token ids, llama.cpp never tokenizes text here) whose parts and
+        # result are all in the vocabulary, as a BPE tokenizer (cpullm's, HF's) requires.
+        sv.merges = [_inert_merge(tokens)]
     for key in ("bos", "eos", "pad"):
         v = cfg.get(f"{key}_token_id", config.get(f"{key}_token_id"))
         if isinstance(v, list):
@@ -303,14 +315,15 @@ def write_f32_gguf(model_dir, out_path) -> Path:
         raise SystemExit(f"compare.py: {exc}; or pass a GGUF of the same weights with --gguf FILE") from None
 
 
-def quantize_q8_0(src, dst, threads: int) -> Path:
-    """llama.cpp's own quantizer (llama_model_quantize, the C API behind llama-quantize)."""
+def llama_quantize(src, dst, threads: int, ftype: str = "Q8_0") -> Path:
+    """llama.cpp's own quantizer (llama_model_quantize, the C API behind llama-quantize) to
+    ``LLAMA_FTYPE_MOSTLY_<ftype>`` (Q8_0, Q4_K_M, Q4_0, ...)."""
     import ctypes
 
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     params.nthread = int(threads)
     tmp = Path(str(dst) + ".tmp")
     with tempfile.TemporaryFile() as log:          # the C quantizer logs every tensor to fd 2
@@ -326,7 +339,7 @@ def quantize_q8_0(src, dst, threads: int) -> Path:
         tail = log.read().decode(errors="replace").strip().splitlines()[-5:]
     if rc != 0 or not tmp.is_file():
         tmp.unlink(missing_ok=True)
-        raise SystemExit(f"compare.py: llama_model_quantize failed with code {rc}: " + " / ".join(tail))
+        raise SystemExit(f"compare.py: llama_model_quantize to {ftype} failed with code {rc}: " + " / ".join(tail))
     os.replace(tmp, dst)
     return Path(dst)
 
@@ -343,7 +356,7 @@ def ensure_q8_gguf(model_dir: Path, work_dir: Path, threads: int, say=print) -> 
         say(f"writing the checkpoint as an F32 GGUF ({f32.name})")
         write_f32_gguf(model_dir, f32)
         say("quantizing it to Q8_0 with llama_cpp.llama_model_quantize")
-        quantize_q8_0(f32, q8, threads)
+        llama_quantize(f32, q8, threads)
     finally:
         f32.unlink(missing_ok=True)
     return q8

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -127,32 +126,6 @@ def gguf_decode_bytes(path) -> int:
     return total
 
 
-def llama_quantize(src, dst, ftype_name: str, threads: int) -> Path:
-    """llama.cpp's own quantizer (llama_model_quantize) to ``LLAMA_FTYPE_MOSTLY_<ftype_name>``."""
-    import ctypes
-
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype_name}")
-    params.nthread = int(threads)
-    tmp = Path(str(dst) + ".tmp")
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(os.devnull, "w") as devnull:        # the C quantizer logs every tensor to fd 2
-        os.dup2(devnull.fileno(), 2)
-        try:
-            rc = llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params))
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-    if rc != 0 or not tmp.is_file():
-        tmp.unlink(missing_ok=True)
-        raise SystemExit(f"fidelity.py: llama_model_quantize to {ftype_name} failed with code {rc}")
-    os.replace(tmp, dst)
-    return Path(dst)
-
-
 def transformers_check(path, sequences: list, ref: list) -> dict:
     """transformers float32 on the same GGUF (``gguf_file=``): mean KL against cpullm f32 and the
     largest absolute logit difference, to show the reference is the dequantized weights' f32."""
@@ -221,7 +194,7 @@ def run(args) -> dict:
                 del m
         if "q4km" not in skip:
             sys.path.insert(0, str(Path(__file__).resolve().parent))
-            from compare import checkpoint_identity, write_f32_gguf
+            from compare import checkpoint_identity, llama_quantize, write_f32_gguf
 
             work = Path(args.work_dir).expanduser() / checkpoint_identity(model_dir)
             work.mkdir(parents=True, exist_ok=True)
@@ -231,7 +204,7 @@ def run(args) -> dict:
                 if not qpath.is_file():
                     if not f32.is_file():
                         write_f32_gguf(model_dir, f32)
-                    llama_quantize(f32, qpath, ftype, args.threads)
+                    llama_quantize(f32, qpath, args.threads, ftype)
                 add(f"llama.cpp {ftype} (bf16)", llama_cpp_logits(qpath, sequences, args.threads),
                     gguf_decode_bytes(qpath))
             f32.unlink(missing_ok=True)

@@ -9,7 +9,10 @@ kernels/kquant.py (decode) and kernels/kquant_gemm.py (prefill):
 * ``"q4"``: bf16 / f32 checkpoints quantized by cpullm.kernels.q4 (its docstring: the design):
   Q4_K for every matrix but these, kept at Q6_K: the lm_head (and the embedding tied to it), and
   the attention value and MLP down projections of the layers where llama.cpp's Q4_K_M spends more
-  bits (:func:`more_bits_layer`). A matrix whose row length is not a multiple of 32 stays int8.
+  bits (:func:`more_bits_layer`). Rows that are not whole 256-weight super-blocks (hidden sizes
+  576, 640, 896 of the small models) take Q5_0 for Q4_K and Q8_0 for Q6_K, as llama.cpp's mix
+  does: padding them to 256 would cost as many bytes (Q4_K at 576: 6.0 bits per weight against
+  Q5_0's 5.5) for a coarser grid. A matrix whose row length is not a multiple of 32 stays int8.
 
 The choice is made from the graph (ops, groups, where an output goes), never from family names.
 
@@ -79,13 +82,14 @@ class BlockPlan:
         K = self.weights.shape(canonical)[1]
         if K % 32:
             return None
+        whole = K % 256 == 0                       # rows of whole Q4_K / Q6_K super-blocks
         if self.weights.identity(canonical) in self.lm_head_ids:
-            return "Q6_K"
+            return "Q6_K" if whole else "Q8_0"
         m = _LAYER.match(node.name)
         if m and (node.output in self.value_inputs or node.group == "mlp_down") \
                 and more_bits_layer(int(m.group(1)), self.n_layers):
-            return "Q6_K"
-        return "Q4_K"
+            return "Q6_K" if whole else "Q8_0"
+        return "Q4_K" if whole else "Q5_0"
 
 
 def pack_blocks(weights, canonicals: list[str], fmt: str, quant: str, scratch) -> tuple[np.ndarray, int]:
@@ -105,8 +109,9 @@ def pack_blocks(weights, canonicals: list[str], fmt: str, quant: str, scratch) -
     mat = scratch.take((sum(rows), weights.shape(canonicals[0])[1]))          # (N, K) float32
     for c, r0, r in zip(canonicals, np.cumsum([0] + rows), rows):
         weights.get(c, out=mat[r0:r0 + r])
-    data = q4.quantize_q6_k(mat) if fmt == "Q6_K" else q4.quantize_q4(mat)
-    return data, q4.padded_k(mat.shape[1])
+    quantize = {"Q4_K": q4.quantize_q4, "Q6_K": q4.quantize_q6_k, "Q5_0": q4.quantize_q5_0,
+                "Q8_0": q4.quantize_q8_0}[fmt]
+    return quantize(mat), (q4.padded_k(mat.shape[1]) if fmt in ("Q4_K", "Q6_K") else mat.shape[1])
 
 
 def q8_0_as_q8(data: np.ndarray, K: int):

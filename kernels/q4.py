@@ -37,9 +37,11 @@ against llama.cpp's Q4_K_M is measured by benchmarks/fidelity.py):
   vocabularies (Qwen2.5-0.5B: 136M of 494M weights) and the logits' error is what KL measures.
 * embedding: tied to the lm_head, its rows are gathered from the same Q6_K blocks (one row
   dequantized per token, no second copy); untied, Q4_K (a gathered row costs no bandwidth).
-* K not a multiple of 256 (Qwen2.5-0.5B's 896): rows are padded with zero weights to the next
-  multiple of 256 and the activations with zeros (+14 % bytes at 896; llama.cpp falls back to
-  Q5_0 there, +22 %).
+* K not a multiple of 256 (hidden sizes 576, 640, 896 of the small models): Q5_0 where Q4_K
+  would go and Q8_0 where Q6_K would, llama.cpp's fallbacks. Padding the rows to whole
+  super-blocks instead costs about the same bytes (at 576: Q4_K 6.0 bits per weight, Q5_0 5.5;
+  at 896: 5.1 against 5.5) on a coarser grid: Gemma 3 270M's q4 KL fell from 0.071 to the
+  figure in benchmarks/results/ when its 640-wide rows moved to Q5_0 / Q8_0.
 
 Entry points: ``quantize_q4(w float32 (N, K)) -> uint8 (N, Kp / 256 * 144)``, Kp = K rounded up
 to 256, and its reference dequantizer ``dequantize_q4_ref(blocks, N, K) -> float32 (N, K)``
@@ -48,6 +50,8 @@ to 256, and its reference dequantizer ``dequantize_q4_ref(blocks, N, K) -> float
 each sub-block of 16 gets a signed scale a (w ~ a q, q in -32..31) by least squares over 16
 candidate grids (the largest |x| mapped to -32 + t or 31 - t levels), d = max |a| / 127 (binary16),
 int8 sc = rint(a / d), and the quants are rounded against d sc as the dequantizer computes it.
+For rows that are not whole super-blocks, ``quantize_q5_0(w) -> uint8 (N, K / 32 * 22)`` and
+``quantize_q8_0(w) -> uint8 (N, K / 32 * 34)`` (dequantized by gguf_blocks.dequantize_ref).
 """
 from __future__ import annotations
 
@@ -259,3 +263,74 @@ def quantize_q6_k(w) -> np.ndarray:
 def dequantize_q6_k_ref(blocks, N: int, K: int) -> np.ndarray:
     """numpy reference: quantize_q6_k's blocks of an (N, K) matrix -> float32 (N, K)."""
     return dequantize_ref(blocks, "Q6_K", (N, padded_k(K)))[:, :K]
+
+
+# ================================================================================================
+# Q5_0 and Q8_0 (the q4 mix's formats for rows that are not whole 256-weight super-blocks)
+# ================================================================================================
+
+_Q5_STEPS = np.linspace(0.0, 1.5, 8, dtype=np.float32)
+"""Candidate grids of a Q5_0 block: its largest |x| mapped to level -(16 - t) or 15 - t."""
+
+
+def _blocks_of_32(w, name: str) -> tuple[np.ndarray, int, int]:
+    """w float (N, K), K a multiple of 32 -> (float32 (N * K / 32, 32), N, K), checked."""
+    w = np.asarray(w, dtype=np.float32)
+    if w.ndim != 2 or w.shape[1] % 32:
+        raise ValueError(f"{name} expects a 2-D matrix with rows a multiple of 32, got shape {w.shape}")
+    if not np.isfinite(w).all():
+        raise ValueError(f"{name}: the matrix holds non-finite values")
+    if not (np.abs(w) <= np.float32(6e4)).all():
+        raise ValueError(f"{name}: a weight's magnitude exceeds what a binary16 block scale can reach (6e4)")
+    N, K = w.shape
+    return w.reshape(-1, 32), N, K
+
+
+def _fp16_scale(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Scales float32 (M,) -> (binary16 (M,), the same as float32)."""
+    h = a.astype(np.float16)
+    return h, h.astype(np.float32)
+
+
+def quantize_q5_0(w) -> np.ndarray:
+    """w float (N, K), K a multiple of 32 -> Q5_0 blocks uint8 (N, K / 32 * 22): per 32 weights
+    w ~ d (q - 16), q 5 bits, d binary16. d by least squares over 16 candidate grids (the
+    largest |x| mapped to level -(16 - t) or 15 - t), the quants rounded against the binary16 d
+    as the dequantizer reads it. Weights already on a Q5_0 grid come back bit for bit."""
+    x, N, K = _blocks_of_32(w, "quantize_q5_0")
+    out = np.empty((x.shape[0], 22), np.uint8)
+    step = _ROWS_PER_CHUNK_VALUES // 32
+    for b0 in range(0, x.shape[0], step):
+        xb = x[b0: b0 + step]                                               # (M, 32)
+        M = xb.shape[0]
+        peak = xb[np.arange(M), np.abs(xb).argmax(axis=1)]                  # signed largest value
+        live = peak != 0
+        peak = np.where(live, peak, 1).astype(np.float32)
+        levels = np.concatenate([-(16 - _Q5_STEPS), 15 - _Q5_STEPS])       # (C,)
+        a0 = peak[:, None] / levels[None, :]                                 # (M, C)
+        q = np.clip(np.rint(xb[:, None, :] / a0[..., None]), -16, 15)      # (M, C, 32)
+        sqq = (q * q).sum(-1)
+        a = np.where(sqq > 0, (q * xb[:, None, :]).sum(-1) / np.where(sqq > 0, sqq, 1), 0)
+        err = ((a[..., None] * q - xb[:, None, :]) ** 2).sum(-1)
+        d = np.where(live, a[np.arange(M), err.argmin(axis=1)], 0).astype(np.float32)
+        h, dv = _fp16_scale(d)
+        inv = np.where(dv != 0, np.float32(1) / np.where(dv != 0, dv, 1), 0).astype(np.float32)
+        qq = (np.clip(np.rint(xb * inv[:, None]), -16, 15) + 16).astype(np.uint8)   # (M, 32) 0..31
+        o = out[b0: b0 + M]
+        o[:, 0:2] = h.view(np.uint8).reshape(M, 2)
+        o[:, 2:6] = np.packbits(qq >> 4, axis=1, bitorder="little")         # bit j: bit 4 of q[j]
+        o[:, 6:22] = (qq[:, :16] & 15) | ((qq[:, 16:] & 15) << 4)
+    return out.reshape(N, K // 32 * 22)
+
+
+def quantize_q8_0(w) -> np.ndarray:
+    """w float (N, K), K a multiple of 32 -> Q8_0 blocks uint8 (N, K / 32 * 34): per 32 weights
+    w ~ d q, q int8 in -127..127, d = max |x| / 127 (binary16), q rounded against that d."""
+    x, N, K = _blocks_of_32(w, "quantize_q8_0")
+    h, dv = _fp16_scale(np.abs(x).max(axis=1) / np.float32(127))
+    inv = np.where(dv != 0, np.float32(1) / np.where(dv != 0, dv, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(x * inv[:, None]), -127, 127).astype(np.int8)
+    out = np.empty((x.shape[0], 34), np.uint8)
+    out[:, 0:2] = h.view(np.uint8).reshape(-1, 2)
+    out[:, 2:34] = q.view(np.uint8)
+    return out.reshape(N, K // 32 * 34)

@@ -78,3 +78,22 @@ def test_smollm2_gguf_as_is_kl_floor():
         return
     llama = fidelity.mean_kl(ref_logits, fidelity.llama_cpp_logits(path, seqs, threads=2))
     assert as_is <= llama + 0.002, (as_is, llama)
+
+
+@pytest.mark.slow
+def test_gemma3_q4_kl_floor():
+    """``quant="q4"`` on the store's converted Gemma 3 270M (bf16 of its Q4_K_M file), one prompt
+    and 8 greedy tokens, against f32 on the same directory: measured 6.8e-5 nats over 115
+    positions, llama.cpp's Q4_K_M of the same weights 0.0048, the q4 mix before its 640-wide
+    rows took Q5_0 / Q8_0 0.071 (benchmarks/results/2026-12-04-q4-fidelity.md)."""
+    from realmodels import real_model_dir
+
+    d = real_model_dir("gemma-3-270m")
+    ref = cpullm.load(d, quant="f32")
+    seqs = fidelity.greedy_sequences(ref, [fidelity.PROMPTS[0]], 8)
+    ref_logits = fidelity.cpullm_logits(ref, seqs)
+    del ref
+    q4 = cpullm.load(d, quant="q4")
+    assert set(q4.info()["weight_formats"]) >= {"Q5_0", "Q8_0"}
+    kl = fidelity.mean_kl(ref_logits, fidelity.cpullm_logits(q4, seqs))
+    assert 0.0 <= kl < 0.004, kl

@@ -162,3 +162,56 @@ def test_q6_k_edge_rows_and_bad_input():
     np.testing.assert_allclose(deq[1:], w[1:], rtol=1e-3, atol=1e-4)
     with pytest.raises(ValueError):
         q4.quantize_q6_k(np.full((1, 256), np.inf, np.float32))
+
+
+# ---- Q5_0 / Q8_0 (the q4 mix's formats for rows that are not whole 256-weight super-blocks) ----
+
+@pytest.mark.parametrize("fmt", ["Q5_0", "Q8_0"])
+@pytest.mark.parametrize("kind", _KINDS)
+def test_q5_0_and_q8_0_layout_error_and_grid_recovery(fmt, kind):
+    """The gguf package (a port of ggml's reference quantizers) reads our blocks as we do; our
+    error is no worse than its quantizer's; weights already on its grid (a dequantized GGUF
+    tensor, as the store's converted models are) come back as the same blocks."""
+    gguf_quants = pytest.importorskip("gguf.quants", reason="the gguf package is the independent oracle")
+    from gguf import GGMLQuantizationType
+    ours_q = {"Q5_0": q4.quantize_q5_0, "Q8_0": q4.quantize_q8_0}[fmt]
+    qtype = getattr(GGMLQuantizationType, fmt)
+    N, K = 48, 640
+    w = _weights(kind, N, K)
+    blocks = ours_q(w)
+    assert blocks.shape == (N, gb.block_format(fmt).row_bytes(K))
+    deq = gb.dequantize_ref(blocks, fmt, (N, K))
+    np.testing.assert_array_equal(gguf_quants.dequantize(blocks, qtype), deq)
+    theirs = gguf_quants.quantize(w, qtype)
+    assert _rmse(deq, w) <= _rmse(gguf_quants.dequantize(theirs, qtype), w) * 1.0001
+    assert _rmse(deq, w) < {"Q5_0": 0.06, "Q8_0": 0.006}[fmt] * float(np.abs(w).max())
+    np.testing.assert_array_equal(ours_q(gguf_quants.dequantize(theirs, qtype)), theirs)
+
+
+def test_q5_0_and_q8_0_edge_blocks_and_bad_input():
+    w = np.zeros((3, 64), np.float32)
+    w[1] = -0.5
+    w[2, ::3] = 2.0
+    for fmt, quantize in (("Q5_0", q4.quantize_q5_0), ("Q8_0", q4.quantize_q8_0)):
+        deq = gb.dequantize_ref(quantize(w), fmt, (3, 64))
+        assert (deq[0] == 0).all()
+        np.testing.assert_allclose(deq[1:], w[1:], rtol=1e-3, atol=1e-4)
+        for bad in (np.full((1, 64), np.nan, np.float32), np.ones((1, 40), np.float32),
+                    np.full((1, 32), 1e6, np.float32), np.ones(64, np.float32)):
+            with pytest.raises(ValueError):
+                quantize(bad)
+
+
+def test_q5_0_blocks_run_through_the_matvec():
+    N, K = 33, 640
+    w = _weights("student_t3", N, K)
+    blocks = q4.quantize_q5_0(w)
+    x = np.random.default_rng(8).standard_normal(K).astype(np.float32)
+    x_q, x_s, x_m = np.empty(K, np.int8), np.empty(K // 32, np.float32), np.empty(K // 16, np.float32)
+    kq.quantize_act_q8(x, x_q, x_s, x_m)
+    out = np.full(N, np.nan, np.float32)
+    kq.matvec(kq.Q5_0, blocks, x_q, x_s, x_m, out)
+    ref = kq.matvec_ref(blocks, "Q5_0", (N, K), x_q, x_s)
+    terms = np.abs(gb.dequantize_ref(blocks, "Q5_0", (N, K))).astype(np.float64) @ np.abs(x_q * np.repeat(x_s, 32))
+    assert (np.abs(out - ref) <= 2e-6 * terms).all()
+    assert np.abs(out - w @ x).max() <= 0.1 * np.abs(w @ x).max()
