@@ -3,7 +3,7 @@
 
     python benchmarks/compare.py smollm2-135m-instruct [--threads 2] [--prompt-tokens 512]
         [--gen-tokens 128] [--repeat 3] [--rounds 1] [--paired 0] [--out DIR]
-        [--skip llama.cpp,transformers]
+        [--skip llama.cpp,transformers] [--four-bit [--kl-prompts 1] [--kl-tokens 16] [--gguf-q4 FILE]]
 
 Runs, one after another, each in its own child process (so no two thread pools ever compete):
 
@@ -25,13 +25,44 @@ sequence R times (cpullm, llama.cpp, transformers, cpullm, ...), so that every r
 at several moments of a shared machine whose memory bandwidth drifts: the table then holds the
 median over rounds, and a second table each round's ratios with their min and max.
 
+**4-bit** (``--four-bit``) adds four runtimes, run the same way after those three:
+
+* **cpullm-q4**: ``cpullm.load(MODEL, quant="q4")``, cpullm's own 4-bit mix (Q4_K, Q6_K for the
+  lm_head and llama.cpp's Q4_K_M choice of v / down layers; kernels/q4.py).
+* **cpullm-gguf**: cpullm running llama.cpp's **Q4_K_M** GGUF of the checkpoint as it is
+  (``cpullm.load(FILE.gguf)``, quant "gguf": its blocks executed directly).
+* **llama.cpp-Q4_K_M** and **llama.cpp-Q4_0**: llama-cpp-python, set up as above, on llama.cpp's
+  Q4_K_M and Q4_0 of the checkpoint (the F32 GGUF below quantized by ``llama_model_quantize``).
+
+Every row also gives the **weight bytes one decode token reads** (cpullm: the decode spans of
+its program, ``cpullm.bench.memory_bound``; llama.cpp: the GGUF's tensors but a separate token
+embedding, ``fidelity.gguf_decode_bytes``; transformers: its parameters but a separate input
+embedding) and, when the **KL pass** runs (by default with --four-bit: ``--kl-prompts 1``,
+``--kl-tokens 16``; ``--kl-prompts 0`` turns it off, ``--kl-prompts N`` turns it on without
+--four-bit), the **mean KL(reference || runtime) in nats** over every position of teacher-forced
+sequences: benchmarks/fidelity.py's first N prompts, each followed by the reference's greedy
+continuation of --kl-tokens tokens, every runtime running each whole sequence in one pass
+(fidelity.py's ``greedy_sequences``, ``cpullm_logits``, ``llama_cpp_logits``,
+``transformers_logits``, ``mean_kl``). The **reference** is cpullm ``quant="f32"`` on the
+checkpoint, in its own process: float32 on the checkpoint's weights, which is what transformers
+f32 computes; the transformers row's KL shows it (~1e-10 nats, i.e. rounding). The pass runs in
+the first round only (logits do not drift with the machine) and is kept short since it runs
+every model once more (llama.cpp loads its file again with ``logits_all``). The ratios printed
+besides cpullm / llama.cpp and cpullm / transformers: **cpullm-q4 / llama.cpp-Q4_K_M** (each
+runtime's own 4-bit quantization of the same weights, about the same bytes per token) and
+**cpullm-gguf / llama.cpp-Q4_K_M** (the very same file), for prefill, decode and decode at
+context (``RATIO_PAIRS``).
+
 ``--paired N`` then measures decode the way a drifting machine cannot skew: every runtime is
 loaded at once, each in its own child process (``--serve``), and they take N turns, each timing
 one decode run (gen_tokens greedy steps after a one-token prompt, then after the context prefill)
-per runtime, in the order A B, then B A, ..., nothing else running. A ratio is taken within a
+per runtime, in the order A B, then B A, ..., nothing else running. Every ratio of
+``RATIO_PAIRS`` whose two runtimes ran (with --four-bit: the 4-bit pairs too) is taken within a
 turn, from runs seconds apart; the report gives its median, min and max, each turn's numbers,
-and the plain read rate of cpullm's decode bytes measured right after its run in that turn, so
-the reader sees how the ratio moves with the machine's memory bandwidth.
+and the plain read rate of the first cpullm runtime's decode bytes measured right after its run
+in that turn, so the reader sees how the ratio moves with the machine's memory bandwidth. All
+runtimes are loaded at once: with --four-bit that is seven models (``--skip`` some for large
+checkpoints).
 
 **Same weights.** Every runtime starts from the same Hugging Face checkpoint directory (the one
 ``cpullm pull`` produced, or any safetensors directory). For llama.cpp this script writes that
@@ -42,16 +73,20 @@ them out; the vocabulary and merges from tokenizer.json) and quantizes it to Q8_
 quantizer; ``llama-quantize`` itself is not on PyPI). bf16 checkpoints are exact in F32, so
 llama.cpp's Q8_0 and cpullm's INT8 quantize the very same values. Re-quantizing a store
 model's original Q4 GGUF to Q8_0 was rejected: that would start from different numbers than the
-safetensors checkpoint cpullm runs. The Q8_0 file is kept under --work-dir (default
+safetensors checkpoint cpullm runs. The Q8_0 file (and with --four-bit the Q4_K_M and Q4_0
+files, all made from one F32 GGUF written once) is kept under --work-dir (default
 ``~/.cache/cpullm/bench``), keyed by the checkpoint's identity, and reused. ``--gguf FILE``
-benchmarks a GGUF of your own instead. The writer supports the model types whose plugins declare
+benchmarks a GGUF of your own instead (``--gguf-q4 FILE`` for the Q4_K_M one; cpullm-gguf then
+needs no llama-cpp-python). The writer supports the model types whose plugins declare
 a GGUF architecture (``cpullm.gguf_file.supported_architectures()``). As a check that the weights really are the same, the report gives each
 runtime's fidelity on the prompt's last-position logits against transformers f32 (cosine of
 mean-centred logits, same top-1).
 
 Outputs in --out (default ``bench-results/<model>``): ``compare.md`` (also printed),
 ``compare.png`` (prefill and decode tokens/s with the ratios; needs matplotlib) and
-``compare.json``. The report records the machine, versions and the load average before and after,
+``compare.json`` (a row per runtime: ``prefill_tps``, ``decode_tps``, ``decode_tps_at_512``,
+``decode_weight_bytes``, ``kl`` (nats, with the pass), ``weights``, ...; ``ratios`` keyed "A / B";
+``kl``: the pass's reference, prompts and positions; ``paired``). The report records the machine, versions and the load average before and after,
 since a busy machine makes every number noisy.
 
 llama-cpp-python, torch and transformers are optional (``pip install 'cpullm[bench]'``); a
@@ -240,13 +275,21 @@ def _header_fields(model_dir: Path, cfg: dict, layout) -> tuple[dict, dict]:
     return fields, extra
 
 
-def _inert_merge(tokens: list[str]) -> str:
-    """"a b" for the first vocabulary entry ab that splits into two entries a and b."""
+def _inert_merge(tokens: list[str], types: list) -> str:
+    """"a b" for the first vocabulary entry ab that splits into two entries a and b; in a vocabulary
+    of single characters (the tests' byte-level one) the first unused padding slot becomes the
+    entry a + b of its first two tokens (``tokens`` is changed in place)."""
+    import gguf
+
     have = set(tokens)
     for t in tokens:
         for cut in range(1, len(t)):
             if t[:cut] in have and t[cut:] in have:
                 return f"{t[:cut]} {t[cut:]}"
+    pad = next((i for i, k in enumerate(types) if k == gguf.TokenType.UNUSED), None)
+    if pad is not None and len(tokens) > 2 and tokens[0] + tokens[1] not in have:
+        tokens[pad] = tokens[0] + tokens[1]
+        return f"{tokens[0]} {tokens[1]}"
     raise SystemExit("compare.py: the byte-level vocabulary has no merges and no two-part entry "
                      "to make the one merge llama.cpp requires; pass a GGUF with --gguf FILE")
 
@@ -272,7 +315,7 @@ def _vocab_fields(model_dir: Path, config: dict, cfg: dict):
         # llama.cpp requires the merges key; a merge-free byte-level BPE gets one inert merge
         # (the benchmark feeds token ids, llama.cpp never tokenizes text here) whose parts and
         # result are all in the vocabulary, as a BPE tokenizer (cpullm's, HF's) requires.
-        sv.merges = [_inert_merge(tokens)]
+        sv.merges = [_inert_merge(tokens, types)]
     for key in ("bos", "eos", "pad"):
         v = cfg.get(f"{key}_token_id", config.get(f"{key}_token_id"))
         if isinstance(v, list):
