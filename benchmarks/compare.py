@@ -1163,15 +1163,14 @@ def chart(report: dict, path: Path) -> Path | None:
 # =================================================================================================
 # Main
 # =================================================================================================
-def _available(runtime: str, have_q4_gguf: bool = False) -> str | None:
+def _available(runtime: str) -> str | None:
     """None if the runtime's package imports, else why it is skipped. cpullm-gguf needs
-    llama_cpp for llama.cpp's quantizer unless a 4-bit GGUF is given (``have_q4_gguf``)."""
+    llama_cpp for llama.cpp's quantizer (main does not ask when --gguf-q4 gives the file)."""
     import importlib.util
     need = ["llama_cpp"] if is_llama_cpp(runtime) else ["torch", "transformers"] if runtime == "transformers" else []
-    if runtime == "cpullm-gguf" and not have_q4_gguf:
-        if importlib.util.find_spec("llama_cpp") is None:
-            return ("skipped: llama_cpp not installed, whose quantizer makes the Q4_K_M GGUF "
-                    "(pip install 'cpullm[bench]', or give one with --gguf-q4 FILE)")
+    if runtime == "cpullm-gguf" and importlib.util.find_spec("llama_cpp") is None:
+        return ("skipped: llama_cpp not installed, whose quantizer makes the Q4_K_M GGUF "
+                "(pip install 'cpullm[bench]', or give one with --gguf-q4 FILE)")
     missing = [m for m in need if importlib.util.find_spec(m) is None]
     if missing:
         return f"skipped: {', '.join(missing)} not installed (pip install 'cpullm[bench]')"
@@ -1285,7 +1284,7 @@ def main(argv=None) -> int:
             if name in skip:
                 rows[name] = {"runtime": name, "skipped": "skipped (--skip)"}
                 continue
-            why = _available(name, have_q4_gguf=bool(args.gguf_q4))
+            why = None if name == "cpullm-gguf" and args.gguf_q4 else _available(name)
             if why:
                 say(f"{name}: {why}")
                 rows[name] = {"runtime": name, "skipped": why}

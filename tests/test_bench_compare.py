@@ -171,7 +171,7 @@ def _kl_ok(row):
 def test_compare_four_bit_cpullm_runtimes(llama32_checkpoint, tmp_path, monkeypatch):
     """cpullm-q4 and cpullm-gguf (on a Q4_0 GGUF the gguf package writes: no llama.cpp needed)
     beside cpullm int8, with the KL pass; the llama.cpp runtimes reported as missing."""
-    monkeypatch.setattr(compare, "_available", lambda name, have_q4_gguf=False: (
+    monkeypatch.setattr(compare, "_available", lambda name: (
         "skipped: llama_cpp not installed" if compare.is_llama_cpp(name) else None))
     q4_0 = compare.write_f32_gguf(llama32_checkpoint, tmp_path / "model.Q4_0.gguf", qtype="Q4_0")
     code = compare.main([str(llama32_checkpoint), "--four-bit", "--gguf-q4", str(q4_0), "--kl-tokens", "4",
