@@ -1137,7 +1137,10 @@ def chart(report: dict, path: Path) -> Path | None:
         return "#3b75af" if is_cpullm(name) else "#e1812c" if is_llama_cpp(name) else "#6aa84f"
     by = {r["runtime"]: r for r in rows}
     pairs = ratio_pairs(by)
-    fig, axes = plt.subplots(1, 3, figsize=(max(13, 2.2 * len(rows) * 3 / 2), 4.6))
+    if len(rows) > 3:           # --four-bit: one panel per row, or the 7 bars' labels collide
+        fig, axes = plt.subplots(3, 1, figsize=(max(10.0, 1.6 * len(rows)), 13))
+    else:
+        fig, axes = plt.subplots(1, 3, figsize=(13, 4.6))
     for ax, (key, title) in zip(axes, metrics):
         names = [r["runtime"] for r in rows]
         vals = [r.get(key) or 0.0 for r in rows]
@@ -1148,7 +1151,6 @@ def chart(report: dict, path: Path) -> Path | None:
                 if den == r["runtime"] and v:
                     txt += f"\n{num} = {(by[num].get(key) or 0) / v:.2f}x"
             ax.text(b.get_x() + b.get_width() / 2, b.get_height(), txt, ha="center", va="bottom", fontsize=8)
-        ax.tick_params(axis="x", labelrotation=30 if len(rows) > 3 else 0, labelsize=8)
         ax.set_title(title)
         ax.set_ylabel("tokens/s")
         ax.set_ylim(0, max(vals + [1]) * (1.3 + 0.1 * max(1, len(pairs))))
