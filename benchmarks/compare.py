@@ -28,7 +28,8 @@ median over rounds, and a second table each round's ratios with their min and ma
 **4-bit** (``--four-bit``) adds four runtimes, run the same way after those three:
 
 * **cpullm-q4**: ``cpullm.load(MODEL, quant="q4")``, cpullm's own 4-bit mix (Q4_K, Q6_K for the
-  lm_head and llama.cpp's Q4_K_M choice of v / down layers; kernels/q4.py).
+  lm_head and llama.cpp's Q4_K_M choice of v / down layers, Q5_0 / Q8_0 for rows that are not
+  whole 256-weight super-blocks; kernels/q4.py).
 * **cpullm-gguf**: cpullm running llama.cpp's **Q4_K_M** GGUF of the checkpoint as it is
   (``cpullm.load(FILE.gguf)``, quant "gguf": its blocks executed directly).
 * **llama.cpp-Q4_K_M** and **llama.cpp-Q4_0**: llama-cpp-python, set up as above, on llama.cpp's
@@ -45,7 +46,9 @@ continuation of --kl-tokens tokens, every runtime running each whole sequence in
 (fidelity.py's ``greedy_sequences``, ``cpullm_logits``, ``llama_cpp_logits``,
 ``transformers_logits``, ``mean_kl``). The **reference** is cpullm ``quant="f32"`` on the
 checkpoint, in its own process: float32 on the checkpoint's weights, which is what transformers
-f32 computes; the transformers row's KL shows it (~1e-10 nats, i.e. rounding). The pass runs in
+f32 computes; the transformers row's KL shows it (3.8e-10 nats on ``python benchmarks/synth.py
+qwen2.5-1.5b --out /tmp/cmp4-tiny --scale 16`` with ``compare.py /tmp/cmp4-tiny --four-bit
+--threads 2 --prompt-tokens 64 --gen-tokens 16 --repeat 1``: float32 rounding). The pass runs in
 the first round only (logits do not drift with the machine) and is kept short since it runs
 every model once more (llama.cpp loads its file again with ``logits_all``). The ratios printed
 besides cpullm / llama.cpp and cpullm / transformers: **cpullm-q4 / llama.cpp-Q4_K_M** (each
@@ -86,7 +89,8 @@ Outputs in --out (default ``bench-results/<model>``): ``compare.md`` (also print
 ``compare.png`` (prefill and decode tokens/s with the ratios; needs matplotlib) and
 ``compare.json`` (a row per runtime: ``prefill_tps``, ``decode_tps``, ``decode_tps_at_512``,
 ``decode_weight_bytes``, ``kl`` (nats, with the pass), ``weights``, ...; ``ratios`` keyed "A / B";
-``kl``: the pass's reference, prompts and positions; ``paired``). The report records the machine, versions and the load average before and after,
+``kl``: the pass's reference, prompts and positions; ``paired``). The report records the machine,
+versions and the load average before and after,
 since a busy machine makes every number noisy.
 
 llama-cpp-python, torch and transformers are optional (``pip install 'cpullm[bench]'``); a
@@ -429,6 +433,7 @@ def ensure_ggufs(model_dir: Path, work_dir: Path, threads: int, ftypes, say=prin
 
 
 def ensure_q8_gguf(model_dir: Path, work_dir: Path, threads: int, say=print) -> Path:
+    """llama.cpp's Q8_0 of the checkpoint (benchmarks/batched.py's llama.cpp file)."""
     return ensure_ggufs(model_dir, work_dir, threads, ["Q8_0"], say)["Q8_0"]
 
 
@@ -1234,9 +1239,11 @@ def main(argv=None) -> int:
         print("compare.py: give a model directory or store name", file=sys.stderr)
         return 2
     kl_prompts = args.kl_prompts if args.kl_prompts is not None else (1 if args.four_bit else 0)
-    if args.rounds < 1 or args.repeat < 1 or args.paired < 0 or kl_prompts < 0 or args.kl_tokens < 0:
-        print("compare.py: --rounds and --repeat must be at least 1, --paired, --kl-prompts and --kl-tokens "
-              "at least 0", file=sys.stderr)
+    n_prompts = len(_fidelity_module().PROMPTS)
+    if args.rounds < 1 or args.repeat < 1 or args.paired < 0 or not 0 <= kl_prompts <= n_prompts \
+            or args.kl_tokens < 0:
+        print(f"compare.py: --rounds and --repeat must be at least 1, --paired and --kl-tokens at least 0, "
+              f"--kl-prompts from 0 to {n_prompts}", file=sys.stderr)
         return 2
 
     def say(msg):
