@@ -211,6 +211,7 @@ def test_compare_four_bit_kl_pass_can_be_turned_off(llama32_checkpoint, tmp_path
     rows = {r["runtime"]: r for r in report["results"]}
     assert rows["cpullm-q4"]["decode_tps"] > 0 and "kl" not in rows["cpullm-q4"] and "kl" not in report
     assert compare.main([str(llama32_checkpoint), "--skip", "cpullm-q8", "--out", str(tmp_path)]) == 2
+    assert compare.main([str(llama32_checkpoint), "--four-bit", "--kl-prompts", "6", "--out", str(tmp_path)]) == 2
 
 
 def test_four_bit_ratios_pair_each_runtime_with_its_llama_cpp_counterpart():
