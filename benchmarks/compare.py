@@ -3,7 +3,7 @@
 
     python benchmarks/compare.py smollm2-135m-instruct [--threads 2] [--prompt-tokens 512]
         [--gen-tokens 128] [--repeat 3] [--rounds 1] [--paired 0] [--out DIR]
-        [--skip llama.cpp,transformers]
+        [--skip llama.cpp,transformers] [--four-bit [--kl-prompts 1] [--kl-tokens 16] [--gguf-q4 FILE]]
 
 Runs, one after another, each in its own child process (so no two thread pools ever compete):
 
@@ -25,13 +25,47 @@ sequence R times (cpullm, llama.cpp, transformers, cpullm, ...), so that every r
 at several moments of a shared machine whose memory bandwidth drifts: the table then holds the
 median over rounds, and a second table each round's ratios with their min and max.
 
+**4-bit** (``--four-bit``) adds four runtimes, run the same way after those three:
+
+* **cpullm-q4**: ``cpullm.load(MODEL, quant="q4")``, cpullm's own 4-bit mix (Q4_K, Q6_K for the
+  lm_head and llama.cpp's Q4_K_M choice of v / down layers, Q5_0 / Q8_0 for rows that are not
+  whole 256-weight super-blocks; kernels/q4.py).
+* **cpullm-gguf**: cpullm running llama.cpp's **Q4_K_M** GGUF of the checkpoint as it is
+  (``cpullm.load(FILE.gguf)``, quant "gguf": its blocks executed directly).
+* **llama.cpp-Q4_K_M** and **llama.cpp-Q4_0**: llama-cpp-python, set up as above, on llama.cpp's
+  Q4_K_M and Q4_0 of the checkpoint (the F32 GGUF below quantized by ``llama_model_quantize``).
+
+Every row also gives the **weight bytes one decode token reads** (cpullm: the decode spans of
+its program, ``cpullm.bench.memory_bound``; llama.cpp: the GGUF's tensors but a separate token
+embedding, ``fidelity.gguf_decode_bytes``; transformers: its parameters but a separate input
+embedding) and, when the **KL pass** runs (by default with --four-bit: ``--kl-prompts 1``,
+``--kl-tokens 16``; ``--kl-prompts 0`` turns it off, ``--kl-prompts N`` turns it on without
+--four-bit), the **mean KL(reference || runtime) in nats** over every position of teacher-forced
+sequences: benchmarks/fidelity.py's first N prompts, each followed by the reference's greedy
+continuation of --kl-tokens tokens, every runtime running each whole sequence in one pass
+(fidelity.py's ``greedy_sequences``, ``cpullm_logits``, ``llama_cpp_logits``,
+``transformers_logits``, ``mean_kl``). The **reference** is cpullm ``quant="f32"`` on the
+checkpoint, in its own process: float32 on the checkpoint's weights, which is what transformers
+f32 computes; the transformers row's KL shows it (3.8e-10 nats on ``python benchmarks/synth.py
+qwen2.5-1.5b --out /tmp/cmp4-tiny --scale 16`` with ``compare.py /tmp/cmp4-tiny --four-bit
+--threads 2 --prompt-tokens 64 --gen-tokens 16 --repeat 1``: float32 rounding). The pass runs in
+the first round only (logits do not drift with the machine) and is kept short since it runs
+every model once more (llama.cpp loads its file again with ``logits_all``). The ratios printed
+besides cpullm / llama.cpp and cpullm / transformers: **cpullm-q4 / llama.cpp-Q4_K_M** (each
+runtime's own 4-bit quantization of the same weights, about the same bytes per token) and
+**cpullm-gguf / llama.cpp-Q4_K_M** (the very same file), for prefill, decode and decode at
+context (``RATIO_PAIRS``).
+
 ``--paired N`` then measures decode the way a drifting machine cannot skew: every runtime is
 loaded at once, each in its own child process (``--serve``), and they take N turns, each timing
 one decode run (gen_tokens greedy steps after a one-token prompt, then after the context prefill)
-per runtime, in the order A B, then B A, ..., nothing else running. A ratio is taken within a
+per runtime, in the order A B, then B A, ..., nothing else running. Every ratio of
+``RATIO_PAIRS`` whose two runtimes ran (with --four-bit: the 4-bit pairs too) is taken within a
 turn, from runs seconds apart; the report gives its median, min and max, each turn's numbers,
-and the plain read rate of cpullm's decode bytes measured right after its run in that turn, so
-the reader sees how the ratio moves with the machine's memory bandwidth.
+and the plain read rate of the first cpullm runtime's decode bytes measured right after its run
+in that turn, so the reader sees how the ratio moves with the machine's memory bandwidth. All
+runtimes are loaded at once: with --four-bit that is seven models (``--skip`` some for large
+checkpoints).
 
 **Same weights.** Every runtime starts from the same Hugging Face checkpoint directory (the one
 ``cpullm pull`` produced, or any safetensors directory). For llama.cpp this script writes that
@@ -42,16 +76,21 @@ them out; the vocabulary and merges from tokenizer.json) and quantizes it to Q8_
 quantizer; ``llama-quantize`` itself is not on PyPI). bf16 checkpoints are exact in F32, so
 llama.cpp's Q8_0 and cpullm's INT8 quantize the very same values. Re-quantizing a store
 model's original Q4 GGUF to Q8_0 was rejected: that would start from different numbers than the
-safetensors checkpoint cpullm runs. The Q8_0 file is kept under --work-dir (default
+safetensors checkpoint cpullm runs. The Q8_0 file (and with --four-bit the Q4_K_M and Q4_0
+files, all made from one F32 GGUF written once) is kept under --work-dir (default
 ``~/.cache/cpullm/bench``), keyed by the checkpoint's identity, and reused. ``--gguf FILE``
-benchmarks a GGUF of your own instead. The writer supports the model types whose plugins declare
+benchmarks a GGUF of your own instead (``--gguf-q4 FILE`` for the Q4_K_M one; cpullm-gguf then
+needs no llama-cpp-python). The writer supports the model types whose plugins declare
 a GGUF architecture (``cpullm.gguf_file.supported_architectures()``). As a check that the weights really are the same, the report gives each
 runtime's fidelity on the prompt's last-position logits against transformers f32 (cosine of
 mean-centred logits, same top-1).
 
 Outputs in --out (default ``bench-results/<model>``): ``compare.md`` (also printed),
 ``compare.png`` (prefill and decode tokens/s with the ratios; needs matplotlib) and
-``compare.json``. The report records the machine, versions and the load average before and after,
+``compare.json`` (a row per runtime: ``prefill_tps``, ``decode_tps``, ``decode_tps_at_512``,
+``decode_weight_bytes``, ``kl`` (nats, with the pass), ``weights``, ...; ``ratios`` keyed "A / B";
+``kl``: the pass's reference, prompts and positions; ``paired``). The report records the machine,
+versions and the load average before and after,
 since a busy machine makes every number noisy.
 
 llama-cpp-python, torch and transformers are optional (``pip install 'cpullm[bench]'``); a
@@ -75,6 +114,16 @@ from pathlib import Path
 import numpy as np
 
 RUNTIMES = ("cpullm", "llama.cpp", "transformers")
+FOUR_BIT = ("cpullm-q4", "cpullm-gguf", "llama.cpp-Q4_K_M", "llama.cpp-Q4_0")
+"""The runtimes --four-bit adds (see the module docstring)."""
+ALL_RUNTIMES = RUNTIMES + FOUR_BIT
+GGUF_OF = {"llama.cpp": "Q8_0", "llama.cpp-Q4_K_M": "Q4_K_M", "llama.cpp-Q4_0": "Q4_0", "cpullm-gguf": "Q4_K_M"}
+"""The llama.cpp file type of the GGUF a runtime runs (made from the checkpoint by llama_quantize)."""
+RATIO_PAIRS = (("cpullm", "llama.cpp"), ("cpullm", "transformers"),
+               ("cpullm-q4", "llama.cpp-Q4_K_M"), ("cpullm-gguf", "llama.cpp-Q4_K_M"))
+"""The tokens/s ratios reported, numerator / denominator, where both runtimes ran."""
+KL_REFERENCE = "kl-reference"
+"""The worker that makes the KL pass's token sequences and reference logits (cpullm f32)."""
 RESULT_TAG = "CPULLM_COMPARE_RESULT "
 CONTEXT_TOKENS = 512
 
@@ -230,13 +279,21 @@ def _header_fields(model_dir: Path, cfg: dict, layout) -> tuple[dict, dict]:
     return fields, extra
 
 
-def _inert_merge(tokens: list[str]) -> str:
-    """"a b" for the first vocabulary entry ab that splits into two entries a and b."""
+def _inert_merge(tokens: list[str], types: list) -> str:
+    """"a b" for the first vocabulary entry ab that splits into two entries a and b; in a vocabulary
+    of single characters (the tests' byte-level one) the first unused padding slot becomes the
+    entry a + b of its first two tokens (``tokens`` is changed in place)."""
+    import gguf
+
     have = set(tokens)
     for t in tokens:
         for cut in range(1, len(t)):
             if t[:cut] in have and t[cut:] in have:
                 return f"{t[:cut]} {t[cut:]}"
+    pad = next((i for i, k in enumerate(types) if k == gguf.TokenType.UNUSED), None)
+    if pad is not None and len(tokens) > 2 and tokens[0] + tokens[1] not in have:
+        tokens[pad] = tokens[0] + tokens[1]
+        return f"{tokens[0]} {tokens[1]}"
     raise SystemExit("compare.py: the byte-level vocabulary has no merges and no two-part entry "
                      "to make the one merge llama.cpp requires; pass a GGUF with --gguf FILE")
 
@@ -262,7 +319,7 @@ def _vocab_fields(model_dir: Path, config: dict, cfg: dict):
         # llama.cpp requires the merges key; a merge-free byte-level BPE gets one inert merge
         # (the benchmark feeds token ids, llama.cpp never tokenizes text here) whose parts and
         # result are all in the vocabulary, as a BPE tokenizer (cpullm's, HF's) requires.
-        sv.merges = [_inert_merge(tokens)]
+        sv.merges = [_inert_merge(tokens, types)]
     for key in ("bos", "eos", "pad"):
         v = cfg.get(f"{key}_token_id", config.get(f"{key}_token_id"))
         if isinstance(v, list):
@@ -295,9 +352,13 @@ def _text_tensors(model_dir: Path, n_vocab: int):
         yield hf, arr
 
 
-def write_f32_gguf(model_dir, out_path) -> Path:
+def write_f32_gguf(model_dir, out_path, qtype: str = "F32") -> Path:
     """The checkpoint as an F32 GGUF that llama.cpp loads (see the module docstring), written by
-    cpullm's GGUF writer with the installed plugins' table of the architecture."""
+    cpullm's GGUF writer with the installed plugins' table of the architecture. ``qtype`` other
+    than F32 quantizes the 2-D tensors with the ``gguf`` package's numpy quantizer (Q8_0, Q4_0,
+    ...; no llama.cpp needed: the tests make a 4-bit file this way where llama.cpp is absent)."""
+    import gguf
+
     from cpullm.errors import ConversionError
     from cpullm.convert.gguf_writer import gguf_arch_for_model_type, write_gguf
 
@@ -307,9 +368,11 @@ def write_f32_gguf(model_dir, out_path) -> Path:
     try:
         layout = gguf_arch_for_model_type(cfg.get("model_type"))
         fields, extra = _header_fields(model_dir, cfg, layout)
+        if qtype != "F32":
+            fields["file_type"] = gguf.LlamaFileType[f"MOSTLY_{qtype}"]
         vocab, special = _vocab_fields(model_dir, config, cfg)
         return write_gguf(out_path, layout.name, {**fields, **vocab},
-                          _text_tensors(model_dir, int(cfg["vocab_size"])), layout=layout,
+                          _text_tensors(model_dir, int(cfg["vocab_size"])), layout=layout, qtype=qtype,
                           extra_tensors=extra, add_metadata=lambda w: special.add_to_gguf(w, quiet=True))
     except ConversionError as exc:
         raise SystemExit(f"compare.py: {exc}; or pass a GGUF of the same weights with --gguf FILE") from None
@@ -344,22 +407,45 @@ def llama_quantize(src, dst, threads: int, ftype: str = "Q8_0") -> Path:
     return Path(dst)
 
 
-def ensure_q8_gguf(model_dir: Path, work_dir: Path, threads: int, say=print) -> Path:
+def ensure_ggufs(model_dir: Path, work_dir: Path, threads: int, ftypes, say=print) -> dict:
+    """{ftype: path} of llama.cpp's quantization of the checkpoint to each of ``ftypes`` (Q8_0,
+    Q4_K_M, Q4_0), kept in ``work_dir`` under the checkpoint's identity and reused; the F32 GGUF
+    they are made from is written once, and deleted after."""
     work_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{model_dir.name}-{checkpoint_identity(model_dir)}"
-    q8 = work_dir / f"{stem}.Q8_0.gguf"
-    if q8.is_file():
-        say(f"using the Q8_0 GGUF {q8}")
-        return q8
+    out = {ft: work_dir / f"{stem}.{ft}.gguf" for ft in ftypes}
+    for ft, path in out.items():
+        if path.is_file():
+            say(f"using the {ft} GGUF {path}")
+    missing = [ft for ft, path in out.items() if not path.is_file()]
+    if not missing:
+        return out
     f32 = work_dir / f"{stem}.F32.gguf.partial"
     try:
         say(f"writing the checkpoint as an F32 GGUF ({f32.name})")
         write_f32_gguf(model_dir, f32)
-        say("quantizing it to Q8_0 with llama_cpp.llama_model_quantize")
-        llama_quantize(f32, q8, threads)
+        for ft in missing:
+            say(f"quantizing it to {ft} with llama_cpp.llama_model_quantize")
+            llama_quantize(f32, out[ft], threads, ft)
     finally:
         f32.unlink(missing_ok=True)
-    return q8
+    return out
+
+
+def ensure_q8_gguf(model_dir: Path, work_dir: Path, threads: int, say=print) -> Path:
+    """llama.cpp's Q8_0 of the checkpoint (benchmarks/batched.py's llama.cpp file)."""
+    return ensure_ggufs(model_dir, work_dir, threads, ["Q8_0"], say)["Q8_0"]
+
+
+def gguf_label(path) -> str:
+    """The file type a GGUF declares ("Q4_K_M", "Q8_0", ...), "GGUF" if it declares none."""
+    import gguf
+
+    try:
+        field = gguf.GGUFReader(str(path)).fields.get("general.file_type")
+        return gguf.LlamaFileType(int(field.contents())).name.replace("MOSTLY_", "").replace("ALL_", "")
+    except Exception:      # noqa: BLE001 - a label only
+        return "GGUF"
 
 
 # =================================================================================================
@@ -435,6 +521,22 @@ def _n_ctx_needed(spec) -> int:
     return int(-(-need // 256) * 256)
 
 
+def is_cpullm(name: str) -> bool:
+    return name == "cpullm" or name.startswith("cpullm-")
+
+
+def is_llama_cpp(name: str) -> bool:
+    return name == "llama.cpp" or name.startswith("llama.cpp-")
+
+
+def gguf_path(name: str, spec: dict) -> str:
+    """The GGUF file runtime ``name`` runs (llama.cpp's Q8_0 in ``spec["gguf"]``, the 4-bit
+    files in ``spec["gguf_files"]`` by file type)."""
+    if name == "llama.cpp":
+        return spec["gguf"]
+    return spec["gguf_files"][GGUF_OF[name]]
+
+
 def load_runner(name: str, spec: dict):
     """(runner, info): the runtime ``name`` loaded as ``spec`` says, and what the report states
     about it (weights, version, threads, ``load_s``)."""
@@ -443,22 +545,29 @@ def load_runner(name: str, spec: dict):
     threads = spec["threads"]
     info: dict = {"runtime": name}
     t0 = time.perf_counter()
-    if name == "cpullm":
+    if is_cpullm(name):
         import cpullm
-        model = cpullm.load(spec["model_dir"], quant=spec["quant"], threads=threads,
-                            mmap=not spec.get("no_mmap", False))
+        if name == "cpullm-gguf":
+            source, quant = gguf_path(name, spec), "gguf"
+        else:
+            source, quant = spec["model_dir"], "q4" if name == "cpullm-q4" else spec["quant"]
+        model = cpullm.load(source, quant=quant, threads=threads, mmap=not spec.get("no_mmap", False))
         runner = CpullmRunner(model)
         no_mmap = ", --no-mmap" if spec.get("no_mmap") else ""
-        info.update(weights=f"{model.quant} (cpullm{no_mmap})", version=cpullm.__version__,
+        weights = f"{gguf_label(source)} GGUF as it is" if quant == "gguf" else model.quant
+        info.update(weights=f"{weights} (cpullm{no_mmap})", version=cpullm.__version__,
                     cache=str(model.cache_status).split()[0], threads=model.threads,
                     head_screen=model.executor.screen is not None)
-    elif name == "llama.cpp":
+        if quant == "gguf":
+            info["gguf"] = source
+    elif is_llama_cpp(name):
         import llama_cpp
-        llm = llama_cpp.Llama(model_path=spec["gguf"], n_ctx=_n_ctx_needed(spec), n_threads=threads,
+        path = gguf_path(name, spec)
+        llm = llama_cpp.Llama(model_path=path, n_ctx=_n_ctx_needed(spec), n_threads=threads,
                               n_threads_batch=threads, n_batch=512, n_ubatch=512, verbose=False)
         runner = LlamaCppRunner(llm)
-        info.update(weights="Q8_0 (GGUF)", version=f"llama-cpp-python {llama_cpp.__version__}", threads=threads,
-                    gguf=spec["gguf"], n_ctx=runner.n_ctx)
+        info.update(weights=f"{gguf_label(path)} (GGUF)", version=f"llama-cpp-python {llama_cpp.__version__}",
+                    threads=threads, gguf=path, n_ctx=runner.n_ctx)
     elif name == "transformers":
         import torch
         import transformers
@@ -478,18 +587,30 @@ def load_runner(name: str, spec: dict):
     return runner, info
 
 
+def _fidelity_module():
+    """benchmarks/fidelity.py (KL, teacher-forced logits, GGUF decode bytes), imported from
+    this script's directory."""
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import fidelity
+    return fidelity
+
+
 def worker(name: str, spec: dict) -> dict:
     from cpullm.bench import measure_speed
 
+    if name == KL_REFERENCE:
+        return kl_reference(spec)
     ids, gen = spec["ids"], spec["gen_tokens"]
     runner, info = load_runner(name, spec)
-    if name != "cpullm":     # cpullm's comes with its memory-bound pass below
+    if not is_cpullm(name):     # cpullm's comes with its memory-bound pass below
         info["decode_weight_bytes"] = _decode_weight_bytes(name, runner, spec)
     ctx_n = spec["context_tokens"]
     ctx_ids = spec.get("context_ids") or (ids if len(ids) == ctx_n else None)
     speed = measure_speed(runner, ids, gen, repeat=spec["repeat"], context_tokens=ctx_n,
                           context_ids=ctx_ids)
-    if name == "cpullm":     # this machine's streaming read rate, over cpullm's decode bytes
+    if is_cpullm(name):     # this machine's streaming read rate, over cpullm's decode bytes
         from cpullm.bench import memory_bound
         mb = memory_bound(runner.model, steps=min(32, gen), token=ids[0])
         info.update(decode_weight_bytes=mb["decode_weight_bytes"], read_gbps=mb["read_gbps"],
@@ -498,20 +619,46 @@ def worker(name: str, spec: dict) -> dict:
     last = np.asarray(runner.prefill(ids), np.float32).copy()
     np.save(spec["logits_out"], last)
     info.update({k: v for k, v in speed.items()})
+    if spec.get("kl_sequences"):
+        np.savez(spec["kl_logits_out"], *teacher_forced_logits(name, runner, spec))
     return info
+
+
+def kl_reference(spec: dict) -> dict:
+    """The KL pass's reference, in its own process: cpullm ``quant="f32"`` on the checkpoint
+    makes the token sequences (``kl_prompts`` of fidelity.py's prompts, each followed by its
+    ``kl_tokens`` greedy tokens) and their teacher-forced logits (saved to ``kl_logits_out``)."""
+    import cpullm
+
+    fid = _fidelity_module()
+    t0 = time.perf_counter()
+    model = cpullm.load(spec["model_dir"], quant="f32", threads=spec["threads"])
+    sequences = fid.greedy_sequences(model, list(fid.PROMPTS[: spec["kl_prompts"]]), spec["kl_tokens"])
+    np.savez(spec["kl_logits_out"], *fid.cpullm_logits(model, sequences))
+    return {"runtime": KL_REFERENCE, "sequences": sequences, "load_s": time.perf_counter() - t0}
+
+
+def teacher_forced_logits(name: str, runner, spec: dict) -> list:
+    """Logits (T, vocab) at every position of each of ``spec["kl_sequences"]``, each run from a
+    fresh context in one pass (fidelity.py's functions; llama.cpp loads the file again with
+    ``logits_all``)."""
+    fid = _fidelity_module()
+    seqs = spec["kl_sequences"]
+    if is_cpullm(name):
+        return fid.cpullm_logits(runner.model, seqs)
+    if is_llama_cpp(name):
+        return fid.llama_cpp_logits(gguf_path(name, spec), seqs, spec["threads"])
+    return fid.transformers_logits(runner.model, seqs)
 
 
 def _decode_weight_bytes(name: str, runner, spec: dict) -> int | None:
     """Weight bytes one decode token reads in llama.cpp and transformers (cpullm's:
     ``cpullm.bench.memory_bound``): every GGUF tensor but a token embedding that has a separate
-    output matrix (llama.cpp reads one row of it); every torch parameter, counted once, but an
-    input embedding that is not also the lm_head."""
+    output matrix (llama.cpp reads one row of it: fidelity.gguf_decode_bytes); every torch
+    parameter, counted once, but an input embedding that is not also the lm_head."""
     try:
-        if name == "llama.cpp":
-            import gguf
-            tensors = {t.name: int(t.n_bytes) for t in gguf.GGUFReader(spec["gguf"]).tensors}
-            skip = "token_embd.weight" if "output.weight" in tensors else None
-            return sum(n for k, n in tensors.items() if k != skip)
+        if is_llama_cpp(name):
+            return _fidelity_module().gguf_decode_bytes(gguf_path(name, spec))
         model = runner.model
         sizes = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
         emb, head = model.get_input_embeddings().weight, model.get_output_embeddings()
@@ -523,7 +670,11 @@ def _decode_weight_bytes(name: str, runner, spec: dict) -> int | None:
 
 
 def run_worker(name: str, spec: dict, workdir: Path, timeout: float) -> dict:
-    spec = dict(spec, logits_out=str(workdir / f"{name}.logits.npy"))
+    """Runs ``worker(name, spec)`` in a child process: its result, with the last-position logits
+    under "_logits" and, when the spec asks for the KL pass, the teacher-forced logits of each
+    sequence under "_kl_logits"; {"runtime", "error"} when the child failed."""
+    spec = dict(spec, logits_out=str(workdir / f"{name}.logits.npy"),
+                kl_logits_out=str(workdir / f"{name}.kl.npz"))
     env = dict(os.environ, CPULLM_QUIET="1", OMP_NUM_THREADS=str(spec["threads"]))
     spec_path = workdir / f"{name}.spec.json"
     spec_path.write_text(json.dumps(spec))
@@ -537,6 +688,12 @@ def run_worker(name: str, spec: dict, workdir: Path, timeout: float) -> dict:
     res = json.loads(line[len(RESULT_TAG):])
     try:
         res["_logits"] = np.load(spec["logits_out"])
+    except OSError:
+        pass
+    try:
+        with np.load(spec["kl_logits_out"]) as z:
+            res["_kl_logits"] = [z[f"arr_{i}"] for i in range(len(z.files))]
+        os.unlink(spec["kl_logits_out"])
     except OSError:
         pass
     return res
@@ -554,9 +711,10 @@ or ``decode_at_512`` (the same after the context_ids prefill), as measure_speed 
 def serve(name: str, spec: dict, stdin=None, stdout=None) -> None:
     """A runtime kept loaded for the paired phase: warms up, prints READY_TAG, then times one
     decode run per command read from ``stdin`` (a PAIR_KINDS name; ``quit`` or end of input
-    stops) and prints its tokens/s after RESULT_TAG. cpullm also times, right after each run, a
-    plain parallel read of the bytes its decode reads (``read_gbps``: the machine's memory
-    bandwidth at that moment, as ``cpullm.bench.memory_bound`` measures it)."""
+    stops) and prints its tokens/s after RESULT_TAG. One cpullm runtime (``spec["read_probe"]``,
+    default "cpullm") also times, right after each run, a plain parallel read of the bytes its
+    decode reads (``read_gbps``: the machine's memory bandwidth at that moment, as
+    ``cpullm.bench.memory_bound`` measures it)."""
     from cpullm.bench import greedy, next_token
 
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
@@ -573,7 +731,7 @@ def serve(name: str, spec: dict, stdin=None, stdout=None) -> None:
             tok = next_token(runner, tok)
         return gen / (time.perf_counter() - t0)
 
-    read = _read_rate_probe(runner) if name == "cpullm" else None
+    read = _read_rate_probe(runner) if name == spec.get("read_probe", "cpullm") else None
     timed(ids[:1])                                    # untimed warm-up of both paths
     print(READY_TAG + json.dumps(info, default=float), file=stdout, flush=True)
     for line in stdin:
@@ -654,15 +812,22 @@ def turn_order(names: list, i: int) -> list:
     return list(names) if i % 2 == 0 else list(reversed(names))
 
 
+def ratio_pairs(names) -> list:
+    """The RATIO_PAIRS (numerator, denominator) whose two runtimes are both in ``names``."""
+    return [(a, b) for a, b in RATIO_PAIRS if a in names and b in names]
+
+
 def paired_decode(names: list, spec: dict, workdir: Path, pairs: int, timeout: float, say=print,
                   start=ServedRuntime) -> dict:
     """Every runtime in ``names`` loaded at once in its own process; ``pairs`` turns in which each
-    times one decode run of every PAIR_KINDS kind in turn_order, with nothing else running. The
-    ratio of cpullm to another runtime is taken within each turn (runs seconds apart), then its
-    median, min and max over the turns. Returns {"pairs", "tps": {name: {kind: [...]}},
-    "ratios": {other: {kind: [...]}}, "read_gbps": {kind: [...]}} (one value per turn; the read
-    rate measured by cpullm right after its run) or {"error": ...}."""
+    times one decode run of every PAIR_KINDS kind in turn_order, with nothing else running. Each
+    ratio of RATIO_PAIRS present (cpullm / llama.cpp, cpullm-q4 / llama.cpp-Q4_K_M, ...) is taken
+    within each turn (runs seconds apart), then its median, min and max over the turns. Returns
+    {"pairs", "tps": {name: {kind: [...]}}, "ratios": {"A / B": {kind: [...]}}, "read_gbps":
+    {kind: [...]}} (one value per turn; the read rate measured by the first cpullm runtime right
+    after its run) or {"error": ...}."""
     served, killer = [], None
+    spec = dict(spec, read_probe=next((n for n in names if is_cpullm(n)), None))
     try:
         for name in names:
             say(f"paired decode: loading {name}")
@@ -690,11 +855,8 @@ def paired_decode(names: list, spec: dict, workdir: Path, pairs: int, timeout: f
             killer.cancel()
         for s in served:
             s.close()
-    ours = tps.get("cpullm")
-    ratios = {}
-    for other in names:
-        if other != "cpullm" and ours:
-            ratios[other] = {k: [a / b for a, b in zip(ours[k], tps[other][k])] for k in PAIR_KINDS}
+    ratios = {f"{a} / {b}": {k: [x / y for x, y in zip(tps[a][k], tps[b][k])] for k in PAIR_KINDS}
+              for a, b in ratio_pairs(tps)}
     return {"pairs": pairs, "tps": tps, "ratios": ratios, "read_gbps": read}
 
 
@@ -725,15 +887,15 @@ def merge_rounds(runs: list) -> dict:
 
 
 def _ratios(by: dict) -> dict:
-    """cpullm's prefill / decode / decode-at-context tokens/s over each other runtime's."""
-    base = by.get("cpullm")
+    """{"A / B": prefill / decode / decode-at-context tokens/s of A over B's} for each of
+    RATIO_PAIRS where both ran."""
     out = {}
-    for other in ("llama.cpp", "transformers"):
-        o = by.get(other)
-        if base and o and "error" not in base and "error" not in o:
-            out[other] = {"prefill": _ratio(base["prefill_tps"], o["prefill_tps"]),
-                          "decode": _ratio(base["decode_tps"], o["decode_tps"]),
-                          "decode_at_512": _ratio(base["decode_tps_at_512"], o["decode_tps_at_512"])}
+    for a, b in RATIO_PAIRS:
+        x, y = by.get(a), by.get(b)
+        if x and y and "error" not in x and "error" not in y:
+            out[f"{a} / {b}"] = {"prefill": _ratio(x["prefill_tps"], y["prefill_tps"]),
+                                 "decode": _ratio(x["decode_tps"], y["decode_tps"]),
+                                 "decode_at_512": _ratio(x["decode_tps_at_512"], y["decode_tps_at_512"])}
     return out
 
 
@@ -805,14 +967,14 @@ def markdown(report: dict) -> str:
         + (f", then the median over {s['rounds']} rounds (every runtime once per round, in turn)"
            if s.get("rounds", 1) > 1 else "") + f"; {report['date']}",
         "",
-        "| runtime | weights | prefill tok/s | decode tok/s | decode @%d tok/s | TTFT s | load s | fidelity vs transformers f32 |"
-        % s["context_tokens"],
-        "|---|---|---:|---:|---:|---:|---:|---|",
+        "| runtime | weights | prefill tok/s | decode tok/s | decode @%d tok/s | TTFT s | load s "
+        "| weight MB / decode token | KL vs f32 (nats) | fidelity vs transformers f32 |" % s["context_tokens"],
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         if "error" in r or "skipped" in r:
             lines.append(f"| {r['runtime']} | {r.get('skipped') or 'failed: ' + r['error'].splitlines()[-1][:80]} "
-                         "| | | | | | |")
+                         "| | | | | | | | |")
             continue
         fid, agree = r.get("fidelity"), r.get("agreement_with_cpullm")
         if fid:
@@ -826,7 +988,8 @@ def markdown(report: dict) -> str:
             fid_s = "n/a"
         lines.append(f"| {r['runtime']} | {r.get('weights', '')} | {_fmt(r.get('prefill_tps'))} | "
                      f"{_fmt(r.get('decode_tps'))} | {_fmt(r.get('decode_tps_at_512'))} | "
-                     f"{_fmt(r.get('ttft_s'), '{:.3f}')} | {_fmt(r.get('load_s'), '{:.2f}')} | {fid_s} |")
+                     f"{_fmt(r.get('ttft_s'), '{:.3f}')} | {_fmt(r.get('load_s'), '{:.2f}')} | "
+                     f"{_fmt(_mb(r.get('decode_weight_bytes')), '{:.2f}')} | {_kl(r.get('kl'))} | {fid_s} |")
     ours = next((r for r in rows if r["runtime"] == "cpullm" and r.get("decode_logits_tps")), None)
     if ours:
         how = ("cpullm's may read the lm_head through its screen (the same tokens; the faster of the two "
@@ -834,12 +997,11 @@ def markdown(report: dict) -> str:
                "(its lm_head is below the size for one)")
         lines += ["", f"Decode steps pick the argmax (greedy) in every runtime; {how}. Through the full logits, "
                       f"as sampling decodes, cpullm ran {_fmt(ours['decode_logits_tps'])} tok/s."]
+    lines += _kl_lines(report)
     lines += ["", "| ratio | prefill | decode | decode @%d |" % s["context_tokens"], "|---|---:|---:|---:|"]
-    for key, label in (("llama.cpp", "cpullm / llama.cpp"), ("transformers", "cpullm / transformers")):
-        rat = report["ratios"].get(key)
-        if rat:
-            lines.append(f"| {label} | {_fmt(rat['prefill'], '{:.2f}x')} | {_fmt(rat['decode'], '{:.2f}x')} "
-                         f"| {_fmt(rat['decode_at_512'], '{:.2f}x')} |")
+    for label, rat in report["ratios"].items():
+        lines.append(f"| {label} | {_fmt(rat['prefill'], '{:.2f}x')} | {_fmt(rat['decode'], '{:.2f}x')} "
+                     f"| {_fmt(rat['decode_at_512'], '{:.2f}x')} |")
     lines += _round_lines(report)
     lines += _paired_lines(report)
     lines += _bandwidth_lines(rows)
@@ -848,14 +1010,39 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _mb(n):
+    return None if not n else n / 1e6
+
+
+def _kl(x) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x:.5f}" if x >= 1e-3 else f"{x:.2e}"
+
+
+def _kl_lines(report: dict) -> list:
+    """What the KL column measured (or why it is empty)."""
+    kl = report.get("kl")
+    if not kl:
+        return []
+    if "error" in kl:
+        return ["", f"KL pass: not run ({kl['error'].splitlines()[-1][:160]})."]
+    return ["", f"KL: mean KL(reference || runtime) in nats over all {kl['positions']} positions of "
+                f"{len(kl['sequence_lengths'])} teacher-forced sequence(s) (a fixed prompt followed by the "
+                f"reference's {kl['gen_tokens']} greedy tokens; lengths {kl['sequence_lengths']}); reference: "
+                f"{kl['reference']}. Weight MB / decode token: what one decode step reads (cpullm: its program's "
+                "decode spans; llama.cpp: the GGUF's tensors but a separate token embedding; transformers: "
+                "its parameters but a separate input embedding)."]
+
+
 def _round_lines(report: dict) -> list:
     """Each round's ratios (measured minutes apart on a possibly shared machine), and their range."""
     per = report.get("round_ratios") or []
-    others = [o for o in ("llama.cpp", "transformers") if any(o in r for r in per)]
+    others = [f"{a} / {b}" for a, b in RATIO_PAIRS if any(f"{a} / {b}" in r for r in per)]
     if not per or not others:
         return []
-    head = " | ".join(f"{key} vs {o}" for o in others for key in ("prefill", "decode", "decode @ctx"))
-    lines = ["", "Ratios of cpullm to each runtime in every round (the runtimes one after another within a round):",
+    head = " | ".join(f"{key} {o}" for o in others for key in ("prefill", "decode", "decode @ctx"))
+    lines = ["", "The ratios in every round (the runtimes one after another within a round):",
              "", f"| round | {head} |", "|---|" + "---:|" * (3 * len(others))]
     for i, r in enumerate(per, 1):
         cells = [_fmt((r.get(o) or {}).get(k), "{:.2f}x") for o in others for k in ("prefill", "decode", "decode_at_512")]
@@ -888,18 +1075,19 @@ def _paired_lines(report: dict) -> list:
         lines.append(f"| {name} | {_fmt(float(np.median(v['decode'])))} | {_fmt(float(np.median(v['decode_at_512'])))} |")
     lines += ["", "| ratio per turn | decode: median | min | max | decode @ctx: median | min | max |",
               "|---|---:|---:|---:|---:|---:|---:|"]
-    for other, rat in pd["ratios"].items():
+    for label, rat in pd["ratios"].items():
         cells = []
         for k in PAIR_KINDS:
             v = rat[k]
             cells += [_fmt(float(np.median(v)) if v else None, "{:.2f}x"), _fmt(min(v) if v else None, "{:.2f}x"),
                       _fmt(max(v) if v else None, "{:.2f}x")]
-        lines.append(f"| cpullm / {other} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     names, others = list(pd["tps"]), list(pd["ratios"])
     read = pd.get("read_gbps") or {}
-    lines += ["", "Each turn (tokens/s and ratios as decode / decode @ctx; read: the plain read rate of cpullm's "
+    probe = next((n for n in names if is_cpullm(n)), "cpullm")
+    lines += ["", f"Each turn (tokens/s and ratios as decode / decode @ctx; read: the plain read rate of {probe}'s "
                   "decode bytes measured right after its runs, GB/s):", "",
-              "| turn | read GB/s | " + " | ".join(names) + " | " + " | ".join(f"cpullm / {o}" for o in others) + " |",
+              "| turn | read GB/s | " + " | ".join(names) + " | " + " | ".join(others) + " |",
               "|---|---:|" + "---:|" * (len(names) + len(others))]
     for i in range(pd["pairs"]):
         def pair(vals, f):
@@ -915,7 +1103,8 @@ def _bandwidth_lines(rows: list) -> list:
     """The memory-bound view of decode: each runtime's weight bytes per token times its decode
     tokens/s, against the read rate measured in the cpullm process (a plain parallel read of
     cpullm's decode bytes after its timed runs, alternating with decode steps)."""
-    read = next((r.get("read_gbps") for r in rows if r["runtime"] == "cpullm" and r.get("read_gbps")), None)
+    probe = next((r for r in rows if is_cpullm(r["runtime"]) and r.get("read_gbps")), None)
+    read = probe["read_gbps"] if probe else None
     done = [r for r in rows if r.get("decode_weight_bytes") and r.get("decode_tps")]
     if not done:
         return []
@@ -926,11 +1115,11 @@ def _bandwidth_lines(rows: list) -> list:
         share = f"{100 * gbps / read:.0f} %" if read else "n/a"
         lines.append(f"| {r['runtime']} | {r['decode_weight_bytes'] / 1e6:.1f} MB | {gbps:.1f} | {share} |")
     if read:
-        ours = next((r.get("decode_bound_share") for r in rows if r["runtime"] == "cpullm"), None)
-        lines += ["", f"Read rate: {read:.1f} GB/s, a plain parallel read of the bytes cpullm's decode reads, "
-                      "in the cpullm process after its timed runs, alternating with decode steps (median); "
+        who, ours = probe["runtime"], probe.get("decode_bound_share")
+        lines += ["", f"Read rate: {read:.1f} GB/s, a plain parallel read of the bytes {who}'s decode reads, "
+                      f"in the {who} process after its timed runs, alternating with decode steps (median); "
                       "decode is bound by memory bandwidth as its share nears 100 %."
-                      + (f" In those alternating steps cpullm's decode read at {100 * ours:.0f} % of it."
+                      + (f" In those alternating steps {who}'s decode read at {100 * ours:.0f} % of it."
                          if ours else "")]
     return lines
 
@@ -949,21 +1138,27 @@ def chart(report: dict, path: Path) -> Path | None:
     metrics = (("prefill_tps", f"prefill ({s['prompt_tokens']} tokens)"),
                ("decode_tps", "decode (short context)"),
                ("decode_tps_at_512", f"decode @{s['context_tokens']} context"))
-    colors = {"cpullm": "#3b75af", "llama.cpp": "#e1812c", "transformers": "#6aa84f"}
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4.6))
-    base = next((r for r in rows if r["runtime"] == "cpullm"), None)
+    def color(name):
+        return "#3b75af" if is_cpullm(name) else "#e1812c" if is_llama_cpp(name) else "#6aa84f"
+    by = {r["runtime"]: r for r in rows}
+    pairs = ratio_pairs(by)
+    if len(rows) > 3:           # --four-bit: one panel per row, or the 7 bars' labels collide
+        fig, axes = plt.subplots(3, 1, figsize=(max(10.0, 1.6 * len(rows)), 13))
+    else:
+        fig, axes = plt.subplots(1, 3, figsize=(13, 4.6))
     for ax, (key, title) in zip(axes, metrics):
         names = [r["runtime"] for r in rows]
         vals = [r.get(key) or 0.0 for r in rows]
-        bars = ax.bar(names, vals, color=[colors.get(n, "#888") for n in names])
+        bars = ax.bar(names, vals, color=[color(n) for n in names])
         for b, r, v in zip(bars, rows, vals):
             txt = f"{v:.1f}"
-            if base is not None and r is not base and v:
-                txt += f"\ncpullm = {(base.get(key) or 0) / v:.2f}x"
+            for num, den in pairs:              # the ratios this bar is the denominator of
+                if den == r["runtime"] and v:
+                    txt += f"\n{num} = {(by[num].get(key) or 0) / v:.2f}x"
             ax.text(b.get_x() + b.get_width() / 2, b.get_height(), txt, ha="center", va="bottom", fontsize=8)
         ax.set_title(title)
         ax.set_ylabel("tokens/s")
-        ax.set_ylim(0, max(vals + [1]) * 1.3)
+        ax.set_ylim(0, max(vals + [1]) * (1.3 + 0.1 * max(1, len(pairs))))
     busy = " (machine busy: noisy)" if _busy(report) else ""
     fig.suptitle(f"{report['model_name']}: {s['threads']} thread(s), medians of {s['repeat']}{busy}")
     fig.tight_layout()
@@ -976,9 +1171,13 @@ def chart(report: dict, path: Path) -> Path | None:
 # Main
 # =================================================================================================
 def _available(runtime: str) -> str | None:
-    """None if the runtime's package imports, else why it is skipped."""
+    """None if the runtime's package imports, else why it is skipped. cpullm-gguf needs
+    llama_cpp for llama.cpp's quantizer (main does not ask when --gguf-q4 gives the file)."""
     import importlib.util
-    need = {"llama.cpp": ["llama_cpp"], "transformers": ["torch", "transformers"]}.get(runtime, [])
+    need = ["llama_cpp"] if is_llama_cpp(runtime) else ["torch", "transformers"] if runtime == "transformers" else []
+    if runtime == "cpullm-gguf" and importlib.util.find_spec("llama_cpp") is None:
+        return ("skipped: llama_cpp not installed, whose quantizer makes the Q4_K_M GGUF "
+                "(pip install 'cpullm[bench]', or give one with --gguf-q4 FILE)")
     missing = [m for m in need if importlib.util.find_spec(m) is None]
     if missing:
         return f"skipped: {', '.join(missing)} not installed (pip install 'cpullm[bench]')"
@@ -1004,9 +1203,20 @@ def parse_args(argv=None):
     p.add_argument("--quant", default="int8", help="cpullm weight format (default int8)")
     p.add_argument("--no-mmap", action="store_true",
                    help="cpullm reads its cached program into memory instead of mapping it (cpullm --no-mmap)")
-    p.add_argument("--skip", default="", help="comma-separated runtimes to skip: cpullm,llama.cpp,transformers")
+    p.add_argument("--four-bit", action="store_true",
+                   help="also run the 4-bit runtimes: " + ", ".join(FOUR_BIT) + " (and the KL pass)")
+    p.add_argument("--skip", default="", help="comma-separated runtimes to skip: " + ",".join(ALL_RUNTIMES))
     p.add_argument("--gguf", default=None, help="use this GGUF for llama.cpp instead of converting the checkpoint")
-    p.add_argument("--work-dir", default=None, help="where the Q8_0 GGUF is kept (default ~/.cache/cpullm/bench)")
+    p.add_argument("--gguf-q4", default=None, metavar="FILE",
+                   help="use this 4-bit GGUF of the same weights for cpullm-gguf and llama.cpp-Q4_K_M instead "
+                        "of llama.cpp's Q4_K_M of the checkpoint")
+    p.add_argument("--kl-prompts", type=int, default=None, metavar="N",
+                   help="KL pass over N prompts (mean KL vs cpullm f32 at every position); default 1 with "
+                        "--four-bit, else 0 (off)")
+    p.add_argument("--kl-tokens", type=int, default=16, metavar="N",
+                   help="greedy tokens of the reference after each KL prompt (default 16)")
+    p.add_argument("--work-dir", default=None,
+                   help="where the Q8_0 / Q4_K_M / Q4_0 GGUFs are kept (default ~/.cache/cpullm/bench)")
     p.add_argument("--out", default=None, help="output directory (default bench-results/<model>)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per runtime")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -1028,8 +1238,12 @@ def main(argv=None) -> int:
     if not args.model:
         print("compare.py: give a model directory or store name", file=sys.stderr)
         return 2
-    if args.rounds < 1 or args.repeat < 1 or args.paired < 0:
-        print("compare.py: --rounds and --repeat must be at least 1, --paired at least 0", file=sys.stderr)
+    kl_prompts = args.kl_prompts if args.kl_prompts is not None else (1 if args.four_bit else 0)
+    n_prompts = len(_fidelity_module().PROMPTS)
+    if args.rounds < 1 or args.repeat < 1 or args.paired < 0 or not 0 <= kl_prompts <= n_prompts \
+            or args.kl_tokens < 0:
+        print(f"compare.py: --rounds and --repeat must be at least 1, --paired and --kl-tokens at least 0, "
+              f"--kl-prompts from 0 to {n_prompts}", file=sys.stderr)
         return 2
 
     def say(msg):
@@ -1051,7 +1265,7 @@ def main(argv=None) -> int:
     ids = prompt_ids(tok, args.prompt_tokens, vocab)
     ctx_ids = ids if args.context_tokens == len(ids) else prompt_ids(tok, args.context_tokens, vocab)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    unknown = skip - set(RUNTIMES)
+    unknown = skip - set(ALL_RUNTIMES)
     if unknown:
         print(f"compare.py: unknown runtime(s) in --skip: {sorted(unknown)}", file=sys.stderr)
         return 2
@@ -1067,50 +1281,77 @@ def main(argv=None) -> int:
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine_info(),
               "cpu_busy_before": bench_cpu_busy(), "loadavg_before": os.getloadavg()[0],
               "settings": {k: spec[k] for k in ("gen_tokens", "context_tokens", "repeat", "threads", "quant", "no_mmap")}
-              | {"prompt_tokens": len(ids), "rounds": args.rounds, "paired": args.paired},
+              | {"prompt_tokens": len(ids), "rounds": args.rounds, "paired": args.paired, "four_bit": args.four_bit,
+                 "kl_prompts": kl_prompts, "kl_tokens": args.kl_tokens},
               "results": [], "ratios": {}}
+    names = list(RUNTIMES) + (list(FOUR_BIT) if args.four_bit else [])
     with tempfile.TemporaryDirectory(prefix="cpullm-compare-") as td:
         td = Path(td)
         rows: dict[str, dict] = {}
         runnable = []
-        for name in RUNTIMES:
+        for name in names:
             if name in skip:
                 rows[name] = {"runtime": name, "skipped": "skipped (--skip)"}
                 continue
-            why = _available(name)
+            why = None if name == "cpullm-gguf" and args.gguf_q4 else _available(name)
             if why:
                 say(f"{name}: {why}")
                 rows[name] = {"runtime": name, "skipped": why}
                 continue
-            if name == "llama.cpp" and not spec["gguf"]:
-                try:
-                    spec["gguf"] = str(ensure_q8_gguf(model_dir, work_dir, threads, say))
-                except SystemExit as exc:
-                    rows[name] = {"runtime": name, "error": str(exc)}
-                    continue
             runnable.append(name)
+        gguf_files = {ft: f for ft, f in (("Q8_0", args.gguf), ("Q4_K_M", args.gguf_q4)) if f}
+        need = sorted({GGUF_OF[n] for n in runnable if n in GGUF_OF} - set(gguf_files), key=list(GGUF_OF.values()).index)
+        if need:
+            try:
+                gguf_files.update({ft: str(f) for ft, f in ensure_ggufs(model_dir, work_dir, threads, need, say).items()})
+            except SystemExit as exc:
+                for name in [n for n in runnable if GGUF_OF.get(n) in need]:
+                    rows[name] = {"runtime": name, "error": str(exc)}
+                    runnable.remove(name)
+        spec.update(gguf=gguf_files.get("Q8_0"), gguf_files=gguf_files)
+        ref = None
+        if kl_prompts and runnable:
+            say(f"KL pass: reference cpullm f32, {kl_prompts} prompt(s) + {args.kl_tokens} greedy tokens")
+            res = run_worker(KL_REFERENCE, dict(spec, kl_prompts=kl_prompts, kl_tokens=args.kl_tokens), td,
+                             args.timeout)
+            if "error" in res or not res.get("_kl_logits"):
+                report["kl"] = {"error": res.get("error", "the reference wrote no logits")}
+                say(f"KL pass: {report['kl']['error']}")
+            else:
+                ref = res["_kl_logits"]
+                report["kl"] = {"reference": "cpullm quant=f32 on the checkpoint (float32 on its weights, as "
+                                             "transformers f32)",
+                                "prompts": kl_prompts, "gen_tokens": args.kl_tokens,
+                                "sequence_lengths": [len(q) for q in res["sequences"]],
+                                "positions": sum(len(q) for q in res["sequences"])}
+                kl_spec = dict(spec, kl_sequences=res["sequences"])
         runs: dict[str, list] = {name: [] for name in runnable}
         for rnd in range(args.rounds):
             for name in runnable:
                 say(f"running {name} ({threads} thread(s))"
                     + (f", round {rnd + 1} of {args.rounds}" if args.rounds > 1 else ""))
-                res = run_worker(name, spec, td, args.timeout)
+                res = run_worker(name, kl_spec if ref is not None and rnd == 0 else spec, td, args.timeout)
+                outs = res.pop("_kl_logits", None)
+                if outs is not None:
+                    res["kl"] = _fidelity_module().mean_kl(ref, outs)
                 if "error" in res:
                     say(f"{name} failed: {res['error']}")
                 else:
                     say(f"{name}: prefill {res['prefill_tps']:.1f} tok/s, decode {res['decode_tps']:.1f} tok/s, "
-                        f"decode@{res['decode_context_tokens']} {res['decode_tps_at_512']:.1f} tok/s")
+                        f"decode@{res['decode_context_tokens']} {res['decode_tps_at_512']:.1f} tok/s"
+                        + (f", KL {res['kl']:.3g}" if res.get("kl") is not None else ""))
                 runs[name].append(res)
         for name in runnable:
             rows[name] = merge_rounds(runs[name])
-        report["results"] = [rows[name] for name in RUNTIMES if name in rows]
+        report["results"] = [rows[name] for name in names if name in rows]
         report["round_ratios"] = [_ratios({name: runs[name][i] for name in runnable})
                                   for i in range(args.rounds)] if args.rounds > 1 else []
         if args.paired:
-            if "cpullm" in runnable and len(runnable) > 1:
+            if ratio_pairs(runnable):
                 report["paired"] = paired_decode(runnable, spec, td, args.paired, args.timeout, say)
             else:
-                report["paired"] = {"error": "it needs cpullm and at least one other runtime"}
+                report["paired"] = {"error": "it needs both runtimes of a ratio: " + ", ".join(
+                    f"{a} and {b}" for a, b in RATIO_PAIRS)}
             if "error" in report["paired"]:
                 say(f"paired decode: {report['paired']['error']}")
     report["loadavg_after"] = os.getloadavg()[0]

@@ -126,6 +126,17 @@ def gguf_decode_bytes(path) -> int:
     return total
 
 
+def transformers_logits(model, sequences: list) -> list:
+    """Teacher-forced logits (T, vocab) float32 of each sequence from a transformers model."""
+    import torch
+
+    outs = []
+    with torch.inference_mode():
+        for ids in sequences:
+            outs.append(model(torch.tensor([list(ids)])).logits[0].float().numpy())
+    return outs
+
+
 def transformers_check(path, sequences: list, ref: list) -> dict:
     """transformers float32 on the same GGUF (``gguf_file=``): mean KL against cpullm f32 and the
     largest absolute logit difference, to show the reference is the dequantized weights' f32."""
@@ -136,10 +147,7 @@ def transformers_check(path, sequences: list, ref: list) -> dict:
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                  torch_dtype=torch.float32)
     model.eval()
-    outs = []
-    with torch.inference_mode():
-        for ids in sequences:
-            outs.append(model(torch.tensor([ids])).logits[0].float().numpy())
+    outs = transformers_logits(model, sequences)
     return {"mean_kl": mean_kl(ref, outs),
             "max_abs_diff": float(max(np.abs(a - b).max() for a, b in zip(ref, outs)))}
 

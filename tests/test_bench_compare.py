@@ -2,6 +2,7 @@
 The llama.cpp and transformers parts are skipped, with a reason, when their packages are missing."""
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -104,7 +105,7 @@ def test_compare_with_transformers(checkpoint, tmp_path):
     rows = {r["runtime"]: r for r in report["results"]}
     assert rows["transformers"]["decode_tps"] > 0
     assert rows["cpullm"]["fidelity"]["cosine"] > 0.98          # the same weights
-    assert report["ratios"]["transformers"]["decode"] > 0
+    assert report["ratios"]["cpullm / transformers"]["decode"] > 0
     assert "cpullm / transformers" in (tmp_path / "compare.md").read_text()
     # f32 parameters against cpullm's int8 + block scales of the same matrices: ~3.8x the bytes
     assert 3.0 < rows["transformers"]["decode_weight_bytes"] / rows["cpullm"]["decode_weight_bytes"] < 4.2
@@ -143,18 +144,120 @@ def test_compare_with_llama_cpp_q8_0(checkpoint, tmp_path):
     assert rows["llama.cpp"]["decode_tps"] > 0 and rows["llama.cpp"]["weights"].startswith("Q8_0")
     # Q8_0 in llama.cpp and INT8 in cpullm of the same weights: (nearly) the same last logits
     assert rows["llama.cpp"]["agreement_with_cpullm"]["cosine"] > 0.98
-    assert report["ratios"]["llama.cpp"]["prefill"] > 0
+    assert report["ratios"]["cpullm / llama.cpp"]["prefill"] > 0
     md = (tmp_path / "out" / "compare.md").read_text()
     assert "cpullm / llama.cpp" in md
     # Q8_0 (34 bytes per 32 values) reads about what cpullm's int8 + binary16 block scales read
     assert 0.9 < rows["llama.cpp"]["decode_weight_bytes"] / rows["cpullm"]["decode_weight_bytes"] < 1.1
     # --paired: both runtimes loaded at once, two turns, a ratio per turn and the read rate
     pd = report["paired"]
-    assert len(pd["ratios"]["llama.cpp"]["decode"]) == 2 and min(pd["tps"]["llama.cpp"]["decode_at_512"]) > 0
+    assert len(pd["ratios"]["cpullm / llama.cpp"]["decode"]) == 2 and min(pd["tps"]["llama.cpp"]["decode_at_512"]) > 0
     assert len(pd["read_gbps"]["decode"]) == 2 and "Paired decode (2 turns)" in md
     assert "| llama.cpp |" in md.split("weight bytes read per decode token")[1]
     if importlib.util.find_spec("matplotlib"):
         assert (tmp_path / "out" / "compare.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ---- 4-bit (--four-bit) ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def llama32_checkpoint(tmp_path_factory):
+    return make_random_checkpoint(dict(LLAMA32_LIKE, model_type="llama"), tmp_path_factory.mktemp("cmp4"), seed=5)
+
+
+def _kl_ok(row):
+    return math.isfinite(row["kl"]) and row["kl"] >= 0.0
+
+
+def test_compare_four_bit_cpullm_runtimes(llama32_checkpoint, tmp_path, monkeypatch):
+    """cpullm-q4 and cpullm-gguf (on a Q4_0 GGUF the gguf package writes: no llama.cpp needed)
+    beside cpullm int8, with the KL pass; the llama.cpp runtimes reported as missing."""
+    monkeypatch.setattr(compare, "_available", lambda name: (
+        "skipped: llama_cpp not installed" if compare.is_llama_cpp(name) else None))
+    q4_0 = compare.write_f32_gguf(llama32_checkpoint, tmp_path / "model.Q4_0.gguf", qtype="Q4_0")
+    code = compare.main([str(llama32_checkpoint), "--four-bit", "--gguf-q4", str(q4_0), "--kl-tokens", "4",
+                         "--prompt-tokens", "16", "--gen-tokens", "3", "--context-tokens", "32", "--repeat", "1",
+                         "--threads", "1", "--skip", "transformers", "--out", str(tmp_path / "out")])
+    assert code == 0
+    report = json.loads((tmp_path / "out" / "compare.json").read_text())
+    rows = {r["runtime"]: r for r in report["results"]}
+    assert list(rows) == list(compare.ALL_RUNTIMES)
+    for name in ("llama.cpp", "llama.cpp-Q4_K_M", "llama.cpp-Q4_0"):
+        assert rows[name]["skipped"].startswith("skipped: llama_cpp")
+    for name in ("cpullm", "cpullm-q4", "cpullm-gguf"):
+        assert rows[name]["prefill_tps"] > 0 and rows[name]["decode_tps"] > 0, name
+        assert rows[name]["decode_weight_bytes"] > 0 and _kl_ok(rows[name]), name
+    assert rows["cpullm-q4"]["weights"].startswith("q4") and rows["cpullm-gguf"]["gguf"] == str(q4_0)
+    assert rows["cpullm-gguf"]["weights"].startswith("Q4_0 GGUF as it is")
+    # 4-bit blocks (Q5_0 / Q8_0 where rows are not whole 256-weight super-blocks) read fewer bytes than int8
+    assert rows["cpullm-q4"]["decode_weight_bytes"] < rows["cpullm"]["decode_weight_bytes"]
+    assert rows["cpullm-gguf"]["decode_weight_bytes"] < rows["cpullm"]["decode_weight_bytes"]
+    # the KL pass: one prompt (the default with --four-bit) followed by 4 greedy tokens of cpullm f32
+    kl = report["kl"]
+    assert kl["prompts"] == 1 and len(kl["sequence_lengths"]) == 1 and kl["positions"] > 4
+    assert "f32" in kl["reference"]
+    assert report["ratios"] == {}                          # no llama.cpp: no ratio of the 4-bit pairs
+    md = (tmp_path / "out" / "compare.md").read_text()
+    assert "KL vs f32 (nats)" in md and "weight MB / decode token" in md and "| cpullm-q4 | q4" in md
+    assert "| llama.cpp-Q4_K_M | skipped" in md and f"over all {kl['positions']} positions" in md
+
+
+def test_compare_four_bit_kl_pass_can_be_turned_off(llama32_checkpoint, tmp_path):
+    code = compare.main([str(llama32_checkpoint), "--four-bit", "--kl-prompts", "0", "--prompt-tokens", "16",
+                         "--gen-tokens", "3", "--context-tokens", "32", "--repeat", "1", "--threads", "1",
+                         "--skip", "cpullm,transformers,cpullm-gguf,llama.cpp,llama.cpp-Q4_K_M,llama.cpp-Q4_0",
+                         "--out", str(tmp_path)])
+    assert code == 0
+    report = json.loads((tmp_path / "compare.json").read_text())
+    rows = {r["runtime"]: r for r in report["results"]}
+    assert rows["cpullm-q4"]["decode_tps"] > 0 and "kl" not in rows["cpullm-q4"] and "kl" not in report
+    assert compare.main([str(llama32_checkpoint), "--skip", "cpullm-q8", "--out", str(tmp_path)]) == 2
+    assert compare.main([str(llama32_checkpoint), "--four-bit", "--kl-prompts", "6", "--out", str(tmp_path)]) == 2
+
+
+def test_four_bit_ratios_pair_each_runtime_with_its_llama_cpp_counterpart():
+    by = {n: {"runtime": n, "prefill_tps": p, "decode_tps": d, "decode_tps_at_512": d}
+          for n, p, d in (("cpullm-q4", 300.0, 30.0), ("cpullm-gguf", 200.0, 24.0),
+                          ("llama.cpp-Q4_K_M", 100.0, 20.0), ("llama.cpp-Q4_0", 100.0, 10.0))}
+    rat = compare._ratios(by)
+    assert set(rat) == {"cpullm-q4 / llama.cpp-Q4_K_M", "cpullm-gguf / llama.cpp-Q4_K_M"}
+    assert rat["cpullm-q4 / llama.cpp-Q4_K_M"] == {"prefill": 3.0, "decode": 1.5, "decode_at_512": 1.5}
+    assert rat["cpullm-gguf / llama.cpp-Q4_K_M"]["decode"] == pytest.approx(1.2)
+    assert compare.ratio_pairs(["cpullm-q4", "llama.cpp-Q4_0"]) == []
+
+
+def test_compare_four_bit_with_llama_cpp(llama32_checkpoint, tmp_path):
+    """The four 4-bit runtimes on llama.cpp's own Q4_K_M and Q4_0 of the checkpoint, the KL pass,
+    and paired decode over all of them."""
+    pytest.importorskip("llama_cpp", reason=LLAMA_CPP_REASON)
+    import gguf
+
+    code = compare.main([str(llama32_checkpoint), "--four-bit", "--kl-tokens", "4", "--prompt-tokens", "16",
+                         "--gen-tokens", "3", "--context-tokens", "32", "--repeat", "1", "--threads", "1",
+                         "--skip", "transformers", "--paired", "1", "--out", str(tmp_path / "out"),
+                         "--work-dir", str(tmp_path / "work")])
+    assert code == 0
+    work = tmp_path / "work"
+    files = {ft: list(work.glob(f"*.{ft}.gguf")) for ft in ("Q8_0", "Q4_K_M", "Q4_0")}
+    assert all(len(f) == 1 for f in files.values()) and not list(work.glob("*.partial")) \
+        and not list(work.glob("*.tmp"))
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(str(files["Q4_0"][0])).tensors}
+    assert types["blk.0.ffn_gate.weight"] == gguf.GGMLQuantizationType.Q4_0
+    report = json.loads((tmp_path / "out" / "compare.json").read_text())
+    rows = {r["runtime"]: r for r in report["results"]}
+    for name in ("cpullm", "llama.cpp") + compare.FOUR_BIT:
+        assert rows[name]["decode_tps"] > 0 and rows[name]["decode_weight_bytes"] > 0 and _kl_ok(rows[name]), name
+    assert rows["llama.cpp-Q4_K_M"]["weights"].startswith("Q4_K_M") and rows["llama.cpp-Q4_0"]["weights"].startswith("Q4_0")
+    assert rows["cpullm-gguf"]["gguf"] == rows["llama.cpp-Q4_K_M"]["gguf"] == str(files["Q4_K_M"][0])
+    # the same file: the bytes cpullm's decode reads are the bytes llama.cpp's reads (norms aside)
+    assert 0.9 < rows["cpullm-gguf"]["decode_weight_bytes"] / rows["llama.cpp-Q4_K_M"]["decode_weight_bytes"] < 1.1
+    for name in ("llama.cpp-Q4_K_M", "llama.cpp-Q4_0"):
+        assert rows[name]["decode_weight_bytes"] < rows["llama.cpp"]["decode_weight_bytes"]
+    for label in ("cpullm / llama.cpp", "cpullm-q4 / llama.cpp-Q4_K_M", "cpullm-gguf / llama.cpp-Q4_K_M"):
+        assert report["ratios"][label]["prefill"] > 0 and report["ratios"][label]["decode"] > 0
+        assert len(report["paired"]["ratios"][label]["decode"]) == 1
+    md = (tmp_path / "out" / "compare.md").read_text()
+    assert "| cpullm-q4 / llama.cpp-Q4_K_M |" in md and "| cpullm-gguf / llama.cpp-Q4_K_M |" in md
+    assert "Paired decode (1 turns)" in md
 
 
 def test_busy_flag_uses_the_measured_cpu_time_before_the_run():
@@ -178,7 +281,7 @@ def test_rounds_take_medians_and_keep_every_rounds_ratio():
     assert "rounds" not in compare.merge_rounds(runs[:1])                   # one round: as it was
     llama = [{"runtime": "llama.cpp", "prefill_tps": 100.0, "decode_tps": 20.0, "decode_tps_at_512": 25.0}]
     per = [compare._ratios({"cpullm": runs[i], "llama.cpp": llama[0]}) for i in range(3)]
-    assert [r["llama.cpp"]["decode"] for r in per] == [0.5, 1.5, 2.5]
+    assert [r["cpullm / llama.cpp"]["decode"] for r in per] == [0.5, 1.5, 2.5]
     lines = "\n".join(compare._round_lines({"round_ratios": per}))
     assert "| 2 | 3.00x | 1.50x | 1.20x |" in lines
     assert "| min | 1.00x | 0.50x | 0.40x |" in lines and "| max | 3.00x | 2.50x | 2.00x |" in lines
@@ -202,7 +305,7 @@ def test_compare_rounds_run_every_runtime_again(checkpoint, tmp_path, monkeypatc
         float(np.median(row["rounds"]["decode_tps"])))
     assert report["settings"]["rounds"] == 2
     assert "median over 2 rounds" in (tmp_path / "compare.md").read_text()
-    assert "Paired decode: not run (it needs cpullm and at least one other runtime)" in (
+    assert "Paired decode: not run (it needs both runtimes of a ratio: cpullm and llama.cpp" in (
         tmp_path / "compare.md").read_text()
     assert compare.main([str(checkpoint), "--rounds", "0", "--out", str(tmp_path)]) == 2
     assert compare.main([str(checkpoint), "--paired", "-1", "--out", str(tmp_path)]) == 2
@@ -252,7 +355,7 @@ def test_paired_decode_alternates_and_takes_ratios_within_each_turn(tmp_path):
                                   ("cpullm", "decode_at_512"), ("llama.cpp", "decode_at_512"),
                                   ("llama.cpp", "decode"), ("cpullm", "decode"),
                                   ("llama.cpp", "decode_at_512"), ("cpullm", "decode_at_512")]
-    assert pd["ratios"]["llama.cpp"] == {"decode": [2.0, 2.0], "decode_at_512": [2.0, 2.0]}
+    assert pd["ratios"]["cpullm / llama.cpp"] == {"decode": [2.0, 2.0], "decode_at_512": [2.0, 2.0]}
     assert pd["tps"]["cpullm"]["decode"] == [60.0, 30.0] and pd["read_gbps"]["decode"] == [30.0, 30.0]
     report = {"paired": pd, "settings": {"gen_tokens": 8, "context_tokens": 32}}
     md = "\n".join(compare._paired_lines(report))
