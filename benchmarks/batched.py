@@ -99,7 +99,7 @@ def run_llama_cpp(spec: dict) -> dict:
 
     warm()
     t0 = time.perf_counter()
-    first, last_tok, stamps = [], [], [[] for _ in range(n)]
+    last_tok, stamps = [], [[] for _ in range(n)]
     for s, ids in enumerate(prompts):           # prompts prefilled one after another, as slots fill
         for c in range(0, len(ids), 512):
             chunk = ids[c:c + 512]
