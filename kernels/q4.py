@@ -222,19 +222,20 @@ def dequantize_q4_ref(blocks, N: int, K: int) -> np.ndarray:
 # Q6_K (the tensors the q4 mix keeps at 6 bits)
 # ================================================================================================
 
-_Q6_STEPS = np.linspace(0.0, 1.5, 8, dtype=np.float32)
-"""Candidate grids of a Q6_K sub-block: its largest |x| mapped to level -(32 - t) or 31 - t."""
+_SYMMETRIC_STEPS = np.linspace(0.0, 1.5, 8, dtype=np.float32)
+"""Candidate grids of a symmetric block (Q6_K sub-block, Q5_0 block): its largest |x| mapped to
+level -(2^(bits-1) - t) or 2^(bits-1) - 1 - t."""
 
 
-def _fit_q6_sub_blocks(x: np.ndarray) -> np.ndarray:
-    """x float32 (M, 16) -> signed scales a (M,): w ~ a q, q integer in -32..31, least squares."""
-    amax_i = np.abs(x).argmax(axis=1)
-    peak = x[np.arange(x.shape[0]), amax_i]                                  # signed largest value
+def _fit_symmetric(x: np.ndarray, half: int) -> np.ndarray:
+    """x float32 (M, n) -> signed scales a (M,): w ~ a q, q integer in -half..half - 1, least
+    squares over the candidate grids of _SYMMETRIC_STEPS (Q6_K: half 32, Q5_0: half 16)."""
+    peak = x[np.arange(x.shape[0]), np.abs(x).argmax(axis=1)]              # signed largest value
     live = peak != 0
     peak = np.where(live, peak, 1).astype(np.float32)
-    levels = np.concatenate([-(32 - _Q6_STEPS), 31 - _Q6_STEPS])            # (C,)
+    levels = np.concatenate([-(half - _SYMMETRIC_STEPS), half - 1 - _SYMMETRIC_STEPS])   # (C,)
     a0 = peak[:, None] / levels[None, :]                                      # (M, C)
-    q = np.clip(np.rint(x[:, None, :] / a0[..., None]), -32, 31)             # (M, C, 16)
+    q = np.clip(np.rint(x[:, None, :] / a0[..., None]), -half, half - 1)     # (M, C, n)
     sqq = (q * q).sum(-1)
     a = np.where(sqq > 0, (q * x[:, None, :]).sum(-1) / np.where(sqq > 0, sqq, 1), 0)
     err = ((a[..., None] * q - x[:, None, :]) ** 2).sum(-1)
@@ -245,7 +246,7 @@ def _fit_q6_sub_blocks(x: np.ndarray) -> np.ndarray:
 def _quantize_q6_super_blocks(x: np.ndarray) -> np.ndarray:
     """x float32 (nb, 256) -> Q6_K blocks uint8 (nb, 210)."""
     nb = x.shape[0]
-    a = _fit_q6_sub_blocks(x.reshape(-1, 16)).reshape(nb, 16)
+    a = _fit_symmetric(x.reshape(-1, 16), 32).reshape(nb, 16)
     peak = a[np.arange(nb), np.abs(a).argmax(axis=1)]                         # signed largest scale
     top = -peak / np.float32(128)                                             # its code is -128
     if not (np.abs(top) <= np.float32(np.finfo(np.float16).max)).all():
@@ -293,10 +294,6 @@ def dequantize_q6_k_ref(blocks, N: int, K: int) -> np.ndarray:
 # Q5_0 and Q8_0 (the q4 mix's formats for rows that are not whole 256-weight super-blocks)
 # ================================================================================================
 
-_Q5_STEPS = np.linspace(0.0, 1.5, 8, dtype=np.float32)
-"""Candidate grids of a Q5_0 block: its largest |x| mapped to level -(16 - t) or 15 - t."""
-
-
 def _blocks_of_32(w, name: str) -> tuple[np.ndarray, int, int]:
     """w float (N, K), K a multiple of 32 -> (float32 (N * K / 32, 32), N, K), checked."""
     w = np.asarray(w, dtype=np.float32)
@@ -327,17 +324,7 @@ def quantize_q5_0(w) -> np.ndarray:
     for b0 in range(0, x.shape[0], step):
         xb = x[b0: b0 + step]                                               # (M, 32)
         M = xb.shape[0]
-        peak = xb[np.arange(M), np.abs(xb).argmax(axis=1)]                  # signed largest value
-        live = peak != 0
-        peak = np.where(live, peak, 1).astype(np.float32)
-        levels = np.concatenate([-(16 - _Q5_STEPS), 15 - _Q5_STEPS])       # (C,)
-        a0 = peak[:, None] / levels[None, :]                                 # (M, C)
-        q = np.clip(np.rint(xb[:, None, :] / a0[..., None]), -16, 15)      # (M, C, 32)
-        sqq = (q * q).sum(-1)
-        a = np.where(sqq > 0, (q * xb[:, None, :]).sum(-1) / np.where(sqq > 0, sqq, 1), 0)
-        err = ((a[..., None] * q - xb[:, None, :]) ** 2).sum(-1)
-        d = np.where(live, a[np.arange(M), err.argmin(axis=1)], 0).astype(np.float32)
-        h, dv = _fp16_scale(d)
+        h, dv = _fp16_scale(_fit_symmetric(xb, 16))
         inv = np.where(dv != 0, np.float32(1) / np.where(dv != 0, dv, 1), 0).astype(np.float32)
         qq = (np.clip(np.rint(xb * inv[:, None]), -16, 15) + 16).astype(np.uint8)   # (M, 32) 0..31
         o = out[b0: b0 + M]

@@ -114,19 +114,20 @@ def test_q4_rejects_bad_input():
         q4.quantize_q4(np.full((1, 256), 1e9, np.float32))
 
 
-def test_q4_blocks_run_through_the_matvec():
-    N, K = 33, 768
+@pytest.mark.parametrize("fmt, K, seed", [("Q4_K", 768, 7), ("Q5_0", 640, 8)])
+def test_q4_mix_blocks_run_through_the_matvec(fmt, K, seed):
+    N = 33
     w = _weights("student_t3", N, K)
-    blocks = q4.quantize_q4(w)
-    x = np.random.default_rng(7).standard_normal(K).astype(np.float32)
+    blocks = {"Q4_K": q4.quantize_q4, "Q5_0": q4.quantize_q5_0}[fmt](w)
+    x = np.random.default_rng(seed).standard_normal(K).astype(np.float32)
     x_q, x_s, x_m = np.empty(K, np.int8), np.empty(K // 32, np.float32), np.empty(K // 16, np.float32)
     kq.quantize_act_q8(x, x_q, x_s, x_m)
     out = np.full(N, np.nan, np.float32)
-    kq.matvec(kq.Q4_K, blocks, x_q, x_s, x_m, out)
-    ref = kq.matvec_ref(blocks, "Q4_K", (N, K), x_q, x_s)
-    terms = np.abs(q4.dequantize_q4_ref(blocks, N, K)).astype(np.float64) @ np.abs(x_q * np.repeat(x_s, 32))
+    kq.matvec(getattr(kq, fmt), blocks, x_q, x_s, x_m, out)
+    ref = kq.matvec_ref(blocks, fmt, (N, K), x_q, x_s)
+    terms = np.abs(gb.dequantize_ref(blocks, fmt, (N, K))).astype(np.float64) @ np.abs(x_q * np.repeat(x_s, 32))
     assert (np.abs(out - ref) <= 2e-6 * terms).all()
-    # and the product is close to the float32 one (llama.cpp's own Q4_K of this matrix: 0.133)
+    # and the product is close to the float32 one (llama.cpp's own Q4_K of the Q4_K matrix: 0.133)
     assert np.abs(out - w @ x).max() <= 0.15 * np.abs(w @ x).max()
 
 
@@ -207,18 +208,3 @@ def test_q5_0_and_q8_0_edge_blocks_and_bad_input():
                     np.full((1, 32), 1e6, np.float32), np.ones(64, np.float32)):
             with pytest.raises(ValueError):
                 quantize(bad)
-
-
-def test_q5_0_blocks_run_through_the_matvec():
-    N, K = 33, 640
-    w = _weights("student_t3", N, K)
-    blocks = q4.quantize_q5_0(w)
-    x = np.random.default_rng(8).standard_normal(K).astype(np.float32)
-    x_q, x_s, x_m = np.empty(K, np.int8), np.empty(K // 32, np.float32), np.empty(K // 16, np.float32)
-    kq.quantize_act_q8(x, x_q, x_s, x_m)
-    out = np.full(N, np.nan, np.float32)
-    kq.matvec(kq.Q5_0, blocks, x_q, x_s, x_m, out)
-    ref = kq.matvec_ref(blocks, "Q5_0", (N, K), x_q, x_s)
-    terms = np.abs(gb.dequantize_ref(blocks, "Q5_0", (N, K))).astype(np.float64) @ np.abs(x_q * np.repeat(x_s, 32))
-    assert (np.abs(out - ref) <= 2e-6 * terms).all()
-    assert np.abs(out - w @ x).max() <= 0.1 * np.abs(w @ x).max()
