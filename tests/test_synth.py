@@ -39,8 +39,8 @@ SCALE = 16
 IDS_RNG = np.random.default_rng(11)
 
 
-def test_the_eight_seed_models_are_there():
-    assert MODELS == ["gemma-2-2b", "gemma-2b", "gemma-2b-it", "gemma-3-4b-it", "llama-3.2-3b",
+def test_the_seed_models_and_the_1b_benchmark_shape_are_there():
+    assert MODELS == ["gemma-2-2b", "gemma-2b", "gemma-2b-it", "gemma-3-4b-it", "llama-3.2-1b", "llama-3.2-3b",
                       "qwen2.5-1.5b", "qwen3-1.7b", "qwen3.5-4b"]
 
 
