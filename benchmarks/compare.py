@@ -4,6 +4,7 @@
     python benchmarks/compare.py smollm2-135m-instruct [--threads 2] [--prompt-tokens 512]
         [--gen-tokens 128] [--repeat 3] [--rounds 1] [--paired 0] [--out DIR]
         [--skip llama.cpp,transformers] [--four-bit [--kl-prompts 1] [--kl-tokens 16] [--gguf-q4 FILE]]
+        [--llama-convert]
 
 Runs, one after another, each in its own child process (so no two thread pools ever compete):
 
@@ -81,7 +82,24 @@ files, all made from one F32 GGUF written once) is kept under --work-dir (defaul
 ``~/.cache/cpullm/bench``), keyed by the checkpoint's identity, and reused. ``--gguf FILE``
 benchmarks a GGUF of your own instead (``--gguf-q4 FILE`` for the Q4_K_M one; cpullm-gguf then
 needs no llama-cpp-python). The writer supports the model types whose plugins declare
-a GGUF architecture (``cpullm.gguf_file.supported_architectures()``). As a check that the weights really are the same, the report gives each
+a GGUF architecture (``cpullm.gguf_file.supported_architectures()``).
+
+**llama.cpp's own converter** makes the full-precision GGUF instead for the other architectures
+(Gemma 2, Qwen3.5: llama.cpp knows ``gemma2`` and ``qwen35``, the plugins have no GGUF table for
+them), and for any model with ``--llama-convert``: ``convert_hf_to_gguf.py`` with its
+``conversion`` package and ``gguf-py``, of the installed llama-cpp-python's version (the libllama
+that runs the file), taken from that version's source distribution (``pip download
+llama-cpp-python==X --no-binary :all:``, ~77 MB, once; only those parts kept, in
+``--work-dir/llama.cpp-convert-X``), run as it is in a subprocess with its own gguf-py. It writes
+BF16 when every matrix of the checkpoint is bf16 (exact), else F32, and the text model of a
+multimodal checkpoint (Gemma 3 4B-IT, Qwen3.5). One fallback: when its vocabulary step rejects the
+tokenizer (its BPE pre-tokenizer check hashes the token ids of a fixed text, which no synthetic
+vocabulary of ``benchmarks/synth.py`` reproduces; Gemma's path needs a SentencePiece
+``tokenizer.model`` and the sentencepiece package), the vocabulary is written from tokenizer.json
+as cpullm's writer writes it, which changes nothing here since the benchmark feeds token ids. Its
+files are kept apart from the writer's (``-hfconv`` in the name); the report names which made
+them. Without pip access to PyPI, or when the converter fails, the error says so in one line and
+the llama.cpp runtimes are reported as failed. As a check that the weights really are the same, the report gives each
 runtime's fidelity on the prompt's last-position logits against transformers f32 (cosine of
 mean-centred logits, same top-1).
 
@@ -612,6 +630,18 @@ def ensure_ggufs(model_dir: Path, work_dir: Path, threads: int, ftypes, say=prin
     finally:
         full.unlink(missing_ok=True)
     return out
+
+
+def gguf_source(model_dir: Path, llama_convert: bool | None = None) -> str:
+    """Which converter made llama.cpp's files of the checkpoint (ensure_ggufs' choice), for the report."""
+    if llama_convert is None:
+        llama_convert = not writer_has_table(model_dir)
+    if not llama_convert:
+        return "cpullm's GGUF writer (F32), quantized by llama_model_quantize"
+    import llama_cpp
+
+    return (f"llama.cpp's convert_hf_to_gguf.py of llama-cpp-python {llama_cpp.__version__}, quantized by "
+            "llama_model_quantize")
 
 
 def ensure_q8_gguf(model_dir: Path, work_dir: Path, threads: int, say=print,
@@ -1149,6 +1179,10 @@ def markdown(report: dict) -> str:
         f"{s['context_tokens']} tokens, medians of {s['repeat']} run(s)"
         + (f", then the median over {s['rounds']} rounds (every runtime once per round, in turn)"
            if s.get("rounds", 1) > 1 else "") + f"; {report['date']}",
+    ]
+    if report.get("gguf_source"):
+        lines.append(f"- llama.cpp's GGUFs made from the checkpoint by {report['gguf_source']}")
+    lines += [
         "",
         "| runtime | weights | prefill tok/s | decode tok/s | decode @%d tok/s | TTFT s | load s "
         "| weight MB / decode token | KL vs f32 (nats) | fidelity vs transformers f32 |" % s["context_tokens"],
@@ -1390,6 +1424,10 @@ def parse_args(argv=None):
                    help="also run the 4-bit runtimes: " + ", ".join(FOUR_BIT) + " (and the KL pass)")
     p.add_argument("--skip", default="", help="comma-separated runtimes to skip: " + ",".join(ALL_RUNTIMES))
     p.add_argument("--gguf", default=None, help="use this GGUF for llama.cpp instead of converting the checkpoint")
+    p.add_argument("--llama-convert", action="store_true",
+                   help="make llama.cpp's GGUFs with llama.cpp's own convert_hf_to_gguf.py (fetched once with pip "
+                        "from llama-cpp-python's source distribution into --work-dir) even where cpullm's GGUF "
+                        "writer knows the architecture; architectures it does not know always take this way")
     p.add_argument("--gguf-q4", default=None, metavar="FILE",
                    help="use this 4-bit GGUF of the same weights for cpullm-gguf and llama.cpp-Q4_K_M instead "
                         "of llama.cpp's Q4_K_M of the checkpoint")
@@ -1486,7 +1524,10 @@ def main(argv=None) -> int:
         need = sorted({GGUF_OF[n] for n in runnable if n in GGUF_OF} - set(gguf_files), key=list(GGUF_OF.values()).index)
         if need:
             try:
-                gguf_files.update({ft: str(f) for ft, f in ensure_ggufs(model_dir, work_dir, threads, need, say).items()})
+                llama_convert = True if args.llama_convert else None
+                gguf_files.update({ft: str(f) for ft, f in ensure_ggufs(model_dir, work_dir, threads, need, say,
+                                                                        llama_convert).items()})
+                report["gguf_source"] = gguf_source(model_dir, llama_convert)
             except SystemExit as exc:
                 for name in [n for n in runnable if GGUF_OF.get(n) in need]:
                     rows[name] = {"runtime": name, "error": str(exc)}
