@@ -122,6 +122,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -512,7 +513,8 @@ def llama_cpp_converter(work_dir: Path, say=print) -> Path:
         sdists = list(dl.glob("llama_cpp_python-*.tar.gz"))
         if proc.returncode != 0 or not sdists:
             last = (proc.stderr.strip().splitlines() or ["no archive downloaded"])[-1]
-            raise SystemExit(f"compare.py: could not fetch llama.cpp's converter ({' '.join(cmd[2:])}: {last}); "
+            raise SystemExit(f"compare.py: could not fetch llama.cpp's converter (pip download "
+                             f"llama-cpp-python=={version} --no-binary :all:: {last}); "
                              "give pip access to PyPI, or pass a GGUF of the checkpoint with --gguf FILE")
         tmp = dl / "unpacked"
         with tarfile.open(sdists[0]) as tar:
@@ -563,9 +565,11 @@ def llama_convert_gguf(model_dir, out_path, work_dir: Path, say=print) -> Path:
         lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
         last = next((ln for ln in reversed(lines) if "Error" in ln or "error" in ln), lines[-1] if lines else "")
         out_path.unlink(missing_ok=True)
+        missing = re.search(r"No module named '([\w.]+)'", proc.stderr)
+        fix = (f"install {missing.group(1).partition('.')[0]} (the converter needs torch and transformers)"
+               if missing else "pass a GGUF of the checkpoint with --gguf FILE")
         raise SystemExit(f"compare.py: llama.cpp's convert_hf_to_gguf.py failed on {model_dir.name}: "
-                         f"{last.strip()[:300]}; install what it names (its requirements: torch, "
-                         "transformers, sentencepiece) or pass a GGUF with --gguf FILE")
+                         f"{last.strip()[:300]}; {fix}")
     return out_path
 
 
