@@ -525,7 +525,8 @@ def llama_cpp_converter(work_dir: Path, say=print) -> Path:
                         any(parts[3] == p or parts[3].startswith(p) for p in CONVERTER_PARTS):
                     m.name = parts[3]
                     members.append(m)
-            tar.extractall(tmp, members=members, filter="data")
+            safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}   # Python >= 3.10.12
+            tar.extractall(tmp, members=members, **safe)
         if not (tmp / CONVERTER_PARTS[0]).is_file():
             raise SystemExit(f"compare.py: llama-cpp-python {version}'s source distribution has no "
                              "vendor/llama.cpp/convert_hf_to_gguf.py; pass a GGUF with --gguf FILE")
