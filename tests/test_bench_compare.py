@@ -432,3 +432,31 @@ def test_llama_cpp_converter_makes_the_q8_0_of_a_gemma2_checkpoint(tmp_path, req
     fid = compare._fidelity(got[-1], ref[-1])
     assert fid["cosine"] > 0.99 and fid["same_top1"], fid
     assert compare.gguf_source(ckpt).startswith("llama.cpp's convert_hf_to_gguf.py")
+
+
+def test_llama_cpp_converter_and_cpullm_writer_give_the_same_q8_0(tmp_path, request):
+    """--llama-convert on an architecture both know: the Q8_0 tensors of llama.cpp's converter (BF16
+    out) and of cpullm's writer (F32 out) are bit-identical (llama3 rope factors included)."""
+    pytest.importorskip("llama_cpp", reason=LLAMA_CPP_REASON)
+    pytest.importorskip("torch", reason="llama.cpp's convert_hf_to_gguf.py needs torch (pip install 'cpullm[bench]')")
+    pytest.importorskip("transformers", reason="llama.cpp's convert_hf_to_gguf.py needs transformers")
+    import gguf
+
+    ckpt = make_random_checkpoint(dict(LLAMA32_LIKE, model_type="llama", architectures=["LlamaForCausalLM"]),
+                                  tmp_path / "llama", seed=5)
+    try:
+        src = compare.llama_cpp_converter(request.config.cache.mkdir("llama-cpp-converter"), say=lambda msg: None)
+    except SystemExit as exc:
+        pytest.skip(f"llama.cpp's converter source (llama-cpp-python's sdist) could not be fetched: {exc}")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / src.name).symlink_to(src, target_is_directory=True)
+    files = {way: compare.ensure_q8_gguf(ckpt, work, 1, say=lambda msg: None, llama_convert=way)
+             for way in (True, False)}
+    assert files[True] != files[False]
+    tensors = {way: {t.name: t for t in gguf.GGUFReader(str(f)).tensors} for way, f in files.items()}
+    assert set(tensors[True]) == set(tensors[False]) and "rope_freqs.weight" in tensors[True]
+    for name, t in tensors[True].items():
+        w = tensors[False][name]
+        assert t.tensor_type == w.tensor_type, name
+        np.testing.assert_array_equal(np.asarray(t.data), np.asarray(w.data), err_msg=name)
