@@ -461,7 +461,9 @@ def get_model_class(*args, **kwargs):
         except (NotImplementedError, FileNotFoundError, ModuleNotFoundError) as why:
             vocab_from_tokenizer_json(self, why)
 
-    return type(cls.__name__, (cls,), {"model_arch": cls.model_arch, "set_vocab": set_vocab})
+    # --no-mtp where the class has it: no runtime here runs the multi-token-prediction layer
+    extra = {"no_mtp": True} if getattr(cls, "supports_mtp_export", False) else {}
+    return type(cls.__name__, (cls,), {"model_arch": cls.model_arch, "set_vocab": set_vocab, **extra})
 
 
 conversion.get_model_class = get_model_class
@@ -472,7 +474,9 @@ checkpoint's tokenizer (a BPE tokenizer whose pre-tokenizer hash it does not lis
 SentencePiece ``tokenizer.model``), the vocabulary is written from tokenizer.json by
 ``_vocab_fields``, as cpullm's own writer does. benchmarks/synth.py's tokenizers always take the
 fallback: the hash is of the token ids of a fixed text, which no synthetic vocabulary reproduces;
-the benchmark feeds token ids, so llama.cpp never tokenizes with it."""
+the benchmark feeds token ids, so llama.cpp never tokenizes with it. And the converter's
+``--no-mtp`` where the model has a multi-token-prediction layer (Qwen3.5): neither runtime runs it,
+and the report counts every tensor of the GGUF but the embedding as read per decode token."""
 
 
 def writer_has_table(model_dir: Path) -> bool:
