@@ -388,3 +388,75 @@ def test_a_served_runtime_that_fails_to_load_names_its_error(tmp_path):
             "repeat": 1, "threads": 1, "quant": "int8", "gguf": None}
     pd = compare.paired_decode(["cpullm", "llama.cpp"], spec, tmp_path, 1, 60, say=lambda m: None)
     assert pd["error"].startswith("cpullm stopped (exit 1)") and "missing" in pd["error"]
+
+
+# ---- llama.cpp's own converter (architectures cpullm's GGUF writer has no table for) ---------------
+def test_llama_cpp_converter_makes_the_q8_0_of_a_gemma2_checkpoint(tmp_path, request):
+    """Gemma 2 has no GGUF table in the plugins: ensure_q8_gguf takes llama.cpp's convert_hf_to_gguf.py
+    (its vocabulary step rejects the byte-level test tokenizer: tokenizer.json's vocabulary is used),
+    then llama_model_quantize; llama.cpp runs the file (sliding window of 8, soft-capping, query
+    scale 24 != head_dim 32) and its logits are cpullm f32's within Q8_0 rounding."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason=LLAMA_CPP_REASON)
+    pytest.importorskip("torch", reason="llama.cpp's convert_hf_to_gguf.py needs torch (pip install 'cpullm[bench]')")
+    pytest.importorskip("transformers", reason="llama.cpp's convert_hf_to_gguf.py needs transformers")
+    import gguf
+
+    import cpullm
+    from cpullm_gemma.tiny_configs import GEMMA2
+
+    llama_ckpt = make_random_checkpoint(dict(LLAMA32_LIKE, model_type="llama"), tmp_path / "llama", seed=5)
+    ckpt = make_random_checkpoint(dict(GEMMA2), tmp_path / "gemma2", seed=5)
+    assert compare.writer_has_table(llama_ckpt) and not compare.writer_has_table(ckpt)
+    cached = request.config.cache.mkdir("llama-cpp-converter")   # fetched (~77 MB) once, in .pytest_cache
+    try:
+        src = compare.llama_cpp_converter(cached, say=lambda msg: None)
+    except SystemExit as exc:
+        pytest.skip(f"llama.cpp's converter source (llama-cpp-python's sdist) could not be fetched: {exc}")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / src.name).symlink_to(src, target_is_directory=True)
+    said = []
+    q8 = compare.ensure_q8_gguf(ckpt, work, 1, say=said.append)
+    assert q8.name.endswith("-hfconv.Q8_0.gguf") and not list(work.glob("*.partial"))
+    assert any("written from tokenizer.json" in m for m in said), said
+    r = gguf.GGUFReader(str(q8))
+    assert r.fields["general.architecture"].contents() == "gemma2"
+    types = {t.name: t.tensor_type for t in r.tensors}
+    assert types["blk.0.ffn_down.weight"] == gguf.GGMLQuantizationType.Q8_0
+    assert len(r.fields["tokenizer.ggml.tokens"].data) == GEMMA2["vocab_size"]
+    llm = llama_cpp.Llama(model_path=str(q8), n_ctx=64, n_threads=1, n_threads_batch=1, logits_all=True,
+                          verbose=False)
+    llm.eval(IDS)
+    got = np.asarray(llm.scores[: len(IDS)], np.float32)
+    ref = cpullm.load(ckpt, quant="f32", use_cache=False).logits(IDS)
+    fid = compare._fidelity(got[-1], ref[-1])
+    assert fid["cosine"] > 0.99 and fid["same_top1"], fid
+    assert compare.gguf_source(ckpt).startswith("llama.cpp's convert_hf_to_gguf.py")
+
+
+def test_llama_cpp_converter_and_cpullm_writer_give_the_same_q8_0(tmp_path, request):
+    """--llama-convert on an architecture both know: the Q8_0 tensors of llama.cpp's converter (BF16
+    out) and of cpullm's writer (F32 out) are bit-identical (llama3 rope factors included)."""
+    pytest.importorskip("llama_cpp", reason=LLAMA_CPP_REASON)
+    pytest.importorskip("torch", reason="llama.cpp's convert_hf_to_gguf.py needs torch (pip install 'cpullm[bench]')")
+    pytest.importorskip("transformers", reason="llama.cpp's convert_hf_to_gguf.py needs transformers")
+    import gguf
+
+    ckpt = make_random_checkpoint(dict(LLAMA32_LIKE, model_type="llama", architectures=["LlamaForCausalLM"]),
+                                  tmp_path / "llama", seed=5)
+    try:
+        src = compare.llama_cpp_converter(request.config.cache.mkdir("llama-cpp-converter"), say=lambda msg: None)
+    except SystemExit as exc:
+        pytest.skip(f"llama.cpp's converter source (llama-cpp-python's sdist) could not be fetched: {exc}")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / src.name).symlink_to(src, target_is_directory=True)
+    files = {way: compare.ensure_q8_gguf(ckpt, work, 1, say=lambda msg: None, llama_convert=way)
+             for way in (True, False)}
+    assert files[True] != files[False]
+    tensors = {way: {t.name: t for t in gguf.GGUFReader(str(f)).tensors} for way, f in files.items()}
+    assert set(tensors[True]) == set(tensors[False]) and "rope_freqs.weight" in tensors[True]
+    for name, t in tensors[True].items():
+        w = tensors[False][name]
+        assert t.tensor_type == w.tensor_type, name
+        np.testing.assert_array_equal(np.asarray(t.data), np.asarray(w.data), err_msg=name)
