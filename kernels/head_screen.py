@@ -162,20 +162,34 @@ def build_screen(w_q, w_s, perm, k_sel: int, rows_per_chunk: int | None = None):
     Rows go ``rows_per_chunk`` at a time, by default ~8 MB of float64 per temporary: under glibc's
     mmap threshold, so the heap is reused instead of fresh pages (slow to touch on some VMs)."""
     N, Kp = w_q.shape
+    nb = Kp // QBLOCK
+
+    def exact_rows(n0, n1):
+        exact = (w_q[n0:n1].reshape(n1 - n0, nb, QBLOCK).astype(np.float64)
+                 * scale_values(w_s[n0:n1]).astype(np.float64)[..., None]).reshape(n1 - n0, Kp)
+        return exact, None
+    return build_screen_rows(exact_rows, N, Kp, perm, k_sel, rows_per_chunk)
+
+
+def build_screen_rows(exact_rows, N: int, Kp: int, perm, k_sel: int, rows_per_chunk: int | None = None):
+    """(hq, hs, hb) of the module docstring for N rows of Kp columns given by ``exact_rows(n0, n1)``
+    -> (float64 (n1 - n0, Kp) the exact rows n0..n1 in their own column order, float64 (n1 - n0,)
+    norms that hb's third column must also cover, or None). Rows go ``rows_per_chunk`` at a time
+    (default ~8 MB of float64 per temporary), so no more than a chunk is ever dequantized."""
     if (Kp % QBLOCK or k_sel % QBLOCK or not 0 < k_sel < Kp or Kp > QBLOCK * MAX_BLOCKS
             or sorted(perm) != list(range(Kp))):
         raise ValueError("build_screen: Kp and k_sel must be multiples of 32, 0 < k_sel < Kp <= 32768, "
                          "perm a permutation of range(Kp)")
     perm = np.asarray(perm, np.int64)
-    nb = Kp // QBLOCK
     rows_per_chunk = rows_per_chunk or max(1, (1 << 20) // Kp)
     hq = np.empty((N, k_sel + (Kp - k_sel) // 2), np.int8)
     hs = np.zeros((N, padded_blocks(Kp)), np.uint16)
     hb = np.empty((N, 3), np.float32)
+    nb = Kp // QBLOCK
     for n0 in range(0, N, rows_per_chunk):
         n1 = min(N, n0 + rows_per_chunk)
-        exact = (w_q[n0:n1].reshape(n1 - n0, nb, QBLOCK).astype(np.float64)
-                 * scale_values(w_s[n0:n1]).astype(np.float64)[..., None]).reshape(n1 - n0, Kp)[:, perm]
+        exact, extra_norms = exact_rows(n0, n1)
+        exact = exact[:, perm]
         q8, s8 = _quantize_blocks_ref(exact[:, :k_sel].astype(np.float32), 127, True)
         q4, s4 = _quantize_blocks_ref(exact[:, k_sel:].astype(np.float32), 7, True)
         hq[n0:n1, :k_sel] = q8.astype(np.int8)
@@ -189,6 +203,8 @@ def build_screen(w_q, w_s, perm, k_sel: int, rows_per_chunk: int | None = None):
         hb[n0:n1, 0] = _round_up_f32(np.sqrt((err[:, :k_sel] ** 2).sum(1)) * (1 + 2.0 ** -40))
         hb[n0:n1, 1] = _round_up_f32(np.sqrt((err[:, k_sel:] ** 2).sum(1)) * (1 + 2.0 ** -40))
         norms = np.maximum(np.sqrt((exact ** 2).sum(1)), np.sqrt((compact.astype(np.float64) ** 2).sum(1)))
+        if extra_norms is not None:
+            norms = np.maximum(norms, extra_norms)
         hb[n0:n1, 2] = _round_up_f32(norms * (1 + 2.0 ** -40))
     return hq, hs, hb
 
