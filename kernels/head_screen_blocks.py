@@ -40,9 +40,9 @@ rounding of p's products and of A +- bound on |A| (|p| <= X + delta); the factor
 bound's own float32 arithmetic and the float64 norms. Rows whose upper bound is below the largest
 lower bound cannot be the argmax.
 
-Underflow and overflow are kept out rather than bounded: a step whose activation block scales
-x_s are not all zero or within [2^-40, 2^40] (non-finite ones included) returns -1 (the caller
-runs the full head), and hb values below 2^-64 are raised to it, so every product of the bound
+Underflow and overflow are kept out rather than bounded: a step whose activations are not all
+finite, or whose block scales x_s are not all zero or within [2^-40, 2^40], returns -1 (the
+caller runs the full head), and hb values below 2^-64 are raised to it, so every product of the bound
 and of both dots stays a normal float32.
 
 Which programs get one (core/head_screen.py): ``quant="q4"`` programs whose lm_head is a
@@ -91,9 +91,10 @@ def build_screen_blocks(w, fmt, Kp: int, perm, k_sel: int, rows_per_chunk: int |
         raise ValueError(f"build_screen_blocks: rows of {w.shape[1]} bytes are not {Kp} {fmt.name} weights")
 
     def exact_rows(n0, n1):
-        s, c = dequantize_parts_ref(w[n0:n1], fmt, (n1 - n0, Kp))
-        exact = s + c
-        mags = np.sqrt(((np.abs(s) + np.abs(c)) ** 2).sum(1))
+        with np.errstate(invalid="ignore", over="ignore"):       # non-finite rows: raised below
+            s, c = dequantize_parts_ref(w[n0:n1], fmt, (n1 - n0, Kp))
+            exact = s + c
+            mags = np.sqrt(((np.abs(s) + np.abs(c)) ** 2).sum(1))
         if not (np.isfinite(exact).all() and np.isfinite(mags).all()):
             raise ValueError(f"build_screen_blocks: rows {n0}..{n1} hold non-finite weights")
         return exact, mags
@@ -117,8 +118,10 @@ def _exact_activations_ref(x, Kp):
 
 def screen_bounds_blocks_ref(x, perm, k_sel: int, hq, hs, hb):
     """(approx (N,), bound (N,), (x_q, x_s, x_m)) in float64 as the kernel defines them; bound None
-    when the kernel would fall back (activation scales out of range)."""
+    when the kernel would fall back (activations not finite, block scales out of range)."""
     Kp = perm.size
+    if not np.isfinite(np.asarray(x, np.float32)).all():
+        return None, None, (None, None, None)
     x_q, x_s, x_m = _exact_activations_ref(np.asarray(x, np.float32), Kp)
     nz = x_s[x_s != 0]
     if not np.all((nz >= SCALE_MIN) & (nz <= SCALE_MAX)):
@@ -205,6 +208,9 @@ def screen_argmax_blocks(x, perm, sel_blocks, hq, hs, hb, w, fmt, x_q, x_s, x_m,
     K = x.size
     Kp = perm.size
     nb = Kp // QBLOCK
+    for j in range(K):                                  # a NaN would not show in the block scales
+        if not np.isfinite(x[j]):
+            return -1, 0
     for j in range(K, Kp):                              # exactly what the matvec reads
         x_q[j] = 0
     for j in range(K // 32, nb):
