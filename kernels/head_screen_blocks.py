@@ -94,7 +94,8 @@ def build_screen_blocks(w, fmt, Kp: int, perm, k_sel: int, rows_per_chunk: int |
         with np.errstate(invalid="ignore", over="ignore"):       # non-finite rows: raised below
             s, c = dequantize_parts_ref(w[n0:n1], fmt, (n1 - n0, Kp))
             exact = s + c
-            mags = np.sqrt(((np.abs(s) + np.abs(c)) ** 2).sum(1))
+            m = np.add(np.abs(s, out=s), np.abs(c, out=c), out=s)            # |s| + |c|, in place
+            mags = np.sqrt(np.einsum("ij,ij->i", m, m))
         if not (np.isfinite(exact).all() and np.isfinite(mags).all()):
             raise ValueError(f"build_screen_blocks: rows {n0}..{n1} hold non-finite weights")
         return exact, mags
