@@ -174,8 +174,10 @@ def build_screen(w_q, w_s, perm, k_sel: int, rows_per_chunk: int | None = None):
 def build_screen_rows(exact_rows, N: int, Kp: int, perm, k_sel: int, rows_per_chunk: int | None = None):
     """(hq, hs, hb) of the module docstring for N rows of Kp columns given by ``exact_rows(n0, n1)``
     -> (float64 (n1 - n0, Kp) the exact rows n0..n1 in their own column order, float64 (n1 - n0,)
-    norms that hb's third column must also cover, or None). Rows go ``rows_per_chunk`` at a time
-    (default ~8 MB of float64 per temporary), so no more than a chunk is ever dequantized."""
+    amounts added to both error norms of each row (E_sel, E_rest: a term of the bound per unit of
+    activation norm that the caller proves, e.g. the exact path's float rounding), or None). Rows
+    go ``rows_per_chunk`` at a time (default ~8 MB of float64 per temporary), so no more than a
+    chunk is ever dequantized."""
     if (Kp % QBLOCK or k_sel % QBLOCK or not 0 < k_sel < Kp or Kp > QBLOCK * MAX_BLOCKS
             or sorted(perm) != list(range(Kp))):
         raise ValueError("build_screen: Kp and k_sel must be multiples of 32, 0 < k_sel < Kp <= 32768, "
@@ -188,7 +190,7 @@ def build_screen_rows(exact_rows, N: int, Kp: int, perm, k_sel: int, rows_per_ch
     nb = Kp // QBLOCK
     for n0 in range(0, N, rows_per_chunk):
         n1 = min(N, n0 + rows_per_chunk)
-        exact, extra_norms = exact_rows(n0, n1)
+        exact, err_extra = exact_rows(n0, n1)
         exact = exact[:, perm]
         q8, s8 = _quantize_blocks_ref(exact[:, :k_sel].astype(np.float32), 127, True)
         q4, s4 = _quantize_blocks_ref(exact[:, k_sel:].astype(np.float32), 7, True)
@@ -200,11 +202,10 @@ def build_screen_rows(exact_rows, N: int, Kp: int, perm, k_sel: int, rows_per_ch
             (q8.reshape(n1 - n0, -1, QBLOCK) * scale_values(s8)[..., None]).reshape(n1 - n0, -1),
             (q4.reshape(n1 - n0, -1, QBLOCK) * scale_values(s4)[..., None]).reshape(n1 - n0, -1)], axis=1)
         err = exact - compact.astype(np.float64)
-        hb[n0:n1, 0] = _round_up_f32(np.sqrt((err[:, :k_sel] ** 2).sum(1)) * (1 + 2.0 ** -40))
-        hb[n0:n1, 1] = _round_up_f32(np.sqrt((err[:, k_sel:] ** 2).sum(1)) * (1 + 2.0 ** -40))
+        add = 0.0 if err_extra is None else err_extra
+        hb[n0:n1, 0] = _round_up_f32((np.sqrt((err[:, :k_sel] ** 2).sum(1)) + add) * (1 + 2.0 ** -40))
+        hb[n0:n1, 1] = _round_up_f32((np.sqrt((err[:, k_sel:] ** 2).sum(1)) + add) * (1 + 2.0 ** -40))
         norms = np.maximum(np.sqrt((exact ** 2).sum(1)), np.sqrt((compact.astype(np.float64) ** 2).sum(1)))
-        if extra_norms is not None:
-            norms = np.maximum(norms, extra_norms)
         hb[n0:n1, 2] = _round_up_f32(norms * (1 + 2.0 ** -40))
     return hq, hs, hb
 

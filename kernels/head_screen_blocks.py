@@ -28,17 +28,23 @@ exact (|q| <= 63, |x_q| <= 127), each term (a lane's sum times its factor d sc x
 c times a block sum of x_m) passes at most nb + 10 roundings for nb = Kp / 32 blocks (its factor,
 fmuladd chains of nb / 2 steps per accumulator, twice that if not fused, the horizontal sums),
 so |E - w.x'| <= (nb + 11) 2^-24 sum |terms| <= (nb + 11) 2^-24 |m| |x'|; the compact dot is
-within (nb + 8) 2^-24 |v| |p| (head_screen.py), twice that unfused. hb holds E_sel, E_rest and
-W = max(|w|, |v|, |m|) (|m| >= |w| always; rounded up, from float64 rows whose only rounding,
-s + c, is below 2^-53 m), the step computes, in float64 from xp and p,
+within (nb + 8) 2^-24 |v| |p| (head_screen.py), twice that unfused. |m| is 3-4x |w| on a Q6_K
+row (the offset -32 d sc cancels most of d sc q), so it is kept away from the much larger delta
+term below: with X = |xp|, X_sel, X_rest its norms on the two column sets (X_sel + X_rest >= X),
 
-    X = |xp|, X_sel, X_rest, delta = |xp - p|,   extra = delta + rho (X + delta),   rho = (nb + 16) 2^-22
+    |E - w.x'| <= rho_E |m| (X_sel + X_rest),   rho_E = (nb + 16) 2^-23,
 
-and the bounds pass's bound = (E_sel X_sel + E_rest X_rest + W extra) (1 + 2^-10). rho is 4 (nb + 16)
-2^-24: it covers g_E + g_A (<= (4 nb + 38) 2^-24 unfused), |x' - xp| (2^-24 X), the float32
-rounding of p's products and of A +- bound on |A| (|p| <= X + delta); the factor 1 + 2^-10 the
-bound's own float32 arithmetic and the float64 norms. Rows whose upper bound is below the largest
-lower bound cannot be the argmax.
+so hb holds E_sel + rho_E |m|, E_rest + rho_E |m| (the bound's first two terms take it) and
+W = max(|w|, |v|), each rounded up, from float64 rows whose only rounding (s + c) is below 2^-53 m.
+The step computes, in float64 from xp and p,
+
+    delta = |xp - p|,   extra = delta + rho (X + delta),   rho = (nb + 16) 2^-22
+
+and the bounds pass's bound = (hb0 X_sel + hb1 X_rest + W extra) (1 + 2^-10). rho is 4 (nb + 16)
+2^-24: it covers g_A (<= (2 nb + 16) 2^-24 unfused), |x' - xp| (2^-24 X), the float32 rounding
+of p's products and of A +- bound on |A| (|p| <= X + delta); the factor 1 + 2^-10 the bound's own
+float32 arithmetic and the float64 norms. Rows whose upper bound is below the largest lower
+bound cannot be the argmax.
 
 Underflow and overflow are kept out rather than bounded: a step whose activations are not all
 finite, or whose block scales x_s are not all zero or within [2^-40, 2^40], returns -1 (the
@@ -80,11 +86,17 @@ HB_FLOOR = 2.0 ** -64
 """hb values are at least this (raising a bound is always safe): no subnormal products."""
 
 
+def exact_rounding(Kp: int) -> float:
+    """rho_E of the module docstring: the matvec's float rounding per unit of |m| (X_sel + X_rest)."""
+    return (Kp // QBLOCK + 16) * 2.0 ** -23
+
+
 def build_screen_blocks(w, fmt, Kp: int, perm, k_sel: int, rows_per_chunk: int | None = None):
     """(hq, hs, hb) of the raw-block matrix w uint8 (N, row bytes) of format ``fmt`` (Kp weights a
     row) with columns ``perm`` (k_sel at 8 bits), from float64 rows dequantized a chunk at a time
-    (~8 MB per temporary; never the whole matrix). hb's third column covers |s| + |c| too (the
-    module docstring). Raises ValueError when a row is not finite (a file's inf / nan scales)."""
+    (~8 MB per temporary; never the whole matrix). Both error norms carry rho_E ||s| + |c|| (the
+    matvec's float rounding: module docstring). Raises ValueError when a row is not finite (a
+    file's inf / nan scales)."""
     fmt = block_format(fmt)
     N = w.shape[0]
     if w.shape[1] != fmt.row_bytes(Kp):
@@ -98,7 +110,7 @@ def build_screen_blocks(w, fmt, Kp: int, perm, k_sel: int, rows_per_chunk: int |
             mags = np.sqrt(np.einsum("ij,ij->i", m, m))
         if not (np.isfinite(exact).all() and np.isfinite(mags).all()):
             raise ValueError(f"build_screen_blocks: rows {n0}..{n1} hold non-finite weights")
-        return exact, mags
+        return exact, exact_rounding(Kp) * mags
     hq, hs, hb = build_screen_rows(exact_rows, N, Kp, perm, k_sel, rows_per_chunk)
     np.maximum(hb, np.float32(HB_FLOOR), out=hb)
     return hq, hs, hb
