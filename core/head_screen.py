@@ -36,8 +36,9 @@ it changes how many rows greedy steps recompute exactly, never which token they 
 
 def head_screen_row(program: Program) -> int | None:
     """The instruction a head screen replaces in greedy decoding: the program's last one, if it is
-    a LINEAR of the head over q8 weights or raw ggml blocks, without bias or plugin kernel (its
-    output is then the logits), of at least ``head_screen.MIN_LM_HEAD_BYTES``; else None."""
+    a LINEAR of the head over q8 weights or raw ggml blocks of a format in
+    ``head_screen_blocks.SCREEN_FORMATS`` (Q6_K), without bias or plugin kernel (its output is then
+    the logits), of at least ``head_screen.MIN_LM_HEAD_BYTES``; else None."""
     from .kernels import head_screen
     I = program.I
     r = len(I) - 1
@@ -48,6 +49,10 @@ def head_screen_row(program: Program) -> int | None:
     if (lin.kind not in (P.WEIGHT_Q8, P.WEIGHT_BLOCKS) or lin.bias_off >= 0
             or lin.kp > 32 * head_screen.MAX_BLOCKS or lin.kp < 64):
         return None
+    if lin.kind == P.WEIGHT_BLOCKS:
+        from .kernels.head_screen_blocks import SCREEN_FORMATS
+        if lin.s_off not in SCREEN_FORMATS:
+            return None
     if lin.n * _row_bytes(lin) < head_screen.MIN_LM_HEAD_BYTES:
         return None
     return r

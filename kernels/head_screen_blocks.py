@@ -171,24 +171,19 @@ def screen_argmax_blocks_ref(x, perm, k_sel: int, hq, hs, hb, w, fmt):
 # numba kernels
 # ================================================================================================
 
+SCREEN_FORMATS = (14,)
+"""ggml types whose heads a screen reads: Q6_K, ``--quant q4``'s head (and the head of llama.cpp's
+K-quant mixes). The bound holds for every kquant format (tests/test_head_screen_blocks.py checks
+all eight), but each row routine compiled into the screen costs cold-start time (a fresh numba
+cache, 2-core Zen 4 VM: the screen kernel 10 s with all eight, 7-8 s with one); any other format
+returns -1 (the full head), and core/head_screen.py gives it no screen."""
+
+
 @njit(cache=True, inline="always")
 def _row_logit(fmt, w, x_q, x_s, x_m, n):
-    """kquant.matvec's value of row n: the same row routine (format and ISA compile-time constants)."""
-    if fmt == 14:
-        return _kq_row_dot(w, x_q, x_s, x_m, n, 14, _ISA)
-    elif fmt == 12:
-        return _kq_row_dot(w, x_q, x_s, x_m, n, 12, _ISA)
-    elif fmt == 13:
-        return _kq_row_dot(w, x_q, x_s, x_m, n, 13, _ISA)
-    elif fmt == 8:
-        return _kq_row_dot(w, x_q, x_s, x_m, n, 8, _ISA)
-    elif fmt == 2:
-        return _kq_row_dot(w, x_q, x_s, x_m, n, 2, _ISA)
-    elif fmt == 3:
-        return _kq_row_dot(w, x_q, x_s, x_m, n, 3, _ISA)
-    elif fmt == 6:
-        return _kq_row_dot(w, x_q, x_s, x_m, n, 6, _ISA)
-    return _kq_row_dot(w, x_q, x_s, x_m, n, 7, _ISA)
+    """kquant.matvec's value of row n of a Q6_K matrix: the same row routine (format and ISA
+    compile-time constants)."""
+    return _kq_row_dot(w, x_q, x_s, x_m, n, 14, _ISA)
 
 
 @njit(cache=True, parallel=True)
@@ -210,7 +205,8 @@ def screen_argmax_blocks(x, perm, sel_blocks, hq, hs, hb, w, fmt, x_q, x_s, x_m,
                          upper, rows, vals, lower_max, counts, nthreads, max_rows):
     """(token, survivors): the argmax (lowest index on ties) of ``kquant.matvec(fmt, w, ...)`` on
     the activations x as ``_linear_blocks_rows`` quantizes them, found through the screen; (-1, 0)
-    when the activations' block scales are out of range or the bounds not finite, (-2, survivors)
+    when fmt is not one of SCREEN_FORMATS, the activations are not finite or their block scales
+    out of range, or the bounds are not finite, (-2, survivors)
     when more than ``max_rows`` rows survive: the caller then runs the full lm_head.
 
     x float32 (K,); perm int64 (Kp,); w uint8 (N, row bytes) the raw blocks, fmt their ggml type;
@@ -218,6 +214,8 @@ def screen_argmax_blocks(x, perm, sel_blocks, hq, hs, hb, w, fmt, x_q, x_s, x_m,
     p_s float32 (padded_blocks(Kp),), xp float32 (Kp,), upper float32 (N,), rows int64 (N,),
     vals float32 (N,), lower_max float32 / counts int64 (>= nthreads,).
     """
+    if fmt != 14:                                       # SCREEN_FORMATS
+        return -1, 0
     K = x.size
     Kp = perm.size
     nb = Kp // QBLOCK

@@ -120,10 +120,9 @@ def test_screen_argmax_is_the_full_argmax(seed, threads):
     if threads > numba.config.NUMBA_NUM_THREADS:
         pytest.skip("needs 2 numba threads")
     rng = np.random.default_rng(300 + seed)
-    fmt = FORMATS[seed % len(FORMATS)] if seed % 2 else "Q6_K"
     N, K = int(rng.integers(50, 2500)), int(rng.choice([256, 512, 768]))
-    w = _q6_k(N, K, rng, rng.integers(0, K, 2)) if fmt == "Q6_K" else gb.random_blocks(fmt, N, K, rng)
-    s = _Screen(w, fmt, K, importance=rng.random(K))
+    w = _q6_k(N, K, rng, rng.integers(0, K, 2)) if seed % 2 else gb.random_blocks("Q6_K", N, K, rng)
+    s = _Screen(w, "Q6_K", K, importance=rng.random(K))
     for _ in range(6):
         x = rng.standard_normal(K).astype(np.float32) * np.float32(rng.uniform(0.1, 10))
         x[rng.integers(0, K, 4)] *= 40.0
@@ -148,30 +147,37 @@ def test_rows_past_k_padding_and_aligned_activations():
     assert tok == s.full_argmax(x) == 1234 and survivors < 40
 
 
-@pytest.mark.parametrize("fmt", ["Q6_K", "Q4_K", "Q5_0"])
-def test_near_ties_duplicated_and_nearly_equal_rows(fmt):
+@pytest.mark.parametrize("random_bytes", [False, True])
+def test_near_ties_duplicated_and_nearly_equal_rows(random_bytes):
     """The best row copied elsewhere (equal logits: the lowest index wins), and copies that differ
-    from it in one quant bit (logits a hair apart): the screen's token is the full argmax."""
+    from it in one quant (one ql byte's low bit: logits a hair apart): the screen's token is the
+    full argmax."""
     rng = np.random.default_rng(11)
     N, K = 600, 512
-    base = _q6_k(N, K, rng) if fmt == "Q6_K" else gb.random_blocks(fmt, N, K, rng)
-    ref = _Screen(base, fmt, K)
-    xs = [rng.standard_normal(K).astype(np.float32) for _ in range(4)]
-    rb = base.shape[1]
-    for x in xs:
+    base = gb.random_blocks("Q6_K", N, K, rng) if random_bytes else _q6_k(N, K, rng)
+    ref = _Screen(base, "Q6_K", K)
+    for _ in range(4):
+        x = rng.standard_normal(K).astype(np.float32)
         top = ref.full_argmax(x)
         for dups in ((top + 1, N - 1), (0,), (top - 1 if top else N - 2, top + 2 if top + 2 < N else 1)):
             w = base.copy()
             for i, d in enumerate(dups):
                 w[d] = base[top]
-                if i:                                  # later copies: one quant byte's low bit flipped
-                    byte = int(rng.integers(0, 16)) if fmt != "Q6_K" else int(rng.integers(0, 128))
-                    byte = byte + (22 - 16 if fmt == "Q5_0" else 0) if fmt != "Q4_K" else 16 + byte
-                    w[d, min(byte, rb - 1)] ^= 1
-            s = _Screen(w, fmt, K)
+                if i:                                  # later copies: one quant moved by one
+                    w[d, 210 * int(rng.integers(0, K // 256)) + int(rng.integers(0, 128))] ^= 1
+            s = _Screen(w, "Q6_K", K)
             logits = s.full_logits(x)
             tok, survivors = s.argmax(x)
             assert tok == int(np.argmax(logits)) and survivors >= 2
+
+
+def test_other_formats_are_not_screened():
+    """The bound holds for every format (above), but only SCREEN_FORMATS' row routines are
+    compiled into the screen: another format returns -1 (the full head) and gets no screen."""
+    assert HB.SCREEN_FORMATS == (gb.Q6_K.ggml_type,)
+    w = gb.random_blocks("Q4_K", 100, 256, RNG)
+    s = _Screen(w, "Q4_K", 256)
+    assert s.argmax(RNG.standard_normal(256).astype(np.float32)) == (-1, 0)
 
 
 def test_zero_tiny_and_non_finite_activations_and_max_rows():
