@@ -205,12 +205,24 @@ TINY = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=
             rms_norm_eps=1e-5, max_position_embeddings=512, tie_word_embeddings=True, rope_theta=10000.0)
 
 
-@pytest.fixture(scope="module")
-def q4_model(tmp_path_factory):
-    d = make_random_checkpoint(TINY, tmp_path_factory.mktemp("q4screen"), seed=3, std=0.05)
+def _load_q4(tmp_path_factory, hidden):
+    config = dict(TINY, hidden_size=hidden, intermediate_size=2 * hidden)
+    d = make_random_checkpoint(config, tmp_path_factory.mktemp(f"q4screen{hidden}"), seed=3, std=0.05)
     with pytest.MonkeyPatch.context() as mp:           # screens are for large lm_heads: allow this one
         mp.setattr(H, "MIN_LM_HEAD_BYTES", 0)
         return cpullm.load(d, quant="q4", use_cache=False)
+
+
+@pytest.fixture(scope="module")
+def q4_model(tmp_path_factory):
+    """hidden 256: a Q6_K lm_head, screened by head_screen_blocks."""
+    return _load_q4(tmp_path_factory, 256)
+
+
+@pytest.fixture(scope="module")
+def q4_model_q8_0_head(tmp_path_factory):
+    """hidden 128 (not whole super-blocks): a Q8_0 lm_head held as q8, screened by the q8 screen."""
+    return _load_q4(tmp_path_factory, 128)
 
 
 def test_q4_program_gets_a_raw_block_screen(q4_model):
@@ -230,8 +242,13 @@ def test_q4_program_gets_a_raw_block_screen(q4_model):
                                                        if k != "head_screen")
 
 
-def test_q4_greedy_tokens_with_and_without_the_screen(q4_model):
-    ex = q4_model.executor
+@pytest.mark.parametrize("which", ["q4_model", "q4_model_q8_0_head"])
+def test_q4_greedy_tokens_with_and_without_the_screen(which, request):
+    model = request.getfixturevalue(which)
+    from cpullm.kernels import program_table as P
+    head = P.linear_operands(model.program.I[model.executor.screen.row])
+    assert head.kind == (P.WEIGHT_BLOCKS if which == "q4_model" else P.WEIGHT_Q8)
+    ex = model.executor
     for ids in ([5, 17, 99, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]):
         ex.reset()
         tok = int(np.argmax(ex.prefill(ids)))
