@@ -5,7 +5,9 @@ is the largest single matrix a token reads: 144 of Qwen2.5-0.5B's 525 MB, 178 of
 ~290 MB. The screen reads a compact copy of it, gets every row's logit to within a proven bound,
 and recomputes exactly (with the q8 matvec's own row routine) only the rows whose bound reaches
 the best lower bound. The token it returns is the argmax of the full q8 logits, lowest index on
-ties, as ``np.argmax(matvec_q8(...))``: nothing is approximated in what the caller sees.
+ties, as ``np.argmax(matvec_q8(...))``: nothing is approximated in what the caller sees. (An
+lm_head of raw ggml blocks, ``--quant q4``'s Q6_K, has its own bound and exact path over the same
+compact copy and bounds pass: :mod:`cpullm.kernels.head_screen_blocks`.)
 
 Compact copy, per row n of the lm_head (columns permuted by ``perm``: the ``k_sel`` columns where
 the activations are expected to be large first, the rest after; K padded to Kp):

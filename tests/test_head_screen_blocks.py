@@ -132,6 +132,24 @@ def test_screen_argmax_is_the_full_argmax(seed, threads):
         assert ref_tok == tok and abs(ref_survivors - survivors) <= max(2, survivors // 100)
 
 
+def test_survivors_are_recomputed_bit_for_bit_as_the_matvec():
+    """The screen's exact values are kquant.matvec's own, bit for bit (its row routine, the same
+    activations), not a close recomputation."""
+    rng = np.random.default_rng(8)
+    N, K = 2000, 512
+    s = _Screen(_q6_k(N, K, rng), "Q6_K", K)
+    for threads in sorted({1, numba.get_num_threads()}):
+        x = rng.standard_normal(K).astype(np.float32)
+        tok, survivors = s.argmax(x, threads)
+        rows, vals, counts = s.scratch[7], s.scratch[8], s.scratch[10]
+        per = (N + threads - 1) // threads
+        idx = np.concatenate([np.arange(t * per, t * per + counts[t]) for t in range(threads)])
+        assert idx.size == survivors >= 1
+        full = s.full_logits(x)
+        assert np.array_equal(vals[idx].view(np.uint32), full[rows[idx]].view(np.uint32))
+        assert tok == int(np.argmax(full))
+
+
 def test_rows_past_k_padding_and_aligned_activations():
     """K = 224 real columns of Kp = 256 (q4 pads rows to whole super-blocks); activations along
     one row: few survivors, still the full argmax."""
