@@ -28,9 +28,10 @@ exact (|q| <= 63, |x_q| <= 127), each term (a lane's sum times its factor d sc x
 c times a block sum of x_m) passes at most nb + 10 roundings for nb = Kp / 32 blocks (its factor,
 fmuladd chains of nb / 2 steps per accumulator, twice that if not fused, the horizontal sums),
 so |E - w.x'| <= (nb + 11) 2^-24 sum |terms| <= (nb + 11) 2^-24 |m| |x'|; the compact dot is
-within (nb + 8) 2^-24 |v| |p| (head_screen.py), twice that unfused. |m| is 3-4x |w| on a Q6_K
-row (the offset -32 d sc cancels most of d sc q), so it is kept away from the much larger delta
-term below: with X = |xp|, X_sel, X_rest its norms on the two column sets (X_sel + X_rest >= X),
+within (nb + 8) 2^-24 |v| |p| (head_screen.py), twice that unfused. |m| is ~4.4x |w| on a Q6_K
+row of Gaussian weights (the offset -32 d sc cancels most of d sc q), so it is not made to
+multiply the much larger delta term below: with X = |xp|, X_sel, X_rest its norms on the two
+column sets (X_sel + X_rest >= X),
 
     |E - w.x'| <= rho_E |m| (X_sel + X_rest),   rho_E = (nb + 16) 2^-23,
 
@@ -48,13 +49,20 @@ bound cannot be the argmax.
 
 Underflow and overflow are kept out rather than bounded: a step whose activations are not all
 finite, or whose block scales x_s are not all zero or within [2^-40, 2^40], returns -1 (the
-caller runs the full head), and hb values below 2^-64 are raised to it, so every product of the bound
-and of both dots stays a normal float32.
+caller runs the full head), and hb values below 2^-64 are raised to it, so every product of the
+bound and of both dots stays a normal float32.
+
+What it buys: the copy is 73-78 % of a Q6_K head's bytes (1228 of 1680 bytes a row at K 2048,
+940 of 1260 at K 1536), against 56 % of a q8 head's. Qwen2.5-Coder-0.5B's real head quantized to
+Q6_K (rows padded to 1024) with the model's own greedy lm_head inputs: median 8 of 151936 rows
+left to compute exactly, 99.1 of 127.6 MB read a step, 0.89-0.955x the full head's time (paired
+per step; benchmarks/results/2026-12-04-q4-head-screen.md).
 
 Which programs get one (core/head_screen.py): ``quant="q4"`` programs whose lm_head is a
-raw-block LINEAR (Q6_K; a Q8_0 head of rows that are not whole super-blocks is held in q8's
-layout and takes the q8 screen). A GGUF file run as it is gets none by default: its resident
-weights stay within 5 % of the file's tensor bytes and a screen adds ~60-70 % of the head's.
+raw-block LINEAR of a format in SCREEN_FORMATS (Q6_K; a Q8_0 head of rows that are not whole
+super-blocks is held in q8's layout and takes the q8 screen). A GGUF file run as it is gets none
+by default: its resident weights stay within 5 % of the file's tensor bytes, and a screen adds
+56-78 % of the head's.
 
 Kernels:
 
