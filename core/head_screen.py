@@ -5,7 +5,7 @@ the lm_head inputs of :data:`HEAD_CALIBRATION_TEXT`), and the executor's runtime
 :mod:`cpullm.kernels.head_screen`'s (a q8 lm_head) and :mod:`cpullm.kernels.head_screen_blocks`'s
 (an lm_head of raw ggml blocks: ``quant="q4"``'s Q6_K). Which programs get one is the caller's
 choice (core/model.py): int8 and q4 programs, not a GGUF file run as it is (its resident weights
-stay within 5 % of the file's tensor bytes; a screen adds ~60-70 % of the head's).
+stay within 5 % of the file's tensor bytes; a screen adds 56-78 % of the head's).
 """
 from __future__ import annotations
 
