@@ -2,7 +2,10 @@
 (:func:`head_screen_row`), packing it into the program (:func:`attach`, its kept columns chosen from
 the lm_head inputs of :data:`HEAD_CALIBRATION_TEXT`), and the executor's runtime view of it
 (:class:`HeadScreen`: which head each greedy step reads). The kernels are
-:mod:`cpullm.kernels.head_screen`'s.
+:mod:`cpullm.kernels.head_screen`'s (a q8 lm_head) and :mod:`cpullm.kernels.head_screen_blocks`'s
+(an lm_head of raw ggml blocks: ``quant="q4"``'s Q6_K). Which programs get one is the caller's
+choice (core/model.py): int8 and q4 programs, not a GGUF file run as it is (its resident weights
+stay within 5 % of the file's tensor bytes; a screen adds 56-78 % of the head's).
 """
 from __future__ import annotations
 
@@ -33,8 +36,9 @@ it changes how many rows greedy steps recompute exactly, never which token they 
 
 def head_screen_row(program: Program) -> int | None:
     """The instruction a head screen replaces in greedy decoding: the program's last one, if it is
-    a q8 LINEAR of the head without bias or plugin kernel (its output is then the logits) of at
-    least ``head_screen.MIN_LM_HEAD_BYTES``; else None."""
+    a LINEAR of the head over q8 weights or raw ggml blocks of a format in
+    ``head_screen_blocks.SCREEN_FORMATS`` (Q6_K), without bias or plugin kernel (its output is then
+    the logits), of at least ``head_screen.MIN_LM_HEAD_BYTES``; else None."""
     from .kernels import head_screen
     I = program.I
     r = len(I) - 1
@@ -42,12 +46,25 @@ def head_screen_row(program: Program) -> int | None:
             or I[r, P.COL_SECTION] != P.SECTION_HEAD):
         return None
     lin = P.linear_operands(I[r])
-    if (lin.kind != P.WEIGHT_Q8 or lin.bias_off >= 0
+    if (lin.kind not in (P.WEIGHT_Q8, P.WEIGHT_BLOCKS) or lin.bias_off >= 0
             or lin.kp > 32 * head_screen.MAX_BLOCKS or lin.kp < 64):
         return None
-    if lin.n * (lin.kp + lin.kp // 16) < head_screen.MIN_LM_HEAD_BYTES:
+    if lin.kind == P.WEIGHT_BLOCKS:
+        from .kernels.head_screen_blocks import SCREEN_FORMATS
+        if lin.s_off not in SCREEN_FORMATS:
+            return None
+    if lin.n * _row_bytes(lin) < head_screen.MIN_LM_HEAD_BYTES:
         return None
     return r
+
+
+def _row_bytes(lin) -> int:
+    """Bytes of one row of a LINEAR's matrix: q8 (quants + binary16 scales) or raw ggml blocks
+    (LINEAR_S_OFF holds the ggml type)."""
+    if lin.kind == P.WEIGHT_BLOCKS:
+        from .kernels.gguf_blocks import block_format
+        return block_format(lin.s_off).row_bytes(lin.kp)
+    return lin.kp + lin.kp // 16
 
 
 def attach(program: Program, calibration=None) -> Program:
@@ -65,8 +82,6 @@ def attach(program: Program, calibration=None) -> Program:
     a, I = program.arrays, program.I
     lin = P.linear_operands(I[r])
     Kdim, N, w_off, s_off, Kp, x_off = lin.k, lin.n, lin.w_off, lin.s_off, lin.kp, lin.x_off
-    w_q = a["wq"][w_off: w_off + N * Kp].reshape(N, Kp)
-    w_s = a["ws"][s_off: s_off + N * (Kp // 32)].reshape(N, Kp // 32)
     x = calibration(program) if calibration is not None else None
     if x is not None and len(x):
         importance = np.sqrt((np.asarray(x, np.float64)[:, :Kdim] ** 2).mean(0))
@@ -83,7 +98,15 @@ def attach(program: Program, calibration=None) -> Program:
             source = "none"
     k_sel = sel_columns(Kp)
     perm = screen_columns(importance, Kp, k_sel)
-    hq, hs, hb = build_screen(w_q, w_s, perm, k_sel)
+    if lin.kind == P.WEIGHT_BLOCKS:                 # s_off: the ggml type; w_off counts bytes
+        from .kernels.head_screen_blocks import build_screen_blocks
+        rb = _row_bytes(lin)
+        w = a["wq"].view(np.uint8)[w_off: w_off + N * rb].reshape(N, rb)
+        hq, hs, hb = build_screen_blocks(w, s_off, Kp, perm, k_sel)
+    else:
+        w_q = a["wq"][w_off: w_off + N * Kp].reshape(N, Kp)
+        w_s = a["ws"][s_off: s_off + N * (Kp // 32)].reshape(N, Kp // 32)
+        hq, hs, hb = build_screen(w_q, w_s, perm, k_sel)
     meta = dict(program.meta)
     arrays = dict(a)
     offs = {}
@@ -106,7 +129,8 @@ def _append_array(base: np.ndarray, arr: np.ndarray, align: int) -> tuple[np.nda
 
 
 class HeadScreen:
-    """The executor's views of a head screen (cpullm.kernels.head_screen) and its scratch."""
+    """The executor's views of a head screen (cpullm.kernels.head_screen, or head_screen_blocks for
+    an lm_head of raw ggml blocks) and its scratch."""
 
     def __init__(self, ex, sc: dict):
         self.row = int(sc["row"])
@@ -114,18 +138,34 @@ class HeadScreen:
         x_off, Kd, N, w_off, s_off, Kp = lin.x_off, lin.k, lin.n, lin.w_off, lin.s_off, lin.kp
         nb = Kp // 32
         self.segments = ex._segments(0, self.row, batched=False)
-        self.args = (
-            ex.arena[x_off: x_off + Kd],                                    # x: the lm_head's input row
-            np.asarray(sc["perm"], np.int64), int(sc["k_sel"]) // 32,
-            ex.wq[sc["q_off"]: sc["q_off"] + N * sc["q_cols"]].reshape(N, sc["q_cols"]),
-            ex.ws[sc["s_off"]: sc["s_off"] + N * sc["s_cols"]].reshape(N, sc["s_cols"]),
-            ex.wf[sc["b_off"]: sc["b_off"] + 3 * N].reshape(N, 3),
-            ex.wq[w_off: w_off + N * Kp].reshape(N, Kp), ex.ws[s_off: s_off + N * nb].reshape(N, nb),
-            np.zeros(Kp, np.int16), np.zeros(nb, np.float32),                  # exact activations
-            np.zeros(Kp, np.int16), np.zeros(padded_blocks(Kp), np.float32),   # permuted activations
-            np.zeros(Kp, np.float32), np.zeros(Kp, np.float32),
-            np.zeros(N, np.float32), np.zeros(N, np.int64), np.zeros(N, np.float32),
-        )
+        self.blocks = lin.kind == P.WEIGHT_BLOCKS
+        if self.blocks:                                                     # raw ggml blocks (q4's Q6_K)
+            rb = _row_bytes(lin)
+            self.args = (
+                ex.arena[x_off: x_off + Kd],
+                np.asarray(sc["perm"], np.int64), int(sc["k_sel"]) // 32,
+                ex.wq[sc["q_off"]: sc["q_off"] + N * sc["q_cols"]].reshape(N, sc["q_cols"]),
+                ex.ws[sc["s_off"]: sc["s_off"] + N * sc["s_cols"]].reshape(N, sc["s_cols"]),
+                ex.wf[sc["b_off"]: sc["b_off"] + 3 * N].reshape(N, 3),
+                ex.wq.view(np.uint8)[w_off: w_off + N * rb].reshape(N, rb), s_off,
+                np.zeros(Kp, np.int8), np.zeros(nb, np.float32), np.zeros(Kp // 16, np.float32),  # exact activations
+                np.zeros(Kp, np.int16), np.zeros(padded_blocks(Kp), np.float32),   # permuted activations
+                np.zeros(Kp, np.float32),
+                np.zeros(N, np.float32), np.zeros(N, np.int64), np.zeros(N, np.float32),
+            )
+        else:
+            self.args = (
+                ex.arena[x_off: x_off + Kd],                                    # x: the lm_head's input row
+                np.asarray(sc["perm"], np.int64), int(sc["k_sel"]) // 32,
+                ex.wq[sc["q_off"]: sc["q_off"] + N * sc["q_cols"]].reshape(N, sc["q_cols"]),
+                ex.ws[sc["s_off"]: sc["s_off"] + N * sc["s_cols"]].reshape(N, sc["s_cols"]),
+                ex.wf[sc["b_off"]: sc["b_off"] + 3 * N].reshape(N, 3),
+                ex.wq[w_off: w_off + N * Kp].reshape(N, Kp), ex.ws[s_off: s_off + N * nb].reshape(N, nb),
+                np.zeros(Kp, np.int16), np.zeros(nb, np.float32),                  # exact activations
+                np.zeros(Kp, np.int16), np.zeros(padded_blocks(Kp), np.float32),   # permuted activations
+                np.zeros(Kp, np.float32), np.zeros(Kp, np.float32),
+                np.zeros(N, np.float32), np.zeros(N, np.int64), np.zeros(N, np.float32),
+            )
         self.rows, self.steps = N, 0
         self.t_screen: deque = deque(maxlen=self.WINDOW)     # the head's last times per step
         self.t_plain: deque = deque(maxlen=self.WINDOW)
@@ -153,13 +193,19 @@ class HeadScreen:
     def record(self, screened: bool, seconds: float) -> None:
         (self.t_screen if screened else self.t_plain).append(seconds)
 
+    def _kernel(self):
+        if self.blocks:
+            from .kernels.head_screen_blocks import screen_argmax_blocks
+            return screen_argmax_blocks
+        return screen_argmax
+
     def compile_kernel(self) -> None:
-        """Compile (or load from numba's cache) screen_argmax for these argument types now."""
-        screen_argmax.compile(tuple(numba.typeof(a) for a in (*self.args, self.lower_max, self.counts, 1, 1)))
+        """Compile (or load from numba's cache) the screen's kernel for these argument types now."""
+        self._kernel().compile(tuple(numba.typeof(a) for a in (*self.args, self.lower_max, self.counts, 1, 1)))
 
     def argmax(self, nthreads: int) -> tuple[int, int]:
-        tok, survivors = screen_argmax(*self.args, self.lower_max, self.counts, nthreads,
-                                       int(self.MAX_ROWS_FRACTION * self.rows))
+        tok, survivors = self._kernel()(*self.args, self.lower_max, self.counts, nthreads,
+                                        int(self.MAX_ROWS_FRACTION * self.rows))
         return int(tok), int(survivors)
 
 

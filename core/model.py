@@ -112,10 +112,11 @@ class Model:
             def build(workdir=None) -> Program:
                 program = compile_graph(graph, weights, quant=quant, n_ctx=ctx, max_chunk=max_chunk,
                                         kernels=specs, workdir=workdir)
-                # greedy decoding's lm_head screen, its columns from real activations; not for a
-                # GGUF run as it is, whose resident weights stay within 5 % of the file's tensor
-                # bytes (Gemma 3 270M's Q8_0 head with a screen: 1.47x)
-                if quant == "int8":
+                # greedy decoding's lm_head screen, its columns from real activations: int8 and
+                # q4 programs (q4's Q6_K head: kernels/head_screen_blocks.py); not a GGUF run as
+                # it is, whose resident weights stay within 5 % of the file's tensor bytes (Gemma
+                # 3 270M's Q8_0 head with a screen: 1.47x)
+                if quant in ("int8", "q4"):
                     program = head_screen.attach(program, calibrate)
                 return program
             program, cache_status = _program_from_cache(
@@ -322,14 +323,21 @@ def _source(model_dir: Path, quant: str | None):
 
 def weight_format_bytes(program: Program) -> dict:
     """Bytes of the program's weights per storage format: each raw ggml block format, "int8"
-    (q8 quants + binary16 scales) and "f32" (float32 weights, norms, biases, RoPE tables)."""
+    (q8 quants + binary16 scales), "f32" (float32 weights, norms, biases, RoPE tables) and, with
+    one, "head_screen" (greedy decoding's compact lm_head copy, not in the others)."""
     blocks = {k: int(v) for k, v in (program.meta.get("block_bytes") or {}).items()}
     a = program.arrays
     out = dict(blocks)
-    q8 = int(a["wq"].nbytes) - sum(blocks.values()) + int(a["ws"].nbytes)
+    sc = program.meta.get("head_screen")
+    screen_q = screen_f = 0
+    if sc:                         # greedy decoding's lm_head screen: its own entry
+        n = int(program.meta["vocab"])
+        screen_q, screen_f = n * (int(sc["q_cols"]) + 2 * int(sc["s_cols"])), 12 * n
+        out["head_screen"] = screen_q + screen_f
+    q8 = int(a["wq"].nbytes) - sum(blocks.values()) + int(a["ws"].nbytes) - screen_q
     if q8 > 4096:                  # (not the alignment padding of Q8_0 matrices held as q8)
         out["int8"] = q8
-    out["f32"] = int(a["wf"].nbytes)
+    out["f32"] = int(a["wf"].nbytes) - screen_f
     return out
 
 

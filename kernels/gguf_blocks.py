@@ -207,6 +207,45 @@ def dequantize_ref(data, fmt, shape) -> np.ndarray:
     return _DEQUANT[fmt.name](blocks).astype(np.float32, copy=False).reshape(N, K)
 
 
+def dequantize_parts_ref(data, fmt, shape) -> tuple[np.ndarray, np.ndarray]:
+    """The weights of a row-major (N, K) ``fmt`` matrix split the way the decode matvec
+    (kernels/kquant.py) multiplies them: w = s + c with s the scaled quants (Q6_K: d sc q with q
+    unsigned 0..63; Q4_K / Q5_K: d sc q; Q4_0 / Q5_0: d q with q unsigned; Q4_1 / Q5_1: d q; Q8_0:
+    d q, q signed) and c the offset the matvec adds through the activation block sums (Q6_K
+    -32 d sc; Q4_K / Q5_K -dmin mn; Q4_0 -8 d; Q5_0 -16 d; Q4_1 / Q5_1 m; Q8_0 0). Both float64
+    (N, K), every product exact (at most 24 significant bits: a binary16 times a 6-8-bit integer
+    times a quant); s + c rounds once in float64. The head screen bounds the matvec's float
+    rounding by |s| + |c| (kernels/head_screen.py)."""
+    fmt = block_format(fmt)
+    N, K = (int(v) for v in shape)
+    b = _blocks(data, fmt, N, K)
+    f16 = lambda off: _f16(b, off).astype(np.float64)[:, None]        # noqa: E731
+    name = fmt.name
+    if name == "Q8_0":
+        s, c = b[:, 2:34].view(np.int8).astype(np.float64) * f16(0), np.zeros((b.shape[0], 32))
+    elif name in ("Q4_0", "Q5_0"):
+        q = _nibbles(b[:, 2:18] if name == "Q4_0" else b[:, 6:22]).astype(np.float64)
+        if name == "Q5_0":
+            q += _bits32(b[:, 2:6]) * 16.0
+        s, c = q * f16(0), np.repeat(-(8.0 if name == "Q4_0" else 16.0) * f16(0), 32, axis=1)
+    elif name in ("Q4_1", "Q5_1"):
+        q = _nibbles(b[:, 4:20] if name == "Q4_1" else b[:, 8:24]).astype(np.float64)
+        if name == "Q5_1":
+            q += _bits32(b[:, 4:8]) * 16.0
+        s, c = q * f16(0), np.repeat(f16(2), 32, axis=1)
+    elif name in ("Q4_K", "Q5_K"):
+        q = _k_low4(b[:, 16:144] if name == "Q4_K" else b[:, 48:176]).astype(np.float64)   # (nb, 8, 32)
+        if name == "Q5_K":
+            q += ((b[:, None, 16:48] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) * 16.0
+        sc, mn = k_scales_mins(b[:, 4:16])
+        s = (f16(0) * sc)[..., None] * q
+        c = np.broadcast_to(-(f16(2) * mn)[..., None], q.shape)
+    else:                                                             # Q6_K
+        dsc = np.repeat(f16(208) * b[:, 192:208].view(np.int8).astype(np.float64), 16, axis=1)   # (nb, 256)
+        s, c = dsc * q6_k_quants(b).astype(np.float64), -32.0 * dsc
+    return s.reshape(N, K), np.ascontiguousarray(c).reshape(N, K)
+
+
 def random_blocks(fmt, N: int, K: int, rng: np.random.Generator, scale: float = 0.01) -> np.ndarray:
     """Random raw bytes of an (N, K) matrix in ``fmt``, uint8 (N, row bytes), with finite scales.
 

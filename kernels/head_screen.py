@@ -5,7 +5,9 @@ is the largest single matrix a token reads: 144 of Qwen2.5-0.5B's 525 MB, 178 of
 ~290 MB. The screen reads a compact copy of it, gets every row's logit to within a proven bound,
 and recomputes exactly (with the q8 matvec's own row routine) only the rows whose bound reaches
 the best lower bound. The token it returns is the argmax of the full q8 logits, lowest index on
-ties, as ``np.argmax(matvec_q8(...))``: nothing is approximated in what the caller sees.
+ties, as ``np.argmax(matvec_q8(...))``: nothing is approximated in what the caller sees. (An
+lm_head of raw ggml blocks, ``--quant q4``'s Q6_K, has its own bound and exact path over the same
+compact copy and bounds pass: :mod:`cpullm.kernels.head_screen_blocks`.)
 
 Compact copy, per row n of the lm_head (columns permuted by ``perm``: the ``k_sel`` columns where
 the activations are expected to be large first, the rest after; K padded to Kp):
@@ -162,20 +164,36 @@ def build_screen(w_q, w_s, perm, k_sel: int, rows_per_chunk: int | None = None):
     Rows go ``rows_per_chunk`` at a time, by default ~8 MB of float64 per temporary: under glibc's
     mmap threshold, so the heap is reused instead of fresh pages (slow to touch on some VMs)."""
     N, Kp = w_q.shape
+    nb = Kp // QBLOCK
+
+    def exact_rows(n0, n1):
+        exact = (w_q[n0:n1].reshape(n1 - n0, nb, QBLOCK).astype(np.float64)
+                 * scale_values(w_s[n0:n1]).astype(np.float64)[..., None]).reshape(n1 - n0, Kp)
+        return exact, None
+    return build_screen_rows(exact_rows, N, Kp, perm, k_sel, rows_per_chunk)
+
+
+def build_screen_rows(exact_rows, N: int, Kp: int, perm, k_sel: int, rows_per_chunk: int | None = None):
+    """(hq, hs, hb) of the module docstring for N rows of Kp columns given by ``exact_rows(n0, n1)``
+    -> (float64 (n1 - n0, Kp) the exact rows n0..n1 in their own column order, float64 (n1 - n0,)
+    amounts added to both error norms of each row (E_sel, E_rest: a term of the bound per unit of
+    activation norm that the caller proves, e.g. the exact path's float rounding), or None). Rows
+    go ``rows_per_chunk`` at a time (default ~8 MB of float64 per temporary), so no more than a
+    chunk is ever dequantized."""
     if (Kp % QBLOCK or k_sel % QBLOCK or not 0 < k_sel < Kp or Kp > QBLOCK * MAX_BLOCKS
             or sorted(perm) != list(range(Kp))):
         raise ValueError("build_screen: Kp and k_sel must be multiples of 32, 0 < k_sel < Kp <= 32768, "
                          "perm a permutation of range(Kp)")
     perm = np.asarray(perm, np.int64)
-    nb = Kp // QBLOCK
     rows_per_chunk = rows_per_chunk or max(1, (1 << 20) // Kp)
     hq = np.empty((N, k_sel + (Kp - k_sel) // 2), np.int8)
     hs = np.zeros((N, padded_blocks(Kp)), np.uint16)
     hb = np.empty((N, 3), np.float32)
+    nb = Kp // QBLOCK
     for n0 in range(0, N, rows_per_chunk):
         n1 = min(N, n0 + rows_per_chunk)
-        exact = (w_q[n0:n1].reshape(n1 - n0, nb, QBLOCK).astype(np.float64)
-                 * scale_values(w_s[n0:n1]).astype(np.float64)[..., None]).reshape(n1 - n0, Kp)[:, perm]
+        exact, err_extra = exact_rows(n0, n1)
+        exact = exact[:, perm]
         q8, s8 = _quantize_blocks_ref(exact[:, :k_sel].astype(np.float32), 127, True)
         q4, s4 = _quantize_blocks_ref(exact[:, k_sel:].astype(np.float32), 7, True)
         hq[n0:n1, :k_sel] = q8.astype(np.int8)
@@ -186,8 +204,9 @@ def build_screen(w_q, w_s, perm, k_sel: int, rows_per_chunk: int | None = None):
             (q8.reshape(n1 - n0, -1, QBLOCK) * scale_values(s8)[..., None]).reshape(n1 - n0, -1),
             (q4.reshape(n1 - n0, -1, QBLOCK) * scale_values(s4)[..., None]).reshape(n1 - n0, -1)], axis=1)
         err = exact - compact.astype(np.float64)
-        hb[n0:n1, 0] = _round_up_f32(np.sqrt((err[:, :k_sel] ** 2).sum(1)) * (1 + 2.0 ** -40))
-        hb[n0:n1, 1] = _round_up_f32(np.sqrt((err[:, k_sel:] ** 2).sum(1)) * (1 + 2.0 ** -40))
+        add = 0.0 if err_extra is None else err_extra
+        hb[n0:n1, 0] = _round_up_f32((np.sqrt((err[:, :k_sel] ** 2).sum(1)) + add) * (1 + 2.0 ** -40))
+        hb[n0:n1, 1] = _round_up_f32((np.sqrt((err[:, k_sel:] ** 2).sum(1)) + add) * (1 + 2.0 ** -40))
         norms = np.maximum(np.sqrt((exact ** 2).sum(1)), np.sqrt((compact.astype(np.float64) ** 2).sum(1)))
         hb[n0:n1, 2] = _round_up_f32(norms * (1 + 2.0 ** -40))
     return hq, hs, hb

@@ -227,3 +227,16 @@ def test_a_block_format_gguf_calls_each_kernel_with_the_warmed_signature_only(wr
     used = used_kernel_signatures(write("Q4_1"), tmp_path / "cache")
     assert used["cpullm.kernels.interpreter._linear_blocks_rows"] != []
     assert used["cpullm.kernels.q8_gemm._gemm_panels"] == []
+
+
+def test_gguf_as_is_gets_no_head_screen_but_q4_does(write, monkeypatch):
+    """A GGUF run as it is keeps its resident weights at the file's tensor bytes: no lm_head screen,
+    even where a q4 program of the same file gets one (kernels/head_screen_blocks.py)."""
+    from cpullm.kernels import head_screen
+    monkeypatch.setattr(head_screen, "MIN_LM_HEAD_BYTES", 0)
+    path = write("Q6_K")
+    m = cpullm.load(path, use_cache=False)
+    assert m.quant == "gguf" and "head_screen" not in m.program.meta and m.executor.screen is None
+    assert "head_screen" not in m.info()["weight_formats"]
+    q = cpullm.load(path, quant="q4", use_cache=False)
+    assert q.executor.screen is not None and q.executor.screen.blocks
