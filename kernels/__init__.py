@@ -10,6 +10,7 @@ from . import numba_setup  # noqa: F401  (must precede every kernel import)
 # greedy decoding, kernels/head_screen.py; 5: screens only for lm_heads >= 64 MiB; 6: one packed
 # copy per tensor identity (source, transform, rows), not per source; the LAYERNORM opcode; plugin
 # ops and RoPE scalings; 7: raw ggml-block weights (WEIGHT_BLOCKS, quant modes q4 and gguf); 8: the
-# q4 mix's Q5_0 / Q8_0 for rows that are not whole super-blocks, Q6_K scales coded to -128): it
+# q4 mix's Q5_0 / Q8_0 for rows that are not whole super-blocks, Q6_K scales coded to -128; 9: the
+# ATTENTION row's KV format column, float16 KV caches): it
 # enters the execution-cache key, so old compiled programs are rebuilt rather than misread.
-KERNELS_VERSION = "8"
+KERNELS_VERSION = "9"
