@@ -8,7 +8,8 @@ N-token prefill (the bench prompt, repeated), ``--steps`` greedy decode steps ti
 untimed step; the rate is the median step over ``--rounds`` rounds. The formats and contexts
 alternate inside each round, so a drift in the machine's load (a shared host) falls on all of
 them alike. (``--synthetic-kv``: no prefill; random keys and values, in the cache's format, fill
-the cache once per model and the position is set to N, which costs decode the same reads.) Prints
+the cache once per model and the position is set to N, which costs decode the same reads; the
+configurations then alternate step by step, ``steps x rounds`` timed steps each.) Prints
 tokens/s at each N and its ratio to the first N: decode reads the weights once a step plus every
 position's keys and values, so the ratio falls with the KV bytes one step reads next to the weight
 bytes.
@@ -59,6 +60,30 @@ def decode_steps(model, n_context: int, steps: int, synthetic_kv: bool = False) 
     return step_s, prefill_s
 
 
+def interleaved_steps(models: dict, contexts: list, n_steps: int, steps: dict) -> None:
+    """With synthetic KV: one decode step of every (format, context) in turn, ``n_steps`` times
+    (the position set back to the context before each step, so each step reads the same keys),
+    so that a change in the host's load within seconds falls on every configuration alike."""
+    from cpullm.bench import CpullmRunner, greedy, next_token, prompt_ids
+
+    runners = {}
+    for kv, m in models.items():
+        r = CpullmRunner(m)
+        r.reset()
+        vocab = int(m.program.meta.get("embed_rows", m.program.meta["vocab"]))
+        runners[kv] = (r, greedy(r.prefill(prompt_ids(m.tokenizer, 1, vocab))))
+    for i in range(n_steps + 1):                     # the first pass is untimed
+        for n in contexts:
+            for kv, m in models.items():
+                r, tok = runners[kv]
+                m.executor.set_position(n)
+                t0 = time.perf_counter()
+                tok = next_token(r, tok)
+                if i:
+                    steps[kv, n].append(time.perf_counter() - t0)
+                runners[kv] = (r, tok)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model")
@@ -83,11 +108,15 @@ def main(argv=None) -> int:
         models[m.kv_dtype] = m
     steps = {(kv, n): [] for kv in models for n in a.at}
     prefill = {}
-    for _ in range(a.rounds):
-        for n in a.at:
-            for kv, m in models.items():
-                s, prefill[kv, n] = decode_steps(m, n, a.steps, a.synthetic_kv)
-                steps[kv, n] += s
+    if a.synthetic_kv:
+        interleaved_steps(models, a.at, a.steps * a.rounds, steps)
+        prefill = {k: 0.0 for k in steps}
+    else:
+        for _ in range(a.rounds):
+            for n in a.at:
+                for kv, m in models.items():
+                    s, prefill[kv, n] = decode_steps(m, n, a.steps, a.synthetic_kv)
+                    steps[kv, n] += s
     first = next(iter(models.values()))
     w = first.info()["memory"]["weights_bytes"]
     out = {"model": a.model, "n_ctx": a.ctx, "threads": first.threads, "weights_bytes": w, "formats": {}}
