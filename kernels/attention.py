@@ -597,10 +597,20 @@ def kv_write(arena, state, k_off, k_st, v_off, v_st, n_kv, head_dim, c_off, cap,
                     state[vdst + d] = arena[src_v + d]
 
 
-@njit(cache=True, fastmath=True, error_model="numpy", inline="always")
+_NO_REASSOC = {"nnan", "ninf", "nsz", "arcp", "afn"}
+"""fastmath without "reassoc" (and "contract") for everything a job computes between the cache
+reads and its output: the sums then run in written order, so :func:`attention` and the batched
+decode give the same bits whether each was compiled in this process or loaded from numba's cache
+(with "reassoc", a batched decode compiled beside an ``attention`` loaded from the cache
+differed in the last bit on 5 of 10 shapes of tests/test_kernels_attention_batch.py)."""
+
+
+@njit(cache=True, fastmath=_NO_REASSOC, error_model="numpy", inline="always")
 def _softmax_rows(scores, nq, c0, c1, softcap, mx, tot):
     """Columns [c0, c1) of rows 0..nq-1 of scores (2-D view): soft-cap, exp(s - max); mx[j] the
-    row's max, tot[j] its sum of exponentials."""
+    row's max, tot[j] its sum of exponentials, summed in 16 lanes (then the lanes in order) so
+    that the sum vectorizes without reordering."""
+    lanes = np.empty(TILE, np.float32)
     for j in range(nq):
         row = scores[j, c0:c1]
         if softcap > 0.0:
@@ -610,11 +620,19 @@ def _softmax_rows(scores, nq, c0, c1, softcap, mx, tot):
         for i in range(row.size):            # a compare-select, not max(): vectorizes
             x = row[i]
             m = x if x > m else m
-        total = np.float32(0.0)
         for i in range(row.size):
-            e = exp_f32(row[i] - m)
-            row[i] = e
-            total += e
+            row[i] = exp_f32(row[i] - m)
+        for k in range(TILE):
+            lanes[k] = 0.0
+        n16 = row.size - row.size % TILE
+        for i0 in range(0, n16, TILE):
+            for k in range(TILE):
+                lanes[k] += row[i0 + k]
+        total = np.float32(0.0)
+        for k in range(TILE):
+            total += lanes[k]
+        for i in range(n16, row.size):
+            total += row[i]
         mx[j] = m
         tot[j] = total
 
@@ -649,7 +667,7 @@ def _pv(stream, kv16, s, s_off, s_st, nq, v, v_off, n, acc, hd):
         _pv_rows(s, s_off, s_st, nq, v, v_off, hd, n, acc, hd)
 
 
-@njit(cache=True, fastmath=True, error_model="numpy")
+@njit(cache=True, fastmath=_NO_REASSOC, error_model="numpy")
 def _attend_part(arena, state, q0, nq, hd, k_base, v_base, cap, lo, p, scale, softcap, qbuf, scores, acc, mx, tot,
                  stream, kv16):
     """Query heads q0 .. q0 + nq - 1 (arena offsets q0 + j*hd) of one KV head (keys at k_base,
@@ -712,7 +730,7 @@ def key_splits(pairs, nthreads, pos0):
     return 1
 
 
-@njit(cache=True, fastmath=True, error_model="numpy")
+@njit(cache=True, fastmath=_NO_REASSOC, error_model="numpy")
 def _normalize_into(out, o0, acc, tot, nq, hd):
     """out[o0 + j*hd + d] = acc[j*hd + d] / tot[j]: a job's heads when its keys were not split."""
     for j in range(nq):
@@ -721,7 +739,7 @@ def _normalize_into(out, o0, acc, tot, nq, hd):
             out[o0 + j * hd + d] = acc[j * hd + d] * inv
 
 
-@njit(cache=True, fastmath=True, error_model="numpy")
+@njit(cache=True, fastmath=_NO_REASSOC, error_model="numpy")
 def _keep_part(part, job, acc, mx, tot, nq, hd):
     """part[job, j] = (acc[j*hd:(j+1)*hd], mx[j], tot[j]): one key range's partial softmax."""
     for j in range(nq):
@@ -731,7 +749,7 @@ def _keep_part(part, job, acc, mx, tot, nq, hd):
         part[job, j, hd + 1] = tot[j]
 
 
-@njit(cache=True, fastmath=True, error_model="numpy")
+@njit(cache=True, fastmath=_NO_REASSOC, error_model="numpy")
 def _combine_parts(out, o0, part, first, stride, nsplit, nq, hd):
     """out[o0 + j*hd:] for heads j < nq from the key ranges part[first + r*stride], r < nsplit:
     rescale each range's sums to the common max, add, normalize (flash-decoding's combine).
