@@ -83,7 +83,8 @@ def _per_sequence(I, F, a, b, arena, states, slots, rows0, nrows, positions, wf,
                                    I[r, P.ATTENTION_V_ST], I[r, P.ATTENTION_OUT_OFF], I[r, P.ATTENTION_OUT_ST],
                                    I[r, P.ATTENTION_N_HEADS], I[r, P.ATTENTION_N_KV_HEADS], I[r, P.ATTENTION_HEAD_DIM],
                                    I[r, P.ATTENTION_CACHE_OFF], I[r, P.ATTENTION_CAP], F[r, P.F_ATTENTION_SCALE],
-                                   F[r, P.F_ATTENTION_SOFTCAP], np.int64(F[r, P.F_ATTENTION_WINDOW]), nthreads)
+                                   F[r, P.F_ATTENTION_SOFTCAP], np.int64(F[r, P.F_ATTENTION_WINDOW]), nthreads,
+                                   I[r, P.ATTENTION_KV_FORMAT])
             continue
         for s in range(slots.shape[0]):
             state = states[slots[s]]
@@ -101,7 +102,7 @@ def _per_sequence(I, F, a, b, arena, states, slots, rows0, nrows, positions, wf,
                           I[r, P.ATTENTION_OUT_OFF] + row0 * o_st, o_st, I[r, P.ATTENTION_N_HEADS],
                           I[r, P.ATTENTION_N_KV_HEADS], I[r, P.ATTENTION_HEAD_DIM], I[r, P.ATTENTION_CACHE_OFF],
                           I[r, P.ATTENTION_CAP], F[r, P.F_ATTENTION_SCALE], F[r, P.F_ATTENTION_SOFTCAP],
-                          np.int64(F[r, P.F_ATTENTION_WINDOW]), pos0, T, nthreads)
+                          np.int64(F[r, P.F_ATTENTION_WINDOW]), pos0, T, nthreads, I[r, P.ATTENTION_KV_FORMAT])
             elif op == P.OP_GATED_DELTA:
                 if has_linear:
                     qkv_st, z_st, b_st = I[r, P.GATED_DELTA_QKV_ST], I[r, P.GATED_DELTA_Z_ST], I[r, P.GATED_DELTA_B_ST]

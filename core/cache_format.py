@@ -188,7 +188,8 @@ def config_sha(config: dict) -> str:
     return hashlib.sha256(json.dumps(clean, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def cache_key_inputs(*, config, family, graph, weights, store, quant, n_ctx, max_chunk, kernels) -> dict:
+def cache_key_inputs(*, config, family, graph, weights, store, quant, n_ctx, max_chunk, kernels,
+                     kv_dtype="f32") -> dict:
     """Everything that, when it changes, must give a new entry."""
     from .compiler import graph_hash
 
@@ -205,6 +206,7 @@ def cache_key_inputs(*, config, family, graph, weights, store, quant, n_ctx, max
         "graph_sha": graph_hash(graph),
         "quant": quant,
         "n_ctx": n_ctx,
+        "kv_dtype": kv_dtype,          # the KV regions' sizes and the ATTENTION rows' format column
         "max_chunk": max_chunk,
         "kernels_version": v["kernels_version"],
         "plugin_kernels": sorted([k.name, k.version, k.plugin] for k in kernels),
@@ -488,12 +490,12 @@ def _explain_miss(root: Path, inputs: dict, model_dir) -> tuple[str, list[Path]]
 
 
 def load_or_build(build, *, model_dir, config, family, graph, weights, store, quant, n_ctx,
-                  max_chunk, kernels, cache_dir=None, use_cache=True, mmap=True):
+                  max_chunk, kernels, cache_dir=None, use_cache=True, mmap=True, kv_dtype="f32"):
     """(program, "HIT" | "MISS (reason)"). A HIT runs neither the quantizer nor the compiler."""
     from .notices import notice
 
     inputs = cache_key_inputs(config=config, family=family, graph=graph, weights=weights, store=store,
-                              quant=quant, n_ctx=n_ctx, max_chunk=max_chunk, kernels=kernels)
+                              quant=quant, n_ctx=n_ctx, max_chunk=max_chunk, kernels=kernels, kv_dtype=kv_dtype)
     key = key_of(inputs)
     unsafe = unsafe_root_reason(cache_root(cache_dir))
     if unsafe is not None:

@@ -202,7 +202,7 @@ def _fuse_linears(graph: Graph, weight_format: Callable | None = None) -> tuple[
 def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 4096,
                   max_chunk: int = DEFAULT_CHUNK, kernels: list | None = None,
                   quantize: Callable | None = None, progress: Callable | None = None,
-                  workdir=None) -> Program:
+                  workdir=None, kv_dtype: str = "f32") -> Program:
     """Compile ``graph`` with ``weights`` (cpullm.weightmap.ResolvedWeights).
 
     ``quant``: "int8" (q8 block-32 weights for every LINEAR and the embedding), "f32", or a mode
@@ -214,17 +214,22 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
     ``workdir``: a directory where the weight blobs are written as they are packed
     (``<name>.bin``) and mapped back (cpullm.filearrays), instead of joined in memory: the build
     then holds one row block of a matrix at a time, not the model.
+    ``kv_dtype``: the KV caches' format, "f32" or "f16" (cpullm.kvformat; cpullm.load picks the
+    default by quant).
     """
     from .kernels.q8 import quantize_weight_q8
+    from .kvformat import resolve_kv_dtype
 
     _check_quant(quant)
+    kv_dtype = resolve_kv_dtype(kv_dtype, quant)
     block_plan = _block_plan(graph, weights, quant)
     phys, views = _fuse_linears(graph, block_plan.fmt if block_plan else None)            # 1. fuse
     layout = _value_layout(graph, phys, views)                                             # 2. layout
     order = [p for p in phys if p.nodes[0].op not in VIEW_OPS]     # the ops that get a row
     _plan_arena(graph, order, layout, max_chunk)                                           # 3. plan
     packer = _WeightPacker(weights, quant, block_plan, quantize or quantize_weight_q8, workdir, progress)
-    emitter = _Emitter(layout, packer, weights, kernels or [], n_ctx=n_ctx, max_chunk=max_chunk)
+    emitter = _Emitter(layout, packer, weights, kernels or [], n_ctx=n_ctx, max_chunk=max_chunk,
+                       kv_dtype=kv_dtype)
     for p in order:                                                                        # 4. emit
         emitter.emit(p)
     return _assemble(graph, layout, packer, emitter, quant=quant, n_ctx=n_ctx, max_chunk=max_chunk)  # 5.
@@ -420,9 +425,9 @@ class _Emitter:
     program's order."""
 
     def __init__(self, layout: _Layout, packer: _WeightPacker, weights, kernels: list, *, n_ctx: int,
-                 max_chunk: int):
+                 max_chunk: int, kv_dtype: str = "f32"):
         self.layout, self.packer, self.weights, self.kernels = layout, packer, weights, kernels
-        self.n_ctx, self.max_chunk = n_ctx, max_chunk
+        self.n_ctx, self.max_chunk, self.kv_dtype = n_ctx, max_chunk, kv_dtype
         self.states = _StatePlan()
         self.rows_I, self.rows_F, self.names, self.groups = [], [], [], []
         self.external: dict[int, str] = {}       # row -> KernelSpec name replacing its kernel
@@ -486,18 +491,20 @@ class _Emitter:
         Fr[P.F_ROPE_SCALING] = scaling
 
     def attention(self, phys, n, Ir, Fr, out_off, out_st):
-        from .kernels.attention import padded_cap
+        from .kernels.attention import KV_F16, KV_F32, padded_cap
+        from .kvformat import region_floats
         (q_off, q_st), (k_off, k_st), (v_off, v_st) = (self.layout.loc(i) for i in n.inputs)
         nkv, hd, window = n.attr("n_kv_heads"), n.attr("head_dim"), n.attr("window")
         n_ctx = self.n_ctx
         cap = padded_cap(n_ctx if not window else min(n_ctx, window + self.max_chunk))   # whole key tiles
-        c_off = self.states.add(n, 2 * nkv * cap * hd, "kv", cap=cap, n_kv_heads=nkv, head_dim=hd,
-                                window=window, layer=n.attr("layer"))
+        c_off = self.states.add(n, region_floats(nkv, cap, hd, self.kv_dtype), "kv", cap=cap, n_kv_heads=nkv,
+                                head_dim=hd, window=window, layer=n.attr("layer"), kv_dtype=self.kv_dtype)
         _fill(Ir, {P.ATTENTION_Q_OFF: q_off, P.ATTENTION_Q_ST: q_st, P.ATTENTION_K_OFF: k_off,
                    P.ATTENTION_K_ST: k_st, P.ATTENTION_V_OFF: v_off, P.ATTENTION_V_ST: v_st,
                    P.ATTENTION_OUT_OFF: out_off, P.ATTENTION_OUT_ST: out_st,
                    P.ATTENTION_N_HEADS: n.attr("n_heads"), P.ATTENTION_N_KV_HEADS: nkv,
-                   P.ATTENTION_HEAD_DIM: hd, P.ATTENTION_CACHE_OFF: c_off, P.ATTENTION_CAP: cap})
+                   P.ATTENTION_HEAD_DIM: hd, P.ATTENTION_CACHE_OFF: c_off, P.ATTENTION_CAP: cap,
+                   P.ATTENTION_KV_FORMAT: KV_F16 if self.kv_dtype == "f16" else KV_F32})
         _fill(Fr, {P.F_ATTENTION_SCALE: n.attr("scale"), P.F_ATTENTION_SOFTCAP: n.attr("softcap"),
                    P.F_ATTENTION_WINDOW: window})
 
@@ -577,6 +584,7 @@ def _assemble(graph: Graph, layout: _Layout, packer: _WeightPacker, emitter: _Em
         "head_rows": HEAD_ROWS,
         "n_ctx": int(n_ctx),
         "quant": quant,
+        "kv_dtype": emitter.kv_dtype,
         "max_k": int(emitter.max_k),
         "embed_rows": int(emitter.embed_rows),
         "weight_slots": packer.slots,

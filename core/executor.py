@@ -20,6 +20,7 @@ from .kernels.warmup import run_flags
 from .head_screen import HeadScreen
 from .kernels import program_table as P
 from .kernels.attention import TILE, kv_views
+from .kvformat import region_is_f16
 from .kernels.q8 import matmul_f32
 from .kernels.q8_gemm import matmul_q8
 
@@ -300,10 +301,11 @@ class Executor:
         return self.state[reg["offset"]: reg["offset"] + reg["floats"]]
 
     def _kv(self, reg: dict):
-        return kv_views(self.state_region(reg), reg["n_kv_heads"], reg["cap"], reg["head_dim"])
+        return kv_views(self.state_region(reg), reg["n_kv_heads"], reg["cap"], reg["head_dim"], region_is_f16(reg))
 
     def read_kv(self, reg: dict, lo: int, hi: int) -> np.ndarray:
-        """A copy of the keys and values of positions [lo, hi): (2, n_kv_heads, hi - lo, head_dim).
+        """A copy of the keys and values of positions [lo, hi): (2, n_kv_heads, hi - lo, head_dim),
+        in the region's format (float16 or float32: cpullm.kvformat).
         The caller makes sure the region still holds them (hi - lo <= cap, hi <= n_past)."""
         slots = np.arange(lo, hi) % reg["cap"]
         k, v = self._kv(reg)
@@ -311,7 +313,8 @@ class Executor:
         return np.stack([keys.transpose(1, 0, 2), v[:, slots, :]])
 
     def write_kv(self, reg: dict, lo: int, kv: np.ndarray) -> None:
-        """Put keys and values (2, n_kv_heads, n, head_dim) of positions [lo, lo + n) into their slots."""
+        """Put keys and values (2, n_kv_heads, n, head_dim) of positions [lo, lo + n) into their slots
+        (rounded to nearest even when the region stores float16)."""
         slots = np.arange(lo, lo + kv.shape[2]) % reg["cap"]
         k, v = self._kv(reg)
         k[:, slots // TILE, :, slots % TILE] = kv[0].transpose(1, 0, 2)

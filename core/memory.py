@@ -77,6 +77,7 @@ def memory_report(model) -> dict:
     head_screen_bytes   the part of weights_bytes that is greedy decoding's lm_head screen
     program_bytes       instruction tables (I, F)
     kv_bytes            keys and values held now (positions run so far, capped by each ring)
+    kv_dtype            their storage format, "f16" or "f32" (cpullm.kvformat)
     kv_bytes_max        keys and values at the full context (rings at their capacity)
     linear_state_bytes  fixed-size linear-attention states (conv history + recurrent state)
     state_bytes         the whole state array (KV caches + linear states + alignment)
@@ -84,6 +85,7 @@ def memory_report(model) -> dict:
     arena_bytes         activation arena (every intermediate of a prefill chunk)
     rss / peak_rss / locked bytes of the process
     """
+    from .kvformat import element_bytes
     prog, ex = model.program, model.executor
     a = prog.arrays
     weights = int(a["wq"].nbytes + a["ws"].nbytes + a["wf"].nbytes)
@@ -93,7 +95,7 @@ def memory_report(model) -> dict:
         nbytes = int(reg["floats"]) * 4
         if reg["kind"] == "kv":
             rows = min(ex.n_past, reg["cap"])
-            now = 2 * reg["n_kv_heads"] * rows * reg["head_dim"] * 4
+            now = 2 * reg["n_kv_heads"] * rows * reg["head_dim"] * element_bytes(reg)
             kv_max += nbytes
             kv_now += now
         else:
@@ -110,6 +112,7 @@ def memory_report(model) -> dict:
         "program_bytes": program,
         "kv_bytes": kv_now,
         "kv_bytes_max": kv_max,
+        "kv_dtype": prog.meta.get("kv_dtype", "f32"),
         "linear_state_bytes": linear,
         "state_bytes": state,
         "arena_bytes": arena,
@@ -187,7 +190,8 @@ def state_plan(meta: dict) -> dict:
             sliding += nbytes
         else:
             full += nbytes
-    return {"n_ctx": int(meta["n_ctx"]), "kv_bytes_max": full + sliding, "kv_full_attention_bytes": full,
+    return {"n_ctx": int(meta["n_ctx"]), "kv_dtype": meta.get("kv_dtype", "f32"),
+            "kv_bytes_max": full + sliding, "kv_full_attention_bytes": full,
             "kv_sliding_window_bytes": sliding, "linear_state_bytes": linear,
             "state_bytes": int(meta["state_floats"]) * 4, "arena_bytes": int(meta["arena_floats"]) * 4}
 
@@ -210,5 +214,7 @@ def check_plan_fits(meta: dict, available: int | None = None) -> dict:
             f"a {plan['n_ctx']}-token context needs {_fmt(need)} for its KV cache and activations "
             f"({_fmt(plan['kv_bytes_max'])} of KV), but only {_fmt(available)} of memory is available; "
             + (f"load with a smaller context (--ctx {ctx}, n_ctx={ctx})" if ctx else
-               "free memory or use a machine with more RAM"))
+               "free memory or use a machine with more RAM")
+            + ("; or halve the KV cache with float16 (--cache-type f16, kv_dtype='f16')"
+               if meta.get("kv_dtype", "f32") == "f32" and plan["kv_bytes_max"] else ""))
     return plan

@@ -66,14 +66,19 @@ class Model:
         self.kernel_units = list(kernel_units)   # the kernel groups compiled up front (kernels/warmup.py)
         self.eos_token_ids = _eos_ids(config, tokenizer)
         self.n_ctx = executor.n_ctx
+        self.kv_dtype = program.meta.get("kv_dtype", "f32")
         self._seq: list[int] = []          # tokens currently in the KV cache
 
     # ---- loading ---------------------------------------------------------------------------
     @classmethod
     def load(cls, path, quant: str | None = None, threads: int | None = None, n_ctx: int | None = None,
              cache_dir=None, use_cache: bool = True, max_chunk: int = DEFAULT_CHUNK,
-             mlock: bool = False, mmap: bool = True, plugin_kernels: bool = True) -> "Model":
+             mlock: bool = False, mmap: bool = True, plugin_kernels: bool = True,
+             kv_dtype: str | None = None) -> "Model":
+        """``kv_dtype``: the KV cache's format, "f16" or "f32" (llama.cpp's --cache-type-k/-v);
+        default f16 for quantized weights, f32 for quant "f32" (cpullm.kvformat)."""
         from .kernels.numba_setup import configure
+        from .kvformat import resolve_kv_dtype
 
         t0 = time.perf_counter()
         if quant is not None and quant not in QUANT_MODES:
@@ -84,6 +89,7 @@ class Model:
             from .locations import gguf_in_dir
             model_dir = gguf_in_dir(model_dir) or model_dir
         quant, store, config, gguf_tokenizer = _source(model_dir, quant)
+        kv_dtype = resolve_kv_dtype(kv_dtype, quant)
         registry = plugins.discover()
         family = registry.family_for(config)
         args = family.args(config)
@@ -111,7 +117,7 @@ class Model:
 
             def build(workdir=None) -> Program:
                 program = compile_graph(graph, weights, quant=quant, n_ctx=ctx, max_chunk=max_chunk,
-                                        kernels=specs, workdir=workdir)
+                                        kernels=specs, workdir=workdir, kv_dtype=kv_dtype)
                 # greedy decoding's lm_head screen, its columns from real activations: int8 and
                 # q4 programs (q4's Q6_K head: kernels/head_screen_blocks.py); not a GGUF run as
                 # it is, whose resident weights stay within 5 % of the file's tensor bytes (Gemma
@@ -121,7 +127,7 @@ class Model:
                 return program
             program, cache_status = _program_from_cache(
                 build, model_dir=model_dir, config=config, family=family, graph=graph, weights=weights,
-                store=store, quant=quant, n_ctx=ctx, max_chunk=max_chunk, kernels=specs,
+                store=store, quant=quant, n_ctx=ctx, max_chunk=max_chunk, kernels=specs, kv_dtype=kv_dtype,
                 cache_dir=cache_dir, use_cache=use_cache, mmap=mmap)
             if mlock:
                 from .memory import mlock_arrays
@@ -293,6 +299,7 @@ class Model:
             "quant": self.quant,
             "threads": self.threads,
             "n_ctx": self.n_ctx,
+            "kv_dtype": self.kv_dtype,
             "layers": getattr(a, "num_hidden_layers", None),
             "vocab": self.program.meta["vocab"],
             "cache": self.cache_status,

@@ -19,11 +19,13 @@ What can be restored depends on the layer kind:
 File layout (little endian; no pickle)::
 
     b"CPULLMPC"  u32 version  u32 0  u64 header length  | header JSON | pad to 64 |
-    arrays (float32, each at a 64-byte aligned offset from the data start)
+    arrays (each at a 64-byte aligned offset from the data start; keys and values in the KV
+    cache's format, float16 or float32, other state float32)
 
 The header names the model (family, config hash, weight files, quant) and the runtime (versions,
-graph hash, CPU), the prompt tokens, and per state region its node, kind, positions held and
-array checksum; it carries a checksum of itself. A file for another model or quant is refused with
+KV format, graph hash, CPU), the prompt tokens, and per state region its node, kind, positions
+held, array dtype and checksum; a file saved with another KV format is stale (a miss, never
+converted); it carries a checksum of itself. A file for another model or quant is refused with
 a CacheError; a stale (other version), damaged or truncated one is ignored with a notice and
 rewritten on save. Writes go to a temporary file in the same directory, then ``os.replace``.
 """
@@ -39,14 +41,18 @@ from pathlib import Path
 import numpy as np
 
 from .errors import CacheError
+from .kvformat import region_is_f16
 
 MAGIC = b"CPULLMPC"
-VERSION = 1
+VERSION = 2      # 2: KV arrays stored in the model's KV format (entry "dtype"), kv_dtype in the identity
 _PREFIX = struct.Struct("<8sIIQ")
 _ALIGN = 64
 _MAX_HEADER = 256 * 1024 * 1024
 # identity keys whose mismatch means "another model": the file is refused
 MODEL_KEYS = ("family", "model_type", "config_sha", "weight_files", "quant")
+
+
+_DTYPES = {"f16": np.float16, "f32": np.float32}
 
 
 def _align(n: int) -> int:
@@ -72,6 +78,7 @@ def model_identity(model) -> dict:
         "config_sha": config_sha(model.config),
         "weight_files": sorted([f[0], f[1]] for f in files),
         "quant": model.quant,
+        "kv_dtype": getattr(model, "kv_dtype", "f32"),   # another format's file is stale: a miss
         "weight_mtimes": sorted([f[0], f[2]] for f in files),
         "plugin": model.family.plugin,
         "plugin_version": model.family.plugin_version,
@@ -181,11 +188,12 @@ class PromptCache:
         regions = {}
         try:
             for reg in header["regions"]:
-                nbytes = int(np.prod(reg["shape"], dtype=np.int64)) * 4
+                dtype = _DTYPES[reg.get("dtype", "f32")]
+                nbytes = int(np.prod(reg["shape"], dtype=np.int64)) * np.dtype(dtype).itemsize
                 if data_start + reg["offset"] + nbytes > size:
                     return self._stale("truncated")
-                arr = (np.memmap(self.path, np.float32, "r", data_start + reg["offset"], tuple(reg["shape"]))
-                       if nbytes else np.zeros(reg["shape"], np.float32))
+                arr = (np.memmap(self.path, dtype, "r", data_start + reg["offset"], tuple(reg["shape"]))
+                       if nbytes else np.zeros(reg["shape"], dtype))
                 if checksum(arr) != reg["checksum"]:
                     return self._stale(f"damaged (state of {reg['node']} fails its checksum)")
                 regions[reg["node"]] = (reg, np.asarray(arr))
@@ -298,9 +306,10 @@ class PromptCache:
                 lo, hi, arr = 0, kv_len, ex.read_kv(reg, 0, kv_len)
             else:
                 lo, hi, arr = snap["regions"][reg["node"]]
-            arr = np.ascontiguousarray(arr, dtype=np.float32)
+            dtype = "f16" if reg["kind"] == "kv" and region_is_f16(reg) else "f32"
+            arr = np.ascontiguousarray(arr, dtype=_DTYPES[dtype])      # KV as the cache holds it
             entry = {"node": reg["node"], "kind": reg["kind"], "lo": int(lo), "hi": int(hi),
-                     "shape": list(arr.shape), "offset": off, "checksum": checksum(arr)}
+                     "shape": list(arr.shape), "dtype": dtype, "offset": off, "checksum": checksum(arr)}
             if reg["kind"] == "kv":
                 entry.update(n_kv_heads=reg["n_kv_heads"], head_dim=reg["head_dim"], window=reg["window"])
             else:

@@ -49,10 +49,41 @@ _I32, _I64, _F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
 _P8 = ir.IntType(8).as_pointer()
 _VF = ir.VectorType(_F32, TILE)
 _PF = _F32.as_pointer()
+_I16 = ir.IntType(16)
+_HALF = ir.HalfType()
+_VI16 = ir.VectorType(_I16, TILE)
+_VI32 = ir.VectorType(_I32, TILE)
+
+KV_F32, KV_F16 = 0, 1
+"""KV storage formats (the ``kv16`` argument of the kernels; cpullm.kvformat names them)."""
+
+WIDEN_F16C, WIDEN_GENERIC = 1, 2
+"""How the kernels widen float16 to float32: LLVM's ``fpext`` (vcvtph2ps on F16C / AVX-512
+hosts) or integer operations (any host: LLVM would otherwise call a runtime helper that a
+JIT-compiled function may not find)."""
 HEADS_PER_PASS = 4   # query heads sharing one tile / value-row load
 PREFETCH_BYTES = 8192
 """Software-prefetch distance in the key-tile and value-row streams of decode (see STREAM_ROWS)."""
 PV_VECTORS = 4       # 16-float vectors of head_dim per value pass: 4 heads x 4 = 16 accumulators
+
+
+def _target_has_f16c() -> bool:
+    """Whether the code numba generates may use F16C: the host's features, or NUMBA_CPU_FEATURES
+    when a portable target is configured (NUMBA_CPU_NAME=generic without them: no)."""
+    from numba.core import config
+    if config.CPU_FEATURES is not None:
+        return "+f16c" in config.CPU_FEATURES.split(",")
+    if config.CPU_NAME not in (None, "host"):
+        return False
+    try:
+        import llvmlite.binding as llvm
+        return bool(llvm.get_host_cpu_features().get("f16c", False))
+    except Exception:  # pragma: no cover - llvmlite always present with numba
+        return False
+
+
+def _widen_mode() -> int:
+    return WIDEN_F16C if _target_has_f16c() else WIDEN_GENERIC
 
 
 def padded_cap(cap: int) -> int:
@@ -78,12 +109,38 @@ def _vload(b, p, off):
     return b.load(b.bitcast(b.gep(p, [off]), _VF.as_pointer()), align=4)
 
 
+def _widen_h16(b, h, widen):
+    """<16 x i16> float16 bit patterns -> <16 x float>, exactly (every half is a float).
+    WIDEN_GENERIC: the magnitude bits shifted into a float32's place and scaled by 2^112 (which
+    also turns a half subnormal into the right float32 normal), infinities and NaNs given the
+    all-ones exponent, the sign put back."""
+    if widen == WIDEN_F16C:
+        return b.fpext(b.bitcast(h, ir.VectorType(_HALF, TILE)), _VF)
+    x = b.zext(h, _VI32)
+    mag = b.and_(x, ir.Constant(_VI32, [0x7FFF] * TILE))
+    sh = b.shl(mag, ir.Constant(_VI32, [13] * TILE))
+    scaled = b.bitcast(b.fmul(b.bitcast(sh, _VF), ir.Constant(_VF, [2.0 ** 112] * TILE)), _VI32)
+    special = b.icmp_unsigned(">=", mag, ir.Constant(_VI32, [0x7C00] * TILE))
+    bits = b.select(special, b.or_(sh, ir.Constant(_VI32, [0x7F800000] * TILE)), scaled)
+    sign = b.shl(b.and_(x, ir.Constant(_VI32, [0x8000] * TILE)), ir.Constant(_VI32, [16] * TILE))
+    return b.bitcast(b.or_(bits, sign), _VF)
+
+
+def _vload_kv(b, p, off, widen):
+    """16 consecutive cache values from ``p[off]`` as <16 x float>: ``p`` is float* (widen 0)
+    or i16* of float16 bit patterns (widen WIDEN_F16C / WIDEN_GENERIC)."""
+    if not widen:
+        return _vload(b, p, off)
+    h = b.load(b.bitcast(b.gep(p, [off]), _VI16.as_pointer()), align=2)
+    return _widen_h16(b, h, widen)
+
+
 def _vstore(b, v, p, off):
     b.store(v, b.bitcast(b.gep(p, [off]), _VF.as_pointer()), align=4)
 
 
 def _prefetch(b, p, off):
-    """Prefetch (read, to L1) the cache line of float ``p[off]`` (any address: never faults)."""
+    """Prefetch (read, to L1) the cache line of element ``p[off]`` (any address: never faults)."""
     fn = _decl(b.module, "llvm.prefetch.p0", ir.VoidType(), [_P8, _I32, _I32, _I32])
     b.call(fn, [b.bitcast(b.gep(p, [off]), _P8), ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
 
@@ -125,18 +182,21 @@ def _remainder_pass(fn, b, nrest, emit, name):
     return ir.IRBuilder(end)
 
 
-def _define_scores(module, nh: int, pf: int):
+def _define_scores(module, nh: int, pf: int, widen: int = 0):
     """void @cpullm_att_scores_<nh>(f32* q, i64 hd, f32* tile, f32* out, i64 out_st):
     out[j * out_st + l] = sum_d q[j * hd + d] * tile[d * 16 + l] for j < nh, l < 16.
 
     Each head keeps P = 8 // nh (a power of two) partial sums over interleaved dimensions, so at
     least 6 independent FMA chains hide the FMA latency even for one head. With pf > 0, a software
-    prefetch pf bytes ahead in the key stream per 64-byte line (the next tiles)."""
-    name = f"cpullm_att_scores_v3_{nh}_pf{pf}"
+    prefetch pf bytes ahead in the key stream per 64-byte line (the next tiles). ``widen`` > 0:
+    the tile is i16* of float16 keys, widened to float32 as loaded (:func:`_widen_h16`)."""
+    name = f"cpullm_att_scores_v3_{nh}_pf{pf}_w{widen}"
     fn = module.globals.get(name)
     if fn is not None:
         return fn
-    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [_PF, _I64, _PF, _PF, _I64]), name)
+    tile_ty = _I16.as_pointer() if widen else _PF
+    esize = 2 if widen else 4
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [_PF, _I64, tile_ty, _PF, _I64]), name)
     fn.linkage = "internal"
     fn.attributes.add("alwaysinline")
     fn.attributes.add("nounwind")
@@ -165,9 +225,9 @@ def _define_scores(module, nh: int, pf: int):
         new = [list(a) for a in accs]
         for k in range(step):
             dk = bb.add(d, _c64(k))
-            kv = _vload(bb, tile, bb.mul(dk, _c64(TILE)))
+            kv = _vload_kv(bb, tile, bb.mul(dk, _c64(TILE)), widen)
             if pf:
-                _prefetch(bb, tile, bb.add(bb.mul(dk, _c64(TILE)), _c64(pf // 4)))
+                _prefetch(bb, tile, bb.add(bb.mul(dk, _c64(TILE)), _c64(pf // esize)))
             for j in range(nh):
                 qj = bb.load(bb.gep(q, [bb.add(bb.mul(hd, _c64(j)), dk)]), align=4)
                 slot = k % len(new[j])
@@ -193,15 +253,18 @@ def _define_scores(module, nh: int, pf: int):
     return fn
 
 
-def _define_pv(module, nh: int, nv: int, pf: int):
+def _define_pv(module, nh: int, nv: int, pf: int, widen: int = 0):
     """void @cpullm_att_pv_<nh>_<nv>(f32* s, i64 s_st, f32* v, i64 v_st, i64 n, f32* acc, i64 acc_st):
     acc[j * acc_st + e] += sum_i s[j * s_st + i] * v[i * v_st + e] for j < nh, e < 16 nv; with
-    pf > 0 a software prefetch of the value rows ~pf bytes ahead."""
-    name = f"cpullm_att_pv_v3_{nh}_{nv}_pf{pf}"
+    pf > 0 a software prefetch of the value rows ~pf bytes ahead. ``widen`` > 0: v is i16* of
+    float16 values, widened to float32 as loaded."""
+    name = f"cpullm_att_pv_v3_{nh}_{nv}_pf{pf}_w{widen}"
     fn = module.globals.get(name)
     if fn is not None:
         return fn
-    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [_PF, _I64, _PF, _I64, _I64, _PF, _I64]), name)
+    v_ty = _I16.as_pointer() if widen else _PF
+    esize = 2 if widen else 4
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [_PF, _I64, v_ty, _I64, _I64, _PF, _I64]), name)
     fn.linkage = "internal"
     fn.attributes.add("alwaysinline")
     fn.attributes.add("nounwind")
@@ -210,7 +273,7 @@ def _define_pv(module, nh: int, nv: int, pf: int):
     entry = fn.append_basic_block("entry")
     b = ir.IRBuilder(entry)
     init = [[_vload(b, acc, b.add(b.mul(acc_st, _c64(j)), _c64(16 * e))) for e in range(nv)] for j in range(nh)]
-    pf_rows = b.add(b.sdiv(_c64(pf // 4), v_st), _c64(1)) if pf else None
+    pf_rows = b.add(b.sdiv(_c64(pf // esize), v_st), _c64(1)) if pf else None
     head = fn.append_basic_block("i_head")
     body = fn.append_basic_block("i_body")
     end = fn.append_basic_block("i_end")
@@ -225,7 +288,7 @@ def _define_pv(module, nh: int, nv: int, pf: int):
     bh.cbranch(bh.icmp_signed("<", i, n), body, end)
     bb = ir.IRBuilder(body)
     vrow = bb.mul(i, v_st)
-    vv = [_vload(bb, v, bb.add(vrow, _c64(16 * e))) for e in range(nv)]
+    vv = [_vload_kv(bb, v, bb.add(vrow, _c64(16 * e)), widen) for e in range(nv)]
     if pf:                   # the same columns, ~pf bytes ahead (at least one row)
         ahead = bb.add(vrow, bb.mul(v_st, pf_rows))
         for e in range(nv):
@@ -245,15 +308,19 @@ def _define_pv(module, nh: int, nv: int, pf: int):
     return fn
 
 
-def _ptr(context, builder, aty, arr, off):
+def _ptr(context, builder, aty, arr, off, half=False):
+    """&arr[off]; with ``half`` the array's memory read as float16 (i16) elements, off counted in them."""
     a = context.make_array(aty)(context, builder, arr)
-    return builder.gep(a.data, [off])
+    data = builder.bitcast(a.data, _I16.as_pointer()) if half else a.data
+    return builder.gep(data, [off])
 
 
-def _scores_typer(q, q_off, nq, hd, kt, t_off, out, o_off, o_st, pf):
+def _scores_typer(q, q_off, nq, hd, kt, t_off, out, o_off, o_st, pf, widen=0):
     """out[o_off + j * o_st + l] = sum_d q[q_off + j * hd + d] * kt[t_off + d * 16 + l] for
     j < nq, l < 16 (one key tile against nq query heads). No bounds checks. pf: prefetch
-    distance (bytes, 0 for none; None: PREFETCH_BYTES when the caller is compiled)."""
+    distance (bytes, 0 for none; None: PREFETCH_BYTES when the caller is compiled). widen: 0,
+    kt holds float32 keys; else kt's memory holds float16 keys, t_off counted in them (None: the
+    target's conversion, :func:`_widen_mode`)."""
     arrs = (q, kt, out)
     ints = (q_off, nq, hd, t_off, o_off, o_st)
     if not (all(isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 1 for a in arrs)
@@ -263,10 +330,11 @@ def _scores_typer(q, q_off, nq, hd, kt, t_off, out, o_off, o_st, pf):
 
     def codegen(context, builder, sig, args):
         pf_ = PREFETCH_BYTES if pf is None else pf
+        w_ = _widen_mode() if widen is None else widen
         c = [context.cast(builder, args[i], sig.args[i], types.int64) if isinstance(sig.args[i], types.Integer)
              else None for i in range(9)]
         qp = _ptr(context, builder, sig.args[0], args[0], c[1])
-        tp = _ptr(context, builder, sig.args[4], args[4], c[5])
+        tp = _ptr(context, builder, sig.args[4], args[4], c[5], half=bool(w_))
         op = _ptr(context, builder, sig.args[6], args[6], c[7])
         nq_, hd_, o_st_ = c[2], c[3], c[8]
         fn_ = builder.function
@@ -274,12 +342,12 @@ def _scores_typer(q, q_off, nq, hd, kt, t_off, out, o_off, o_st, pf):
         full = builder.sdiv(nq_, _c64(HEADS_PER_PASS))
         bb, k, after, close = _counted_loop(fn_, builder, full, "sc4")
         j0 = bb.mul(k, _c64(HEADS_PER_PASS))
-        bb.call(_define_scores(builder.module, HEADS_PER_PASS, pf_),
+        bb.call(_define_scores(builder.module, HEADS_PER_PASS, pf_, w_),
                 [bb.gep(qp, [bb.mul(j0, hd_)]), hd_, tp, bb.gep(op, [bb.mul(j0, o_st_)]), o_st_])
         close(bb)
         rest0 = after.mul(full, _c64(HEADS_PER_PASS))
         after2 = _remainder_pass(fn_, after, after.sub(nq_, rest0), lambda br, nh: br.call(
-            _define_scores(builder.module, nh, pf_),
+            _define_scores(builder.module, nh, pf_, w_),
             [br.gep(qp, [br.mul(rest0, hd_)]), hd_, tp, br.gep(op, [br.mul(rest0, o_st_)]), o_st_]), "sc")
         builder.position_at_end(after2.block)
         return context.get_dummy_value()
@@ -300,10 +368,11 @@ def _scores_tiles_stream(typingctx, q, q_off, nq, hd, kt, t_off, out, o_off, o_s
     return _scores_typer(q, q_off, nq, hd, kt, t_off, out, o_off, o_st, None)
 
 
-def _pv_typer(s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd, pf):
+def _pv_typer(s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd, pf, widen=0):
     """acc[j * hd + e] += sum_{i < n} s[s_off + j * s_st + i] * v[v_off + i * v_st + e] for
     j < nq, e < hd (hd a multiple of 16). No bounds checks. pf: prefetch distance (bytes, 0 for
-    none; None: PREFETCH_BYTES when the caller is compiled)."""
+    none; None: PREFETCH_BYTES when the caller is compiled). widen: as :func:`_scores_typer`
+    (v_off, v_st counted in float16 elements when the values are float16)."""
     arrs = (s, v, acc)
     ints = (s_off, s_st, nq, v_off, v_st, n, hd)
     if not (all(isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 1 for a in arrs)
@@ -313,10 +382,11 @@ def _pv_typer(s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd, pf):
 
     def codegen(context, builder, sig, args):
         pf_ = PREFETCH_BYTES if pf is None else pf
+        w_ = _widen_mode() if widen is None else widen
         c = [context.cast(builder, args[i], sig.args[i], types.int64) if isinstance(sig.args[i], types.Integer)
              else None for i in range(10)]
         sp = _ptr(context, builder, sig.args[0], args[0], c[1])
-        vp = _ptr(context, builder, sig.args[4], args[4], c[5])
+        vp = _ptr(context, builder, sig.args[4], args[4], c[5], half=bool(w_))
         ap = _ptr(context, builder, sig.args[8], args[8], _c64(0))
         s_st_, nq_, v_st_, n_, hd_ = c[2], c[3], c[6], c[7], c[9]
         fn_ = builder.function
@@ -329,14 +399,14 @@ def _pv_typer(s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd, pf):
             wide = bh.sdiv(hd_, _c64(16 * PV_VECTORS))
             bc, m, after_c, close_c = _counted_loop(fn_, bh, wide, f"pvc{nh}")
             e0 = bc.mul(m, _c64(16 * PV_VECTORS))
-            bc.call(_define_pv(module, nh, PV_VECTORS, pf_),
+            bc.call(_define_pv(module, nh, PV_VECTORS, pf_, w_),
                     [s_j, s_st_, bc.gep(vp, [e0]), v_st_, n_, bc.gep(a_j, [e0]), hd_])
             close_c(bc)
             e_rest = after_c.mul(wide, _c64(16 * PV_VECTORS))
             nrest = after_c.sdiv(after_c.sub(hd_, e_rest), _c64(16))
             bd, m2, after_d, close_d = _counted_loop(fn_, after_c, nrest, f"pvd{nh}")
             e1 = bd.add(e_rest, bd.mul(m2, _c64(16)))
-            bd.call(_define_pv(module, nh, 1, pf_), [s_j, s_st_, bd.gep(vp, [e1]), v_st_, n_, bd.gep(a_j, [e1]), hd_])
+            bd.call(_define_pv(module, nh, 1, pf_, w_), [s_j, s_st_, bd.gep(vp, [e1]), v_st_, n_, bd.gep(a_j, [e1]), hd_])
             close_d(bd)
             return after_d
 
@@ -364,28 +434,183 @@ def _pv_rows_stream(typingctx, s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd):
     return _pv_typer(s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd, None)
 
 
+@intrinsic
+def _scores_tiles_h(typingctx, q, q_off, nq, hd, kt, t_off, out, o_off, o_st):
+    """:func:`_scores_tiles` over float16 keys (t_off counted in float16 elements)."""
+    return _scores_typer(q, q_off, nq, hd, kt, t_off, out, o_off, o_st, 0, None)
+
+
+@intrinsic
+def _scores_tiles_stream_h(typingctx, q, q_off, nq, hd, kt, t_off, out, o_off, o_st):
+    """:func:`_scores_tiles_stream` over float16 keys."""
+    return _scores_typer(q, q_off, nq, hd, kt, t_off, out, o_off, o_st, None, None)
+
+
+@intrinsic
+def _pv_rows_h(typingctx, s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd):
+    """:func:`_pv_rows` over float16 values (v_off, v_st counted in float16 elements)."""
+    return _pv_typer(s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd, 0, None)
+
+
+@intrinsic
+def _pv_rows_stream_h(typingctx, s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd):
+    """:func:`_pv_rows_stream` over float16 values."""
+    return _pv_typer(s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd, None, None)
+
+
+def _widen16_typer(src, s_off, out, o_off, widen):
+    if not (isinstance(src, types.Array) and isinstance(out, types.Array) and out.dtype == types.float32
+            and src.ndim == 1 and out.ndim == 1 and src.dtype in (types.float32, types.uint16)
+            and isinstance(s_off, types.Integer) and isinstance(o_off, types.Integer)):
+        return None
+    sig = types.void(src, s_off, out, o_off)
+
+    def codegen(context, builder, sig, args):
+        so = context.cast(builder, args[1], sig.args[1], types.int64)
+        oo = context.cast(builder, args[3], sig.args[3], types.int64)
+        sp = _ptr(context, builder, sig.args[0], args[0], so, half=sig.args[0].dtype == types.float32)
+        sp = builder.bitcast(sp, _I16.as_pointer())
+        op = _ptr(context, builder, sig.args[2], args[2], oo)
+        _vstore(builder, _vload_kv(builder, sp, _c64(0), _widen_mode() if widen is None else widen), op, _c64(0))
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def widen16_f16c(typingctx, src, s_off, out, o_off):
+    """out[o_off:o_off+16] = the 16 float16 values at element s_off of src, by LLVM's fpext
+    (the attention kernels' conversion on F16C hosts; a test checks every bit pattern)."""
+    return _widen16_typer(src, s_off, out, o_off, WIDEN_F16C)
+
+
+@intrinsic
+def widen16_generic(typingctx, src, s_off, out, o_off):
+    """:func:`widen16_f16c` by integer operations (the kernels' conversion without F16C)."""
+    return _widen16_typer(src, s_off, out, o_off, WIDEN_GENERIC)
+
+
+@intrinsic
+def _load_h(typingctx, arr, idx):
+    """float32 value of the float16 element ``idx`` of ``arr``'s memory (the target's conversion)."""
+    if not (isinstance(arr, types.Array) and isinstance(idx, types.Integer)):
+        return None
+    sig = types.float32(arr, idx)
+
+    def codegen(context, builder, sig, args):
+        i = context.cast(builder, args[1], sig.args[1], types.int64)
+        p = _ptr(context, builder, sig.args[0], args[0], i, half=True)
+        h = builder.load(p, align=2)
+        vec = builder.insert_element(ir.Constant(_VI16, ir.Undefined), h, ir.Constant(_I32, 0))
+        return builder.extract_element(_widen_h16(builder, vec, _widen_mode()), ir.Constant(_I32, 0))
+    return sig, codegen
+
+
+@intrinsic
+def _store_h(typingctx, arr, idx, bits):
+    """Store the float16 bit pattern ``bits`` (an integer) as element ``idx`` of ``arr``'s memory."""
+    if not (isinstance(arr, types.Array) and isinstance(idx, types.Integer) and isinstance(bits, types.Integer)):
+        return None
+    sig = types.void(arr, idx, bits)
+
+    def codegen(context, builder, sig, args):
+        i = context.cast(builder, args[1], sig.args[1], types.int64)
+        p = _ptr(context, builder, sig.args[0], args[0], i, half=True)
+        builder.store(builder.trunc(args[2], _I16), p, align=2)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def _f32_bits(typingctx, x):
+    """The IEEE bit pattern of a float32, as int64 (0 .. 2^32 - 1)."""
+    if x != types.float32:
+        return None
+    sig = types.int64(x)
+
+    def codegen(context, builder, sig, args):
+        return builder.zext(builder.bitcast(args[0], _I32), _I64)
+    return sig, codegen
+
+
+@njit(cache=True, inline="always")
+def f16_bits(x):
+    """float32 -> float16 bit pattern, rounded to nearest even (as numpy's astype(float16)):
+    integer operations only, so the result is the same on every host. Overflow gives infinity,
+    a NaN the quiet NaN 0x7e00 (with its sign)."""
+    b = _f32_bits(np.float32(x))
+    sign = (b >> 16) & 0x8000
+    e = (b >> 23) & 0xFF
+    m = b & 0x7FFFFF
+    if e == 0xFF:
+        return sign | (0x7E00 if m != 0 else 0x7C00)
+    if e > 142:                                  # >= 2^16: beyond the largest half (65504)
+        return sign | 0x7C00
+    if e < 113:                                  # below 2^-14: a half subnormal (units of 2^-24) or 0
+        if e < 102:                              # below 2^-25: rounds to zero
+            return sign
+        m = m | 0x800000
+        shift = 126 - e                          # 14 .. 24
+        q = m >> shift
+        rem = m & ((1 << shift) - 1)
+        halfway = 1 << (shift - 1)
+        if rem > halfway or (rem == halfway and (q & 1) == 1):
+            q += 1
+        return sign | q
+    q = ((e - 112) << 10) | (m >> 13)
+    rem = m & 0x1FFF
+    if rem > 0x1000 or (rem == 0x1000 and (q & 1) == 1):
+        q += 1                                   # a carry into the exponent is right (up to inf)
+    return sign | q
+
+
 @njit(cache=True, nogil=True)
-def kv_write(arena, state, k_off, k_st, v_off, v_st, n_kv, head_dim, c_off, cap, pos0, T):
-    """Copy the T new key/value rows into their cache slots (keys into their tile lane)."""
-    v_base = c_off + n_kv * cap * head_dim
+def kv_write_h(values, out):
+    """out[i] = float16 bit pattern of values[i] (kv_write's rounding, for tests and references)."""
+    for i in range(values.size):
+        out[i] = f16_bits(values[i])
+
+
+@njit(cache=True, nogil=True)
+def kv_write(arena, state, k_off, k_st, v_off, v_st, n_kv, head_dim, c_off, cap, pos0, T, kv16):
+    """Copy the T new key/value rows into their cache slots (keys into their tile lane). With
+    ``kv16`` the region at float offset c_off holds float16 elements (from element 2 * c_off),
+    each rounded to nearest even (:func:`f16_bits`)."""
+    base = 2 * c_off if kv16 else c_off
+    v_base = base + n_kv * cap * head_dim
     for t in range(T):
         slot = (pos0 + t) % cap
         tile_base = (slot // TILE) * head_dim * TILE + slot % TILE
         for h in range(n_kv):
-            kdst = c_off + h * cap * head_dim + tile_base
+            kdst = base + h * cap * head_dim + tile_base
             vdst = v_base + h * cap * head_dim + slot * head_dim
             src_k = k_off + t * k_st + h * head_dim
             src_v = v_off + t * v_st + h * head_dim
-            for d in range(head_dim):
-                state[kdst + d * TILE] = arena[src_k + d]
-            for d in range(head_dim):
-                state[vdst + d] = arena[src_v + d]
+            if kv16:
+                for d in range(head_dim):
+                    _store_h(state, kdst + d * TILE, f16_bits(arena[src_k + d]))
+                for d in range(head_dim):
+                    _store_h(state, vdst + d, f16_bits(arena[src_v + d]))
+            else:
+                for d in range(head_dim):
+                    state[kdst + d * TILE] = arena[src_k + d]
+                for d in range(head_dim):
+                    state[vdst + d] = arena[src_v + d]
 
 
-@njit(cache=True, fastmath=True, error_model="numpy", inline="always")
+_NO_REASSOC = {"nnan", "ninf", "nsz", "arcp", "afn"}
+"""fastmath without "reassoc" (and "contract") for everything a job computes between the cache
+reads and its output: the sums then run in written order, so :func:`attention` and the batched
+decode give the same bits whether each was compiled in this process or loaded from numba's cache
+(with "reassoc", a batched decode compiled beside an ``attention`` loaded from the cache
+differed in the last bit on 5 of 10 shapes of tests/test_kernels_attention_batch.py)."""
+
+
+@njit(cache=True, fastmath=_NO_REASSOC, error_model="numpy", inline="always")
 def _softmax_rows(scores, nq, c0, c1, softcap, mx, tot):
     """Columns [c0, c1) of rows 0..nq-1 of scores (2-D view): soft-cap, exp(s - max); mx[j] the
-    row's max, tot[j] its sum of exponentials."""
+    row's max, tot[j] its sum of exponentials, summed in 16 lanes (then the lanes in order) so
+    that the sum vectorizes without reordering."""
+    lanes = np.empty(TILE, np.float32)
     for j in range(nq):
         row = scores[j, c0:c1]
         if softcap > 0.0:
@@ -395,38 +620,59 @@ def _softmax_rows(scores, nq, c0, c1, softcap, mx, tot):
         for i in range(row.size):            # a compare-select, not max(): vectorizes
             x = row[i]
             m = x if x > m else m
-        total = np.float32(0.0)
         for i in range(row.size):
-            e = exp_f32(row[i] - m)
-            row[i] = e
-            total += e
+            row[i] = exp_f32(row[i] - m)
+        for k in range(TILE):
+            lanes[k] = 0.0
+        n16 = row.size - row.size % TILE
+        for i0 in range(0, n16, TILE):
+            for k in range(TILE):
+                lanes[k] += row[i0 + k]
+        total = np.float32(0.0)
+        for k in range(TILE):
+            total += lanes[k]
+        for i in range(n16, row.size):
+            total += row[i]
         mx[j] = m
         tot[j] = total
 
 
 @njit(cache=True, inline="always")
-def _scores(stream, q, nq, hd, kt, t_off, out, o_off, o_st):
-    """_scores_tiles (q from offset 0), with the key-stream prefetch when ``stream``."""
-    if stream:
+def _scores(stream, kv16, q, nq, hd, kt, t_off, out, o_off, o_st):
+    """_scores_tiles (q from offset 0), with the key-stream prefetch when ``stream``; over float16
+    keys when ``kv16``."""
+    if kv16:
+        if stream:
+            _scores_tiles_stream_h(q, 0, nq, hd, kt, t_off, out, o_off, o_st)
+        else:
+            _scores_tiles_h(q, 0, nq, hd, kt, t_off, out, o_off, o_st)
+    elif stream:
         _scores_tiles_stream(q, 0, nq, hd, kt, t_off, out, o_off, o_st)
     else:
         _scores_tiles(q, 0, nq, hd, kt, t_off, out, o_off, o_st)
 
 
 @njit(cache=True, inline="always")
-def _pv(stream, s, s_off, s_st, nq, v, v_off, n, acc, hd):
-    """_pv_rows over n consecutive value rows (row stride hd), with the prefetch when ``stream``."""
-    if stream:
+def _pv(stream, kv16, s, s_off, s_st, nq, v, v_off, n, acc, hd):
+    """_pv_rows over n consecutive value rows (row stride hd), with the prefetch when ``stream``;
+    over float16 values when ``kv16``."""
+    if kv16:
+        if stream:
+            _pv_rows_stream_h(s, s_off, s_st, nq, v, v_off, hd, n, acc, hd)
+        else:
+            _pv_rows_h(s, s_off, s_st, nq, v, v_off, hd, n, acc, hd)
+    elif stream:
         _pv_rows_stream(s, s_off, s_st, nq, v, v_off, hd, n, acc, hd)
     else:
         _pv_rows(s, s_off, s_st, nq, v, v_off, hd, n, acc, hd)
 
 
-@njit(cache=True, fastmath=True, error_model="numpy")
+@njit(cache=True, fastmath=_NO_REASSOC, error_model="numpy")
 def _attend_part(arena, state, q0, nq, hd, k_base, v_base, cap, lo, p, scale, softcap, qbuf, scores, acc, mx, tot,
-                 stream):
+                 stream, kv16):
     """Query heads q0 .. q0 + nq - 1 (arena offsets q0 + j*hd) of one KV head (keys at k_base,
-    values at v_base in ``state``) over cached positions [lo, p] (p >= lo): acc[j*hd:] the
+    values at v_base in ``state``, counted in float16 elements when ``kv16``) over cached
+    positions [lo, p] (p >= lo): acc[j*hd:] the
     unnormalized sum of exp(s - mx[j]) * value rows, tot[j] the sum of the exponentials.
 
     Scratch: qbuf (>= nq*hd), scores flat (>= nq * (n + 32)); acc (>= nq*hd), mx, tot (>= nq).
@@ -447,27 +693,31 @@ def _attend_part(arena, state, q0, nq, hd, k_base, v_base, cap, lo, p, scale, so
         tile = t0 + c
         if tile >= ntiles_cap:
             tile -= ntiles_cap
-        _scores(stream, qbuf, nq, hd, state, k_base + tile * hd * TILE, scores, c * TILE, width)
+        _scores(stream, kv16, qbuf, nq, hd, state, k_base + tile * hd * TILE, scores, c * TILE, width)
     s2 = scores[: nq * width].reshape(nq, width)
     _softmax_rows(s2, nq, c0, c0 + n, softcap, mx, tot)
     for i in range(nq * hd):
         acc[i] = 0.0
     first = min(n, cap - a)                      # slots a .. a + first - 1, then 0 .. n - first - 1
     if hd % TILE == 0:
-        _pv(stream, scores, c0, width, nq, state, v_base + a * hd, first, acc, hd)
+        _pv(stream, kv16, scores, c0, width, nq, state, v_base + a * hd, first, acc, hd)
         if first < n:
-            _pv(stream, scores, c0 + first, width, nq, state, v_base, n - first, acc, hd)
+            _pv(stream, kv16, scores, c0 + first, width, nq, state, v_base, n - first, acc, hd)
     else:                                        # head_dim not a multiple of 16: plain loops
         for i in range(n):
             slot = a + i
             if slot >= cap:
                 slot -= cap
-            vrow = state[v_base + slot * hd: v_base + slot * hd + hd]
+            r0 = v_base + slot * hd
             for j in range(nq):
                 w = s2[j, c0 + i]
                 aj = acc[j * hd: j * hd + hd]
-                for d in range(hd):
-                    aj[d] += w * vrow[d]
+                if kv16:
+                    for d in range(hd):
+                        aj[d] += w * _load_h(state, r0 + d)
+                else:
+                    for d in range(hd):
+                        aj[d] += w * state[r0 + d]
 
 
 @njit(cache=True, inline="always")
@@ -480,7 +730,7 @@ def key_splits(pairs, nthreads, pos0):
     return 1
 
 
-@njit(cache=True, fastmath=True, error_model="numpy")
+@njit(cache=True, fastmath=_NO_REASSOC, error_model="numpy")
 def _normalize_into(out, o0, acc, tot, nq, hd):
     """out[o0 + j*hd + d] = acc[j*hd + d] / tot[j]: a job's heads when its keys were not split."""
     for j in range(nq):
@@ -489,7 +739,7 @@ def _normalize_into(out, o0, acc, tot, nq, hd):
             out[o0 + j * hd + d] = acc[j * hd + d] * inv
 
 
-@njit(cache=True, fastmath=True, error_model="numpy")
+@njit(cache=True, fastmath=_NO_REASSOC, error_model="numpy")
 def _keep_part(part, job, acc, mx, tot, nq, hd):
     """part[job, j] = (acc[j*hd:(j+1)*hd], mx[j], tot[j]): one key range's partial softmax."""
     for j in range(nq):
@@ -499,7 +749,7 @@ def _keep_part(part, job, acc, mx, tot, nq, hd):
         part[job, j, hd + 1] = tot[j]
 
 
-@njit(cache=True, fastmath=True, error_model="numpy")
+@njit(cache=True, fastmath=_NO_REASSOC, error_model="numpy")
 def _combine_parts(out, o0, part, first, stride, nsplit, nq, hd):
     """out[o0 + j*hd:] for heads j < nq from the key ranges part[first + r*stride], r < nsplit:
     rescale each range's sums to the common max, add, normalize (flash-decoding's combine).
@@ -545,8 +795,10 @@ pair's keys so that every thread gets the same number of equal jobs."""
 
 @njit(cache=True, parallel=True, fastmath=True, error_model="numpy")
 def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
-              n_heads, n_kv, head_dim, c_off, cap, scale, softcap, window, pos0, T, nthreads):
+              n_heads, n_kv, head_dim, c_off, cap, scale, softcap, window, pos0, T, nthreads, kv16):
     """Write the new K/V rows, then attend: one job per (query row, KV head, range of its keys).
+    ``kv16``: the cache region holds float16 keys and values (KV_F16), widened to float32 as
+    they are loaded; softmax and sums stay float32.
 
     All query heads sharing a KV head are one job, so each cached key tile and value row is
     loaded once per job. Prefill has a job per (row, KV head); with fewer (row, KV head) pairs
@@ -559,9 +811,10 @@ def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
     0.018 ms in 4 ranges.) Jobs are
     dealt round-robin to at most MAX_CHUNKS parallel chunks (later rows see more keys, so each
     chunk gets early and late rows), each chunk with its own scratch."""
-    kv_write(arena, state, k_off, k_st, v_off, v_st, n_kv, head_dim, c_off, cap, pos0, T)
+    kv_write(arena, state, k_off, k_st, v_off, v_st, n_kv, head_dim, c_off, cap, pos0, T, kv16)
     group = n_heads // n_kv
     size = n_kv * cap * head_dim
+    base = 2 * c_off if kv16 else c_off             # in elements of the cache's format
     span = pos0 + T if window <= 0 else min(pos0 + T, window)
     pairs = T * n_kv
     splits = key_splits(pairs, nthreads, pos0)
@@ -587,8 +840,8 @@ def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
             k0 = lo + n * s // splits                # this job's keys: [k0, k1]
             k1 = lo + n * (s + 1) // splits - 1
             q0 = q_off + t * q_st + kvh * group * hd
-            _attend_part(arena, state, q0, group, hd, c_off + kvh * cap * hd, c_off + size + kvh * cap * hd,
-                         cap, k0, k1, scale, softcap, qbuf, scores, acc, mx, tot, T <= STREAM_ROWS)
+            _attend_part(arena, state, q0, group, hd, base + kvh * cap * hd, base + size + kvh * cap * hd,
+                         cap, k0, k1, scale, softcap, qbuf, scores, acc, mx, tot, T <= STREAM_ROWS, kv16)
             if splits == 1:
                 _normalize_into(arena, o_off + t * o_st + kvh * group * hd, acc, tot, group, hd)
             else:
@@ -602,13 +855,17 @@ def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
 
 
 def attention_ref(q, k, v, n_heads, n_kv, head_dim, scale, softcap=0.0, window=0, pos0=0,
-                  k_past=None, v_past=None):
+                  k_past=None, v_past=None, kv16=False):
     """q (T, nh*hd), k/v (T, nkv*hd) for positions pos0.., with optional past k/v (pos0, nkv*hd).
-    Returns (T, nh*hd), computed as transformers' eager attention (scale, softcap, mask, softmax)."""
+    Returns (T, nh*hd), computed as transformers' eager attention (scale, softcap, mask, softmax).
+    ``kv16``: keys and values rounded to float16 first, as a float16 KV cache stores them."""
     T = q.shape[0]
     if k_past is not None:
         k = np.concatenate([k_past, k])
         v = np.concatenate([v_past, v])
+    if kv16:
+        k = np.asarray(k, np.float32).astype(np.float16)
+        v = np.asarray(v, np.float32).astype(np.float16)
     L = k.shape[0]
     qh = q.reshape(T, n_heads, head_dim).transpose(1, 0, 2).astype(np.float64)
     kh = k.reshape(L, n_kv, head_dim).transpose(1, 0, 2).astype(np.float64)
@@ -631,9 +888,13 @@ def attention_ref(q, k, v, n_heads, n_kv, head_dim, scale, softcap=0.0, window=0
     return (p @ vh).transpose(1, 0, 2).reshape(T, n_heads * head_dim).astype(np.float32)
 
 
-def kv_views(region: np.ndarray, n_kv: int, cap: int, head_dim: int):
+def kv_views(region: np.ndarray, n_kv: int, cap: int, head_dim: int, kv16: bool = False):
     """(K tiles (n_kv, cap // 16, head_dim, 16), V (n_kv, cap, head_dim)) views of one layer's
-    flat cache region (2 * n_kv * cap * head_dim floats)."""
+    flat cache region (float32: 2 * n_kv * cap * head_dim floats; ``kv16``: n_kv * cap * head_dim
+    floats whose memory holds the float16 keys and values, returned as float16 views, so that
+    assigning float32 rows to them rounds to nearest even as the kernels do)."""
+    if kv16:
+        region = region.view(np.float16)
     size = n_kv * cap * head_dim
     return (region[:size].reshape(n_kv, cap // TILE, head_dim, TILE),
             region[size: 2 * size].reshape(n_kv, cap, head_dim))

@@ -20,10 +20,12 @@ from .attention import (MAX_CHUNKS, STREAM_ROWS, TILE, _attend_part, _combine_pa
 
 @njit(cache=True, parallel=True, fastmath=True, error_model="numpy")
 def attention_decode_batch(arena, states, slots, positions, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
-                           n_heads, n_kv, head_dim, c_off, cap, scale, softcap, window, nthreads):
+                           n_heads, n_kv, head_dim, c_off, cap, scale, softcap, window, nthreads, kv16):
+    """``kv16``: the caches hold float16 keys and values (as attention())."""
     B = slots.shape[0]
     group = n_heads // n_kv
     size = n_kv * cap * head_dim
+    base = 2 * c_off if kv16 else c_off
     hd = head_dim
     splits = np.ones(B, np.int64)
     first_job = np.zeros(B + 1, np.int64)
@@ -31,7 +33,7 @@ def attention_decode_batch(arena, states, slots, positions, q_off, q_st, k_off, 
     for s in range(B):
         pos0 = positions[s]
         kv_write(arena, states[slots[s]], k_off + s * k_st, k_st, v_off + s * v_st, v_st, n_kv, head_dim,
-                 c_off, cap, pos0, 1)
+                 c_off, cap, pos0, 1, kv16)
         sp = key_splits(n_kv, nthreads, pos0)          # T = 1: one row per KV head
         splits[s] = sp
         first_job[s + 1] = first_job[s] + n_kv * sp
@@ -64,9 +66,9 @@ def attention_decode_batch(arena, states, slots, positions, q_off, q_st, k_off, 
             k0 = lo + n * r // sp
             k1 = lo + n * (r + 1) // sp - 1
             q0 = q_off + s * q_st + kvh * group * hd
-            _attend_part(arena, states[slots[s]], q0, group, hd, c_off + kvh * cap * hd,
-                         c_off + size + kvh * cap * hd, cap, k0, k1, scale, softcap, qbuf, scores, acc, mx, tot,
-                         1 <= STREAM_ROWS)
+            _attend_part(arena, states[slots[s]], q0, group, hd, base + kvh * cap * hd,
+                         base + size + kvh * cap * hd, cap, k0, k1, scale, softcap, qbuf, scores, acc, mx, tot,
+                         1 <= STREAM_ROWS, kv16)
             if sp == 1:
                 _normalize_into(arena, o_off + s * o_st + kvh * group * hd, acc, tot, group, hd)
             else:

@@ -192,7 +192,7 @@ def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_s
                       I[r, P.ATTENTION_OUT_OFF], I[r, P.ATTENTION_OUT_ST], I[r, P.ATTENTION_N_HEADS],
                       I[r, P.ATTENTION_N_KV_HEADS], I[r, P.ATTENTION_HEAD_DIM], I[r, P.ATTENTION_CACHE_OFF],
                       I[r, P.ATTENTION_CAP], F[r, P.F_ATTENTION_SCALE], F[r, P.F_ATTENTION_SOFTCAP],
-                      np.int64(F[r, P.F_ATTENTION_WINDOW]), pos0, T, nthreads)
+                      np.int64(F[r, P.F_ATTENTION_WINDOW]), pos0, T, nthreads, I[r, P.ATTENTION_KV_FORMAT])
         elif op == OP_GLU:
             g_off, g_st, u_off, u_st = I[r, P.GLU_GATE_OFF], I[r, P.GLU_GATE_ST], I[r, P.GLU_UP_OFF], I[r, P.GLU_UP_ST]
             o_off, o_st, width, act = I[r, P.GLU_OUT_OFF], I[r, P.GLU_OUT_ST], I[r, P.GLU_WIDTH], I[r, P.GLU_ACT]

@@ -60,6 +60,8 @@ Per op (``I`` columns 3.., ``F`` columns 0..):
                           11-13 ATTENTION_N_HEADS, _N_KV_HEADS, _HEAD_DIM
                           14   ATTENTION_CACHE_OFF      KV cache region in state
                           15   ATTENTION_CAP            cache slots (whole key tiles)
+                          16   ATTENTION_KV_FORMAT      KV_F32 (0): float32 keys/values; KV_F16 (1):
+                                                        float16, the region's floats hold two each
                           F0-2 F_ATTENTION_SCALE, F_ATTENTION_SOFTCAP (0: none),
                                F_ATTENTION_WINDOW (0: full attention; else a sliding window)
     GLU                   3-8  GLU_GATE_OFF, _GATE_ST, _UP_OFF, _UP_ST, _OUT_OFF, _OUT_ST
@@ -179,6 +181,7 @@ ATTENTION_N_KV_HEADS = 12
 ATTENTION_HEAD_DIM = 13
 ATTENTION_CACHE_OFF = 14
 ATTENTION_CAP = 15
+ATTENTION_KV_FORMAT = 16
 F_ATTENTION_SCALE = 0
 F_ATTENTION_SOFTCAP = 1
 F_ATTENTION_WINDOW = 2

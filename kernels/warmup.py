@@ -145,7 +145,7 @@ def _kernels(unit: str) -> list:
                       (norm.layernorm_par, (ARENA, *[i64] * 6, WF, i64, i64, f64, i64))],
         "rope": [(rope.rope_rows, (ARENA, *[i64] * 7, WF, i64, f64, i64, i64, i64)),
                  (rope.rope_par, (ARENA, *[i64] * 7, WF, i64, f64, i64, i64))],
-        "attention": [(attention.attention, (ARENA, ARENA, *[i64] * 13, f64, f64, i64, i64, i64, i64))],
+        "attention": [(attention.attention, (ARENA, ARENA, *[i64] * 13, f64, f64, i64, i64, i64, i64, i64))],
         "glu": [(elementwise.glu_rows, (ARENA, *[i64] * 10)), (elementwise.glu_par, (ARENA, *[i64] * 9))],
         "binary": [(elementwise.binary_rows, (ARENA, *[i64] * 10)), (elementwise.binary_par, (ARENA, *[i64] * 9))],
         "unary": [(elementwise.unary_rows, (ARENA, *[i64] * 6, f64, i64, i64))],

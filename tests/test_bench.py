@@ -61,9 +61,10 @@ def test_json_keys_and_types_with_load_timing(tiny, capsys):
     assert r["decode_bound_share"] == pytest.approx(r["decode_gbps"] / r["read_gbps"])
     assert r["decode_tps_bound"] == pytest.approx(r["read_gbps"] * 1e9 / r["decode_weight_bytes"])
     assert r["read_gbps_best"] >= r["read_gbps"] and r["memory_bound_steps"] == 4
-    # KV in use after the 512-context run: 512 + 4 positions of every layer's K and V
+    # KV in use after the 512-context run: 512 + 4 positions of every layer's K and V, float16
     a = SMOLLM2_LIKE
-    assert r["kv_bytes"] == a["num_hidden_layers"] * 2 * a["num_key_value_heads"] * a["head_dim"] * 516 * 4
+    assert r["kv_dtype"] == "f16" and "KV cache f16" in bench.format_report(r)
+    assert r["kv_bytes"] == a["num_hidden_layers"] * 2 * a["num_key_value_heads"] * a["head_dim"] * 516 * 2
     # the build's peak RSS (the MISS child) and the HIT child's, and the context's memory plan
     assert isinstance(r["build_peak_rss_bytes"], int) and r["build_peak_rss_bytes"] > r["weights_bytes"]
     assert isinstance(r["peak_rss_bytes_hit_process"], int) and r["peak_rss_bytes_hit_process"] > 0
@@ -79,7 +80,7 @@ def test_decode_at_a_chosen_context(tiny, capsys):
     assert r["decode_context_tokens"] == 900 and r["n_ctx"] == 1024
     assert r["build_peak_rss_bytes"] is None                  # no MISS child without load timing
     a = SMOLLM2_LIKE
-    assert r["kv_bytes"] == a["num_hidden_layers"] * 2 * a["num_key_value_heads"] * a["head_dim"] * 904 * 4
+    assert r["kv_bytes"] == a["num_hidden_layers"] * 2 * a["num_key_value_heads"] * a["head_dim"] * 904 * 2
 
 
 def test_profile_shares_sum_to_one_and_plot(tiny, tmp_path, capsys):

@@ -39,7 +39,8 @@ def test_gemma3_sliding_layers_hold_their_window_at_32k(gemma3):
     regions = m.program.meta["state_regions"]
     hd, nkv = regions[0]["head_dim"], regions[0]["n_kv_heads"]
     assert hd == cfg["head_dim"] and [r["window"] for r in regions] == [window] * 5 + [0]
-    per_slot = 2 * nkv * hd * 4                                       # K and V, float32
+    assert info["kv_dtype"] == plan["kv_dtype"] == "f16"              # INT8's default KV format
+    per_slot = 2 * nkv * hd * 2                                       # K and V, float16
     expect = {"sliding_window": padded_cap(window + 64) * per_slot, "full_attention": padded_cap(32768) * per_slot}
     assert [x["kind"] for x in layers] == ["sliding_window"] * 5 + ["full_attention"]   # Gemma 3's period
     assert [x["bytes"] for x in layers] == [expect[x["kind"]] for x in layers]
@@ -54,7 +55,7 @@ def test_gemma3_sliding_layers_hold_their_window_at_32k(gemma3):
 
 def test_plan_is_checked_against_available_memory(tmp_path, monkeypatch):
     d = make_random_checkpoint(LLAMA, tmp_path / "m", seed=1)
-    m = cpullm.load(d, n_ctx=32768, use_cache=False)
+    m = cpullm.load(d, n_ctx=32768, use_cache=False, kv_dtype="f32")
     plan = state_plan(m.program.meta)
     need = plan["state_bytes"] + plan["arena_bytes"]
     assert plan["kv_bytes_max"] == 2 * padded_cap(32768) * 2 * 2 * 16 * 4     # 2 layers, 2 KV heads of 16
@@ -62,12 +63,19 @@ def test_plan_is_checked_against_available_memory(tmp_path, monkeypatch):
     # a third of the need, 80 % of it for KV at 512 bytes a token after the arena: 6.9k tokens -> 4096
     with pytest.raises(ContextMemoryError, match=r"--ctx 4096\b") as err:
         check_plan_fits(m.program.meta, available=need // 3)
-    assert "32768-token context" in str(err.value)
+    assert "32768-token context" in str(err.value) and "--cache-type f16" in str(err.value)
+    # float16 KV: half the bytes a token, so the same memory suggests twice the context
+    m16 = cpullm.load(d, n_ctx=32768, use_cache=False)
+    plan16 = state_plan(m16.program.meta)
+    assert plan16["kv_dtype"] == "f16" and plan16["kv_bytes_max"] == plan["kv_bytes_max"] // 2
+    with pytest.raises(ContextMemoryError, match=r"--ctx 8192\b") as err:
+        check_plan_fits(m16.program.meta, available=need // 3)
+    assert "--cache-type" not in str(err.value)
     from cpullm import memory
     monkeypatch.setattr(memory, "available_bytes", lambda: need // 3)
     with pytest.raises(ContextMemoryError):
-        cpullm.load(d, n_ctx=32768, use_cache=False)
-    cpullm.load(d, n_ctx=4096, use_cache=False)                       # a context that fits loads
+        cpullm.load(d, n_ctx=32768, use_cache=False, kv_dtype="f32")
+    cpullm.load(d, n_ctx=4096, use_cache=False, kv_dtype="f32")       # a context that fits loads
 
 
 def test_kv_cache_is_resident_only_where_written(tmp_path):
@@ -82,7 +90,7 @@ def test_kv_cache_is_resident_only_where_written(tmp_path):
     d = make_random_checkpoint(LLAMA, tmp_path / "m", seed=3)
     m = cpullm.load(d, n_ctx=131072, use_cache=False)
     st = m.executor.state
-    assert st.nbytes >= 64 << 20 and isinstance(getattr(st.base, "obj", st.base), mmap.mmap)
+    assert st.nbytes >= 32 << 20 and isinstance(getattr(st.base, "obj", st.base), mmap.mmap)
     z = lazy_zeros(64 << 18)                             # 64 MiB
     before = _status_kib("RssAnon")
     z[:: (2 << 20) // 4] = 1.0                           # one float every 2 MiB: 32 pages

@@ -21,12 +21,14 @@ from test_cache_family import (HYBRID, WINDOW, _hybrid_registered, hybrid_dir,  
 IDS = [int(t) for t in np.random.default_rng(3).integers(0, 256, 20)]
 
 
-@pytest.mark.parametrize("max_chunk", [512, 8])
-def test_memory_report_matches_the_arrays(hybrid_dir, tmp_path, max_chunk):
+@pytest.mark.parametrize("max_chunk,kv_dtype", [(512, None), (8, "f32")])     # None: int8's default, f16
+def test_memory_report_matches_the_arrays(hybrid_dir, tmp_path, max_chunk, kv_dtype):
     n_ctx = 64
-    m = cpullm.load(hybrid_dir, n_ctx=n_ctx, max_chunk=max_chunk, cache_dir=tmp_path)
+    m = cpullm.load(hybrid_dir, n_ctx=n_ctx, max_chunk=max_chunk, cache_dir=tmp_path, kv_dtype=kv_dtype)
     ex, a = m.executor, m.program.arrays
     rep = m.info()["memory"]
+    eb = 4 if kv_dtype == "f32" else 2                 # bytes per stored key / value element
+    assert m.info()["kv_dtype"] == rep["kv_dtype"] == m.info()["context_plan"]["kv_dtype"] == (kv_dtype or "f16")
     assert rep["weights_bytes"] == a["wq"].nbytes + a["ws"].nbytes + a["wf"].nbytes
     assert rep["program_bytes"] == a["I"].nbytes + a["F"].nbytes
     assert rep["arena_bytes"] == ex.arena.nbytes and rep["state_bytes"] == ex.state.nbytes
@@ -38,7 +40,7 @@ def test_memory_report_matches_the_arrays(hybrid_dir, tmp_path, max_chunk):
     cap = {"full": padded_cap(n_ctx), "window": padded_cap(min(n_ctx, WINDOW + max_chunk))}   # whole key tiles
     lin = 4 * state_size(HYBRID["lin_k_heads"], HYBRID["lin_k_dim"], HYBRID["lin_v_heads"],
                          HYBRID["lin_v_dim"], HYBRID["conv_kernel"])
-    expect = [2 * nkv * cap[k] * hd * 4 if k != "linear" else lin for k in kinds]
+    expect = [2 * nkv * cap[k] * hd * eb if k != "linear" else lin for k in kinds]
     assert [x["bytes"] for x in rep["layers"]] == expect
     assert [x["kind"] for x in rep["layers"]] == ["full_attention", "sliding_window",
                                                   "linear_attention", "sliding_window"]
@@ -52,7 +54,7 @@ def test_memory_report_matches_the_arrays(hybrid_dir, tmp_path, max_chunk):
     rep = m.info()["memory"]
     n = len(IDS) + 4                                   # the last sampled token is not run
     assert rep["n_past"] == ex.n_past == n
-    now = [2 * nkv * min(n, cap[k]) * hd * 4 if k != "linear" else lin for k in kinds]
+    now = [2 * nkv * min(n, cap[k]) * hd * eb if k != "linear" else lin for k in kinds]
     assert [x["bytes_now"] for x in rep["layers"]] == now
     assert rep["kv_bytes"] == sum(x for x, k in zip(now, kinds) if k != "linear")
     assert rep["total_bytes"] == (rep["weights_bytes"] + rep["program_bytes"] + rep["state_bytes"]

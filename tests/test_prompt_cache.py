@@ -20,7 +20,8 @@ N_GEN = 8
 
 # model kind -> (fixture name, load kwargs). max_chunk=8 gives the window-4 layers a ring of
 # 12 slots, so a 30-token prompt wraps it.
-KINDS = {"full": ("llama_dir", {}), "hybrid": ("hybrid_dir", {}),
+# "full" runs INT8's default float16 KV; "full_f32_kv" the same model with float32 KV.
+KINDS = {"full": ("llama_dir", {}), "full_f32_kv": ("llama_dir", {"kv_dtype": "f32"}), "hybrid": ("hybrid_dir", {}),
          "hybrid_wrapped_ring": ("hybrid_dir", {"max_chunk": 8})}
 
 
@@ -96,7 +97,7 @@ def test_extended_prompt_prefills_only_the_rest(kind, tmp_path):
     pc = tmp_path / "p.cache"
     make_cache(d, pc, PROMPT, **kw)
     # full attention restores every saved position; ring / linear state exists after n-1 tokens
-    expect = len(PROMPT) if name == "full" else len(PROMPT) - 1
+    expect = len(PROMPT) if name.startswith("full") else len(PROMPT) - 1
     m = check_same(d, pc, PROMPT + MORE, expect, **kw)
     m.save_prompt_cache()                         # the longer prompt replaces the saved one
     check_same(d, pc, PROMPT + MORE, len(PROMPT + MORE) - 1, **kw)
@@ -108,7 +109,7 @@ def test_diverging_prompt(kind, tmp_path):
     make_cache(d, pc, PROMPT, **kw)
     other = PROMPT[:12] + [(t + 1) % 256 for t in PROMPT[12:]]
     # full attention: any common prefix is exact; a linear-attention state only at its own point
-    expect = 12 if name == "full" else 0
+    expect = 12 if name.startswith("full") else 0
     m = check_same(d, pc, other, expect, **kw)
     if not expect:
         assert m.prompt_cache_status == "MISS (the prompt differs from the cached one at token 12)"

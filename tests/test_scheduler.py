@@ -50,10 +50,11 @@ def _run(model, prompts, slots=4, n_new=N_NEW, params=None):
     return [s.generated for s in seqs]
 
 
-@pytest.mark.parametrize("quant", ["int8", "f32"])
-def test_greedy_tokens_do_not_depend_on_the_batch(family_dir, quant):
+@pytest.mark.parametrize("quant,kv_dtype", [("int8", None), ("int8", "f32"), ("f32", None)])   # None: f16 / f32
+def test_greedy_tokens_do_not_depend_on_the_batch(family_dir, quant, kv_dtype):
     name, d = family_dir
-    m = cpullm.load(d, quant=quant, threads=2, n_ctx=128, max_chunk=16)
+    m = cpullm.load(d, quant=quant, threads=2, n_ctx=128, max_chunk=16, kv_dtype=kv_dtype)
+    assert m.kv_dtype == (kv_dtype or ("f16" if quant == "int8" else "f32"))
     prompts = _prompts()
     alone = [_run(m, [p])[0] for p in prompts]
     assert all(len(t) == N_NEW for t in alone)

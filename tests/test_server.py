@@ -51,7 +51,7 @@ def test_models_and_health(server, client):
     h = httpx.get(server.url + "/health").json()
     assert h["status"] == "ok" and h["model"] == MODEL and h["n_ctx"] == 512
     assert h["parallel"] >= 2 and h["kv_bytes_per_stream"] > 0      # 2 threads: 4 per thread, at most 8
-    assert h["kv_bytes_planned"] == h["parallel"] * h["kv_bytes_per_stream"]
+    assert h["kv_bytes_planned"] == h["parallel"] * h["kv_bytes_per_stream"] and h["kv_dtype"] == "f16"
     pc = h["prefix_cache"]
     assert pc["budget_bytes"] > 0 and 0 <= pc["bytes"] <= pc["budget_bytes"] and pc["block_tokens"] == 64
 

@@ -26,7 +26,7 @@ def format_report(r: dict) -> str:
     lines = [
         f"cpullm bench: {r['model']}",
         f"  {r['family']} ({r.get('model_type')}), {params}{r['quant']}, {r['threads']} thread(s), "
-        f"n_ctx {r['n_ctx']}",
+        f"n_ctx {r['n_ctx']}, KV cache {r.get('kv_dtype', 'f32')}",
         f"  prompt {r['prompt_tokens']} tokens, {r['gen_tokens']} decode steps, "
         f"medians of {r['repeat']} run(s)",
         "",
@@ -50,7 +50,7 @@ def format_report(r: dict) -> str:
         *([f"  numba could not cache (recompiled at every start): {', '.join(r['numba_uncacheable'])}"]
           if r.get("numba_uncacheable") else []),
         "",
-        f"  memory: weights {_mb(r['weights_bytes'])}, KV {_mb(r['kv_bytes'])} in use "
+        f"  memory: weights {_mb(r['weights_bytes'])}, KV ({r.get('kv_dtype', 'f32')}) {_mb(r['kv_bytes'])} in use "
         f"({_mb(r['kv_bytes_max'])} allocated), arena {_mb(r['arena_bytes'])}, "
         f"peak RSS {_mb(r['peak_rss_bytes'])}",
         *([f"  context plan (n_ctx {r['n_ctx']}): KV {_mb(p['kv_bytes_max'])} (full attention "

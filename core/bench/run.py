@@ -34,6 +34,7 @@ def run_bench(model, prompt_tokens: int = 512, gen_tokens: int = 128, repeat: in
         "quant": model.quant,
         "threads": model.threads,
         "n_ctx": model.n_ctx,
+        "kv_dtype": getattr(model, "kv_dtype", "f32"),
         "prompt_tokens": len(ids),
         "gen_tokens": gen_tokens,
         "repeat": repeat,
@@ -67,7 +68,8 @@ def run_bench(model, prompt_tokens: int = 512, gen_tokens: int = 128, repeat: in
                    "cold_start_s": None, "cold_start_compile_s": None})
     if load or compile:
         result.update(load_timings(model.model_dir, model.quant, model.threads, model.n_ctx,
-                                   ids[:8], load=load, compile=compile, progress=say))
+                                   ids[:8], load=load, compile=compile, progress=say,
+                                   kv_dtype=getattr(model, "kv_dtype", None)))
     result["runs"] = speed["runs"]
     return result
 

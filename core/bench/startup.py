@@ -27,7 +27,7 @@ import cpullm
 from cpullm.memory import peak_rss_bytes
 t0 = time.perf_counter()
 m = cpullm.load(spec["model"], quant=spec["quant"], threads=spec["threads"], n_ctx=spec["n_ctx"],
-                cache_dir=spec["cache_dir"])
+                cache_dir=spec["cache_dir"], kv_dtype=spec.get("kv_dtype"))
 load_s = time.perf_counter() - t0
 ex = m.executor
 first_token = []
@@ -73,7 +73,7 @@ _UNCACHEABLE = re.compile(r'Cannot cache compiled function "([^"]+)"')
 
 
 def load_timings(model_dir, quant: str, threads: int, n_ctx: int, probe_ids: list[int],
-                 load: bool = True, compile: bool = True, progress=None) -> dict:
+                 load: bool = True, compile: bool = True, progress=None, kv_dtype: str | None = None) -> dict:
     """MISS / HIT process-start-to-ready times and the cold numba compile time (see module doc)."""
     res: dict = {}
     if not (load or compile):
@@ -81,7 +81,7 @@ def load_timings(model_dir, quant: str, threads: int, n_ctx: int, probe_ids: lis
     tmp = Path(tempfile.mkdtemp(prefix="cpullm-bench-"))
     try:
         spec = {"model": str(model_dir), "quant": quant, "threads": threads, "n_ctx": n_ctx,
-                "cache_dir": str(tmp / "exec-cache"), "ids": list(probe_ids)}
+                "cache_dir": str(tmp / "exec-cache"), "ids": list(probe_ids), "kv_dtype": kv_dtype}
         say = progress or (lambda msg: None)
         say("load time, execution cache MISS (child process)")
         miss = _child_load(spec)

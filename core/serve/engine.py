@@ -154,7 +154,9 @@ class Engine:
         with self._lock:
             return {**self.counters, "queued": c["waiting"], "active": c["running"],
                     "parallel": self.parallel, "kv_bytes_per_stream": sch.slot_bytes,
-                    "kv_bytes_planned": sch.kv_bytes, "prefix_cache": self.core.prefix_stats()}
+                    "kv_bytes_planned": sch.kv_bytes,
+                    "kv_dtype": self.core.scheduler.ex.program.meta.get("kv_dtype", "f32"),
+                    "prefix_cache": self.core.prefix_stats()}
 
     @property
     def closed(self) -> bool:

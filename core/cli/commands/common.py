@@ -26,6 +26,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                         "whose quantized tensors run in their own block formats)")
     p.add_argument("--threads", type=positive_int, default=None, help="threads (default: physical cores)")
     p.add_argument("--ctx", type=positive_int, default=None, help="context length (default: min(4096, model max))")
+    p.add_argument("--cache-type", "--kv-dtype", dest="kv_dtype", choices=["f16", "f32"], default=None,
+                   help="KV cache format, as llama.cpp's --cache-type-k/-v (default: f16; f32 with --quant f32). "
+                        "f16 halves the KV bytes a decode step reads at long context")
     p.add_argument("--cache-dir", default=None, help="execution cache root (default ~/.cache/cpullm, or $CPULLM_CACHE_DIR)")
     p.add_argument("--no-cache", action="store_true", help="compile without reading or writing the execution cache")
     p.add_argument("--mlock", action="store_true", help="keep the weights resident in RAM")
@@ -55,7 +58,7 @@ def load_model(args):
             name = ensure_default_model(progress=progress)
     return cpullm.load(name, quant=args.quant, threads=args.threads, n_ctx=args.ctx,
                        cache_dir=args.cache_dir, use_cache=not args.no_cache, mlock=args.mlock,
-                       mmap=args.mmap)
+                       mmap=args.mmap, kv_dtype=getattr(args, "kv_dtype", None))
 
 
 def progress_printer(label: str):
