@@ -68,7 +68,8 @@ def _serial_rows(I, F, a, b, arena, wf, T):
 
 
 @njit(cache=True)
-def _per_sequence(I, F, a, b, arena, states, slots, rows0, nrows, positions, wf, nthreads, has_linear, decode):
+def _per_sequence(I, F, a, b, arena, states, slots, rows0, nrows, positions, wf, nthreads, has_linear, decode,
+                  kv16):
     """Instructions [a, b) (ROPE / ATTENTION / GATED_DELTA) for each sequence s: rows
     [rows0[s], rows0[s] + nrows[s]) of the arena, positions from positions[s], state
     states[slots[s]]. The operands' offsets are moved to the sequence's first row, so each kernel
@@ -84,7 +85,7 @@ def _per_sequence(I, F, a, b, arena, states, slots, rows0, nrows, positions, wf,
                                    I[r, P.ATTENTION_N_HEADS], I[r, P.ATTENTION_N_KV_HEADS], I[r, P.ATTENTION_HEAD_DIM],
                                    I[r, P.ATTENTION_CACHE_OFF], I[r, P.ATTENTION_CAP], F[r, P.F_ATTENTION_SCALE],
                                    F[r, P.F_ATTENTION_SOFTCAP], np.int64(F[r, P.F_ATTENTION_WINDOW]), nthreads,
-                                   I[r, P.ATTENTION_KV_FORMAT])
+                                   kv16)
             continue
         for s in range(slots.shape[0]):
             state = states[slots[s]]
@@ -102,7 +103,7 @@ def _per_sequence(I, F, a, b, arena, states, slots, rows0, nrows, positions, wf,
                           I[r, P.ATTENTION_OUT_OFF] + row0 * o_st, o_st, I[r, P.ATTENTION_N_HEADS],
                           I[r, P.ATTENTION_N_KV_HEADS], I[r, P.ATTENTION_HEAD_DIM], I[r, P.ATTENTION_CACHE_OFF],
                           I[r, P.ATTENTION_CAP], F[r, P.F_ATTENTION_SCALE], F[r, P.F_ATTENTION_SOFTCAP],
-                          np.int64(F[r, P.F_ATTENTION_WINDOW]), pos0, T, nthreads, I[r, P.ATTENTION_KV_FORMAT])
+                          np.int64(F[r, P.F_ATTENTION_WINDOW]), pos0, T, nthreads, kv16)
             elif op == P.OP_GATED_DELTA:
                 if has_linear:
                     qkv_st, z_st, b_st = I[r, P.GATED_DELTA_QKV_ST], I[r, P.GATED_DELTA_Z_ST], I[r, P.GATED_DELTA_B_ST]
@@ -144,7 +145,7 @@ def _linear_batch(I, r, arena, wq, ws, wf, xq, xs, T):
 
 @njit(cache=True)
 def _fused(I, F, a, b, arena, states, slots, rows0, nrows, positions, wq, ws, wf, xq, xs, T, nthreads,
-           has_linear, decode):
+           has_linear, decode, kv16):
     """Instructions [a, b) of a batch in one compiled call: LINEARs (q8 / f32), SERIAL_ROW_OPS and
     PER_SEQUENCE_OPS, as the separate segments run them (no Python between ops)."""
     for r in range(a, b):
@@ -153,7 +154,7 @@ def _fused(I, F, a, b, arena, states, slots, rows0, nrows, positions, wq, ws, wf
             _linear_batch(I, r, arena, wq, ws, wf, xq, xs, T)
         elif op == P.OP_ROPE or op == P.OP_ATTENTION or op == P.OP_GATED_DELTA:
             _per_sequence(I, F, r, r + 1, arena, states, slots, rows0, nrows, positions, wf, nthreads, has_linear,
-                          decode)
+                          decode, kv16)
         else:
             _serial_rows(I, F, r, r + 1, arena, wf, T)
 
@@ -272,14 +273,14 @@ class BatchDecoder:
                       ex.xq, ex.xs, *ex.optional_operands())
             elif kind == "fused":
                 _fused(ex.I, ex.F, seg[1], seg[2], ex.arena, states, *seqs, ex.wq, ex.ws, ex.wf, self.xq, self.xs,
-                       np.int64(T), numba.get_num_threads(), self.has_linear, True)
+                       np.int64(T), numba.get_num_threads(), self.has_linear, True, ex.kv16)
             elif kind == "serial":
                 _serial_rows(ex.I, ex.F, seg[1], seg[2], ex.arena, ex.wf, np.int64(T))
             elif kind == "linear":
                 self._linear(seg[1], T)
             elif kind == "seq":
                 _per_sequence(ex.I, ex.F, seg[1], seg[2], ex.arena, states, *seqs, ex.wf,
-                              numba.get_num_threads(), self.has_linear, True)
+                              numba.get_num_threads(), self.has_linear, True, ex.kv16)
             elif kind == "external":
                 self._external(seg[1], states, seqs)
             else:

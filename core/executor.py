@@ -16,6 +16,7 @@ import numpy as np
 from .compiler import Program
 from .errors import ContextOverflowError, PromptError
 from .kernels import interpreter as K
+from .kernels.attention import KV_F16, KV_F32, kv_operand
 from .kernels.warmup import run_flags
 from .head_screen import HeadScreen
 from .kernels import program_table as P
@@ -68,6 +69,7 @@ class Executor:
         self.wb_embed = wb if flags["embed_blocks"] else None      # an EMBED table of raw blocks
         self.wf_layernorm = self.wf if flags["layernorm"] else None
         self.linear_state = self.state if flags["linear_state"] else None   # GATED_DELTA's state
+        self.kv16 = kv_operand(KV_F16 if flags["kv16"] else KV_F32)         # the KV caches' format
         self._decode_segments = self._segments(0, self.n_instr, batched=False)
         self._body_segments = self._segments(0, self.first_head, batched=True)
         self._head_segments = self._segments(self.first_head, self.n_instr, batched=True)
@@ -139,8 +141,8 @@ class Executor:
               self.wq, self.ws, self.wf, self.xq, self.xs, *self.optional_operands())
 
     def optional_operands(self) -> tuple:
-        """run()'s last arguments: linear_state, wb, wb_embed, wf_layernorm (None where unused)."""
-        return self.linear_state, self.wb, self.wb_embed, self.wf_layernorm
+        """run()'s last arguments: linear_state, wb, wb_embed, wf_layernorm (None where unused), kv16."""
+        return self.linear_state, self.wb, self.wb_embed, self.wf_layernorm, self.kv16
 
     def _rows(self, r: int) -> int:
         return int(self.rt[0] if self.I[r, P.COL_SECTION] == P.SECTION_BODY else self.rt[3])

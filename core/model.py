@@ -107,7 +107,7 @@ class Model:
         kernel_fns = {k: v.fn for k, v in kernels.items()}
         # kernels this graph needs, compiled while the weights load (kernels/warmup.py)
         flags = BlockPlan(graph, weights, quant).warmup_flags(graph) if quant in BLOCK_QUANTS else {}
-        warm = warmup_for_graph(graph, quant, specs, **flags)
+        warm = warmup_for_graph(graph, quant, specs, kv16=kv_dtype == "f16", **flags)
         try:
             tokenizer = gguf_tokenizer() if gguf_tokenizer else Tokenizer(model_dir)
 

@@ -55,7 +55,15 @@ _VI16 = ir.VectorType(_I16, TILE)
 _VI32 = ir.VectorType(_I32, TILE)
 
 KV_F32, KV_F16 = 0, 1
-"""KV storage formats (the ``kv16`` argument of the kernels; cpullm.kvformat names them)."""
+"""KV storage formats as the instruction table codes them (cpullm.kvformat names them)."""
+
+
+def kv_operand(code: int):
+    """The kernels' ``kv16`` operand for a KV format code: None for float32 caches, an int64 for
+    float16 ones. Its type, not its value, selects the format: numba compiles one specialization
+    per type and prunes the ``kv16 is None`` branches, so a cold start compiles only the format
+    the program uses (both in one function: attention's compile 16 -> 28 s on a 2-core Zen 4)."""
+    return np.int64(1) if int(code) == KV_F16 else None
 
 WIDEN_F16C, WIDEN_GENERIC = 1, 2
 """How the kernels widen float16 to float32: LLVM's ``fpext`` (vcvtph2ps on F16C / AVX-512
@@ -573,9 +581,11 @@ def kv_write_h(values, out):
 @njit(cache=True, nogil=True)
 def kv_write(arena, state, k_off, k_st, v_off, v_st, n_kv, head_dim, c_off, cap, pos0, T, kv16):
     """Copy the T new key/value rows into their cache slots (keys into their tile lane). With
-    ``kv16`` the region at float offset c_off holds float16 elements (from element 2 * c_off),
+    ``kv16`` not None (:func:`kv_operand`) the region at float offset c_off holds float16 elements (from element 2 * c_off),
     each rounded to nearest even (:func:`f16_bits`)."""
-    base = 2 * c_off if kv16 else c_off
+    base = c_off
+    if kv16 is not None:
+        base = 2 * c_off
     v_base = base + n_kv * cap * head_dim
     for t in range(T):
         slot = (pos0 + t) % cap
@@ -585,7 +595,7 @@ def kv_write(arena, state, k_off, k_st, v_off, v_st, n_kv, head_dim, c_off, cap,
             vdst = v_base + h * cap * head_dim + slot * head_dim
             src_k = k_off + t * k_st + h * head_dim
             src_v = v_off + t * v_st + h * head_dim
-            if kv16:
+            if kv16 is not None:
                 for d in range(head_dim):
                     _store_h(state, kdst + d * TILE, f16_bits(arena[src_k + d]))
                 for d in range(head_dim):
@@ -640,8 +650,8 @@ def _softmax_rows(scores, nq, c0, c1, softcap, mx, tot):
 @njit(cache=True, inline="always")
 def _scores(stream, kv16, q, nq, hd, kt, t_off, out, o_off, o_st):
     """_scores_tiles (q from offset 0), with the key-stream prefetch when ``stream``; over float16
-    keys when ``kv16``."""
-    if kv16:
+    keys when ``kv16`` is not None."""
+    if kv16 is not None:
         if stream:
             _scores_tiles_stream_h(q, 0, nq, hd, kt, t_off, out, o_off, o_st)
         else:
@@ -655,8 +665,8 @@ def _scores(stream, kv16, q, nq, hd, kt, t_off, out, o_off, o_st):
 @njit(cache=True, inline="always")
 def _pv(stream, kv16, s, s_off, s_st, nq, v, v_off, n, acc, hd):
     """_pv_rows over n consecutive value rows (row stride hd), with the prefetch when ``stream``;
-    over float16 values when ``kv16``."""
-    if kv16:
+    over float16 values when ``kv16`` is not None."""
+    if kv16 is not None:
         if stream:
             _pv_rows_stream_h(s, s_off, s_st, nq, v, v_off, hd, n, acc, hd)
         else:
@@ -671,7 +681,7 @@ def _pv(stream, kv16, s, s_off, s_st, nq, v, v_off, n, acc, hd):
 def _attend_part(arena, state, q0, nq, hd, k_base, v_base, cap, lo, p, scale, softcap, qbuf, scores, acc, mx, tot,
                  stream, kv16):
     """Query heads q0 .. q0 + nq - 1 (arena offsets q0 + j*hd) of one KV head (keys at k_base,
-    values at v_base in ``state``, counted in float16 elements when ``kv16``) over cached
+    values at v_base in ``state``, counted in float16 elements when ``kv16`` is not None) over cached
     positions [lo, p] (p >= lo): acc[j*hd:] the
     unnormalized sum of exp(s - mx[j]) * value rows, tot[j] the sum of the exponentials.
 
@@ -712,7 +722,7 @@ def _attend_part(arena, state, q0, nq, hd, k_base, v_base, cap, lo, p, scale, so
             for j in range(nq):
                 w = s2[j, c0 + i]
                 aj = acc[j * hd: j * hd + hd]
-                if kv16:
+                if kv16 is not None:
                     for d in range(hd):
                         aj[d] += w * _load_h(state, r0 + d)
                 else:
@@ -797,8 +807,8 @@ pair's keys so that every thread gets the same number of equal jobs."""
 def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
               n_heads, n_kv, head_dim, c_off, cap, scale, softcap, window, pos0, T, nthreads, kv16):
     """Write the new K/V rows, then attend: one job per (query row, KV head, range of its keys).
-    ``kv16``: the cache region holds float16 keys and values (KV_F16), widened to float32 as
-    they are loaded; softmax and sums stay float32.
+    ``kv16`` (:func:`kv_operand`): None for a float32 cache; not None, the cache region holds
+    float16 keys and values, widened to float32 as they are loaded; softmax and sums stay float32.
 
     All query heads sharing a KV head are one job, so each cached key tile and value row is
     loaded once per job. Prefill has a job per (row, KV head); with fewer (row, KV head) pairs
@@ -814,7 +824,9 @@ def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
     kv_write(arena, state, k_off, k_st, v_off, v_st, n_kv, head_dim, c_off, cap, pos0, T, kv16)
     group = n_heads // n_kv
     size = n_kv * cap * head_dim
-    base = 2 * c_off if kv16 else c_off             # in elements of the cache's format
+    base = c_off                                    # in elements of the cache's format
+    if kv16 is not None:
+        base = 2 * c_off
     span = pos0 + T if window <= 0 else min(pos0 + T, window)
     pairs = T * n_kv
     splits = key_splits(pairs, nthreads, pos0)

@@ -21,11 +21,13 @@ from .attention import (MAX_CHUNKS, STREAM_ROWS, TILE, _attend_part, _combine_pa
 @njit(cache=True, parallel=True, fastmath=True, error_model="numpy")
 def attention_decode_batch(arena, states, slots, positions, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
                            n_heads, n_kv, head_dim, c_off, cap, scale, softcap, window, nthreads, kv16):
-    """``kv16``: the caches hold float16 keys and values (as attention())."""
+    """``kv16``: None for float32 caches, an int64 for float16 ones (as attention(); kv_operand)."""
     B = slots.shape[0]
     group = n_heads // n_kv
     size = n_kv * cap * head_dim
-    base = 2 * c_off if kv16 else c_off
+    base = c_off
+    if kv16 is not None:
+        base = 2 * c_off
     hd = head_dim
     splits = np.ones(B, np.int64)
     first_job = np.zeros(B + 1, np.int64)

@@ -133,7 +133,8 @@ def _embed_blocks(I, r, arena, wb, tokens, scale, T):
 
 
 @njit(cache=True)
-def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_state, wb, wb_embed, wf_layernorm):
+def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_state, wb, wb_embed, wf_layernorm,
+        kv16):
     """Execute instructions [start, end) with runtime values ``rt`` = [T, pos0, head_row0,
     head_rows, threads] (threads: numba's thread count for this call, which attention splits
     its work by).
@@ -145,7 +146,9 @@ def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_s
     weights, ``wb_embed`` the same for one whose EMBED table is raw blocks, ``wf_layernorm`` is
     ``wf`` for one with LAYERNORM: each None otherwise, and the same pruning keeps the block
     kernels out of an int8 program's compile, the block dequantizer (2 s of a cold start) out of a
-    GGUF whose table is Q8_0, the layer norm out of an RMSNorm model's."""
+    GGUF whose table is Q8_0, the layer norm out of an RMSNorm model's. ``kv16`` is the attention
+    kernels' KV format operand (:func:`cpullm.kernels.attention.kv_operand`: None for float32
+    caches), so only the program's own format is compiled."""
     T_body, pos0, head_row0, head_rows, nthreads = rt[0], rt[1], rt[2], rt[3], rt[4]
     row0 = np.int64(0)     # not the literal 0: the row kernels keep one (int64) specialization
     for r in range(start, end):
@@ -192,7 +195,7 @@ def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_s
                       I[r, P.ATTENTION_OUT_OFF], I[r, P.ATTENTION_OUT_ST], I[r, P.ATTENTION_N_HEADS],
                       I[r, P.ATTENTION_N_KV_HEADS], I[r, P.ATTENTION_HEAD_DIM], I[r, P.ATTENTION_CACHE_OFF],
                       I[r, P.ATTENTION_CAP], F[r, P.F_ATTENTION_SCALE], F[r, P.F_ATTENTION_SOFTCAP],
-                      np.int64(F[r, P.F_ATTENTION_WINDOW]), pos0, T, nthreads, I[r, P.ATTENTION_KV_FORMAT])
+                      np.int64(F[r, P.F_ATTENTION_WINDOW]), pos0, T, nthreads, kv16)
         elif op == OP_GLU:
             g_off, g_st, u_off, u_st = I[r, P.GLU_GATE_OFF], I[r, P.GLU_GATE_ST], I[r, P.GLU_UP_OFF], I[r, P.GLU_UP_ST]
             o_off, o_st, width, act = I[r, P.GLU_OUT_OFF], I[r, P.GLU_OUT_ST], I[r, P.GLU_WIDTH], I[r, P.GLU_ACT]

@@ -99,23 +99,26 @@ WB = _arr(nt.uint8, readonly=True)       # wq's bytes, for raw-block (GGUF forma
 BLOCK_QUANTS = ("q4", "gguf")             # quant modes whose programs hold raw-block weights
 
 
-RUN_FLAGS = ("linear_state", "blocks", "embed_blocks", "layernorm")
+RUN_FLAGS = ("linear_state", "blocks", "embed_blocks", "layernorm", "kv16")
 """interpreter.run's optional operands, in its argument order: each an array for a program with
 the instructions that read it (GATED_DELTA run by the interpreter; a LINEAR over raw ggml blocks;
 an EMBED table of raw blocks; LAYERNORM), None otherwise, and numba compiles one specialization
-of run per combination, without the kernels of the None ones."""
+of run per combination, without the kernels of the None ones. ``kv16``: an int64 for a program
+whose KV caches are float16 (attention.kv_operand), None for float32 ones."""
 
 
 def run_flags(I) -> dict:
     """Which of RUN_FLAGS a compiled program's instruction table ``I`` needs (the executor passes
     the operands accordingly)."""
     import numpy as np
+    from .attention import KV_F16
     mine = I[:, P.COL_IMPL] == P.IMPL_INTERPRETER
     op = I[:, P.COL_OP]
     return {"linear_state": bool(np.any(mine & (op == P.OP_GATED_DELTA))),
             "blocks": bool(np.any(mine & (op == P.OP_LINEAR) & (I[:, P.LINEAR_KIND] == P.WEIGHT_BLOCKS))),
             "embed_blocks": bool(np.any(mine & (op == P.OP_EMBED) & (I[:, P.EMBED_KIND] == P.WEIGHT_BLOCKS))),
-            "layernorm": bool(np.any(mine & (op == P.OP_LAYERNORM)))}
+            "layernorm": bool(np.any(mine & (op == P.OP_LAYERNORM))),
+            "kv16": bool(np.any((op == P.OP_ATTENTION) & (I[:, P.ATTENTION_KV_FORMAT] == KV_F16)))}
 
 
 def run_unit(flags: dict) -> str:
@@ -125,7 +128,7 @@ def run_unit(flags: dict) -> str:
 
 def run_signature(flags: dict) -> tuple:
     """The signature of interpreter.run as the executor calls it with these RUN_FLAGS."""
-    optional = {"linear_state": ARENA, "blocks": WB, "embed_blocks": WB, "layernorm": WF}
+    optional = {"linear_state": ARENA, "blocks": WB, "embed_blocks": WB, "layernorm": WF, "kv16": i64}
     return (PROG_I, PROG_F, i64, i64, INTS, INTS, ARENA, ARENA, WQ, WS, WF, XQ, ARENA,
             *(optional[f] if flags.get(f) else nt.none for f in RUN_FLAGS))
 
@@ -145,7 +148,8 @@ def _kernels(unit: str) -> list:
                       (norm.layernorm_par, (ARENA, *[i64] * 6, WF, i64, i64, f64, i64))],
         "rope": [(rope.rope_rows, (ARENA, *[i64] * 7, WF, i64, f64, i64, i64, i64)),
                  (rope.rope_par, (ARENA, *[i64] * 7, WF, i64, f64, i64, i64))],
-        "attention": [(attention.attention, (ARENA, ARENA, *[i64] * 13, f64, f64, i64, i64, i64, i64, i64))],
+        "attention": [(attention.attention, (ARENA, ARENA, *[i64] * 13, f64, f64, i64, i64, i64, i64, nt.none))],
+        "attention_f16": [(attention.attention, (ARENA, ARENA, *[i64] * 13, f64, f64, i64, i64, i64, i64, i64))],
         "glu": [(elementwise.glu_rows, (ARENA, *[i64] * 10)), (elementwise.glu_par, (ARENA, *[i64] * 9))],
         "binary": [(elementwise.binary_rows, (ARENA, *[i64] * 10)), (elementwise.binary_par, (ARENA, *[i64] * 9))],
         "unary": [(elementwise.unary_rows, (ARENA, *[i64] * 6, f64, i64, i64))],
@@ -184,7 +188,8 @@ UNITS = {
     "norm": (None, 0.9, "norm", True),
     "layernorm": (("LAYERNORM",), 1.8, "norm", True),
     "rope": (None, 1.3, "rope", True),
-    "attention": (None, 11.6, "attention", True),
+    "attention": (None, 11.6, "attention", True),         # float32 KV caches
+    "attention_f16": (None, 11.6, "attention", True),     # float16 KV caches
     "glu": (None, 0.9, "glu", True),
     "binary": (None, 0.8, "binary", True),
     "unary": (None, 0.3, "unary", True),
@@ -205,11 +210,12 @@ it compiles: the split gives the child that much more."""
 
 
 def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True, blocks: bool | None = None,
-              embed_blocks: bool | None = None) -> list[str]:
+              embed_blocks: bool | None = None, kv16: bool = False) -> list[str]:
     """The units a graph with these op names needs, ``run`` last. ``linear_state``: it has
     GATED_DELTA ops the interpreter runs, not a plugin kernel; ``q8_prefill``: a body LINEAR of a
     GGUF run as it is has q8 weights (Q8_0), so prefill needs the q8 GEMM; ``blocks`` /
-    ``embed_blocks``: a LINEAR / the EMBED reads raw ggml blocks (default: quant is a block mode)."""
+    ``embed_blocks``: a LINEAR / the EMBED reads raw ggml blocks (default: quant is a block mode);
+    ``kv16``: the KV caches are float16 (only that attention specialization is compiled)."""
     from .q8_gemm import GEMM_ISA
     ops = set(op_names)
     if blocks is None:
@@ -226,10 +232,12 @@ def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True,
             continue
         if unit == "embed_blocks" and not embed_blocks:
             continue
+        if unit == ("attention" if kv16 else "attention_f16"):
+            continue
         if needs is None or ops & set(needs):
             out.append(unit)
     out.append(run_unit({"linear_state": linear_state, "blocks": blocks, "embed_blocks": embed_blocks,
-                         "layernorm": "LAYERNORM" in ops}))
+                         "layernorm": "LAYERNORM" in ops, "kv16": kv16}))
     return out
 
 
@@ -479,7 +487,7 @@ class Warmup:
 
 
 def warmup_for_graph(graph, quant: str, kernels=(), q8_prefill: bool = True, blocks: bool | None = None,
-                     embed_blocks: bool | None = None) -> Warmup:
+                     embed_blocks: bool | None = None, kv16: bool = False) -> Warmup:
     """A started :class:`Warmup` for the units ``graph`` needs (``kernels``: plugin KernelSpecs,
     whose ops the interpreter does not run; the rest: see :func:`units_for`)."""
     ops, linear_state = set(), False
@@ -487,7 +495,8 @@ def warmup_for_graph(graph, quant: str, kernels=(), q8_prefill: bool = True, blo
         ops.add(n.op.name)
         if n.op.name == "GATED_DELTA" and not any(int(k.op) == int(n.op) and k.supports(n) for k in kernels):
             linear_state = True
-    return Warmup(units_for(ops, quant, linear_state, q8_prefill, blocks, embed_blocks)).start()
+    kv16 = kv16 and "ATTENTION" in ops          # as run_flags reads it off the compiled program
+    return Warmup(units_for(ops, quant, linear_state, q8_prefill, blocks, embed_blocks, kv16)).start()
 
 
 __all__ = ["Warmup", "compile_seconds", "compile_unit", "is_cached", "units_for", "split",

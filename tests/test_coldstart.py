@@ -34,6 +34,10 @@ def test_units_follow_the_graph_ops():
     gguf = warmup.units_for(LLAMA_OPS, "gguf", False, q8_prefill=False, blocks=True, embed_blocks=False)
     assert gguf[-1] == "run+blocks" and "embed_blocks" not in gguf and "gemm" not in gguf
     assert "gemm" not in warmup.units_for(LLAMA_OPS, "f32", linear_state=False)   # f32 prefill: sgemm
+    # the KV format: only its own attention specialization (float32 caches: kv16 None)
+    assert "attention" in units and "attention_f16" not in units
+    f16 = warmup.units_for(LLAMA_OPS, "gguf", False, q8_prefill=False, blocks=True, embed_blocks=False, kv16=True)
+    assert "attention_f16" in f16 and "attention" not in f16 and f16[-1] == "run+blocks+kv16"
 
 
 def test_split_gives_each_unit_to_one_process_and_keeps_groups_together():

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from cpullm.kernels.attention import KV_F16, KV_F32, attention, padded_cap
+from cpullm.kernels.attention import KV_F16, KV_F32, attention, kv_operand, padded_cap
 from cpullm.kernels.attention_batch import attention_decode_batch
 
 
@@ -30,8 +30,9 @@ def test_batch_rows_equal_one_sequence_decodes(n_heads, n_kv, hd, window, softca
     for s in range(B):
         st = ref_states[slots[s]]
         attention(ref_arena, st, q_off + s * q_st, q_st, k_off + s * kv_st, kv_st, v_off + s * kv_st, kv_st,
-                  o_off + s * q_st, q_st, n_heads, n_kv, hd, 0, cap, 0.125, softcap, window, positions[s], 1, 2, kv16)
+                  o_off + s * q_st, q_st, n_heads, n_kv, hd, 0, cap, 0.125, softcap, window, positions[s], 1, 2,
+                  kv_operand(kv16))
     attention_decode_batch(arena, states, slots, positions, q_off, q_st, k_off, kv_st, v_off, kv_st, o_off, q_st,
-                           n_heads, n_kv, hd, 0, cap, 0.125, softcap, window, 2, kv16)
+                           n_heads, n_kv, hd, 0, cap, 0.125, softcap, window, 2, kv_operand(kv16))
     np.testing.assert_array_equal(arena, ref_arena)
     np.testing.assert_array_equal(states, ref_states)

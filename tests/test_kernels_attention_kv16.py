@@ -82,7 +82,7 @@ def _run(chunks, nh, nkv, hd, window, softcap, nthreads, kv16, seed=0):
     for T in chunks:
         arena, (qo, ko, vo), end = _arena_with(q[pos:pos + T], k[pos:pos + T], v[pos:pos + T], extra=T * nh * hd)
         A.attention(arena, state, qo, nh * hd + 3, ko, nkv * hd + 3, vo, nkv * hd + 3, end, nh * hd,
-                    nh, nkv, hd, c_off, cap, 0.3, softcap, window, pos, T, nthreads, kv16)
+                    nh, nkv, hd, c_off, cap, 0.3, softcap, window, pos, T, nthreads, A.kv_operand(kv16))
         outs.append(arena[end: end + T * nh * hd].reshape(T, nh * hd).copy())
         pos += T
     assert (state[:c_off] == np.float32(1e30)).all() and (state[c_off + floats:] == np.float32(1e30)).all()

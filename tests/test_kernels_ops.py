@@ -136,7 +136,7 @@ def test_attention_prefill_then_decode(window, softcap, chunks, hd, nh, nkv, nth
     for T in chunks:
         arena, (qo, ko, vo), end = _arena_with(q[pos:pos + T], k[pos:pos + T], v[pos:pos + T], extra=T * nh * hd)
         A.attention(arena, state, qo, nh * hd + 3, ko, nkv * hd + 3, vo, nkv * hd + 3, end, nh * hd,
-                    nh, nkv, hd, 0, cap, 0.3, softcap, window, pos, T, nthreads, A.KV_F32)
+                    nh, nkv, hd, 0, cap, 0.3, softcap, window, pos, T, nthreads, A.kv_operand(A.KV_F32))
         outs.append(arena[end: end + T * nh * hd].reshape(T, nh * hd).copy())
         pos += T
     np.testing.assert_allclose(np.concatenate(outs), ref, rtol=1e-4, atol=1e-5)
@@ -149,7 +149,7 @@ def test_kv_cache_layout():
     v = rng.standard_normal((T, nkv * hd)).astype(np.float32)
     arena, (ko, vo), _ = _arena_with(k, v)
     state = np.zeros(2 * nkv * cap * hd, np.float32)
-    A.kv_write(arena, state, ko, nkv * hd + 3, vo, nkv * hd + 3, nkv, hd, 0, cap, pos0, T, A.KV_F32)
+    A.kv_write(arena, state, ko, nkv * hd + 3, vo, nkv * hd + 3, nkv, hd, 0, cap, pos0, T, A.kv_operand(A.KV_F32))
     kt, vc = A.kv_views(state, nkv, cap, hd)
     for t in range(T):
         slot = pos0 + t
