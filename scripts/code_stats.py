@@ -22,7 +22,7 @@ COUNTED = ["core", "core/bench", "core/cli", "core/convert", "core/serve", "kern
 
 # Lowest first. A module's layer is the first entry naming it or a package above it.
 LAYERS = [
-    ("foundation", ["errors", "limits", "notices", "hookspecs", "filearrays"]),
+    ("foundation", ["errors", "limits", "notices", "hookspecs", "filearrays", "kvformat"]),
     ("kernels", ["kernels"]),          # numba kernels: import nothing of cpullm outside their package
     ("registry", ["family", "plugins", "weightmap", "tensors", "gguf_file", "gguf_vocab", "gguf_model",
                   "locations", "tokenize"]),
