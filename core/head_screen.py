@@ -139,33 +139,24 @@ class HeadScreen:
         nb = Kp // 32
         self.segments = ex._segments(0, self.row, batched=False)
         self.blocks = lin.kind == P.WEIGHT_BLOCKS
+        screen = (
+            ex.arena[x_off: x_off + Kd],                                    # x: the lm_head's input row
+            np.asarray(sc["perm"], np.int64), int(sc["k_sel"]) // 32,
+            ex.wq[sc["q_off"]: sc["q_off"] + N * sc["q_cols"]].reshape(N, sc["q_cols"]),
+            ex.ws[sc["s_off"]: sc["s_off"] + N * sc["s_cols"]].reshape(N, sc["s_cols"]),
+            ex.wf[sc["b_off"]: sc["b_off"] + 3 * N].reshape(N, 3),
+        )
+        results = (np.zeros(N, np.float32), np.zeros(N, np.int64), np.zeros(N, np.float32))
+        permuted = (np.zeros(Kp, np.int16), np.zeros(padded_blocks(Kp), np.float32))  # permuted activations
         if self.blocks:                                                     # raw ggml blocks (q4's Q6_K)
             rb = _row_bytes(lin)
-            self.args = (
-                ex.arena[x_off: x_off + Kd],
-                np.asarray(sc["perm"], np.int64), int(sc["k_sel"]) // 32,
-                ex.wq[sc["q_off"]: sc["q_off"] + N * sc["q_cols"]].reshape(N, sc["q_cols"]),
-                ex.ws[sc["s_off"]: sc["s_off"] + N * sc["s_cols"]].reshape(N, sc["s_cols"]),
-                ex.wf[sc["b_off"]: sc["b_off"] + 3 * N].reshape(N, 3),
-                ex.wq.view(np.uint8)[w_off: w_off + N * rb].reshape(N, rb), s_off,
-                np.zeros(Kp, np.int8), np.zeros(nb, np.float32), np.zeros(Kp // 16, np.float32),  # exact activations
-                np.zeros(Kp, np.int16), np.zeros(padded_blocks(Kp), np.float32),   # permuted activations
-                np.zeros(Kp, np.float32),
-                np.zeros(N, np.float32), np.zeros(N, np.int64), np.zeros(N, np.float32),
-            )
+            exact = (ex.wq.view(np.uint8)[w_off: w_off + N * rb].reshape(N, rb), s_off,
+                     np.zeros(Kp, np.int8), np.zeros(nb, np.float32), np.zeros(Kp // 16, np.float32))
+            self.args = screen + exact + permuted + (np.zeros(Kp, np.float32),) + results
         else:
-            self.args = (
-                ex.arena[x_off: x_off + Kd],                                    # x: the lm_head's input row
-                np.asarray(sc["perm"], np.int64), int(sc["k_sel"]) // 32,
-                ex.wq[sc["q_off"]: sc["q_off"] + N * sc["q_cols"]].reshape(N, sc["q_cols"]),
-                ex.ws[sc["s_off"]: sc["s_off"] + N * sc["s_cols"]].reshape(N, sc["s_cols"]),
-                ex.wf[sc["b_off"]: sc["b_off"] + 3 * N].reshape(N, 3),
-                ex.wq[w_off: w_off + N * Kp].reshape(N, Kp), ex.ws[s_off: s_off + N * nb].reshape(N, nb),
-                np.zeros(Kp, np.int16), np.zeros(nb, np.float32),                  # exact activations
-                np.zeros(Kp, np.int16), np.zeros(padded_blocks(Kp), np.float32),   # permuted activations
-                np.zeros(Kp, np.float32), np.zeros(Kp, np.float32),
-                np.zeros(N, np.float32), np.zeros(N, np.int64), np.zeros(N, np.float32),
-            )
+            exact = (ex.wq[w_off: w_off + N * Kp].reshape(N, Kp), ex.ws[s_off: s_off + N * nb].reshape(N, nb),
+                     np.zeros(Kp, np.int16), np.zeros(nb, np.float32))
+            self.args = screen + exact + permuted + (np.zeros(Kp, np.float32), np.zeros(Kp, np.float32)) + results
         self.rows, self.steps = N, 0
         self.t_screen: deque = deque(maxlen=self.WINDOW)     # the head's last times per step
         self.t_plain: deque = deque(maxlen=self.WINDOW)
