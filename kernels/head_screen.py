@@ -512,6 +512,29 @@ def _rest_activations(p_q, k_sel):
 
 
 @njit(cache=True)
+def _permuted_activations(xp, p_q, p_s, sel_blocks):
+    """What the compact rows read of the permuted activations xp (Kp,): p_q/p_s int16 blocks for
+    the first sel_blocks (int8 blocks of the screen), int8 values for the rest (4-bit blocks), with
+    their packed form (x8, corr); and, in float64, |xp_sel|^2, |xp_rest|^2 and delta = |xp - p|
+    (the re-quantization error the bound adds). Shared by the q8 and raw-block screens."""
+    Kp = xp.size
+    k_sel = sel_blocks * QBLOCK
+    quantize_act_q16(xp[:k_sel], p_q[:k_sel], p_s[:sel_blocks])            # int16 for the int8 blocks,
+    _quantize_row(xp[k_sel:], p_q[k_sel:], p_s[sel_blocks:Kp // QBLOCK], 127)   # int8 for the 4-bit ones
+    x8, corr = _rest_activations(p_q, k_sel)
+    s_sel, s_rest, s_d = 0.0, 0.0, 0.0
+    for k in range(Kp):
+        v = np.float64(xp[k])
+        if k < k_sel:
+            s_sel += v * v
+        else:
+            s_rest += v * v
+        d = v - np.float64(np.float32(p_q[k]) * p_s[k // QBLOCK])
+        s_d += d * d
+    return x8, corr, s_sel, s_rest, np.sqrt(s_d)
+
+
+@njit(cache=True)
 def screen_dots(hq, hs, p_q, p_s, sel_blocks, out):
     """out[n] = the compact dot product of row n with permuted activations (p_q int16 (Kp,): the
     first sel_blocks blocks int16, the rest within +-127; p_s), as the bounds pass computes it
@@ -604,20 +627,8 @@ def screen_argmax(x, perm, sel_blocks, hq, hs, hb, w_q, w_s, x_q, x_s, p_q, p_s,
         xd[k] = np.float32(x_q[k]) * x_s[k // QBLOCK]
     for k in range(Kp):
         xp[k] = xd[perm[k]]
-    k_sel = sel_blocks * QBLOCK                         # what the compact rows read:
-    quantize_act_q16(xp[:k_sel], p_q[:k_sel], p_s[:sel_blocks])            # int16 for the int8 blocks,
-    _quantize_row(xp[k_sel:], p_q[k_sel:], p_s[sel_blocks:Kp // QBLOCK], 127)   # int8 for the 4-bit ones
-    x8, corr = _rest_activations(p_q, k_sel)
-    s_sel, s_rest, s_d = 0.0, 0.0, 0.0
-    for k in range(Kp):
-        v = np.float64(xp[k])
-        if k < k_sel:
-            s_sel += v * v
-        else:
-            s_rest += v * v
-        d = v - np.float64(np.float32(p_q[k]) * p_s[k // QBLOCK])
-        s_d += d * d
-    extra = np.sqrt(s_d) + _rounding_term(Kp) * np.sqrt(s_sel + s_rest)
+    x8, corr, s_sel, s_rest, delta = _permuted_activations(xp, p_q, p_s, sel_blocks)   # what the compact rows read
+    extra = delta + _rounding_term(Kp) * np.sqrt(s_sel + s_rest)
     _bounds_pass(hq, hs, hb, p_q, x8, corr, p_s, sel_blocks, np.float32(np.sqrt(s_sel)), np.float32(np.sqrt(s_rest)),
                  np.float32(extra), upper, lower_max, nthreads)
     lower = lower_max[0]

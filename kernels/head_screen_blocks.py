@@ -80,10 +80,10 @@ import numpy as np
 from numba import njit, prange
 
 from .gguf_blocks import block_format, dequantize_parts_ref
-from .head_screen import (_ROUNDING_MARGIN, ROW_PREFETCH, _bounds_pass, _prefetch_row, _rest_activations,
+from .head_screen import (_ROUNDING_MARGIN, ROW_PREFETCH, _bounds_pass, _permuted_activations, _prefetch_row,
                           _rounding_term, build_screen_rows, screen_activations_ref, screen_dots_ref)
 from .kquant import BEST_ISA, _kq_row_dot, quantize_act_q8, quantize_act_q8_ref
-from .q8 import QBLOCK, _quantize_row, quantize_act_q16
+from .q8 import QBLOCK
 
 _ISA = BEST_ISA
 """The ISA of kquant.matvec's row routine (``kquant.matvec`` is ``MATVECS[BEST_ISA]``)."""
@@ -244,20 +244,7 @@ def screen_argmax_blocks(x, perm, sel_blocks, hq, hs, hb, w, fmt, x_q, x_s, x_m,
     for k in range(Kp):
         c = perm[k]
         xp[k] = np.float32(x_q[c]) * x_s[c // QBLOCK]
-    k_sel = sel_blocks * QBLOCK                         # what the compact rows read:
-    quantize_act_q16(xp[:k_sel], p_q[:k_sel], p_s[:sel_blocks])            # int16 for the int8 blocks,
-    _quantize_row(xp[k_sel:], p_q[k_sel:], p_s[sel_blocks:nb], 127)         # int8 for the 4-bit ones
-    x8, corr = _rest_activations(p_q, k_sel)
-    s_sel, s_rest, s_d = 0.0, 0.0, 0.0
-    for k in range(Kp):
-        v = np.float64(xp[k])
-        if k < k_sel:
-            s_sel += v * v
-        else:
-            s_rest += v * v
-        d = v - np.float64(np.float32(p_q[k]) * p_s[k // QBLOCK])
-        s_d += d * d
-    delta = np.sqrt(s_d)
+    x8, corr, s_sel, s_rest, delta = _permuted_activations(xp, p_q, p_s, sel_blocks)   # what the compact rows read
     extra = delta + _rounding_term(Kp) * (np.sqrt(s_sel + s_rest) + delta)
     _bounds_pass(hq, hs, hb, p_q, x8, corr, p_s, sel_blocks, np.float32(np.sqrt(s_sel)), np.float32(np.sqrt(s_rest)),
                  np.float32(extra), upper, lower_max, nthreads)
