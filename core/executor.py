@@ -77,6 +77,9 @@ class Executor:
         self.profile: dict | None = None
         self.screen = HeadScreen(self, m["head_screen"]) if m.get("head_screen") else None
         self.screen_survivors = 0           # rows the last screened step computed exactly
+        # which lm_head the last decode step read: (the screen's compact copy, the lm_head itself);
+        # a screened step that fell back read both (cpullm.bench.memory_bound counts what was read)
+        self.head_read = (False, True)
 
     def warm_up(self) -> float:
         """Compile (or load from numba's cache) the head screen's kernel for this program's
@@ -240,6 +243,7 @@ class Executor:
         """One token at position n_past; returns its logits (vocab,) (a view, copy to keep)."""
         self._run_token(token, self._decode_segments)
         self.n_past += 1
+        self.head_read = (False, True)
         lo = self.program.meta["logits_offset"]
         return self.arena[lo: lo + self.vocab]
 
@@ -285,12 +289,14 @@ class Executor:
         tok = -1
         if use_screen:
             tok, self.screen_survivors = sc.argmax(numba.get_num_threads())
-        if tok < 0:              # the plain head (or non-finite bounds, or too many rows left)
+        plain = tok < 0
+        if plain:            # the plain head (or non-finite bounds, or too many rows left)
             self._interp(sc.row, self.n_instr)
             lo = self.program.meta["logits_offset"]
             tok = int(np.argmax(self.arena[lo: lo + self.vocab]))
         dt = time.perf_counter() - t0
         sc.record(use_screen, dt)
+        self.head_read = (use_screen, plain)
         if self.profile is not None:
             self.profile[sc.row] = self.profile.get(sc.row, 0.0) + dt
         self.n_past += 1

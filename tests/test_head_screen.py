@@ -341,3 +341,29 @@ def test_screen_row_codegen_is_vectorized():
         assert re.search(r"vpmaddubsw\s+[^\n]*%ymm", asm)
     # block factors converted 8 at a time at the row start and read by the FMA as a broadcast
     assert re.search(r"vcvtph2ps\s+[^\n]*%ymm", asm) and re.search(r"vfmadd\w+ps\s+[^\n]*\{1to8\}|vbroadcastss", asm)
+
+
+def test_memory_bound_counts_the_head_each_step_read(tiny_model, monkeypatch):
+    """bench's read-rate share reads, after each decode step, the bytes that step read: the
+    screen's compact copy, or the plain lm_head where the executor chose it (random weights'
+    flat logits make it the faster one), or both where a screened step fell back."""
+    from cpullm.bench import format_memory_bound
+    from cpullm.bench.memory_bound import decode_weight_bytes, decode_weight_spans, memory_bound
+    from cpullm.kernels import program_table as P
+    prog, sc = tiny_model.program, tiny_model.executor.screen
+    size = {k: sum(v.nbytes for v in decode_weight_spans(prog, k)) for k in ("screen", "plain", "both")}
+    lin = P.linear_operands(prog.I[prog.meta["head_screen"]["row"]])
+    head = lin.n * (lin.kp + lin.kp // 16)
+    assert size["plain"] - size["screen"] == head - tiny_model.info()["memory"]["head_screen_bytes"]
+    assert size["both"] == size["screen"] + head
+    assert decode_weight_bytes(prog) == size["screen"]
+    with pytest.raises(ValueError):
+        decode_weight_spans(prog, "lm_head")
+    answers = {"screen": (3, 1), "both": (-2, 10 ** 6)}     # the screen's token, or too many rows left
+    for kind in ("screen", "plain", "both"):
+        monkeypatch.setattr(sc, "choose", lambda k=kind: k != "plain")
+        monkeypatch.setattr(sc, "argmax", lambda nthreads, k=kind: answers[k])
+        r = memory_bound(tiny_model, steps=4, token=5)
+        assert r["memory_bound_head"] == kind and r["memory_bound_head_steps"][kind] == 4
+        assert r["decode_weight_bytes"] == size[kind]
+    assert "lm_head read the screen, then the plain lm_head on 4 of 4 steps" in format_memory_bound(r)

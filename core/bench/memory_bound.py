@@ -10,25 +10,38 @@ from .harness import CpullmRunner, greedy, next_token
 
 
 # ---- the memory bound of decode ------------------------------------------------------------------
-def decode_weight_spans(program) -> list:
+HEAD_READS = ("screen", "plain", "both")
+
+
+def head_read(ex) -> str:
+    """Which lm_head the executor's last decode step read (a :data:`HEAD_READS` value)."""
+    screened, plain = ex.head_read
+    return "both" if screened and plain else "screen" if screened else "plain"
+
+
+def decode_weight_spans(program, head: str = "screen") -> list:
     """What one decode token reads from the weights, as views of the program's packed buffers:
     every LINEAR's matrix once (q8: int8 values and binary16 block scales; raw ggml blocks: their
     bytes; f32: float32 values)
     and biases, adjacent ranges merged (so the read below streams as decode does, in long runs).
-    The embedding row and the norm vectors are left out (a few KB). With a head screen, greedy
-    decoding reads the screen instead of the lm_head (plus a few exact rows, left out too)."""
+    The embedding row and the norm vectors are left out (a few KB). With a head screen, ``head``
+    says which lm_head the step read: "screen" (its compact copy, what a greedy step the screen
+    answers reads; the few exact rows left out too), "plain" (the lm_head itself: sampling, or
+    the executor found the plain head faster) or "both" (a screened step that fell back)."""
     from ..kernels import program_table as P
+    if head not in HEAD_READS:
+        raise ValueError(f"head must be one of {HEAD_READS}, got {head!r}")
     a = program.arrays
     I = a["I"]
     ranges: dict[str, list] = {"wq": [], "ws": [], "wf": []}
     screen = program.meta.get("head_screen")
-    if screen:
+    if screen and head != "plain":
         N = int(program.meta["vocab"])
         ranges["wq"].append((screen["q_off"], screen["q_off"] + N * screen["q_cols"]))
         ranges["ws"].append((screen["s_off"], screen["s_off"] + N * screen["s_cols"]))
         ranges["wf"].append((screen["b_off"], screen["b_off"] + 3 * N))
     for r in np.nonzero(I[:, P.COL_OP] == P.OP_LINEAR)[0]:
-        if screen and r == screen["row"]:
+        if screen and head == "screen" and r == screen["row"]:
             continue
         lin = P.linear_operands(I[r])
         Kd, N, kind, w_off, s_off, Kp, b_off = lin.k, lin.n, lin.kind, lin.w_off, lin.s_off, lin.kp, lin.bias_off
@@ -62,38 +75,52 @@ def decode_weight_bytes(program) -> int:
 def memory_bound(model, steps: int = 32, token: int = 0) -> dict:
     """Decode against this machine's streaming read rate, measured side by side: ``steps`` decode
     steps (after a one-token prompt), each followed by a plain parallel read of exactly the bytes
-    one decode token reads (:func:`decode_weight_spans`, :func:`cpullm.kernels.bandwidth.read_sum_u32`).
-    Alternating the two makes both see the same machine: on a shared host the read rate alone
-    moves by 30 % within a minute. Medians; the first two steps of each are dropped."""
+    that step read (:func:`decode_weight_spans`, :func:`cpullm.kernels.bandwidth.read_sum_u32`;
+    with a head screen, the head the executor read that step: random weights' flat logits leave
+    the screen too many rows, and the executor then reads the plain lm_head, 1.8x the screen's
+    bytes for Llama 3.2 3B). Alternating the two makes both see the same machine: on a shared
+    host the read rate alone moves by 30 % within a minute. Medians over the steps that read the
+    head most steps read (``memory_bound_head``; every head's count in
+    ``memory_bound_head_steps``); the first two steps are dropped."""
     import numba
 
     from ..kernels.bandwidth import as_words, read_sum_u32
-    spans = decode_weight_spans(model.program)
-    per_token = int(sum(v.nbytes for v in spans))            # = decode_weight_bytes(program)
-    words = [as_words(v) for v in spans]
+    kinds = HEAD_READS if model.program.meta.get("head_screen") else ("plain",)
+    spans = {k: decode_weight_spans(model.program, k) for k in kinds}
+    nbytes = {k: int(sum(v.nbytes for v in spans[k])) for k in kinds}
+    words = {k: [as_words(v) for v in spans[k]] for k in kinds}
     nth = numba.get_num_threads()
     steps = max(3, int(steps))
     runner = CpullmRunner(model)
     runner.reset()
     tok = greedy(runner.prefill([int(token)]))
-    dec, rd = [], []
+    dec, rd, read = [], [], []
     for _ in range(steps + 2):
         t0 = time.perf_counter()
         tok = next_token(runner, tok)
         t1 = time.perf_counter()
-        for w in words:
+        kind = head_read(model.executor) if len(kinds) > 1 else "plain"
+        for w in words[kind]:
             read_sum_u32(w, nth)
         t2 = time.perf_counter()
         dec.append(t1 - t0)
         rd.append(t2 - t1)
+        read.append(kind)
     runner.reset()
-    dec_s, rd_s = float(np.median(dec[2:])), float(np.median(rd[2:]))
+    counts = {k: read[2:].count(k) for k in kinds}
+    kind = max(kinds, key=lambda k: counts[k])                # the head most steps read
+    steps_of = [i for i in range(2, len(read)) if read[i] == kind]
+    dec_s = float(np.median([dec[i] for i in steps_of]))
+    rd_s = float(np.median([rd[i] for i in steps_of]))
+    per_token = nbytes[kind]
     return {
         "decode_weight_bytes": per_token,
         "read_gbps": per_token / rd_s / 1e9,
-        "read_gbps_best": per_token / min(rd[2:]) / 1e9,
+        "read_gbps_best": per_token / min(rd[i] for i in steps_of) / 1e9,
         "decode_gbps": per_token / dec_s / 1e9,
         "decode_tps_bound": 1.0 / rd_s,
         "decode_bound_share": rd_s / dec_s,
         "memory_bound_steps": steps,
+        "memory_bound_head": kind,
+        "memory_bound_head_steps": counts,
     }

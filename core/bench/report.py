@@ -71,7 +71,19 @@ def format_memory_bound(r: dict) -> str:
         f"  decode reads {_mb(per)} of weights per token; a plain read of those bytes, alternating with "
         f"{r['memory_bound_steps']} decode steps,",
         f"  ran at {read:.1f} GB/s (best {r['read_gbps_best']:.1f}), a bound of {r['decode_tps_bound']:.1f} tokens/s; "
-        f"decode read {r['decode_gbps']:.1f} GB/s, {100 * r['decode_bound_share']:.0f}% of that rate"])
+        f"decode read {r['decode_gbps']:.1f} GB/s, {100 * r['decode_bound_share']:.0f}% of that rate"
+        + _head_note(r)])
+
+
+def _head_note(r: dict) -> str:
+    """Which lm_head the measured steps read, where a head screen gave a choice."""
+    counts = r.get("memory_bound_head_steps") or {}
+    if len(counts) < 2:
+        return ""
+    kind = r["memory_bound_head"]
+    what = {"screen": "through the head screen", "plain": "the plain lm_head (the screen was slower)",
+            "both": "the screen, then the plain lm_head"}[kind]
+    return f"\n  (lm_head read {what} on {counts[kind]} of {sum(counts.values())} steps)"
 
 
 def format_profile(p: dict) -> str:
