@@ -1222,7 +1222,7 @@ def markdown(report: dict) -> str:
     if ours:
         how = ("cpullm's may read the lm_head through its screen (the same tokens; the faster of the two "
                "heads, timed as it goes)" if ours.get("head_screen") else "cpullm's model has no lm_head screen "
-               "(its lm_head is below the size for one)")
+               "(its lm_head is below the size for one, or an op follows it, as Gemma 2's logit soft-capping)")
         lines += ["", f"Decode steps pick the argmax (greedy) in every runtime; {how}. Through the full logits, "
                       f"as sampling decodes, cpullm ran {_fmt(ours['decode_logits_tps'])} tok/s."]
     lines += _kl_lines(report)

@@ -56,6 +56,8 @@ def test_json_keys_and_types_with_load_timing(tiny, capsys):
     assert "profile" not in r
     # the memory bound: the weight bytes one token reads, and decode's share of the read rate
     assert r["decode_weight_bytes"] == _q8_decode_bytes(SMOLLM2_LIKE)
+    assert r["head_screen"] is False and r["memory_bound_head_steps"] == {"plain": 4}   # too small for one
+    assert "screen" not in bench.format_report(r)
     for key in ("read_gbps", "read_gbps_best", "decode_gbps", "decode_tps_bound", "decode_bound_share"):
         assert isinstance(r[key], float) and r[key] > 0, key
     assert r["decode_bound_share"] == pytest.approx(r["decode_gbps"] / r["read_gbps"])

@@ -34,7 +34,7 @@ def format_report(r: dict) -> str:
         f"  decode (short context) {_s(r['decode_tps'], 'tokens/s', '{:9.1f}')}",
         f"  decode @{r['decode_context_tokens']:<4} context    {_s(r['decode_tps_at_512'], 'tokens/s', '{:9.1f}')}",
         f"  decode, full logits    {_s(r.get('decode_logits_tps'), 'tokens/s', '{:9.1f}')}  (short context; "
-        "sampling's path; greedy reads the lm_head through its screen)",
+        "sampling's path" + ("; greedy may read the lm_head through its screen)" if r.get("head_screen") else ")"),
         f"  time to first token    {_s(r['ttft_s'], 's', '{:9.3f}')}",
         f"  load (this process)    {_s(r['load_s'], 's', '{:9.2f}')}  cache {r['cache']}",
         f"  load, cache MISS       {_s(r.get('load_s_miss'), 's', '{:9.2f}')}  process start to ready",

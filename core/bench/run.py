@@ -45,6 +45,7 @@ def run_bench(model, prompt_tokens: int = 512, gen_tokens: int = 128, repeat: in
         "decode_context_tokens": speed["decode_context_tokens"],
         "ttft_s": speed["ttft_s"],
         "load_s": model.load_s,
+        "head_screen": model.executor.screen is not None,
         "cache": str(model.cache_status).split()[0],
         "cache_detail": str(model.cache_status),
     }
