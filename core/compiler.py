@@ -35,7 +35,7 @@ import numpy as np
 
 from .ir import Graph, GraphError, Node, Op, VIEW_OPS, _plain_attrs, _plugin_spec
 from .kernels import program_table as P
-from .quant_blocks import BLOCK_QUANTS, BlockPlan, pack_blocks, q8_0_as_q8
+from .quant_blocks import BLOCK_QUANTS, BlockPlan, q8_0_as_q8, quantized_row_blocks, stored_blocks
 
 QUANT_MODES = ("int8", "f32", "q4", "gguf")     # q4 / gguf: raw ggml blocks (cpullm.quant_blocks)
 HEAD_ROWS = 16          # head (final norm + lm_head) runs on at most this many rows at once
@@ -113,6 +113,7 @@ class _Scratch:
 
 
 ROW_BLOCK_FLOATS = 1 << 24   # float32 values of one matrix held at once while packing q8 (64 MB)
+Q4_ROW_BLOCK_FLOATS = 1 << 22  # ... while quantizing q4's blocks (16 MB: their temporaries are 2-7x it)
 
 
 def _new_blob(workdir, name: str, dtype):
@@ -386,13 +387,36 @@ class _WeightPacker:
         return self.wf.add(bias)
 
     def _pack_blocks(self, canonicals: list[str], fmt: str) -> tuple:
+        """(kind, w_off, s_off, Kp, rows) of a raw-block matrix: the file's blocks (gguf mode) or
+        quantized a row block at a time (q4 mode). Q8_0 goes in as q8, the same values (q8's
+        kernels); q4's quantizer keeps |q| <= 127, and a file's Q8_0 with a -128 stays blocks."""
         from .kernels.gguf_blocks import block_format
-        data, Kp = pack_blocks(self.weights, canonicals, fmt, self.quant, self.scratch)   # uint8 (N, row bytes)
-        self.block_bytes[fmt] = self.block_bytes.get(fmt, 0) + int(data.size)
-        as_q8 = q8_0_as_q8(data, Kp) if fmt == "Q8_0" else None
-        if as_q8 is not None:               # Q8_0 is q8 interleaved: the q8 kernels, same values
-            return P.WEIGHT_Q8, self.wq.add(as_q8[0]), self.ws.add(as_q8[1]), Kp, data.shape[0]
-        return P.WEIGHT_BLOCKS, self.wq.add(data.view(np.int8)), block_format(fmt).ggml_type, Kp, data.shape[0]
+        if self.quant == "gguf":
+            data, Kp = stored_blocks(self.weights, canonicals, fmt)          # uint8 (N, row bytes)
+            parts = [(data, Kp)]
+        else:
+            parts = quantized_row_blocks(self.weights, canonicals, fmt, self.scratch, Q4_ROW_BLOCK_FLOATS)
+        w_off = s_off = None
+        kind, Kp, rows = None, 0, 0
+        for data, Kp in parts:
+            self.block_bytes[fmt] = self.block_bytes.get(fmt, 0) + int(data.size)
+            as_q8 = q8_0_as_q8(data, Kp) if fmt == "Q8_0" else None
+            if kind is None:
+                kind = P.WEIGHT_Q8 if as_q8 is not None else P.WEIGHT_BLOCKS
+            if (as_q8 is not None) != (kind == P.WEIGHT_Q8):
+                raise ValueError(f"{canonicals}: Q8_0 row blocks neither all q8 nor all raw")
+            if kind == P.WEIGHT_Q8:
+                wo, so = self.wq.extend(as_q8[0]), self.ws.extend(as_q8[1])
+            else:
+                wo, so = self.wq.extend(data.view(np.int8)), block_format(fmt).ggml_type
+            w_off = wo if w_off is None else w_off
+            s_off = so if s_off is None else s_off
+            rows += data.shape[0]
+        if kind is None:                    # no rows
+            kind, w_off, s_off = P.WEIGHT_BLOCKS, self.wq.size, block_format(fmt).ggml_type
+        self.wq.pad()
+        self.ws.pad()
+        return kind, w_off, s_off, Kp, rows
 
     def _pack(self, canonicals: list[str], mode: str) -> tuple:
         if mode == "int8":                 # row blocks of float32 only live until quantized

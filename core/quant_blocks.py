@@ -92,26 +92,44 @@ class BlockPlan:
         return "Q4_K" if whole else "Q5_0"
 
 
-def pack_blocks(weights, canonicals: list[str], fmt: str, quant: str, scratch) -> tuple[np.ndarray, int]:
-    """The matrix of ``canonicals`` (rows stacked) as raw ``fmt`` blocks: (uint8 (N, row bytes), Kp),
-    Kp the weights per stored row (K, or K padded with zero weights to whole 256-blocks for q4).
-    In gguf mode the stored bytes themselves (views of the file where no row permutation was
-    needed); in q4 mode quantized from float32 read into ``scratch`` (compiler._Scratch)."""
+def stored_blocks(weights, canonicals: list[str], fmt: str) -> tuple[np.ndarray, int]:
+    """gguf mode: the matrix of ``canonicals`` (rows stacked) as the ``fmt`` blocks the file stores:
+    (uint8 (N, row bytes), K), views of the file where one tensor makes the matrix."""
+    parts = [weights.blocks(c) for c in canonicals]
+    if any(p is None or p[0] != fmt for p in parts):
+        raise ValueError(f"{canonicals}: not all stored as {fmt} blocks")   # BlockPlan keeps fused groups alike
+    K = weights.shape(canonicals[0])[1]
+    data = parts[0][1] if len(parts) == 1 else np.concatenate([p[1] for p in parts], axis=0)
+    return data, K
+
+
+def quantized_row_blocks(weights, canonicals: list[str], fmt: str, scratch, max_floats: int):
+    """q4 mode: the matrix of ``canonicals`` (rows stacked) quantized to ``fmt`` a row block at a
+    time, at most ``max_floats`` float32 values read into ``scratch`` (compiler._Scratch) at once.
+    Yields (uint8 (rows, row bytes), Kp), Kp the weights per stored row (K, or K padded with zero
+    weights to whole 256-blocks for Q4_K / Q6_K). Every format here quantizes each row on its own,
+    so row blocks give the bytes of the whole matrix; the quantizers' temporaries are 2-7x their
+    input (measured on 2048 x 2048), which is why the block, not the matrix, bounds them."""
     from .kernels import q4
-    if quant == "gguf":
-        parts = [weights.blocks(c) for c in canonicals]
-        if any(p is None or p[0] != fmt for p in parts):
-            raise ValueError(f"{canonicals}: not all stored as {fmt} blocks")   # BlockPlan keeps fused groups alike
-        K = weights.shape(canonicals[0])[1]
-        data = parts[0][1] if len(parts) == 1 else np.concatenate([p[1] for p in parts], axis=0)
-        return data, K
-    rows = [weights.shape(c)[0] for c in canonicals]
-    mat = scratch.take((sum(rows), weights.shape(canonicals[0])[1]))          # (N, K) float32
-    for c, r0, r in zip(canonicals, np.cumsum([0] + rows), rows):
-        weights.get(c, out=mat[r0:r0 + r])
     quantize = {"Q4_K": q4.quantize_q4, "Q6_K": q4.quantize_q6_k, "Q5_0": q4.quantize_q5_0,
                 "Q8_0": q4.quantize_q8_0}[fmt]
-    return quantize(mat), (q4.padded_k(mat.shape[1]) if fmt in ("Q4_K", "Q6_K") else mat.shape[1])
+    K = int(weights.shape(canonicals[0])[1])
+    Kp = q4.padded_k(K) if fmt in ("Q4_K", "Q6_K") else K
+    step = max(1, max_floats // max(K, 1))
+    get_rows = getattr(weights, "get_rows", None)
+    for c in canonicals:
+        n = int(weights.shape(c)[0])
+        if get_rows is None:                                    # a plain mapping of tensors
+            mat = scratch.take((n, K))
+            weights.get(c, out=mat)
+            yield quantize(mat), Kp
+        else:
+            for r0 in range(0, n, step):
+                mat = scratch.take((min(n, r0 + step) - r0, K))
+                get_rows(c, r0, r0 + mat.shape[0], mat)
+                yield quantize(mat), Kp
+        if hasattr(weights, "release"):
+            weights.release(c)
 
 
 def q8_0_as_q8(data: np.ndarray, K: int):
