@@ -2,11 +2,14 @@
 kernel of each ISA this CPU runs against the row-wise kernel (the one-row decode routine once per
 (batch row, output)), interleaved, on one ~65 MB matrix (streamed from DRAM on every call).
 
-    python benchmarks/batch_linear.py [--threads 2] [--rows 1,2,4,8,16] [--rounds 15] [--n 75968 --k 896]
+    python benchmarks/batch_linear.py [--threads 2] [--rows 1,2,4,8,16] [--rounds 15] [--n 75968 --k 896] [--gemm]
 
 Each round times every (kernel, B) once, in a shuffled order; the table shows medians over the
 rounds (ms, G multiply-adds/s) and the median per-round ratio row-wise / multi-row. Every kernel's
-output is first checked equal, bit for bit, to the row-wise kernel's.
+output is first checked equal, bit for bit, to the row-wise kernel's. ``--gemm`` adds the prefill
+GEMM (``q8_gemm.matmul_w8a16``, which packs each weight panel per call and sums in another order:
+timed, not compared), to see what a GEMM-order batch would cost: the slope of its time over B is
+its micro-kernel, the intercept mostly the packing.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--n", type=int, default=75968)
     ap.add_argument("--k", type=int, default=896)
+    ap.add_argument("--gemm", action="store_true", help="also time the prefill GEMM (matmul_w8a16)")
     a = ap.parse_args()
     configure(a.threads)
     rng = np.random.default_rng(0)
@@ -49,15 +53,25 @@ def main() -> None:
             kern(w_q, w_s, xq, xs, outs[name])
             if not np.array_equal(outs[name], outs["rowwise"]):
                 raise SystemExit(f"{name} differs from the row-wise kernel at B={B}")
-        data[B] = (xq, xs, outs)
+        data[B] = (xq, xs, outs, x)
+    if a.gemm:
+        from cpullm.kernels.q8_gemm import GEMM_ISA, matmul_w8a16
+        if GEMM_ISA is None:
+            raise SystemExit("--gemm: the prefill GEMM needs x86 with AVX2 (or AVX-512 VNNI)")
+        kernels["gemm"] = None                  # called with the float rows (it quantizes them itself)
+        for B in rows:
+            data[B][2]["gemm"] = np.zeros((B, a.n), np.float32)
     times = {(name, B): [] for name in kernels for B in rows}
     for _ in range(a.rounds):
         order = list(times)
         random.shuffle(order)
         for name, B in order:
-            xq, xs, outs = data[B]
+            xq, xs, outs, x = data[B]
             t = time.perf_counter()
-            kernels[name](w_q, w_s, xq, xs, outs[name])
+            if name == "gemm":
+                matmul_w8a16(x, w_q, w_s, outs[name])
+            else:
+                kernels[name](w_q, w_s, xq, xs, outs[name])
             times[name, B].append(time.perf_counter() - t)
     print(f"{a.n} x {Kp} q8 ({w_q.nbytes / 1e6:.0f} MB + scales), {a.threads} threads, {a.rounds} rounds, "
           f"multi-row ISA in use: {bl.ROWS_Q8_ISA}")
