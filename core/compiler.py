@@ -35,7 +35,7 @@ import numpy as np
 
 from .ir import Graph, GraphError, Node, Op, VIEW_OPS, _plain_attrs, _plugin_spec
 from .kernels import program_table as P
-from .quant_blocks import BLOCK_QUANTS, BlockPlan, q8_0_as_q8, quantized_row_blocks, stored_blocks
+from .quant_blocks import BLOCK_QUANTS, BlockPlan, q8_0_as_q8, quantize_q4_rows, stored_blocks
 
 QUANT_MODES = ("int8", "f32", "q4", "gguf")     # q4 / gguf: raw ggml blocks (cpullm.quant_blocks)
 HEAD_ROWS = 16          # head (final norm + lm_head) runs on at most this many rows at once
@@ -124,38 +124,46 @@ def _new_blob(workdir, name: str, dtype):
     return FileBlob(os.path.join(str(workdir), f"{name}.bin"), dtype)
 
 
+def _float_row_blocks(weights, canonicals: list[str], scratch, max_floats: int):
+    """The row-stacked matrix of ``canonicals`` as float32 row blocks of at most ``max_floats``
+    values, each read into ``scratch`` (so valid until the next one); a tensor's mapped source
+    pages are released once its rows are read. Yields (rows, K) arrays."""
+    K = int(weights.shape(canonicals[0])[1])
+    step = max(1, max_floats // max(K, 1))
+    get_rows = getattr(weights, "get_rows", None)
+    for c in canonicals:
+        n = int(weights.shape(c)[0])
+        if get_rows is None:                                    # a plain mapping of tensors
+            mat = scratch.take((n, K))
+            weights.get(c, out=mat)
+            yield mat
+        else:
+            for r0 in range(0, n, step):
+                mat = scratch.take((min(n, r0 + step) - r0, K))
+                get_rows(c, r0, r0 + mat.shape[0], mat)
+                yield mat
+        if hasattr(weights, "release"):
+            weights.release(c)
+
+
 def _pack_q8_rows(weights, canonicals: list[str], quantize, wq, ws, scratch) -> tuple:
     """Quantize the row-stacked matrix of ``canonicals`` into ``wq``/``ws`` one row block at a
     time (at most ROW_BLOCK_FLOATS float32 values: q8 scales are per row and block of 32, so
     row blocks give the same bytes as the whole matrix), releasing each block's source pages once
     read. Returns (wq offset, ws offset, Kp, rows). A 128256 x 3072 embedding is 1.6 GB as one
     float32 matrix, 64 MB a block."""
-    K = int(weights.shape(canonicals[0])[1])
-    step = max(1, ROW_BLOCK_FLOATS // max(K, 1))
-    get_rows = getattr(weights, "get_rows", None)
     w_off = s_off = None
     Kp = n_rows = 0
-    for c in canonicals:
-        n = int(weights.shape(c)[0])
-        if get_rows is None:                                    # a plain mapping of tensors
-            blocks = [(0, n, lambda out, c=c: weights.get(c, out=out))]
-        else:
-            blocks = [(r0, min(n, r0 + step), lambda out, c=c, r0=r0: get_rows(c, r0, r0 + out.shape[0], out))
-                      for r0 in range(0, n, step)]
-        for r0, r1, read in blocks:
-            mat = scratch.take((r1 - r0, K))                    # (rows, K) float32
-            read(mat)
-            q, s = quantize(mat)                                # (rows, Kp) int8, (rows, Kp/32) uint16
-            wo, so = wq.extend(q), ws.extend(s)
-            w_off = wo if w_off is None else w_off
-            s_off = so if s_off is None else s_off
-            Kp = q.shape[1]
-        n_rows += n
-        if hasattr(weights, "release"):
-            weights.release(c)
+    for mat in _float_row_blocks(weights, canonicals, scratch, ROW_BLOCK_FLOATS):
+        q, s = quantize(mat)                                    # (rows, Kp) int8, (rows, Kp/32) uint16
+        wo, so = wq.extend(q), ws.extend(s)
+        w_off = wo if w_off is None else w_off
+        s_off = so if s_off is None else s_off
+        Kp = q.shape[1]
+        n_rows += mat.shape[0]
     if w_off is None:                                           # no rows at all
         from .kernels.q8 import padded_k
-        w_off, s_off, Kp = wq.size, ws.size, padded_k(K)
+        w_off, s_off, Kp = wq.size, ws.size, padded_k(int(weights.shape(canonicals[0])[1]))
     wq.pad()
     ws.pad()
     return w_off, s_off, Kp, n_rows
@@ -395,7 +403,8 @@ class _WeightPacker:
             data, Kp = stored_blocks(self.weights, canonicals, fmt)          # uint8 (N, row bytes)
             parts = [(data, Kp)]
         else:
-            parts = quantized_row_blocks(self.weights, canonicals, fmt, self.scratch, Q4_ROW_BLOCK_FLOATS)
+            parts = (quantize_q4_rows(mat, fmt)
+                     for mat in _float_row_blocks(self.weights, canonicals, self.scratch, Q4_ROW_BLOCK_FLOATS))
         w_off = s_off = None
         kind, Kp, rows = None, 0, 0
         for data, Kp in parts:

@@ -103,33 +103,17 @@ def stored_blocks(weights, canonicals: list[str], fmt: str) -> tuple[np.ndarray,
     return data, K
 
 
-def quantized_row_blocks(weights, canonicals: list[str], fmt: str, scratch, max_floats: int):
-    """q4 mode: the matrix of ``canonicals`` (rows stacked) quantized to ``fmt`` a row block at a
-    time, at most ``max_floats`` float32 values read into ``scratch`` (compiler._Scratch) at once.
-    Yields (uint8 (rows, row bytes), Kp), Kp the weights per stored row (K, or K padded with zero
-    weights to whole 256-blocks for Q4_K / Q6_K). Every format here quantizes each row on its own,
-    so row blocks give the bytes of the whole matrix; the quantizers' temporaries are 2-7x their
-    input (measured on 2048 x 2048), which is why the block, not the matrix, bounds them."""
+def quantize_q4_rows(mat: np.ndarray, fmt: str) -> tuple[np.ndarray, int]:
+    """q4 mode: float32 rows (N, K) quantized to ``fmt`` blocks: (uint8 (N, row bytes), Kp), Kp the
+    weights per stored row (K, or K padded with zero weights to whole 256-blocks for Q4_K / Q6_K).
+    Every format here quantizes each row on its own, so the compiler feeds a matrix a row block at
+    a time and gets the bytes of the whole: the quantizers' temporaries are 2-7x their input
+    (measured on 2048 x 2048), which is why the block, not the matrix, must bound them."""
     from .kernels import q4
     quantize = {"Q4_K": q4.quantize_q4, "Q6_K": q4.quantize_q6_k, "Q5_0": q4.quantize_q5_0,
                 "Q8_0": q4.quantize_q8_0}[fmt]
-    K = int(weights.shape(canonicals[0])[1])
-    Kp = q4.padded_k(K) if fmt in ("Q4_K", "Q6_K") else K
-    step = max(1, max_floats // max(K, 1))
-    get_rows = getattr(weights, "get_rows", None)
-    for c in canonicals:
-        n = int(weights.shape(c)[0])
-        if get_rows is None:                                    # a plain mapping of tensors
-            mat = scratch.take((n, K))
-            weights.get(c, out=mat)
-            yield quantize(mat), Kp
-        else:
-            for r0 in range(0, n, step):
-                mat = scratch.take((min(n, r0 + step) - r0, K))
-                get_rows(c, r0, r0 + mat.shape[0], mat)
-                yield quantize(mat), Kp
-        if hasattr(weights, "release"):
-            weights.release(c)
+    K = mat.shape[1]
+    return quantize(mat), (q4.padded_k(K) if fmt in ("Q4_K", "Q6_K") else K)
 
 
 def q8_0_as_q8(data: np.ndarray, K: int):
