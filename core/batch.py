@@ -6,8 +6,9 @@ like the executor's own ``state``. The program is cut into segments:
 
 * ``rows``: instructions that treat rows independently (norms, GLU, residuals, embedding, the
   head's row selection), run by the interpreter over all B rows at once;
-* ``linear``: a LINEAR over the B rows, each weight row read once for all of them
-  (:mod:`cpullm.kernels.batch_linear`, the one-token decode's numerics row by row);
+* ``linear``: a LINEAR over the B rows, the weights read once for all of them (q8:
+  :mod:`cpullm.kernels.q8_panels`, the kernel a one-token decode runs with one row, whose every
+  output is the same float arithmetic whatever the batch; f32: :mod:`cpullm.kernels.batch_linear`);
 * ``seq``: ops with a position or a state (ROPE, ATTENTION, GATED_DELTA), run once per sequence
   on its row, with its position and its state (:func:`_per_sequence`), exactly as a one-token
   decode of that sequence alone runs them;
@@ -28,7 +29,8 @@ from .kernels import interpreter as K
 from .kernels import program_table as P
 from .kernels.attention import attention
 from .kernels.attention_batch import attention_decode_batch
-from .kernels.batch_linear import _quantize_rows, _rows_q8, linear_rows_f32, linear_rows_q8
+from .kernels.batch_linear import linear_rows_f32
+from .kernels.q8_panels import _quantize_rows, linear_panels, padded_rows, panels_matmul
 from .kernels.elementwise import binary_rows, glu_rows
 from .kernels.norm import layernorm_rows, rmsnorm_rows
 from .kernels.gated_delta import gated_delta
@@ -123,18 +125,21 @@ def _per_sequence(I, F, a, b, arena, states, slots, rows0, nrows, positions, wf,
 
 
 @njit(cache=True)
-def _linear_batch(I, r, arena, wq, ws, wf, xq, xs, T):
-    """LINEAR r over rows [0, T) (q8 or f32 weights): kernels.batch_linear, then the bias."""
+def _linear_batch(I, r, arena, wq, ws, wf, xq, xs, T, nthreads):
+    """LINEAR r over rows [0, T) (q8 or f32 weights): one pass over the weights for all rows
+    (q8: kernels.q8_panels, whose every row equals a lone decode's bit for bit), then the bias."""
     x_off, x_st, o_off, o_st = I[r, P.LINEAR_X_OFF], I[r, P.LINEAR_X_ST], I[r, P.LINEAR_OUT_OFF], I[r, P.LINEAR_OUT_ST]
     Kd, N, kind = I[r, P.LINEAR_K], I[r, P.LINEAR_N], I[r, P.LINEAR_KIND]
     w_off, s_off, Kp, b_off = I[r, P.LINEAR_W_OFF], I[r, P.LINEAR_S_OFF], I[r, P.LINEAR_KP], I[r, P.LINEAR_BIAS_OFF]
     x = arena[x_off: x_off + T * x_st].reshape((T, x_st))[:, :Kd]
     out = arena[o_off: o_off + T * o_st].reshape((T, o_st))[:, :N]
-    if kind == P.WEIGHT_Q8:
-        w = wq[w_off: w_off + N * Kp].reshape((N, Kp))
-        s = ws[s_off: s_off + N * (Kp // 32)].reshape((N, Kp // 32))
-        _quantize_rows(x, xq[:T, :Kp], xs[:T, :Kp // 32])
-        _rows_q8(w, s, xq[:T, :Kp], xs[:T, :Kp // 32], out)
+    if kind == P.WEIGHT_Q8:         # C-contiguous operands: the kernel's one specialization
+        Np = padded_rows(N)
+        x_q = xq.reshape(-1)[:T * Kp].reshape((T, Kp))
+        x_s = xs.reshape(-1)[:T * (Kp // 32)].reshape((T, Kp // 32))
+        _quantize_rows(x, x_q, x_s)
+        panels_matmul(wq[w_off: w_off + Np * Kp], ws[s_off: s_off + Np * (Kp // 32)], N, x_q, x_s,
+                      arena[o_off: o_off + T * o_st].reshape((T, o_st)), nthreads)
     else:
         linear_rows_f32(x, wf[w_off: w_off + N * Kd].reshape((N, Kd)), out)
     if b_off >= 0:
@@ -151,7 +156,7 @@ def _fused(I, F, a, b, arena, states, slots, rows0, nrows, positions, wq, ws, wf
     for r in range(a, b):
         op = I[r, P.COL_OP]
         if op == P.OP_LINEAR:
-            _linear_batch(I, r, arena, wq, ws, wf, xq, xs, T)
+            _linear_batch(I, r, arena, wq, ws, wf, xq, xs, T, nthreads)
         elif op == P.OP_ROPE or op == P.OP_ATTENTION or op == P.OP_GATED_DELTA:
             _per_sequence(I, F, r, r + 1, arena, states, slots, rows0, nrows, positions, wf, nthreads, has_linear,
                           decode, kv16)
@@ -292,9 +297,10 @@ class BatchDecoder:
         x = ex.arena[x_off: x_off + T * x_st].reshape(T, x_st)[:, :Kd]
         out = ex.arena[o_off: o_off + T * o_st].reshape(T, o_st)[:, :N]
         if kind == P.WEIGHT_Q8:
-            w = ex.wq[w_off: w_off + N * Kp].reshape(N, Kp)
-            s = ex.ws[s_off: s_off + N * (Kp // 32)].reshape(N, Kp // 32)
-            linear_rows_q8(x, w, s, out, self.xq[:, :Kp], self.xs[:, :Kp // 32])
+            Np = padded_rows(N)
+            linear_panels(x, ex.wq[w_off: w_off + Np * Kp], ex.ws[s_off: s_off + Np * (Kp // 32)], N,
+                          ex.arena[o_off: o_off + T * o_st].reshape(T, o_st), self.xq.reshape(-1),
+                          self.xs.reshape(-1))
         elif kind == P.WEIGHT_F32:
             linear_rows_f32(x, ex.wf[w_off: w_off + N * Kd].reshape(N, Kd), out)
         elif kind == P.WEIGHT_BLOCKS:

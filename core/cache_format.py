@@ -49,7 +49,7 @@ from . import limits
 from .compiler import Program
 from .errors import CacheError
 
-FORMAT_VERSION = 4          # 4: wq may hold raw ggml blocks (meta block_bytes)
+FORMAT_VERSION = 5          # 4: wq may hold raw ggml blocks (meta block_bytes); 5: q8 weights in panels
 MANIFEST = "manifest.json"
 ARRAY_NAMES = ("I", "F", "wq", "ws", "wf")
 _DTYPES = {"<i8", "<f8", "|i1", "<u2", "<f4"}

@@ -146,27 +146,62 @@ def _float_row_blocks(weights, canonicals: list[str], scratch, max_floats: int):
             weights.release(c)
 
 
+class _PanelWriter:
+    """Appends q8 rows to ``wq``/``ws`` in the panel layout the q8 kernels read
+    (cpullm.kernels.q8_panels: 16 rows interleaved by pairs of values, rows padded with zeros to a
+    multiple of 64), as row blocks arrive: rows wait until a whole 64-row group is there."""
+
+    def __init__(self, wq, ws):
+        self.wq, self.ws = wq, ws
+        self.q, self.s = [], []
+        self.waiting = 0
+        self.w_off = self.s_off = None
+        self.rows = 0
+
+    def add(self, q, s) -> None:
+        """q int8 (rows, Kp), s uint16 (rows, Kp // 32)."""
+        from .kernels.q8_panels import ROW_ALIGN
+        self.q.append(q)
+        self.s.append(s)
+        self.waiting += q.shape[0]
+        self.rows += q.shape[0]
+        if self.waiting >= ROW_ALIGN:
+            self._flush(self.waiting // ROW_ALIGN * ROW_ALIGN)
+
+    def _flush(self, n: int) -> None:
+        from .kernels.q8_panels import pack_panels
+        q = self.q[0] if len(self.q) == 1 else np.concatenate(self.q)
+        s = self.s[0] if len(self.s) == 1 else np.concatenate(self.s)
+        wp, sp = pack_panels(q[:n], s[:n])
+        wo, so = self.wq.extend(wp), self.ws.extend(sp)
+        self.w_off = wo if self.w_off is None else self.w_off
+        self.s_off = so if self.s_off is None else self.s_off
+        self.q, self.s = [q[n:]], [s[n:]]
+        self.waiting -= n
+
+    def finish(self) -> tuple[int, int]:
+        """(wq offset, ws offset) of the matrix, its last group padded with zero rows."""
+        if self.waiting:
+            self._flush(self.waiting)
+        if self.w_off is None:                                  # no rows at all
+            self.w_off, self.s_off = self.wq.size, self.ws.size
+        self.wq.pad()
+        self.ws.pad()
+        return self.w_off, self.s_off
+
+
 def _pack_q8_rows(weights, canonicals: list[str], quantize, wq, ws, scratch) -> tuple:
-    """Quantize the row-stacked matrix of ``canonicals`` into ``wq``/``ws`` one row block at a
-    time (at most ROW_BLOCK_FLOATS float32 values: q8 scales are per row and block of 32, so
-    row blocks give the same bytes as the whole matrix), releasing each block's source pages once
-    read. Returns (wq offset, ws offset, Kp, rows). A 128256 x 3072 embedding is 1.6 GB as one
-    float32 matrix, 64 MB a block."""
-    w_off = s_off = None
-    Kp = n_rows = 0
+    """Quantize the row-stacked matrix of ``canonicals`` into ``wq``/``ws`` (panel layout) one row
+    block at a time (at most ROW_BLOCK_FLOATS float32 values: q8 scales are per row and block of
+    32, so row blocks give the same bytes as the whole matrix), releasing each block's source
+    pages once read. Returns (wq offset, ws offset, Kp, rows). A 128256 x 3072 embedding is
+    1.6 GB as one float32 matrix, 64 MB a block."""
+    from .kernels.q8 import padded_k
+    writer = _PanelWriter(wq, ws)
     for mat in _float_row_blocks(weights, canonicals, scratch, ROW_BLOCK_FLOATS):
-        q, s = quantize(mat)                                    # (rows, Kp) int8, (rows, Kp/32) uint16
-        wo, so = wq.extend(q), ws.extend(s)
-        w_off = wo if w_off is None else w_off
-        s_off = so if s_off is None else s_off
-        Kp = q.shape[1]
-        n_rows += mat.shape[0]
-    if w_off is None:                                           # no rows at all
-        from .kernels.q8 import padded_k
-        w_off, s_off, Kp = wq.size, ws.size, padded_k(int(weights.shape(canonicals[0])[1]))
-    wq.pad()
-    ws.pad()
-    return w_off, s_off, Kp, n_rows
+        writer.add(*quantize(mat))                              # (rows, Kp) int8, (rows, Kp/32) uint16
+    w_off, s_off = writer.finish()
+    return w_off, s_off, padded_k(int(weights.shape(canonicals[0])[1])), writer.rows
 
 
 @attrs.define
@@ -345,7 +380,8 @@ class _WeightPacker:
         self.block_bytes: dict[str, int] = {}   # block format -> bytes of raw-block matrices
         self.fparams: dict = {}                 # identity -> (wf offset, size)
         # canonical -> [kind "f32" | "q8", offset, size, row length, scale offset or -1]: where
-        # each matrix and float parameter went (read back by the conformance kit)
+        # each matrix and float parameter went (read back by the conformance kit); a q8 slot's
+        # offsets are its (fused) matrix's, in the panel layout, and a sixth item is its first row
         self.slots: dict[str, list] = {}
         self.identity = getattr(weights, "identity", weights.source_of)
 
@@ -380,8 +416,10 @@ class _WeightPacker:
         r0 = 0
         for c in canonicals:                # member rows of a fused matrix, for the weight slots
             n = self.weights.shape(c)[0]
-            self.slots.setdefault(c, ["q8" if kind == P.WEIGHT_Q8 else "f32", w_off + r0 * Kp, n * Kp, Kp,
-                                      s_off + r0 * (Kp // 32) if kind == P.WEIGHT_Q8 else -1])
+            if kind == P.WEIGHT_Q8:         # panels: the matrix's offsets and the member's first row
+                self.slots.setdefault(c, ["q8", w_off, n * Kp, Kp, s_off, r0])
+            else:
+                self.slots.setdefault(c, ["f32", w_off + r0 * Kp, n * Kp, Kp, -1])
             r0 += n
         return self.packed[key]
 
@@ -407,20 +445,26 @@ class _WeightPacker:
                      for mat in _float_row_blocks(self.weights, canonicals, self.scratch, Q4_ROW_BLOCK_FLOATS))
         w_off = s_off = None
         kind, Kp, rows = None, 0, 0
+        panels = _PanelWriter(self.wq, self.ws)
         for data, Kp in parts:
-            self.block_bytes[fmt] = self.block_bytes.get(fmt, 0) + int(data.size)
             as_q8 = q8_0_as_q8(data, Kp) if fmt == "Q8_0" else None
+            if as_q8 is None:
+                self.block_bytes[fmt] = self.block_bytes.get(fmt, 0) + int(data.size)
             if kind is None:
                 kind = P.WEIGHT_Q8 if as_q8 is not None else P.WEIGHT_BLOCKS
             if (as_q8 is not None) != (kind == P.WEIGHT_Q8):
                 raise ValueError(f"{canonicals}: Q8_0 row blocks neither all q8 nor all raw")
             if kind == P.WEIGHT_Q8:
-                wo, so = self.wq.extend(as_q8[0]), self.ws.extend(as_q8[1])
+                panels.add(*as_q8)
             else:
                 wo, so = self.wq.extend(data.view(np.int8)), block_format(fmt).ggml_type
-            w_off = wo if w_off is None else w_off
-            s_off = so if s_off is None else s_off
+                w_off = wo if w_off is None else w_off
+                s_off = so if s_off is None else s_off
             rows += data.shape[0]
+        if kind == P.WEIGHT_Q8:             # Q8_0 as q8 panels: what they hold, padding rows included
+            from .kernels.q8_panels import padded_rows
+            w_off, s_off = panels.finish()
+            self.block_bytes[fmt] = self.block_bytes.get(fmt, 0) + padded_rows(rows) * (Kp + Kp // 16)
         if kind is None:                    # no rows
             kind, w_off, s_off = P.WEIGHT_BLOCKS, self.wq.size, block_format(fmt).ggml_type
         self.wq.pad()

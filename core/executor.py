@@ -23,7 +23,7 @@ from .kernels import program_table as P
 from .kernels.attention import TILE, kv_views
 from .kvformat import region_is_f16
 from .kernels.q8 import matmul_f32
-from .kernels.q8_gemm import matmul_q8
+from .kernels.q8_panels import matmul_panels, padded_rows
 
 
 class Executor:
@@ -95,7 +95,7 @@ class Executor:
     # ---- segmentation -------------------------------------------------------------------------
     def _segments(self, start: int, end: int, batched: bool) -> list:
         """[("interp", a, b) | ("linear", r) | ("external", r) | ("plugin", r, batched)] covering
-        [start, end). Batched segments run LINEARs as matrix products (matmul_q8 / matmul_f32) and
+        [start, end). Batched segments run LINEARs as matrix products (matmul_panels / matmul_f32) and
         plugin ops through their prefill kernel."""
         out, a = [], start
         for r in range(start, end):
@@ -159,10 +159,10 @@ class Executor:
         out = self.arena[o_off: o_off + T * o_st].reshape(T, o_st)[:, :N]
         if kind == P.WEIGHT_BLOCKS:
             _matmul_blocks(self.wb, s_off, w_off, Kp, x, out)
-        elif kind == P.WEIGHT_Q8:
-            w = self.wq[w_off: w_off + N * Kp].reshape(N, Kp)
-            s = self.ws[s_off: s_off + N * (Kp // 32)].reshape(N, Kp // 32)
-            matmul_q8(x, w, s, out)
+        elif kind == P.WEIGHT_Q8:               # the full rows of out: one kernel specialization
+            Np = padded_rows(N)
+            matmul_panels(x, self.wq[w_off: w_off + Np * Kp], self.ws[s_off: s_off + Np * (Kp // 32)], N,
+                          self.arena[o_off: o_off + T * o_st].reshape(T, o_st))
         else:
             w = self.wf[w_off: w_off + N * Kd].reshape(N, Kd)
             matmul_f32(x, w, out)

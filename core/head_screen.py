@@ -17,6 +17,7 @@ import numpy as np
 from .compiler import Program, _align
 from .kernels import program_table as P
 from .kernels.head_screen import padded_blocks, screen_argmax
+from .kernels.q8_panels import padded_rows
 
 HEAD_CALIBRATION_TEXT = (
     "The history of computing is a story of ideas that became machines. Early calculators could "
@@ -75,7 +76,7 @@ def attach(program: Program, calibration=None) -> Program:
     kept at 8 bits are where those carry the most energy, which decides how many rows the screen
     leaves to compute exactly (never which token it returns). Without it, where the final norm's
     weights are largest."""
-    from .kernels.head_screen import build_screen, screen_columns, sel_columns
+    from .kernels.head_screen import build_screen_rows, screen_columns, sel_columns
     r = head_screen_row(program)
     if r is None:
         return program
@@ -103,10 +104,13 @@ def attach(program: Program, calibration=None) -> Program:
         rb = _row_bytes(lin)
         w = a["wq"].view(np.uint8)[w_off: w_off + N * rb].reshape(N, rb)
         hq, hs, hb = build_screen_blocks(w, s_off, Kp, perm, k_sel)
-    else:
-        w_q = a["wq"][w_off: w_off + N * Kp].reshape(N, Kp)
-        w_s = a["ws"][s_off: s_off + N * (Kp // 32)].reshape(N, Kp // 32)
-        hq, hs, hb = build_screen(w_q, w_s, perm, k_sel)
+    else:                                           # q8 panels
+        from .kernels.q8_panels import dequantized_rows
+        Np = padded_rows(N)
+        w_p = a["wq"][w_off: w_off + Np * Kp]
+        s_p = a["ws"][s_off: s_off + Np * (Kp // 32)]
+        hq, hs, hb = build_screen_rows(lambda n0, n1: (dequantized_rows(w_p, s_p, Kp, n0, n1), None),
+                                       N, Kp, perm, k_sel)
     meta = dict(program.meta)
     arrays = dict(a)
     offs = {}
@@ -154,7 +158,8 @@ class HeadScreen:
                      np.zeros(Kp, np.int8), np.zeros(nb, np.float32), np.zeros(Kp // 16, np.float32))
             self.args = screen + exact + permuted + (np.zeros(Kp, np.float32),) + results
         else:
-            exact = (ex.wq[w_off: w_off + N * Kp].reshape(N, Kp), ex.ws[s_off: s_off + N * nb].reshape(N, nb),
+            Np = padded_rows(N)                                             # q8 panels
+            exact = (ex.wq[w_off: w_off + Np * Kp], ex.ws[s_off: s_off + Np * nb],
                      np.zeros(Kp, np.int16), np.zeros(nb, np.float32))
             self.args = screen + exact + permuted + (np.zeros(Kp, np.float32), np.zeros(Kp, np.float32)) + results
         self.rows, self.steps = N, 0

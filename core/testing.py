@@ -160,7 +160,7 @@ def compiled_weight_mismatches(graph, weights, program=None) -> list[str]:
         program = compile_graph(graph, weights, quant="f32", n_ctx=32, max_chunk=4)
     wf = program.arrays["wf"]
     bad = []
-    for name, (kind, off, size, _row, _s_off) in program.meta["weight_slots"].items():
+    for name, (kind, off, size, *_) in program.meta["weight_slots"].items():
         want = np.asarray(weights.get(name), np.float32).reshape(-1)
         if kind != "f32" or want.size != size or not np.array_equal(wf[off: off + size], want):
             bad.append(name)

@@ -76,9 +76,10 @@ from numba.extending import intrinsic
 
 from .q8 import (HAVE_AVX2, QBLOCK, _F32, _I8, _I16, _I32, _I64, _P8, _V8F32, _V8I32, _V16I16,
                  _block_dot_i32x8, _c64, _decl, _emit_counted_loop, _emit_if, _halves_to_floats, _hsum_v8f32,
-                 _prefetch_ahead, _q8_row_dot_avx2_rows, _q8_row_dot_generic_rows, _quantize_blocks_ref,
+                 _prefetch_ahead, _quantize_blocks_ref,
                  _quantize_row, _scaled_fma, quantize_act_q16, scale_values)
 from . import numba_setup
+from .q8_panels import panel_row_dot
 
 HAVE_VNNI256 = (numba_setup.HOST_IS_X86 and HAVE_AVX2
                 and {"avx512f", "avx512vl", "avx512bw", "avx512vnni"} <= numba_setup.HOST_FEATURES)
@@ -440,7 +441,8 @@ def _screen_row_dot_generic(typingctx, hq, hs, x16, x8, corr, x_s, n, nsel, nblk
 # ================================================================================================
 
 ROW_PREFETCH = 4
-"""Exact rows are requested this many rows ahead of their dot product (each row: its cache lines)."""
+"""Exact rows of a raw-block head (head_screen_blocks) are requested this many rows ahead of their
+dot product (each row: its cache lines)."""
 
 
 @intrinsic
@@ -467,7 +469,6 @@ def _prefetch_row(typingctx, a, n):
 SCREEN_ISA = "vnni" if HAVE_VNNI256 else "avx2" if HAVE_AVX2 else "generic"
 """Which row routine the bounds pass compiles (every one gives the same float32 dot products)."""
 _screen_dot = {"vnni": _screen_row_dot_vnni, "avx2": _screen_row_dot_avx2}.get(SCREEN_ISA, _screen_row_dot_generic)
-_q8_dot = _q8_row_dot_avx2_rows if HAVE_AVX2 else _q8_row_dot_generic_rows
 
 
 @njit(cache=True)
@@ -595,18 +596,14 @@ def _survivor_rows(upper, lower, rows, counts, nthreads):
 
 @njit(cache=True, parallel=True)
 def _exact_rows(w_q, w_s, x_q, x_s, rows, vals, counts, nthreads):
-    """vals[i] = the exact q8 logit of row rows[i] (the matvec's own row routine) for each thread's
-    survivors; the rows are out of order, so each is requested a few rows ahead."""
+    """vals[i] = the exact q8 logit of row rows[i] (``q8_panels.panel_row_dot``: what the
+    lm_head's own kernel writes for it, bit for bit) for each thread's survivors."""
     N = rows.size
     per = (N + nthreads - 1) // nthreads
     for t in prange(nthreads):
         lo = min(N, t * per)
-        end = lo + counts[t]
-        for i in range(lo, end):
-            if i + ROW_PREFETCH < end:
-                _prefetch_row(w_q, rows[i + ROW_PREFETCH])
-                _prefetch_row(w_s, rows[i + ROW_PREFETCH])
-            vals[i] = _q8_dot(w_q, w_s, x_q, x_s, rows[i])
+        for i in range(lo, lo + counts[t]):
+            vals[i] = panel_row_dot(w_q, w_s, rows[i], x_q, x_s)
 
 
 @njit(cache=True)
@@ -617,7 +614,7 @@ def screen_argmax(x, perm, sel_blocks, hq, hs, hb, w_q, w_s, x_q, x_s, p_q, p_s,
     finite, (-2, survivors) when more than ``max_rows`` rows survive (out of order they would cost
     more than the plain matvec): the caller then runs the full lm_head.
 
-    x float32 (K,); perm int64 (Kp,); w_q/w_s the lm_head's q8 matrix; x_q/p_q int16 (Kp,),
+    x float32 (K,); perm int64 (Kp,); w_q/w_s the lm_head's q8 panels (flat, q8_panels); x_q/p_q int16 (Kp,),
     x_s float32 (Kp//32,), p_s float32 (padded_blocks(Kp),), xd/xp float32 (Kp,), upper float32 (N,), rows int64 (N,),
     vals float32 (N,), lower_max float32 / counts int64 (>= nthreads,): scratch.
     """

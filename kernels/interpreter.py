@@ -27,7 +27,8 @@ from .norm import layernorm_par, layernorm_rows, rmsnorm_par, rmsnorm_rows
 from .kquant import matvec as matvec_blocks
 from .kquant import _ROW_BYTES, _ROW_WEIGHTS, quantize_act_q8
 from .kquant_gemm import dequantize_rows_into
-from .q8 import half_to_float, matvec_f32, matvec_q8, quantize_act_q16
+from .q8 import half_to_float, matvec_f32, quantize_act_q16
+from .q8_panels import padded_rows, panels_matmul
 from .rope import rope_par, rope_rows
 from . import program_table as P
 from .program_table import (  # noqa: F401  (re-exported: the opcodes and weight kinds by their old home)
@@ -47,8 +48,9 @@ EXTERNAL_SIGNATURES = {
 
 
 @njit(cache=True)
-def _linear_rows(I, r, arena, wq, ws, wf, xq, xs, T):
-    """LINEAR, row by row through the matrix-vector kernels (decode; T is 1 or small)."""
+def _linear_rows(I, r, arena, wq, ws, wf, xq, xs, T, nthreads):
+    """LINEAR, row by row through the matrix-vector kernels (decode; T is 1 or small); q8
+    weights are panels (q8_panels), a lone row of activations the kernel's batch of one."""
     x_off, x_st, o_off, o_st = I[r, P.LINEAR_X_OFF], I[r, P.LINEAR_X_ST], I[r, P.LINEAR_OUT_OFF], I[r, P.LINEAR_OUT_ST]
     K, N, kind = I[r, P.LINEAR_K], I[r, P.LINEAR_N], I[r, P.LINEAR_KIND]
     w_off, s_off, Kp, b_off = I[r, P.LINEAR_W_OFF], I[r, P.LINEAR_S_OFF], I[r, P.LINEAR_KP], I[r, P.LINEAR_BIAS_OFF]
@@ -57,9 +59,10 @@ def _linear_rows(I, r, arena, wq, ws, wf, xq, xs, T):
         out = arena[o_off + t * o_st: o_off + t * o_st + N]
         if kind == WEIGHT_Q8:
             quantize_act_q16(x, xq[:Kp], xs[:Kp // 32])
-            w = wq[w_off: w_off + N * Kp].reshape(N, Kp)
-            s = ws[s_off: s_off + N * (Kp // 32)].reshape(N, Kp // 32)
-            matvec_q8(w, s, xq[:Kp], xs[:Kp // 32], out)
+            Np = padded_rows(N)
+            panels_matmul(wq[w_off: w_off + Np * Kp], ws[s_off: s_off + Np * (Kp // 32)], N,
+                          xq[:Kp].reshape((1, Kp)), xs[:Kp // 32].reshape((1, Kp // 32)), out.reshape((1, N)),
+                          nthreads)
         else:
             w = wf[w_off: w_off + N * K].reshape(N, K)
             matvec_f32(w, x, out)
@@ -162,7 +165,7 @@ def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_s
                     raise ValueError("cpullm interpreter: a WEIGHT_BLOCKS LINEAR needs wb")
                 _linear_blocks_rows(I, r, arena, wb, wf, xq, xs, T, head and T_body > 1)
             else:
-                _linear_rows(I, r, arena, wq, ws, wf, xq, xs, T)
+                _linear_rows(I, r, arena, wq, ws, wf, xq, xs, T, nthreads)
         elif op == OP_RMSNORM:
             x_off, x_st, o_off, o_st = I[r, P.NORM_X_OFF], I[r, P.NORM_X_ST], I[r, P.NORM_OUT_OFF], I[r, P.NORM_OUT_ST]
             width, group, w_off, eps = I[r, P.NORM_WIDTH], I[r, P.NORM_GROUP], I[r, P.NORM_W_OFF], F[r, P.F_NORM_EPS]
@@ -230,10 +233,13 @@ def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_s
             for t in range(T):
                 tok = tokens[t]
                 o = o_off + t * o_st
-                if kind == WEIGHT_Q8:
+                if kind == WEIGHT_Q8:       # row tok of the panels (q8_panels)
                     nb = Kp // 32
+                    g, lane = tok // 16, tok % 16
                     for j in range(H):
-                        arena[o + j] = np.float32(wq[w_off + tok * Kp + j]) * half_to_float(ws[s_off + tok * nb + j // 32]) * sc
+                        blk = g * nb + j // 32
+                        q = wq[w_off + blk * 512 + (j % 32) // 2 * 32 + 2 * lane + j % 2]
+                        arena[o + j] = np.float32(q) * half_to_float(ws[s_off + blk * 16 + lane]) * sc
                 else:
                     for j in range(H):
                         arena[o + j] = wf[w_off + tok * H + j] * sc

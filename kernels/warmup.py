@@ -135,13 +135,12 @@ def run_signature(flags: dict) -> tuple:
 
 def _kernels(unit: str) -> list:
     """[(dispatcher, signature)] of one unit, callees before callers where both are listed."""
-    from . import attention, elementwise, gated_delta, interpreter, kquant_gemm, norm, q8_gemm, rope
+    from . import attention, elementwise, gated_delta, interpreter, kquant_gemm, norm, q8_gemm, q8_panels, rope
     if unit.startswith("run"):
         return [(interpreter.run, run_signature({f: True for f in unit.split("+")[1:]}))]
     f32_2, i16_2, wb2 = _arr(nt.float32, 2), _arr(nt.int16, 2), _arr(nt.uint8, 2, readonly=True)
-    wq2, ws2 = _arr(nt.int8, 2, readonly=True), _arr(nt.uint16, 2, readonly=True)
     table = {
-        "linear": [(interpreter._linear_rows, (PROG_I, i64, ARENA, WQ, WS, WF, XQ, ARENA, i64))],
+        "linear": [(interpreter._linear_rows, (PROG_I, i64, ARENA, WQ, WS, WF, XQ, ARENA, i64, i64))],
         "norm": [(norm.rmsnorm_rows, (ARENA, *[i64] * 6, WF, i64, f64, i64, i64)),
                  (norm.rmsnorm_par, (ARENA, *[i64] * 6, WF, i64, f64, i64))],
         "layernorm": [(norm.layernorm_rows, (ARENA, *[i64] * 6, WF, i64, i64, f64, i64, i64)),
@@ -157,9 +156,8 @@ def _kernels(unit: str) -> list:
         "gated_delta": [(gated_delta.gated_delta, (ARENA, ARENA, WF, *[i64] * 20, f64, i64))],
         # prefill's batched q8 LINEARs (row-contiguous activations, as every LINEAR of the shared
         # blocks reads and writes whole buffers), and prompts of fewer than MIN_ROWS tokens
-        "gemm": [(q8_gemm._quantize_rows_q16, (f32_2, i16_2, f32_2)),
-                 (q8_gemm._gemm_panels, (i16_2, f32_2, wq2, ws2, i64, f32_2, i64)),
-                 (q8_gemm._matvec_rows, (f32_2, wq2, ws2, f32_2, XQ, ARENA))],
+        "gemm": [(q8_panels._quantize_rows_par, (f32_2, i16_2, f32_2)),
+                 (q8_panels.panels_matmul, (WQ, WS, i64, i16_2, f32_2, f32_2, i64))],
         # prefill's batched raw-block LINEARs (kquant_gemm's integer GEMM) and short prompts
         "kquant_gemm": [(q8_gemm._quantize_rows_q16, (f32_2, i16_2, f32_2)),
                         (kquant_gemm._quantize_rows, (f32_2, i16_2, f32_2, i64)),
@@ -226,7 +224,7 @@ def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True,
     for unit, (needs, *_) in UNITS.items():
         if unit == "gated_delta" and not linear_state:
             continue
-        if unit == "gemm" and (quant == "f32" or GEMM_ISA is None or (quant in BLOCK_QUANTS and not q8_prefill)):
+        if unit == "gemm" and (quant == "f32" or (quant in BLOCK_QUANTS and not q8_prefill)):
             continue
         if unit in ("kquant_gemm", "blocks") and (not blocks or (unit == "kquant_gemm" and GEMM_ISA is None)):
             continue

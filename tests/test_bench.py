@@ -29,13 +29,15 @@ def _bench_json(capsys, *argv) -> dict:
 
 
 def _q8_decode_bytes(a: dict) -> int:
-    """A Llama's matrices at q8 (int8 values + a 2-byte scale per 32, K padded to 32): q, k, v,
-    o, gate, up, down per layer and the (tied) lm_head (too small for a head screen)."""
+    """A Llama's matrices at q8 (int8 values + a 2-byte scale per 32, K padded to 32, rows to the
+    panels' 64): q, k, v, o, gate, up, down per layer and the (tied) lm_head (too small for a head
+    screen)."""
     from cpullm.kernels.q8 import padded_k
+    from cpullm.kernels.q8_panels import padded_rows
     h, f, hd = a["hidden_size"], a["intermediate_size"], a["head_dim"]
     q, kv = a["num_attention_heads"] * hd, a["num_key_value_heads"] * hd
     mats = [(q + 2 * kv, h), (h, q), (2 * f, h), (h, f)] * a["num_hidden_layers"] + [(a["vocab_size"], h)]
-    return sum(N * padded_k(K) + 2 * N * (padded_k(K) // 32) for N, K in mats)
+    return sum(padded_rows(N) * (padded_k(K) + 2 * (padded_k(K) // 32)) for N, K in mats)
 
 
 def test_json_keys_and_types_with_load_timing(tiny, capsys):

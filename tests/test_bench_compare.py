@@ -147,8 +147,10 @@ def test_compare_with_llama_cpp_q8_0(checkpoint, tmp_path):
     assert report["ratios"]["cpullm / llama.cpp"]["prefill"] > 0
     md = (tmp_path / "out" / "compare.md").read_text()
     assert "cpullm / llama.cpp" in md
-    # Q8_0 (34 bytes per 32 values) reads about what cpullm's int8 + binary16 block scales read
-    assert 0.9 < rows["llama.cpp"]["decode_weight_bytes"] / rows["cpullm"]["decode_weight_bytes"] < 1.1
+    # Q8_0 (34 bytes per 32 values) reads about what cpullm's int8 + binary16 block scales read;
+    # cpullm's q8 panels pad each matrix to 64 rows, which this tiny model's 144-row matrices feel
+    # (real models' row counts are multiples of 64)
+    assert 0.8 < rows["llama.cpp"]["decode_weight_bytes"] / rows["cpullm"]["decode_weight_bytes"] < 1.1
     # --paired: both runtimes loaded at once, two turns, a ratio per turn and the read rate
     pd = report["paired"]
     assert len(pd["ratios"]["cpullm / llama.cpp"]["decode"]) == 2 and min(pd["tps"]["llama.cpp"]["decode_at_512"]) > 0

@@ -122,6 +122,7 @@ def test_the_executor_calls_each_kernel_with_the_warmed_signature_only(tiny, tmp
     kernel (absent op) not at all."""
     used = used_kernel_signatures(tiny, tmp_path / "cache", quant)
     # (kernels keyed by module: q8_gemm and kquant_gemm both have a _matvec_rows)
+    assert used["cpullm.kernels.q8_panels.panels_matmul"] != []
     assert used["cpullm.kernels.gated_delta.gated_delta"] == [] and used["cpullm.kernels.attention.attention"] != []
 
 

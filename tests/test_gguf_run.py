@@ -226,7 +226,7 @@ def test_a_block_format_gguf_calls_each_kernel_with_the_warmed_signature_only(wr
     from test_coldstart import used_kernel_signatures
     used = used_kernel_signatures(write("Q4_1"), tmp_path / "cache")
     assert used["cpullm.kernels.interpreter._linear_blocks_rows"] != []
-    assert used["cpullm.kernels.q8_gemm._gemm_panels"] == []
+    assert used["cpullm.kernels.q8_panels.panels_matmul"] == []
 
 
 def test_gguf_as_is_gets_no_head_screen_but_q4_does(write, monkeypatch):

@@ -8,6 +8,7 @@ import pytest
 import cpullm
 from cpullm.kernels import head_screen as H
 from cpullm.kernels import q8
+from cpullm.kernels import q8_panels as qp
 from cpullm.testing import make_random_checkpoint
 
 RNG = np.random.default_rng(7)
@@ -37,6 +38,7 @@ class _Screen:
         self.perm = H.screen_columns(importance, Kp, k_sel)
         self.k_sel = min(k_sel, Kp - 32) // 32 * 32
         self.hq, self.hs, self.hb = H.build_screen(w_q, w_s, self.perm, self.k_sel)
+        self.wp, self.sp = qp.pack_panels(w_q, w_s)           # the lm_head as the program stores it
         nb = Kp // 32
         self.scratch = (np.zeros(Kp, np.int16), np.zeros(nb, np.float32), np.zeros(Kp, np.int16),
                         np.zeros(H.padded_blocks(Kp), np.float32), np.zeros(Kp, np.float32),
@@ -45,16 +47,21 @@ class _Screen:
 
     def argmax(self, x, nthreads=None, max_rows=1 << 40):
         nthreads = nthreads or numba.get_num_threads()
-        return H.screen_argmax(x, self.perm, self.k_sel // 32, self.hq, self.hs, self.hb, self.w_q,
-                               self.w_s, *self.scratch, nthreads, max_rows)
+        return H.screen_argmax(x, self.perm, self.k_sel // 32, self.hq, self.hs, self.hb, self.wp,
+                               self.sp, *self.scratch, nthreads, max_rows)
 
     def full_argmax(self, x):
         Kp = self.w_q.shape[1]
         x_q, x_s = np.zeros(Kp, np.int16), np.zeros(Kp // 32, np.float32)
         q8.quantize_act_q16(x, x_q, x_s)                   # as the executor's LINEAR does
-        out = np.zeros(self.w_q.shape[0], np.float32)
-        q8.matvec_q8(self.w_q, self.w_s, x_q, x_s, out)
-        return int(np.argmax(out)), out
+        return int(np.argmax(out := _logits(self.wp, self.sp, self.w_q.shape[0], x_q, x_s))), out
+
+
+def _logits(wp, sp, N, x_q, x_s):
+    """The lm_head kernel's float32 logits (q8 panels) for one row of int16 activations."""
+    out = np.zeros((1, N), np.float32)
+    qp.panels_matmul(wp, sp, N, x_q[None], x_s[None], out, numba.get_num_threads())
+    return out[0]
 
 
 def test_rest_activations_are_packed_in_pair_order_with_their_offset_corrections():
@@ -129,8 +136,7 @@ def test_bound_holds_for_every_row(seed):
     s = _Screen(w_q, w_s, importance=imp, k_sel=64)
     x = _activations(K, outliers=big, scale=float(rng.uniform(0.01, 100)))
     approx, bound, (x_q, x_s) = H.screen_bounds_ref(x, s.perm, s.k_sel, s.hq, s.hs, s.hb)
-    exact = np.zeros(N, np.float32)
-    q8.matvec_q8(w_q, w_s, x_q, x_s, exact)                   # the kernel's float32 logits
+    exact = _logits(s.wp, s.sp, N, x_q, x_s)                  # the kernel's float32 logits
     assert np.all(np.abs(exact.astype(np.float64) - approx) <= bound)
 
 
@@ -340,7 +346,7 @@ def test_screen_row_codegen_is_vectorized():
     else:
         assert re.search(r"vpmaddubsw\s+[^\n]*%ymm", asm)
     # block factors converted 8 at a time at the row start and read by the FMA as a broadcast
-    assert re.search(r"vcvtph2ps\s+[^\n]*%ymm", asm) and re.search(r"vfmadd\w+ps\s+[^\n]*\{1to8\}|vbroadcastss", asm)
+    assert re.search(r"vcvtph2psx?\s+[^\n]*%ymm", asm) and re.search(r"vfmadd\w+ps\s+[^\n]*\{1to8\}|vbroadcastss", asm)
 
 
 def test_memory_bound_counts_the_head_each_step_read(tiny_model, monkeypatch):
@@ -353,7 +359,7 @@ def test_memory_bound_counts_the_head_each_step_read(tiny_model, monkeypatch):
     prog, sc = tiny_model.program, tiny_model.executor.screen
     size = {k: sum(v.nbytes for v in decode_weight_spans(prog, k)) for k in ("screen", "plain", "both")}
     lin = P.linear_operands(prog.I[prog.meta["head_screen"]["row"]])
-    head = lin.n * (lin.kp + lin.kp // 16)
+    head = qp.padded_rows(lin.n) * (lin.kp + lin.kp // 16)     # panels: rows padded to 64, all read
     assert size["plain"] - size["screen"] == head - tiny_model.info()["memory"]["head_screen_bytes"]
     assert size["both"] == size["screen"] + head
     assert decode_weight_bytes(prog) == size["screen"]

@@ -29,6 +29,7 @@ def decode_weight_spans(program, head: str = "screen") -> list:
     answers reads; the few exact rows left out too), "plain" (the lm_head itself: sampling, or
     the executor found the plain head faster) or "both" (a screened step that fell back)."""
     from ..kernels import program_table as P
+    from ..kernels.q8_panels import padded_rows
     if head not in HEAD_READS:
         raise ValueError(f"head must be one of {HEAD_READS}, got {head!r}")
     a = program.arrays
@@ -45,9 +46,10 @@ def decode_weight_spans(program, head: str = "screen") -> list:
             continue
         lin = P.linear_operands(I[r])
         Kd, N, kind, w_off, s_off, Kp, b_off = lin.k, lin.n, lin.kind, lin.w_off, lin.s_off, lin.kp, lin.bias_off
-        if kind == P.WEIGHT_Q8:
-            ranges["wq"].append((w_off, w_off + N * Kp))
-            ranges["ws"].append((s_off, s_off + N * (Kp // 32)))
+        if kind == P.WEIGHT_Q8:                     # panels: rows padded to ROW_ALIGN, all read
+            Np = padded_rows(N)
+            ranges["wq"].append((w_off, w_off + Np * Kp))
+            ranges["ws"].append((s_off, s_off + Np * (Kp // 32)))
         elif kind == P.WEIGHT_BLOCKS:               # raw ggml blocks in wq's bytes; s_off: ggml type
             from ..kernels.gguf_blocks import block_format
             ranges["wq"].append((w_off, w_off + N * block_format(s_off).row_bytes(Kp)))

@@ -1,0 +1,477 @@
+"""INT8 LINEAR over weights stored in panels of 16 rows: one kernel for decode, batch and the head.
+
+    out (B, N) = x (B, K) @ W.T,   W = q8 block-32 (``q8``: int8 values, binary16 scale per 32)
+
+Layout ("q8 panels"). The N rows are cut into panels of PANEL = 16 rows (N padded with zero rows
+to Np = 16 * ceil(N / 16)); within a panel, block b (values 32b .. 32b + 31), pair p (values
+32b + 2p, 32b + 2p + 1):
+
+    wp int8   (Np // 16, nb, 16, 32):  wp[g, b, p, 2 l + e] = w_q[16 g + l, 32 b + 2 p + e]
+    sp uint16 (Np // 16, nb, 16):      sp[g, b, l]          = w_s[16 g + l, b]
+
+so 32 consecutive bytes hold one pair of values for each of 16 rows: sign-extended to int16 they
+are one ``vpdpwssd`` operand whose 16 int32 lanes are 16 rows, against one broadcast activation
+pair. A row's sum over a block is then formed in its own lane, with no horizontal reduction, and
+one float step per block serves 16 rows. A panel is nb * 512 bytes, contiguous: each thread
+streams whole panels, as the row-major kernels stream rows.
+
+Numerics (the same for every B, tile shape, thread count and ISA; the prefill GEMM
+``q8_gemm.matmul_w8a16`` follows them too): activations int16 per block of 32
+(``q8.quantize_act_q16``), and for output (t, n)
+
+    acc = 0;  for b in 0 .. nb - 1:  acc = fma(float(S[t, n, b]), f16(w_s[n, b]) * x_s[t, b], acc)
+
+with S the block's exact int32 sum of products (|S| <= 32 * 127 * 32767 < 2^27, so any order of
+forming it gives the same integer) and ``fma`` one rounding. So a row's value does not depend on
+what else is in the batch: batch invariance, by construction.
+
+Why: a decode batch of B sequences reads the weights once; per block the row-major q8 kernel
+spent two int multiply-adds, a convert and an FMA on 8 lanes for every (row, sequence), and
+reached ~80 G multiply-adds/s; the prefill GEMM, one ``vpdpwssd`` per 32 multiply-adds plus a
+float step per 16 rows, ~210 (benchmarks/results/2026-12-04-batch-gemm-order.md). Storing the
+weights in the GEMM's order (int8, widened in registers: an int16 copy would double the bytes a
+single stream reads) gives a decode batch the GEMM's rate without packing per call.
+
+Kernels: ``pack_panels(w_q, w_s) -> (wp, sp)`` at compile time, ``unpack_panels`` (tests),
+``panels_matmul(wp, sp, N, x_q, x_s, out)`` for B >= 1 rows of quantized activations,
+``linear_panels(x, wp, sp, N, out, x_q, x_s)`` quantizing first, and the numpy reference
+``panels_matmul_ref``.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from . import numba_setup  # code-generation settings first
+from .q8 import (_F32, _I8, _I16, _I32, _I64, _P8, QBLOCK, HAVE_AVX2, _c64, _decl, _halves_to_floats,
+                 _prefetch_ahead, half_to_float, quantize_act_q16, scale_values)
+
+PANEL = 16
+"""Rows per panel: the int32 lanes of one 512-bit register."""
+PANEL_BLOCK_BYTES = PANEL * QBLOCK
+"""Bytes of one block of one panel (512)."""
+
+HAVE_VNNI = (HAVE_AVX2 and numba_setup.HOST_IS_X86
+             and {"avx512f", "avx512bw", "avx512vnni"} <= numba_setup.HOST_FEATURES)
+ISAS = ("vnni",) * HAVE_VNNI + ("avx2",) * HAVE_AVX2 + ("generic",)
+"""The variants this CPU runs, best first."""
+ISA = os.environ.get("CPULLM_Q8_PANELS_ISA") or ISAS[0]
+"""The variant this process compiles: ``vpdpwssd`` on zmm (AVX-512 VNNI), ``vpmaddwd`` + ``vpaddd``
+(AVX2), or portable IR. The environment variable picks a lesser one for tests (with a numba cache
+of its own: the on-disk cache does not tell variants apart)."""
+if ISA not in ISAS:
+    raise ImportError(f"CPULLM_Q8_PANELS_ISA={ISA!r}: this CPU runs {', '.join(ISAS)}")
+
+_V16I32 = ir.VectorType(_I32, 16)
+_V16F32 = ir.VectorType(_F32, 16)
+_V32I8 = ir.VectorType(_I8, 32)
+_V32I16 = ir.VectorType(_I16, 32)
+_V16I16 = ir.VectorType(_I16, 16)
+_V8I32 = ir.VectorType(_I32, 8)
+
+TILES = ((8, 1), (4, 2), (2, 4), (1, 4))
+"""Register tiles (batch rows TR, panels V) a group of 4 panels is covered with: B is cut into
+tiles of 8, 4, 2 and 1 rows; a tile of TR rows takes 4 // V passes over the group. TR x V int32
+sums plus TR x V float accumulators stay in registers (AVX-512: 32 zmm)."""
+GROUP = 4
+"""Panels a thread's work is counted in (64 rows)."""
+
+
+# ================================================================================================
+# layout
+# ================================================================================================
+
+ROW_ALIGN = 64
+"""N is padded with zero rows to a multiple of this (GROUP panels): every group is whole."""
+
+
+@njit(cache=True)
+def padded_rows(N):
+    """Np: N rounded up to ROW_ALIGN (callable from @njit code)."""
+    return (int(N) + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
+
+
+def pack_panels(w_q, w_s):
+    """(w_q int8 (N, Kp), w_s uint16 (N, Kp // 32)) -> (wp int8 (Np * Kp,), sp uint16 (Np * Kp // 32,))."""
+    N, Kp = w_q.shape
+    nb = Kp // QBLOCK
+    Np = padded_rows(N)
+    q = np.zeros((Np, Kp), np.int8)
+    q[:N] = w_q
+    s = np.zeros((Np, nb), np.uint16)
+    s[:N] = w_s
+    wp = q.reshape(Np // PANEL, PANEL, nb, PANEL, 2).transpose(0, 2, 3, 1, 4)   # (g, b, p, l, e)
+    sp = s.reshape(Np // PANEL, PANEL, nb).transpose(0, 2, 1)                   # (g, b, l)
+    return np.ascontiguousarray(wp).reshape(-1), np.ascontiguousarray(sp).reshape(-1)
+
+
+def unpack_panels(wp, sp, N: int, Kp: int):
+    """Inverse of :func:`pack_panels`: (w_q (N, Kp), w_s (N, Kp // 32))."""
+    nb = Kp // QBLOCK
+    Np = padded_rows(N)
+    q = np.asarray(wp).reshape(Np // PANEL, nb, PANEL, PANEL, 2).transpose(0, 3, 1, 2, 4).reshape(Np, Kp)
+    s = np.asarray(sp).reshape(Np // PANEL, nb, PANEL).transpose(0, 2, 1).reshape(Np, nb)
+    return np.ascontiguousarray(q[:N]), np.ascontiguousarray(s[:N])
+
+
+def panels_matmul_ref(wp, sp, N: int, x_q, x_s):
+    """numpy reference: (B, N) float32 in exactly the kernel's order (fma emulated in float64:
+    float(S) * factor is exact there; the sum rounds once to float64, then to float32)."""
+    x_q = np.atleast_2d(x_q)
+    x_s = np.atleast_2d(x_s)
+    Kp = x_q.shape[1]
+    nb = Kp // QBLOCK
+    w_q, w_s = unpack_panels(wp, sp, N, Kp)
+    S = np.einsum("nbj,tbj->tnb", w_q.reshape(N, nb, QBLOCK).astype(np.int64),
+                  x_q.reshape(-1, nb, QBLOCK).astype(np.int64))            # exact
+    Sf = S.astype(np.float32)
+    fac = scale_values(w_s)[None, :, :] * x_s.astype(np.float32)[:, None, :]   # float32 product
+    acc = np.zeros((x_q.shape[0], N), np.float32)
+    for b in range(nb):
+        acc = (Sf[:, :, b].astype(np.float64) * fac[:, :, b].astype(np.float64) + acc).astype(np.float32)
+    return acc
+
+
+# ================================================================================================
+# the register tile
+# ================================================================================================
+
+def _splat(b, scalar, vty):
+    v = b.insert_element(ir.Constant(vty, ir.Undefined), scalar, ir.Constant(_I32, 0))
+    return b.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, vty.count), [0] * vty.count))
+
+
+def _pair_dot(b, module, acc, w, a, isa):
+    """IR: acc (<16 x i32>, one lane a row) + the row's pair of weights (w: <32 x i16>, lanes 2l,
+    2l + 1) times the activation pair (a: <16 x i32>, the pair as int16 halves, every lane)."""
+    if isa == "vnni":
+        dpwssd = _decl(module, "llvm.x86.avx512.vpdpwssd.512", _V16I32, [_V16I32, _V16I32, _V16I32])
+        return b.call(dpwssd, [acc, a, b.bitcast(w, _V16I32)])
+    if isa == "avx2":
+        maddwd = _decl(module, "llvm.x86.avx2.pmadd.wd", _V8I32, [_V16I16, _V16I16])
+        a16 = b.bitcast(b.shuffle_vector(a, a, ir.Constant(_V8I32, list(range(8)))), _V16I16)
+        lo = b.shuffle_vector(w, w, ir.Constant(_V16I32, list(range(16))))
+        hi = b.shuffle_vector(w, w, ir.Constant(_V16I32, list(range(16, 32))))
+        prod = b.shuffle_vector(b.call(maddwd, [lo, a16]), b.call(maddwd, [hi, a16]),
+                                ir.Constant(_V16I32, list(range(16))))
+        return b.add(acc, prod)
+    w32 = b.sext(w, ir.VectorType(_I32, 32))
+    a32 = b.sext(b.bitcast(a, _V32I16), ir.VectorType(_I32, 32))
+    p = b.mul(w32, a32)
+    ev = b.shuffle_vector(p, p, ir.Constant(_V16I32, list(range(0, 32, 2))))
+    od = b.shuffle_vector(p, p, ir.Constant(_V16I32, list(range(1, 32, 2))))
+    return b.add(acc, b.add(ev, od))
+
+
+def _vnni_block_sums(b, wptrs, xptrs, chains):
+    """IR: the int32 sums of one block for a TR x V tile, as one inline-assembly routine:
+    per pair, V ``vpmovsxbw`` loads and TR x V ``vpdpwssd`` with the activation pair broadcast
+    from memory. Returns sums[t][v][chain] (<16 x i32>).
+
+    Inline assembly, not IR: LLVM (the host's tuning) rewrote each ``vpdpwssd`` into ``vpmaddwd``
+    + ``vpaddd`` and hoisted the broadcasts into 30 spilled registers: 50-65 G multiply-adds/s on
+    the 2-core Intel VM instead of ~2-3x that."""
+    TR, V = len(xptrs), len(wptrs)
+    nacc = TR * V * chains
+    reg = lambda i: f"${i}"  # noqa: E731
+    acc = lambda t, v, c: reg((t * V + v) * chains + c)  # noqa: E731
+    wreg = lambda v: reg(nacc + v)  # noqa: E731
+    first_in = nacc + V
+    wptr = lambda v: reg(first_in + v)  # noqa: E731
+    xptr = lambda t: reg(first_in + V + t)  # noqa: E731
+    lines = [f"vpxord {acc(t, v, c)}, {acc(t, v, c)}, {acc(t, v, c)}"
+             for t in range(TR) for v in range(V) for c in range(chains)]
+    for p in range(16):
+        for v in range(V):
+            lines.append(f"vpmovsxbw {32 * p}({wptr(v)}), {wreg(v)}")
+        for t in range(TR):
+            for v in range(V):
+                lines.append(f"vpdpwssd {4 * p}({xptr(t)}){{1to16}}, {wreg(v)}, {acc(t, v, p % chains)}")
+    ret = ir.LiteralStructType([_V16I32] * (nacc + V))
+    ins = list(wptrs) + list(xptrs)
+    asm = ir.InlineAsm(ir.FunctionType(ret, [x.type for x in ins]), "\n\t".join(lines),
+                       ",".join(["=&v"] * (nacc + V) + ["r"] * len(ins) + ["~{memory}"]))
+    r = b.call(asm, ins)
+    return [[[b.extract_value(r, (t * V + v) * chains + c) for c in range(chains)] for v in range(V)]
+            for t in range(TR)]
+
+
+def _define_tile(module, isa: str, TR: int, V: int, locality: int):
+    """void @cpullm_q8_panel_tile(i8* wp, i8* sp, i64 panel_bytes, i8* xq, i64 xq_stride,
+    i8* xs, i64 xs_stride, i64 nb, i8* out, i64 out_stride): for t < TR, v < V:
+    out[t, 16 v .. 16 v + 15] = the rows of panel v (at wp + v * panel_bytes, scales at
+    sp + v * panel_bytes / 16) against activation row t. Strides in bytes."""
+    name = f"cpullm_q8_panel_tile_{isa}_{TR}x{V}_l{locality}"
+    fn = module.globals.get(name)
+    if fn is not None:
+        return fn
+    fnty = ir.FunctionType(ir.VoidType(), [_P8, _P8, _I64, _P8, _I64, _P8, _I64, _I64, _P8, _I64])
+    fn = ir.Function(module, fnty, name)
+    fn.linkage = "internal"
+    fn.attributes.add("nounwind")
+    wp, sp, pbytes, xq, xqst, xs, xsst, nb, out, ost = fn.args
+    fma = _decl(module, "llvm.fma.v16f32", _V16F32, [_V16F32, _V16F32, _V16F32])
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    sbytes = b.ashr(pbytes, _c64(4))
+    wpan = [b.gep(wp, [b.mul(pbytes, _c64(v))]) for v in range(V)]
+    span = [b.gep(sp, [b.mul(sbytes, _c64(v))]) for v in range(V)]
+    xrow = [b.gep(xq, [b.mul(xqst, _c64(t))]) for t in range(TR)]
+    xsrow = [b.bitcast(b.gep(xs, [b.mul(xsst, _c64(t))]), _F32.as_pointer()) for t in range(TR)]
+    # int32 sums of a block: 2 chains a (row, panel) when the tile is small, so that vpdpwssd's
+    # latency is hidden (the integer sum is exact: any split gives the same value)
+    chains = 2 if TR * V <= 4 else 1
+    zero_f = ir.Constant(_V16F32, [0.0] * 16)
+    zero_i = ir.Constant(_V16I32, [0] * 16)
+
+    def block(b, i, accs):
+        boff = b.shl(i, _c64(9))                    # 512 bytes a panel-block
+        for v in range(V):
+            _prefetch_ahead(b, module, b.gep(wpan[v], [boff]), locality)
+            _prefetch_ahead(b, module, b.gep(wpan[v], [b.add(boff, _c64(256))]), locality)
+        xoff = b.shl(i, _c64(6))                    # 64 bytes of int16 activations a block
+        if isa == "vnni":
+            sums = _vnni_block_sums(b, [b.gep(wpan[v], [boff]) for v in range(V)],
+                                    [b.gep(xrow[t], [xoff]) for t in range(TR)], chains)
+        else:
+            sums = [[[zero_i] * chains for _ in range(V)] for _ in range(TR)]
+            for p in range(16):
+                w = [b.sext(b.load(b.bitcast(b.gep(wpan[v], [b.add(boff, _c64(32 * p))]), _V32I8.as_pointer()),
+                                   align=1), _V32I16) for v in range(V)]
+                for t in range(TR):
+                    pair = b.load(b.bitcast(b.gep(xrow[t], [b.add(xoff, _c64(4 * p))]), _I32.as_pointer()), align=2)
+                    a = _splat(b, pair, _V16I32)
+                    for v in range(V):
+                        c = p % chains
+                        sums[t][v][c] = _pair_dot(b, module, sums[t][v][c], w[v], a, isa)
+        soff = b.shl(i, _c64(5))                    # 32 bytes of scales a panel-block
+        sc = [_halves_to_floats(b, b.load(b.bitcast(b.gep(span[v], [soff]), _V16I16.as_pointer()), align=2))
+              for v in range(V)]
+        new = []
+        for t in range(TR):
+            xsv = b.load(b.gep(xsrow[t], [i]), align=4)
+            xsv = b.shuffle_vector(b.insert_element(ir.Constant(_V16F32, ir.Undefined), xsv, ir.Constant(_I32, 0)),
+                                   ir.Constant(_V16F32, ir.Undefined), ir.Constant(_V16I32, [0] * 16))
+            for v in range(V):
+                s = sums[t][v][0] if chains == 1 else b.add(sums[t][v][0], sums[t][v][1])
+                new.append(b.call(fma, [b.sitofp(s, _V16F32), b.fmul(sc[v], xsv), accs[t * V + v]]))
+        return new
+
+    from .q8 import _emit_counted_loop
+    b, accs = _emit_counted_loop(fn, b, _c64(0), nb, 1, [zero_f] * (TR * V), block, "blocks")
+    for t in range(TR):
+        orow = b.gep(out, [b.mul(ost, _c64(t))])
+        for v in range(V):
+            b.store(accs[t * V + v], b.bitcast(b.gep(orow, [_c64(64 * v)]), _V16F32.as_pointer()), align=4)
+    b.ret_void()
+    return fn
+
+
+def _make_tile(isa: str, TR: int, V: int, locality: int):
+    @intrinsic
+    def tile(typingctx, wp, sp, g, x_q, x_s, t0, out, o_t, o_n):
+        """Register tile: out[o_t + t, o_n + 16 v + l] for t < TR, v < V, l < 16 = panel g + v's
+        row l against activation row t0 + t (out must have those 16 V columns). No bounds checks."""
+        sig = types.void(wp, sp, g, x_q, x_s, t0, out, o_t, o_n)
+
+        def codegen(context, builder, sig, args):
+            awp, asp, axq, axs = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 1, 3, 4))
+            aout = context.make_array(sig.args[6])(context, builder, args[6])
+            g_, t0_, ot_, on_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (2, 5, 7, 8))
+            xqst = builder.extract_value(axq.strides, 0)
+            xsst = builder.extract_value(axs.strides, 0)
+            ost = builder.extract_value(aout.strides, 0)
+            nb = builder.ashr(builder.extract_value(axq.shape, 1), _c64(5))
+            pbytes = builder.shl(nb, _c64(9))
+            p8 = lambda a: builder.bitcast(a.data, _P8)  # noqa: E731
+            wptr = builder.gep(p8(awp), [builder.mul(g_, pbytes)])
+            sptr = builder.gep(p8(asp), [builder.mul(g_, builder.ashr(pbytes, _c64(4)))])
+            xptr = builder.gep(p8(axq), [builder.mul(t0_, xqst)])
+            sxptr = builder.gep(p8(axs), [builder.mul(t0_, xsst)])
+            optr = builder.gep(p8(aout), [builder.add(builder.mul(ot_, ost), builder.shl(on_, _c64(2)))])
+            fn = _define_tile(builder.module, isa, TR, V, locality)
+            builder.call(fn, [wptr, sptr, pbytes, xptr, xqst, sxptr, xsst, nb, optr, ost])
+            return context.get_dummy_value()
+
+        return sig, codegen
+    return tile
+
+
+def _tiles(isa):
+    return {(TR, V, loc): _make_tile(isa, TR, V, loc) for TR, V in TILES for loc in (2, 3)}
+
+
+_T = _tiles(ISA)
+_t8x1, _t4x2, _t2x4, _t1x4 = _T[8, 1, 3], _T[4, 2, 3], _T[2, 4, 3], _T[1, 4, 3]
+_t8x1l2, _t4x2l2, _t2x4l2, _t1x4l2 = _T[8, 1, 2], _T[4, 2, 2], _T[2, 4, 2], _T[1, 4, 2]
+
+LONG_ROW_K = 4096
+"""Rows at least this long prefetch into L2 (their activations fill L1), as ``q8.matvec_q8``."""
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _group(wp, sp, g, x_q, x_s, out, o_n, long_rows):
+    """Every tile of panels g .. g + 3 (GROUP) against all B rows; results at out[:, o_n:]."""
+    B = x_q.shape[0]
+    t0 = 0
+    while B - t0 >= 8:
+        for v in range(4):
+            if long_rows:
+                _t8x1l2(wp, sp, g + v, x_q, x_s, t0, out, t0, o_n + 16 * v)
+            else:
+                _t8x1(wp, sp, g + v, x_q, x_s, t0, out, t0, o_n + 16 * v)
+        t0 += 8
+    if B - t0 >= 4:
+        for v in range(0, 4, 2):
+            if long_rows:
+                _t4x2l2(wp, sp, g + v, x_q, x_s, t0, out, t0, o_n + 16 * v)
+            else:
+                _t4x2(wp, sp, g + v, x_q, x_s, t0, out, t0, o_n + 16 * v)
+        t0 += 4
+    if B - t0 >= 2:
+        if long_rows:
+            _t2x4l2(wp, sp, g, x_q, x_s, t0, out, t0, o_n)
+        else:
+            _t2x4(wp, sp, g, x_q, x_s, t0, out, t0, o_n)
+        t0 += 2
+    if B - t0 >= 1:
+        if long_rows:
+            _t1x4l2(wp, sp, g, x_q, x_s, t0, out, t0, o_n)
+        else:
+            _t1x4(wp, sp, g, x_q, x_s, t0, out, t0, o_n)
+
+
+@njit(cache=True, parallel=True)
+def panels_matmul(wp, sp, N, x_q, x_s, out, nthreads):
+    """out[:, :N] = the panels' rows against rows of (x_q int16 (B, Kp), x_s float32 (B, Kp // 32)),
+    the module's numerics. wp int8 / sp uint16 flat (pack_panels); out float32 (B, >= N) (the
+    columns past N are left alone). Callers pass C-contiguous 2-D arrays, so that one compiled
+    specialization serves decode, batches and prefill. Groups of 4 panels (64 rows) split over the threads in contiguous
+    ranges; a group that would run past Np, or holds rows past N, goes through a scratch tile."""
+    B, Kp = x_q.shape
+    nb = Kp // QBLOCK
+    npan = (N + ROW_ALIGN - 1) // ROW_ALIGN * GROUP
+    if (wp.shape[0] != npan * PANEL * Kp or sp.shape[0] != npan * PANEL * nb or Kp % QBLOCK != 0
+            or x_s.shape[0] != B or x_s.shape[1] != nb or out.shape[0] != B or out.shape[1] < N):
+        raise ValueError("panels_matmul: shapes must be wp (Np * Kp,), sp (Np * Kp // 32,), x_q (B, Kp), "
+                         "x_s (B, Kp // 32), out (B, >= N)")
+    if x_q.strides[1] != 2 or x_s.strides[1] != 4 or out.strides[1] != 4:
+        raise ValueError("panels_matmul: rows of x_q, x_s and out must be contiguous")
+    long_rows = Kp >= LONG_ROW_K
+    nfull = N // (GROUP * PANEL)            # groups whose 64 rows are all < N
+    ngroups = npan // GROUP
+    nth = max(1, min(nthreads, ngroups))
+    for c in prange(nth):
+        lo = c * ngroups // nth
+        hi = (c + 1) * ngroups // nth
+        for grp in range(lo, min(hi, nfull)):
+            _group(wp, sp, grp * GROUP, x_q, x_s, out, grp * GROUP * PANEL, long_rows)
+        if hi > nfull:                      # the last group holds rows past N: via a scratch tile
+            edge = np.empty((B, GROUP * PANEL), np.float32)
+            _group(wp, sp, nfull * GROUP, x_q, x_s, edge, 0, long_rows)
+            for t in range(B):
+                for j in range(N - nfull * GROUP * PANEL):
+                    out[t, nfull * GROUP * PANEL + j] = edge[t, j]
+
+
+@njit(cache=True, nogil=True)
+def _quantize_rows(x, x_q, x_s):
+    for t in range(x.shape[0]):
+        quantize_act_q16(x[t], x_q[t], x_s[t])
+
+
+def linear_panels(x, wp, sp, N, out, x_q, x_s):
+    """out[:, :N] = x (B, K) @ W.T: x float32 (B, K) quantized into the flat scratch x_q int16
+    (>= B * Kp,), x_s float32 (>= B * Kp // 32,), then :func:`panels_matmul` (out C-contiguous)."""
+    B, K = x.shape
+    Kp = (K + QBLOCK - 1) // QBLOCK * QBLOCK
+    xq, xs = x_q[:B * Kp].reshape(B, Kp), x_s[:B * (Kp // QBLOCK)].reshape(B, Kp // QBLOCK)
+    _quantize_rows(x, xq, xs)
+    panels_matmul(wp, sp, N, xq, xs, out, numba.get_num_threads())
+
+
+# ================================================================================================
+# one row at a time (the head screen's exact rows), the rows as numbers, prefill
+# ================================================================================================
+
+@intrinsic
+def _fma32(typingctx, a, b, c):
+    """float32 a * b + c with one rounding (``llvm.fma``: the lanes of the tile's FMA exactly)."""
+    if not all(isinstance(v, types.Float) and v.bitwidth == 32 for v in (a, b, c)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        fma = _decl(builder.module, "llvm.fma.f32", _F32, [_F32, _F32, _F32])
+        return builder.call(fma, list(args))
+
+    return types.float32(a, b, c), codegen
+
+
+@njit(cache=True, nogil=True)
+def panel_row_dot(wp, sp, n, x_q, x_s):
+    """Row n of the panels against one row of activations (x_q int16 (Kp,), x_s float32 (Kp // 32,)):
+    the value :func:`panels_matmul` writes for it, bit for bit (the same integer block sums, the
+    same float steps in the same order)."""
+    Kp = x_q.shape[0]
+    nb = Kp // QBLOCK
+    g = n // PANEL
+    lane = n % PANEL
+    acc = np.float32(0.0)
+    for b in range(nb):
+        base = (g * nb + b) * PANEL_BLOCK_BYTES + 2 * lane
+        s = 0
+        for p in range(16):
+            s += np.int32(wp[base + 32 * p]) * np.int32(x_q[QBLOCK * b + 2 * p])
+            s += np.int32(wp[base + 32 * p + 1]) * np.int32(x_q[QBLOCK * b + 2 * p + 1])
+        factor = half_to_float(sp[(g * nb + b) * PANEL + lane]) * x_s[b]
+        acc = _fma32(np.float32(s), factor, acc)
+    return acc
+
+
+def dequantized_rows(wp, sp, Kp: int, n0: int, n1: int):
+    """float64 (n1 - n0, Kp): rows n0 .. n1 of the panels as numbers (values times scales)."""
+    nb = Kp // QBLOCK
+    g0, g1 = n0 // PANEL, (n1 + PANEL - 1) // PANEL
+    q = np.asarray(wp[g0 * nb * PANEL_BLOCK_BYTES: g1 * nb * PANEL_BLOCK_BYTES]).reshape(g1 - g0, nb, 16, PANEL, 2)
+    q = q.transpose(0, 3, 1, 2, 4).reshape((g1 - g0) * PANEL, nb, QBLOCK)
+    s = np.asarray(sp[g0 * nb * PANEL: g1 * nb * PANEL]).reshape(g1 - g0, nb, PANEL).transpose(0, 2, 1)
+    s = scale_values(s.reshape((g1 - g0) * PANEL, nb)).astype(np.float64)
+    rows = (q.astype(np.float64) * s[..., None]).reshape(-1, Kp)
+    return rows[n0 - g0 * PANEL: n1 - g0 * PANEL]
+
+
+@njit(cache=True, parallel=True)
+def _quantize_rows_par(x, x_q, x_s):
+    for t in prange(x.shape[0]):
+        quantize_act_q16(x[t], x_q[t], x_s[t])
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(T: int, Kp: int):
+    """int16 (T, Kp) and float32 (T, Kp // 32) views of this thread's activation scratch, kept and
+    grown (fresh pages for a 512-row prefill's every LINEAR cost page faults)."""
+    nq, ns = T * Kp, T * (Kp // QBLOCK)
+    q, s = getattr(_SCRATCH, "q", None), getattr(_SCRATCH, "s", None)
+    if q is None or q.size < nq:
+        q = _SCRATCH.q = np.empty(nq, np.int16)
+    if s is None or s.size < ns:
+        s = _SCRATCH.s = np.empty(ns, np.float32)
+    return q[:nq].reshape(T, Kp), s[:ns].reshape(T, Kp // QBLOCK)
+
+
+def matmul_panels(x, wp, sp, N: int, out):
+    """out[:, :N] = x (T, K) @ W.T for a prefill chunk: x float32 (T, K) (rows contiguous, any
+    row stride) quantized once, then :func:`panels_matmul` (each 64-row group of W read from
+    memory once and kept in L2 while every row of x passes it); out C-contiguous (T, >= N)."""
+    T, K = x.shape
+    Kp = (K + QBLOCK - 1) // QBLOCK * QBLOCK
+    x_q, x_s = _scratch(T, Kp)
+    _quantize_rows_par(x, x_q, x_s)
+    panels_matmul(wp, sp, N, x_q, x_s, out, numba.get_num_threads())

@@ -1,0 +1,133 @@
+"""The q8 panel kernels (cpullm.kernels.q8_panels): layout, the numpy reference bit for bit, batch
+invariance, and every ISA variant this CPU runs."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from cpullm.kernels import q8, q8_panels as qp
+
+SHAPES = [(1, 32), (16, 64), (64, 96), (100, 200), (130, 4864), (257, 896)]
+
+
+def _weights(N, K, seed=0):
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((N, K)).astype(np.float32) * rng.uniform(0.01, 3, (N, 1)).astype(np.float32)
+    return q8.quantize_weight_q8(w)
+
+
+def _acts(B, K, seed=1):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((B, K)).astype(np.float32)
+    x[:, ::7] *= 40                                         # outliers: int16 blocks of unequal scale
+    Kp = q8.padded_k(K)
+    x_q, x_s = np.zeros((B, Kp), np.int16), np.zeros((B, Kp // 32), np.float32)
+    for t in range(B):
+        q8.quantize_act_q16(x[t], x_q[t], x_s[t])
+    return x, x_q, x_s
+
+
+@pytest.mark.parametrize("N,K", SHAPES)
+def test_pack_round_trip_and_padding(N, K):
+    w_q, w_s = _weights(N, K)
+    wp, sp = qp.pack_panels(w_q, w_s)
+    Np = qp.padded_rows(N)
+    assert Np % qp.ROW_ALIGN == 0 and Np >= N
+    assert wp.size == Np * w_q.shape[1] and sp.size == Np * w_s.shape[1]
+    q2, s2 = qp.unpack_panels(wp, sp, N, w_q.shape[1])
+    assert np.array_equal(q2, w_q) and np.array_equal(s2, w_s)
+    rows = qp.dequantized_rows(wp, sp, w_q.shape[1], N // 3, N)
+    assert np.array_equal(rows, q8.dequantize_weight_q8_ref(w_q, w_s)[N // 3:].astype(np.float64))
+
+
+@pytest.mark.parametrize("N,K", SHAPES)
+def test_kernel_equals_reference_and_float64(N, K):
+    w_q, w_s = _weights(N, K)
+    wp, sp = qp.pack_panels(w_q, w_s)
+    for B in (1, 3, 8, 13):
+        _, x_q, x_s = _acts(B, K, seed=B)
+        out = np.full((B, N), np.nan, np.float32)
+        qp.panels_matmul(wp, sp, N, x_q, x_s, out, 2)
+        assert np.array_equal(out, qp.panels_matmul_ref(wp, sp, N, x_q, x_s))
+        exact = np.stack([q8.matvec_q8_ref(w_q, w_s, x_q[t], x_s[t]) for t in range(B)])
+        assert np.allclose(out, exact, rtol=1e-5, atol=1e-5 * np.abs(exact).max())
+
+
+def test_every_row_is_independent_of_the_batch_and_the_threads():
+    N, K = 200, 4864                                         # long rows: the L2-prefetch tiles too
+    w_q, w_s = _weights(N, K)
+    wp, sp = qp.pack_panels(w_q, w_s)
+    _, x_q, x_s = _acts(17, K)
+    alone = np.zeros((17, N), np.float32)
+    for t in range(17):
+        qp.panels_matmul(wp, sp, N, x_q[t:t + 1], x_s[t:t + 1], alone[t:t + 1], 1)
+    for B in range(1, 18):                                   # tiles of 8, 4, 2 and 1 rows
+        for threads in (1, 2):
+            out = np.zeros((B, N), np.float32)
+            qp.panels_matmul(wp, sp, N, x_q[:B], x_s[:B], out, threads)
+            assert np.array_equal(out, alone[:B]), (B, threads)
+    for n in (0, 15, 16, 199):                               # the head screen's exact rows
+        assert qp.panel_row_dot(wp, sp, n, x_q[3], x_s[3]) == alone[3, n]
+
+
+def test_strided_output_and_prefill_entry_point():
+    N, K = 100, 200
+    w_q, w_s = _weights(N, K)
+    wp, sp = qp.pack_panels(w_q, w_s)
+    x, x_q, x_s = _acts(5, K)
+    arena = np.zeros((5, 160), np.float32)                   # rows of a wider buffer, as the executor's
+    qp.matmul_panels(x, wp, sp, N, arena)
+    want = np.zeros((5, N), np.float32)
+    qp.panels_matmul(wp, sp, N, x_q, x_s, want, 2)
+    assert np.array_equal(arena[:, :N], want) and not arena[:, N:].any()
+
+
+def test_bad_shapes_are_refused():
+    w_q, w_s = _weights(64, 64)
+    wp, sp = qp.pack_panels(w_q, w_s)
+    _, x_q, x_s = _acts(2, 64)
+    with pytest.raises(ValueError):
+        qp.panels_matmul(wp[:-32], sp, 64, x_q, x_s, np.zeros((2, 64), np.float32), 2)
+    with pytest.raises(ValueError):
+        qp.panels_matmul(wp, sp, 64, x_q, x_s, np.zeros((2, 63), np.float32), 2)
+    with pytest.raises(ValueError):
+        qp.panels_matmul(wp, sp, 64, x_q[:, :32], x_s[:, :1], np.zeros((2, 64), np.float32), 2)
+
+
+_VARIANT = """
+import json, sys
+import numpy as np
+from cpullm.kernels import q8, q8_panels as qp
+assert qp.ISA == sys.argv[1], qp.ISA
+rng = np.random.default_rng(5)
+out = {}
+for N, K in ((130, 4864), (257, 896)):
+    w_q, w_s = q8.quantize_weight_q8(rng.standard_normal((N, K)).astype(np.float32))
+    wp, sp = qp.pack_panels(w_q, w_s)
+    x = rng.standard_normal((11, K)).astype(np.float32)
+    Kp = w_q.shape[1]
+    x_q, x_s = np.zeros(11 * Kp, np.int16), np.zeros(11 * Kp // 32, np.float32)
+    o = np.zeros((11, N), np.float32)
+    qp.linear_panels(x, wp, sp, N, o, x_q, x_s)
+    ok = bool(np.array_equal(o, qp.panels_matmul_ref(wp, sp, N, x_q.reshape(11, Kp), x_s.reshape(11, -1))))
+    out[f"{N}x{K}"] = [ok, o.view(np.uint32).sum(dtype=np.uint64).item()]
+print(json.dumps(out))
+"""
+
+
+def test_every_isa_variant_gives_the_same_bits(tmp_path):
+    """Each variant this CPU runs, compiled in a process of its own (own numba cache), equals the
+    reference and the others bit for bit."""
+    results = {}
+    for isa in qp.ISAS:
+        env = dict(os.environ, CPULLM_Q8_PANELS_ISA=isa, NUMBA_CACHE_DIR=str(tmp_path / isa))
+        r = subprocess.run([sys.executable, "-c", _VARIANT, isa], env=env, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        results[isa] = json.loads(r.stdout.strip().splitlines()[-1])
+    for isa, res in results.items():
+        assert all(ok for ok, _ in res.values()), (isa, res)
+        assert res == results[qp.ISAS[0]], (isa, res, results[qp.ISAS[0]])
