@@ -206,7 +206,13 @@ def _define_tile(module, isa: str, TR: int, V: int, locality: int):
     """void @cpullm_q8_panel_tile(i8* wp, i8* sp, i64 panel_bytes, i8* xq, i64 xq_stride,
     i8* xs, i64 xs_stride, i64 nb, i8* out, i64 out_stride): for t < TR, v < V:
     out[t, 16 v .. 16 v + 15] = the rows of panel v (at wp + v * panel_bytes, scales at
-    sp + v * panel_bytes / 16) against activation row t. Strides in bytes."""
+    sp + v * panel_bytes / 16) against activation row t. Strides in bytes.
+
+    Each of the V weight streams is prefetched ``q8.PREFETCH_BYTES`` ahead, every 64-byte line of
+    every block (8 a block). Measured on the 2-core Intel VM, 8 rows, weights from DRAM: the
+    151936 x 896 lm_head 9.2 -> 6.5 ms against 2 prefetches a block (0 prefetches: 10.4), the MLP's
+    9728 x 896 0.60 -> 0.47 ms and 896 x 4864 0.21 -> 0.15; one row unchanged (memory-bound
+    either way). 2 or 8 KiB ahead, or L2 for every size, measured the same within noise."""
     name = f"cpullm_q8_panel_tile_{isa}_{TR}x{V}_l{locality}"
     fn = module.globals.get(name)
     if fn is not None:
@@ -232,8 +238,8 @@ def _define_tile(module, isa: str, TR: int, V: int, locality: int):
     def block(b, i, accs):
         boff = b.shl(i, _c64(9))                    # 512 bytes a panel-block
         for v in range(V):
-            _prefetch_ahead(b, module, b.gep(wpan[v], [boff]), locality)
-            _prefetch_ahead(b, module, b.gep(wpan[v], [b.add(boff, _c64(256))]), locality)
+            for line in range(0, PANEL_BLOCK_BYTES, 64):   # every line: see _define_tile
+                _prefetch_ahead(b, module, b.gep(wpan[v], [b.add(boff, _c64(line))]), locality)
         xoff = b.shl(i, _c64(6))                    # 64 bytes of int16 activations a block
         if isa == "vnni":
             sums = _vnni_block_sums(b, [b.gep(wpan[v], [boff]) for v in range(V)],
