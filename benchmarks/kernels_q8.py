@@ -1,4 +1,4 @@
-"""Microbenchmark of the INT8 linear kernels (cpullm.kernels.q8) on real model shapes.
+"""Microbenchmark of the INT8 LINEAR (cpullm.kernels.q8_panels) and the f32 kernels on real model shapes.
 
     python benchmarks/kernels_q8.py [--threads 2,1] [--models qwen05,smol135] [--quick]
                                      [--wait-idle SECONDS] [--skip matmul]
@@ -6,14 +6,17 @@
 Prints, per thread count:
   * the DRAM read ceiling (cpullm.kernels.bandwidth.read_rate over 1 GiB: the read `cpullm bench`
     measures decode against);
-  * matvec_q8 and matvec_f32: GB/s of weight bytes (int8 + binary16 scales / float32), per shape,
-    cycling through 512 MB of copies of each matrix (one flat buffer) so every call streams from DRAM;
+  * the one-token q8 LINEAR (q8_panels.panels_matmul, B = 1) and q8.matvec_f32: GB/s of weight
+    bytes (int8 + binary16 scales, panels padded to 64 rows / float32), per shape, cycling through
+    512 MB of copies of each matrix (one flat buffer) so every call streams from DRAM;
   * a whole decode sweep (every matrix of every layer + lm_head once, as one token reads them):
     ms per token and the tokens/s bound this sets;
-  * the prefill GEMM at T=512 (q8_gemm.matmul_q8: the W8A16 GEMM where the CPU has AVX2 or AVX-512 VNNI) and the
-    dequantize + sgemm path (q8.matmul_q8_sgemm): GOP/s next to numpy sgemm on float32 weights;
-  * per-call overhead of matvec_q8 called from a serial @njit wrapper (the interpreter pattern)
-    on a small 576 x 576 matrix, next to the same work with 1 thread.
+  * prefill at T=512: q8_panels.matmul_panels (the runtime's q8 prefill) and, where the CPU has
+    AVX2 or AVX-512 VNNI, the W8A16 GEMM (q8_gemm.matmul_w8a16): GOP/s next to numpy sgemm on
+    float32 weights;
+  * per-call overhead of quantize_act_q16 + panels_matmul called from a serial @njit wrapper (the
+    interpreter pattern) on 32 x 32 and 576 x 576 matrices, next to panels_matmul called from
+    Python and matvec_f32 from @njit.
 
 The machine may be shared: ``--wait-idle S`` waits up to S seconds for an idle CPU before each
 section. Timings are the median of repeats (best in brackets).
@@ -31,7 +34,7 @@ import numpy as np
 from numba import njit
 
 from cpullm.bench import cpu_busy as bench_cpu_busy
-from cpullm.kernels import q8, q8_gemm
+from cpullm.kernels import q8, q8_gemm, q8_panels
 from cpullm.kernels.bandwidth import read_rate
 from cpullm.kernels.numba_setup import configure
 
@@ -74,11 +77,11 @@ def timeit(fn, reps, inner=1):
 
 
 @njit(cache=True)
-def _wrapper_loop(w_q, w_s, x, x_q, x_s, out, reps):
-    # the interpreter pattern: a serial njit function calling quantize + the parallel matvec
+def _wrapper_loop(wp, sp, N, x, x_q, x_s, out, nthreads, reps):
+    # the interpreter pattern: a serial njit function calling quantize + the parallel q8 LINEAR
     for _ in range(reps):
-        q8.quantize_act_q16(x, x_q, x_s)
-        q8.matvec_q8(w_q, w_s, x_q, x_s, out)
+        q8.quantize_act_q16(x, x_q[0], x_s[0])
+        q8_panels.panels_matmul(wp, sp, N, x_q, x_s, out, nthreads)
 
 
 @njit(cache=True)
@@ -101,14 +104,16 @@ def _flat(nbytes, dtype, rng):
 
 
 def _mats(N, K, kind, rng, total=STREAM_BYTES):
-    """Views (w_q, w_s) or w of consecutive matrices in one flat buffer of ~total bytes."""
+    """Flat (wp, sp) panels (kind "q8") or w (N, K) of consecutive matrices in one flat buffer of
+    ~total bytes. Random bytes are as good as packed weights for timing: only the size counts."""
     Kp = q8.padded_k(K)
     if kind == "q8":
-        nc = max(1, total // (N * Kp))
-        fq = _flat(nc * N * Kp, np.int8, rng)
-        fs = _scales(nc * N * Kp // 32, rng)
-        return [(fq[i * N * Kp:(i + 1) * N * Kp].reshape(N, Kp),
-                 fs[i * N * Kp // 32:(i + 1) * N * Kp // 32].reshape(N, Kp // 32)) for i in range(nc)]
+        Np = q8_panels.padded_rows(N)
+        nc = max(1, total // (Np * Kp))
+        fq = _flat(nc * Np * Kp, np.int8, rng)
+        fs = _scales(nc * Np * Kp // 32, rng)
+        return [(fq[i * Np * Kp:(i + 1) * Np * Kp], fs[i * Np * Kp // 32:(i + 1) * Np * Kp // 32])
+                for i in range(nc)]
     nc = max(1, total // (N * K * 4))
     f = _flat(nc * N * K * 4, np.float32, rng)
     return [f[i * N * K:(i + 1) * N * K].reshape(N, K) for i in range(nc)]
@@ -120,28 +125,35 @@ def _scales(n, rng):
 
 
 def make_q8(N, K, rng):
-    return _mats(N, K, "q8", rng, total=1)[0]
+    """One random row-major q8 matrix: (w_q int8 (N, Kp), w_s uint16 (N, Kp // 32))."""
+    Kp = q8.padded_k(K)
+    return rng.integers(-127, 128, (N, Kp), dtype=np.int8), _scales(N * Kp // 32, rng).reshape(N, Kp // 32)
+
+
+def _act(Kp, rng):
+    """One random row of int16 activation blocks: x_q (1, Kp), x_s (1, Kp // 32)."""
+    return rng.integers(-32767, 32768, (1, Kp), dtype=np.int16), rng.random((1, Kp // 32), dtype=np.float32)
 
 
 def bench_matvec(shapes, rng, reps, kind):
     """kind 'q8' or 'f32'; returns {label: (median GB/s, best GB/s, ms per call)}."""
     res = {}
+    nthreads = numba.get_num_threads()
     for label, N, K in shapes:
         Kp = q8.padded_k(K)
         mats = _mats(N, K, kind, rng)
-        per = (N * Kp + N * Kp // 16) if kind == "q8" else N * K * 4
+        per = (mats[0][0].size + mats[0][1].nbytes) if kind == "q8" else N * K * 4
         nc = len(mats)
-        x_q = rng.integers(-32767, 32768, Kp, dtype=np.int16)
-        x_s = rng.random(Kp // 32, dtype=np.float32)
+        x_q, x_s = _act(Kp, rng)
         x = rng.standard_normal(K, dtype=np.float32)
-        out = np.empty(N, np.float32)
+        out = np.empty((1, N), np.float32)
 
         def run():
             for m in mats:
                 if kind == "q8":
-                    q8.matvec_q8(m[0], m[1], x_q, x_s, out)
+                    q8_panels.panels_matmul(m[0], m[1], N, x_q, x_s, out, nthreads)
                 else:
-                    q8.matvec_f32(m, x, out)
+                    q8.matvec_f32(m, x, out[0])
         run()
         med, best = timeit(run, reps)
         res[label] = (per * nc / med / 1e9, per * nc / best / 1e9, med / nc * 1e3)
@@ -149,30 +161,26 @@ def bench_matvec(shapes, rng, reps, kind):
 
 
 def bench_sweep(model, rng, reps):
-    """One decode token's worth of matvec_q8 calls (all layers + lm_head), weights packed in one
-    flat buffer in call order as the interpreter keeps them."""
+    """One decode token's worth of q8 LINEARs (panels_matmul, B = 1; all layers + lm_head),
+    panels in one flat buffer in call order as the interpreter keeps them."""
     layers, shapes, head = MODELS[model]
-    order = [(N, K) for _ in range(layers) for _, N, K in shapes] + [(head[1], head[2])]
-    sizes = [N * q8.padded_k(K) for N, K in order]
+    order = [(N, q8.padded_k(K)) for _ in range(layers) for _, N, K in shapes] + [(head[1], q8.padded_k(head[2]))]
+    sizes = [q8_panels.padded_rows(N) * Kp for N, Kp in order]
     fq = _flat(sum(sizes), np.int8, rng)
     fs = _scales(sum(sizes) // 32, rng)
     mats, off = [], 0
-    for (N, K), sz in zip(order, sizes):
-        Kp = q8.padded_k(K)
-        mats.append((fq[off:off + sz].reshape(N, Kp), fs[off // 32:(off + sz) // 32].reshape(N, Kp // 32)))
+    for (N, Kp), sz in zip(order, sizes):
+        mats.append((N, Kp, fq[off:off + sz], fs[off // 32:(off + sz) // 32]))
         off += sz
-    xs = {}
-    for w_q, w_s in mats:
-        Kp = w_q.shape[1]
-        if Kp not in xs:
-            xs[Kp] = (rng.integers(-32767, 32768, Kp, dtype=np.int16), rng.random(Kp // 32, dtype=np.float32))
-    outs = {m[0].shape[0]: np.empty(m[0].shape[0], np.float32) for m in mats}
+    xs = {Kp: _act(Kp, rng) for _, Kp in order}
+    outs = {N: np.empty((1, N), np.float32) for N, _ in order}
     nbytes = fq.nbytes + fs.nbytes
+    nthreads = numba.get_num_threads()
 
     def run():
-        for w_q, w_s in mats:
-            x_q, x_s = xs[w_q.shape[1]]
-            q8.matvec_q8(w_q, w_s, x_q, x_s, outs[w_q.shape[0]])
+        for N, Kp, wp, sp in mats:
+            x_q, x_s = xs[Kp]
+            q8_panels.panels_matmul(wp, sp, N, x_q, x_s, outs[N], nthreads)
     run()
     med, best = timeit(run, reps)
     return nbytes, med, best
@@ -182,18 +190,22 @@ def bench_matmul(shapes, rng, T, reps):
     res = {}
     for label, N, K in shapes:
         w_q, w_s = make_q8(N, K, rng)
+        wp, sp = q8_panels.pack_panels(w_q, w_s)
         x = rng.standard_normal((T, K), dtype=np.float32)
         out = np.empty((T, N), np.float32)
         w = np.ascontiguousarray(q8.dequantize_weight_q8(w_q, w_s)[:, :K])
         flops = 2.0 * T * N * K
         r = max(2, int(reps * min(1.0, 2e10 / flops / 10)))
-        row = []
-        for fn in (lambda: q8_gemm.matmul_q8(x, w_q, w_s, out), lambda: q8.matmul_q8_sgemm(x, w_q, w_s, out),
-                   lambda: np.matmul(x, w.T, out=out)):
+        fns = {"panels": lambda: q8_panels.matmul_panels(x, wp, sp, N, out),
+               "w8a16": (lambda: q8_gemm.matmul_w8a16(x, w_q, w_s, out)) if q8_gemm.GEMM_ISA else None,
+               "sgemm": lambda: np.matmul(x, w.T, out=out)}
+        res[label] = {}
+        for name, fn in fns.items():
+            if fn is None:
+                continue
             fn()
             med, best = timeit(fn, r)
-            row += [flops / med / 1e9, flops / best / 1e9]
-        res[label] = tuple(row)
+            res[label][name] = (flops / med / 1e9, flops / best / 1e9)
     return res
 
 
@@ -212,8 +224,8 @@ def main(argv=None):
     print(f"numba {numba.__version__}, numpy {np.__version__}, threading layer: ", end="")
     configure(1)
     read_rate([np.ones(1024, np.uint32)], repeat=1)
-    print(numba.threading_layer(), f"| q8 matvec: {'AVX2 IR' if q8.HAVE_AVX2 else 'generic IR'}",
-          f"| prefill GEMM: {('W8A16 ' + q8_gemm.GEMM_ISA) if q8_gemm.GEMM_ISA else 'dequantize + sgemm'}",
+    print(numba.threading_layer(), f"| q8 panels: {q8_panels.ISA}",
+          f"| W8A16 GEMM: {q8_gemm.GEMM_ISA or 'none'}",
           f"| GOMP_SPINCOUNT={os.environ.get('GOMP_SPINCOUNT')}")
     big = None if "ceiling" in skip else np.ones(256 << 20, np.uint32)   # 1 GiB
     for th in (int(t) for t in a.threads.split(",")):
@@ -232,7 +244,7 @@ def main(argv=None):
                 r = bench_matvec(allshapes, rng, reps, "q8")
                 for label, (g, gb, ms) in r.items():
                     N, K = next((n, k) for lb, n, k in allshapes if lb == label)
-                    print(f"  {model:8s} matvec_q8  {label:8s} [{N:6d} x {K:5d}] {g:5.1f} GB/s "
+                    print(f"  {model:8s} q8 panels  {label:8s} [{N:6d} x {K:5d}] {g:5.1f} GB/s "
                           f"[best {gb:5.1f}]  {ms * 1e3:8.1f} us/call")
             if "f32" not in skip:
                 wait_idle(a.wait_idle)
@@ -244,33 +256,33 @@ def main(argv=None):
                 nbytes, med, best = bench_sweep(model, rng, max(3, reps // 2))
                 print(f"  {model:8s} decode sweep (all {layers} layers + lm_head, {nbytes / 1e6:.0f} MB): "
                       f"{med * 1e3:.2f} ms/token = {nbytes / med / 1e9:.1f} GB/s -> <= {1 / med:.0f} tokens/s "
-                      f"from the matvecs [best {best * 1e3:.2f} ms]")
+                      f"from the q8 LINEARs [best {best * 1e3:.2f} ms]")
             if "matmul" not in skip:
                 wait_idle(a.wait_idle)
                 r = bench_matmul(allshapes if not a.quick else shapes, rng, 512, max(3, reps // 3))
-                for label, (g, gb, d, db, s, sb) in r.items():
-                    print(f"  {model:8s} matmul T=512 {label:8s} matmul_q8 {g:6.1f} GOP/s [best {gb:6.1f}]   "
-                          f"dequant+sgemm {d:6.1f} [best {db:6.1f}]   numpy sgemm f32 {s:6.1f} [best {sb:6.1f}]   "
-                          f"matmul_q8 / sgemm {g / s:.2f}")
+                for label, row in r.items():
+                    cols = "   ".join(f"{name} {g:6.1f} [best {gb:6.1f}]" for name, (g, gb) in row.items())
+                    print(f"  {model:8s} matmul T=512 {label:8s} GOP/s: {cols}   "
+                          f"panels / sgemm {row['panels'][0] / row['sgemm'][0]:.2f}")
         if "overhead" not in skip:
             wait_idle(a.wait_idle)
             for N in (32, 576):
                 K = N
-                w_q, w_s = make_q8(N, K, rng)
+                wp, sp = q8_panels.pack_panels(*make_q8(N, K, rng))
                 x = rng.standard_normal(K, dtype=np.float32)
-                x_q = np.empty(K, np.int16)
-                x_s = np.empty(K // 32, np.float32)
-                out = np.empty(N, np.float32)
-                n = 4000
-                _wrapper_loop(w_q, w_s, x, x_q, x_s, out, 1)
-                med, best = timeit(lambda: _wrapper_loop(w_q, w_s, x, x_q, x_s, out, n), reps)
-                q8.matvec_q8(w_q, w_s, x_q, x_s, out)
-                mp, bp = timeit(lambda: q8.matvec_q8(w_q, w_s, x_q, x_s, out), reps, n)
+                x_q = np.empty((1, K), np.int16)
+                x_s = np.empty((1, K // 32), np.float32)
+                out = np.empty((1, N), np.float32)
+                n, nt = 4000, numba.get_num_threads()
+                _wrapper_loop(wp, sp, N, x, x_q, x_s, out, nt, 1)
+                med, best = timeit(lambda: _wrapper_loop(wp, sp, N, x, x_q, x_s, out, nt, n), reps)
+                q8_panels.panels_matmul(wp, sp, N, x_q, x_s, out, nt)
+                mp, bp = timeit(lambda: q8_panels.panels_matmul(wp, sp, N, x_q, x_s, out, nt), reps, n)
                 w = rng.standard_normal((N, K), dtype=np.float32)
-                _wrapper_loop_f32(w, x, out, 1)
-                mf, bf = timeit(lambda: _wrapper_loop_f32(w, x, out, n), reps)
-                print(f"  {N}x{N} (cache-resident) per call: quantize_act + matvec_q8 from a serial @njit "
-                      f"wrapper {med / n * 1e6:.2f} us [best {best / n * 1e6:.2f}]; matvec_q8 from Python "
+                _wrapper_loop_f32(w, x, out[0], 1)
+                mf, bf = timeit(lambda: _wrapper_loop_f32(w, x, out[0], n), reps)
+                print(f"  {N}x{N} (cache-resident) per call: quantize_act + panels_matmul from a serial @njit "
+                      f"wrapper {med / n * 1e6:.2f} us [best {best / n * 1e6:.2f}]; panels_matmul from Python "
                       f"{mp * 1e6:.2f} us; matvec_f32 from @njit {mf / n * 1e6:.2f} us")
     return 0
 

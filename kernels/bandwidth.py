@@ -3,7 +3,7 @@
 Decode of one token reads every weight matrix once and does little arithmetic per byte, so its
 speed is set by how fast this machine streams memory. :func:`read_sum_u32` is that stream with
 nothing else: a parallel pass that only adds the 32-bit words up (``vpaddd``, one instruction per
-32 bytes), one contiguous range per thread as :func:`cpullm.kernels.q8.matvec_q8` splits its rows.
+32 bytes), one contiguous range per thread as the LINEAR kernels split their rows.
 ``cpullm.bench.memory_bound`` runs it over exactly the packed weights one decode token reads,
 alternating with decode steps; :func:`read_rate` times it over any buffers (the kernel
 microbenchmark's ceiling). The gap between the read's rate and decode's is what kernels and

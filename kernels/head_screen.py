@@ -3,9 +3,9 @@
 In a greedy decode step only the argmax of the logits is used, and the lm_head (vocab x hidden)
 is the largest single matrix a token reads: 144 of Qwen2.5-0.5B's 525 MB, 178 of Gemma 3 270M's
 ~290 MB. The screen reads a compact copy of it, gets every row's logit to within a proven bound,
-and recomputes exactly (with the q8 matvec's own row routine) only the rows whose bound reaches
-the best lower bound. The token it returns is the argmax of the full q8 logits, lowest index on
-ties, as ``np.argmax(matvec_q8(...))``: nothing is approximated in what the caller sees. (An
+and recomputes exactly (``q8_panels.panel_row_dot``: the lm_head kernel's arithmetic for one row)
+only the rows whose bound reaches the best lower bound. The token it returns is the argmax of the
+full q8 logits, lowest index on ties, as ``np.argmax`` of the lm_head kernel's logits: nothing is approximated in what the caller sees. (An
 lm_head of raw ggml blocks, ``--quant q4``'s Q6_K, has its own bound and exact path over the same
 compact copy and bounds pass: :mod:`cpullm.kernels.head_screen_blocks`.)
 
@@ -51,9 +51,8 @@ Kernels:
 
 with numpy references ``screen_argmax_ref``, ``screen_bounds_ref``, ``screen_dots_ref``,
 ``screen_activations_ref`` (tests/test_head_screen.py). Each pass splits the rows into one
-contiguous range per thread: the bounds pass streams the compact rows (prefetching 4 KiB ahead,
-as matvec_q8); the exact rows are read out of order, each requested a few rows ahead of its dot
-product.
+contiguous range per thread: the bounds pass streams the compact rows (prefetching 4 KiB ahead);
+the exact rows are read out of order.
 
 The bounds pass has to keep up with memory: at 576 bytes a row (Qwen2.5-0.5B) a 2-core VM
 streaming 30-45 GB/s leaves it 25-40 ns a row per thread. Its 4-bit blocks therefore take int8

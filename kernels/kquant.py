@@ -10,7 +10,7 @@ never requantized. The activation vector is quantized per block of 32 to **int8*
     x_s float32 (K / 32,) d
     x_m float32 (K / 16,) x_s[i // 2] * sum(x_q[16 i:16 i + 16])   (the offsets' partner, below)
 
-Why int8 and not the int16 of ``q8.matvec_q8``: a 4-bit block carries twice the multiply-adds
+Why int8 and not the int16 of the q8 kernel (``q8_panels``): a 4-bit block carries twice the multiply-adds
 per byte read that an 8-bit one does, so the arithmetic per byte, not the read, decides whether
 decode stays at the memory wall. With int8 activations one ``vpmaddubsw`` + ``vpmaddwd`` (AVX2)
 or one ``vpdpbusd`` (AVX-512 VNNI, 64 weights a zmm) covers 32 weights whose quants are unpacked
@@ -44,7 +44,7 @@ reference (:func:`matvec_ref`):
 
 Each row's dot product is an LLVM IR routine inlined into a numba ``prange`` over rows (static
 schedule: one contiguous range of rows per thread), with a software prefetch q8.PREFETCH_BYTES
-ahead in the weight stream, as ``q8.matvec_q8``.
+ahead in the weight stream.
 
 Entry points (all @njit, callable from other @njit code; ``fmt`` is the ggml type number):
 

@@ -23,7 +23,7 @@ Paths, chosen by :func:`matmul`:
   dequantized (:func:`dequantize_rows_into`, serial numba, nogil: the values of
   :func:`gguf_blocks.dequantize_ref` bit for bit) into a float32 buffer of TILE_BYTES and
   multiplied by OpenBLAS sgemm; the rows of W are split over the configured number of Python
-  threads, each running single-threaded OpenBLAS (as ``q8.matmul_q8_sgemm``). float32
+  threads, each running single-threaded OpenBLAS (no spinning pool fights the prefill threads). float32
   activations.
 * T < MIN_ROWS: one ``kquant.quantize_act_q8`` + ``kquant.matvec`` per row (decode's numerics),
   which reads the blocks once per row instead of unpacking every one.
@@ -46,10 +46,10 @@ from .q8 import QBLOCK, _pool, _quantize_row, half_to_float
 
 MIN_ROWS = 3
 """Fewest rows sent through dequantize + sgemm: below, a matvec per row reads the blocks once
-per row, cheaper than writing every weight out as float32 (as ``q8.MIN_ROWS``)."""
+per row, cheaper than writing every weight out as float32."""
 
 TILE_BYTES = 8 << 20
-"""float32 bytes of one dequantized tile of weight rows per thread (as ``q8.TILE_BYTES``)."""
+"""float32 bytes of one dequantized tile of weight rows per thread."""
 
 
 # ================================================================================================

@@ -24,7 +24,7 @@ What it sets, and why (numbers from benchmarks/kernels_q8.py):
 
 3. ``GOMP_SPINCOUNT`` (default here 10000, unless set). After a parallel region numba's OpenMP
    workers busy-wait for new work before sleeping; libgomp's default is 300000 spins. Measured on
-   the 2-core Zen 3 (benchmarks: launch cost of a tiny matvec_q8 after a serial gap): with 10000
+   the 2-core Zen 3 (benchmarks: launch cost of a tiny q8 matrix-vector kernel after a serial gap): with 10000
    the launch stays ~1.5-2 us for gaps up to ~100 us (decode's gaps between kernels are shorter)
    and the workers sleep after ~150-200 us; with 1000 a launch after a 50 us gap costs 8 us; with
    300000 they spin for milliseconds and fight OpenBLAS / the prefill threads for the 2 cores
@@ -35,8 +35,9 @@ What it sets, and why (numbers from benchmarks/kernels_q8.py):
 
 4. ``OPENBLAS_THREAD_TIMEOUT`` (default here 4, unless set): OpenBLAS's idle threads spin for
    2^N cycles (default 2^28, ~0.1 s) after each call; at 4 they go to sleep at once. Effective
-   only if this module is imported before numpy loads OpenBLAS. (q8.matmul_q8 does not depend
-   on it: it runs OpenBLAS single-threaded on its own Python threads, see :class:`blas_threads`.)
+   only if this module is imported before numpy loads OpenBLAS. (kquant_gemm's dequantize + sgemm
+   path does not depend on it: it runs OpenBLAS single-threaded on its own Python threads, see
+   :class:`blas_threads`.)
 
 5. Threading layer priority omp > tbb > workqueue (workqueue: ~130 us per launch).
 

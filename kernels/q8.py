@@ -1,10 +1,11 @@
-"""INT8 linear-layer kernels: q8 block-32 weights (the runtime's hot path).
+"""q8 block-32: the INT8 weight format, its quantization kernels, the f32 reference kernels, and
+the numpy references and LLVM IR helpers the integer kernels share.
 
 Format ("q8 block-32": GGML Q8_0's numbers, planar arrays). K is padded with zeros to
 Kp = 32 * ceil(K / 32).
 
     weights      w_q int8 (N, Kp) C-contiguous, w_s uint16 (N, Kp // 32): binary16 bits of the scales
-    activations  x_q int16 (Kp,),               x_s float32 (Kp // 32,)   (decode only)
+    activations  x_q int16 (Kp,),               x_s float32 (Kp // 32,)
     w[n, k] ~= w_q[n, k] * f16(w_s[n, k // 32])
 
 Quantization of a block of 32 values v (float32 arithmetic throughout, identical in the numpy
@@ -21,44 +22,30 @@ then as accurate as with float32 activations (llama.cpp's Q8_0 x Q8_0 int8 activ
 SmolLM2-135M ~3 points of top-1 agreement with float32) at the same speed, since decode is bound
 by streaming the weights.
 
+The q8 LINEAR (decode, decode batches, prefill, the head screen's exact rows) is
+kernels/q8_panels.py, on these weights repacked in panels of 16 rows.
+
 Kernels (all take arrays of exactly these shapes and dtypes; ``out`` is written, never read):
 
     quantize_weight_q8(w (N, K)) -> (w_q, w_s)            parallel, once per weight at compile time
     dequantize_weight_q8(w_q, w_s) -> w (N, Kp)           parallel
     quantize_act_q16(x (K,), x_q (Kp,), x_s (Kp//32,))    serial, in place, zero padding
-    matvec_q8(w_q, w_s, x_q, x_s, out (N,))               decode hot path, parallel over rows
-    matmul_q8_sgemm(x (T, K), w_q, w_s, out (T, N))       prefill: plain Python (OpenBLAS sgemm)
     matvec_f32(w (N, K), x (K,), out (N,))                f32 reference mode, parallel
     matmul_f32(x (T, K), w (N, K), out (T, N))            f32 reference mode (numpy)
     half_to_float(bits)                                   binary16 bits -> float32 inside @njit code
 
-and a numpy reference ``*_ref`` for each (tests/test_kernels_q8.py compares them).
+and a numpy reference ``*_ref`` for each (tests/test_kernels_q8.py compares them), plus
+``matvec_q8_ref``: the exact q8 matrix-vector product (int64 block sums, float64 scaling) that
+the integer q8 kernels are checked against.
 
-matvec_q8: on x86 with AVX2 (the CI machine: AMD EPYC Zen 3, AVX2+FMA+F16C, no AVX-512/VNNI)
-the per-row dot product is a small LLVM IR routine inlined into the numba ``prange`` body
-(``_q8_row_dot_avx2``): per block of 32, ``vpmovsxbw`` (weights to int16) + 2 ``vpmaddwd`` with
-the int16 activations -> 8 int32 partial sums, converted once to float and accumulated with one
-FMA by the block's factor ``f16(w_s) * x_s`` into two 8-float accumulators, the factors of 8
-blocks at a time from one ``vcvtph2ps`` + ``vmulps``; a software prefetch 4 KiB ahead in the
-weight stream, into L1 for rows shorter than LONG_ROW_K and into L2 for longer ones (see
-matvec_q8). Each thread streams one contiguous range of
-rows (static ``prange`` schedule), the access pattern the hardware prefetchers like best:
-processing 2-4 rows at once (sharing the x loads) measured 35-50 % slower here. Elsewhere a
-portable IR variant (sign-extend, multiply, add) is used. The int8-activation variant (``vpsignb``
-+ ``vpmaddubsw``, llama.cpp's numerics) measured the same speed on a whole Qwen2.5-0.5B decode
-sweep, interleaved in one process (25.1 vs 25.3 ms median), so only the int16 one is kept.
-Throughput: benchmarks/kernels_q8.py. The IR lives in this module (not in llvm_intrinsics.py) on
-purpose: numba's on-disk cache of a kernel is invalidated by its own source file only.
-
-matmul_q8_sgemm (the prefill path on CPUs without AVX2 or VNNI; ``q8_gemm.matmul_q8`` picks the
-path): each tile of weight rows (8 MB of float32) is dequantized (serial numba, nogil) and
-multiplied with OpenBLAS sgemm (numpy); the rows of W are split over the configured number of
-Python threads, each running single-threaded OpenBLAS. Measured (T=512, 2 threads): 93-98 % of
-sgemm on pre-dequantized float32 weights (dequantizing costs 2-4 %); equal to a 2-thread OpenBLAS
-pool on a quiet machine and 3x faster than it when another process competes for the cores (no
-spinning barriers). Activations are not quantized in prefill (weights-only INT8). For T < ~4 a
-quantize_act_q16 + matvec_q8 per row is cheaper than dequantizing (it reads the int8 weights once
-per row instead of writing float32).
+Shared with the kernels of other modules (q8_panels, q8_gemm, head_screen, kquant, kquant_gemm):
+the one-row block quantizer ``_quantize_row`` and its reference ``_quantize_blocks_ref``; LLVM IR
+pieces (integer block dot products ``_block_dot_i32x8``, binary16 conversions
+``_ir_half_to_float`` / ``_ir_half_to_float_fresh`` / ``_halves_to_floats``, the scaled FMA
+``_scaled_fma``, the weight-stream prefetch ``_prefetch_ahead``, ``_hsum_v8f32``, and the loop
+builders ``_emit_counted_loop`` / ``_emit_if``); ``_pool``, Python worker threads. Numba's
+on-disk cache keys a kernel on its own source file only: a changed IR helper here needs the numba
+cache cleared for the kernels of other modules that inline it.
 """
 from __future__ import annotations
 
@@ -76,15 +63,14 @@ QBLOCK = 32
 """Values per quantization block along K."""
 
 PREFETCH_BYTES = 4096
-"""Software-prefetch distance in the weight stream of matvec_q8. Measured: 0 -> 1 KiB +10-25 % (Zen 3);
-1 -> 4 KiB +4-7 % on a whole Qwen2.5-0.5B decode sweep on the Zen 5 (AVX-512), reaching a plain
-read of the same bytes; 8 KiB no better; on the Zen 3, 0-8 KiB were equal within the noise."""
-
-LONG_ROW_K = 4096
-"""Rows at least this long (int16 activations of >= 8 KiB) prefetch into L2, not L1 (see matvec_q8)."""
+"""Software-prefetch distance in a q8 weight stream (:func:`_prefetch_ahead`). Measured on a
+row-at-a-time q8 matrix-vector kernel: 0 -> 1 KiB +10-25 % (Zen 3); 1 -> 4 KiB +4-7 % on a whole
+Qwen2.5-0.5B decode sweep on the Zen 5 (AVX-512), reaching a plain read of the same bytes; 8 KiB
+no better; on the Zen 3, 0-8 KiB were equal within the noise."""
 
 HAVE_AVX2 = {"avx2", "fma"} <= numba_setup.HOST_FEATURES
-"""True when matvec_q8 uses the AVX2 routine (else the portable IR)."""
+"""True on x86 with AVX2 and FMA: the kernels that import it compile their AVX2 variants (else
+portable IR)."""
 
 _HALF_IN_HARDWARE = "f16c" in numba_setup.HOST_FEATURES or not numba_setup.HOST_IS_X86
 """binary16 -> float32 by LLVM's fpext (vcvtph2ps on x86 with F16C); else integer IR."""
@@ -155,13 +141,6 @@ def matvec_q8_ref(w_q, w_s, x_q, x_s):
     return (dots.astype(np.float64) * scale_values(w_s).astype(np.float64) * x_s.astype(np.float64)).sum(-1)
 
 
-def matmul_q8_ref(x, w_q, w_s):
-    """numpy reference (float64 result). x (T, K) @ dequantize(w_q, w_s)[:, :K].T -> (T, N)."""
-    K = x.shape[1]
-    w = dequantize_weight_q8_ref(w_q, w_s)[:, :K].astype(np.float64)
-    return x.astype(np.float64) @ w.T
-
-
 def matvec_f32_ref(w, x):
     """numpy reference (float64 result). w (N, K) @ x (K,) -> (N,)."""
     return w.astype(np.float64) @ x.astype(np.float64)
@@ -173,12 +152,11 @@ def matmul_f32_ref(x, w):
 
 
 # ================================================================================================
-# LLVM IR helpers
+# LLVM IR types and small helpers
 # ================================================================================================
 
-_I1, _I8, _I16, _I32, _I64 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+_I8, _I16, _I32, _I64 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _F32 = ir.FloatType()
-_V32I8 = ir.VectorType(_I8, 32)
 _V16I16 = ir.VectorType(_I16, 16)
 _V8I32 = ir.VectorType(_I32, 8)
 _V8F32 = ir.VectorType(_F32, 8)
@@ -222,10 +200,11 @@ def _ir_half_to_float(b, h):
 def _ir_half_to_float_fresh(b, h):
     """IR: as :func:`_ir_half_to_float`, but the hardware conversion reads a register that was
     written whole. LLVM turns a scalar ``fpext half`` (and every vector form that uses one lane)
-    into ``vpinsrw $0, mem, %xmmK, %xmmD`` with whatever register it picks as %xmmK; in the matvec
-    row loop that was the float accumulator, which chained each block's scale conversion to the
-    previous block's FMA (7-9 cycles per block of 32 in L1). Here the bits go through a GPR and
-    ``vmovd`` (which zeroes the rest), then one ``vcvtph2ps`` LLVM cannot rewrite (inline asm)."""
+    into ``vpinsrw $0, mem, %xmmK, %xmmD`` with whatever register it picks as %xmmK; in a loop of
+    FMAs that can be a float accumulator, which chains each block's scale conversion to the
+    previous block's FMA (measured in a row-dot loop: 7-9 cycles per block of 32 in L1). Here the
+    bits go through a GPR and ``vmovd`` (which zeroes the rest), then one ``vcvtph2ps`` LLVM
+    cannot rewrite (inline asm)."""
     if not (_HALF_IN_HARDWARE and numba_setup.HOST_IS_X86):
         return _ir_half_to_float(b, h)
     v4i32, v4f32 = ir.VectorType(_I32, 4), ir.VectorType(_F32, 4)
@@ -425,7 +404,7 @@ def dequantize_weight_q8(w_q, w_s):
 
 
 # ================================================================================================
-# matvec_q8: LLVM IR row dot product
+# LLVM IR building blocks of the integer kernels (q8_panels, head_screen, kquant)
 # ================================================================================================
 
 def _block_dot_i32x8(b, module, wp, xp, x86):
@@ -507,25 +486,6 @@ def _emit_counted_loop(fn, b, start, end, step, accs, body, name):
     return b, out
 
 
-def _emit_paired_blocks(fn, b, start, end, acc0, acc1, block):
-    """IR: blocks [start, end) two per loop step into two <8 x float> accumulators, an odd last one in a tail.
-
-    ``b`` is a builder at the end of an open basic block (``acc0`` / ``acc1`` are its values);
-    ``block(b, i, acc, slot) -> acc`` emits block i, slot 0 / 1 for the first / second of a pair,
-    2 for the tail. Block start + 2j goes to acc0 and start + 2j + 1 to acc1, so the sum order is
-    that of one loop over all blocks alternating two accumulators. Returns (builder at the end of
-    an open block, acc0 + acc1 (+ the tail block)).
-    """
-    pair_end = b.add(start, b.and_(b.sub(end, start), _c64(-2)))
-
-    def pair(b, i, acc):
-        return block(b, i, acc[0], 0), block(b, b.add(i, _c64(1)), acc[1], 1)
-
-    b, (m0, m1) = _emit_counted_loop(fn, b, start, pair_end, 2, [acc0, acc1], pair, "pairs")
-    tot = b.fadd(m0, m1)            # at most one block left: end - pair_end is 0 or 1
-    return _emit_if(fn, b, b.icmp_signed("<", pair_end, end), tot, lambda b, acc: block(b, pair_end, acc, 2), "odd")
-
-
 def _emit_if(fn, b, cond, acc, step, name):
     """IR: ``acc = step(b, acc) if cond else acc`` for one <8 x float> value, the step in a block of its own.
     Returns (builder at the end of an open block after it, the value)."""
@@ -541,199 +501,6 @@ def _emit_if(fn, b, cond, acc, step, name):
     r.add_incoming(acc, pre)
     r.add_incoming(new, last)
     return b, r
-
-
-def _define_row_dot(module, x86: bool, stream: bool = True, locality: int = 3):
-    """float @cpullm_q8_row_dot_*(i8* w_row, i8* ws_row, i8* x, i8* xs, i64 nblocks), alwaysinline.
-
-    sum over blocks b of float(dot32(w_row[32b:], x[32b:])) * (f16(ws_row[b]) * xs[b]) into two
-    <8 x float> accumulators (even / odd blocks). Blocks go 8 at a time, then 4 if that many are
-    left: the group's factors f16(ws) * xs are one ``vcvtph2ps`` + ``vmulps``, and each block's FMA
-    broadcasts its own lane (per block: 2 ``vpmovsxbw``, 2 ``vpmaddwd``, ``vcvtdq2ps``, the
-    broadcast and an FMA; a block's factor on its own takes a GPR load, ``vmovd``, ``vcvtph2ps``,
-    ``vmulss`` and the broadcast: 9-13 % slower in L1/L2 on the Zen 4). The last nblocks % 4 blocks
-    take their factors one by one. A prefetch PREFETCH_BYTES ahead per block (one per 64 bytes
-    measured 2-3 % slower), none in the odd tail. ``stream=False``: the same arithmetic without the
-    prefetches, for rows read out of order (the head screen's exact rows). Every variant returns
-    the same float32: block b always goes to accumulator b % 2, in order. ``locality``: the
-    prefetch's target (3: L1, 2: L2; the arithmetic is the same).
-    """
-    name = "cpullm_q8_row_dot_v5_" + ("avx2" if x86 else "generic") + ("" if stream else "_rows") + f"_l{locality}"
-    fn = module.globals.get(name)
-    if fn is not None:
-        return fn
-    fn = ir.Function(module, ir.FunctionType(_F32, [_P8, _P8, _P8, _P8, _I64]), name)
-    fn.linkage = "internal"
-    fn.attributes.add("alwaysinline")
-    fn.attributes.add("nounwind")
-    w, ws, x, xs, nb = fn.args
-    entry, group4, after4 = (fn.append_basic_block(s) for s in ("entry", "group4", "after4"))
-    zero = ir.Constant(_V8F32, [0.0] * 8)
-
-    b = ir.IRBuilder(entry)
-    wsp = b.bitcast(ws, _I16.as_pointer())
-    xsp = b.bitcast(xs, _F32.as_pointer())
-    end8 = b.and_(nb, _c64(-8))
-
-    def dot(b, i, factor, acc, prefetch=True):
-        off = b.shl(i, _c64(5))
-        wp = b.gep(w, [off])
-        if stream and prefetch:
-            _prefetch_ahead(b, module, wp, locality)
-        sums = _block_dot_i32x8(b, module, wp, b.gep(x, [b.shl(off, _c64(1))]), x86)   # x: 64 bytes per block
-        return _scaled_fma(b, module, sums, factor, acc)
-
-    def group(b, g, width, acc):
-        """Blocks g .. g + width - 1 (g even) with one vector of factors; acc: [even, odd]."""
-        h = b.load(b.bitcast(b.gep(wsp, [g]), ir.VectorType(_I16, width).as_pointer()), align=2)
-        xv = b.load(b.bitcast(b.gep(xsp, [g]), ir.VectorType(_F32, width).as_pointer()), align=4)
-        factors = b.fmul(_halves_to_floats(b, h), xv)
-        acc = list(acc)
-        for j in range(width):
-            acc[j % 2] = dot(b, b.add(g, _c64(j)), b.extract_element(factors, ir.Constant(_I32, j)), acc[j % 2])
-        return acc
-
-    b, (r0, r1) = _emit_counted_loop(fn, b, _c64(0), end8, 8, [zero, zero],
-                                     lambda b, g, acc: group(b, g, 8, acc), "group8")
-    after8 = b.block
-    b.cbranch(b.icmp_signed(">=", b.sub(nb, end8), _c64(4)), group4, after4)
-
-    b = ir.IRBuilder(group4)
-    q0, q1 = group(b, end8, 4, (r0, r1))
-    end4 = b.add(end8, _c64(4))
-    b.branch(after4)
-
-    b = ir.IRBuilder(after4)
-    start = b.phi(_I64)
-    s0 = b.phi(_V8F32)
-    s1 = b.phi(_V8F32)
-    for phi, v_skip, v_four in ((start, end8, end4), (s0, r0, q0), (s1, r1, q1)):
-        phi.add_incoming(v_skip, after8)
-        phi.add_incoming(v_four, group4)
-
-    def lone_block(b, i, acc, slot):
-        factor = b.fmul(_ir_half_to_float_fresh(b, b.load(b.gep(wsp, [i]))), b.load(b.gep(xsp, [i])))
-        return dot(b, i, factor, acc, prefetch=slot != 2)
-
-    b, r = _emit_paired_blocks(fn, b, start, nb, s0, s1, lone_block)
-    b.ret(_hsum_v8f32(b, r))
-    return fn
-
-
-def _row_dot_typer(w_q, w_s, x_q, x_s, n, x86, stream=True, locality=3):
-    ok = (isinstance(w_q, types.Array) and w_q.dtype == types.int8 and w_q.ndim == 2
-          and isinstance(w_s, types.Array) and w_s.dtype == types.uint16 and w_s.ndim == 2
-          and isinstance(x_q, types.Array) and x_q.dtype == types.int16 and x_q.ndim == 1
-          and isinstance(x_s, types.Array) and x_s.dtype == types.float32 and x_s.ndim == 1
-          and isinstance(n, types.Integer))
-    if not ok:
-        return None
-    sig = types.float32(w_q, w_s, x_q, x_s, n)
-
-    def codegen(context, builder, sig, args):
-        aw, asc, ax, axs = (context.make_array(t)(context, builder, v) for t, v in zip(sig.args[:4], args[:4]))
-        row = context.cast(builder, args[4], sig.args[4], types.int64)
-        wstride = builder.extract_value(aw.strides, 0)
-        sstride = builder.extract_value(asc.strides, 0)
-        nb = builder.ashr(builder.extract_value(aw.shape, 1), _c64(5))
-        wrow = builder.gep(builder.bitcast(aw.data, _P8), [builder.mul(row, wstride)])
-        srow = builder.gep(builder.bitcast(asc.data, _P8), [builder.mul(row, sstride)])
-        fn = _define_row_dot(builder.module, x86, stream, locality)
-        return builder.call(fn, [wrow, srow, builder.bitcast(ax.data, _P8), builder.bitcast(axs.data, _P8), nb])
-
-    return sig, codegen
-
-
-@intrinsic
-def _q8_row_dot_avx2(typingctx, w_q, w_s, x_q, x_s, n):
-    """float32 dot of row n of (w_q, w_s) with (x_q, x_s): AVX2 vpmaddwd. No bounds checks."""
-    return _row_dot_typer(w_q, w_s, x_q, x_s, n, True)
-
-
-@intrinsic
-def _q8_row_dot_generic(typingctx, w_q, w_s, x_q, x_s, n):
-    """float32 dot of row n of (w_q, w_s) with (x_q, x_s): portable IR. No bounds checks."""
-    return _row_dot_typer(w_q, w_s, x_q, x_s, n, False)
-
-
-@intrinsic
-def _q8_row_dot_avx2_l2(typingctx, w_q, w_s, x_q, x_s, n):
-    """As _q8_row_dot_avx2 (the same float32 result), prefetching the weight stream into L2."""
-    return _row_dot_typer(w_q, w_s, x_q, x_s, n, True, True, 2)
-
-
-@intrinsic
-def _q8_row_dot_generic_l2(typingctx, w_q, w_s, x_q, x_s, n):
-    """As _q8_row_dot_generic (the same float32 result), prefetching the weight stream into L2."""
-    return _row_dot_typer(w_q, w_s, x_q, x_s, n, False, True, 2)
-
-
-@intrinsic
-def _q8_row_dot_avx2_rows(typingctx, w_q, w_s, x_q, x_s, n):
-    """As _q8_row_dot_avx2 (the same float32 result), without the stream prefetch."""
-    return _row_dot_typer(w_q, w_s, x_q, x_s, n, True, False)
-
-
-@intrinsic
-def _q8_row_dot_generic_rows(typingctx, w_q, w_s, x_q, x_s, n):
-    """As _q8_row_dot_generic (the same float32 result), without the stream prefetch."""
-    return _row_dot_typer(w_q, w_s, x_q, x_s, n, False, False)
-
-
-@njit(cache=True, inline="always")
-def _check_q8(w_q, w_s, x_q, x_s, out):
-    N, Kp = w_q.shape
-    if (Kp % QBLOCK != 0 or w_s.shape[0] != N or w_s.shape[1] * QBLOCK != Kp or x_q.shape[0] != Kp
-            or x_s.shape[0] * QBLOCK != Kp or out.shape[0] != N):
-        raise ValueError("matvec_q8: shapes must be w_q (N, Kp), w_s (N, Kp//32), x_q (Kp,), x_s (Kp//32,), out (N,)")
-    if w_q.strides[1] != 1 or w_s.strides[1] != 2 or x_q.strides[0] != 2 or x_s.strides[0] != 4:
-        raise ValueError("matvec_q8: rows of w_q / w_s and x_q / x_s must be contiguous")
-
-
-@njit(cache=True, parallel=True)
-def _matvec_q8_avx2(w_q, w_s, x_q, x_s, out):
-    """matvec_q8 with the AVX2 row routine (see matvec_q8)."""
-    _check_q8(w_q, w_s, x_q, x_s, out)
-    if w_q.shape[1] >= LONG_ROW_K:
-        for n in prange(w_q.shape[0]):
-            out[n] = _q8_row_dot_avx2_l2(w_q, w_s, x_q, x_s, n)
-    else:
-        for n in prange(w_q.shape[0]):
-            out[n] = _q8_row_dot_avx2(w_q, w_s, x_q, x_s, n)
-
-
-@njit(cache=True, parallel=True)
-def _matvec_q8_generic(w_q, w_s, x_q, x_s, out):
-    """matvec_q8 with the portable row routine (see matvec_q8)."""
-    _check_q8(w_q, w_s, x_q, x_s, out)
-    if w_q.shape[1] >= LONG_ROW_K:
-        for n in prange(w_q.shape[0]):
-            out[n] = _q8_row_dot_generic_l2(w_q, w_s, x_q, x_s, n)
-    else:
-        for n in prange(w_q.shape[0]):
-            out[n] = _q8_row_dot_generic(w_q, w_s, x_q, x_s, n)
-
-
-matvec_q8 = _matvec_q8_avx2 if HAVE_AVX2 else _matvec_q8_generic
-matvec_q8.__doc__ = """out[n] = sum_b w_s[n,b] x_s[b] sum_j w_q[n,32b+j] x_q[32b+j]  (decode hot path).
-
-w_q int8 (N, Kp), w_s uint16 (N, Kp//32) binary16 bits, x_q int16 (Kp,), x_s float32 (Kp//32,),
-out float32 (N,).
-int32 sums inside a block, float32 across blocks. Parallel over rows (``prange``, static schedule:
-each thread streams one contiguous range); callable from other @njit functions. Raises
-ValueError on inconsistent shapes or non-contiguous rows.
-
-The weight stream's software prefetch goes to L1 (``prefetcht0``) for rows shorter than
-:data:`LONG_ROW_K` and to L2 (``prefetcht1``) for longer ones, whose int16 activations (9.7 KB
-for Qwen2.5-0.5B's MLP down rows of 4864) and the stream pulled into L1 4 KiB ahead evict each
-other. Measured on the 2-core Zen 4 VM on the body matrices of a real decode token, the variants
-interleaved in one process (medians of per-round time ratios over 60-90 rounds,
-``benchmarks/matvec_prefetch.py``): L2 for the long rows alone 0.94-0.96x the time of L1
-everywhere on Qwen2.5-0.5B with 2 threads, 0.99x with 1; L2 for every matrix 0.93x with 2
-threads but 1.07-1.10x with 1 (Qwen2.5, SmolLM2) and 0.99-1.00x on Gemma 3 270M and SmolLM2
-with 2. (Choosing by thread count inside the kernel would cost numba's on-disk cache:
-``numba.get_num_threads()`` in jitted code is a dynamic global.)
-"""
 
 
 # ================================================================================================
@@ -760,75 +527,17 @@ def matmul_f32(x, w, out):
 
 
 # ================================================================================================
-# matmul_q8 (prefill)
+# Python worker threads
 # ================================================================================================
-
-TILE_BYTES = 8 << 20
-"""Size of the float32 buffer one weight tile is dequantized into (per thread; L3-resident).
-Measured (T=512, 2 threads): 1 MB -> 8 MB tiles raise K=4864 from 156 to 172 GFLOP/s."""
-
-
-def _tile_rows(N: int, Kp: int) -> int:
-    rows = max(64, min(1024, TILE_BYTES // (4 * Kp)))
-    return min(N, rows // 16 * 16)
-
-
-def _matmul_q8_rows(x, w_q, w_s, out, lo, hi):
-    """out[:, lo:hi] = x @ dequantize(w_q, w_s)[lo:hi, :K].T, tile by tile (serial dequant + sgemm)."""
-    K = x.shape[1]
-    rows = _tile_rows(hi - lo, w_q.shape[1])
-    buf = np.empty((rows, K), np.float32)
-    for n0 in range(lo, hi, rows):
-        n1 = min(hi, n0 + rows)
-        _dequantize_rows_into(w_q, w_s, n0, n1, buf)
-        np.matmul(x, buf[:n1 - n0].T, out=out[:, n0:n1])
-
 
 _POOL = {}
 
 
 def _pool(n: int):
-    """A process-wide ThreadPoolExecutor with n workers (created on first use)."""
+    """A process-wide ThreadPoolExecutor with n workers (created on first use): kquant_gemm's
+    dequantize + sgemm prefill splits the rows of W over such threads."""
     ex = _POOL.get(n)
     if ex is None:
         from concurrent.futures import ThreadPoolExecutor
         ex = _POOL.setdefault(n, ThreadPoolExecutor(n, thread_name_prefix="cpullm-prefill"))
     return ex
-
-
-def _matmul_q8_split(x, w_q, w_s, out, parts: int):
-    """Row ranges of W on ``parts`` Python threads, each with single-threaded OpenBLAS."""
-    N = w_q.shape[0]
-    bounds = [min(N, (N * p // parts + 15) // 16 * 16) for p in range(parts)] + [N]
-    with numba_setup.blas_threads(1):
-        futs = [_pool(parts - 1).submit(_matmul_q8_rows, x, w_q, w_s, out, bounds[p], bounds[p + 1])
-                for p in range(1, parts)]
-        _matmul_q8_rows(x, w_q, w_s, out, bounds[0], bounds[1])
-        for f in futs:
-            f.result()
-
-
-def _check_mm(x, w_q, w_s, out):
-    T, K = x.shape
-    N, Kp = w_q.shape
-    if padded_k(K) != Kp or w_s.shape != (N, Kp // QBLOCK) or out.shape != (T, N):
-        raise ValueError(f"matmul_q8: bad shapes x {x.shape}, w_q {w_q.shape}, w_s {w_s.shape}, out {out.shape}")
-
-
-def matmul_q8_sgemm(x, w_q, w_s, out):
-    """out (T, N) = x (T, K) @ dequantize(w_q, w_s)[:, :K].T  (prefill without the W8A16 GEMM).
-
-    x float32 (T, K), w_q int8 (N, Kp), w_s uint16 (N, Kp // 32), out float32 (T, N) (any row
-    strides).
-    Plain Python, no numba parallel region (so no spin fight with OpenBLAS's threads): tiles of
-    weight rows are dequantized by serial numba (nogil) into a float32 buffer and multiplied by
-    OpenBLAS sgemm (numpy.matmul writes straight into the strided column block of ``out``).
-    With k > 1 configured threads the rows of W are split over k Python threads, each running
-    single-threaded OpenBLAS (no OpenBLAS thread pool, no barriers between tiles).
-    """
-    _check_mm(x, w_q, w_s, out)
-    parts = numba_setup.configured_threads()
-    if parts > 1 and w_q.shape[0] >= 64 * parts and numba_setup._openblas_libs():
-        _matmul_q8_split(x, w_q, w_s, out, parts)
-    else:
-        _matmul_q8_rows(x, w_q, w_s, out, 0, w_q.shape[0])

@@ -1,9 +1,17 @@
-"""Prefill GEMM for q8 block-32 weights with int16 activations: AVX-512 VNNI or AVX2.
+"""W8A16 GEMM for int8 weights with int16 activations: the register micro-kernel (AVX-512 VNNI
+or AVX2), its panel packing, and a driver on q8 block-32 weights.
 
     out (T, N) = x (T, K) @ W.T,   W = q8 block-32 (w_q int8 (N, Kp), w_s uint16 (N, Kp // 32))
 
-Numerics ("W8A16", the same as the decode matvec ``q8.matvec_q8``): every row of x is quantized
-to int16 blocks of 32 (``q8.quantize_act_q16``: scale max|v| / 32767), and
+Users: kquant_gemm's integer GEMM (prefill over raw GGUF blocks) runs the micro-kernel
+(:func:`_w8a16_tile`) on panels it packs from the blocks' own quants with :func:`_pack_rows16` /
+:func:`_transpose16`, with this module's activation quantizer, scratch, tile and chunk sizes.
+:func:`matmul_w8a16` runs the same micro-kernel on q8 block-32 weights, where its tests
+(tests/test_kernels_q8_gemm.py) and benchmarks reach it. The runtime's q8 LINEAR is
+kernels/q8_panels.py.
+
+Numerics ("W8A16", the activation quantization of the q8 LINEAR): every row of x is quantized to
+int16 blocks of 32 (``q8.quantize_act_q16``: scale max|v| / 32767), and
 
     out[t, n] = sum_b f16(w_s[n, b]) * x_s[t, b] * sum_j w_q[n, 32b + j] * x_q[t, 32b + j]
 
@@ -26,8 +34,8 @@ and the weights stay 1 byte each in memory. Two variants (``GEMM_ISA``), one cod
   reassociates each accumulator's adds, keeps all 16 weight vectors live and spills (60-80
   GOP/s). Measured on the 2-core Zen 3 (T=512, Qwen2.5-0.5B's shapes): 120-150 GOP/s against
   100-120 for dequantize + sgemm; register-only madd + add peaks at ~66 G multiply-adds/s per
-  core there, FMA at ~46. (On a Zen 5 compiled for AVX2 only, an earlier version without the
-  inline assembly measured no gain.)
+  core there, FMA at ~46. (On a Zen 5 compiled for AVX2 only, the tile as IR, without the
+  inline assembly, measured no gain.)
 
 Structure (GotoBLAS-like, everything sized for one core's L1 / L2):
 
@@ -49,11 +57,7 @@ Structure (GotoBLAS-like, everything sized for one core's L1 / L2):
   last T % TR rows and a partial last panel, or in a per-panel buffer (Tp, NR) copied to ``out``
   when the panel is done (AVX2, see SUM_INTO_OUT).
 
-:func:`matmul_q8`, the prefill entry point the executor calls, picks the path: this kernel where
-it runs and T >= MIN_ROWS; one quantize + ``q8.matvec_q8`` per row for fewer rows (the same
-numerics, without packing every weight for one or two rows); elsewhere (no AVX2, not x86)
-``q8.matmul_q8_sgemm`` (dequantize + OpenBLAS, float32 activations). The numpy reference is
-:func:`matmul_w8a16_ref`.
+The numpy reference is :func:`matmul_w8a16_ref`.
 """
 from __future__ import annotations
 
@@ -67,22 +71,17 @@ from numba.extending import intrinsic
 
 from . import numba_setup
 from .q8 import HAVE_AVX2 as q8_HAVE_AVX2
-from .q8 import (QBLOCK, _c64, _decl, half_to_float, matmul_q8_sgemm, matvec_q8, matvec_q8_ref, padded_k,
-                 quantize_act_q16, quantize_act_q16_ref)
+from .q8 import QBLOCK, _c64, _decl, half_to_float, matvec_q8_ref, padded_k, quantize_act_q16, quantize_act_q16_ref
 
 HAVE_VNNI512 = numba_setup.HOST_IS_X86 and {"avx512f", "avx512bw", "avx512vnni"} <= numba_setup.HOST_FEATURES
-"""True when this CPU runs the AVX-512 VNNI variant of :func:`matmul_w8a16`."""
+"""True when this CPU runs the AVX-512 VNNI variant of the micro-kernel."""
 
 HAVE_AVX2 = q8_HAVE_AVX2 and "f16c" in numba_setup.HOST_FEATURES
 """True when this CPU runs at least the AVX2 variant (``vpmaddwd`` + ``vpaddd``)."""
 
 GEMM_ISA = "avx512vnni" if HAVE_VNNI512 else "avx2" if HAVE_AVX2 else None
-"""Which variant of the GEMM this process compiles, or None (then prefill is dequantize + sgemm)."""
-
-MIN_ROWS = 3
-"""Fewest rows :func:`matmul_q8` sends through the GEMM: packing a panel costs about as much as
-reading the weights once, which is what a matvec per row costs (measured on Qwen2.5-0.5B's
-gate/up, 9728 x 896: 0.2 ms per row by matvec, 0.55-0.6 ms by the GEMM for 2 or 3 rows)."""
+"""Which variant of the micro-kernel this process compiles, or None (no AVX2 + FMA + F16C:
+:func:`matmul_w8a16` raises, kquant_gemm's prefill uses dequantize + sgemm)."""
 
 # Register tiles (TR activation rows x V weight vectors of LANES int32 lanes), measured at T=512 on
 # Qwen2.5-0.5B's gate/up and down shapes, GOP/s:
@@ -483,29 +482,3 @@ def matmul_w8a16_ref(x, w_q, w_s):
         x_q, x_s = quantize_act_q16_ref(x[t], Kp)
         rows.append(matvec_q8_ref(w_q, w_s, x_q, x_s))
     return np.stack(rows) if rows else np.zeros((0, w_q.shape[0]))
-
-
-@njit(cache=True, parallel=False)
-def _matvec_rows(x, w_q, w_s, out, x_q, x_s):
-    for t in range(x.shape[0]):
-        quantize_act_q16(x[t], x_q, x_s)
-        matvec_q8(w_q, w_s, x_q, x_s, out[t])
-
-
-def matmul_q8(x, w_q, w_s, out):
-    """out (T, N) = x (T, K) @ W.T for q8 weights (prefill): the fastest path this CPU has.
-
-    x float32 (T, K), w_q int8 (N, Kp), w_s uint16 (N, Kp // 32), out float32 (T, N); x and out
-    may be row-strided views (the executor passes its arena's). Where the GEMM runs (AVX2 or
-    AVX-512 VNNI) the activations are int16-quantized per block of 32 (the decode path's
-    numerics); elsewhere they stay float32 (weights-only INT8 via sgemm).
-    """
-    if GEMM_ISA is None:
-        matmul_q8_sgemm(x, w_q, w_s, out)
-        return
-    _check(x, w_q, w_s, out)
-    if x.shape[0] >= MIN_ROWS:
-        matmul_w8a16(x, w_q, w_s, out)
-        return
-    Kp = w_q.shape[1]
-    _matvec_rows(x, w_q, w_s, out, np.empty(Kp, np.int16), np.empty(Kp // QBLOCK, np.float32))

@@ -3,7 +3,7 @@
     out (B, N) = x (B, K) @ W.T,   W = q8 block-32 (``q8``: int8 values, binary16 scale per 32)
 
 Layout ("q8 panels"). The N rows are cut into panels of PANEL = 16 rows (N padded with zero rows
-to Np = 16 * ceil(N / 16)); within a panel, block b (values 32b .. 32b + 31), pair p (values
+to Np, a multiple of ROW_ALIGN = 64: threads take whole groups of 4 panels); within a panel, block b (values 32b .. 32b + 31), pair p (values
 32b + 2p, 32b + 2p + 1):
 
     wp int8   (Np // 16, nb, 16, 32):  wp[g, b, p, 2 l + e] = w_q[16 g + l, 32 b + 2 p + e]
@@ -13,29 +13,33 @@ so 32 consecutive bytes hold one pair of values for each of 16 rows: sign-extend
 are one ``vpdpwssd`` operand whose 16 int32 lanes are 16 rows, against one broadcast activation
 pair. A row's sum over a block is then formed in its own lane, with no horizontal reduction, and
 one float step per block serves 16 rows. A panel is nb * 512 bytes, contiguous: each thread
-streams whole panels, as the row-major kernels stream rows.
+streams whole panels, the access pattern the hardware prefetchers follow best.
 
-Numerics (the same for every B, tile shape, thread count and ISA; the prefill GEMM
-``q8_gemm.matmul_w8a16`` follows them too): activations int16 per block of 32
-(``q8.quantize_act_q16``), and for output (t, n)
+Numerics (the same for every B, tile shape, thread count and ISA): activations int16 per block
+of 32 (``q8.quantize_act_q16``), and for output (t, n)
 
     acc = 0;  for b in 0 .. nb - 1:  acc = fma(float(S[t, n, b]), f16(w_s[n, b]) * x_s[t, b], acc)
 
 with S the block's exact int32 sum of products (|S| <= 32 * 127 * 32767 < 2^27, so any order of
 forming it gives the same integer) and ``fma`` one rounding. So a row's value does not depend on
-what else is in the batch: batch invariance, by construction.
+what else is in the batch (batch invariance, by construction), and a prefill row equals the
+decode of the same activations.
 
-Why: a decode batch of B sequences reads the weights once; per block the row-major q8 kernel
-spent two int multiply-adds, a convert and an FMA on 8 lanes for every (row, sequence), and
-reached ~80 G multiply-adds/s; the prefill GEMM, one ``vpdpwssd`` per 32 multiply-adds plus a
-float step per 16 rows, ~210 (benchmarks/results/2026-12-04-batch-gemm-order.md). Storing the
-weights in the GEMM's order (int8, widened in registers: an int16 copy would double the bytes a
-single stream reads) gives a decode batch the GEMM's rate without packing per call.
+Why this layout: decode is bound by reading the weights, so a batch of B sequences should read
+them once and do B times the arithmetic; that only pays if the arithmetic is cheap. Here a block
+of 32 values of 16 rows costs 16 ``vpdpwssd`` (32 multiply-adds each) and one convert + FMA per
+batch row. 8 batch rows of Qwen2.5-0.5B's lm_head (151936 x 896), two copies cycled: ~220 G
+multiply-adds/s on the 2-core Intel VM (AVX-512 VNNI), 5.0 ms against 4.5 for one row; a
+row-major layout, which converts and FMAs 8 lanes per (row, block, batch row), ran 8 rows of such
+a matrix at 37 (benchmarks/batch_linear.py). The weights stay int8 in memory and are widened in
+registers (an int16 copy would double the bytes a single stream reads).
 
-Kernels: ``pack_panels(w_q, w_s) -> (wp, sp)`` at compile time, ``unpack_panels`` (tests),
-``panels_matmul(wp, sp, N, x_q, x_s, out)`` for B >= 1 rows of quantized activations,
-``linear_panels(x, wp, sp, N, out, x_q, x_s)`` quantizing first, and the numpy reference
-``panels_matmul_ref``.
+Kernels: ``pack_panels(w_q, w_s) -> (wp, sp)`` at compile time (``unpack_panels``, its inverse;
+``dequantized_rows``, rows as numbers for the head screen's build), ``panels_matmul(wp, sp, N,
+x_q, x_s, out, nthreads)`` for B >= 1 rows of quantized activations (decode, batches),
+``linear_panels`` and ``matmul_panels`` quantizing float rows first (batches, prefill),
+``panel_row_dot`` for one row (the head screen's exact rows); numpy reference
+``panels_matmul_ref`` (tests/test_kernels_q8_panels.py).
 """
 from __future__ import annotations
 
@@ -209,7 +213,7 @@ def _define_tile(module, isa: str, TR: int, V: int, locality: int):
     sp + v * panel_bytes / 16) against activation row t. Strides in bytes.
 
     Each of the V weight streams is prefetched ``q8.PREFETCH_BYTES`` ahead, every 64-byte line of
-    every block (8 a block). Measured on the 2-core Intel VM, 8 rows, weights from DRAM: the
+    every block (8 a block). Measured on the 2-core Intel VM, 8 rows, matrix copies cycled: the
     151936 x 896 lm_head 9.2 -> 6.5 ms against 2 prefetches a block (0 prefetches: 10.4), the MLP's
     9728 x 896 0.60 -> 0.47 ms and 896 x 4864 0.21 -> 0.15; one row unchanged (memory-bound
     either way). 2 or 8 KiB ahead, or L2 for every size, measured the same within noise."""
@@ -317,7 +321,8 @@ _t8x1, _t4x2, _t2x4, _t1x4 = _T[8, 1, 3], _T[4, 2, 3], _T[2, 4, 3], _T[1, 4, 3]
 _t8x1l2, _t4x2l2, _t2x4l2, _t1x4l2 = _T[8, 1, 2], _T[4, 2, 2], _T[2, 4, 2], _T[1, 4, 2]
 
 LONG_ROW_K = 4096
-"""Rows at least this long prefetch into L2 (their activations fill L1), as ``q8.matvec_q8``."""
+"""Rows at least this long prefetch into L2, not L1: their int16 activations (>= 8 KiB a row) and
+a stream pulled into L1 4 KiB ahead evict each other."""
 
 
 @njit(cache=True, nogil=True, inline="always")

@@ -155,7 +155,7 @@ def _kernels(unit: str) -> list:
         "copy": [(elementwise.copy_rows, (ARENA, *[i64] * 7))],
         "gated_delta": [(gated_delta.gated_delta, (ARENA, ARENA, WF, *[i64] * 20, f64, i64))],
         # prefill's batched q8 LINEARs (row-contiguous activations, as every LINEAR of the shared
-        # blocks reads and writes whole buffers), and prompts of fewer than MIN_ROWS tokens
+        # blocks reads and writes whole buffers; the panel kernel itself is also what run links)
         "gemm": [(q8_panels._quantize_rows_par, (f32_2, i16_2, f32_2)),
                  (q8_panels.panels_matmul, (WQ, WS, i64, i16_2, f32_2, f32_2, i64))],
         # prefill's batched raw-block LINEARs (kquant_gemm's integer GEMM) and short prompts

@@ -121,7 +121,7 @@ def test_the_executor_calls_each_kernel_with_the_warmed_signature_only(tiny, tmp
     """Every kernel runs with exactly the signature the warm-up compiled, and the gated-delta
     kernel (absent op) not at all."""
     used = used_kernel_signatures(tiny, tmp_path / "cache", quant)
-    # (kernels keyed by module: q8_gemm and kquant_gemm both have a _matvec_rows)
+    # (kernels keyed by module and name)
     assert used["cpullm.kernels.q8_panels.panels_matmul"] != []
     assert used["cpullm.kernels.gated_delta.gated_delta"] == [] and used["cpullm.kernels.attention.attention"] != []
 

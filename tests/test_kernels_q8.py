@@ -1,4 +1,5 @@
-"""INT8 (q8 block-32) linear kernels vs their numpy references, plus a codegen guard.
+"""q8 block-32 quantization, the exact q8 reference product and the f32 reference kernels vs
+their numpy references, plus a codegen guard. (The q8 LINEAR: tests/test_kernels_q8_panels.py.)
 
 Sizes are deliberately odd: N not a multiple of anything, K not a multiple of 32, T = 1 and 37.
 """
@@ -7,12 +8,11 @@ import numpy as np
 import pytest
 from numba import njit
 
-from cpullm.kernels import numba_setup, q8
+from cpullm.kernels import q8
 
 RNG = np.random.default_rng(20240601)
 
 NK = [(1, 1), (3, 31), (5, 32), (37, 33), (64, 100), (101, 896), (257, 1000)]
-MATVECS = [q8._matvec_q8_generic] + ([q8._matvec_q8_avx2] if q8.HAVE_AVX2 else [])
 
 
 def _w(N, K, scale=1.0):
@@ -139,109 +139,17 @@ def test_quantize_act_rejects_bad_shapes():
         q8.quantize_act_q16(np.zeros(40, np.float32), np.zeros(32, np.int16), np.zeros(1, np.float32))
 
 
-# ---- matvec ------------------------------------------------------------------------------------
+# ---- matrix-vector products --------------------------------------------------------------------
 
-@pytest.mark.parametrize("kernel", MATVECS, ids=lambda f: f.__name__)
-@pytest.mark.parametrize("N,K", NK + [(1001, 4864)])
-def test_matvec_q8_matches_reference(kernel, N, K):
+@pytest.mark.parametrize("N,K", NK)
+def test_matvec_q8_ref_is_the_product_of_the_dequantized_operands(N, K):
+    # the reference every integer q8 kernel is checked against: exact block sums, then the scales
     w_q, w_s = q8.quantize_weight_q8(_w(N, K))
     x_q, x_s = _q_act(RNG.standard_normal(K).astype(np.float32))
-    out = np.full(N, np.nan, np.float32)
-    kernel(w_q, w_s, x_q, x_s, out)
+    w = q8.dequantize_weight_q8_ref(w_q, w_s).astype(np.float64)
+    x = x_q.astype(np.float64) * np.repeat(x_s, 32).astype(np.float64)
     ref = q8.matvec_q8_ref(w_q, w_s, x_q, x_s)
-    terms = (np.abs(w_q.astype(np.float64) * np.repeat(q8.scale_values(w_s), 32, 1))
-             @ np.abs(x_q * np.repeat(x_s, 32).astype(np.float64)))
-    _close(out, ref, terms)
-
-
-@njit
-def _avx2_rows_routine(w_q, w_s, x_q, x_s, out):
-    for n in range(w_q.shape[0]):
-        out[n] = q8._q8_row_dot_avx2_rows(w_q, w_s, x_q, x_s, n)
-
-
-@njit
-def _generic_rows_routine(w_q, w_s, x_q, x_s, out):
-    for n in range(w_q.shape[0]):
-        out[n] = q8._q8_row_dot_generic_rows(w_q, w_s, x_q, x_s, n)
-
-
-# every path through the row routine: groups of 8 blocks, a group of 4, a pair loop, an odd block
-@pytest.mark.parametrize("nblocks", list(range(1, 22)) + [28, 152])
-def test_matvec_q8_every_block_count_matches_reference_and_the_rows_variant(nblocks):
-    N, K = 19, 32 * nblocks - (nblocks % 3)
-    w_q, w_s = q8.quantize_weight_q8(_w(N, K))
-    x_q, x_s = _q_act(RNG.standard_normal(K).astype(np.float32) * 3)
-    ref = q8.matvec_q8_ref(w_q, w_s, x_q, x_s)
-    terms = (np.abs(w_q.astype(np.float64) * np.repeat(q8.scale_values(w_s), 32, 1))
-             @ np.abs(x_q * np.repeat(x_s, 32).astype(np.float64)))
-    pairs = [(q8._matvec_q8_generic, _generic_rows_routine)]
-    if q8.HAVE_AVX2:
-        pairs.append((q8._matvec_q8_avx2, _avx2_rows_routine))
-    for kernel, rows_routine in pairs:
-        out, rows = np.full(N, np.nan, np.float32), np.full(N, np.nan, np.float32)
-        kernel(w_q, w_s, x_q, x_s, out)
-        _close(out, ref, terms)
-        rows_routine(w_q, w_s, x_q, x_s, rows)
-        # the head screen's exact rows must equal the matvec's logits bit for bit
-        assert np.array_equal(out, rows), kernel.__name__
-
-
-def test_matvec_q8_is_the_avx2_kernel_on_avx2_hosts():
-    assert q8.matvec_q8 is (q8._matvec_q8_avx2 if q8.HAVE_AVX2 else q8._matvec_q8_generic)
-
-
-def test_matvec_q8_extreme_values_do_not_overflow():
-    # |w| = 127, |x| = 32767 everywhere: each int32 lane sums 4 products of 127 * 32767
-    N, K = 9, 96
-    w_q = np.full((N, K), 127, np.int8)
-    w_q[:, 1::2] = -127
-    w_q[1] = -w_q[1]
-    w_q[2, :] = -127
-    x_q = np.full(K, 32767, np.int16)
-    x_q[1::2] = -32767
-    w_s = np.full((N, K // 32), np.float16(1.0).view(np.uint16), np.uint16)
-    x_s = np.ones(K // 32, np.float32)
-    for kernel in MATVECS:
-        out = np.zeros(N, np.float32)
-        kernel(w_q, w_s, x_q, x_s, out)
-        np.testing.assert_array_equal(out, q8.matvec_q8_ref(w_q, w_s, x_q, x_s).astype(np.float32))
-
-
-@njit(cache=False)
-def _interpreter_like(wq_flat, ws_flat, x, xq_buf, xs_buf, out, N, Kp, reps):
-    # the interpreter pattern: a non-parallel njit function slicing flat buffers and calling
-    # the (parallel) kernels
-    w = wq_flat[:N * Kp].reshape(N, Kp)
-    s = ws_flat[:N * (Kp // 32)].reshape(N, Kp // 32)
-    for _ in range(reps):
-        q8.quantize_act_q16(x, xq_buf[:Kp], xs_buf[:Kp // 32])
-        q8.matvec_q8(w, s, xq_buf[:Kp], xs_buf[:Kp // 32], out)
-
-
-def test_matvec_q8_from_a_serial_njit_caller_with_flat_buffers():
-    N, K = 77, 300
-    w_q, w_s = q8.quantize_weight_q8(_w(N, K))
-    Kp = w_q.shape[1]
-    wq_flat = np.concatenate([w_q.ravel(), np.zeros(100, np.int8)])
-    ws_flat = np.concatenate([w_s.ravel(), np.zeros(10, np.uint16)])
-    x = RNG.standard_normal(K).astype(np.float32)
-    xq_buf = np.zeros(4096, np.int16)
-    xs_buf = np.zeros(128, np.float32)
-    out = np.zeros(N, np.float32)
-    _interpreter_like(wq_flat, ws_flat, x, xq_buf, xs_buf, out, N, Kp, 2)
-    x_q, x_s = q8.quantize_act_q16_ref(x)
-    ref = q8.matvec_q8_ref(w_q, w_s, x_q, x_s)
-    assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max()
-
-
-def test_matvec_q8_rejects_bad_shapes():
-    w_q, w_s = q8.quantize_weight_q8(_w(8, 64))
-    x_q, x_s = _q_act(RNG.standard_normal(64).astype(np.float32))
-    with pytest.raises(ValueError):
-        q8.matvec_q8(w_q, w_s, x_q[:32], x_s[:1], np.zeros(8, np.float32))
-    with pytest.raises(ValueError):
-        q8.matvec_q8(w_q, w_s, x_q, x_s, np.zeros(7, np.float32))
+    np.testing.assert_allclose(ref, w @ x, rtol=1e-12, atol=1e-12 * (np.abs(w) @ np.abs(x)).max())
 
 
 @pytest.mark.parametrize("N,K", NK)
@@ -253,30 +161,7 @@ def test_matvec_f32_matches_reference(N, K):
     _close(out, q8.matvec_f32_ref(w, x), np.abs(w).astype(np.float64) @ np.abs(x))
 
 
-# ---- matmul (prefill) --------------------------------------------------------------------------
-
-@pytest.mark.parametrize("T", [1, 37])
-@pytest.mark.parametrize("N,K", [(1, 1), (37, 33), (101, 896), (1500, 900)])
-def test_matmul_q8_sgemm_matches_reference(T, N, K):
-    w_q, w_s = q8.quantize_weight_q8(_w(N, K))
-    x = RNG.standard_normal((T, K)).astype(np.float32)
-    out = np.full((T, N), np.nan, np.float32)
-    q8.matmul_q8_sgemm(x, w_q, w_s, out)
-    w = q8.dequantize_weight_q8_ref(w_q, w_s)[:, :K].astype(np.float64)
-    _close(out, q8.matmul_q8_ref(x, w_q, w_s), np.abs(x) @ np.abs(w).T)
-
-
-def test_matmul_q8_sgemm_equals_dequantized_sgemm_row_by_row():
-    # the sgemm path's numerics are weights-only INT8: equal to the f32 path on dequantized weights
-    N, K, T = 300, 200, 5
-    w_q, w_s = q8.quantize_weight_q8(_w(N, K))
-    x = RNG.standard_normal((T, K)).astype(np.float32)
-    out = np.empty((T, N), np.float32)
-    q8.matmul_q8_sgemm(x, w_q, w_s, out)
-    out2 = np.empty((T, N), np.float32)
-    q8.matmul_f32(x, np.ascontiguousarray(q8.dequantize_weight_q8(w_q, w_s)[:, :K]), out2)
-    np.testing.assert_allclose(out, out2, rtol=1e-5, atol=1e-4)
-
+# ---- matmul (f32 prefill) ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("T", [1, 37])
 @pytest.mark.parametrize("N,K", [(1, 1), (37, 33), (101, 896)])
@@ -297,36 +182,10 @@ def _fresh_asm(dispatcher, *args):
     return fresh.inspect_asm(fresh.signatures[0])
 
 
-def _matvec_args(N=64, K=256):
-    w_q, w_s = q8.quantize_weight_q8(_w(N, K))
-    x_q, x_s = _q_act(RNG.standard_normal(K).astype(np.float32))
-    return w_q, w_s, x_q, x_s, np.zeros(N, np.float32)
-
-
 @pytest.mark.skipif(not q8.HAVE_AVX2, reason="x86 AVX2 host only")
-def test_matvec_q8_avx2_codegen_is_vectorized():
+def test_quantize_and_f32_codegen_is_vectorized():
     import re
 
-    asm = _fresh_asm(q8._matvec_q8_avx2, *_matvec_args())
-    for insn in ("vpmovsxbw", "vpmaddwd", "vcvtdq2ps", "vcvtph2ps", "vfmadd", "prefetcht0"):
-        assert insn in asm, f"{insn} missing: the q8 matvec lost its vector code"
-    assert "ymm" in asm
-    # rows of LONG_ROW_K or more prefetch their stream into L2 (q8.matvec_q8's docstring)
-    assert "prefetcht1" in asm, "the long-row branch lost its L2 prefetch"
-    if "f16c" in numba_setup.HOST_FEATURES:
-        # the block scale reaches vcvtph2ps through vmovd, never vpinsrw (which merges into a
-        # register LLVM picks, the FMA accumulator, and chains the blocks: q8._ir_half_to_float_fresh)
-        assert "vpinsrw" not in asm and "vmovd" in asm
-        # a group's 8 block factors are converted together (q8._define_row_dot)
-        assert re.search(r"vcvtph2psx?\s+[^\n]*%ymm", asm), "block factors no longer converted 8 at a time"
-
-
-@pytest.mark.skipif(not q8.HAVE_AVX2, reason="x86 AVX2 host only")
-def test_other_kernels_codegen_is_vectorized():
-    import re
-
-    asm = _fresh_asm(q8._matvec_q8_generic, *_matvec_args())
-    assert re.search(r"vpmulld|vpmaddwd", asm) and re.search(r"%[yz]mm", asm)
     x = RNG.standard_normal(256).astype(np.float32)
     asm = _fresh_asm(q8.quantize_act_q16, x, np.zeros(256, np.int16), np.zeros(8, np.float32))
     # 8 or 16 lanes (AVX2 / AVX-512 hosts; AVX-512 rounds with vrndscaleps)

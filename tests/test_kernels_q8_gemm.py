@@ -1,5 +1,6 @@
-"""The prefill GEMM (cpullm.kernels.q8_gemm): W8A16 on AVX-512 VNNI vs its numpy reference, the
-equality of its numerics with the decode path's, the dispatcher, and a codegen guard.
+"""The W8A16 GEMM (cpullm.kernels.q8_gemm, whose micro-kernel kquant_gemm runs) on q8 weights:
+matmul_w8a16 vs its numpy reference, its agreement with the q8 LINEAR (q8_panels), the packed
+layout, and a codegen guard.
 
 Shapes are deliberately awkward: N not a multiple of the 64- or 16-row panel (nor of 16), K not
 a multiple of 32 and spanning several packed chunks (1024 values) plus a partial one, T
@@ -9,7 +10,7 @@ import numba
 import numpy as np
 import pytest
 
-from cpullm.kernels import q8, q8_gemm
+from cpullm.kernels import q8, q8_gemm, q8_panels
 
 RNG = np.random.default_rng(20261201)
 VNNI = pytest.mark.skipif(q8_gemm.GEMM_ISA is None, reason="this CPU lacks AVX2+FMA+F16C (the kernel cannot run here)")
@@ -66,20 +67,18 @@ def test_w8a16_reuses_its_activation_scratch_without_stale_values():
 
 
 @VNNI
-def test_w8a16_rows_equal_the_decode_matvec():
-    # prefill and decode compute the same numbers (int16 activation blocks x q8 weights)
+def test_w8a16_rows_agree_with_the_q8_linear():
+    # the same int16 activation blocks x q8 weights as the runtime's q8 LINEAR (q8_panels)
     T, N, K = 7, 200, 600
     w_q, w_s = q8.quantize_weight_q8(_w(N, K))
     x = _x(T, K)
     out = np.empty((T, N), np.float32)
     q8_gemm.matmul_w8a16(x, w_q, w_s, out)
-    Kp = w_q.shape[1]
+    wp, sp = q8_panels.pack_panels(w_q, w_s)
+    rows = np.empty((T, N), np.float32)
+    q8_panels.matmul_panels(x, wp, sp, N, rows)
     for t in range(T):
-        x_q, x_s = np.empty(Kp, np.int16), np.empty(Kp // 32, np.float32)
-        q8.quantize_act_q16(x[t], x_q, x_s)
-        row = np.empty(N, np.float32)
-        q8.matvec_q8(w_q, w_s, x_q, x_s, row)
-        assert np.abs(out[t] - row).max() <= _bound(x[t:t + 1], w_q, w_s)
+        assert np.abs(out[t] - rows[t]).max() <= _bound(x[t:t + 1], w_q, w_s)
 
 
 @VNNI
@@ -135,28 +134,13 @@ def test_pack_layout():
             assert sp[bb * NR + r] == (scales[n, b0 + bb] if n < N else 0.0)
 
 
-@pytest.mark.parametrize("T", [1, 2, 3, 40])
-def test_matmul_q8_dispatch_matches_its_reference(T):
-    # on AVX2 / AVX-512 VNNI hosts: W8A16 numerics (the GEMM, or one matvec per row below
-    # MIN_ROWS); elsewhere: weights-only INT8 through sgemm
-    N, K = 150, 416
-    w_q, w_s = q8.quantize_weight_q8(_w(N, K))
-    x = _x(T, K)
-    out = np.full((T, N), np.nan, np.float32)
-    q8_gemm.matmul_q8(x, w_q, w_s, out)
-    if q8_gemm.GEMM_ISA is not None:
-        ref = q8_gemm.matmul_w8a16_ref(x, w_q, w_s)
-    else:
-        ref = q8.matmul_q8_ref(x, w_q, w_s)
-    assert np.abs(out - ref).max() <= _bound(x, w_q, w_s) * 5
-
-
-def test_matmul_q8_rejects_bad_shapes():
+@VNNI
+def test_w8a16_rejects_bad_shapes():
     w_q, w_s = q8.quantize_weight_q8(_w(10, 64))
     with pytest.raises(ValueError):
-        q8_gemm.matmul_q8(np.zeros((5, 65), np.float32), w_q, w_s, np.zeros((5, 10), np.float32))
+        q8_gemm.matmul_w8a16(np.zeros((5, 65), np.float32), w_q, w_s, np.zeros((5, 10), np.float32))
     with pytest.raises(ValueError):
-        q8_gemm.matmul_q8(np.zeros((5, 64), np.float32), w_q, w_s, np.zeros((5, 11), np.float32))
+        q8_gemm.matmul_w8a16(np.zeros((5, 64), np.float32), w_q, w_s, np.zeros((5, 11), np.float32))
 
 
 @VNNI
