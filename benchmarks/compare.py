@@ -1146,9 +1146,9 @@ def machine_info() -> dict:
     except OSError:
         pass
     try:
-        from cpullm.kernels import q8_gemm
-        prefill = {"avx512vnni": "W8A16 GEMM (AVX-512 VNNI)", "avx2": "W8A16 GEMM (AVX2)"}.get(
-            q8_gemm.GEMM_ISA, "dequantize + OpenBLAS sgemm")
+        from cpullm.kernels import q8_panels
+        prefill = {"vnni": "W8A16 q8 panels (AVX-512 VNNI)", "avx2": "W8A16 q8 panels (AVX2)"}.get(
+            q8_panels.ISA, "W8A16 q8 panels (portable IR)")
     except Exception:  # noqa: BLE001 - the report still says what it can
         prefill = "unknown"
     return {"cpu": cpu, "logical_cpus": os.cpu_count(), "python": platform.python_version(),
