@@ -42,7 +42,7 @@ from . import numba_setup
 from . import q8_gemm as g8
 from .gguf_blocks import BY_TYPE, block_format, dequantize_ref
 from .kquant import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, matvec, quantize_act_q8, unpack_group_quants
-from .q8 import QBLOCK, _pool, _quantize_row, half_to_float
+from .q8 import QBLOCK, _pool, _quantize_row, activation_scratch, half_to_float
 
 MIN_ROWS = 3
 """Fewest rows sent through dequantize + sgemm: below, a matvec per row reads the blocks once
@@ -416,7 +416,7 @@ def matmul_int(fmt, x, w, out):
     T, K = x.shape
     nb = K // QBLOCK
     Tp = (T + g8.TR - 1) // g8.TR * g8.TR
-    x_q, x_s = g8._activation_scratch(Tp, K)
+    x_q, x_s = activation_scratch(Tp, K)
     if fmt == Q6_K:
         _quantize_rows(x, x_q, x_s, Q6_K_ACT_QMAX)
     else:

@@ -61,7 +61,6 @@ The numpy reference is :func:`matmul_w8a16_ref`.
 """
 from __future__ import annotations
 
-import threading
 
 import numba
 import numpy as np
@@ -71,7 +70,8 @@ from numba.extending import intrinsic
 
 from . import numba_setup
 from .q8 import HAVE_AVX2 as q8_HAVE_AVX2
-from .q8 import QBLOCK, _c64, _decl, half_to_float, matvec_q8_ref, padded_k, quantize_act_q16, quantize_act_q16_ref
+from .q8 import (QBLOCK, _c64, _decl, _vnni_block_sums, activation_scratch, half_to_float, matvec_q8_ref, padded_k, quantize_act_q16,
+                 quantize_act_q16_ref)
 
 HAVE_VNNI512 = numba_setup.HOST_IS_X86 and {"avx512f", "avx512bw", "avx512vnni"} <= numba_setup.HOST_FEATURES
 """True when this CPU runs the AVX-512 VNNI variant of the micro-kernel."""
@@ -165,31 +165,6 @@ def _avx2_block_dots(b, wblk, xpairs):
     return [[b.extract_value(r, t * V + v) for v in range(V)] for t in range(TR)]
 
 
-def _vnni_block_dots(b, wblk, xpairs):
-    """The int32 sums of one block for an AVX-512 tile: TR x V <16 x i32>, as one inline-assembly
-    routine (per pair: V weight loads, then TR x V ``vpdpwssd`` with the activation pair broadcast
-    from memory). As IR, LLVM's tuning for some Intel hosts splits every ``vpdpwssd`` into
-    ``vpmaddwd`` + ``vpaddd`` (2-core Intel Xeon VM: 3 instructions of the tile's 192 stayed
-    ``vpdpwssd``)."""
-    n_acc = TR * V
-    reg = lambda i: f"${i}"  # noqa: E731
-    wreg = lambda v: reg(n_acc + v)  # noqa: E731
-    wptr, xptr = reg(n_acc + V), (lambda t: reg(n_acc + V + 1 + t))
-    lines = [f"vpxord {reg(i)}, {reg(i)}, {reg(i)}" for i in range(n_acc)]
-    for p in range(16):
-        for v in range(V):
-            lines.append(f"vmovdqu64 {(p * 2 * NR + 2 * LANES * v) * 2}({wptr}), {wreg(v)}")
-        for t in range(TR):
-            for v in range(V):
-                lines.append(f"vpdpwssd {4 * p}({xptr(t)}){{1to16}}, {wreg(v)}, {reg(t * V + v)}")
-    ret = ir.LiteralStructType([_VI32] * (n_acc + V))
-    ins = [wblk] + list(xpairs)
-    asm = ir.InlineAsm(ir.FunctionType(ret, [x.type for x in ins]), "\n\t".join(lines),
-                       ",".join(["=&v"] * (n_acc + V) + ["r"] * len(ins) + ["~{memory}"]))
-    r = b.call(asm, ins)
-    return [[b.extract_value(r, t * V + v) for v in range(V)] for t in range(TR)]
-
-
 def _define_tile(module):
     """void @cpullm_w8a16_tile(i16* wp, f32* sp, i16* xq, i64 xq_stride, f32* xs, i64 xs_stride,
     i64 nblocks, f32* c, i64 c_stride, i1 init): c[t * c_stride + LANES * v + lane] += the tile's
@@ -237,7 +212,12 @@ def _define_tile(module):
     wblk = b.gep(wp, [b.mul(blk, _c64(16 * 2 * NR))])
     k0 = b.mul(blk, _c64(QBLOCK))
     xpairs = [b.bitcast(b.gep(xrows[t], [k0]), _I32.as_pointer()) for t in range(TR)]
-    dots = _vnni_block_dots(b, wblk, xpairs) if LANES == 16 else _avx2_block_dots(b, wblk, xpairs)
+    if LANES == 16:                     # V weight vectors of 16 rows' int16 pairs, the next pair 4 NR bytes on
+        w8 = b.bitcast(wblk, ir.IntType(8).as_pointer())
+        sums = _vnni_block_sums(b, [b.gep(w8, [_c64(4 * LANES * v)]) for v in range(V)], xpairs, "vmovdqu64", 4 * NR)
+        dots = [[sums[t][v][0] for v in range(V)] for t in range(TR)]
+    else:
+        dots = _avx2_block_dots(b, wblk, xpairs)
     ws = [b.load(b.bitcast(b.gep(sp, [b.add(b.mul(blk, _c64(NR)), _c64(LANES * v))]), _VF32.as_pointer()), align=4)
           for v in range(V)]
     new = [[None] * V for _ in range(TR)]
@@ -439,23 +419,6 @@ def _check(x, w_q, w_s, out):
         raise ValueError("matmul_w8a16: dtypes must be x float32, w_q int8, w_s uint16, out float32")
 
 
-_SCRATCH = threading.local()
-
-
-def _activation_scratch(Tp: int, Kp: int):
-    """x_q int16 (Tp, Kp) and x_s float32 (Tp, Kp // 32) views of this thread's scratch, grown to
-    the largest size asked for and kept: a prefill quantizes every LINEAR's input (up to 5 MB for
-    512 rows of 4864), and fresh memory costs page faults on every call (measured: a 512-token
-    Qwen2.5-0.5B prefill 0.97x the time with the buffers kept, 2 threads, 12 interleaved runs)."""
-    nq, ns = Tp * Kp, Tp * (Kp // QBLOCK)
-    q, s = getattr(_SCRATCH, "q", None), getattr(_SCRATCH, "s", None)
-    if q is None or q.size < nq:
-        q = _SCRATCH.q = np.empty(nq, np.int16)
-    if s is None or s.size < ns:
-        s = _SCRATCH.s = np.empty(ns, np.float32)
-    return q[:nq].reshape(Tp, Kp), s[:ns].reshape(Tp, Kp // QBLOCK)
-
-
 def matmul_w8a16(x, w_q, w_s, out):
     """out (T, N) = x (T, K) @ W.T with int16-quantized x (see the module docstring).
 
@@ -468,7 +431,7 @@ def matmul_w8a16(x, w_q, w_s, out):
     T = x.shape[0]
     Kp = w_q.shape[1]
     Tp = (T + TR - 1) // TR * TR
-    x_q, x_s = _activation_scratch(Tp, Kp)
+    x_q, x_s = activation_scratch(Tp, Kp)
     _quantize_rows_q16(x, x_q, x_s)
     _gemm_panels(x_q, x_s, w_q, w_s, T, out, numba.get_num_threads())
 

@@ -44,7 +44,6 @@ x_q, x_s, out, nthreads)`` for B >= 1 rows of quantized activations (decode, bat
 from __future__ import annotations
 
 import os
-import threading
 
 import numba
 import numpy as np
@@ -54,7 +53,8 @@ from numba.extending import intrinsic
 
 from . import numba_setup  # code-generation settings first
 from .q8 import (_F32, _I8, _I16, _I32, _I64, _P8, QBLOCK, HAVE_AVX2, _c64, _decl, _halves_to_floats,
-                 _prefetch_ahead, half_to_float, quantize_act_q16, scale_values)
+                 _prefetch_ahead, _vnni_block_sums, activation_scratch, half_to_float, quantize_act_q16,
+                 scale_values)
 
 PANEL = 16
 """Rows per panel: the int32 lanes of one 512-bit register."""
@@ -173,39 +173,6 @@ def _pair_dot(b, module, acc, w, a, isa):
     return b.add(acc, b.add(ev, od))
 
 
-def _vnni_block_sums(b, wptrs, xptrs, chains):
-    """IR: the int32 sums of one block for a TR x V tile, as one inline-assembly routine:
-    per pair, V ``vpmovsxbw`` loads and TR x V ``vpdpwssd`` with the activation pair broadcast
-    from memory. Returns sums[t][v][chain] (<16 x i32>).
-
-    Inline assembly, not IR: LLVM (the host's tuning) rewrote each ``vpdpwssd`` into ``vpmaddwd``
-    + ``vpaddd`` and hoisted the broadcasts into 30 spilled registers: 50-65 G multiply-adds/s on
-    the 2-core Intel VM instead of ~2-3x that."""
-    TR, V = len(xptrs), len(wptrs)
-    nacc = TR * V * chains
-    reg = lambda i: f"${i}"  # noqa: E731
-    acc = lambda t, v, c: reg((t * V + v) * chains + c)  # noqa: E731
-    wreg = lambda v: reg(nacc + v)  # noqa: E731
-    first_in = nacc + V
-    wptr = lambda v: reg(first_in + v)  # noqa: E731
-    xptr = lambda t: reg(first_in + V + t)  # noqa: E731
-    lines = [f"vpxord {acc(t, v, c)}, {acc(t, v, c)}, {acc(t, v, c)}"
-             for t in range(TR) for v in range(V) for c in range(chains)]
-    for p in range(16):
-        for v in range(V):
-            lines.append(f"vpmovsxbw {32 * p}({wptr(v)}), {wreg(v)}")
-        for t in range(TR):
-            for v in range(V):
-                lines.append(f"vpdpwssd {4 * p}({xptr(t)}){{1to16}}, {wreg(v)}, {acc(t, v, p % chains)}")
-    ret = ir.LiteralStructType([_V16I32] * (nacc + V))
-    ins = list(wptrs) + list(xptrs)
-    asm = ir.InlineAsm(ir.FunctionType(ret, [x.type for x in ins]), "\n\t".join(lines),
-                       ",".join(["=&v"] * (nacc + V) + ["r"] * len(ins) + ["~{memory}"]))
-    r = b.call(asm, ins)
-    return [[[b.extract_value(r, (t * V + v) * chains + c) for c in range(chains)] for v in range(V)]
-            for t in range(TR)]
-
-
 def _define_tile(module, isa: str, TR: int, V: int, locality: int):
     """void @cpullm_q8_panel_tile(i8* wp, i8* sp, i64 panel_bytes, i8* xq, i64 xq_stride,
     i8* xs, i64 xs_stride, i64 nb, i8* out, i64 out_stride): for t < TR, v < V:
@@ -246,8 +213,10 @@ def _define_tile(module, isa: str, TR: int, V: int, locality: int):
                 _prefetch_ahead(b, module, b.gep(wpan[v], [b.add(boff, _c64(line))]), locality)
         xoff = b.shl(i, _c64(6))                    # 64 bytes of int16 activations a block
         if isa == "vnni":
+            # the activation pointers as they are (i8*): cast to i32* they measured an 8-row decode
+            # step 18 % slower (LLVM's address arithmetic around the routine)
             sums = _vnni_block_sums(b, [b.gep(wpan[v], [boff]) for v in range(V)],
-                                    [b.gep(xrow[t], [xoff]) for t in range(TR)], chains)
+                                    [b.gep(xrow[t], [xoff]) for t in range(TR)], "vpmovsxbw", 32, chains)
         else:
             sums = [[[zero_i] * chains for _ in range(V)] for _ in range(TR)]
             for p in range(16):
@@ -282,11 +251,12 @@ def _define_tile(module, isa: str, TR: int, V: int, locality: int):
     return fn
 
 
-def _make_tile(isa: str, TR: int, V: int, locality: int):
+def _make_tile(isa: str, TR: int, V: int):
     @intrinsic
     def tile(typingctx, wp, sp, g, x_q, x_s, t0, out, o_t, o_n):
         """Register tile: out[o_t + t, o_n + 16 v + l] for t < TR, v < V, l < 16 = panel g + v's
-        row l against activation row t0 + t (out must have those 16 V columns). No bounds checks."""
+        row l against activation row t0 + t (out must have those 16 V columns). No bounds checks.
+        Rows of at least LONG_ROW_K values prefetch into L2, shorter ones into L1."""
         sig = types.void(wp, sp, g, x_q, x_s, t0, out, o_t, o_n)
 
         def codegen(context, builder, sig, args):
@@ -304,57 +274,44 @@ def _make_tile(isa: str, TR: int, V: int, locality: int):
             xptr = builder.gep(p8(axq), [builder.mul(t0_, xqst)])
             sxptr = builder.gep(p8(axs), [builder.mul(t0_, xsst)])
             optr = builder.gep(p8(aout), [builder.add(builder.mul(ot_, ost), builder.shl(on_, _c64(2)))])
-            fn = _define_tile(builder.module, isa, TR, V, locality)
-            builder.call(fn, [wptr, sptr, pbytes, xptr, xqst, sxptr, xsst, nb, optr, ost])
+            operands = [wptr, sptr, pbytes, xptr, xqst, sxptr, xsst, nb, optr, ost]
+            long_rows = builder.icmp_signed(">=", nb, _c64(LONG_ROW_K // QBLOCK))
+            with builder.if_else(long_rows) as (long_, short):
+                with long_:
+                    builder.call(_define_tile(builder.module, isa, TR, V, 2), operands)
+                with short:
+                    builder.call(_define_tile(builder.module, isa, TR, V, 3), operands)
             return context.get_dummy_value()
 
         return sig, codegen
     return tile
 
 
-def _tiles(isa):
-    return {(TR, V, loc): _make_tile(isa, TR, V, loc) for TR, V in TILES for loc in (2, 3)}
-
-
-_T = _tiles(ISA)
-_t8x1, _t4x2, _t2x4, _t1x4 = _T[8, 1, 3], _T[4, 2, 3], _T[2, 4, 3], _T[1, 4, 3]
-_t8x1l2, _t4x2l2, _t2x4l2, _t1x4l2 = _T[8, 1, 2], _T[4, 2, 2], _T[2, 4, 2], _T[1, 4, 2]
-
 LONG_ROW_K = 4096
 """Rows at least this long prefetch into L2, not L1: their int16 activations (>= 8 KiB a row) and
 a stream pulled into L1 4 KiB ahead evict each other."""
 
+_t8x1, _t4x2, _t2x4, _t1x4 = (_make_tile(ISA, TR, V) for TR, V in TILES)
+
 
 @njit(cache=True, nogil=True, inline="always")
-def _group(wp, sp, g, x_q, x_s, out, o_n, long_rows):
+def _group(wp, sp, g, x_q, x_s, out, o_n):
     """Every tile of panels g .. g + 3 (GROUP) against all B rows; results at out[:, o_n:]."""
     B = x_q.shape[0]
     t0 = 0
     while B - t0 >= 8:
         for v in range(4):
-            if long_rows:
-                _t8x1l2(wp, sp, g + v, x_q, x_s, t0, out, t0, o_n + 16 * v)
-            else:
-                _t8x1(wp, sp, g + v, x_q, x_s, t0, out, t0, o_n + 16 * v)
+            _t8x1(wp, sp, g + v, x_q, x_s, t0, out, t0, o_n + 16 * v)
         t0 += 8
     if B - t0 >= 4:
         for v in range(0, 4, 2):
-            if long_rows:
-                _t4x2l2(wp, sp, g + v, x_q, x_s, t0, out, t0, o_n + 16 * v)
-            else:
-                _t4x2(wp, sp, g + v, x_q, x_s, t0, out, t0, o_n + 16 * v)
+            _t4x2(wp, sp, g + v, x_q, x_s, t0, out, t0, o_n + 16 * v)
         t0 += 4
     if B - t0 >= 2:
-        if long_rows:
-            _t2x4l2(wp, sp, g, x_q, x_s, t0, out, t0, o_n)
-        else:
-            _t2x4(wp, sp, g, x_q, x_s, t0, out, t0, o_n)
+        _t2x4(wp, sp, g, x_q, x_s, t0, out, t0, o_n)
         t0 += 2
     if B - t0 >= 1:
-        if long_rows:
-            _t1x4l2(wp, sp, g, x_q, x_s, t0, out, t0, o_n)
-        else:
-            _t1x4(wp, sp, g, x_q, x_s, t0, out, t0, o_n)
+        _t1x4(wp, sp, g, x_q, x_s, t0, out, t0, o_n)
 
 
 @njit(cache=True, parallel=True)
@@ -373,7 +330,6 @@ def panels_matmul(wp, sp, N, x_q, x_s, out, nthreads):
                          "x_s (B, Kp // 32), out (B, >= N)")
     if x_q.strides[1] != 2 or x_s.strides[1] != 4 or out.strides[1] != 4:
         raise ValueError("panels_matmul: rows of x_q, x_s and out must be contiguous")
-    long_rows = Kp >= LONG_ROW_K
     nfull = N // (GROUP * PANEL)            # groups whose 64 rows are all < N
     ngroups = npan // GROUP
     nth = max(1, min(nthreads, ngroups))
@@ -381,10 +337,10 @@ def panels_matmul(wp, sp, N, x_q, x_s, out, nthreads):
         lo = c * ngroups // nth
         hi = (c + 1) * ngroups // nth
         for grp in range(lo, min(hi, nfull)):
-            _group(wp, sp, grp * GROUP, x_q, x_s, out, grp * GROUP * PANEL, long_rows)
+            _group(wp, sp, grp * GROUP, x_q, x_s, out, grp * GROUP * PANEL)
         if hi > nfull:                      # the last group holds rows past N: via a scratch tile
             edge = np.empty((B, GROUP * PANEL), np.float32)
-            _group(wp, sp, nfull * GROUP, x_q, x_s, edge, 0, long_rows)
+            _group(wp, sp, nfull * GROUP, x_q, x_s, edge, 0)
             for t in range(B):
                 for j in range(N - nfull * GROUP * PANEL):
                     out[t, nfull * GROUP * PANEL + j] = edge[t, j]
@@ -462,27 +418,12 @@ def _quantize_rows_par(x, x_q, x_s):
         quantize_act_q16(x[t], x_q[t], x_s[t])
 
 
-_SCRATCH = threading.local()
-
-
-def _scratch(T: int, Kp: int):
-    """int16 (T, Kp) and float32 (T, Kp // 32) views of this thread's activation scratch, kept and
-    grown (fresh pages for a 512-row prefill's every LINEAR cost page faults)."""
-    nq, ns = T * Kp, T * (Kp // QBLOCK)
-    q, s = getattr(_SCRATCH, "q", None), getattr(_SCRATCH, "s", None)
-    if q is None or q.size < nq:
-        q = _SCRATCH.q = np.empty(nq, np.int16)
-    if s is None or s.size < ns:
-        s = _SCRATCH.s = np.empty(ns, np.float32)
-    return q[:nq].reshape(T, Kp), s[:ns].reshape(T, Kp // QBLOCK)
-
-
 def matmul_panels(x, wp, sp, N: int, out):
     """out[:, :N] = x (T, K) @ W.T for a prefill chunk: x float32 (T, K) (rows contiguous, any
     row stride) quantized once, then :func:`panels_matmul` (each 64-row group of W read from
     memory once and kept in L2 while every row of x passes it); out C-contiguous (T, >= N)."""
     T, K = x.shape
     Kp = (K + QBLOCK - 1) // QBLOCK * QBLOCK
-    x_q, x_s = _scratch(T, Kp)
+    x_q, x_s = activation_scratch(T, Kp)
     _quantize_rows_par(x, x_q, x_s)
     panels_matmul(wp, sp, N, x_q, x_s, out, numba.get_num_threads())

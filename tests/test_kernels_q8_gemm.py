@@ -62,7 +62,7 @@ def test_w8a16_reuses_its_activation_scratch_without_stale_values():
         out = np.empty((T, N), np.float32)
         q8_gemm.matmul_w8a16(x, w_q, w_s, out)
         assert np.abs(out - q8_gemm.matmul_w8a16_ref(x, w_q, w_s)).max() <= _bound(x, w_q, w_s)
-        results.append(q8_gemm._SCRATCH.q)
+        results.append(q8._SCRATCH.q)
     assert all(q is results[0] for q in results)      # grown once, then kept
 
 
