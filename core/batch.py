@@ -30,7 +30,7 @@ from .kernels import program_table as P
 from .kernels.attention import attention
 from .kernels.attention_batch import attention_decode_batch
 from .kernels.batch_linear import linear_rows_f32
-from .kernels.q8_panels import _quantize_rows, linear_panels, padded_rows, panels_matmul
+from .kernels.q8_panels import _quantize_rows, matmul_panels, padded_rows, panels_matmul
 from .kernels.elementwise import binary_rows, glu_rows
 from .kernels.norm import layernorm_rows, rmsnorm_rows
 from .kernels.gated_delta import gated_delta
@@ -298,9 +298,8 @@ class BatchDecoder:
         out = ex.arena[o_off: o_off + T * o_st].reshape(T, o_st)[:, :N]
         if kind == P.WEIGHT_Q8:
             Np = padded_rows(N)
-            linear_panels(x, ex.wq[w_off: w_off + Np * Kp], ex.ws[s_off: s_off + Np * (Kp // 32)], N,
-                          ex.arena[o_off: o_off + T * o_st].reshape(T, o_st), self.xq.reshape(-1),
-                          self.xs.reshape(-1))
+            matmul_panels(x, ex.wq[w_off: w_off + Np * Kp], ex.ws[s_off: s_off + Np * (Kp // 32)], N,
+                          ex.arena[o_off: o_off + T * o_st].reshape(T, o_st))
         elif kind == P.WEIGHT_F32:
             linear_rows_f32(x, ex.wf[w_off: w_off + N * Kd].reshape(N, Kd), out)
         elif kind == P.WEIGHT_BLOCKS:

@@ -27,8 +27,8 @@ from .norm import layernorm_par, layernorm_rows, rmsnorm_par, rmsnorm_rows
 from .kquant import matvec as matvec_blocks
 from .kquant import _ROW_BYTES, _ROW_WEIGHTS, quantize_act_q8
 from .kquant_gemm import dequantize_rows_into
-from .q8 import half_to_float, matvec_f32, quantize_act_q16
-from .q8_panels import padded_rows, panels_matmul
+from .q8 import matvec_f32, quantize_act_q16
+from .q8_panels import padded_rows, panels_matmul, scaled_row_into
 from .rope import rope_par, rope_rows
 from . import program_table as P
 from .program_table import (  # noqa: F401  (re-exported: the opcodes and weight kinds by their old home)
@@ -233,13 +233,8 @@ def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_s
             for t in range(T):
                 tok = tokens[t]
                 o = o_off + t * o_st
-                if kind == WEIGHT_Q8:       # row tok of the panels (q8_panels)
-                    nb = Kp // 32
-                    g, lane = tok // 16, tok % 16
-                    for j in range(H):
-                        blk = g * nb + j // 32
-                        q = wq[w_off + blk * 512 + (j % 32) // 2 * 32 + 2 * lane + j % 2]
-                        arena[o + j] = np.float32(q) * half_to_float(ws[s_off + blk * 16 + lane]) * sc
+                if kind == WEIGHT_Q8:       # row tok of the panels
+                    scaled_row_into(wq[w_off:], ws[s_off:], Kp, tok, sc, arena[o: o + H])
                 else:
                     for j in range(H):
                         arena[o + j] = wf[w_off + tok * H + j] * sc

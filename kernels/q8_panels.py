@@ -37,7 +37,7 @@ registers (an int16 copy would double the bytes a single stream reads).
 Kernels: ``pack_panels(w_q, w_s) -> (wp, sp)`` at compile time (``unpack_panels``, its inverse;
 ``dequantized_rows``, rows as numbers for the head screen's build), ``panels_matmul(wp, sp, N,
 x_q, x_s, out, nthreads)`` for B >= 1 rows of quantized activations (decode, batches),
-``linear_panels`` and ``matmul_panels`` quantizing float rows first (batches, prefill),
+``matmul_panels`` quantizing float rows first (prefill, a batch's LINEAR run from Python),
 ``panel_row_dot`` for one row (the head screen's exact rows); numpy reference
 ``panels_matmul_ref`` (tests/test_kernels_q8_panels.py).
 """
@@ -352,16 +352,6 @@ def _quantize_rows(x, x_q, x_s):
         quantize_act_q16(x[t], x_q[t], x_s[t])
 
 
-def linear_panels(x, wp, sp, N, out, x_q, x_s):
-    """out[:, :N] = x (B, K) @ W.T: x float32 (B, K) quantized into the flat scratch x_q int16
-    (>= B * Kp,), x_s float32 (>= B * Kp // 32,), then :func:`panels_matmul` (out C-contiguous)."""
-    B, K = x.shape
-    Kp = (K + QBLOCK - 1) // QBLOCK * QBLOCK
-    xq, xs = x_q[:B * Kp].reshape(B, Kp), x_s[:B * (Kp // QBLOCK)].reshape(B, Kp // QBLOCK)
-    _quantize_rows(x, xq, xs)
-    panels_matmul(wp, sp, N, xq, xs, out, numba.get_num_threads())
-
-
 # ================================================================================================
 # one row at a time (the head screen's exact rows), the rows as numbers, prefill
 # ================================================================================================
@@ -398,6 +388,18 @@ def panel_row_dot(wp, sp, n, x_q, x_s):
         factor = half_to_float(sp[(g * nb + b) * PANEL + lane]) * x_s[b]
         acc = _fma32(np.float32(s), factor, acc)
     return acc
+
+
+@njit(cache=True, nogil=True)
+def scaled_row_into(wp, sp, Kp, n, scale, out):
+    """out[j] = w[n, j] * scale for j < out.size: row n of the panels as numbers (an embedding
+    row read from a table stored as panels, tied to the lm_head)."""
+    nb = Kp // QBLOCK
+    g, lane = n // PANEL, n % PANEL
+    for j in range(out.shape[0]):
+        blk = g * nb + j // QBLOCK
+        q = wp[blk * PANEL_BLOCK_BYTES + (j % QBLOCK) // 2 * 2 * PANEL + 2 * lane + j % 2]
+        out[j] = np.float32(q) * half_to_float(sp[blk * PANEL + lane]) * scale
 
 
 def dequantized_rows(wp, sp, Kp: int, n0: int, n1: int):

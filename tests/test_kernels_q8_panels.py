@@ -41,6 +41,11 @@ def test_pack_round_trip_and_padding(N, K):
     assert np.array_equal(q2, w_q) and np.array_equal(s2, w_s)
     rows = qp.dequantized_rows(wp, sp, w_q.shape[1], N // 3, N)
     assert np.array_equal(rows, q8.dequantize_weight_q8_ref(w_q, w_s)[N // 3:].astype(np.float64))
+    K = min(K, w_q.shape[1])
+    for n in (0, N // 2, N - 1):                           # an embedding row read from the panels
+        out = np.zeros(K, np.float32)
+        qp.scaled_row_into(wp, sp, w_q.shape[1], n, np.float32(2.0), out)
+        assert np.array_equal(out, (q8.dequantize_weight_q8_ref(w_q[n:n + 1], w_s[n:n + 1])[0, :K] * 2).astype(np.float32))
 
 
 @pytest.mark.parametrize("N,K", SHAPES)
@@ -109,10 +114,12 @@ for N, K in ((130, 4864), (257, 896)):
     wp, sp = qp.pack_panels(w_q, w_s)
     x = rng.standard_normal((11, K)).astype(np.float32)
     Kp = w_q.shape[1]
-    x_q, x_s = np.zeros(11 * Kp, np.int16), np.zeros(11 * Kp // 32, np.float32)
+    x_q, x_s = np.zeros((11, Kp), np.int16), np.zeros((11, Kp // 32), np.float32)
+    for t in range(11):
+        q8.quantize_act_q16(x[t], x_q[t], x_s[t])
     o = np.zeros((11, N), np.float32)
-    qp.linear_panels(x, wp, sp, N, o, x_q, x_s)
-    ok = bool(np.array_equal(o, qp.panels_matmul_ref(wp, sp, N, x_q.reshape(11, Kp), x_s.reshape(11, -1))))
+    qp.matmul_panels(x, wp, sp, N, o)
+    ok = bool(np.array_equal(o, qp.panels_matmul_ref(wp, sp, N, x_q, x_s)))
     out[f"{N}x{K}"] = [ok, o.view(np.uint32).sum(dtype=np.uint64).item()]
 print(json.dumps(out))
 """
