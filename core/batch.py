@@ -30,6 +30,9 @@ from .kernels import program_table as P
 from .kernels.attention import attention
 from .kernels.attention_batch import attention_decode_batch
 from .kernels.batch_linear import linear_rows_f32
+from .kernels.gguf_blocks import block_format
+from .kernels.kquant_panels import PANELED
+from .kernels.kquant_panels import matmul_float as matmul_kpanels_float
 from .kernels.q8_panels import _quantize_rows, matmul_panels, padded_rows, panels_matmul
 from .kernels.elementwise import binary_rows, glu_rows
 from .kernels.norm import layernorm_rows, rmsnorm_rows
@@ -302,11 +305,17 @@ class BatchDecoder:
                           ex.arena[o_off: o_off + T * o_st].reshape(T, o_st))
         elif kind == P.WEIGHT_F32:
             linear_rows_f32(x, ex.wf[w_off: w_off + N * Kd].reshape(N, Kd), out)
+        elif kind == P.WEIGHT_BLOCKS and s_off >= PANELED:
+            # Q4_K / Q6_K in panels: one pass over the weights for every row, each row's value
+            # the one a lone decode computes (the kernel's numerics do not depend on the batch)
+            rb = block_format(s_off % PANELED).row_bytes(Kp)
+            matmul_kpanels_float(s_off % PANELED, x, ex.wb[w_off: w_off + N * rb], N, out)
         elif kind == P.WEIGHT_BLOCKS:
             # raw ggml blocks: each row through the one-token decode's own matvec (int8
             # activations per 32, one pass), so every row equals a lone decode bit for bit; the
             # weights are read once per row (no shared pass over them yet)
-            K._linear_blocks_rows(ex.I, np.int64(r), ex.arena, ex.wb, ex.wf, ex.xq, ex.xs, np.int64(T), False)
+            K._linear_blocks_rows(ex.I, np.int64(r), ex.arena, ex.wb, ex.wf, ex.xq, ex.xs, np.int64(T), False,
+                                  np.int64(numba.get_num_threads()))
             return
         else:
             # a weight format this module does not know yet: the executor's batched matmul (right

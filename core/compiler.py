@@ -129,7 +129,7 @@ def _float_row_blocks(weights, canonicals: list[str], scratch, max_floats: int):
     values, each read into ``scratch`` (so valid until the next one); a tensor's mapped source
     pages are released once its rows are read. Yields (rows, K) arrays."""
     K = int(weights.shape(canonicals[0])[1])
-    step = max(1, max_floats // max(K, 1))
+    step = max(16, max_floats // max(K, 1) // 16 * 16)      # whole panels of 16 rows (kquant_panels)
     get_rows = getattr(weights, "get_rows", None)
     for c in canonicals:
         n = int(weights.shape(c)[0])
@@ -411,7 +411,7 @@ class _WeightPacker:
                 self.progress(canonicals[0])
         kind, w_off, s_off, Kp, _ = self.packed[key]
         if kind == P.WEIGHT_BLOCKS:
-            _block_slots(self.slots, self.weights, canonicals, fmt, w_off, Kp)
+            _block_slots(self.slots, self.weights, canonicals, fmt, w_off, Kp, s_off)
             return self.packed[key]
         r0 = 0
         for c in canonicals:                # member rows of a fused matrix, for the weight slots
@@ -436,7 +436,13 @@ class _WeightPacker:
         """(kind, w_off, s_off, Kp, rows) of a raw-block matrix: the file's blocks (gguf mode) or
         quantized a row block at a time (q4 mode). Q8_0 goes in as q8, the same values (q8's
         kernels); q4's quantizer keeps |q| <= 127, and a file's Q8_0 with a -128 stays blocks."""
+        from .kernels import kquant_panels
         from .kernels.gguf_blocks import block_format
+        # Q4_K / Q6_K in panels of 16 rows (the file's bytes in another order): every member's
+        # rows whole panels, so that each row block below is too
+        ggml = block_format(fmt).ggml_type
+        paneled = (ggml in kquant_panels.FORMATS
+                   and all(int(self.weights.shape(c)[0]) % kquant_panels.PANEL == 0 for c in canonicals))
         if self.quant == "gguf":
             data, Kp = stored_blocks(self.weights, canonicals, fmt)          # uint8 (N, row bytes)
             parts = [(data, Kp)]
@@ -457,7 +463,9 @@ class _WeightPacker:
             if kind == P.WEIGHT_Q8:
                 panels.add(*as_q8)
             else:
-                wo, so = self.wq.extend(data.view(np.int8)), block_format(fmt).ggml_type
+                if paneled:
+                    data = kquant_panels.pack(ggml, data)
+                wo, so = self.wq.extend(data.view(np.int8)), ggml + kquant_panels.PANELED * paneled
                 w_off = wo if w_off is None else w_off
                 s_off = so if s_off is None else s_off
             rows += data.shape[0]
@@ -721,14 +729,17 @@ def _block_plan(graph: Graph, weights, quant: str):
     return BlockPlan(graph, weights, quant) if quant in BLOCK_QUANTS else None
 
 
-def _block_slots(slots: dict, weights, canonicals: list[str], fmt: str, w_off: int, Kp: int) -> None:
-    """Weight slots of a raw-block matrix: [format name, byte offset in wq, bytes, Kp, -1]."""
+def _block_slots(slots: dict, weights, canonicals: list[str], fmt: str, w_off: int, Kp: int, s_off: int) -> None:
+    """Weight slots of a raw-block matrix: [format name ("Q4_K panels" in panels of 16 rows: a
+    member's whole panels are still its own byte range), byte offset in wq, bytes, Kp, -1]."""
     from .kernels.gguf_blocks import block_format
+    from .kernels.kquant_panels import PANELED
     rb = block_format(fmt).row_bytes(Kp)
+    name = f"{fmt} panels" if s_off >= PANELED else fmt
     r0 = 0
     for c in canonicals:
         n = weights.shape(c)[0]
-        slots.setdefault(c, [fmt, w_off + r0 * rb, n * rb, Kp, -1])
+        slots.setdefault(c, [name, w_off + r0 * rb, n * rb, Kp, -1])
         r0 += n
 
 

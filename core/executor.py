@@ -422,12 +422,17 @@ def lazy_zeros(n: int) -> np.ndarray:
 
 
 def _matmul_blocks(wb: np.ndarray, fmt: int, w_off: int, Kp: int, x: np.ndarray, out: np.ndarray) -> None:
-    """Prefill LINEAR over raw ggml blocks: out (T, N) = x (T, K) @ W.T by kquant_gemm.matmul;
-    rows stored padded to Kp weights (zero weights) get x padded with zeros."""
+    """Prefill LINEAR over raw ggml blocks: out (T, N) = x (T, K) @ W.T by kquant_gemm.matmul, or
+    kquant_panels.matmul_float for Q4_K / Q6_K in panels (``fmt`` the ggml type + PANELED); rows
+    stored padded to Kp weights (zero weights) get x padded with zeros."""
     from .kernels.gguf_blocks import block_format
     from .kernels.kquant_gemm import matmul
+    from .kernels.kquant_panels import PANELED, matmul_float
     N = out.shape[1]
-    rb = block_format(fmt).row_bytes(Kp)
+    rb = block_format(fmt % PANELED).row_bytes(Kp)
+    if fmt >= PANELED:                   # Q4_K / Q6_K in panels of 16 rows
+        matmul_float(fmt % PANELED, x, wb[w_off: w_off + N * rb], N, out)
+        return
     w = wb[w_off: w_off + N * rb].reshape(N, rb)
     if x.shape[1] != Kp:
         xp = np.zeros((x.shape[0], Kp), np.float32)

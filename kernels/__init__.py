@@ -12,6 +12,7 @@ from . import numba_setup  # noqa: F401  (must precede every kernel import)
 # ops and RoPE scalings; 7: raw ggml-block weights (WEIGHT_BLOCKS, quant modes q4 and gguf); 8: the
 # q4 mix's Q5_0 / Q8_0 for rows that are not whole super-blocks, Q6_K scales coded to -128; 9: q4
 # programs get the lm_head screen, kernels/head_screen_blocks.py; 10: the ATTENTION row's KV format
-# column, float16 KV caches; 11: q8 weights in panels of 16 rows, kernels/q8_panels.py): it enters
+# column, float16 KV caches; 11: q8 weights in panels of 16 rows, kernels/q8_panels.py; 12: Q4_K /
+# Q6_K blocks in panels of 16 rows, kernels/kquant_panels.py): it enters
 # the execution-cache key, so old compiled programs are rebuilt rather than misread.
-KERNELS_VERSION = "11"
+KERNELS_VERSION = "12"

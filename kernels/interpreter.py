@@ -27,6 +27,9 @@ from .norm import layernorm_par, layernorm_rows, rmsnorm_par, rmsnorm_rows
 from .kquant import matvec as matvec_blocks
 from .kquant import _ROW_BYTES, _ROW_WEIGHTS, quantize_act_q8
 from .kquant_gemm import dequantize_rows_into
+from .kquant_panels import PANELED
+from .kquant_panels import matmul as matmul_kpanels
+from .kquant_panels import scaled_row_into as scaled_kpanel_row_into
 from .q8 import matvec_f32, quantize_act_q16
 from .q8_panels import padded_rows, panels_matmul, scaled_row_into
 from .rope import rope_par, rope_rows
@@ -72,20 +75,23 @@ def _linear_rows(I, r, arena, wq, ws, wf, xq, xs, T, nthreads):
 
 
 @njit(cache=True)
-def _linear_blocks_rows(I, r, arena, wb, wf, xq, xs, T, refine):
+def _linear_blocks_rows(I, r, arena, wb, wf, xq, xs, T, refine, nthreads):
     """LINEAR over raw ggml blocks, row by row through kquant.matvec (decode; T is 1 or small).
-    LINEAR_W_OFF counts bytes into wb, LINEAR_S_OFF holds the ggml type, LINEAR_KP is K or K
-    padded with zero weights to whole blocks. Activations: int8 per block of 32
+    LINEAR_W_OFF counts bytes into wb, LINEAR_S_OFF holds the ggml type (plus PANELED: Q4_K / Q6_K
+    in panels of 16 rows, kquant_panels.matmul), LINEAR_KP is K or K padded with zero weights to
+    whole blocks. Activations: int8 per block of 32
     (kquant.quantize_act_q8) in xq's bytes, their scales and 16-sums in xs (the executor sizes xs
     to max_k // 32 * 3); padding columns zero."""
     x_off, x_st, o_off, o_st = I[r, P.LINEAR_X_OFF], I[r, P.LINEAR_X_ST], I[r, P.LINEAR_OUT_OFF], I[r, P.LINEAR_OUT_ST]
     K, N, w_off, fmt = I[r, P.LINEAR_K], I[r, P.LINEAR_N], I[r, P.LINEAR_W_OFF], I[r, P.LINEAR_S_OFF]
     Kp, b_off = I[r, P.LINEAR_KP], I[r, P.LINEAR_BIAS_OFF]
-    row_bytes = Kp // _ROW_WEIGHTS[fmt] * _ROW_BYTES[fmt]
+    panels = fmt >= PANELED
+    base = fmt % PANELED
+    row_bytes = Kp // _ROW_WEIGHTS[base] * _ROW_BYTES[base]
     x_q = xq.view(np.int8)[:Kp]
     x_s = xs[:Kp // 32]
     x_m = xs[Kp // 32: Kp // 32 + Kp // 16]
-    w = wb[w_off: w_off + N * row_bytes].reshape(N, row_bytes)
+    w = wb[w_off: w_off + N * row_bytes]
     # ``refine``: a second pass on the activations' int8 rounding error (which leaves 1/254 of
     # it), for the head after a prefill chunk, whose body ran with int16 activations: one pass
     # flipped SmolLM2-135M Q4_1's first chat token after "What is the capital of France?" ("The"
@@ -104,17 +110,30 @@ def _linear_blocks_rows(I, r, arena, wb, wf, xq, xs, T, refine):
         x = arena[x_off + t * x_st: x_off + t * x_st + K]
         out = arena[o_off + t * o_st: o_off + t * o_st + N]
         quantize_act_q8(x, x_q[:K], x_s[:K // 32], x_m[:K // 16])
-        matvec_blocks(fmt, w, x_q, x_s, x_m, out)
+        _blocks_matvec(panels, base, w, row_bytes, x_q, x_s, x_m, out, nthreads)
         if refine:
             for j in range(K):
                 res[j] = x[j] - np.float32(x_q[j]) * x_s[j // 32]
             quantize_act_q8(res, x_q[:K], x_s[:K // 32], x_m[:K // 16])
-            matvec_blocks(fmt, w, x_q, x_s, x_m, extra)
+            _blocks_matvec(panels, base, w, row_bytes, x_q, x_s, x_m, extra, nthreads)
             for n in range(N):
                 out[n] += extra[n]
         if b_off >= 0:
             for n in range(N):
                 out[n] += wf[b_off + n]
+
+
+@njit(cache=True)
+def _blocks_matvec(panels, fmt, w, row_bytes, x_q, x_s, x_m, out, nthreads):
+    """One activation row against a matrix of raw blocks w (flat bytes): kquant_panels.matmul for
+    panels, else kquant.matvec row by row."""
+    N = out.shape[0]
+    Kp = x_q.shape[0]
+    if panels:
+        matmul_kpanels(fmt, w, x_q.reshape((1, Kp)), x_s.reshape((1, Kp // 32)), x_m.reshape((1, Kp // 16)),
+                       out.reshape((1, N)), nthreads)
+    else:
+        matvec_blocks(fmt, w.reshape(N, row_bytes), x_q, x_s, x_m, out)
 
 
 @njit(cache=True)
@@ -124,6 +143,11 @@ def _embed_blocks(I, r, arena, wb, tokens, scale, T):
     whole blocks."""
     o_off, o_st, H = I[r, P.EMBED_OUT_OFF], I[r, P.EMBED_OUT_ST], I[r, P.EMBED_WIDTH]
     w_off, fmt, Kp = I[r, P.EMBED_W_OFF], I[r, P.EMBED_S_OFF], I[r, P.EMBED_KP]
+    if fmt >= PANELED:                  # a table in panels (tied to a panel lm_head)
+        for t in range(T):
+            o = o_off + t * o_st
+            scaled_kpanel_row_into(fmt % PANELED, wb[w_off:], Kp, tokens[t], scale, arena[o: o + H])
+        return
     row_bytes = Kp // _ROW_WEIGHTS[fmt] * _ROW_BYTES[fmt]
     buf = np.empty((1, Kp), np.float32)
     for t in range(T):
@@ -163,7 +187,7 @@ def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_s
             if I[r, P.LINEAR_KIND] == WEIGHT_BLOCKS:
                 if wb is None:
                     raise ValueError("cpullm interpreter: a WEIGHT_BLOCKS LINEAR needs wb")
-                _linear_blocks_rows(I, r, arena, wb, wf, xq, xs, T, head and T_body > 1)
+                _linear_blocks_rows(I, r, arena, wb, wf, xq, xs, T, head and T_body > 1, nthreads)
             else:
                 _linear_rows(I, r, arena, wq, ws, wf, xq, xs, T, nthreads)
         elif op == OP_RMSNORM:

@@ -108,7 +108,8 @@ OP_PLUGIN = 15         # a plugin's op: run by the executor from Python (meta["p
 # ---- weight kinds: LINEAR_KIND / EMBED_KIND --------------------------------------------------------
 WEIGHT_F32 = 0
 WEIGHT_Q8 = 1
-WEIGHT_BLOCKS = 2      # raw ggml blocks (kernels/gguf_blocks.py) in wq's bytes; s_off holds the ggml type
+WEIGHT_BLOCKS = 2      # raw ggml blocks (kernels/gguf_blocks.py) in wq's bytes; s_off holds the ggml type,
+#                        plus kquant_panels.PANELED when Q4_K / Q6_K rows are stored in panels of 16
 
 # ---- columns every instruction has ----------------------------------------------------------------
 COL_OP = 0

@@ -135,7 +135,8 @@ def run_signature(flags: dict) -> tuple:
 
 def _kernels(unit: str) -> list:
     """[(dispatcher, signature)] of one unit, callees before callers where both are listed."""
-    from . import attention, elementwise, gated_delta, interpreter, kquant_gemm, norm, q8_gemm, q8_panels, rope
+    from . import (attention, elementwise, gated_delta, interpreter, kquant_gemm, kquant_panels, norm, q8_gemm,
+                   q8_panels, rope)
     if unit.startswith("run"):
         return [(interpreter.run, run_signature({f: True for f in unit.split("+")[1:]}))]
     f32_2, i16_2, wb2 = _arr(nt.float32, 2), _arr(nt.int16, 2), _arr(nt.uint8, 2, readonly=True)
@@ -158,14 +159,19 @@ def _kernels(unit: str) -> list:
         # blocks reads and writes whole buffers; the panel kernel itself is also what run links)
         "gemm": [(q8_panels._quantize_rows_par, (f32_2, i16_2, f32_2)),
                  (q8_panels.panels_matmul, (WQ, WS, i64, i16_2, f32_2, f32_2, i64))],
-        # prefill's batched raw-block LINEARs (kquant_gemm's integer GEMM) and short prompts
+        # prefill's batched raw-block LINEARs (kquant_gemm's integer GEMM, the k-quant panels) and short prompts
         "kquant_gemm": [(q8_gemm._quantize_rows_q16, (f32_2, i16_2, f32_2)),
                         (kquant_gemm._quantize_rows, (f32_2, i16_2, f32_2, i64)),
                         (kquant_gemm._gemm_blocks, (i64, i16_2, f32_2, wb2, i64, f32_2, f32_2, i64)),
                         (kquant_gemm._block_sums, (i16_2, f32_2, i64, f32_2)),
-                        (kquant_gemm._matvec_rows, (i64, f32_2, wb2, f32_2, _arr(nt.int8), ARENA, ARENA))],
+                        (kquant_gemm._matvec_rows, (i64, f32_2, wb2, f32_2, _arr(nt.int8), ARENA, ARENA)),
+                        # Q4_K / Q6_K in panels: rows quantized, then the panel kernel into a
+                        # row-strided view of the arena
+                        (kquant_panels._quantize_rows, (f32_2, _arr(nt.int8, 2), f32_2, f32_2)),
+                        (kquant_panels.matmul, (i64, WB, _arr(nt.int8, 2), f32_2, f32_2,
+                                                nt.Array(nt.float32, 2, "A"), i64))],
         # the raw-block LINEAR and EMBED rows, as interpreter.run calls them (linked, not compiled, there)
-        "blocks": [(interpreter._linear_blocks_rows, (PROG_I, i64, ARENA, WB, WF, XQ, ARENA, i64, nt.boolean))],
+        "blocks": [(interpreter._linear_blocks_rows, (PROG_I, i64, ARENA, WB, WF, XQ, ARENA, i64, nt.boolean, i64))],
         "embed_blocks": [(interpreter._embed_blocks, (PROG_I, i64, ARENA, WB, INTS, nt.float32, i64))],
     }
     return table[unit]

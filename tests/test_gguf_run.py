@@ -73,10 +73,14 @@ def test_gguf_runs_each_block_format_as_it_is(write, fmt):
     formats = m.info()["weight_formats"]
     assert formats.get(fmt, 0) > 0 and "int8" not in formats, formats     # no matrix requantized
     ref = cpullm.load(path, quant="f32", use_cache=False).logits(IDS)
-    got = m.logits(IDS)                     # prefill: kquant_gemm, int16 activations (measured <= 7e-5)
-    _close(got, ref, 0.002)
+    # prefill: kquant_gemm, int16 activations (measured <= 7e-5); Q4_K / Q6_K in panels of 16 rows
+    # (kquant_panels) prefill with decode's int8 activations
+    paneled = any(s[0].endswith(" panels") for s in m.program.meta["weight_slots"].values())
+    assert paneled == (fmt in ("Q4_K", "Q6_K"))
+    got = m.logits(IDS)
+    _close(got, ref, 0.03 if paneled else 0.002)
     m.executor.reset()                      # a prompt's last logits (head on one row, two passes
-    _close(m.executor.prefill(IDS)[None], ref[-1:], 0.002)          # on the int8 rounding)
+    _close(m.executor.prefill(IDS)[None], ref[-1:], 0.03 if paneled else 0.002)   # on the int8 rounding)
     m.executor.reset()
     dec = np.stack([m.executor.decode(t).copy() for t in IDS])      # decode: kquant.matvec, int8
     _close(dec, ref, 0.03)                                              # activations (measured <= 0.011)

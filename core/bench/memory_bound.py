@@ -52,7 +52,8 @@ def decode_weight_spans(program, head: str = "screen") -> list:
             ranges["ws"].append((s_off, s_off + Np * (Kp // 32)))
         elif kind == P.WEIGHT_BLOCKS:               # raw ggml blocks in wq's bytes; s_off: ggml type
             from ..kernels.gguf_blocks import block_format
-            ranges["wq"].append((w_off, w_off + N * block_format(s_off).row_bytes(Kp)))
+            from ..kernels.kquant_panels import PANELED
+            ranges["wq"].append((w_off, w_off + N * block_format(s_off % PANELED).row_bytes(Kp)))
         else:
             ranges["wf"].append((w_off, w_off + N * Kd))
         if b_off >= 0:
