@@ -119,7 +119,8 @@ class Model:
                 program = compile_graph(graph, weights, quant=quant, n_ctx=ctx, max_chunk=max_chunk,
                                         kernels=specs, workdir=workdir, kv_dtype=kv_dtype)
                 # greedy decoding's lm_head screen, its columns from real activations: int8 and
-                # q4 programs (q4's Q6_K head: kernels/head_screen_blocks.py); not a GGUF run as
+                # q4 programs (q4's Q6_K head if stored row by row: kernels/head_screen_blocks.py;
+                # one in 16-row panels reads faster whole); not a GGUF run as
                 # it is, whose resident weights stay within 5 % of the file's tensor bytes (Gemma
                 # 3 270M's Q8_0 head with a screen: 1.47x)
                 if quant in ("int8", "q4"):

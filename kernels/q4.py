@@ -7,8 +7,9 @@ sub-block w = (d sc) q - (dmin mn) with q 4 bits, sc / mn 6 bits, d / dmin binar
 144 bytes, 4.5 bits per weight). Why not a format of our own:
 
 * One kernel set. GGUF files run as they are (issue: Q4_K_M = Q4_K + Q6_K), so Q4_K and Q6_K
-  already have decode and prefill kernels for every ISA (kernels/kquant.py, kquant_gemm.py); a
-  q4 of our own would double that code and its tests for no byte saved.
+  already have decode and prefill kernels for every ISA (kernels/kquant_panels.py for matrices
+  of whole 16-row panels, kernels/kquant.py and kquant_gemm.py for the rest); a q4 of our own
+  would double that code and its tests for no byte saved.
 * 4.5 bits per weight is as small as 4-bit blocks with an offset get: a block of 32 with a
   binary16 scale and min (Q4_1's layout) costs 5.0; Q4_0's 4.5 has no min, and its symmetric
   grid wastes a level on skewed blocks (its round-trip RMSE on Gaussian rows is ~1.2x Q4_K's).
