@@ -244,3 +244,44 @@ def test_gguf_as_is_gets_no_head_screen_but_q4_does(write, monkeypatch):
     assert "head_screen" not in m.info()["weight_formats"]
     q = cpullm.load(path, quant="q4", use_cache=False)
     assert q.executor.screen is not None and q.executor.screen.blocks
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+def test_panel_rows_do_not_depend_on_the_batch(write, fmt):
+    """Q4_K / Q6_K matrices in panels of 16 rows (kernels/kquant_panels.py) serve the scheduler's
+    batched decode steps and a lone decode with one kernel: a request's logits are the same bit
+    for bit alone, among others, and from the executor's one-token decode."""
+    from cpullm.sampling import SamplingParams
+    from cpullm.scheduler import Scheduler
+    from cpullm.sequence import Sequence
+
+    m = cpullm.load(write(fmt), use_cache=False, threads=2, n_ctx=128, max_chunk=16)
+    assert any(s[0] == f"{fmt} panels" for s in m.program.meta["weight_slots"].values())
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(1, 250, n)] for n in (5, 33, 1, 20)]
+
+    def run(ps, slots):                     # each request's decode-step logits, in its order
+        sch = Scheduler(m, slots=slots, prefill_chunk=16)
+        seqs = [sch.add(Sequence(p, 8, SamplingParams())) for p in ps]
+        rows = {id(s): [] for s in seqs}
+        decode = sch.decoder.decode
+
+        def spy(states, slot_ids, positions, tokens):
+            out = decode(states, slot_ids, positions, tokens)
+            for i, slot in enumerate(slot_ids):
+                rows[id(next(s for s in seqs if s.slot == slot and not s.done))].append(out[i].copy())
+            return out
+        sch.decoder.decode = spy
+        sch.run_until_idle()
+        return [(s.generated, np.stack(rows[id(s)])) for s in seqs]
+
+    alone = [run([p], 1)[0] for p in prompts]
+    mixed = run(prompts, 3)                 # 4 requests over 3 slots: batches of 1 to 3 rows
+    for (tok_a, log_a), (tok_m, log_m) in zip(alone, mixed):
+        assert tok_a == tok_m and np.array_equal(log_a, log_m)
+    ex = m.executor
+    for p, (toks, logits) in zip(prompts, alone):
+        ex.reset()
+        ex.prefill(p)
+        lone = np.stack([ex.decode(t).copy() for t in toks[:-1]])
+        assert np.array_equal(lone, logits)
