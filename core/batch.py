@@ -189,9 +189,11 @@ class BatchDecoder:
 
     @property
     def single_path_identical(self) -> bool:
-        """True when every LINEAR is q8: one sequence may then decode through the executor's own
-        one-token path (and greedy through its lm_head screen) with the same numerics as here."""
-        return self.linear_kinds <= {P.WEIGHT_Q8}
+        """True when every LINEAR is q8 or raw ggml blocks: one sequence may then decode through the
+        executor's own one-token path (and greedy through its lm_head screen) with the same
+        numerics as here (q8 and k-quant panels: one batch-invariant kernel for both; other blocks:
+        the decode's own row routine, row by row, in both). f32 matrices sum in another order."""
+        return self.linear_kinds <= {P.WEIGHT_Q8, P.WEIGHT_BLOCKS}
 
     def _segments(self, start: int, end: int) -> list:
         ex, out, a = self.ex, [], start

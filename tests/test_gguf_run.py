@@ -246,17 +246,24 @@ def test_gguf_as_is_gets_no_head_screen_but_q4_does(write, monkeypatch):
     assert q.executor.screen is not None and q.executor.screen.blocks
 
 
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
-def test_panel_rows_do_not_depend_on_the_batch(write, fmt):
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q5_0"])
+def test_panel_rows_do_not_depend_on_the_batch(write, fmt, monkeypatch):
     """Q4_K / Q6_K matrices in panels of 16 rows (kernels/kquant_panels.py) serve the scheduler's
-    batched decode steps and a lone decode with one kernel: a request's logits are the same bit
-    for bit alone, among others, and from the executor's one-token decode."""
+    batched decode steps and a lone decode with one kernel (the 265-row head here stays row by
+    row, through the decode's row routine on both paths): a request's logits are the same bit for
+    bit alone, among others, and from the executor's one-token decode (which is why a lone
+    request may take that path: BatchDecoder.single_path_identical)."""
+    from cpullm.batch import BatchDecoder
     from cpullm.sampling import SamplingParams
     from cpullm.scheduler import Scheduler
     from cpullm.sequence import Sequence
 
     m = cpullm.load(write(fmt), use_cache=False, threads=2, n_ctx=128, max_chunk=16)
-    assert any(s[0] == f"{fmt} panels" for s in m.program.meta["weight_slots"].values())
+    paneled = any(s[0] == f"{fmt} panels" for s in m.program.meta["weight_slots"].values())
+    assert paneled == (fmt != "Q5_0")          # Q5_0: every matrix row by row (kquant.matvec)
+    assert BatchDecoder(m.executor).single_path_identical
+    # every step through the batched decoder here, a batch of one included
+    monkeypatch.setattr(BatchDecoder, "single_path_identical", property(lambda self: False))
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(1, 250, n)] for n in (5, 33, 1, 20)]
 
