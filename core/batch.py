@@ -30,9 +30,10 @@ from .kernels import program_table as P
 from .kernels.attention import attention
 from .kernels.attention_batch import attention_decode_batch
 from .kernels.batch_linear import linear_rows_f32
-from .kernels.gguf_blocks import block_format
+from .kernels.kquant import quantize_act_q8
 from .kernels.kquant_panels import PANELED
-from .kernels.kquant_panels import matmul_float as matmul_kpanels_float
+from .kernels.kquant_panels import Q4_K as KQ_Q4_K
+from .kernels.kquant_panels import matmul as matmul_kpanels
 from .kernels.q8_panels import _quantize_rows, matmul_panels, padded_rows, panels_matmul
 from .kernels.elementwise import binary_rows, glu_rows
 from .kernels.norm import layernorm_rows, rmsnorm_rows
@@ -129,8 +130,9 @@ def _per_sequence(I, F, a, b, arena, states, slots, rows0, nrows, positions, wf,
 
 @njit(cache=True)
 def _linear_batch(I, r, arena, wq, ws, wf, xq, xs, T, nthreads):
-    """LINEAR r over rows [0, T) (q8 or f32 weights): one pass over the weights for all rows
-    (q8: kernels.q8_panels, whose every row equals a lone decode's bit for bit), then the bias."""
+    """LINEAR r over rows [0, T) (q8, Q4_K / Q6_K panels or f32 weights): one pass over the weights
+    for all rows (q8: kernels.q8_panels, k-quants: kernels.kquant_panels, whose every row equals a
+    lone decode's bit for bit), then the bias."""
     x_off, x_st, o_off, o_st = I[r, P.LINEAR_X_OFF], I[r, P.LINEAR_X_ST], I[r, P.LINEAR_OUT_OFF], I[r, P.LINEAR_OUT_ST]
     Kd, N, kind = I[r, P.LINEAR_K], I[r, P.LINEAR_N], I[r, P.LINEAR_KIND]
     w_off, s_off, Kp, b_off = I[r, P.LINEAR_W_OFF], I[r, P.LINEAR_S_OFF], I[r, P.LINEAR_KP], I[r, P.LINEAR_BIAS_OFF]
@@ -143,6 +145,18 @@ def _linear_batch(I, r, arena, wq, ws, wf, xq, xs, T, nthreads):
         _quantize_rows(x, x_q, x_s)
         panels_matmul(wq[w_off: w_off + Np * Kp], ws[s_off: s_off + Np * (Kp // 32)], N, x_q, x_s,
                       arena[o_off: o_off + T * o_st].reshape((T, o_st)), nthreads)
+    elif kind == P.WEIGHT_BLOCKS:   # Q4_K / Q6_K panels (_fused_segments fuses no other blocks); K == Kp
+        fmt = s_off % PANELED
+        rb = Kp // 256 * (144 if fmt == KQ_Q4_K else 210)
+        nb = Kp // 32
+        x_q = xq.reshape(-1).view(np.int8)[:T * Kp].reshape((T, Kp))       # int8 in the int16 scratch
+        flat = xs.reshape(-1)
+        x_s = flat[:T * nb].reshape((T, nb))
+        x_m = flat[T * nb: T * nb + T * 2 * nb].reshape((T, 2 * nb))
+        for t in range(T):
+            quantize_act_q8(x[t], x_q[t], x_s[t], x_m[t])
+        matmul_kpanels(fmt, wq.view(np.uint8)[w_off: w_off + N * rb], x_q, x_s, x_m,
+                       arena[o_off: o_off + T * o_st].reshape((T, o_st)), nthreads)
     else:
         linear_rows_f32(x, wf[w_off: w_off + N * Kd].reshape((N, Kd)), out)
     if b_off >= 0:
@@ -154,7 +168,7 @@ def _linear_batch(I, r, arena, wq, ws, wf, xq, xs, T, nthreads):
 @njit(cache=True)
 def _fused(I, F, a, b, arena, states, slots, rows0, nrows, positions, wq, ws, wf, xq, xs, T, nthreads,
            has_linear, decode, kv16):
-    """Instructions [a, b) of a batch in one compiled call: LINEARs (q8 / f32), SERIAL_ROW_OPS and
+    """Instructions [a, b) of a batch in one compiled call: LINEARs (_fusable), SERIAL_ROW_OPS and
     PER_SEQUENCE_OPS, as the separate segments run them (no Python between ops)."""
     for r in range(a, b):
         op = I[r, P.COL_OP]
@@ -165,6 +179,12 @@ def _fused(I, F, a, b, arena, states, slots, rows0, nrows, positions, wq, ws, wf
                           decode, kv16)
         else:
             _serial_rows(I, F, r, r + 1, arena, wf, T)
+
+
+def _fusable(row) -> bool:
+    """A LINEAR _linear_batch runs: q8, f32, or Q4_K / Q6_K in panels."""
+    kind = int(row[P.LINEAR_KIND])
+    return kind in (P.WEIGHT_Q8, P.WEIGHT_F32) or (kind == P.WEIGHT_BLOCKS and int(row[P.LINEAR_S_OFF]) >= PANELED)
 
 
 class BatchDecoder:
@@ -223,13 +243,12 @@ class BatchDecoder:
         return out
 
     def _fused_segments(self, segments: list) -> list:
-        """Runs of "serial", "seq" and q8/f32 "linear" segments become one "fused" segment,
+        """Runs of "serial", "seq" and _fusable "linear" segments become one "fused" segment,
         executed by one compiled call (:func:`_fused`)."""
         out = []
         for seg in segments:
             a, b = (seg[1], seg[1] + 1) if seg[0] == "linear" else (seg[1], seg[2]) if len(seg) == 3 else (None, None)
-            ok = seg[0] in ("serial", "seq") or (
-                seg[0] == "linear" and int(self.ex.I[seg[1], P.LINEAR_KIND]) in (P.WEIGHT_Q8, P.WEIGHT_F32))
+            ok = seg[0] in ("serial", "seq") or (seg[0] == "linear" and _fusable(self.ex.I[seg[1]]))
             if ok and out and out[-1][0] == "fused" and out[-1][2] == a:
                 out[-1] = ("fused", out[-1][1], b)
             elif ok:
@@ -307,11 +326,6 @@ class BatchDecoder:
                           ex.arena[o_off: o_off + T * o_st].reshape(T, o_st))
         elif kind == P.WEIGHT_F32:
             linear_rows_f32(x, ex.wf[w_off: w_off + N * Kd].reshape(N, Kd), out)
-        elif kind == P.WEIGHT_BLOCKS and s_off >= PANELED:
-            # Q4_K / Q6_K in panels: one pass over the weights for every row, each row's value
-            # the one a lone decode computes (the kernel's numerics do not depend on the batch)
-            rb = block_format(s_off % PANELED).row_bytes(Kp)
-            matmul_kpanels_float(s_off % PANELED, x, ex.wb[w_off: w_off + N * rb], N, out)
         elif kind == P.WEIGHT_BLOCKS:
             # raw ggml blocks: each row through the one-token decode's own matvec (int8
             # activations per 32, one pass), so every row equals a lone decode bit for bit; the
