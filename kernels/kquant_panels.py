@@ -473,26 +473,29 @@ def _define_tile(module, fmt: int, isa: str, TR: int, V: int):
     return fn
 
 
-def _make_tile(fmt: int, isa: str, TR: int, V: int):
+def _make_tile(isa: str, TR: int, V: int):
     @intrinsic
-    def tile(typingctx, w, g, x_q, x_s, x_m, t0, out, o_t):
+    def tile(typingctx, fmt, w, g, x_q, x_s, x_m, t0, out, o_t):
         """Register tile: out[o_t + t, 16 v .. 16 v + 15] for t < TR, v < V = panel g + v's rows
-        against activation row t0 + t (out must have those 16 V columns). No bounds checks."""
-        sig = types.void(w, g, x_q, x_s, x_m, t0, out, o_t)
+        against activation row t0 + t (out must have those 16 V columns); fmt Q4_K, else Q6_K.
+        No bounds checks."""
+        sig = types.void(fmt, w, g, x_q, x_s, x_m, t0, out, o_t)
 
         def codegen(context, builder, sig, args):
-            aw, axq, axs, axm, aout = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (0, 2, 3, 4, 6))
-            g_, t0_, ot_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 5, 7))
+            aw, axq, axs, axm, aout = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (1, 3, 4, 5, 7))
+            fmt_, g_, t0_, ot_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (0, 2, 6, 8))
             st = lambda a: builder.extract_value(a.strides, 0)  # noqa: E731
             p8 = lambda a: builder.bitcast(a.data, _P8)  # noqa: E731
             nsb = builder.ashr(builder.extract_value(axq.shape, 1), _c64(8))
-            wptr = builder.gep(p8(aw), [builder.mul(builder.mul(g_, nsb), _c64(SB_BYTES[fmt]))])
-            operands = [wptr, nsb,
-                        builder.gep(p8(axq), [builder.mul(t0_, st(axq))]), st(axq),
-                        builder.gep(p8(axs), [builder.mul(t0_, st(axs))]), st(axs),
-                        builder.gep(p8(axm), [builder.mul(t0_, st(axm))]), st(axm),
-                        builder.gep(p8(aout), [builder.mul(ot_, st(aout))]), st(aout)]
-            builder.call(_define_tile(builder.module, fmt, ISA, TR, V), operands)
+            xs = [builder.gep(p8(axq), [builder.mul(t0_, st(axq))]), st(axq),
+                  builder.gep(p8(axs), [builder.mul(t0_, st(axs))]), st(axs),
+                  builder.gep(p8(axm), [builder.mul(t0_, st(axm))]), st(axm),
+                  builder.gep(p8(aout), [builder.mul(ot_, st(aout))]), st(aout)]
+            with builder.if_else(builder.icmp_signed("==", fmt_, _c64(Q4_K))) as (q4, q6):
+                for f, branch in ((Q4_K, q4), (Q6_K, q6)):
+                    with branch:
+                        wptr = builder.gep(p8(aw), [builder.mul(builder.mul(g_, nsb), _c64(SB_BYTES[f]))])
+                        builder.call(_define_tile(builder.module, f, isa, TR, V), [wptr, nsb] + xs)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -504,9 +507,8 @@ GROUP = 4
 4 weight streams at once (one stream a tile: 2048 x 8192 Q4_K read at 20 GB/s against 24 with
 4, 2-core Intel Xeon)."""
 
-_q4_8, _q4_4, _q4_2, _q4_1 = (_make_tile(Q4_K, ISA, t, 1) for t in TILES)
-_q6_8, _q6_4, _q6_2, _q6_1 = (_make_tile(Q6_K, ISA, t, 1) for t in TILES)
-_q4_1x4, _q6_1x4 = _make_tile(Q4_K, ISA, 1, GROUP), _make_tile(Q6_K, ISA, 1, GROUP)
+_tile8, _tile4, _tile2, _tile1 = (_make_tile(ISA, t, 1) for t in TILES)
+_tile1x4 = _make_tile(ISA, 1, GROUP)
 
 
 @njit(cache=True, nogil=True)
@@ -514,38 +516,23 @@ def _panels(fmt, w, g, npanels, x_q, x_s, x_m, out):
     """Panels g .. g + npanels - 1 against every row of x: out (B, 16 npanels). A lone last row
     takes a group of GROUP panels as one tile."""
     B = x_q.shape[0]
+    whole = npanels == GROUP
     for v in range(npanels):
         o = out[:, 16 * v:]
         t0 = 0
-        if fmt == Q4_K:
-            while B - t0 >= 8:
-                _q4_8(w, g + v, x_q, x_s, x_m, t0, o, t0)
-                t0 += 8
-            if B - t0 >= 4:
-                _q4_4(w, g + v, x_q, x_s, x_m, t0, o, t0)
-                t0 += 4
-            if B - t0 >= 2:
-                _q4_2(w, g + v, x_q, x_s, x_m, t0, o, t0)
-                t0 += 2
-            if B - t0 >= 1 and npanels != GROUP:
-                _q4_1(w, g + v, x_q, x_s, x_m, t0, o, t0)
-        else:
-            while B - t0 >= 8:
-                _q6_8(w, g + v, x_q, x_s, x_m, t0, o, t0)
-                t0 += 8
-            if B - t0 >= 4:
-                _q6_4(w, g + v, x_q, x_s, x_m, t0, o, t0)
-                t0 += 4
-            if B - t0 >= 2:
-                _q6_2(w, g + v, x_q, x_s, x_m, t0, o, t0)
-                t0 += 2
-            if B - t0 >= 1 and npanels != GROUP:
-                _q6_1(w, g + v, x_q, x_s, x_m, t0, o, t0)
-    if B % 2 == 1 and npanels == GROUP:
-        if fmt == Q4_K:
-            _q4_1x4(w, g, x_q, x_s, x_m, B - 1, out, B - 1)
-        else:
-            _q6_1x4(w, g, x_q, x_s, x_m, B - 1, out, B - 1)
+        while B - t0 >= 8:
+            _tile8(fmt, w, g + v, x_q, x_s, x_m, t0, o, t0)
+            t0 += 8
+        if B - t0 >= 4:
+            _tile4(fmt, w, g + v, x_q, x_s, x_m, t0, o, t0)
+            t0 += 4
+        if B - t0 >= 2:
+            _tile2(fmt, w, g + v, x_q, x_s, x_m, t0, o, t0)
+            t0 += 2
+        if B - t0 >= 1 and not whole:
+            _tile1(fmt, w, g + v, x_q, x_s, x_m, t0, o, t0)
+    if B % 2 == 1 and whole:
+        _tile1x4(fmt, w, g, x_q, x_s, x_m, B - 1, out, B - 1)
 
 
 @njit(cache=True, parallel=True)
