@@ -62,6 +62,12 @@ own): ``vnni`` (AVX-512 VNNI: ``vpdpbusd`` on zmm, by inline assembly as in q8._
 since LLVM's tuning for some Intel hosts rewrites the instruction), ``avx2`` (``vpmaddubsw`` +
 ``vpmaddwd``, two ymm halves of a panel) and ``generic`` (portable IR).
 
+Streaming: a register tile is 1, 2, 4 or 8 activation rows by one panel, or, for a lone row
+(decode), by GROUP = 4 panels at once (4 weight streams); every 64-byte line of a panel's
+super-block is prefetched into L2 ``q8.PREFETCH_BYTES`` (4 KiB) ahead. Measured on the 2-core
+Intel Xeon, four 1B-sized matrices cycled from memory: 25-28 GB/s, against 23-24 prefetching
+into L1 2 KiB ahead, 20-21 with no prefetch and 20-24 at 8 or 16 KiB (a plain read: ~30 GB/s).
+
 Entry points:
 
     pack(fmt, raw uint8 (N, row bytes)) -> uint8 (N * row bytes,)           at compile time, numpy
