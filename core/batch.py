@@ -32,7 +32,7 @@ from .kernels.attention_batch import attention_decode_batch
 from .kernels.batch_linear import linear_rows_f32
 from .kernels.kquant import quantize_act_q8
 from .kernels.kquant_panels import PANELED
-from .kernels.kquant_panels import Q4_K as KQ_Q4_K
+from .kernels.kquant_panels import block_bytes as kpanel_block_bytes
 from .kernels.kquant_panels import matmul as matmul_kpanels
 from .kernels.q8_panels import _quantize_rows, matmul_panels, padded_rows, panels_matmul
 from .kernels.elementwise import binary_rows, glu_rows
@@ -147,7 +147,7 @@ def _linear_batch(I, r, arena, wq, ws, wf, xq, xs, T, nthreads):
                       arena[o_off: o_off + T * o_st].reshape((T, o_st)), nthreads)
     elif kind == P.WEIGHT_BLOCKS:   # Q4_K / Q6_K panels (_fused_segments fuses no other blocks); K == Kp
         fmt = s_off % PANELED
-        rb = Kp // 256 * (144 if fmt == KQ_Q4_K else 210)
+        rb = Kp // 256 * kpanel_block_bytes(fmt)
         nb = Kp // 32
         x_q = xq.reshape(-1).view(np.int8)[:T * Kp].reshape((T, Kp))       # int8 in the int16 scratch
         flat = xs.reshape(-1)

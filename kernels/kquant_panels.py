@@ -102,8 +102,15 @@ FORMATS = (Q4_K, Q6_K)
 PANEL = 16
 """Rows per panel: the int32 lanes of one 512-bit register."""
 SUPER = 256
-SB_BYTES = {Q4_K: PANEL * 144, Q6_K: PANEL * 210}
+SB_BYTES = {Q4_K: PANEL * _Q4_K_FMT.block_bytes, Q6_K: PANEL * _Q6_K_FMT.block_bytes}
 """Bytes of one super-block of one panel."""
+_Q4_K_BLOCK, _Q6_K_BLOCK = _Q4_K_FMT.block_bytes, _Q6_K_FMT.block_bytes
+
+
+@njit(cache=True, inline="always")
+def block_bytes(fmt):
+    """Bytes of one row's super-block of 256 weights, Q4_K else Q6_K (callable from @njit code)."""
+    return _Q4_K_BLOCK if fmt == Q4_K else _Q6_K_BLOCK
 
 HAVE_VNNI = (HAVE_AVX2 and numba_setup.HOST_IS_X86
              and {"avx512f", "avx512bw", "avx512vnni"} <= numba_setup.HOST_FEATURES)
@@ -548,7 +555,7 @@ def matmul(fmt, w, x_q, x_s, x_m, out, nthreads):
     (:func:`pack`); out float32 (B, >= N). Groups of GROUP panels split over the threads in
     contiguous ranges."""
     B, Kp = x_q.shape
-    sbb = 144 * PANEL if fmt == Q4_K else 210 * PANEL
+    sbb = block_bytes(fmt) * PANEL
     if fmt != Q4_K and fmt != Q6_K:
         raise ValueError("kquant_panels.matmul: the format must be Q4_K or Q6_K")
     nsb = Kp // SUPER
@@ -602,7 +609,7 @@ def scaled_row_into(fmt, w, Kp, n, scale, out):
     gguf_blocks.dequantize_ref gives, then one product), for an EMBED table stored as panels."""
     nsb = Kp // SUPER
     g, lane = n // PANEL, n % PANEL
-    sbb = 144 * PANEL if fmt == Q4_K else 210 * PANEL
+    sbb = block_bytes(fmt) * PANEL
     for k in range(out.shape[0]):
         s, r = k // SUPER, k % SUPER
         p = (g * nsb + s) * sbb
