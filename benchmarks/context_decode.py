@@ -24,12 +24,12 @@ import time
 import numpy as np
 
 
-def fill_synthetic_kv(model) -> None:
-    """Random keys and values in every slot of every KV region, in its format (f16: no NaNs)."""
-    ex = model.executor
+def fill_synthetic_kv(model, slot) -> None:
+    """Random keys and values in every ring slot of every KV region of ``slot``, in its format
+    (f16: no NaNs)."""
     rng = np.random.default_rng(0)
     for reg in model.program.meta["state_regions"]:
-        region = ex.state_region(reg)
+        region = slot.region(reg)
         if reg.get("kv_dtype") == "f16":
             region = region.view(np.float16)
         for i in range(0, region.size, 1 << 24):
@@ -45,9 +45,10 @@ def decode_steps(model, n_context: int, steps: int, synthetic_kv: bool = False) 
     runner = CpullmRunner(model)
     runner.reset()
     t0 = time.perf_counter()
-    if synthetic_kv:         # the cache already holds random keys and values (fill_synthetic_kv)
+    if synthetic_kv:         # random keys and values in the cache (fill_synthetic_kv)
+        fill_synthetic_kv(model, runner.slot)
         tok = greedy(runner.prefill(prompt_ids(model.tokenizer, 1, vocab)))
-        model.executor.set_position(n_context)
+        model.forward.set_position(runner.slot, n_context)
     else:
         tok = greedy(runner.prefill(prompt_ids(model.tokenizer, n_context, vocab)))
     prefill_s = time.perf_counter() - t0
@@ -70,13 +71,14 @@ def interleaved_steps(models: dict, contexts: list, n_steps: int, steps: dict) -
     for kv, m in models.items():
         r = CpullmRunner(m)
         r.reset()
+        fill_synthetic_kv(m, r.slot)
         vocab = int(m.program.meta.get("embed_rows", m.program.meta["vocab"]))
         runners[kv] = (r, greedy(r.prefill(prompt_ids(m.tokenizer, 1, vocab))))
     for i in range(n_steps + 1):                     # the first pass is untimed
         for n in contexts:
             for kv, m in models.items():
                 r, tok = runners[kv]
-                m.executor.set_position(n)
+                m.forward.set_position(r.slot, n)
                 t0 = time.perf_counter()
                 tok = next_token(r, tok)
                 if i:
@@ -103,8 +105,6 @@ def main(argv=None) -> int:
     models = {}
     for kv in a.kv_dtypes:
         m = cpullm.load(a.model, n_ctx=a.ctx, threads=a.threads, kv_dtype=kv)
-        if a.synthetic_kv:
-            fill_synthetic_kv(m)
         models[m.kv_dtype] = m
     steps = {(kv, n): [] for kv in models for n in a.at}
     prefill = {}
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     for kv, m in models.items():
         rows = []
         for n in a.at:
-            m.executor.set_position(n)
+            m.forward.set_position(m.slot, n)           # the KV bytes a step at n reads
             rows.append({"context": n, "decode_tps": 1.0 / float(np.median(steps[kv, n])),
                          "prefill_s": prefill[kv, n], "kv_bytes_read": m.info()["memory"]["kv_bytes"],
                          "steps": len(steps[kv, n])})

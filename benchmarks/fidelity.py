@@ -74,11 +74,7 @@ def mean_kl(refs: list, outs: list) -> float:
 
 def cpullm_logits(model, sequences: list) -> list:
     """Teacher-forced logits (T, vocab) of each sequence from a fresh context."""
-    out = []
-    for ids in sequences:
-        model.executor.reset()
-        out.append(np.array(model.executor.prefill(ids, all_logits=True), dtype=np.float32))
-    return out
+    return [np.array(model.forward.logits(ids), dtype=np.float32) for ids in sequences]
 
 
 def greedy_sequences(model, prompts: list, gen_tokens: int) -> list:
@@ -87,13 +83,13 @@ def greedy_sequences(model, prompts: list, gen_tokens: int) -> list:
     seqs = []
     for text in prompts:
         ids = list(tok.encode(text))
-        ex = model.executor
-        ex.reset()
-        logits = ex.prefill(ids)
+        fwd = model.forward
+        slot = fwd.new_slot()
+        logits = fwd.prefill(slot, ids)
         for _ in range(gen_tokens):
             nxt = int(np.argmax(logits))
             ids.append(nxt)
-            logits = ex.decode(nxt)
+            logits = fwd.step([slot], [nxt])[0][0]
         seqs.append(ids)
     return seqs
 

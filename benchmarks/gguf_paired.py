@@ -53,17 +53,16 @@ def main() -> None:
     prefill = {k: [] for k in names}
     for _ in range(args.rounds):
         for q, m in models.items():
-            ex = m.executor
-            ex.reset()
+            fwd = m.forward
             t = time.perf_counter()
-            ex.prefill(long_ids)
+            fwd.prefill(fwd.new_slot(), long_ids)
             prefill[f"cpullm {q}"].append(len(long_ids) / (time.perf_counter() - t))
-            ex.reset()
-            ex.prefill(short)
+            slot = fwd.new_slot()
+            fwd.prefill(slot, short)
             nxt = 5
             t = time.perf_counter()
             for _ in range(args.steps):
-                nxt = ex.decode_argmax(nxt)
+                nxt = fwd.step([slot], [nxt], greedy=[True])[1][0]
             decode[f"cpullm {q}"].append(args.steps / (time.perf_counter() - t))
         llm.reset()
         t = time.perf_counter()

@@ -52,19 +52,21 @@ def main(argv=None) -> int:
     nth = numba.get_num_threads()
     lo = m.program.meta["logits_offset"]
 
+    fwd = m.forward
+    slot = fwd.new_slot()
+
     def plain():
-        ex._interp(sc.row, ex.n_instr)
+        ex._interp(sc.row, ex.n_instr, slot.state)
         return int(np.argmax(ex.arena[lo: lo + ex.vocab]))
 
     def screened():
         return sc.argmax(nth)
 
     ids = prompt_ids(m.tokenizer, a.prompt_tokens, ex.vocab)
-    ex.reset()
-    tok = int(np.argmax(ex.prefill(ids)))
+    tok = int(np.argmax(fwd.prefill(slot, ids)))
     t_screen, t_plain, ratios, survivors, fallbacks = [], [], [], [], 0
     for step in range(a.steps):
-        ex._run_token(tok, sc.segments)
+        ex._run_token(slot.state, slot.position, tok, sc.segments)
         best_s = best_p = float("inf")
         for rep in range(a.reps):
             for which in ((0, 1) if (step + rep) % 2 == 0 else (1, 0)):
@@ -85,7 +87,7 @@ def main(argv=None) -> int:
         t_screen.append(best_s)
         t_plain.append(best_p)
         ratios.append(best_s / best_p)
-        ex.n_past += 1
+        slot.position += 1
         tok = want
     med = statistics.median
     row_bytes = head_bytes // N

@@ -44,14 +44,15 @@ def main(argv=None) -> int:
     ex = m.executor
     nth = numba.get_num_threads()
     ids = prompt_ids(m.tokenizer, a.prompt_tokens, ex.vocab)
-    ex.reset()
-    tok = int(np.argmax(ex.prefill(ids)))
+    slot = m.forward.new_slot()
+    tok = int(np.argmax(m.forward.prefill(slot, ids)))
     r = ex.n_instr - 1
     from cpullm.kernels import program_table as P
     lin = P.linear_operands(ex.I[r])
     xs = []
     for _ in range(a.steps):
-        logits = ex.decode(tok)
+        logits = ex.decode(slot.state, slot.position, tok)
+        slot.position += 1
         xs.append(ex.arena[lin.x_off: lin.x_off + lin.k].copy())
         tok = int(np.argmax(logits))
     store = TensorStore(m.model_dir)

@@ -20,7 +20,7 @@ USERS = ["How do I reverse a list in Python?", "Write a haiku about autumn.", "W
 
 
 def run(model, prompts, slots, budget, n_new):
-    sch = Scheduler(model, slots, prefix_cache_bytes=budget)
+    sch = Scheduler(model.forward, slots, prefix_cache_bytes=budget)
     seqs = [sch.add(Sequence(p, n_new, SamplingParams())) for p in prompts]
     sch.run_until_idle()
     return sch, seqs

@@ -193,8 +193,7 @@ class BatchDecoder:
 
     def __init__(self, ex: Executor):
         self.ex = ex
-        self.has_linear = ex.linear_state is not None
-        self.linear_kinds = {int(ex.I[r, P.LINEAR_KIND]) for r in ex.linear_rows}
+        self.has_linear = ex.has_linear_state
         self.body = self._fused_segments(self._segments(0, ex.first_head))
         self.head = self._fused_segments(self._segments(ex.first_head, ex.n_instr))
         rows = ex.max_chunk
@@ -206,14 +205,6 @@ class BatchDecoder:
     def max_rows(self) -> int:
         """Sequences one step can decode (the arena's body rows)."""
         return self.ex.max_chunk
-
-    @property
-    def single_path_identical(self) -> bool:
-        """True when every LINEAR is q8 or raw ggml blocks: one sequence may then decode through the
-        executor's own one-token path (and greedy through its lm_head screen) with the same
-        numerics as here (q8 and k-quant panels: one batch-invariant kernel for both; other blocks:
-        the decode's own row routine, row by row, in both). f32 matrices sum in another order."""
-        return self.linear_kinds <= {P.WEIGHT_Q8, P.WEIGHT_BLOCKS}
 
     def _segments(self, start: int, end: int) -> list:
         ex, out, a = self.ex, [], start
@@ -298,8 +289,8 @@ class BatchDecoder:
             kind = seg[0]
             if kind == "rows":
                 self.rt[4] = numba.get_num_threads()
-                K.run(ex.I, ex.F, seg[1], seg[2], ex.tokens, self.rt, ex.arena, ex.state, ex.wq, ex.ws, ex.wf,
-                      ex.xq, ex.xs, *ex.optional_operands())
+                K.run(ex.I, ex.F, seg[1], seg[2], ex.tokens, self.rt, ex.arena, states[0], ex.wq, ex.ws, ex.wf,
+                      ex.xq, ex.xs, *ex.optional_operands(states[0]))     # (row ops: no state read)
             elif kind == "fused":
                 _fused(ex.I, ex.F, seg[1], seg[2], ex.arena, states, *seqs, ex.wq, ex.ws, ex.wf, self.xq, self.xs,
                        np.int64(T), numba.get_num_threads(), self.has_linear, True, ex.kv16)
@@ -359,18 +350,3 @@ class BatchDecoder:
         slots, rows0, nrows, positions = seqs
         for s in range(len(slots)):
             call(ex.arena, int(nrows[s]), int(positions[s]), False, row0=int(rows0[s]))
-
-
-def bind_state(ex: Executor, state: np.ndarray, n_past: int) -> tuple:
-    """Point executor ``ex`` at one sequence's ``state`` (positions from ``n_past``); returns what
-    to pass to :func:`unbind_state` to give it back its own."""
-    saved = (ex.state, ex.linear_state, ex.n_past)
-    ex.state = state
-    ex.linear_state = state if ex.linear_state is not None else None
-    ex.n_past = int(n_past)
-    return saved
-
-
-def unbind_state(ex: Executor, saved: tuple) -> None:
-    ex.state, ex.linear_state, ex.n_past = saved
-

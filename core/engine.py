@@ -53,9 +53,9 @@ def default_parallel(model) -> int:
     MAX_DEFAULT_PARALLEL, and no more than fit (their KV and state planned for the whole context)
     in KV_MEMORY_SHARE of the available memory."""
     cores = int(model.threads or os.cpu_count() or 1)
-    n = max(1, min(MAX_DEFAULT_PARALLEL, 4 * cores, model.executor.max_chunk))
+    n = max(1, min(MAX_DEFAULT_PARALLEL, 4 * cores, model.forward.max_chunk))
     avail = available_memory_bytes()
-    slot = model.executor.state.size * 4
+    slot = model.forward.state_floats * 4
     if avail is not None and slot > 0:
         n = max(1, min(n, int(avail * KV_MEMORY_SHARE) // slot))
     return n
@@ -67,14 +67,14 @@ def default_prefix_cache_bytes(model, parallel: int) -> int:
     avail = available_memory_bytes()
     n = DEFAULT_PREFIX_CACHE_BYTES
     if avail is not None:
-        n = min(n, max(0, int(avail * KV_MEMORY_SHARE) - parallel * model.executor.state.size * 4))
+        n = min(n, max(0, int(avail * KV_MEMORY_SHARE) - parallel * model.forward.state_floats * 4))
     return n
 
 
 def check_fits_in_memory(model, parallel: int, prefix_cache_bytes: int = 0) -> None:
     """Refuse a --parallel / --ctx / --prefix-cache whose planned state exceeds the available memory."""
     avail = available_memory_bytes()
-    kv = parallel * model.executor.state.size * 4
+    kv = parallel * model.forward.state_floats * 4
     need = kv + prefix_cache_bytes
     if avail is not None and need > avail:
         raise ConfigError(f"--parallel {parallel} at --ctx {model.n_ctx} plans {kv / 2**20:.0f} MiB of KV and "
@@ -85,7 +85,9 @@ def check_fits_in_memory(model, parallel: int, prefix_cache_bytes: int = 0) -> N
 class Request:
     """One submitted sequence: iterate for its token ids (blocking); ``cancel()`` from any
     thread; ``stats`` and ``seq`` while or after it runs. ``on_token(tok)`` (tok None at the
-    end), if given at submit, is called on the engine's thread instead of queueing."""
+    end), if given at submit, is called on the engine's thread with each token instead of
+    queueing it; the iterator then yields nothing and ends with the request (``result()`` waits
+    for it and returns every token)."""
 
     def __init__(self, seq: Sequence, on_token=None):
         self.seq = seq
@@ -93,6 +95,7 @@ class Request:
         self.error: BaseException | None = None
         self.finished = threading.Event()
         self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._ended = False             # the iterator has seen the end (a second one returns at once)
 
     @property
     def stats(self):
@@ -106,17 +109,20 @@ class Request:
             self.finished.set()
         if self.on_token is not None:
             self.on_token(tok)
+            if tok is None:
+                self._q.put(None)
         else:
             self._q.put(tok)
 
     def __iter__(self):
-        while True:
+        while not self._ended:
             tok = self._q.get()
             if tok is None:
-                if self.error is not None:
-                    raise self.error
-                return
+                self._ended = True
+                break
             yield tok
+        if self.error is not None:
+            raise self.error
 
     def result(self) -> list[int]:
         """Every generated token id, once the request ends."""
@@ -135,7 +141,7 @@ class Engine:
         if prefix_cache_bytes is None:
             prefix_cache_bytes = default_prefix_cache_bytes(model, self.parallel)
         check_fits_in_memory(model, self.parallel, int(prefix_cache_bytes))
-        self.scheduler = Scheduler(model, self.parallel, prefill_chunk, int(prefix_cache_bytes))
+        self.scheduler = Scheduler(model.forward, self.parallel, prefill_chunk, int(prefix_cache_bytes))
         if self.parallel > 1:
             self.scheduler.warm_up()
         self._requests: dict[int, Request] = {}
@@ -238,7 +244,7 @@ def generate_batch(model, prompts, max_new_tokens: int = 128, parallel: int | No
     n = int(parallel or min(len(prompts), default_parallel(model))) or 1
     if prefix_cache_bytes is None:
         prefix_cache_bytes = default_prefix_cache_bytes(model, max(1, n))
-    sch = Scheduler(model, max(1, n), prefill_chunk, int(prefix_cache_bytes))
+    sch = Scheduler(model.forward, max(1, n), prefill_chunk, int(prefix_cache_bytes))
     eos = model.eos_token_ids if stop_ids is None else stop_ids
     seqs = [sch.add(Sequence(p, max_new_tokens, pp, stop_ids=eos,
                              stats=None if stats is None else stats[i]))

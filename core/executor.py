@@ -1,4 +1,6 @@
-"""Runs an ExecutionProgram: batched prefill (matrix-matrix) and one-token decode.
+"""Runs an ExecutionProgram: batched prefill (matrix-matrix) and one-token decode of one
+sequence whose state array and position the caller passes (:class:`cpullm.forward.Forward` is the
+public door: it holds them in a Slot and sets the thread count).
 
 Decode is one compiled call for the whole token (every layer and the head) unless a plugin kernel
 replaces an op or the graph has plugin ops (cpullm.family.OpSpec), in which case the token runs as
@@ -20,8 +22,6 @@ from .kernels.attention import KV_F16, KV_F32, kv_operand
 from .kernels.warmup import run_flags
 from .head_screen import HeadScreen
 from .kernels import program_table as P
-from .kernels.attention import TILE, kv_views
-from .kvformat import region_is_f16
 from .kernels.q8 import matmul_f32
 from .kernels.q8_panels import matmul_panels, padded_rows
 
@@ -46,12 +46,11 @@ class Executor:
         self.head_rows = m["head_rows"]
         self.vocab = m["vocab"]
         self.arena = np.zeros(m["arena_floats"], np.float32)
-        self.state = lazy_zeros(max(m["state_floats"], 16))   # KV caches + linear states
+        self.state_floats = max(m["state_floats"], 16)   # a sequence's KV caches + linear states
         self.xq = np.zeros(m["max_k"], np.int16)
         self.xs = np.zeros(m["max_k"] // 32 * 3, np.float32)     # block scales (+ 16-sums: raw blocks)
         self.tokens = np.zeros(self.max_chunk, np.int64)
         self.rt = np.zeros(5, np.int64)             # [T, pos0, head_row0, head_rows, threads]
-        self.n_past = 0
         kernels = kernels or {}
         self.external = {int(r): kernels[name] for r, name in m["external"].items() if name in kernels}
         missing = set(m["external"].values()) - set(kernels)
@@ -68,7 +67,7 @@ class Executor:
         self.wb = wb if flags["blocks"] else None                  # LINEARs over raw ggml blocks
         self.wb_embed = wb if flags["embed_blocks"] else None      # an EMBED table of raw blocks
         self.wf_layernorm = self.wf if flags["layernorm"] else None
-        self.linear_state = self.state if flags["linear_state"] else None   # GATED_DELTA's state
+        self.has_linear_state = bool(flags["linear_state"])              # GATED_DELTA reads the state
         self.kv16 = kv_operand(KV_F16 if flags["kv16"] else KV_F32)         # the KV caches' format
         self._decode_segments = self._segments(0, self.n_instr, batched=False)
         self._body_segments = self._segments(0, self.first_head, batched=True)
@@ -115,7 +114,11 @@ class Executor:
             out.append(("interp", a, end))
         return out
 
-    def _run_segments(self, segments, T: int):
+    def linear_kinds(self) -> set:
+        """The weight kinds (program_table.WEIGHT_*) of the program's LINEARs."""
+        return {int(self.I[r, P.LINEAR_KIND]) for r in self.linear_rows}
+
+    def _run_segments(self, segments, T: int, state: np.ndarray):
         prof = self.profile
         for seg in segments:
             t0 = time.perf_counter() if prof is not None else 0.0
@@ -123,10 +126,10 @@ class Executor:
                 if prof is not None:          # per instruction, for the per-op profile
                     for r in range(seg[1], seg[2]):
                         t1 = time.perf_counter()
-                        self._interp(r, r + 1)
+                        self._interp(r, r + 1, state)
                         prof[r] = prof.get(r, 0.0) + time.perf_counter() - t1
                     continue
-                self._interp(seg[1], seg[2])
+                self._interp(seg[1], seg[2], state)
             elif seg[0] == "linear":
                 self._linear_batched(seg[1])
             elif seg[0] == "plugin":
@@ -134,18 +137,19 @@ class Executor:
                 pos0 = int(self.rt[1] + (self.rt[2] if self.I[r, P.COL_SECTION] == P.SECTION_HEAD else 0))
                 self.plugin_ops[r](self.arena, self._rows(r), pos0, seg[2])
             else:
-                self._external(seg[1])
+                self._external(seg[1], state)
             if prof is not None:
                 prof[seg[1]] = prof.get(seg[1], 0.0) + time.perf_counter() - t0
 
-    def _interp(self, a: int, b: int):
+    def _interp(self, a: int, b: int, state: np.ndarray):
         self.rt[4] = numba.get_num_threads()
-        K.run(self.I, self.F, a, b, self.tokens, self.rt, self.arena, self.state,
-              self.wq, self.ws, self.wf, self.xq, self.xs, *self.optional_operands())
+        K.run(self.I, self.F, a, b, self.tokens, self.rt, self.arena, state,
+              self.wq, self.ws, self.wf, self.xq, self.xs, *self.optional_operands(state))
 
-    def optional_operands(self) -> tuple:
-        """run()'s last arguments: linear_state, wb, wb_embed, wf_layernorm (None where unused), kv16."""
-        return self.linear_state, self.wb, self.wb_embed, self.wf_layernorm, self.kv16
+    def optional_operands(self, state: np.ndarray) -> tuple:
+        """run()'s last arguments: linear_state (``state`` where GATED_DELTA reads it), wb, wb_embed,
+        wf_layernorm (None where unused), kv16."""
+        return state if self.has_linear_state else None, self.wb, self.wb_embed, self.wf_layernorm, self.kv16
 
     def _rows(self, r: int) -> int:
         return int(self.rt[0] if self.I[r, P.COL_SECTION] == P.SECTION_BODY else self.rt[3])
@@ -169,121 +173,112 @@ class Executor:
         if b_off >= 0:
             out += self.wf[b_off: b_off + N]
 
-    def _external(self, r: int):
+    def _external(self, r: int, state: np.ndarray):
         fn = self.external[r]
         I, F = self.I[r], self.F[r]
         T = self._rows(r)
         if I[P.COL_OP] == P.OP_GATED_DELTA:
-            fn(self.arena, self.state, self.wf, *(int(I[c]) for c in P.GATED_DELTA_KERNEL_COLUMNS),
+            fn(self.arena, state, self.wf, *(int(I[c]) for c in P.GATED_DELTA_KERNEL_COLUMNS),
                float(F[P.F_GATED_DELTA_EPS]), T)
         else:  # pragma: no cover - guarded by EXTERNAL_SIGNATURES at compile time
             raise RuntimeError(f"no external calling convention for opcode {I[P.COL_OP]}")
 
-    # ---- public -------------------------------------------------------------------------------
-    def reset(self):
-        """Forget the sequence: positions restart at 0 and linear-attention states are zeroed."""
-        self.n_past = 0
-
-        for reg in self.program.meta["state_regions"]:
-            if reg["kind"] == "linear":
-                self.state[reg["offset"]: reg["offset"] + reg["floats"]] = 0.0
-
-    def _check_room(self, n: int):
-        if self.n_past + n > self.n_ctx:
+    # ---- public ------------------------------------------------------------------------------
+    def _check_room(self, pos: int, n: int):
+        if pos + n > self.n_ctx:
             raise ContextOverflowError(
-                f"{self.n_past + n} tokens do not fit in the context of {self.n_ctx}; "
+                f"{pos + n} tokens do not fit in the context of {self.n_ctx}; "
                 f"shorten the prompt or load with a larger n_ctx (cpullm.load(..., n_ctx=N) / --ctx N)")
 
-    def prefill(self, tokens, all_logits: bool = False) -> np.ndarray:
-        """Run ``tokens`` after the current sequence. Returns float32 logits (T, vocab) if
-        ``all_logits`` else (vocab,) for the last token."""
+    def prefill(self, state: np.ndarray, pos: int, tokens, all_logits: bool = False) -> np.ndarray:
+        """Run ``tokens`` at positions pos, pos + 1, ... of the sequence whose state is ``state``.
+        Returns float32 logits (T, vocab) if ``all_logits`` else (vocab,) for the last token."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if tokens.size == 0:
             raise PromptError("the prompt is empty: give at least one token")
-        if tokens.min() < 0 or tokens.max() >= self._embed_rows():
-            raise PromptError(f"token id out of range 0..{self._embed_rows() - 1}")
-        self._check_room(tokens.size)
+        if tokens.min() < 0 or tokens.max() >= self.embed_rows:
+            raise PromptError(f"token id out of range 0..{self.embed_rows - 1}")
+        self._check_room(pos, tokens.size)
         outs = []
         for c0 in range(0, tokens.size, self.max_chunk):
             chunk = tokens[c0: c0 + self.max_chunk]
             T = chunk.size
             self.tokens[:T] = chunk
-            self.rt[:4] = (T, self.n_past, 0, 0)
-            self._run_segments(self._body_segments, T)
-            self.n_past += T
+            self.rt[:4] = (T, pos + c0, 0, 0)
+            self._run_segments(self._body_segments, T, state)
             last_chunk = c0 + self.max_chunk >= tokens.size
             if all_logits:
-                outs.append(self._head(0, T))
+                outs.append(self._head(0, T, state))
             elif last_chunk:
-                outs.append(self._head(T - 1, 1)[0])
+                outs.append(self._head(T - 1, 1, state)[0])
         return np.concatenate(outs) if all_logits else outs[-1]
 
-    def _head(self, row0: int, n: int) -> np.ndarray:
+    def _head(self, row0: int, n: int, state: np.ndarray) -> np.ndarray:
         out = np.empty((n, self.vocab), np.float32)
         lo = self.program.meta["logits_offset"]
         for g0 in range(0, n, self.head_rows):
             rows = min(self.head_rows, n - g0)
             self.rt[2], self.rt[3] = row0 + g0, rows
-            self._run_segments(self._head_segments if rows > 1 else self._head_segments_1, rows)
+            self._run_segments(self._head_segments if rows > 1 else self._head_segments_1, rows, state)
             out[g0: g0 + rows] = self.arena[lo: lo + rows * self.vocab].reshape(rows, self.vocab)
         return out
 
-    def _run_token(self, token: int, segments: list) -> None:
-        """Run one token at position n_past through ``segments`` (decode segments from
+    def _run_token(self, state: np.ndarray, pos: int, token: int, segments: list) -> None:
+        """Run one token at position ``pos`` through ``segments`` (decode segments from
         instruction 0): a single compiled call unless plugin kernels or the profile split it."""
-        self._check_room(1)
+        self._check_room(pos, 1)
+        if not 0 <= token < self.embed_rows:
+            raise PromptError(f"token id {token} out of range 0..{self.embed_rows - 1}")
         self.tokens[0] = token
-        self.rt[:4] = (1, self.n_past, 0, 1)
+        self.rt[:4] = (1, pos, 0, 1)
         if len(segments) == 1 and segments[0][0] == "interp" and self.profile is None:
-            self._interp(segments[0][1], segments[0][2])
+            self._interp(segments[0][1], segments[0][2], state)
         else:
-            self._run_segments(segments, 1)
+            self._run_segments(segments, 1, state)
 
-    def decode(self, token: int) -> np.ndarray:
-        """One token at position n_past; returns its logits (vocab,) (a view, copy to keep)."""
-        self._run_token(token, self._decode_segments)
-        self.n_past += 1
+    def decode(self, state: np.ndarray, pos: int, token: int) -> np.ndarray:
+        """One token at position ``pos``; returns its logits (vocab,) (a view, copy to keep)."""
+        self._run_token(state, pos, token, self._decode_segments)
         self.head_read = (False, True)
         lo = self.program.meta["logits_offset"]
         return self.arena[lo: lo + self.vocab]
 
     def head_inputs(self, ids) -> np.ndarray | None:
         """The lm_head's input rows (T, K) for ``ids`` (one prefill chunk at most) run as a fresh
-        sequence, or None when the program does not end in a LINEAR. Resets the sequence after."""
+        sequence, or None when the program does not end in a LINEAR."""
         r = self.n_instr - 1
         if self.I[r, P.COL_OP] != P.OP_LINEAR or r < self.first_head:
             return None
         ids = np.asarray(ids, np.int64).reshape(-1)[: self.max_chunk]
-        ids = ids[(ids >= 0) & (ids < self._embed_rows())]
+        ids = ids[(ids >= 0) & (ids < self.embed_rows)]
         if ids.size == 0:
             return None
         lin = P.linear_operands(self.I[r])
         x_off, x_st, Kd = lin.x_off, lin.x_st, lin.k
-        self.reset()
+        state = lazy_zeros(self.state_floats)            # a fresh sequence of its own
         T = ids.size
         self.tokens[:T] = ids
         self.rt[:4] = (T, 0, 0, 0)
-        self._run_segments(self._body_segments, T)
+        self._run_segments(self._body_segments, T, state)
         before_lm_head = self._segments(self.first_head, r, batched=True)
         out = np.empty((T, Kd), np.float32)
         for g0 in range(0, T, self.head_rows):
             rows = min(self.head_rows, T - g0)
             self.rt[2], self.rt[3] = g0, rows
-            self._run_segments(before_lm_head, rows)
+            self._run_segments(before_lm_head, rows, state)
             out[g0: g0 + rows] = self.arena[x_off: x_off + rows * x_st].reshape(rows, x_st)[:, :Kd]
-        self.reset()
         return out
 
-    def decode_argmax(self, token: int) -> int:
-        """One token at position n_past, as :meth:`decode`, returning only the argmax of its logits
+    def decode_argmax(self, state: np.ndarray, pos: int, token: int) -> int:
+        """One token at position ``pos``, as :meth:`decode`, returning only the argmax of its logits
         (lowest index on ties), which is greedy decoding's next token. With a head screen
         (``program.meta["head_screen"]``) the lm_head may be read through it (the same token; the
         logits buffer is then left unwritten): the executor times both heads as it goes and uses
         the faster one (:class:`cpullm.head_screen.HeadScreen`)."""
         sc = self.screen
         if sc is None:
-            return int(np.argmax(self.decode(token)))
-        self._run_token(token, sc.segments)
+            return int(np.argmax(self.decode(state, pos, token)))
+        self._run_token(state, pos, token, sc.segments)
         use_screen = sc.choose()
         t0 = time.perf_counter()
         tok = -1
@@ -291,7 +286,7 @@ class Executor:
             tok, self.screen_survivors = sc.argmax(numba.get_num_threads())
         plain = tok < 0
         if plain:            # the plain head (or non-finite bounds, or too many rows left)
-            self._interp(sc.row, self.n_instr)
+            self._interp(sc.row, self.n_instr, state)
             lo = self.program.meta["logits_offset"]
             tok = int(np.argmax(self.arena[lo: lo + self.vocab]))
         dt = time.perf_counter() - t0
@@ -299,42 +294,11 @@ class Executor:
         self.head_read = (use_screen, plain)
         if self.profile is not None:
             self.profile[sc.row] = self.profile.get(sc.row, 0.0) + dt
-        self.n_past += 1
         return int(tok)
 
-    # ---- state save / restore (prompt cache) -------------------------------------------------
-    def state_region(self, reg: dict) -> np.ndarray:
-        """The flat float32 view (floats,) of one ``meta["state_regions"]`` entry (a KV region's
-        layout: :func:`cpullm.kernels.attention.kv_views`)."""
-        return self.state[reg["offset"]: reg["offset"] + reg["floats"]]
-
-    def _kv(self, reg: dict):
-        return kv_views(self.state_region(reg), reg["n_kv_heads"], reg["cap"], reg["head_dim"], region_is_f16(reg))
-
-    def read_kv(self, reg: dict, lo: int, hi: int) -> np.ndarray:
-        """A copy of the keys and values of positions [lo, hi): (2, n_kv_heads, hi - lo, head_dim),
-        in the region's format (float16 or float32: cpullm.kvformat).
-        The caller makes sure the region still holds them (hi - lo <= cap, hi <= n_past)."""
-        slots = np.arange(lo, hi) % reg["cap"]
-        k, v = self._kv(reg)
-        keys = k[:, slots // TILE, :, slots % TILE]          # (n, n_kv, head_dim)
-        return np.stack([keys.transpose(1, 0, 2), v[:, slots, :]])
-
-    def write_kv(self, reg: dict, lo: int, kv: np.ndarray) -> None:
-        """Put keys and values (2, n_kv_heads, n, head_dim) of positions [lo, lo + n) into their slots
-        (rounded to nearest even when the region stores float16)."""
-        slots = np.arange(lo, lo + kv.shape[2]) % reg["cap"]
-        k, v = self._kv(reg)
-        k[:, slots // TILE, :, slots % TILE] = kv[0].transpose(1, 0, 2)
-        v[:, slots, :] = kv[1]
-
-    def set_position(self, n_past: int) -> None:
-        """Continue the sequence after ``n_past`` tokens whose state was restored."""
-        if not 0 <= n_past <= self.n_ctx:
-            raise ContextOverflowError(f"position {n_past} is outside the context of {self.n_ctx}")
-        self.n_past = int(n_past)
-
-    def _embed_rows(self) -> int:
+    @property
+    def embed_rows(self) -> int:
+        """Rows of the token embedding: the ids a prompt may hold are 0..embed_rows - 1."""
         return int(self.program.meta.get("embed_rows", self.vocab))
 
     # ---- profile ------------------------------------------------------------------------------

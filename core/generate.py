@@ -1,60 +1,33 @@
 """The generation loop: prefill, sample, decode, stop on EOS ids or stop strings, stream text."""
 from __future__ import annotations
 
-import time
 from typing import Iterator
 
-from .kernels.warmup import compile_seconds
 from .sampling import SamplingParams
+from .scheduler import Scheduler
 from .sequence import GenerationStats, Sequence  # noqa: F401  (GenerationStats: re-exported)
 from .tokenize import IncrementalDecoder
 
 
-def generate_ids(model, prompt_ids, max_new_tokens: int, params: SamplingParams,
-                 stats: GenerationStats | None = None, stop_ids=None, cancel=None) -> Iterator[int]:
-    """Yield generated token ids; stops at an EOS id (not yielded), after max_new_tokens, at the
-    end of the context, or when ``cancel`` (a threading.Event) is set (stop_reason "cancelled")."""
-    seq = Sequence(prompt_ids, max_new_tokens, params,
-                   stop_ids=model.eos_token_ids if stop_ids is None else stop_ids, stats=stats, cancel=cancel)
-    yield from run_alone(model, seq)
+def generate_ids(forward, slot, prompt_ids, max_new_tokens: int, params: SamplingParams, stop_ids,
+                 stats: GenerationStats | None = None, cancel=None, prompt_cache=None) -> Iterator[int]:
+    """Yield generated token ids of ``prompt_ids`` run alone in ``slot``; stops at an EOS id in
+    ``stop_ids`` (not yielded), after max_new_tokens, at the end of the context, or when ``cancel``
+    (a threading.Event) is set (stop_reason "cancelled")."""
+    seq = Sequence(prompt_ids, max_new_tokens, params, stop_ids=stop_ids, stats=stats, cancel=cancel)
+    yield from run_alone(forward, slot, seq, prompt_cache)
 
 
-def run_alone(model, seq: Sequence) -> Iterator[int]:
-    """Run ``seq`` by itself on the model's executor (one token per forward pass), restoring its
-    prompt from the model's prompt cache when one is attached."""
-    stats = seq.stats
-    ex = model.executor
-    seq.check_fits(model.n_ctx)
-    t0, c0 = time.perf_counter(), compile_seconds()
-    model._seq = list(seq.prompt)           # what save_prompt_cache saves
-    pc = getattr(model, "_prompt_cache", None)
-    seq.restore(ex, pc)
-    logits = seq.prefill_alone(ex, pc)
-    compiled = compile_seconds() - c0
-    stats.prefill_s = max(0.0, time.perf_counter() - t0 - compiled)
-    stats.compile_s += compiled
-    # plain greedy needs only each step's argmax: the executor reads the lm_head through its
-    # screen for it (the same token as the argmax of the full logits)
-    greedy = seq.greedy
-    tok = seq.take(ex.n_ctx, logits=logits)
-    while tok is not None:
-        yield tok
-        if seq.done:
-            return
-        if seq.cancelled:
-            seq.finish("cancelled")
-            return
-        t, c0 = time.perf_counter(), compile_seconds()
-        if greedy:
-            nxt, logits = ex.decode_argmax(seq.pending), None
-        else:
-            nxt, logits = None, ex.decode(seq.pending)
-        seq.position = ex.n_past
-        compiled = compile_seconds() - c0
-        stats.decode_s += max(0.0, time.perf_counter() - t - compiled)
-        stats.compile_s += compiled
-        stats.decode_steps += 1
-        tok = seq.take(ex.n_ctx, logits=logits, token=nxt)
+def run_alone(forward, slot, seq: Sequence, prompt_cache=None) -> Iterator[int]:
+    """Run ``seq`` by itself: a scheduler of the one ``slot`` (plain greedy reads the lm_head
+    through the executor's screen there), restoring its prompt from ``prompt_cache``
+    (:class:`cpullm.prompt_cache.PromptCache`) when one is given."""
+    sch = Scheduler(forward, [slot], prompt_cache=prompt_cache)
+    sch.add(seq)
+    while not sch.idle:
+        for _, tok in sch.step():
+            if tok is not None:
+                yield tok
 
 
 class TextStream:
@@ -101,21 +74,21 @@ class TextStream:
         return out
 
 
-def generate_text(model, prompt_ids, max_new_tokens: int, params: SamplingParams,
-                  stop: list[str] | None = None, stats: GenerationStats | None = None,
-                  cancel=None) -> Iterator[str]:
-    """Yield text pieces; ``stop`` strings end generation and are not emitted."""
-    stats = stats if stats is not None else GenerationStats()
-    text = TextStream(model.tokenizer, stop)
-    for tok in generate_ids(model, prompt_ids, max_new_tokens, params, stats, cancel=cancel):
+def generate_text(tokenizer, token_ids: Iterator[int], stop: list[str] | None = None,
+                  stats: GenerationStats | None = None) -> Iterator[str]:
+    """Yield the text pieces of the generated ``token_ids``; ``stop`` strings end generation and
+    are not emitted (``stats.stop_reason`` becomes "stop")."""
+    text = TextStream(tokenizer, stop)
+    for tok in token_ids:
         piece = text.push(tok)
         if piece:
             yield piece
         if text.stopped:
-            stats.stop_reason = "stop"
+            if stats is not None:
+                stats.stop_reason = "stop"
             return
     piece = text.flush()
-    if text.stopped:
+    if text.stopped and stats is not None:
         stats.stop_reason = "stop"
     if piece:
         yield piece

@@ -76,7 +76,8 @@ def memory_report(model) -> dict:
     weights_bytes       packed weights as the kernels read them (wq int8, ws scales, wf float32)
     head_screen_bytes   the part of weights_bytes that is greedy decoding's lm_head screen
     program_bytes       instruction tables (I, F)
-    kv_bytes            keys and values held now (positions run so far, capped by each ring)
+    kv_bytes            keys and values the lone sequence (generate) holds now (its positions,
+                        capped by each ring)
     kv_dtype            their storage format, "f16" or "f32" (cpullm.kvformat)
     kv_bytes_max        keys and values at the full context (rings at their capacity)
     linear_state_bytes  fixed-size linear-attention states (conv history + recurrent state)
@@ -87,6 +88,7 @@ def memory_report(model) -> dict:
     """
     from .kvformat import element_bytes
     prog, ex = model.program, model.executor
+    position = model.slot.position          # the lone sequence's (generate's) tokens held now
     a = prog.arrays
     weights = int(a["wq"].nbytes + a["ws"].nbytes + a["wf"].nbytes)
     kv_now = kv_max = linear = 0
@@ -94,7 +96,7 @@ def memory_report(model) -> dict:
     for reg in prog.meta["state_regions"]:
         nbytes = int(reg["floats"]) * 4
         if reg["kind"] == "kv":
-            rows = min(ex.n_past, reg["cap"])
+            rows = min(position, reg["cap"])
             now = 2 * reg["n_kv_heads"] * rows * reg["head_dim"] * element_bytes(reg)
             kv_max += nbytes
             kv_now += now
@@ -104,7 +106,7 @@ def memory_report(model) -> dict:
         layers.append({"layer": reg.get("layer"), "node": reg["node"], "kind": _layer_kind(reg),
                        "bytes": nbytes, "bytes_now": now})
     program = int(a["I"].nbytes + a["F"].nbytes)
-    arena, state = int(ex.arena.nbytes), int(ex.state.nbytes)
+    arena, state = int(ex.arena.nbytes), int(model.forward.state_floats) * 4
     return {
         "weights_bytes": weights,
         "weights_mapped": is_mapped(a["wq"]),
@@ -118,7 +120,7 @@ def memory_report(model) -> dict:
         "arena_bytes": arena,
         "scratch_bytes": int(ex.xq.nbytes + ex.xs.nbytes + ex.tokens.nbytes + ex.rt.nbytes),
         "total_bytes": weights + program + state + arena,
-        "n_past": int(ex.n_past),
+        "n_past": int(position),
         "n_ctx": int(ex.n_ctx),
         "layers": layers,
         "rss_bytes": current_rss_bytes(),

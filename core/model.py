@@ -1,7 +1,8 @@
 """Model: the public object returned by ``cpullm.load``.
 
 Resolve the family -> typed Args -> TensorStore -> weight map -> IR graph -> ExecutionProgram
-(compiled, or mapped back from the execution cache) -> Executor; plus tokenizer and generation.
+(compiled, or mapped back from the execution cache) -> Forward (the one forward path, over
+slots that hold each sequence's state); plus tokenizer and generation.
 """
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import numpy as np
 
 from . import head_screen, locations, plugins
 from .compiler import DEFAULT_CHUNK, QUANT_MODES, Program, compile_graph
-from .errors import ConfigError, ContextOverflowError, ModelNotFoundError, PromptError
+from .errors import ConfigError, ModelNotFoundError, PromptError
 from .executor import Executor
 from .family import read_config
+from .forward import Forward
 from .generate import GenerationStats, generate_ids, generate_text
 from .ir import GraphBuilder
 from .kernels.warmup import warmup_for_graph
@@ -46,7 +48,7 @@ def resolve_model_dir(path) -> Path:
 
 
 class Model:
-    def __init__(self, *, model_dir, config, family, args, graph, program, executor, tokenizer,
+    def __init__(self, *, model_dir, config, family, args, graph, program, forward, tokenizer,
                  quant, threads, cache_status, load_s, kernels, weights_info, compile_s=0.0, kernel_units=()):
         self.model_dir = model_dir
         self.config = config
@@ -54,7 +56,8 @@ class Model:
         self.args = args
         self.graph = graph
         self.program = program
-        self.executor = executor
+        self.forward = forward             # runs tokens of the slots it is handed
+        self.executor = forward.executor   # the program's interpreter (read it; run through forward)
         self.tokenizer = tokenizer
         self.quant = quant
         self.threads = threads
@@ -65,9 +68,11 @@ class Model:
         self.compile_s = compile_s         # of load_s: numba compiling kernels (0.0 when all were cached)
         self.kernel_units = list(kernel_units)   # the kernel groups compiled up front (kernels/warmup.py)
         self.eos_token_ids = _eos_ids(config, tokenizer)
-        self.n_ctx = executor.n_ctx
+        self.n_ctx = forward.n_ctx
         self.kv_dtype = program.meta.get("kv_dtype", "f32")
-        self._seq: list[int] = []          # tokens currently in the KV cache
+        self._slot = None                  # the slot lone generations run in, made on first use
+        self._last_prompt: list[int] = []  # the prompt whose state _slot holds (save_prompt_cache)
+        self._prompt_cache = None
 
     # ---- loading ---------------------------------------------------------------------------
     @classmethod
@@ -141,29 +146,24 @@ class Model:
         check_plan_fits(program.meta)          # the KV cache of n_ctx, planned before it is allocated
         executor = Executor(program, kernel_fns)
         compile_s += executor.warm_up()
+        forward = Forward(executor, threads)
         weights_info = {"checkpoint_bytes": store.nbytes(), "params": count_params(weights, store)}
         if gguf_tokenizer:
             weights_info.update(gguf_tensor_bytes=store.tensor_bytes(), gguf_formats=store.format_bytes())
         return cls(model_dir=model_dir, config=config, family=family, args=args, graph=graph,
-                   program=program, executor=executor, tokenizer=tokenizer, quant=quant,
+                   program=program, forward=forward, tokenizer=tokenizer, quant=quant,
                    threads=threads, cache_status=cache_status, load_s=time.perf_counter() - t0,
                    kernels=kernels, weights_info=weights_info, compile_s=compile_s,
                    kernel_units=warm.units)
 
-    # ---- forward -----------------------------------------------------------------------------
-    def _check_fits(self, n: int):
-        if n > self.n_ctx:
-            raise ContextOverflowError(
-                f"the prompt has {n} tokens but the context holds {self.n_ctx}; shorten it or load "
-                f"with a larger n_ctx (--ctx N)")
-
-    def _start_sequence(self, ids: list[int]) -> int:
-        """Reset the cache for a new sequence; returns how many leading tokens are reused: 0, or
-        with a prompt cache attached (:meth:`use_prompt_cache`) the tokens whose state it restored
-        (always fewer than ``len(ids)``, so at least one token is prefilled)."""
-        from .sequence import Sequence
-        self._seq = list(ids)
-        return Sequence(ids, 1).restore(self.executor, getattr(self, "_prompt_cache", None))
+    # ---- the lone sequence's slot ------------------------------------------------------------
+    @property
+    def slot(self):
+        """The slot :meth:`generate`, :meth:`generate_ids` and :meth:`logits` run in (one at a
+        time; its state is what :meth:`save_prompt_cache` saves), made on first use."""
+        if self._slot is None:
+            self._slot = self.forward.new_slot()
+        return self._slot
 
     # ---- prompt cache ---------------------------------------------------------------------------
     def use_prompt_cache(self, path) -> "Model":
@@ -180,22 +180,27 @@ class Model:
         attached prompt cache (or to ``path``); the write is atomic. Returns the path."""
         from .errors import CacheError
         from .prompt_cache import PromptCache
-        pc = getattr(self, "_prompt_cache", None)
+        pc = self._prompt_cache
         if pc is None:
             if path is None:
                 raise CacheError("no prompt cache is attached: call model.use_prompt_cache(path) "
                                  "before generate(), or pass save_prompt_cache(path)")
             pc = self._prompt_cache = PromptCache(self, path, load=False)
-        return pc.save(self.executor, self._seq, path)
+        return pc.save(self._slot, self._last_prompt, path)
 
     def detach_prompt_cache(self) -> None:
         """Stop restoring from / saving to the attached prompt cache."""
         self._prompt_cache = None
 
     @property
+    def prompt_cache(self):
+        """The attached :class:`cpullm.prompt_cache.PromptCache`, or None."""
+        return self._prompt_cache
+
+    @property
     def prompt_cache_status(self) -> str | None:
         """``HIT (reused k of n prompt tokens)`` or ``MISS (reason)``; None without a prompt cache."""
-        pc = getattr(self, "_prompt_cache", None)
+        pc = self._prompt_cache
         return pc.status if pc is not None else None
 
     def logits(self, ids) -> np.ndarray:
@@ -203,10 +208,20 @@ class Model:
         ids = [int(i) for i in ids]
         if not ids:
             raise PromptError("logits() needs at least one token id")
-        self._check_fits(len(ids))
-        self.executor.reset()
-        self._seq = list(ids)
-        return self.executor.prefill(ids, all_logits=True)
+        slot = self.slot
+        self.forward.reset(slot)
+        self._last_prompt = []
+        out = self.forward.prefill(slot, ids, all_logits=True)
+        self._last_prompt = ids
+        return out
+
+    def _run_alone(self, ids: list[int], max_new_tokens: int, params: SamplingParams, stop_ids,
+                   stats: GenerationStats | None) -> Iterator[int]:
+        """Token ids of ``ids`` run alone in :attr:`slot` (its prompt restored from the attached
+        prompt cache, if any)."""
+        self._last_prompt = list(ids)
+        return generate_ids(self.forward, self.slot, ids, max_new_tokens, params, stop_ids, stats,
+                            prompt_cache=self._prompt_cache)
 
     # ---- generation ----------------------------------------------------------------------------
     def _prompt_ids(self, prompt, chat: bool = False, system: str | None = None) -> list[int]:
@@ -231,7 +246,9 @@ class Model:
         """Yield text pieces for ``prompt`` (text or token ids)."""
         params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed).validate()
         ids = self._prompt_ids(prompt, chat=chat, system=system)
-        return generate_text(self, ids, max_new_tokens, params, stop=stop, stats=stats)
+        stats = stats if stats is not None else GenerationStats()
+        tokens = self._run_alone(ids, max_new_tokens, params, self.eos_token_ids, stats)
+        return generate_text(self.tokenizer, tokens, stop=stop, stats=stats)
 
     def generate_ids(self, prompt_ids, max_new_tokens: int = 128, temperature: float = 0.0,
                      top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
@@ -240,8 +257,8 @@ class Model:
         """Yield token ids from the same sampler as :meth:`generate` (``ignore_eos``: never stop
         early, as a reference comparison with EOS disabled needs)."""
         params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed).validate()
-        return generate_ids(self, self._prompt_ids(prompt_ids), max_new_tokens, params, stats,
-                            stop_ids=() if ignore_eos else None)
+        return self._run_alone(self._prompt_ids(prompt_ids), max_new_tokens, params,
+                               () if ignore_eos else self.eos_token_ids, stats)
 
     def generate_batch(self, prompts, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                        top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,

@@ -234,24 +234,25 @@ class PromptCache:
         r = hi if fixed is None else (fixed if fixed <= hi else 0)
         return r if r >= lo_min else 0
 
-    def _restore(self, ex, r: int):
+    def _restore(self, forward, slot, r: int):
         for reg in self._regions():
             info, arr = self.saved["regions"][reg["node"]]
             if reg["kind"] == "kv":
                 lo = max(info["lo"], r - reg["cap"])
-                ex.write_kv(reg, lo, arr[:, :, lo - info["lo"]: r - info["lo"], :])
+                slot.write_kv(reg, lo, arr[:, :, lo - info["lo"]: r - info["lo"], :])
             else:
-                ex.state_region(reg)[:] = arr
-        ex.set_position(r)
+                slot.region(reg)[:] = arr
+        forward.set_position(slot, r)
 
-    def start(self, ex, ids: list[int]) -> int:
-        """After ``ex.reset()``: restore what the file allows for ``ids`` and arrange to record
-        this prompt's state; returns the tokens restored (always < len(ids))."""
+    def start(self, forward, slot, ids: list[int]) -> int:
+        """In a fresh ``slot`` (:class:`cpullm.forward.Slot`): restore what the file allows for
+        ``ids`` and arrange to record this prompt's state (the slot is the one :meth:`save`
+        saves); returns the tokens restored (always < len(ids))."""
         self.split_at = None
         ids = [int(t) for t in ids]
         r = self.reuse_point(ids)
         if r > 0:
-            self._restore(ex, r)
+            self._restore(forward, slot, r)
             self.status = f"HIT (reused {r} of {len(ids)} prompt tokens)"
         elif self.saved is not None:
             c = _common_prefix(self.saved["tokens"], ids)
@@ -263,35 +264,35 @@ class PromptCache:
         if self._needs_snapshot():
             at = len(ids) - 1
             if r == at:
-                self._snapshot(ex, at)
+                self._snapshot(slot, at)
             else:
-                self.split_at = at           # Model._prefill_prompt stops there to record it
+                self.split_at = at           # the scheduler's prefill stops there to record it
         return r
 
-    def snapshot_split(self, ex):
-        """Called by the prompt prefill when it reaches ``split_at``."""
-        self._snapshot(ex, self.split_at)
+    def snapshot_split(self, slot):
+        """Called by the prompt prefill when ``slot`` reaches ``split_at``."""
+        self._snapshot(slot, self.split_at)
         self.split_at = None
 
-    def _snapshot(self, ex, at: int):
+    def _snapshot(self, slot, at: int):
         """Record the ring and linear-attention state after ``at`` tokens."""
         regions = {}
         for reg in self._regions():
             if reg["kind"] != "kv":
-                regions[reg["node"]] = (at, at, ex.state_region(reg).copy())
+                regions[reg["node"]] = (at, at, slot.region(reg).copy())
             elif reg.get("window"):
                 lo = max(0, at - reg["cap"])
-                regions[reg["node"]] = (lo, at, ex.read_kv(reg, lo, at))
+                regions[reg["node"]] = (lo, at, slot.read_kv(reg, lo, at))
         self._snap = {"at": at, "regions": regions}
 
     # ---- saving -------------------------------------------------------------------------------
-    def save(self, ex, seq: list[int], path=None) -> Path:
-        """Write the state of the current prompt ``seq`` (atomically)."""
+    def save(self, slot, seq: list[int], path=None) -> Path:
+        """Write the state of prompt ``seq`` held by ``slot`` (atomically)."""
         from .cache_format import checksum
 
         path = Path(os.path.expanduser(str(path))) if path is not None else self.path
         seq = [int(t) for t in seq]
-        if not seq or ex.n_past == 0:
+        if not seq or slot is None or slot.position == 0:
             raise CacheError("there is no prompt state to save: run a prompt first "
                              "(model.generate(...)), then save_prompt_cache()")
         snap = self._snap
@@ -299,11 +300,11 @@ class PromptCache:
             raise CacheError("this model has sliding-window or linear-attention layers, whose state "
                              "is recorded while the prompt runs: call model.use_prompt_cache(path) "
                              "before generate(), then save_prompt_cache()")
-        kv_len = min(len(seq), ex.n_past)
+        kv_len = min(len(seq), slot.position)
         arrays, table, off = [], [], 0
         for reg in self._regions():
             if reg["kind"] == "kv" and not reg.get("window"):
-                lo, hi, arr = 0, kv_len, ex.read_kv(reg, 0, kv_len)
+                lo, hi, arr = 0, kv_len, slot.read_kv(reg, 0, kv_len)
             else:
                 lo, hi, arr = snap["regions"][reg["node"]]
             dtype = "f16" if reg["kind"] == "kv" and region_is_f16(reg) else "f32"

@@ -1,9 +1,10 @@
 """Continuous batching: many sequences share each pass over the weights.
 
-A :class:`Scheduler` owns ``slots`` KV slots, planned up front: one float32 state array per slot,
-laid out as the program's ``state_regions`` (KV caches of ``n_ctx`` positions, sliding-window
-rings, linear-attention states), so a sequence admitted always fits and memory never grows.
-Every :meth:`Scheduler.step`:
+A :class:`Scheduler` owns KV slots (:class:`cpullm.forward.Slot`), planned up front: one float32
+state row per slot, laid out as the program's ``state_regions`` (KV caches of ``n_ctx``
+positions, sliding-window rings, linear-attention states), so a sequence admitted always fits and
+memory never grows. It runs them through the model's one forward path (:class:`cpullm.forward.Forward`);
+a sequence running alone (``generate``) is a scheduler of one slot. Every :meth:`Scheduler.step`:
 
 1. drops cancelled sequences (their slot is free at once) and admits waiting ones, first come
    first served, into free slots;
@@ -11,7 +12,7 @@ Every :meth:`Scheduler.step`:
    prompt, taking those in turn, so a long prompt never holds the others up for more than a chunk;
    the chunk's last row gives the first token when the prompt is done;
 3. decodes one token of every sequence past its prompt in one pass over the weights
-   (:class:`cpullm.batch.BatchDecoder`); finished sequences leave and free their slot.
+   (:meth:`cpullm.forward.Forward.step`); finished sequences leave and free their slot.
 
 A sequence's tokens do not depend on the others (batch invariance): its prefill chunks are cut
 from its own prompt only (so the same chunks alone or not) and run on its own state; its decode
@@ -25,10 +26,8 @@ import threading
 import time
 from collections import deque
 
-import numpy as np
-
-from .batch import BatchDecoder, bind_state, unbind_state
 from .errors import ConfigError
+from .forward import Forward, Slot
 from .kernels.warmup import compile_seconds
 from .prefix_cache import PrefixCache
 from .sequence import DECODE, PREFILL, WAITING, Sequence
@@ -40,30 +39,33 @@ whole blocks, the rest of it prefilled; 64 tokens of Qwen2.5-0.5B's float32 KV a
 
 
 class Scheduler:
-    def __init__(self, model, slots: int, prefill_chunk: int | None = None, prefix_cache_bytes: int = 0,
-                 prefix_block: int | None = None):
-        ex = model.executor
-        if slots < 1:
-            raise ConfigError(f"the scheduler needs at least 1 slot (--parallel N >= 1), got {slots}")
-        self.model, self.ex = model, ex
-        self.decoder = BatchDecoder(ex)
-        if slots > self.decoder.max_rows:
-            raise ConfigError(f"--parallel {slots} exceeds the {self.decoder.max_rows} rows one step can "
+    def __init__(self, forward: Forward, slots: int | list[Slot], prefill_chunk: int | None = None,
+                 prefix_cache_bytes: int = 0, prefix_block: int | None = None, prompt_cache=None):
+        """``slots``: how many to plan (one (slots, state_floats) table, allocated now), or the
+        slots to use (of one table). ``prompt_cache``: a :class:`cpullm.prompt_cache.PromptCache`
+        to restore each prompt from and record it into (a scheduler of one slot: ``generate``)."""
+        fwd = forward
+        n = slots if isinstance(slots, int) else len(slots)
+        if n < 1:
+            raise ConfigError(f"the scheduler needs at least 1 slot (--parallel N >= 1), got {n}")
+        if n > fwd.max_chunk:
+            raise ConfigError(f"--parallel {n} exceeds the {fwd.max_chunk} rows one step can "
                               f"run (the program's prefill chunk); load with a larger max_chunk or lower --parallel")
-        self.n_slots = int(slots)
-        self.state_floats = int(ex.state.size)
+        self.forward = fwd
+        self.n_ctx = fwd.n_ctx
+        self.n_slots = int(n)
+        self.state_floats = int(fwd.state_floats)
         # KV for every slot, planned now: (slots, state_floats) float32
-        self.states = np.zeros((self.n_slots, self.state_floats), np.float32)
-        self.linear_regions = [(r["offset"], r["floats"]) for r in ex.program.meta["state_regions"]
-                               if r["kind"] == "linear"]
-        self.prefill_chunk = int(min(prefill_chunk or ex.max_chunk, ex.max_chunk))
+        self.slots = fwd.slots(n) if isinstance(slots, int) else list(slots)
+        self.prompt_cache = prompt_cache
+        self.prefill_chunk = int(min(prefill_chunk or fwd.max_chunk, fwd.max_chunk))
         # prompts sharing whole blocks of leading tokens restore them instead of running them
         # again (cpullm.prefix_cache); off with prefix_cache_bytes=0
         block = int(prefix_block or math.gcd(self.prefill_chunk, DEFAULT_PREFIX_BLOCK))
         if not 0 < block <= self.prefill_chunk or self.prefill_chunk % block:
             raise ConfigError(f"the prefix block ({block} tokens) must divide the prefill chunk "
                               f"({self.prefill_chunk} tokens); give a divisor of it")
-        self.prefix_cache = PrefixCache(ex.program.meta["state_regions"], block, prefix_cache_bytes)
+        self.prefix_cache = PrefixCache(fwd.program.meta["state_regions"], block, prefix_cache_bytes)
         self.prefilled_tokens = 0       # prompt tokens run through the model (not restored)
         self.free = list(range(self.n_slots - 1, -1, -1))
         self.waiting: deque[Sequence] = deque()
@@ -79,7 +81,10 @@ class Scheduler:
         a sequence writes each position before attending to it, and admission zeroes its
         recurrent state."""
         n = min(2, self.n_slots)
-        self.decoder.decode(self.states, list(range(n)), [0] * n, [0] * n)
+        slots = self.slots[:n]
+        self.forward.step(slots, [0] * n)
+        for s in slots:
+            s.position = 0
 
     # ---- capacity --------------------------------------------------------------------------
     @property
@@ -95,7 +100,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> Sequence:
         """Queue ``seq`` (thread-safe). A prompt longer than the context raises
         ContextOverflowError here, before it waits."""
-        seq.check_fits(self.ex.n_ctx)
+        seq.check_fits(self.n_ctx)
         with self._lock:
             seq.phase = WAITING
             self.waiting.append(seq)
@@ -143,23 +148,29 @@ class Scheduler:
         with self._lock:
             while self.free and self.waiting:
                 seq = self.waiting.popleft()
-                seq.slot = self.free.pop()
-                seq.state = self.states[seq.slot]
+                seq.slot = self.slots[self.free.pop()]
                 admitted.append(seq)
         for seq in admitted:             # (outside the lock: submitters do not wait for the zeroing)
-            for off, n in self.linear_regions:       # recurrent state starts at zero
-                seq.state[off: off + n] = 0.0
-            seq.position = seq.reused = 0
+            self.forward.reset(seq.slot)
+            seq.reused = 0
+            if self.prompt_cache is not None:
+                self._restore_prompt(seq)
             seq.phase = PREFILL
             self.running.append(seq)
 
     def _release(self, seq: Sequence):
         if seq in self.running:
             self.running.remove(seq)
-        if seq.slot is not None:
+        slot = seq.leave_slot()
+        if slot is not None:
             with self._lock:
-                self.free.append(seq.slot)
-            seq.slot, seq.state = None, None
+                self.free.append(slot.index)
+
+    def _restore_prompt(self, seq: Sequence) -> None:
+        """Restore the leading prompt tokens the prompt cache holds into ``seq``'s fresh slot."""
+        got = self.prompt_cache.start(self.forward, seq.slot, seq.prompt)
+        seq.reused = got
+        seq.stats.reused_tokens = got
 
     def _prefill_one(self, events):
         reading = [s for s in self.running if s.phase == PREFILL]
@@ -167,31 +178,33 @@ class Scheduler:
             return
         seq = reading[self._prefill_turn % len(reading)]
         self._prefill_turn += 1
+        slot = seq.slot
         # the longest cached prefix, if it is ahead of this sequence (cpullm.prefix_cache)
-        got = self.prefix_cache.restore(seq.prompt, seq.state, seq.position)
-        if got > seq.position:
-            seq.reused += got - seq.position
-            seq.position = got
+        got = self.prefix_cache.restore(seq.prompt, slot.state, slot.position)
+        if got > slot.position:
+            seq.reused += got - slot.position
+            slot.position = got
             seq.stats.reused_tokens = seq.reused
         # chunks end on the grid of prefill_chunk: from position 0 the same chunks as ever; after a
-        # prefix hit inside a chunk, the first one ends where that chunk would have
-        end = (seq.position // self.prefill_chunk + 1) * self.prefill_chunk
-        ids = seq.prompt[seq.position: end]
+        # prefix hit inside a chunk, the first one ends where that chunk would have; a prompt
+        # cache that records the state at one position (split_at) ends a chunk there
+        start = slot.position
+        end = (start // self.prefill_chunk + 1) * self.prefill_chunk
+        split = self.prompt_cache.split_at if self.prompt_cache is not None else None
+        if split is not None and start < split < end:
+            end = split
+        ids = seq.prompt[start: end]
         t0, c0 = time.perf_counter(), compile_seconds()
-        start = seq.position
-        saved = bind_state(self.ex, seq.state, seq.position)
-        try:
-            logits = self.ex.prefill(ids)
-            seq.position = self.ex.n_past
-            self.prefilled_tokens += len(ids)
-            self.prefix_cache.record(seq.prompt, start, seq.position, seq.state)
-        finally:
-            unbind_state(self.ex, saved)
+        logits = self.forward.prefill(slot, ids)
+        self.prefilled_tokens += len(ids)
+        self.prefix_cache.record(seq.prompt, start, slot.position, slot.state)
+        if split is not None and slot.position == split:
+            self.prompt_cache.snapshot_split(slot)
         compiled = compile_seconds() - c0
         seq.stats.prefill_s += max(0.0, time.perf_counter() - t0 - compiled)
         seq.stats.compile_s += compiled
-        if seq.position == len(seq.prompt):
-            tok = seq.take(self.ex.n_ctx, logits=logits)
+        if slot.position == len(seq.prompt):
+            tok = seq.take(self.n_ctx, logits=logits)
             if tok is not None:
                 events.append((seq, tok))
 
@@ -199,33 +212,18 @@ class Scheduler:
         batch = [s for s in self.running if s.phase == DECODE and s.pending is not None]
         if not batch:
             return
-        ex = self.ex
         t0, c0 = time.perf_counter(), compile_seconds()
-        if len(batch) == 1 and self.decoder.single_path_identical:
-            # one sequence: the executor's one-token path (and greedy through its lm_head screen),
-            # the same numbers as a batched row
-            seq = batch[0]
-            saved = bind_state(ex, seq.state, seq.position)
-            try:
-                if seq.greedy:
-                    outs = [(None, ex.decode_argmax(seq.pending))]
-                else:
-                    outs = [(ex.decode(seq.pending).copy(), None)]
-            finally:
-                unbind_state(ex, saved)
-        else:
-            logits = self.decoder.decode(self.states, [s.slot for s in batch], [s.position for s in batch],
-                                         [s.pending for s in batch])
-            outs = [(logits[i], None) if not s.greedy else (None, int(np.argmax(logits[i])))
-                    for i, s in enumerate(batch)]
+        # one pass over the weights for every row; a row that only needs its argmax (plain
+        # greedy) gets just the token (a lone one may read the lm_head through its screen)
+        logits, tokens = self.forward.step([s.slot for s in batch], [s.pending for s in batch],
+                                           greedy=[s.greedy for s in batch])
         compiled = compile_seconds() - c0
         dt = max(0.0, time.perf_counter() - t0 - compiled)
-        for seq, (logits_row, tok) in zip(batch, outs):
-            seq.position += 1
+        for seq, row, tok in zip(batch, logits, tokens):
             seq.stats.decode_s += dt
             seq.stats.decode_steps += 1
             seq.stats.compile_s += compiled
-            got = seq.take(ex.n_ctx, logits=logits_row, token=tok)
+            got = seq.take(self.n_ctx, logits=row, token=tok)
             if got is not None:
                 events.append((seq, got))
 

@@ -1,11 +1,10 @@
-"""Sequence: one running generation, shared by ``generate`` (one sequence on the model's
-executor) and the scheduler (many sequences, each in its own KV slot).
+"""Sequence: one running generation, run by the scheduler (a lone ``generate`` is a scheduler of
+one slot).
 
 A sequence owns what belongs to one request and nothing of the model: its prompt and generated
-token ids, its position (tokens whose keys/values and recurrent state sit in its slot), the slot
-itself (a float32 state array laid out as ``program.meta["state_regions"]``), its sampler and
-stop rules, its statistics and its cancel flag. Who runs the forward passes (the plain executor,
-or the scheduler's batched step) only feeds it logits or greedy tokens through :meth:`take`.
+token ids, its sampler and stop rules, its statistics and its cancel flag, and while it runs the
+slot the scheduler lent it (:class:`cpullm.forward.Slot`: its state and position). The scheduler
+runs the forward passes and only feeds it logits or greedy tokens through :meth:`take`.
 """
 from __future__ import annotations
 
@@ -64,11 +63,10 @@ class Sequence:
         self.cancel_event = cancel if cancel is not None else threading.Event()
         self.history: list[int] = list(self.prompt)    # prompt + generated (the repetition penalty's)
         self.generated: list[int] = []
-        self.position = 0            # tokens whose state is in the slot
         self.reused = 0              # leading prompt tokens restored rather than prefilled
         self.pending: int | None = None   # the last emitted token, input of the next decode step
-        self.slot: int | None = None
-        self.state: np.ndarray | None = None
+        self.slot = None             # the cpullm.forward.Slot lent by the scheduler while it runs
+        self._left_at = 0            # the slot's position when the sequence gave it back
         self.phase = WAITING
         self.stats.prompt_tokens = len(self.prompt)
         self.stats.stop_reason = "length"
@@ -79,6 +77,19 @@ class Sequence:
         """True when the next token is the argmax of the logits (no sampler state needed), so a
         runner may compute only the argmax (the executor's lm_head screen)."""
         return self.params.temperature == 0.0 and self.params.repetition_penalty == 1.0
+
+    @property
+    def position(self) -> int:
+        """Tokens whose state sits in the sequence's slot (before it got one: 0; after it gave
+        it back: as many as when it left)."""
+        return self.slot.position if self.slot is not None else self._left_at
+
+    def leave_slot(self):
+        """Give the slot back (the runner's call when the sequence ends); returns it."""
+        slot, self.slot = self.slot, None
+        if slot is not None:
+            self._left_at = slot.position
+        return slot
 
     @property
     def cancelled(self) -> bool:
@@ -124,31 +135,3 @@ class Sequence:
             self.stats.stop_reason = reason
             self.phase = DONE
             self.pending = None
-
-    # ---- running alone on the model's executor -----------------------------------------------
-    def restore(self, ex, prompt_cache=None) -> int:
-        """Reset executor ``ex`` (its own state) for this sequence and restore the leading prompt
-        tokens ``prompt_cache`` holds; returns how many (always fewer than the prompt: at least
-        one token is prefilled, whose logits the first token comes from)."""
-        ex.reset()
-        self.reused = prompt_cache.start(ex, self.prompt) if prompt_cache is not None else 0
-        self.position = self.reused
-        self.stats.reused_tokens = self.reused
-        self.phase = PREFILL
-        return self.reused
-
-    def prefill_alone(self, ex, prompt_cache=None) -> np.ndarray:
-        """Prefill the rest of the prompt on ``ex`` after :meth:`restore`; returns the last prompt
-        token's logits. The cache may ask for the state at one position (``split_at``): the
-        prefill stops there, the cache records the sliding-window and linear-attention state,
-        and the prefill goes on."""
-        ids = self.prompt
-        split = prompt_cache.split_at if prompt_cache is not None else None
-        if split is None or not (self.reused < split < len(ids)):
-            logits = ex.prefill(ids[self.reused:])
-        else:
-            ex.prefill(ids[self.reused:split])
-            prompt_cache.snapshot_split(ex)
-            logits = ex.prefill(ids[split:])
-        self.position = ex.n_past
-        return logits

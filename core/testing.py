@@ -216,11 +216,12 @@ def check_forward(model, ids) -> np.ndarray:
     return logits
 
 
-def _cached_logits(ex, ids, split: int) -> np.ndarray:
-    """Prefill ids[:split] (all logits), then decode the rest one token at a time."""
-    ex.reset()
-    rows = [ex.prefill(ids[:split], all_logits=True)]
-    rows += [np.array(ex.decode(t), np.float32)[None] for t in ids[split:]]
+def _cached_logits(fwd, ids, split: int) -> np.ndarray:
+    """Prefill ids[:split] (all logits), then decode the rest one token at a time (a
+    cpullm.forward.Forward's steps of one fresh slot)."""
+    slot = fwd.new_slot()
+    rows = [fwd.prefill(slot, ids[:split], all_logits=True)]
+    rows += [np.array(fwd.step([slot], [t])[0][0], np.float32)[None] for t in ids[split:]]
     return np.concatenate(rows)
 
 
@@ -228,7 +229,7 @@ def check_cached_decode(model, ids, full_logits=None, split: int | None = None, 
     """Prefill ids[:split] then decode the rest one token at a time: equal to the full forward."""
     full = model.logits(ids) if full_logits is None else full_logits
     split = split or max(1, len(ids) // 2)
-    got = _cached_logits(model.executor, ids, split)
+    got = _cached_logits(model.forward, ids, split)
     err = _rel_err(got, full)
     assert err <= tol, (f"cached decode (prefill {split}, then one token at a time) differs from the "
                         f"uncached forward by {err:.2e} (relative, tolerance {tol:.0e})")
@@ -281,7 +282,7 @@ def check_int8(model_dir, ids, f32_logits, min_cosine=INT8_MIN_COSINE, min_top1=
     runs). Returns the prefill fidelity, with the decode path's under ``"decode"``."""
     q = _load(model_dir, quant="int8")
     fid = fidelity(q.logits(ids), f32_logits)
-    fid["decode"] = fidelity(_cached_logits(q.executor, ids, 1), f32_logits)
+    fid["decode"] = fidelity(_cached_logits(q.forward, ids, 1), f32_logits)
     for path, f in (("prefill", fid), ("decode", fid["decode"])):
         assert f["cosine"] >= min_cosine and f["top1"] >= min_top1, (
             f"INT8 fidelity too low on the {path} path: cosine {f['cosine']:.4f}, top1 {f['top1']:.3f} "
@@ -294,12 +295,18 @@ def check_int8(model_dir, ids, f32_logits, min_cosine=INT8_MIN_COSINE, min_top1=
 # ---------------------------------------------------------------------------------------------
 
 
+def _forward(program, kernel_fns: dict, **executor_kw):
+    from .executor import Executor
+    from .forward import Forward
+    from .kernels.numba_setup import configured_threads
+    return Forward(Executor(program, kernel_fns, **executor_kw), configured_threads())
+
+
 def _compile(graph, weights, kernels, n_ctx: int):
     from .compiler import compile_graph
-    from .executor import Executor
 
     program = compile_graph(graph, weights, quant="f32", n_ctx=n_ctx, kernels=list(kernels))
-    return Executor(program, {k.name: k.fn for k in kernels})
+    return _forward(program, {k.name: k.fn for k in kernels})
 
 
 def _compare_kernel(spec, graph, weights, ids, tol: float) -> dict | None:
@@ -314,8 +321,8 @@ def _compare_kernel(spec, graph, weights, ids, tol: float) -> dict | None:
     ref = _compile(graph, weights, [], n_ctx)
     split = max(1, len(ids) // 2)
     errs = {}
-    for path, run in (("prefill", lambda ex: (ex.reset(), ex.prefill(ids, all_logits=True))[1]),
-                      ("decode", lambda ex: _cached_logits(ex, ids, split))):
+    for path, run in (("prefill", lambda fwd: fwd.logits(ids)),
+                      ("decode", lambda fwd: _cached_logits(fwd, ids, split))):
         errs[path] = _rel_err(run(fused), run(ref))
         assert errs[path] <= tol, (
             f"plugin kernel {spec.name!r} ({spec.plugin}) differs from the reference {spec.op.name} "
@@ -455,8 +462,6 @@ def check_plugin_ops(model, ids, tol: float = F32_TOLERANCE) -> dict:
     """The graph's plugin ops (cpullm.family.OpSpec): the program run with their fast kernels
     against the same program run with their numpy references, prefill (every position) and
     cached decode. Ops without fast kernels are listed under ``"reference_only"``."""
-    from .executor import Executor
-
     program = model.program
     calls = program.meta.get("plugin_ops") or {}
     used = sorted({c["op"] for c in calls.values()})
@@ -472,10 +477,10 @@ def check_plugin_ops(model, ids, tol: float = F32_TOLERANCE) -> dict:
     report["reference_only"] = [name for name in used if name not in fast]
     if not fast:
         return report
-    runs = {impl: Executor(program, fns, op_impl=impl) for impl in ("fast", "reference")}
+    runs = {impl: _forward(program, fns, op_impl=impl) for impl in ("fast", "reference")}
     errs = {}
-    for path, run in (("prefill", lambda ex: (ex.reset(), ex.prefill(ids, all_logits=True))[1]),
-                      ("decode", lambda ex: _cached_logits(ex, ids, split))):
+    for path, run in (("prefill", lambda fwd: fwd.logits(ids)),
+                      ("decode", lambda fwd: _cached_logits(fwd, ids, split))):
         errs[path] = _rel_err(run(runs["fast"]), run(runs["reference"]))
         assert errs[path] <= tol, (
             f"the fast kernels of plugin ops {', '.join(fast)} differ from their numpy references by "

@@ -528,7 +528,7 @@ def matmul_sgemm(fmt, x, w, out):
     """The dequantize + sgemm path (module docstring), any T and format."""
     fmt = int(fmt)
     _check(fmt, x, w, out)
-    parts = numba_setup.configured_threads()
+    parts = numba.get_num_threads()          # the count the caller (cpullm.forward.Forward) set
     if parts > 1 and w.shape[0] >= 64 * parts and numba_setup._openblas_libs():
         _matmul_split(fmt, x, w, out, parts)
     else:

@@ -28,8 +28,9 @@ LAYERS = [
                   "locations", "tokenize"]),
     ("graph", ["ir", "blocks"]),
     ("compiler", ["compiler", "quant_blocks"]),
-    ("execution", ["cache_format", "head_screen", "executor", "prompt_cache", "prefix_cache", "memory"]),
-    ("generation", ["sampling", "sequence", "generate", "batch", "scheduler", "engine", "model", "chat",
+    ("execution", ["cache_format", "head_screen", "executor", "batch", "forward", "prompt_cache", "prefix_cache",
+                   "memory"]),
+    ("generation", ["sampling", "sequence", "generate", "scheduler", "engine", "model", "chat",
                     "template_sandbox", "testing", "__init__"]),
     ("shell", ["convert", "store", "bench", "serve", "cli"]),
 ]

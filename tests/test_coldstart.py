@@ -86,9 +86,10 @@ import cpullm
 from cpullm.kernels import warmup
 m = cpullm.load(sys.argv[1], threads=1, n_ctx=128, cache_dir=sys.argv[2],
                 quant=sys.argv[3] if len(sys.argv) > 3 else None)
+fwd = m.forward
 for n in (9, 2, 1):                     # batched prefill (GEMM), a short prompt, one row
-    m.executor.reset()
-    m.executor.decode(int(m.executor.prefill(list(range(1, n + 1))).argmax()))
+    slot = fwd.new_slot()
+    fwd.step([slot], [int(fwd.prefill(slot, list(range(1, n + 1))).argmax())])
 used = {}
 for unit in list(warmup.UNITS) + ["run"]:
     for disp, sig in warmup._kernels(unit):
@@ -136,15 +137,15 @@ def test_compile_time_is_not_prefill_time(tiny, monkeypatch):
     m = cpullm.load(tiny, threads=1, n_ctx=128)
     clock = {"t": 0.0}
     monkeypatch.setattr(generate, "compile_seconds", lambda: clock["t"])
-    real_prefill = m.executor.prefill
+    real_prefill = m.forward.prefill
 
-    def slow_compile_prefill(ids, *a, **kw):
+    def slow_compile_prefill(slot, ids, *a, **kw):
         import time
         time.sleep(0.2)
         clock["t"] += 0.2                              # all of that sleep was "compiling"
-        return real_prefill(ids, *a, **kw)
+        return real_prefill(slot, ids, *a, **kw)
 
-    monkeypatch.setattr(m.executor, "prefill", slow_compile_prefill)
+    monkeypatch.setattr(m.forward, "prefill", slow_compile_prefill)
     stats = generate.GenerationStats()
     list(m.generate_ids([1, 2, 3, 4], max_new_tokens=2, stats=stats))
     assert stats.compile_s == pytest.approx(0.2)

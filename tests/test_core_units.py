@@ -200,7 +200,8 @@ def test_compiler_live_buffers_never_overlap():
     prog = compile_graph(graph, w, quant="f32", n_ctx=64, max_chunk=8)
     assert prog.meta["arena_floats"] < sum(n.width for n in graph.nodes) * 8   # buffers are reused
     from cpullm.executor import Executor
-    ex = Executor(prog)
+    from steps import Steps
+    ex = Steps(Executor(prog))
     ex.prefill([1, 2, 3, 4, 5])
     a = ex.prefill([6], all_logits=True)
     ex.reset()
@@ -277,12 +278,13 @@ def test_lm_head_declared_as_twice_the_embedding_gives_twice_the_logits(tmp_path
     """The embedding and a lm_head read from the same stored tensor with another transform are two
     matrices: packing by source alone made the lm_head the embedding (logit ratio 1.000)."""
     from cpullm.executor import Executor
+    from steps import Steps
 
     _, graph, tied, doubled = _tied_llama(tmp_path)
     ids = [3, 14, 15, 92, 65, 35]
     logits = {}
     for name, weights in (("tied", tied), ("doubled", doubled)):
-        ex = Executor(compile_graph(graph, weights, quant=quant, n_ctx=32, max_chunk=8))
+        ex = Steps(Executor(compile_graph(graph, weights, quant=quant, n_ctx=32, max_chunk=8)))
         logits[name] = ex.prefill(ids, all_logits=True)                         # (T, V)
     big = np.abs(logits["tied"]) > 1e-2 * np.abs(logits["tied"]).max()
     ratio = logits["doubled"][big] / logits["tied"][big]

@@ -19,6 +19,7 @@ import cpullm  # noqa: E402
 from cpullm.errors import ConfigError  # noqa: E402
 from cpullm.kernels import q4  # noqa: E402
 from cpullm.kernels.gguf_blocks import FORMATS, random_blocks  # noqa: E402
+from steps import Steps  # noqa: E402
 
 # K-quant super-blocks are 256 weights: rows of 256 (hidden) and 512 (ffn) for every format
 SHAPES = {"llama": dict(hidden=256, heads=4, kv=2, head_dim=64, ffn=512),
@@ -79,10 +80,10 @@ def test_gguf_runs_each_block_format_as_it_is(write, fmt):
     assert paneled == (fmt in ("Q4_K", "Q6_K"))
     got = m.logits(IDS)
     _close(got, ref, 0.03 if paneled else 0.002)
-    m.executor.reset()                      # a prompt's last logits (head on one row, two passes
-    _close(m.executor.prefill(IDS)[None], ref[-1:], 0.03 if paneled else 0.002)   # on the int8 rounding)
-    m.executor.reset()
-    dec = np.stack([m.executor.decode(t).copy() for t in IDS])      # decode: kquant.matvec, int8
+    steps = Steps(m)                        # a prompt's last logits (head on one row, two passes
+    _close(steps.prefill(IDS)[None], ref[-1:], 0.03 if paneled else 0.002)   # on the int8 rounding)
+    steps.reset()
+    dec = np.stack([steps.decode(t).copy() for t in IDS])      # decode: kquant.matvec, int8
     _close(dec, ref, 0.03)                                              # activations (measured <= 0.011)
 
 
@@ -113,10 +114,9 @@ def test_gguf_cache_round_trip(write, tmp_path):
     b = cpullm.load(path, cache_dir=tmp_path / "c")
     assert b.cache_status == "HIT"
     np.testing.assert_array_equal(a.logits(IDS), b.logits(IDS))
-    b.executor.reset()
-    a.executor.reset()
+    sa, sb = Steps(a), Steps(b)
     for t in IDS[:4]:
-        np.testing.assert_array_equal(a.executor.decode(t), b.executor.decode(t))
+        np.testing.assert_array_equal(sa.decode(t), sb.decode(t))
 
 
 def test_quant_gguf_needs_a_gguf_file(tmp_path):
@@ -143,8 +143,8 @@ def test_q4_from_safetensors_close_to_f32(tmp_path):
     rel = np.abs(got - ref).max() / np.abs(ref).max()
     int8_rel = np.abs(cpullm.load(d, quant="int8", use_cache=False).logits(IDS) - ref).max() / np.abs(ref).max()
     assert rel < 0.3, (rel, int8_rel)          # measured 0.23 (int8: 0.028) on these random weights
-    m.executor.reset()
-    dec = np.stack([m.executor.decode(t).copy() for t in IDS])
+    steps = Steps(m)
+    dec = np.stack([steps.decode(t).copy() for t in IDS])
     assert np.abs(dec - got).max() / np.abs(ref).max() < 0.05      # decode and prefill kernels agree
 
 
@@ -160,9 +160,9 @@ def test_gguf_prompt_cache_and_profile(write, tmp_path):
     again = list(m2.generate_ids(prompt, max_new_tokens=6))
     assert m2.prompt_cache_status.startswith("HIT") and again == full
     m2.executor.start_profile()
-    m2.executor.reset()
-    m2.executor.prefill(prompt)
-    m2.executor.decode(3)
+    steps = Steps(m2)
+    steps.prefill(prompt)
+    steps.decode(3)
     prof = m2.executor.stop_profile()
     assert prof["mlp_up"] > 0 and prof["lm_head"] > 0
 
@@ -207,8 +207,8 @@ def test_q4_rows_that_are_not_whole_super_blocks_take_q5_0_and_q8_0(tmp_path):
     int8 = cpullm.load(d, quant="int8", use_cache=False).logits(IDS)
     rel = np.abs(got - ref).max() / np.abs(ref).max()
     assert rel < 0.15, (rel, np.abs(int8 - ref).max() / np.abs(ref).max())     # measured 0.098 (int8 0.016)
-    m.executor.reset()
-    dec = np.stack([m.executor.decode(t).copy() for t in IDS])
+    steps = Steps(m)
+    dec = np.stack([steps.decode(t).copy() for t in IDS])
     assert np.abs(dec - got).max() / np.abs(ref).max() < 0.05
 
 
@@ -252,7 +252,7 @@ def test_panel_rows_do_not_depend_on_the_batch(write, fmt, monkeypatch):
     batched decode steps and a lone decode with one kernel (the 265-row head here stays row by
     row, through the decode's row routine on both paths): a request's logits are the same bit for
     bit alone, among others, and from the executor's one-token decode (which is why a lone
-    request may take that path: BatchDecoder.single_path_identical)."""
+    request may take that path: Forward.lone_path_identical)."""
     from cpullm.batch import BatchDecoder
     from cpullm.sampling import SamplingParams
     from cpullm.scheduler import Scheduler
@@ -261,34 +261,42 @@ def test_panel_rows_do_not_depend_on_the_batch(write, fmt, monkeypatch):
     m = cpullm.load(write(fmt), use_cache=False, threads=2, n_ctx=128, max_chunk=16)
     paneled = any(s[0] == f"{fmt} panels" for s in m.program.meta["weight_slots"].values())
     assert paneled == (fmt != "Q5_0")          # Q5_0: every matrix row by row (kquant.matvec)
-    assert BatchDecoder(m.executor).single_path_identical
+    assert m.forward.lone_path_identical
     # every step through the batched decoder here, a batch of one included
-    monkeypatch.setattr(BatchDecoder, "single_path_identical", property(lambda self: False))
+    monkeypatch.setattr(m.forward, "lone_path_identical", False)
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(1, 250, n)] for n in (5, 33, 1, 20)]
 
     def run(ps, slots):                     # each request's decode-step logits, in its order
-        sch = Scheduler(m, slots=slots, prefill_chunk=16)
+        sch = Scheduler(m.forward, slots=slots, prefill_chunk=16)
         seqs = [sch.add(Sequence(p, 8, SamplingParams())) for p in ps]
         rows = {id(s): [] for s in seqs}
-        decode = sch.decoder.decode
+        decoder = m.forward.decoder
+        decode = decoder.decode
 
         def spy(states, slot_ids, positions, tokens):
             out = decode(states, slot_ids, positions, tokens)
             for i, slot in enumerate(slot_ids):
-                rows[id(next(s for s in seqs if s.slot == slot and not s.done))].append(out[i].copy())
+                rows[id(next(s for s in seqs if s.slot is not None and s.slot.index == slot and not s.done))].append(
+                    out[i].copy())
             return out
-        sch.decoder.decode = spy
-        sch.run_until_idle()
+        decoder.decode = spy
+        try:
+            sch.run_until_idle()
+        finally:
+            del decoder.decode
         return [(s.generated, np.stack(rows[id(s)])) for s in seqs]
 
     alone = [run([p], 1)[0] for p in prompts]
     mixed = run(prompts, 3)                 # 4 requests over 3 slots: batches of 1 to 3 rows
     for (tok_a, log_a), (tok_m, log_m) in zip(alone, mixed):
         assert tok_a == tok_m and np.array_equal(log_a, log_m)
-    ex = m.executor
+    fwd = m.forward
     for p, (toks, logits) in zip(prompts, alone):
-        ex.reset()
-        ex.prefill(p)
-        lone = np.stack([ex.decode(t).copy() for t in toks[:-1]])
-        assert np.array_equal(lone, logits)
+        slot = fwd.new_slot()
+        fwd.prefill(slot, p)
+        lone = []
+        for t in toks[:-1]:               # the executor's one-token decode
+            lone.append(fwd.executor.decode(slot.state, slot.position, t).copy())
+            slot.position += 1
+        assert np.array_equal(np.stack(lone), logits)

@@ -10,6 +10,7 @@ from cpullm.kernels import head_screen as H
 from cpullm.kernels import q8
 from cpullm.kernels import q8_panels as qp
 from cpullm.testing import make_random_checkpoint
+from steps import Steps  # noqa: E402
 
 RNG = np.random.default_rng(7)
 
@@ -216,8 +217,7 @@ def test_small_lm_heads_get_no_screen(tiny_dir):
     m = cpullm.load(tiny_dir, use_cache=False)
     assert "head_screen" not in m.program.meta and m.executor.screen is None
     ids = [5, 17]
-    ex = m.executor
-    ex.reset()
+    ex = Steps(m)
     tok = int(np.argmax(ex.prefill(ids)))
     assert ex.decode_argmax(tok) == int(np.argmax(cpullm.load(tiny_dir, use_cache=False).logits(ids + [tok])[-1]))
 
@@ -235,7 +235,8 @@ def test_program_has_a_screen_only_in_int8(tiny_model, tmp_path_factory):
 
 
 def test_decode_argmax_follows_the_full_logits(tiny_model):
-    ex = tiny_model.executor
+    ex = Steps(tiny_model)
+    screen = tiny_model.executor.screen
     ids = [5, 17, 99, 3]
     ex.reset()
     tok = int(np.argmax(ex.prefill(ids)))
@@ -249,14 +250,14 @@ def test_decode_argmax_follows_the_full_logits(tiny_model):
     for _ in range(24):
         tok = ex.decode_argmax(tok)
         got.append(tok)
-        assert 1 <= ex.screen_survivors <= TINY["vocab_size"]
+        assert 1 <= tiny_model.executor.screen_survivors <= TINY["vocab_size"]
     assert got == want
     # whichever head the timing picks, the same tokens: force each choice in turn
     for plain_faster in (True, False):
         ex.reset()
         slow, fast = [1.0] * 8, [0.0] * 8
-        ex.screen.t_screen.extend(slow if plain_faster else fast)
-        ex.screen.t_plain.extend(fast if plain_faster else slow)
+        screen.t_screen.extend(slow if plain_faster else fast)
+        screen.t_plain.extend(fast if plain_faster else slow)
         tok = int(np.argmax(ex.prefill(ids)))
         got = []
         for _ in range(24):
@@ -292,9 +293,9 @@ def test_greedy_generation_uses_the_screen_and_sampling_does_not(tiny_model, mon
     real_argmax, real_decode = ex.decode_argmax, ex.decode
 
     def count(name, fn):
-        def wrapped(tok):
+        def wrapped(*args):
             calls[name] += 1
-            return fn(tok)
+            return fn(*args)
         return wrapped
     monkeypatch.setattr(ex, "decode_argmax", count("argmax", real_argmax))
     monkeypatch.setattr(ex, "decode", count("decode", real_decode))
@@ -311,9 +312,9 @@ def test_profile_times_greedy_steps_through_the_screen(tiny_model):
     calls = {"argmax": 0}
     real = ex.decode_argmax
 
-    def counted(tok):
+    def counted(*args):
         calls["argmax"] += 1
-        return real(tok)
+        return real(*args)
     ex.decode_argmax = counted
     try:
         p = profile_pass(tiny_model, [5, 17, 99], 6)

@@ -12,6 +12,7 @@ from cpullm.kernels import head_screen as H
 from cpullm.kernels import head_screen_blocks as HB
 from cpullm.kernels import kquant
 from cpullm.testing import make_random_checkpoint
+from steps import Steps  # noqa: E402
 
 RNG = np.random.default_rng(17)
 FORMATS = ["Q6_K", "Q4_K", "Q5_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
@@ -266,7 +267,7 @@ def test_q4_greedy_tokens_with_and_without_the_screen(which, request):
     from cpullm.kernels import program_table as P
     head = P.linear_operands(model.program.I[model.executor.screen.row])
     assert head.kind == (P.WEIGHT_BLOCKS if which == "q4_model" else P.WEIGHT_Q8)
-    ex = model.executor
+    ex = Steps(model)
     for ids in ([5, 17, 99, 3], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]):
         ex.reset()
         tok = int(np.argmax(ex.prefill(ids)))

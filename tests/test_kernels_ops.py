@@ -95,7 +95,8 @@ def test_layernorm_node_in_a_program_prefill_and_decode(bias):
         arrays.update(ln_bias=rng.standard_normal(H).astype(np.float32),
                       final_norm_bias=rng.standard_normal(H).astype(np.float32))
     from cpullm.testing import _ArrayWeights
-    ex = Executor(compile_graph(graph, _ArrayWeights(arrays), quant="f32", n_ctx=16, max_chunk=8))
+    from steps import Steps
+    ex = Steps(Executor(compile_graph(graph, _ArrayWeights(arrays), quant="f32", n_ctx=16, max_chunk=8)))
     ids = [3, 1, 4, 1, 5]
     x = N.layernorm_ref(arrays["embed"][ids], arrays["ln"], arrays.get("ln_bias"), 1e-5)
     x = N.layernorm_ref(x, arrays["final_norm"], arrays.get("final_norm_bias"), 1e-5)

@@ -11,6 +11,7 @@ from cpullm.cli import main
 from cpullm.errors import ConfigError
 from cpullm.kvformat import resolve_kv_dtype
 from cpullm.testing import make_random_checkpoint
+from steps import Steps  # noqa: E402
 
 # head_dim 64: the kernels' 16-lane passes (the tiny configs elsewhere have head_dim 8 or 16)
 WIDE = dict(model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -49,7 +50,7 @@ def test_load_reports_the_format_and_rejects_a_bad_one(wide_dir, tmp_path):
 
 def _teacher_forced(model, ids, follow):
     """Logits after the prompt ``ids`` and after each token of ``follow`` fed by decode."""
-    ex = model.executor
+    ex = Steps(model)
     ex.reset()
     out = [ex.prefill(ids).copy()]
     for t in follow:

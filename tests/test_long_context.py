@@ -89,7 +89,7 @@ def test_kv_cache_is_resident_only_where_written(tmp_path):
     from cpullm.memory import _status_kib
     d = make_random_checkpoint(LLAMA, tmp_path / "m", seed=3)
     m = cpullm.load(d, n_ctx=131072, use_cache=False)
-    st = m.executor.state
+    st = m.slot.state.base                              # the slot's (1, state_floats) table
     assert st.nbytes >= 32 << 20 and isinstance(getattr(st.base, "obj", st.base), mmap.mmap)
     z = lazy_zeros(64 << 18)                             # 64 MiB
     before = _status_kib("RssAnon")

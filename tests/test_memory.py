@@ -31,7 +31,7 @@ def test_memory_report_matches_the_arrays(hybrid_dir, tmp_path, max_chunk, kv_dt
     assert m.info()["kv_dtype"] == rep["kv_dtype"] == m.info()["context_plan"]["kv_dtype"] == (kv_dtype or "f16")
     assert rep["weights_bytes"] == a["wq"].nbytes + a["ws"].nbytes + a["wf"].nbytes
     assert rep["program_bytes"] == a["I"].nbytes + a["F"].nbytes
-    assert rep["arena_bytes"] == ex.arena.nbytes and rep["state_bytes"] == ex.state.nbytes
+    assert rep["arena_bytes"] == ex.arena.nbytes and rep["state_bytes"] == m.slot.state.nbytes
     assert rep["kv_bytes"] == 0 and rep["n_past"] == 0
 
     # per layer, from the model's own description: 4 layers, head_dim 8, 2 KV heads
@@ -45,7 +45,7 @@ def test_memory_report_matches_the_arrays(hybrid_dir, tmp_path, max_chunk, kv_dt
     assert [x["kind"] for x in rep["layers"]] == ["full_attention", "sliding_window",
                                                   "linear_attention", "sliding_window"]
     regions = m.program.meta["state_regions"]
-    assert [ex.state_region(r).nbytes for r in regions] == expect   # the real views
+    assert [m.slot.region(r).nbytes for r in regions] == expect   # the real views
     assert rep["kv_bytes_max"] == sum(e for e, k in zip(expect, kinds) if k != "linear")
     assert rep["linear_state_bytes"] == lin
     assert sum(expect) <= rep["state_bytes"] < sum(expect) + 64 * 4 * len(expect) + 64
@@ -53,7 +53,7 @@ def test_memory_report_matches_the_arrays(hybrid_dir, tmp_path, max_chunk, kv_dt
     list(m.generate_ids(IDS, 5, ignore_eos=True))
     rep = m.info()["memory"]
     n = len(IDS) + 4                                   # the last sampled token is not run
-    assert rep["n_past"] == ex.n_past == n
+    assert rep["n_past"] == m.slot.position == n
     now = [2 * nkv * min(n, cap[k]) * hd * eb if k != "linear" else lin for k in kinds]
     assert [x["bytes_now"] for x in rep["layers"]] == now
     assert rep["kv_bytes"] == sum(x for x, k in zip(now, kinds) if k != "linear")

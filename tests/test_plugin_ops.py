@@ -167,7 +167,7 @@ def test_a_plugin_op_runs_per_sequence_in_the_scheduler(neox, neox_checkpoint):
     prompts = [list(range(3, 3 + n)) for n in (4, 37, 1, 20)]
 
     def run(ps):
-        sch = Scheduler(model, slots=3, prefill_chunk=16)
+        sch = Scheduler(model.forward, slots=3, prefill_chunk=16)
         seqs = [sch.add(Sequence(p, 9, SamplingParams())) for p in ps]
         sch.run_until_idle()
         return [s.generated for s in seqs]

@@ -33,7 +33,7 @@ def _prompts():
 
 
 def _run(model, prompts, slots, budget):
-    sch = Scheduler(model, slots=slots, prefill_chunk=CHUNK, prefix_cache_bytes=budget)
+    sch = Scheduler(model.forward, slots=slots, prefill_chunk=CHUNK, prefix_cache_bytes=budget)
     seqs = [sch.add(Sequence(p, N_NEW, SamplingParams())) for p in prompts]
     sch.run_until_idle()
     return sch, [s.generated for s in seqs], [s.reused for s in seqs]
@@ -118,7 +118,7 @@ def test_blocks_smaller_than_the_chunk(family_dir, quant):
     m = cpullm.load(family_dir, quant=quant, threads=2, n_ctx=128, max_chunk=CHUNK)
     prompts = _prompts()
     alone = [_run(m, [p], 1, 0)[1][0] for p in prompts]
-    sch = Scheduler(m, slots=1, prefill_chunk=CHUNK, prefix_cache_bytes=64 * 2**20, prefix_block=4)
+    sch = Scheduler(m.forward, slots=1, prefill_chunk=CHUNK, prefix_cache_bytes=64 * 2**20, prefix_block=4)
     seqs = [sch.add(Sequence(p, N_NEW, SamplingParams())) for p in prompts]
     sch.run_until_idle()
     assert [s.generated for s in seqs] == alone
@@ -128,4 +128,4 @@ def test_blocks_smaller_than_the_chunk(family_dir, quant):
     assert [s.reused for s in seqs] == want
     assert sch.prefilled_tokens == sum(len(p) for p in prompts) - sum(want)
     with pytest.raises(ConfigError, match="divide the prefill chunk"):
-        Scheduler(m, slots=1, prefill_chunk=CHUNK, prefix_cache_bytes=1, prefix_block=5)
+        Scheduler(m.forward, slots=1, prefill_chunk=CHUNK, prefix_cache_bytes=1, prefix_block=5)

@@ -36,10 +36,12 @@ def _load(model_dir, **kw):
 
 
 def last_logits(model, ids):
-    """What generate() does before sampling: start the sequence (the prompt cache may restore a
-    prefix), prefill the rest, logits of the last token."""
-    r = model._start_sequence(list(ids))
-    return r, model.executor.prefill(ids[r:]).copy()
+    """What generate() does before sampling: start the sequence in a fresh slot (the prompt cache
+    may restore a prefix), prefill the rest, logits of the last token."""
+    fwd = model.forward
+    slot = fwd.new_slot()
+    r = model.prompt_cache.start(fwd, slot, list(ids)) if model.prompt_cache is not None else 0
+    return r, fwd.prefill(slot, ids[r:]).copy()
 
 
 _REFERENCE = {}
@@ -55,8 +57,7 @@ def reference(model_dir, ids, **kw):
 
 def _reference(model_dir, ids, **kw):
     m = _load(model_dir, **kw)
-    m.executor.reset()
-    logits = m.executor.prefill(ids).copy()
+    logits = m.forward.prefill(m.forward.new_slot(), ids).copy()
     tokens = list(m.generate_ids(ids, N_GEN, ignore_eos=True))
     return logits, tokens
 

@@ -21,6 +21,7 @@ from cpullm.ir import Graph, GraphBuilder, GraphError, Op  # noqa: E402
 from cpullm.kernels import program_table as P  # noqa: E402
 from cpullm.tensors import TensorStore  # noqa: E402
 from test_qwen_parity import IDS, make_checkpoint  # noqa: E402
+from steps import Steps  # noqa: E402
 
 LINEAR_ATTN = lambda n: ".linear_attn." in n.name          # noqa: E731
 
@@ -42,7 +43,7 @@ def executor(model_dir, quant, keep_f32=None):
     if keep_f32 is not None:
         graph = with_precision(graph, keep_f32)
     program = compile_graph(graph, weights, quant=quant, n_ctx=128)
-    return Executor(program, {k.name: k.fn for k in reg.kernels})
+    return Steps(Executor(program, {k.name: k.fn for k in reg.kernels}))
 
 
 def logits(ex, ids, path):

@@ -26,6 +26,7 @@ import cpullm  # noqa: E402
 from cpullm import testing  # noqa: E402
 from hf_reference import hf_greedy, hf_model  # noqa: E402
 from realmodels import real_model_dir  # noqa: E402
+from steps import Steps  # noqa: E402
 
 MODELS = ["smollm2-135m-instruct", "gemma-3-270m", "qwen2.5-coder-0.5b-instruct"]
 PROMPTS = {
@@ -67,7 +68,7 @@ def real(request):
 
 def _decode_path_logits(model, ids):
     """Logits of every position through the one-token decode path (teacher forcing)."""
-    ex = model.executor
+    ex = Steps(model)
     ex.reset()
     return np.stack([ex.decode(t).copy() for t in ids])
 
@@ -102,7 +103,7 @@ def test_int8_greedy_through_the_head_screen_equals_the_full_logits(real):
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(head_screen, "MIN_LM_HEAD_BYTES", 0)
             int8 = cpullm.load(int8.model_dir, quant="int8", use_cache=False)
-    ex = int8.executor
+    ex = Steps(int8)
     assert ex.screen is not None, name
     ex.screen.t_screen.clear()
     ex.screen.t_plain.extend([1e9] * ex.screen.WINDOW)     # the screen on (nearly) every step

@@ -43,7 +43,7 @@ def _prompts(seed=0):
 
 
 def _run(model, prompts, slots=4, n_new=N_NEW, params=None):
-    sch = Scheduler(model, slots=slots, prefill_chunk=16)
+    sch = Scheduler(model.forward, slots=slots, prefill_chunk=16)
     seqs = [sch.add(Sequence(p, n_new, params or SamplingParams())) for p in prompts]
     sch.run_until_idle()
     assert sch.idle and sorted(sch.free) == list(range(slots))      # every slot given back
@@ -72,7 +72,7 @@ def test_sampled_requests_keep_their_own_seeded_draws(family_dir):
     params = [SamplingParams(temperature=0.9, top_k=40, seed=i) for i in range(len(prompts))]
 
     def run(idx):
-        sch = Scheduler(m, slots=4, prefill_chunk=16)
+        sch = Scheduler(m.forward, slots=4, prefill_chunk=16)
         seqs = [sch.add(Sequence(prompts[i], 10, params[i])) for i in idx]
         sch.run_until_idle()
         return {i: s.generated for i, s in zip(idx, seqs)}
@@ -91,7 +91,7 @@ def llama(tmp_path_factory):
 def test_cancel_frees_the_slot_at_once_and_others_are_unaffected(llama):
     prompts = _prompts(2)
     alone = [_run(llama, [p])[0] for p in prompts]
-    sch = Scheduler(llama, slots=2, prefill_chunk=16)
+    sch = Scheduler(llama.forward, slots=2, prefill_chunk=16)
     seqs = [sch.add(Sequence(p, N_NEW, SamplingParams())) for p in prompts]
     ended = []
     while not sch.idle:
@@ -106,7 +106,7 @@ def test_cancel_frees_the_slot_at_once_and_others_are_unaffected(llama):
 
 
 def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(llama):
-    sch = Scheduler(llama, slots=2, prefill_chunk=16)
+    sch = Scheduler(llama.forward, slots=2, prefill_chunk=16)
     short = sch.add(Sequence([1, 2, 3], 40, SamplingParams()))
     sch.step()                                              # short: prefilled, first token
     long = sch.add(Sequence(list(range(60)), 2, SamplingParams()))
@@ -119,12 +119,12 @@ def test_long_prompt_is_prefilled_in_chunks_between_decode_steps(llama):
 
 
 def test_prompt_longer_than_the_context_is_refused(llama):
-    sch = Scheduler(llama, slots=2)
+    sch = Scheduler(llama.forward, slots=2)
     with pytest.raises(ContextOverflowError, match="--ctx"):
         sch.add(Sequence(list(range(97)), 4, SamplingParams()))
     with pytest.raises(ConfigError, match="--parallel"):
-        Scheduler(llama, slots=17)
-    assert sch.kv_bytes == 2 * llama.executor.state.size * 4
+        Scheduler(llama.forward, slots=17)
+    assert sch.kv_bytes == 2 * llama.forward.state_floats * 4
 
 
 def test_generation_stops_at_the_end_of_the_context(llama):
@@ -138,7 +138,7 @@ def test_core_gated_delta_runs_per_sequence(tmp_path):
     each sequence's recurrent state is its own."""
     d = make_random_checkpoint(FAMILIES["qwen3_5_linear"], tmp_path / "q", seed=5)
     m = cpullm.load(d, quant="int8", threads=2, n_ctx=128, max_chunk=16, plugin_kernels=False)
-    assert not m.executor.external and m.executor.linear_state is not None
+    assert not m.executor.external and m.executor.has_linear_state
     prompts = _prompts(3)
     alone = [_run(m, [p])[0] for p in prompts]
     assert _run(m, prompts) == alone
@@ -208,7 +208,7 @@ def test_a_request_submitted_mid_stream_joins_the_running_decode(llama):
 
 def test_parallel_is_planned_against_available_memory(llama, monkeypatch):
     from cpullm import engine
-    slot = llama.executor.state.size * 4
+    slot = llama.forward.state_floats * 4
     monkeypatch.setattr(engine, "available_memory_bytes", lambda: 10 * slot)
     assert engine.default_parallel(llama) == min(engine.MAX_DEFAULT_PARALLEL, 4 * llama.threads, 5)
     with pytest.raises(ConfigError, match="lower --parallel or --ctx"):

@@ -30,12 +30,12 @@ def run_concurrency(model, n: int, prompt_tokens: int = 128, gen_tokens: int = 1
                     prefill_chunk: int | None = None) -> dict:
     base = prompt_ids(model.tokenizer, prompt_tokens + n, model.program.meta.get("embed_rows"))
     prompts = [base[i: i + prompt_tokens] for i in range(n)]
-    warm = Scheduler(model, min(n, 2))
+    warm = Scheduler(model.forward, min(n, 2))
     for p in prompts[:2]:                       # compile / page in outside the measurement
         warm.add(Sequence(p[:8], 2, SamplingParams(), stop_ids=()))
     warm.run_until_idle()
     del warm
-    sch = Scheduler(model, n, prefill_chunk)
+    sch = Scheduler(model.forward, n, prefill_chunk)
     seqs = [sch.add(Sequence(p, gen_tokens, SamplingParams(), stop_ids=())) for p in prompts]
     times: dict[int, list[float]] = {id(s): [] for s in seqs}
     t0 = time.perf_counter()

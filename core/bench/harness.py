@@ -66,31 +66,37 @@ def greedy(logits) -> int:
 
 # ---- runners ------------------------------------------------------------------------------------
 class CpullmRunner:
-    """The minimal interface :func:`measure_speed` drives: reset / prefill / decode -> logits."""
+    """The minimal interface :func:`measure_speed` drives: reset / prefill / decode -> logits, on
+    one slot of the model's forward path (the path generate and the scheduler take)."""
 
     name = "cpullm"
 
     def __init__(self, model):
         self.model = model
         self.ex = model.executor
+        self.forward = model.forward      # the path generate and the scheduler take
+        self.slot = model.forward.new_slot()
 
     @property
     def n_ctx(self) -> int:
         return self.model.n_ctx
 
     def reset(self):
-        self.ex.reset()
-        self.model._seq = []
+        self.forward.reset(self.slot)
 
-    def prefill(self, ids):
-        return self.ex.prefill(ids)
+    @property
+    def position(self) -> int:
+        return self.slot.position
+
+    def prefill(self, ids, all_logits: bool = False):
+        return self.forward.prefill(self.slot, ids, all_logits)
 
     def decode(self, tok: int):
-        return self.ex.decode(tok)
+        return self.forward.step([self.slot], [tok])[0][0]
 
     def decode_next(self, tok: int) -> int:
         """Greedy decoding's step: the next token only (through the lm_head screen, if any)."""
-        return self.ex.decode_argmax(tok)
+        return self.forward.step([self.slot], [tok], greedy=[True])[1][0]
 
 
 def next_token(runner, tok: int) -> int:

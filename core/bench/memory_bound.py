@@ -85,14 +85,12 @@ def memory_bound(model, steps: int = 32, token: int = 0) -> dict:
     host the read rate alone moves by 30 % within a minute. Medians over the steps that read the
     head most steps read (``memory_bound_head``; every head's count in
     ``memory_bound_head_steps``); the first two steps are dropped."""
-    import numba
-
     from ..kernels.bandwidth import as_words, read_sum_u32
     kinds = HEAD_READS if model.program.meta.get("head_screen") else ("plain",)
     spans = {k: decode_weight_spans(model.program, k) for k in kinds}
     nbytes = {k: int(sum(v.nbytes for v in spans[k])) for k in kinds}
     words = {k: [as_words(v) for v in spans[k]] for k in kinds}
-    nth = numba.get_num_threads()
+    nth = model.forward.threads          # the plain read uses the threads decode uses
     steps = max(3, int(steps))
     runner = CpullmRunner(model)
     runner.reset()

@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from .harness import CpullmRunner, greedy
+from .harness import greedy
 
 
 GROUP_LABELS = {
@@ -28,13 +28,13 @@ GROUP_LABELS = {
 
 
 # ---- per-op profile -------------------------------------------------------------------------------
-def _dispatch_overhead(ex, n: int = 3000) -> float:
+def _dispatch_overhead(ex, state, n: int = 3000) -> float:
     """Median seconds the profile mode's per-instruction timing adds: perf_counter pair plus one
     interpreter call that runs no instruction."""
     ts = np.empty(n)
     for i in range(n):
         t1 = time.perf_counter()
-        ex._interp(0, 0)
+        ex._interp(0, 0, state)
         ts[i] = time.perf_counter() - t1
     return float(np.median(ts))
 
@@ -62,15 +62,15 @@ def _summarize(groups_s: dict, tokens: int, wall_s: float, per_token: bool) -> d
 
 def profile_pass(model, ids: list[int], gen_tokens: int) -> dict:
     """One profiled prefill of ``ids`` and ``gen_tokens`` profiled decode steps after it."""
-    ex = model.executor
+    ex, fwd = model.executor, model.forward
     groups = model.program.meta["groups"]
-    overhead = _dispatch_overhead(ex)
-    runner = CpullmRunner(model)
-    runner.reset()
+    slot = fwd.new_slot()
+    fwd.use_threads()
+    overhead = _dispatch_overhead(ex, slot.state)
 
     ex.start_profile()
     t0 = time.perf_counter()
-    logits = ex.prefill(ids)
+    logits = fwd.prefill(slot, ids)
     t1 = time.perf_counter()
     pre = ex.stop_profile()
     ts = time.perf_counter()
@@ -78,17 +78,20 @@ def profile_pass(model, ids: list[int], gen_tokens: int) -> dict:
     pre["sampling"] = time.perf_counter() - ts
     prefill_wall = t1 - t0 + pre["sampling"]
 
-    # Greedy steps as the timed runs take them: through the head screen where the model has one
-    # (Executor.decode_argmax times its lm_head step, the argmax included), else the full logits.
+    # Greedy steps through the executor's one-token decode (the profile mode splits it by
+    # instruction): through the head screen where the model has one (Executor.decode_argmax
+    # times its lm_head step, the argmax included), else the full logits.
     screened = ex.screen is not None
     sampling = 0.0
     ex.start_profile()
     t0 = time.perf_counter()
     for _ in range(gen_tokens):
+        pos = slot.position
+        slot.position += 1
         if screened:
-            tok = ex.decode_argmax(tok)
+            tok = ex.decode_argmax(slot.state, pos, tok)
             continue
-        logits = ex.decode(tok)
+        logits = ex.decode(slot.state, pos, tok)
         ts = time.perf_counter()
         tok = greedy(logits)
         sampling += time.perf_counter() - ts

@@ -29,13 +29,14 @@ t0 = time.perf_counter()
 m = cpullm.load(spec["model"], quant=spec["quant"], threads=spec["threads"], n_ctx=spec["n_ctx"],
                 cache_dir=spec["cache_dir"], kv_dtype=spec.get("kv_dtype"))
 load_s = time.perf_counter() - t0
-ex = m.executor
+fwd = m.forward
+slot = fwd.new_slot()
 first_token = []
 def forward():
-    ex.reset()
-    tok = int(ex.prefill(spec["ids"]).argmax())
+    fwd.reset(slot)
+    tok = int(fwd.prefill(slot, spec["ids"]).argmax())
     first_token.append(time.time())
-    ex.decode(tok)
+    fwd.step([slot], [tok])
 t1 = time.perf_counter()
 forward()
 first_s = time.perf_counter() - t1
