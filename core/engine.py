@@ -17,7 +17,7 @@ import sys
 import threading
 import traceback
 
-from .errors import ConfigError
+from .errors import ConfigError, PromptError
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -80,6 +80,22 @@ def check_fits_in_memory(model, parallel: int, prefix_cache_bytes: int = 0) -> N
         raise ConfigError(f"--parallel {parallel} at --ctx {model.n_ctx} plans {kv / 2**20:.0f} MiB of KV and "
                           f"state and --prefix-cache {prefix_cache_bytes / 2**20:.0f} MiB, more than the "
                           f"{avail / 2**20:.0f} MiB available; lower --parallel or --ctx (or --prefix-cache)")
+
+
+def embedding_rows(model) -> int:
+    """Token ids the model's embedding has rows for: every prompt id must be below this."""
+    meta = model.executor.program.meta
+    return int(meta.get("embed_rows") or meta["vocab"])
+
+
+def check_prompt_ids(model, ids) -> None:
+    """Refuse a prompt holding an id the embedding has no row for, before it joins a batch (a
+    text prompt can tokenize to one when the tokenizer is longer than the embedding)."""
+    rows = embedding_rows(model)
+    bad = next((int(t) for t in ids if not 0 <= int(t) < rows), None)
+    if bad is not None:
+        raise PromptError(f"the prompt holds token id {bad}, but the model's embedding has {rows} rows "
+                          f"(ids 0..{rows - 1}); the tokenizer and the model do not match, or the id is wrong")
 
 
 class Request:
@@ -152,6 +168,7 @@ class Engine:
         if self._closed:
             raise ConfigError("the engine is closed; create a new one (model.engine())")
         params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed).validate()
+        check_prompt_ids(self.model, prompt_ids)
         seq = Sequence(prompt_ids, max_new_tokens, params,
                        stop_ids=self.model.eos_token_ids if stop_ids is None else stop_ids,
                        stats=stats, cancel=cancel)
@@ -191,6 +208,8 @@ class Engine:
                     continue
                 if tok is None:
                     self._requests.pop(id(seq), None)
+                    if seq.error is not None and req.error is None:   # it failed alone (Sequence.fail)
+                        req.error = seq.error
                 try:
                     req._deliver(tok)
                 except Exception:               # a consumer's callback must not stop the others
@@ -240,8 +259,13 @@ def generate_batch(model, prompts, max_new_tokens: int = 128, parallel: int | No
         prefix_cache_bytes = default_prefix_cache_bytes(model, max(1, n))
     sch = Scheduler(model, max(1, n), prefill_chunk, int(prefix_cache_bytes))
     eos = model.eos_token_ids if stop_ids is None else stop_ids
+    for p in prompts:
+        check_prompt_ids(model, p)
     seqs = [sch.add(Sequence(p, max_new_tokens, pp, stop_ids=eos,
                              stats=None if stats is None else stats[i]))
             for i, (p, pp) in enumerate(zip(prompts, params))]
     sch.run_until_idle()
+    failed = next((s.error for s in seqs if s.error is not None), None)
+    if failed is not None:          # the others ran to their end; this one's error is the caller's
+        raise failed
     return [list(s.generated) for s in seqs]

@@ -28,7 +28,7 @@ from collections import deque
 import numpy as np
 
 from .batch import BatchDecoder, bind_state, unbind_state
-from .errors import ConfigError
+from .errors import ConfigError, CpullmError
 from .kernels.warmup import compile_seconds
 from .prefix_cache import PrefixCache
 from .sequence import DECODE, PREFILL, WAITING, Sequence
@@ -185,15 +185,16 @@ class Scheduler:
             seq.position = self.ex.n_past
             self.prefilled_tokens += len(ids)
             self.prefix_cache.record(seq.prompt, start, seq.position, seq.state)
+        except CpullmError as exc:              # this prompt's own fault: it alone fails
+            seq.fail(exc)
+            return
         finally:
             unbind_state(self.ex, saved)
         compiled = compile_seconds() - c0
         seq.stats.prefill_s += max(0.0, time.perf_counter() - t0 - compiled)
         seq.stats.compile_s += compiled
         if seq.position == len(seq.prompt):
-            tok = seq.take(self.ex.n_ctx, logits=logits)
-            if tok is not None:
-                events.append((seq, tok))
+            self._take(seq, events, logits=logits)
 
     def _decode_all(self, events):
         batch = [s for s in self.running if s.phase == DECODE and s.pending is not None]
@@ -225,9 +226,18 @@ class Scheduler:
             seq.stats.decode_s += dt
             seq.stats.decode_steps += 1
             seq.stats.compile_s += compiled
-            got = seq.take(ex.n_ctx, logits=logits_row, token=tok)
-            if got is not None:
-                events.append((seq, got))
+            self._take(seq, events, logits=logits_row, token=tok)
+
+    def _take(self, seq: Sequence, events, **output) -> None:
+        """Give ``seq`` its model output; a failure of its own (a SamplingError on non-finite
+        logits) ends it alone, with the error for its consumer, and never the batch."""
+        try:
+            tok = seq.take(self.ex.n_ctx, **output)
+        except CpullmError as exc:
+            seq.fail(exc)
+            return
+        if tok is not None:
+            events.append((seq, tok))
 
     def run_until_idle(self, on_event=None) -> None:
         """Step until every sequence added so far has ended."""

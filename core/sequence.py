@@ -30,7 +30,7 @@ class GenerationStats:
     reused_tokens: int = 0          # prompt tokens restored from a prompt cache
     compile_s: float = 0.0          # numba compiling kernels during this generation (cold cache only),
                                     # kept out of prefill_s and decode_s
-    stop_reason: str = ""           # "eos" | "stop" | "length" | "cancelled"
+    stop_reason: str = ""           # "eos" | "stop" | "length" | "cancelled" | "failed" (Sequence.error)
 
     @property
     def prefill_tps(self) -> float:
@@ -70,6 +70,7 @@ class Sequence:
         self.slot: int | None = None
         self.state: np.ndarray | None = None
         self.phase = WAITING
+        self.error: Exception | None = None   # why it failed, when only this sequence did (fail())
         self.stats.prompt_tokens = len(self.prompt)
         self.stats.stop_reason = "length"
 
@@ -118,6 +119,13 @@ class Sequence:
             self.pending = tok
             self.phase = DECODE
         return tok
+
+    def fail(self, error: Exception) -> None:
+        """End this sequence only, with ``error`` for its consumer (stop reason "failed"): a
+        failure that belongs to it (non-finite logits under sampling) and not to its batch."""
+        if self.phase != DONE:
+            self.error = error
+            self.finish("failed")
 
     def finish(self, reason: str) -> None:
         if self.phase != DONE:

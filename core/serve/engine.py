@@ -38,6 +38,7 @@ class Job:
         self.abort: Exception | None = None    # set with cancel: the error the client gets
         self.cancel = threading.Event()
         self.stats = GenerationStats()
+        self.request = None               # the engine's cpullm.engine.Request, once submitted
         self.finished = threading.Event()
         self._emit = None
 
@@ -83,8 +84,12 @@ class Engine:
         job.ended_by = None              # "stop" (a stop string) or "timeout", set on the engine thread
         job.deadline = None
 
+        submitted = threading.Lock()     # held until job.request is set (read at the end)
+
         def on_token(tok):               # on the scheduler's thread
             if tok is None:
+                with submitted:
+                    pass
                 self._finish(job, text)
                 return
             if job.ended_by is not None or job.cancel.is_set():
@@ -102,8 +107,9 @@ class Engine:
                 job.cancel.set()         # frees the slot at the next step
 
         try:
-            self.core.submit(job.ids, job.max_tokens, stats=job.stats, cancel=job.cancel,
-                             on_token=on_token, **job.sampling)
+            with submitted:
+                job.request = self.core.submit(job.ids, job.max_tokens, stats=job.stats, cancel=job.cancel,
+                                               on_token=on_token, **job.sampling)
         except Exception:
             with self._lock:
                 self.counters["failed"] += 1
@@ -117,7 +123,10 @@ class Engine:
         if job.abort is not None:
             outcome = "cancelled"
             job.emit(("error", job.abort))
-        elif st.stop_reason == "error":
+        elif st.stop_reason == "failed" and job.request is not None and job.request.error is not None:
+            outcome = "failed"              # this request's own failure (cpullm.errors): a 4xx
+            job.emit(("error", job.request.error))
+        elif st.stop_reason in ("error", "failed"):
             outcome = "failed"
             job.emit(("error", RuntimeError("the generation failed (see the server log)")))
         elif st.stop_reason == "cancelled" and job.ended_by is None:

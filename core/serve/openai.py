@@ -22,11 +22,10 @@ from ..errors import (ChatTemplateError, ContextOverflowError, CpullmError, Samp
                       ServerRequestError)
 from ..generate import GenerationStats
 from ..limits import one_line
+from ..sampling import MAX_REPETITION_PENALTY, MIN_TEMPERATURE
 
 DEFAULT_MAX_TOKENS_CAP = 1024         # longest answer per request; an omitted max_tokens gets this
 DEFAULT_REQUEST_TIMEOUT_S = 300.0     # generation time per request: 1024 tokens at ~4 tok/s (a 4B model)
-MIN_TEMPERATURE = 1e-3                # logits / T must stay finite: 3.4e38 (float32 max) / 1e-3 is
-MAX_REPETITION_PENALTY = 1e3          # ... and so must penalized ones (x * 1e3, x / 1e-3)
 MAX_STOP = 16
 
 
@@ -185,7 +184,8 @@ class Api:
         self.request_timeout = request_timeout
         self.created = int(time.time())
         self.fingerprint = f"cpullm-{_version()}-{model.quant}"
-        self.vocab = int(model.program.meta.get("vocab", model.tokenizer.vocab_size))
+        from ..engine import embedding_rows
+        self.vocab = embedding_rows(model)          # ids a prompt may hold
         gc = model.config.get("_generation_config") or {}
         self.defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
                          "repetition_penalty": 1.0}
@@ -280,6 +280,15 @@ class Api:
             include_usage = _boolean(so, "include_usage", False)
         return stream, include_usage
 
+    def _check_ids(self, ids: list[int], param: str) -> None:
+        """A text prompt whose tokens have no embedding row (a tokenizer longer than the model's
+        embedding) is this request's 400, before it joins a batch."""
+        bad = next((t for t in ids if not 0 <= t < self.vocab), None)
+        if bad is not None:
+            raise ApiError(f"the {param} tokenize to id {bad}, but this model's embedding has {self.vocab} "
+                           "rows: its tokenizer and weights do not match; use other text", param=param,
+                           code="invalid_value")
+
     # -- endpoint-specific parsing (runs in a worker thread: rendering and tokenizing cost CPU)
     def prepare_chat(self, body: dict, cancel: threading.Event | None = None) -> RequestSpec:
         from ..chat import RenderCancelled, check_messages, chat_prompt_ids
@@ -312,6 +321,7 @@ class Api:
             raise ApiError(str(exc), param="messages", code="chat_template_error") from None
         if not ids:
             raise ApiError("the chat template rendered an empty prompt", param="messages")
+        self._check_ids(ids, "messages")
         max_tokens = self._max_tokens(body, len(ids), "messages")
         return RequestSpec("chat", ids, max_tokens, sampling, stop, stream, include_usage)
 
@@ -326,6 +336,7 @@ class Api:
             if not prompt:
                 raise ApiError("prompt is empty: give some text", param="prompt", code="invalid_value")
             ids = self.model.tokenizer.encode(prompt)
+            self._check_ids(ids, "prompt")
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                          for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self.vocab]
