@@ -287,7 +287,7 @@ def write_entry(root: Path, key: str, program: Program, inputs: dict, model_dir,
             json.dump(manifest, fh)
             fh.flush()
             os.fsync(fh.fileno())
-        (tmp / "last_used").touch()
+        touch_no_follow(tmp / "last_used")
         _fsync_dir(tmp)
         try:
             os.replace(tmp, final)
@@ -433,11 +433,25 @@ def read_entry(entry: Path, expect_inputs: dict | None = None, mmap: bool = True
             raise CacheError(f"{name}.bin fails its checksum (damaged)")
         arr.flags.writeable = False      # the same (read-only) array types however it was read
         arrays[name] = arr
+    touch_no_follow(entry / "last_used")
+    return Program(arrays=arrays, meta=m["program_meta"])
+
+
+def touch_no_follow(path: Path) -> None:
+    """Set ``path``'s times to now, creating it; a symlink there (planted to make cpullm touch
+    another file) is left alone, as is any error: the time only orders ``cache clear``."""
+    flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
-        (entry / "last_used").touch()
+        fd = os.open(path, flags, 0o600)
+    except OSError:
+        return
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.utime(fd)
     except OSError:
         pass
-    return Program(arrays=arrays, meta=m["program_meta"])
+    finally:
+        os.close(fd)
 
 
 def _read_array(path: Path, dtype: np.dtype, shape: tuple, mmap: bool) -> np.ndarray:
@@ -521,6 +535,16 @@ def load_or_build(build, *, model_dir, config, family, graph, weights, store, qu
         tmp = None
     try:
         program = build(tmp)
+    except OSError as exc:
+        # the build streams its weights into the entry-to-be: a full disk (or quota, or file
+        # size limit) there ends that, not the load; build in memory instead
+        if tmp is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        notice(f"could not write the execution cache under {root} ({exc.strerror or exc}); building in "
+               "memory and continuing without it (free space there, or set --cache-dir or "
+               "CPULLM_CACHE_DIR to a writable directory)")
+        return build(None), f"MISS ({reason}; not cached: {exc.strerror or exc})"
     except BaseException:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -583,7 +607,7 @@ def list_entries(cache_dir=None) -> list[dict]:
         inputs = m.get("inputs") if isinstance(m.get("inputs"), dict) else {}
         lu = p / "last_used"
         try:
-            last_used = lu.stat().st_mtime
+            last_used = lu.lstat().st_mtime
         except OSError:
             last_used = None
         out.append({"key": p.name, "model": m.get("model_dir"), "family": inputs.get("family"),

@@ -105,7 +105,7 @@ sys.exit(main(sys.argv[2:]))
 
 
 def _run_with_file_limit(limit: int, argv: list[str], env_extra=None, timeout=300):
-    env = dict(os.environ, CPULLM_QUIET="1", **(env_extra or {}))
+    env = {**os.environ, "CPULLM_QUIET": "1", **(env_extra or {})}
     return subprocess.run([sys.executable, "-c", _FULL_DISK_CHILD, str(limit), *argv], capture_output=True,
                           text=True, timeout=timeout, env=env)
 
@@ -119,3 +119,33 @@ def test_convert_onto_a_full_disk_is_one_line(tmp_path):
     assert "Traceback" not in proc.stderr and lines[-1].startswith("cpullm: error:"), lines[-3:]
     assert "free some space" in lines[-1]
     assert not (tmp_path / "out").exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_run_with_a_full_disk_under_the_execution_cache_builds_in_memory(tmp_path):
+    from cpullm.testing import make_random_checkpoint
+    from tiny_configs import SMOLLM2_LIKE
+
+    d = make_random_checkpoint(dict(SMOLLM2_LIKE, model_type="llama"), tmp_path / "m", seed=1)
+    cache = tmp_path / "cache"
+    proc = _run_with_file_limit(32 << 10, ["run", str(d), "-p", "hello", "-n", "4"],
+                                env_extra={"CPULLM_CACHE_DIR": str(cache), "CPULLM_QUIET": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "building in memory" in proc.stderr, proc.stderr[-3000:]
+    assert proc.stdout.strip()
+    exec_root = next(cache.rglob("exec"), None) or cache
+    assert not [p for p in exec_root.rglob("*") if p.name.startswith(".tmp.")]   # nothing half-written left
+
+
+def test_last_used_is_never_touched_through_a_symlink(tmp_path):
+    from cpullm.cache_format import touch_no_follow
+
+    victim = tmp_path / "victim"
+    victim.write_text("x")
+    os.utime(victim, (1000, 1000))
+    link = tmp_path / "last_used"
+    link.symlink_to(victim)
+    touch_no_follow(link)
+    assert victim.stat().st_mtime == 1000 and link.is_symlink()
+    plain = tmp_path / "plain"
+    touch_no_follow(plain)
+    assert plain.is_file()
