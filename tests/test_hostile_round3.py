@@ -149,3 +149,84 @@ def test_last_used_is_never_touched_through_a_symlink(tmp_path):
     plain = tmp_path / "plain"
     touch_no_follow(plain)
     assert plain.is_file()
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompt-cache files with forged headers (checksum recomputed), and one that is a FIFO
+# ---------------------------------------------------------------------------------------------
+
+from test_cache_family import llama_dir  # noqa: E402,F401  (fixture)
+
+
+def _saved_prompt_cache(model_dir, path: Path) -> Path:
+    import cpullm
+    m = cpullm.load(model_dir).use_prompt_cache(path)
+    list(m.generate_ids(list(range(40, 60)), 2, ignore_eos=True))
+    m.save_prompt_cache()
+    return path
+
+
+def _forge(path: Path, change) -> None:
+    """Rewrite the file's header with ``change(header)`` applied and its checksum recomputed."""
+    from cpullm import prompt_cache as pcm
+    raw = path.read_bytes()
+    magic, version, zero, hlen = pcm._PREFIX.unpack_from(raw)
+    header = json.loads(raw[pcm._PREFIX.size: pcm._PREFIX.size + hlen])
+    data = raw[pcm._align(pcm._PREFIX.size + hlen):]
+    change(header)
+    header["header_sha"] = pcm._header_sha(header)
+    hb = json.dumps(header).encode()
+    out = pcm._PREFIX.pack(magic, version, zero, len(hb)) + hb
+    out += b"\0" * (pcm._align(len(out)) - len(out))
+    path.write_bytes(out + data)
+
+
+def _set(path, value):
+    def change(h):
+        target = h
+        for p in path[:-1]:
+            target = target[p]
+        target[path[-1]] = value
+    return change
+
+
+FORGERIES = {
+    "negative shape": _set(("regions", 0, "shape"), [2, -1, 3, 4]),
+    "string offset": _set(("regions", 0, "offset"), "12"),
+    "regions object": _set(("regions",), {"node": "x"}),
+    "huge offset": _set(("regions", 0, "offset"), 2**62),
+    "float tokens": _set(("tokens",), [1.5, 2]),
+    "kv shape lies": _set(("regions", 0, "hi"), 10**6),
+    "nested tokens": _set(("tokens",), [[[[1]]]]),
+    "data bytes string": _set(("data_bytes",), "lots"),
+    "at past the tokens": _set(("at",), 10**9),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORGERIES))
+def test_forged_prompt_cache_header_is_a_miss_not_a_traceback(llama_dir, tmp_path, name, capfd):  # noqa: F811
+    import cpullm
+    pc = _saved_prompt_cache(llama_dir, tmp_path / "p.cache")
+    _forge(pc, FORGERIES[name])
+    m = cpullm.load(llama_dir).use_prompt_cache(pc)
+    assert m.prompt_cache_status.startswith("MISS (damaged"), m.prompt_cache_status
+    assert len(list(m.generate_ids(list(range(40, 60)), 2, ignore_eos=True))) == 2
+
+
+def test_prompt_cache_nested_100000_deep_is_a_miss(llama_dir, tmp_path):  # noqa: F811
+    import cpullm
+    from cpullm import prompt_cache as pcm
+    pc = tmp_path / "deep.cache"
+    hb = b'{"regions": ' + b"[" * 100000 + b"]" * 100000 + b"}"
+    pc.write_bytes(pcm._PREFIX.pack(pcm.MAGIC, pcm.VERSION, 0, len(hb)) + hb)
+    m = cpullm.load(llama_dir).use_prompt_cache(pc)
+    assert m.prompt_cache_status.startswith("MISS (damaged"), m.prompt_cache_status
+
+
+def test_prompt_cache_that_is_a_fifo_does_not_block(llama_dir, tmp_path):  # noqa: F811
+    import cpullm
+    from cpullm.errors import CacheError
+    fifo = tmp_path / "p.cache"
+    os.mkfifo(fifo)
+    with pytest.raises(CacheError, match="FIFO"):
+        cpullm.load(llama_dir).use_prompt_cache(fifo)
