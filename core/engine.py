@@ -162,9 +162,12 @@ class Engine:
 
     def submit(self, prompt_ids, max_new_tokens: int = 128, *, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-               seed: int | None = None, stop_ids=None, stats=None, cancel=None, on_token=None) -> Request:
+               seed: int | None = None, stop_ids=None, stats=None, cancel=None, on_token=None,
+               cache_salt: str | None = None) -> Request:
         """Queue a sequence; errors in the request itself (empty prompt, too long for the
-        context, bad sampling values) raise here."""
+        context, bad sampling values, ids the embedding has no row for) raise here.
+        ``cache_salt``: the sequence shares cached prefixes only with others of the same salt
+        (one per tenant: another tenant can neither reuse nor time them)."""
         if self._closed:
             raise ConfigError("the engine is closed; create a new one (model.engine())")
         params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed).validate()
@@ -172,6 +175,7 @@ class Engine:
         seq = Sequence(prompt_ids, max_new_tokens, params,
                        stop_ids=self.model.eos_token_ids if stop_ids is None else stop_ids,
                        stats=stats, cancel=cancel)
+        seq.cache_salt = cache_salt
         req = Request(seq, on_token)
         self._requests[id(seq)] = req
         try:

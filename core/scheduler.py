@@ -168,7 +168,7 @@ class Scheduler:
         seq = reading[self._prefill_turn % len(reading)]
         self._prefill_turn += 1
         # the longest cached prefix, if it is ahead of this sequence (cpullm.prefix_cache)
-        got = self.prefix_cache.restore(seq.prompt, seq.state, seq.position)
+        got = self.prefix_cache.restore(seq.prompt, seq.state, seq.position, salt=seq.cache_salt)
         if got > seq.position:
             seq.reused += got - seq.position
             seq.position = got
@@ -184,7 +184,7 @@ class Scheduler:
             logits = self.ex.prefill(ids)
             seq.position = self.ex.n_past
             self.prefilled_tokens += len(ids)
-            self.prefix_cache.record(seq.prompt, start, seq.position, seq.state)
+            self.prefix_cache.record(seq.prompt, start, seq.position, seq.state, salt=seq.cache_salt)
         except CpullmError as exc:              # this prompt's own fault: it alone fails
             seq.fail(exc)
             return

@@ -71,6 +71,7 @@ class Sequence:
         self.state: np.ndarray | None = None
         self.phase = WAITING
         self.error: Exception | None = None   # why it failed, when only this sequence did (fail())
+        self.cache_salt: str | None = None     # its tenant: shares cached prefixes only with the same salt
         self.stats.prompt_tokens = len(self.prompt)
         self.stats.stop_reason = "length"
 

@@ -39,6 +39,7 @@ class Job:
         self.cancel = threading.Event()
         self.stats = GenerationStats()
         self.request = None               # the engine's cpullm.engine.Request, once submitted
+        self.cache_salt: str | None = None   # its tenant: shares cached prefixes only within it
         self.finished = threading.Event()
         self._emit = None
 
@@ -109,7 +110,7 @@ class Engine:
         try:
             with submitted:
                 job.request = self.core.submit(job.ids, job.max_tokens, stats=job.stats, cancel=job.cancel,
-                                               on_token=on_token, **job.sampling)
+                                               on_token=on_token, cache_salt=job.cache_salt, **job.sampling)
         except Exception:
             with self._lock:
                 self.counters["failed"] += 1

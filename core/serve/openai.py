@@ -85,10 +85,11 @@ def shutting_down_error() -> ApiError:
 class RequestSpec:
     """A checked request: prompt ids, answer length, sampling, stop strings, how to answer."""
 
-    def __init__(self, kind, ids, max_tokens, sampling, stop, stream, include_usage):
+    def __init__(self, kind, ids, max_tokens, sampling, stop, stream, include_usage, cache_salt=None):
         self.kind, self.ids, self.max_tokens = kind, ids, max_tokens
         self.sampling, self.stop = sampling, stop
         self.stream, self.include_usage = stream, include_usage
+        self.cache_salt = cache_salt      # the request's own prefix-cache salt (None: its tenant's)
 
 
 def _number(body: dict, key: str, default, lo=None, hi=None, lo_open=False, hi_open=False):
@@ -131,6 +132,22 @@ def _unsupported(body: dict, key: str, allowed, why: str) -> None:
     if v is not None and v not in allowed:
         raise ApiError(f"{key}={_quoted(v)} is not supported by this server: {why}", param=key,
                        code="unsupported_parameter")
+
+
+MAX_CACHE_SALT = 256
+
+
+def _cache_salt(body: dict) -> str | None:
+    """``cache_salt`` (as vLLM names it): requests share cached prompt prefixes only with
+    requests of the same salt (and the same API key), so a client that sends a secret one can
+    be neither reused nor timed by others."""
+    v = body.get("cache_salt")
+    if v is None:
+        return None
+    if not isinstance(v, str) or not 0 < len(v) <= MAX_CACHE_SALT:
+        raise ApiError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters, got {_quoted(v)}",
+                       param="cache_salt", code="invalid_value")
+    return v
 
 
 def _check_sampling_value(key: str, v: float) -> None:
@@ -280,6 +297,12 @@ class Api:
             include_usage = _boolean(so, "include_usage", False)
         return stream, include_usage
 
+    def _without_paths(self, message: str) -> str:
+        """A message for the client with the model's location on this machine replaced by its id
+        (a client has no use for the server's file system layout)."""
+        where = str(self.model.model_dir)
+        return message.replace(where, f"the model `{self.model_id}`") if where else message
+
     def _check_ids(self, ids: list[int], param: str) -> None:
         """A text prompt whose tokens have no embedding row (a tokenizer longer than the model's
         embedding) is this request's 400, before it joins a batch."""
@@ -318,12 +341,13 @@ class Api:
         except RenderCancelled:
             raise
         except ChatTemplateError as exc:
-            raise ApiError(str(exc), param="messages", code="chat_template_error") from None
+            raise ApiError(self._without_paths(str(exc)), param="messages", code="chat_template_error") from None
         if not ids:
             raise ApiError("the chat template rendered an empty prompt", param="messages")
         self._check_ids(ids, "messages")
         max_tokens = self._max_tokens(body, len(ids), "messages")
-        return RequestSpec("chat", ids, max_tokens, sampling, stop, stream, include_usage)
+        return RequestSpec("chat", ids, max_tokens, sampling, stop, stream, include_usage,
+                           cache_salt=_cache_salt(body))
 
     def prepare_completion(self, body: dict, cancel: threading.Event | None = None) -> RequestSpec:
         self._check_common(body)
@@ -356,7 +380,8 @@ class Api:
         stream, include_usage = self._stream_flags(body)
         sampling, stop = self._sampling(body), self._stop(body)
         max_tokens = self._max_tokens(body, len(ids), "prompt")
-        return RequestSpec("completion", ids, max_tokens, sampling, stop, stream, include_usage)
+        return RequestSpec("completion", ids, max_tokens, sampling, stop, stream, include_usage,
+                           cache_salt=_cache_salt(body))
 
     # -- responses
     def finish_reason(self, stats: GenerationStats) -> str:
