@@ -230,3 +230,66 @@ def test_prompt_cache_that_is_a_fifo_does_not_block(llama_dir, tmp_path):  # noq
     os.mkfifo(fifo)
     with pytest.raises(CacheError, match="FIFO"):
         cpullm.load(llama_dir).use_prompt_cache(fifo)
+
+
+# ---------------------------------------------------------------------------------------------
+# Forged execution-cache entries (checksums recomputed): offsets and sizes are bounds-checked
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def cache_entry(tmp_path):
+    import cpullm
+    from cpullm.testing import make_random_checkpoint
+    from tiny_configs import SMOLLM2_LIKE
+
+    d = make_random_checkpoint(dict(SMOLLM2_LIKE, model_type="llama"), tmp_path / "m", seed=2)
+    root = tmp_path / "cache"
+    root.mkdir(mode=0o700)
+    cpullm.load(d, cache_dir=root, n_ctx=64)
+    return d, root, next((root / "exec").iterdir())
+
+
+def _reseal(entry: Path, change_meta=None, change_I=None):
+    from cpullm import cache_format
+    m = json.loads((entry / "manifest.json").read_text())
+    m.pop("manifest_sha")
+    if change_meta:
+        change_meta(m["program_meta"])
+    if change_I:
+        info = m["arrays"]["I"]
+        I = np.fromfile(entry / "I.bin", dtype=info["dtype"]).reshape(info["shape"])
+        change_I(I)
+        I.tofile(entry / "I.bin")
+        info["checksum"] = cache_format.checksum(I)
+    m["manifest_sha"] = cache_format._json_sha(m)
+    (entry / "manifest.json").write_text(json.dumps(m))
+
+
+def _arena_column(I):
+    from cpullm.kernels import program_table as P
+    r = int(np.nonzero(I[:, P.COL_OP] == P.OP_GLU)[0][0])
+    return r, P.GLU_OUT_OFF
+
+
+FORGED_ENTRIES = {
+    "arena_floats shrunk": dict(change_meta=lambda meta: meta.update(arena_floats=meta["arena_floats"] // 4)),
+    "state_floats shrunk": dict(change_meta=lambda meta: meta.update(state_floats=16)),
+    "output offset past the arena": dict(change_I=lambda I: I.__setitem__(_arena_column(I), 1 << 40)),
+    "negative offset": dict(change_I=lambda I: I.__setitem__(_arena_column(I), -4096)),
+    "unknown opcode": dict(change_I=lambda I: I.__setitem__((0, 0), 99)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FORGED_ENTRIES))
+def test_forged_execution_cache_entry_is_refused_and_rebuilt(cache_entry, name, capfd):
+    import cpullm
+    from cpullm import cache_format
+    from cpullm.errors import CacheError
+
+    d, root, entry = cache_entry
+    _reseal(entry, **FORGED_ENTRIES[name])
+    with pytest.raises(CacheError, match="outside|opcode"):
+        cache_format.read_entry(entry)
+    m = cpullm.load(d, cache_dir=root, n_ctx=64)          # a load rebuilds it and runs
+    assert m.cache_status.startswith("MISS (damaged entry")
+    assert len(list(m.generate_ids([1, 2, 3], 3, ignore_eos=True))) == 3

@@ -183,3 +183,30 @@ def test_served_attacks_fail_only_the_attacker(hostile_server):
     assert events[-2]["choices"][0]["finish_reason"] == "length"
     h = hostile_server.health()
     assert h["failed"] == 2 and "Traceback" not in hostile_server.output()     # the 400 never ran
+
+
+# ---------------------------------------------------------------------------------------------
+# The CLI: sampling values refused on one line; `run` keeps model text from driving the terminal
+# ---------------------------------------------------------------------------------------------
+
+CONTROL = __import__("re").compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+@pytest.mark.parametrize("t", ["5e-324", "1e-5", "inf"])
+def test_run_refuses_a_temperature_that_overflows_on_one_line(t, tmp_path, capsys):
+    from cpullm.cli import main
+    assert main(["run", str(tmp_path), "-p", "hi", "--temperature", t]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("cpullm: error: temperature must be"), err
+
+
+def test_run_filters_control_characters_from_model_text(tmp_path, capfd):
+    from cpullm.cli import main
+    d = make_random_checkpoint(dict(SMOLLM2_LIKE, model_type="llama", eos_token_id=10**6),
+                               tmp_path / "m", seed=11)
+    raw = cpullm.load(d, quant="f32").generate("hello", 200, temperature=1.0, seed=4)
+    assert CONTROL.search("".join(raw))                 # the model does write control characters
+    assert main(["run", str(d), "-p", "hello", "-n", "200", "--temperature", "1", "--seed", "4",
+                 "--quant", "f32"]) == 0
+    out = capfd.readouterr().out
+    assert out.strip() and not CONTROL.search(out)
