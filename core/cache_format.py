@@ -452,7 +452,7 @@ def check_program_bounds(arrays: dict, meta: dict) -> None:
     if I.ndim != 2 or I.shape[1] != P.NI or I.dtype != np.int64 or F.shape != (I.shape[0], P.NF):
         raise CacheError("the instruction table has the wrong shape")
     arena, state = meta["arena_floats"], meta["state_floats"]
-    rows = max(1, meta["max_chunk"], meta["head_rows"])
+    body_rows, head_rows = max(1, meta["max_chunk"]), max(1, meta["head_rows"])
     nq, ns, nf = arrays["wq"].size, arrays["ws"].size, arrays["wf"].size
     regions = meta["state_regions"]
     if not isinstance(regions, list) or not all(
@@ -466,7 +466,8 @@ def check_program_bounds(arrays: dict, meta: dict) -> None:
     def fail(r, what):
         raise CacheError(f"instruction {r} reaches outside its arrays ({what})")
 
-    def arena_ok(r, off, st, width, what):
+    def arena_ok(r, off, st, width, what, rows=None):
+        rows = rows or (head_rows if I[r, P.COL_SECTION] == P.SECTION_HEAD else body_rows)
         if off < 0 or st < 0 or width < 0 or off + (rows - 1) * st + width > arena:
             fail(r, what)
 
@@ -551,8 +552,9 @@ def check_program_bounds(arrays: dict, meta: dict) -> None:
             arena_ok(r, row[P.BINARY_B_OFF], row[P.BINARY_B_ST], w, "second input")
             arena_ok(r, row[P.BINARY_OUT_OFF], row[P.BINARY_OUT_ST], w, "output")
         elif op in (P.OP_SOFTCAP, P.OP_SCALE, P.OP_SELECT_ROWS):
-            w = row[P.UNARY_WIDTH]
-            arena_ok(r, row[P.UNARY_X_OFF], row[P.UNARY_X_ST], w, "input")
+            w = row[P.UNARY_WIDTH]           # SELECT_ROWS: the head's rows taken from a body value
+            arena_ok(r, row[P.UNARY_X_OFF], row[P.UNARY_X_ST], w, "input",
+                     rows=body_rows if op == P.OP_SELECT_ROWS else None)
             arena_ok(r, row[P.UNARY_OUT_OFF], row[P.UNARY_OUT_ST], w, "output")
         elif op == P.OP_GATED_DELTA:
             nk, dk, nv, dv = (row[P.GATED_DELTA_NK], row[P.GATED_DELTA_DK], row[P.GATED_DELTA_NV],

@@ -26,7 +26,7 @@ def server():
     d = make_chat_model(_tmpdir("cpullm-r3-") / "basemodel", chat_template=None)
     keyfile = _tmpdir("cpullm-r3-keys-") / "keys"
     keyfile.write_text("\n".join(KEYS) + "\n")
-    s = ServerProcess(d, "--api-key-file", keyfile, "--model-name", "m", "--prefill-chunk", 16,
+    s = ServerProcess(d, "--tenant-keys-file", keyfile, "--model-name", "m", "--prefill-chunk", 16,
                       "--parallel", 2)
     s.model_dir = d
     yield s

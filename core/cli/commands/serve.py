@@ -24,11 +24,11 @@ max_tokens ends with finish_reason "length") and --request-timeout seconds of ge
 process within --template-timeout seconds and 512 MB; a template that overruns is refused with
 a 400, and /v1/completions still works.
 Without an API key anyone who can reach the port can use the model: the server binds 127.0.0.1
-unless --host says otherwise. The key comes from --api-key-file (one key per line), else
+unless --host says otherwise. The key comes from --api-key-file (its first line), else
 --api-key (which other users can read with ps), else the CPULLM_API_KEY environment variable.
-Several keys in the file are several tenants: each shares cached prompt prefixes only with
-requests made with its own key (a request's "cache_salt" narrows that further), and /health
-shows the prefix cache's statistics only to a request with a key.
+--tenant-keys-file gives several keys, one per line, each a tenant: a tenant shares cached
+prompt prefixes only with requests made with its own key (a request's "cache_salt" narrows that
+further). /health shows the prefix cache's statistics only to a request with a key.
 Ctrl-C (SIGINT) stops the server: waiting requests get a 503 JSON error, streams end with an
 error event."""
 
@@ -55,8 +55,10 @@ def add_parser(sub):
                    help="require 'Authorization: Bearer KEY' on /v1/ (visible in ps: prefer "
                         "--api-key-file or $CPULLM_API_KEY; default: $CPULLM_API_KEY, else none)")
     p.add_argument("--api-key-file", default=None, metavar="FILE",
-                   help="read the API keys from FILE, one per line (not shown in ps); each key is a "
-                        "tenant whose cached prompt prefixes no other key can reuse or time")
+                   help="read the API key from the first line of FILE (not shown in ps)")
+    p.add_argument("--tenant-keys-file", default=None, metavar="FILE",
+                   help="API keys, one per line, each a tenant: a tenant's cached prompt prefixes are "
+                        "never reused (nor timed) by another key")
     p.add_argument("--model-name", default=None,
                    help="model id clients send and /v1/models lists (default: the directory name)")
     p.add_argument("--max-request-bytes", type=positive_int, default=4 * 2**20,
@@ -92,27 +94,42 @@ def add_parser(sub):
 
 
 def api_key(args) -> str | list[str] | None:
-    """The key from --api-key-file (one per line: several keys are several tenants, whose
-    cached prompt prefixes are kept apart), --api-key or $CPULLM_API_KEY (one source at a
-    time); each visible ASCII, refused at start otherwise."""
+    """The key from --api-key-file (its first line), the keys of --tenant-keys-file (one per
+    line: several tenants, whose cached prompt prefixes are kept apart), --api-key or
+    $CPULLM_API_KEY (one source at a time); each visible ASCII, refused at start otherwise."""
     from cpullm.errors import ConfigError
     from cpullm.serve.http import check_api_keys
 
     if args.api_key_file is not None:
-        if args.api_key is not None:
-            raise ConfigError("give the API key once: --api-key or --api-key-file, not both")
+        if args.api_key is not None or getattr(args, "tenant_keys_file", None) is not None:
+            raise ConfigError("give the API key once: --api-key, --api-key-file or --tenant-keys-file, "
+                              "not both")
         try:
             with open(args.api_key_file, encoding="utf-8") as f:
-                lines = f.read(1 << 20).splitlines()
+                key = f.readline(4097).strip()
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"cannot read --api-key-file {args.api_key_file} "
+                              f"({getattr(exc, 'strerror', None) or exc}); give a readable text file "
+                              "whose first line is the key") from None
+        if not key or len(key) > 4096:
+            raise ConfigError(f"--api-key-file {args.api_key_file}: the first line must hold the key "
+                              "(1 to 4096 characters)")
+        check_api_keys(key)
+        return key
+    if getattr(args, "tenant_keys_file", None) is not None:
+        if args.api_key is not None:
+            raise ConfigError("give the API keys once: --api-key or --tenant-keys-file, not both")
+        try:
+            with open(args.tenant_keys_file, encoding="utf-8") as f:
+                lines = f.read(1 << 20).splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read --tenant-keys-file {args.tenant_keys_file} "
                               f"({getattr(exc, 'strerror', None) or exc}); give a readable text file "
                               "with one key per line") from None
         keys = [k.strip() for k in lines if k.strip()]
         if not keys or len(keys) > 4096:
-            raise ConfigError(f"--api-key-file {args.api_key_file} must hold 1 to 4096 keys, one per line")
-        check_api_keys(keys)
-        return keys if len(keys) > 1 else keys[0]
+            raise ConfigError(f"--tenant-keys-file {args.tenant_keys_file} must hold 1 to 4096 keys, one per line")
+        return check_api_keys(keys)
     key = args.api_key if args.api_key is not None else os.environ.get("CPULLM_API_KEY")
     if key:
         check_api_keys(key)
