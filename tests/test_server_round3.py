@@ -112,3 +112,98 @@ def test_an_api_key_no_client_could_send_is_refused_at_start(key, tmp_path):
                           capture_output=True, text=True, env=cli_env(), timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("cpullm: error: API key 1 must be")
+
+
+# ---------------------------------------------------------------------------------------------
+# Overload: a bounded queue, 429 + Retry-After beyond it, slow readers harm nobody
+# ---------------------------------------------------------------------------------------------
+
+SLOTS = 2
+
+
+@pytest.fixture(scope="module")
+def busy_server():
+    from test_server_bounds import _long_model
+    s = ServerProcess(_long_model(), "--parallel", SLOTS, "--queue", SLOTS, "--model-name", "m",
+                      "--max-tokens-cap", 8000, ctx=8192)
+    yield s
+    s.stop()
+
+
+def _raw_stream_that_never_reads(server, max_tokens: int) -> socket.socket:
+    """A streaming request whose client then reads nothing (a slow reader)."""
+    host, port = server.url.rsplit("/", 1)[1].split(":")
+    body = json.dumps({"model": "m", "prompt": [5, 6, 7], "max_tokens": max_tokens, "stream": True,
+                       "temperature": 0}).encode()
+    s = socket.create_connection((host, int(port)), timeout=30)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+              b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    return s
+
+
+def _wait_for(server, pred, timeout=60):
+    deadline = time.monotonic() + timeout
+    while True:
+        h = server.health()
+        if pred(h):
+            return h
+        assert time.monotonic() < deadline, h
+        time.sleep(0.02)
+
+
+def test_past_the_queue_requests_get_429_with_retry_after_at_once(busy_server):
+    s = busy_server
+    hogs = [_raw_stream_that_never_reads(s, 7900) for _ in range(SLOTS)]
+    try:
+        _wait_for(s, lambda h: h["active"] == SLOTS)
+        import concurrent.futures as cf
+        waiting = cf.ThreadPoolExecutor(SLOTS)
+        queued = [waiting.submit(httpx.post, s.url + "/v1/completions", timeout=300,
+                                 json={"model": "m", "prompt": [9, i], "max_tokens": 4}) for i in range(SLOTS)]
+        _wait_for(s, lambda h: h["queued"] == SLOTS)
+        r = httpx.post(s.url + "/v1/completions", json={"model": "m", "prompt": [1], "max_tokens": 4}, timeout=60)
+        assert r.status_code == 429, r.text
+        assert r.headers["retry-after"] == "1" and r.json()["error"]["code"] == "rate_limit_exceeded"
+    finally:
+        for h in hogs:
+            h.close()                       # the hogs leave: their slots free
+    assert all(f.result().status_code == 200 for f in queued)
+    waiting.shutdown()
+
+
+def test_five_times_more_clients_than_slots_are_answered_or_refused_cleanly(busy_server):
+    """5x more concurrent clients than slots, in rounds, beside two slow readers: each request
+    is answered (the same text as alone, greedy) or refused with 429 + Retry-After; memory stays
+    bounded and the server answers afterwards."""
+    import concurrent.futures as cf
+
+    s = busy_server
+    clients, rounds = 5 * SLOTS, 3
+    bodies = [{"model": "m", "prompt": [20 + i, 30 + i, 40], "max_tokens": 24, "temperature": 0}
+              for i in range(clients)]
+    alone = [httpx.post(s.url + "/v1/completions", json=b, timeout=120).json()["choices"][0]["text"]
+             for b in bodies]
+    rss0 = s.rss_bytes()
+    slow = [_raw_stream_that_never_reads(s, 400) for _ in range(2)]
+    outcomes = {200: 0, 429: 0}
+    try:
+        with cf.ThreadPoolExecutor(clients) as pool:
+            for _ in range(rounds):
+                for i, r in enumerate(pool.map(lambda b: httpx.post(s.url + "/v1/completions", json=b,
+                                                                    timeout=300), bodies)):
+                    assert r.status_code in (200, 429), r.text
+                    outcomes[r.status_code] += 1
+                    if r.status_code == 200:
+                        assert r.json()["choices"][0]["text"] == alone[i]
+                    else:
+                        assert r.headers["retry-after"] and r.json()["error"]["code"] == "rate_limit_exceeded"
+        peak = s.rss_bytes()
+    finally:
+        for c in slow:
+            c.close()
+    assert outcomes[200] + outcomes[429] == clients * rounds and outcomes[200] >= rounds
+    assert peak - rss0 < 64 << 20, (rss0, peak)         # queued pieces are bounded per request
+    h = s.wait_idle(timeout=120)
+    assert h["queued"] == 0 and "Traceback" not in s.output()
+    assert httpx.post(s.url + "/v1/completions", json=bodies[0], timeout=120).json()["choices"][0]["text"] == alone[0]

@@ -8,7 +8,9 @@ time between those steps; the rest wait in arrival order. KV memory for ``parall
 of the whole context is allocated at start and reported by ``/health``. Pieces of text flow back
 to the request's coroutine through an asyncio queue. A client that disconnects (streaming or
 not) sets its job's cancel flag: its sequence leaves at the next step and frees its slot.
-At most ``max_queue`` jobs wait; more get 503. A job's generation time is bounded by its
+At most ``max_queue`` jobs wait (``--queue``); more get 429 with ``Retry-After`` at once, never a
+hang. A client reading its stream slowly holds nothing but its own pieces (at most its
+max_tokens of text): the engine's thread never waits for a reader. A job's generation time is bounded by its
 ``time_limit`` (then it ends with finish_reason "length"). On shutdown the running generations
 and every waiting job end with the 503 ``server_shutting_down`` error.
 """
@@ -22,6 +24,7 @@ from ..generate import GenerationStats
 from .openai import ApiError, shutting_down_error
 
 DEFAULT_MAX_QUEUE = 64
+RETRY_AFTER_S = 1          # a refused client's Retry-After: a slot frees every few tokens
 
 
 class Job:
@@ -53,7 +56,7 @@ class Job:
 class Engine:
     """Owns the model's scheduler (:class:`cpullm.engine.Engine`): up to ``parallel`` jobs decode
     together, sharing each pass over the weights; the others wait in arrival order (at most
-    ``max_queue``; more get 503). Text pieces (stop strings applied) go back through each job's
+    ``max_queue``; more get 429). Text pieces (stop strings applied) go back through each job's
     emit; a job's cancel flag is its sequence's, so a client that leaves frees its slot at the
     next step."""
 
@@ -77,9 +80,13 @@ class Engine:
         with self._lock:
             if self._closed:
                 raise shutting_down_error()
-            if self.core.scheduler.counts()["waiting"] >= self.max_queue:
-                raise ApiError(f"the server is busy ({self.max_queue} requests are already waiting); "
-                               "retry in a moment", 503, "server_overloaded")
+            c = self.core.scheduler.counts()
+            if c["waiting"] >= self.max_queue and not c["free_slots"]:
+                err = ApiError(f"the server is busy: {self.parallel} requests are generating and "
+                               f"{self.max_queue} waiting (its --queue); retry after {RETRY_AFTER_S} s",
+                               429, "rate_limit_exceeded", type="server_overloaded")
+                err.headers = {"retry-after": str(RETRY_AFTER_S)}
+                raise err
             self.counters["requests"] += 1
         text = TextStream(self.model.tokenizer, job.stop)
         job.ended_by = None              # "stop" (a stop string) or "timeout", set on the engine thread

@@ -276,7 +276,8 @@ def error_response(exc: Exception):
     status, body = error_body(exc)
     if status >= 500 and not isinstance(exc, CpullmError):
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
-    return Response(json_bytes(body), status, media_type="application/json")
+    return Response(json_bytes(body), status, media_type="application/json",
+                    headers=getattr(exc, "headers", None))
 
 
 class Endpoints:

@@ -63,8 +63,9 @@ def add_parser(sub):
                    help="model id clients send and /v1/models lists (default: the directory name)")
     p.add_argument("--max-request-bytes", type=positive_int, default=4 * 2**20,
                    help="largest request body accepted, larger ones get 413 (default 4 MiB)")
-    p.add_argument("--max-queue", type=positive_int, default=64,
-                   help="requests allowed to wait for the model, more get 503 (default 64)")
+    p.add_argument("--queue", "--max-queue", dest="max_queue", type=non_negative_int, default=64, metavar="N",
+                   help="requests allowed to wait while every --parallel slot is busy; more get 429 with "
+                        "Retry-After at once (default 64)")
     p.add_argument("--parallel", type=positive_int, default=None, metavar="N",
                    help="requests generating at once (default: 4 per thread, at most 8, and no more "
                         "than whose KV fits in half the available memory)")
