@@ -207,3 +207,82 @@ def test_five_times_more_clients_than_slots_are_answered_or_refused_cleanly(busy
     h = s.wait_idle(timeout=120)
     assert h["queued"] == 0 and "Traceback" not in s.output()
     assert httpx.post(s.url + "/v1/completions", json=bodies[0], timeout=120).json()["choices"][0]["text"] == alone[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Graceful shutdown: SIGTERM stops accepting, refuses the waiting, lets the running finish
+# ---------------------------------------------------------------------------------------------
+
+def test_sigterm_lets_running_generations_finish_and_refuses_the_rest():
+    import signal
+    import threading
+    from test_server_bounds import _long_model
+
+    s = ServerProcess(_long_model(), "--parallel", 1, "--max-tokens-cap", 8000, "--shutdown-timeout", 300,
+                      "--model-name", "m", ctx=8192)
+    events, waiting, first = [], {}, threading.Event()
+
+    def stream():
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=300,
+                          json={"model": "m", "prompt": [5, 6], "max_tokens": 3000, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    first.set()
+
+    try:
+        streamer = threading.Thread(target=stream)
+        streamer.start()
+        assert first.wait(120)
+        waiter = threading.Thread(target=lambda: waiting.setdefault(
+            "r", httpx.post(s.url + "/v1/completions", json={"model": "m", "prompt": [1], "max_tokens": 4},
+                            timeout=120)))
+        waiter.start()
+        _wait_for(s, lambda h: h["queued"] == 1)
+        s.proc.send_signal(signal.SIGTERM)
+        waiter.join(120)
+        r = waiting["r"]
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
+        with pytest.raises(httpx.ConnectError):            # no longer accepting
+            httpx.get(s.url + "/health", timeout=10)
+        streamer.join(300)
+        assert s.proc.wait(300) == 0
+    finally:
+        log = s.output()
+        s.stop()
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all("error" not in c for c in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert "Traceback" not in log
+
+
+def test_sigterm_past_the_grace_period_ends_a_stream_with_an_error_event():
+    import signal
+    import threading
+    from test_server_bounds import _long_model
+
+    s = ServerProcess(_long_model(), "--parallel", 1, "--max-tokens-cap", 8000, "--shutdown-timeout", 1,
+                      "--model-name", "m", ctx=8192)
+    events, first = [], threading.Event()
+
+    def stream():       # 8000 tokens: several seconds at the tiny model's speed, past the 1 s grace
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=300,
+                          json={"model": "m", "prompt": [5, 6], "max_tokens": 8000, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    first.set()
+
+    try:
+        streamer = threading.Thread(target=stream)
+        streamer.start()
+        assert first.wait(120)
+        s.proc.send_signal(signal.SIGTERM)
+        streamer.join(120)
+        assert s.proc.wait(120) == 0
+    finally:
+        log = s.output()
+        s.stop()
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "server_shutting_down"
+    assert "Traceback" not in log

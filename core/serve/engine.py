@@ -11,8 +11,9 @@ not) sets its job's cancel flag: its sequence leaves at the next step and frees 
 At most ``max_queue`` jobs wait (``--queue``); more get 429 with ``Retry-After`` at once, never a
 hang. A client reading its stream slowly holds nothing but its own pieces (at most its
 max_tokens of text): the engine's thread never waits for a reader. A job's generation time is bounded by its
-``time_limit`` (then it ends with finish_reason "length"). On shutdown the running generations
-and every waiting job end with the 503 ``server_shutting_down`` error.
+``time_limit`` (then it ends with finish_reason "length"). A graceful shutdown (:meth:`Engine.drain`) refuses new jobs and
+ends the waiting ones with the 503 ``server_shutting_down`` error while the running generations go
+on; :meth:`Engine.close` then ends whatever still runs with that error.
 """
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ class Engine:
         out: asyncio.Queue = asyncio.Queue()
         job._emit = lambda item: loop.call_soon_threadsafe(out.put_nowait, item)
         with self._lock:
-            if self._closed:
+            if self._closed or self._draining:
                 raise shutting_down_error()
             c = self.core.scheduler.counts()
             if c["waiting"] >= self.max_queue and not c["free_slots"]:
@@ -118,12 +119,12 @@ class Engine:
             with submitted:
                 job.request = self.core.submit(job.ids, job.max_tokens, stats=job.stats, cancel=job.cancel,
                                                on_token=on_token, cache_salt=job.cache_salt, **job.sampling)
+                with self._lock:             # before its _finish can run (it waits for `submitted`)
+                    self._jobs.add(job)
         except Exception:
             with self._lock:
                 self.counters["failed"] += 1
             raise
-        with self._lock:
-            self._jobs.add(job)
         return out
 
     def _finish(self, job: Job, text) -> None:
@@ -177,7 +178,27 @@ class Engine:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._closed or self._draining
+
+    _draining = False
+
+    def drain(self) -> None:
+        """Begin a graceful shutdown: new jobs are refused and every job still waiting for a slot
+        ends with the 503 ``server_shutting_down`` error; running generations go on (see
+        :meth:`running`), until :meth:`close` ends what is left."""
+        from ..sequence import WAITING
+        with self._lock:
+            self._draining = True
+            jobs = list(self._jobs)
+        for job in jobs:
+            if job.request is not None and job.request.seq.phase == WAITING:
+                job.abort = shutting_down_error()
+                job.cancel.set()
+
+    def running(self) -> int:
+        """Jobs not finished yet (generating, or ending)."""
+        with self._lock:
+            return len(self._jobs)
 
     def close(self) -> None:
         """Refuse new jobs; the running ones and every waiting one end with a 503 error."""

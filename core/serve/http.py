@@ -46,6 +46,7 @@ STATIC_DIR = Path(__file__).parent / "static"
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 DEFAULT_HEADER_TIMEOUT_S = 10.0       # to send a request's line and headers
 DEFAULT_BODY_TIMEOUT_S = 30.0         # to send its body (4 MiB at ~140 KB/s)
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0     # SIGTERM: running generations' time to finish
 LOOPBACK_NAMES = {"127.0.0.1", "localhost", "::1", "[::1]"}
 PAGE_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; connect-src 'self'; "
             "img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'; form-action 'none'")
@@ -586,11 +587,13 @@ def serve(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | None 
           request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
           header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
           body_timeout: float = DEFAULT_BODY_TIMEOUT_S, parallel: int | None = None,
-          prefix_cache_bytes: int | None = None, prefill_chunk: int | None = None) -> None:
+          prefix_cache_bytes: int | None = None, prefill_chunk: int | None = None,
+          shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
     """Serve until interrupted. ``port=0`` picks a free port; ``announce`` gets the ready line
-    (with the real URL) once the socket listens. On SIGINT/SIGTERM the engine and the template
-    worker stop first, so every waiting client gets the 503 JSON error and every stream an
-    error event, before uvicorn's graceful close."""
+    (with the real URL) once the socket listens. On SIGINT/SIGTERM the server stops accepting,
+    every waiting client gets the 503 JSON error, running generations have ``shutdown_timeout``
+    seconds to finish, then the rest end with an error event (a stream) or the 503 JSON error,
+    and the template worker stops, before uvicorn's graceful close."""
     import socket
 
     import uvicorn
@@ -599,6 +602,14 @@ def serve(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | None 
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):
+            # stop accepting, refuse what waits, let what generates finish within the grace
+            # period, then end the rest with the shutdown error (a stream's last event)
+            for server in self.servers:
+                server.close()
+            app.engine.drain()
+            deadline = time.monotonic() + shutdown_timeout
+            while app.engine.running() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             app.engine.close()
             stop_render_worker()
             await super().shutdown(sockets=sockets)
@@ -635,9 +646,23 @@ def serve(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | None 
     announce(f"cpullm: serving {model_id or Path(str(model.model_dir)).name} at "
              f"http://{shown}:{real_port}/ (OpenAI API: http://{shown}:{real_port}/v1, "
              f"chat page: http://{shown}:{real_port}/)")
+    import signal
+
+    class _Terminated(Exception):
+        pass
+
+    def _on_sigterm(signum, frame):       # uvicorn re-raises the signal it handled once it is done
+        raise _Terminated()
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
         server.run(sockets=[sock])
+    except _Terminated:
+        pass                              # a graceful stop: exit status 0
     finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
         app.engine.close()
         stop_render_worker()
         sock.close()

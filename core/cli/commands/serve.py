@@ -29,8 +29,9 @@ unless --host says otherwise. The key comes from --api-key-file (its first line)
 --tenant-keys-file gives several keys, one per line, each a tenant: a tenant shares cached
 prompt prefixes only with requests made with its own key (a request's "cache_salt" narrows that
 further). /health shows the prefix cache's statistics only to a request with a key.
-Ctrl-C (SIGINT) stops the server: waiting requests get a 503 JSON error, streams end with an
-error event."""
+Ctrl-C (SIGINT) or SIGTERM stops the server: it stops accepting, waiting requests get a 503
+JSON error, running generations have --shutdown-timeout seconds to finish, then the rest end
+with an error event (streams) or the 503 error; exit status 0."""
 
 
 def positive_seconds(text: str) -> float:
@@ -40,6 +41,16 @@ def positive_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
     if not (v > 0 and v < float("inf")):
         raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return v
+
+
+def non_negative_seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not (0 <= v < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
     return v
 
 
@@ -83,6 +94,9 @@ def add_parser(sub):
                         "\"length\" (default 300)")
     p.add_argument("--template-timeout", type=positive_seconds, default=10.0, metavar="SECONDS",
                    help="time to render the chat template of one request (default 10)")
+    p.add_argument("--shutdown-timeout", type=non_negative_seconds, default=10.0, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, running generations get this long to finish before they "
+                        "end with an error event (default 10; 0: end them at once)")
     p.add_argument("--header-timeout", type=positive_seconds, default=10.0, metavar="SECONDS",
                    help="time a client has to send a request's headers, else the connection "
                         "closes (default 10)")
@@ -165,7 +179,7 @@ def run(args) -> int:
               request_timeout=args.request_timeout, header_timeout=args.header_timeout,
               body_timeout=args.body_timeout, parallel=args.parallel,
               prefix_cache_bytes=None if args.prefix_cache is None else args.prefix_cache * 2**20,
-              prefill_chunk=args.prefill_chunk)
+              prefill_chunk=args.prefill_chunk, shutdown_timeout=args.shutdown_timeout)
     except KeyboardInterrupt:
         pass
     print("cpullm: server stopped", file=sys.stderr, flush=True)
