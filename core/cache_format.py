@@ -433,7 +433,10 @@ def read_entry(entry: Path, expect_inputs: dict | None = None, mmap: bool = True
             raise CacheError(f"{name}.bin fails its checksum (damaged)")
         arr.flags.writeable = False      # the same (read-only) array types however it was read
         arrays[name] = arr
-    check_program_bounds(arrays, m["program_meta"])
+    try:
+        check_program_bounds(arrays, m["program_meta"])
+    except (TypeError, ValueError, KeyError, IndexError, OverflowError) as exc:   # a field of a wrong type
+        raise CacheError(f"the program meta is malformed ({type(exc).__name__})") from None
     touch_no_follow(entry / "last_used")
     return Program(arrays=arrays, meta=m["program_meta"])
 
@@ -460,6 +463,8 @@ def check_program_bounds(arrays: dict, meta: dict) -> None:
             and 0 <= g["offset"] and 0 <= g["floats"] and g["offset"] + g["floats"] <= state for g in regions):
         raise CacheError("a state region lies outside the state")
     region_at = {g["offset"]: g["floats"] for g in regions}
+    if not limits.is_int(meta.get("embed_rows", 0)) or meta.get("embed_rows", 0) < 0:
+        raise CacheError("the program meta's embed_rows is not a size")
     if meta["logits_offset"] + meta["vocab"] > arena:
         raise CacheError("the logits lie outside the arena")
 

@@ -140,7 +140,7 @@ def _header_problem(h: dict) -> str | None:
         shape = r.get("shape")
         if not isinstance(r.get("kind"), str):
             return f"region {limits.shown(r['node'])} has no kind"
-        if r.get("dtype") not in _DTYPES or not isinstance(r.get("checksum"), str):
+        if not isinstance(r.get("dtype"), str) or r["dtype"] not in _DTYPES or not isinstance(r.get("checksum"), str):
             return f"region {limits.shown(r['node'])} has a bad dtype or checksum"
         if not isinstance(shape, list) or len(shape) > limits.MAX_DIMS or not all(_nat(d) for d in shape) \
                 or limits.checked_product(shape) is None:
@@ -229,6 +229,8 @@ class PromptCache:
         if bad is not None:                 # a checksum proves nothing: it is in the file too
             return self._stale(f"damaged ({bad})")
         saved_id = header.get("identity") or {}
+        if not isinstance(saved_id, dict):
+            return self._stale("damaged (identity is not an object)")
         differs = [k for k in MODEL_KEYS if saved_id.get(k) != self.identity[k]]
         if differs:
             raise CacheError(
