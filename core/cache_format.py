@@ -499,7 +499,8 @@ def check_program_bounds(arrays: dict, meta: dict) -> None:
             elif kind == P.WEIGHT_BLOCKS:
                 if not 0 < K <= Kp <= meta["max_k"]:
                     fail(r, "input width")
-                inside(r, row[P.LINEAR_W_OFF], N, nq, "block matrix")
+                inside(r, row[P.LINEAR_W_OFF], block_rows_bytes(row[P.LINEAR_S_OFF], N, Kp) or -1, nq,
+                       "block matrix")
             else:
                 fail(r, "weight kind")
             if row[P.LINEAR_BIAS_OFF] >= 0:
@@ -512,6 +513,11 @@ def check_program_bounds(arrays: dict, meta: dict) -> None:
             n_rows = int(meta.get("embed_rows") or meta["vocab"])
             if row[P.EMBED_KIND] == P.WEIGHT_F32:
                 inside(r, row[P.EMBED_W_OFF], n_rows * H, nf, "embedding")
+            elif row[P.EMBED_KIND] == P.WEIGHT_BLOCKS:
+                need = block_rows_bytes(row[P.EMBED_S_OFF], n_rows, row[P.EMBED_KP])
+                if need is None or row[P.EMBED_KP] < H:
+                    fail(r, "embedding format")
+                inside(r, row[P.EMBED_W_OFF], need, nq, "embedding")
             elif row[P.EMBED_KIND] == P.WEIGHT_Q8:
                 Kp = row[P.EMBED_KP]
                 if Kp < H or Kp % 32:
@@ -578,6 +584,22 @@ def check_program_bounds(arrays: dict, meta: dict) -> None:
                 inside(r, row[c], 1, nf, "parameters")
         else:
             fail(r, f"unknown opcode {op}")
+
+
+def block_rows_bytes(fmt: int, rows: int, Kp: int) -> int | None:
+    """Bytes of ``rows`` rows of ``Kp`` weights in the ggml block type ``fmt`` (plus PANELED:
+    rows in panels of 16, the last one padded), or None when ``fmt`` or ``Kp`` cannot be one."""
+    from .kernels.gguf_blocks import BY_TYPE
+    from .kernels.kquant_panels import PANELED
+
+    if fmt < 0 or fmt >= 2 * PANELED:
+        return None
+    spec = BY_TYPE.get(fmt % PANELED)
+    if spec is None or Kp <= 0 or Kp % spec.block_weights:
+        return None
+    if fmt >= PANELED:
+        rows = -(-rows // 16) * 16
+    return rows * (Kp // spec.block_weights) * spec.block_bytes
 
 
 def touch_no_follow(path: Path) -> None:

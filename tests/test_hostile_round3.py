@@ -293,3 +293,19 @@ def test_forged_execution_cache_entry_is_refused_and_rebuilt(cache_entry, name, 
     m = cpullm.load(d, cache_dir=root, n_ctx=64)          # a load rebuilds it and runs
     assert m.cache_status.startswith("MISS (damaged entry")
     assert len(list(m.generate_ids([1, 2, 3], 3, ignore_eos=True))) == 3
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_K", "Q6_K", "Q5_K"])
+def test_programs_of_every_block_format_pass_the_bounds_check(write, fmt):
+    """The load-time bounds check accepts what the compiler writes (GGUF blocks run as they are,
+    panels included, and q4): no valid entry is ever rebuilt for it."""
+    import cpullm
+    from cpullm.cache_format import check_program_bounds
+
+    path = write(fmt)
+    for quant in ("gguf", "q4"):
+        m = cpullm.load(path, quant=quant, use_cache=False)
+        check_program_bounds(m.program.arrays, m.program.meta)
+
+
+from test_gguf_run import write  # noqa: E402,F401  (fixture)
