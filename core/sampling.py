@@ -19,7 +19,10 @@ def check_finite_logits(x: np.ndarray) -> None:
     """Refuse logits a distribution cannot come from: NaN or +inf anywhere, or nothing finite
     (-inf alone marks a token that may not be drawn). They come from a damaged model (a NaN in
     a weight row a prompt reaches), so the error names that, on one line."""
-    if np.isnan(x).any() or np.isposinf(x).any() or not np.isfinite(x).any():
+    finite = np.isfinite(x)
+    if finite.all():                    # the usual case: one pass
+        return
+    if np.isnan(x).any() or np.isposinf(x).any() or not finite.any():
         raise SamplingError("the model produced non-finite logits (NaN or inf) for this sequence: its "
                             "weights are damaged where this prompt reaches them; try another model file")
 
