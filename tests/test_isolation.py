@@ -210,3 +210,27 @@ def test_run_filters_control_characters_from_model_text(tmp_path, capfd):
                  "--quant", "f32"]) == 0
     out = capfd.readouterr().out
     assert out.strip() and not CONTROL.search(out)
+
+
+def test_chat_session_survives_non_finite_logits(tmp_path):
+    """A chat turn whose text reaches the NaN row fails with one line; the session goes on."""
+    import subprocess
+    import sys
+
+    from test_server_support import CHATML, cli_env
+
+    d = make_random_checkpoint(dict(SMOLLM2_LIKE, model_type="llama", tie_word_embeddings=False,
+                                    eos_token_id=10**6), tmp_path / "m", seed=5)
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
+    _poison_embedding_row(d, NAN_TOKEN)
+    tok = cpullm.load(d, quant="f32").tokenizer
+    assert NAN_TOKEN in tok.encode("a ( b") and NAN_TOKEN not in tok.encode("hello there")
+    proc = subprocess.run([sys.executable, "-m", "cpullm.cli", "chat", str(d), "--quant", "f32", "-n", "4",
+                           "--temperature", "0.8", "--no-stats"], input="a ( b\nhello there\n/exit\n",
+                          capture_output=True, text=True, env={**cli_env(), "CPULLM_CACHE_DIR": str(tmp_path / "c")},
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    errors = [x for x in proc.stderr.splitlines() if "error:" in x]
+    assert len(errors) == 1 and "non-finite logits" in errors[0], proc.stderr[-2000:]
+    assert proc.stdout.count(">>> ") == 3            # it asked again after the error, twice
