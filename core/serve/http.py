@@ -608,7 +608,9 @@ def serve(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | None 
                 server.close()
             app.engine.drain()
             deadline = time.monotonic() + shutdown_timeout
-            while app.engine.running() and time.monotonic() < deadline:
+            # the grace period covers generating and sending: a stream whose tokens are all made
+            # may still be on its way to a slow client (uvicorn's request tasks)
+            while (app.engine.running() or self.server_state.tasks) and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             app.engine.close()
             stop_render_worker()
