@@ -287,7 +287,7 @@ def write_entry(root: Path, key: str, program: Program, inputs: dict, model_dir,
             json.dump(manifest, fh)
             fh.flush()
             os.fsync(fh.fileno())
-        (tmp / "last_used").touch()
+        touch_no_follow(tmp / "last_used")
         _fsync_dir(tmp)
         try:
             os.replace(tmp, final)
@@ -434,10 +434,189 @@ def read_entry(entry: Path, expect_inputs: dict | None = None, mmap: bool = True
         arr.flags.writeable = False      # the same (read-only) array types however it was read
         arrays[name] = arr
     try:
-        (entry / "last_used").touch()
+        check_program_bounds(arrays, m["program_meta"])
+    except (TypeError, ValueError, KeyError, IndexError, OverflowError) as exc:   # a field of a wrong type
+        raise CacheError(f"the program meta is malformed ({type(exc).__name__})") from None
+    touch_no_follow(entry / "last_used")
+    return Program(arrays=arrays, meta=m["program_meta"])
+
+
+def check_program_bounds(arrays: dict, meta: dict) -> None:
+    """Every offset and size the kernels index with, checked against the arrays they index: an
+    entry's checksums prove nothing against whoever can write the cache (they are recomputed),
+    and the compiled kernels do not bounds-check. An arena or state operand must lie inside
+    ``arena_floats`` / ``state_floats`` for every row a step runs, a float32 or int8 matrix
+    inside ``wf`` / ``wq`` / ``ws``, an input no wider than the quantization scratch
+    (``max_k``), every state region inside the state. Raises CacheError naming the first
+    instruction that reaches out."""
+    from .kernels import program_table as P
+
+    I, F = arrays["I"], arrays["F"]
+    if I.ndim != 2 or I.shape[1] != P.NI or I.dtype != np.int64 or F.shape != (I.shape[0], P.NF):
+        raise CacheError("the instruction table has the wrong shape")
+    arena, state = meta["arena_floats"], meta["state_floats"]
+    body_rows, head_rows = max(1, meta["max_chunk"]), max(1, meta["head_rows"])
+    nq, ns, nf = arrays["wq"].size, arrays["ws"].size, arrays["wf"].size
+    regions = meta["state_regions"]
+    if not isinstance(regions, list) or not all(
+            isinstance(g, dict) and limits.is_int(g.get("offset")) and limits.is_int(g.get("floats"))
+            and 0 <= g["offset"] and 0 <= g["floats"] and g["offset"] + g["floats"] <= state for g in regions):
+        raise CacheError("a state region lies outside the state")
+    region_at = {g["offset"]: g["floats"] for g in regions}
+    if not limits.is_int(meta.get("embed_rows", 0)) or meta.get("embed_rows", 0) < 0:
+        raise CacheError("the program meta's embed_rows is not a size")
+    if meta["logits_offset"] + meta["vocab"] > arena:
+        raise CacheError("the logits lie outside the arena")
+
+    def fail(r, what):
+        raise CacheError(f"instruction {r} reaches outside its arrays ({what})")
+
+    def arena_ok(r, off, st, width, what, rows=None):
+        rows = rows or (head_rows if I[r, P.COL_SECTION] == P.SECTION_HEAD else body_rows)
+        if off < 0 or st < 0 or width < 0 or off + (rows - 1) * st + width > arena:
+            fail(r, what)
+
+    def inside(r, off, n, size, what):
+        if off < 0 or n < 0 or off + n > size:
+            fail(r, what)
+
+    for r in range(I.shape[0]):
+        row = [int(v) for v in I[r]]
+        op = row[P.COL_OP]
+        if row[P.COL_IMPL] == P.IMPL_PLUGIN_OP:
+            continue                     # run from meta["plugin_ops"] by the plugin's own code
+        if op == P.OP_LINEAR:
+            K, N, kind, Kp = row[P.LINEAR_K], row[P.LINEAR_N], row[P.LINEAR_KIND], row[P.LINEAR_KP]
+            arena_ok(r, row[P.LINEAR_X_OFF], row[P.LINEAR_X_ST], K, "input")
+            arena_ok(r, row[P.LINEAR_OUT_OFF], row[P.LINEAR_OUT_ST], N, "output")
+            if kind == P.WEIGHT_F32:
+                inside(r, row[P.LINEAR_W_OFF], N * K, nf, "float32 matrix")
+            elif kind == P.WEIGHT_Q8:
+                if not 0 < K <= Kp <= meta["max_k"] or Kp % 32:
+                    fail(r, "input width")
+                inside(r, row[P.LINEAR_W_OFF], N * Kp, nq, "int8 matrix")
+                inside(r, row[P.LINEAR_S_OFF], N * (Kp // 32), ns, "scales")
+            elif kind == P.WEIGHT_BLOCKS:
+                if not 0 < K <= Kp <= meta["max_k"]:
+                    fail(r, "input width")
+                inside(r, row[P.LINEAR_W_OFF], block_rows_bytes(row[P.LINEAR_S_OFF], N, Kp) or -1, nq,
+                       "block matrix")
+            else:
+                fail(r, "weight kind")
+            if row[P.LINEAR_BIAS_OFF] >= 0:
+                inside(r, row[P.LINEAR_BIAS_OFF], N, nf, "bias")
+        elif op == P.OP_EMBED:
+            H = row[P.EMBED_WIDTH]
+            arena_ok(r, row[P.EMBED_OUT_OFF], row[P.EMBED_OUT_ST], H, "output")
+            if row[P.EMBED_KIND] not in (P.WEIGHT_F32, P.WEIGHT_Q8, P.WEIGHT_BLOCKS):
+                fail(r, "weight kind")
+            n_rows = int(meta.get("embed_rows") or meta["vocab"])
+            if row[P.EMBED_KIND] == P.WEIGHT_F32:
+                inside(r, row[P.EMBED_W_OFF], n_rows * H, nf, "embedding")
+            elif row[P.EMBED_KIND] == P.WEIGHT_BLOCKS:
+                need = block_rows_bytes(row[P.EMBED_S_OFF], n_rows, row[P.EMBED_KP])
+                if need is None or row[P.EMBED_KP] < H:
+                    fail(r, "embedding format")
+                inside(r, row[P.EMBED_W_OFF], need, nq, "embedding")
+            elif row[P.EMBED_KIND] == P.WEIGHT_Q8:
+                Kp = row[P.EMBED_KP]
+                if Kp < H or Kp % 32:
+                    fail(r, "embedding width")
+                inside(r, row[P.EMBED_W_OFF], n_rows * Kp, nq, "embedding")
+                inside(r, row[P.EMBED_S_OFF], n_rows * (Kp // 32), ns, "embedding scales")
+        elif op in (P.OP_RMSNORM, P.OP_LAYERNORM):
+            w = row[P.NORM_WIDTH]
+            arena_ok(r, row[P.NORM_X_OFF], row[P.NORM_X_ST], w, "input")
+            arena_ok(r, row[P.NORM_OUT_OFF], row[P.NORM_OUT_ST], w, "output")
+            g = row[P.NORM_GROUP]
+            if g <= 0 or w % g:
+                fail(r, "norm group")
+            if row[P.NORM_W_OFF] >= 0:
+                inside(r, row[P.NORM_W_OFF], g if g != w else w, nf, "norm weight")
+        elif op == P.OP_ROPE:
+            w = row[P.ROPE_N_HEADS] * row[P.ROPE_HEAD_DIM]
+            if not 0 <= row[P.ROPE_ROTARY_DIM] <= row[P.ROPE_HEAD_DIM]:
+                fail(r, "rotary width")
+            arena_ok(r, row[P.ROPE_X_OFF], row[P.ROPE_X_ST], w, "input")
+            arena_ok(r, row[P.ROPE_OUT_OFF], row[P.ROPE_OUT_ST], w, "output")
+            inside(r, row[P.ROPE_FREQ_OFF], row[P.ROPE_ROTARY_DIM] // 2, nf, "frequencies")
+        elif op == P.OP_ATTENTION:
+            nh, nkv, hd, cap = (row[P.ATTENTION_N_HEADS], row[P.ATTENTION_N_KV_HEADS],
+                                row[P.ATTENTION_HEAD_DIM], row[P.ATTENTION_CAP])
+            if nh <= 0 or nkv <= 0 or hd <= 0 or cap <= 0 or nh % nkv:
+                fail(r, "heads")
+            arena_ok(r, row[P.ATTENTION_Q_OFF], row[P.ATTENTION_Q_ST], nh * hd, "queries")
+            arena_ok(r, row[P.ATTENTION_K_OFF], row[P.ATTENTION_K_ST], nkv * hd, "keys")
+            arena_ok(r, row[P.ATTENTION_V_OFF], row[P.ATTENTION_V_ST], nkv * hd, "values")
+            arena_ok(r, row[P.ATTENTION_OUT_OFF], row[P.ATTENTION_OUT_ST], nh * hd, "output")
+            need = 2 * nkv * cap * hd // (2 if row[P.ATTENTION_KV_FORMAT] == 1 else 1)
+            if region_at.get(row[P.ATTENTION_CACHE_OFF], -1) < need:
+                fail(r, "KV cache region")
+        elif op == P.OP_GLU:
+            w = row[P.GLU_WIDTH]
+            arena_ok(r, row[P.GLU_GATE_OFF], row[P.GLU_GATE_ST], w, "gate")
+            arena_ok(r, row[P.GLU_UP_OFF], row[P.GLU_UP_ST], w, "up")
+            arena_ok(r, row[P.GLU_OUT_OFF], row[P.GLU_OUT_ST], w, "output")
+        elif op in (P.OP_ADD, P.OP_SIGMOID_MUL):
+            w = row[P.BINARY_WIDTH]
+            arena_ok(r, row[P.BINARY_A_OFF], row[P.BINARY_A_ST], w, "first input")
+            arena_ok(r, row[P.BINARY_B_OFF], row[P.BINARY_B_ST], w, "second input")
+            arena_ok(r, row[P.BINARY_OUT_OFF], row[P.BINARY_OUT_ST], w, "output")
+        elif op in (P.OP_SOFTCAP, P.OP_SCALE, P.OP_SELECT_ROWS):
+            w = row[P.UNARY_WIDTH]           # SELECT_ROWS: the head's rows taken from a body value
+            arena_ok(r, row[P.UNARY_X_OFF], row[P.UNARY_X_ST], w, "input",
+                     rows=body_rows if op == P.OP_SELECT_ROWS else None)
+            arena_ok(r, row[P.UNARY_OUT_OFF], row[P.UNARY_OUT_ST], w, "output")
+        elif op == P.OP_GATED_DELTA:
+            nk, dk, nv, dv = (row[P.GATED_DELTA_NK], row[P.GATED_DELTA_DK], row[P.GATED_DELTA_NV],
+                              row[P.GATED_DELTA_DV])
+            if min(nk, dk, nv, dv, row[P.GATED_DELTA_CONV_K]) <= 0:
+                fail(r, "heads")
+            arena_ok(r, row[P.GATED_DELTA_QKV_OFF], row[P.GATED_DELTA_QKV_ST], 2 * nk * dk + nv * dv, "qkv")
+            arena_ok(r, row[P.GATED_DELTA_Z_OFF], row[P.GATED_DELTA_Z_ST], nv * dv, "z")
+            arena_ok(r, row[P.GATED_DELTA_B_OFF], row[P.GATED_DELTA_B_ST], nv, "b")
+            arena_ok(r, row[P.GATED_DELTA_A_OFF], row[P.GATED_DELTA_A_ST], nv, "a")
+            arena_ok(r, row[P.GATED_DELTA_OUT_OFF], row[P.GATED_DELTA_OUT_ST], nv * dv, "output")
+            if row[P.GATED_DELTA_STATE_OFF] not in region_at:
+                fail(r, "recurrent state region")
+            for c in (P.GATED_DELTA_CONV_W_OFF, P.GATED_DELTA_DT_OFF, P.GATED_DELTA_ALOG_OFF,
+                      P.GATED_DELTA_NORM_OFF):
+                inside(r, row[c], 1, nf, "parameters")
+        else:
+            fail(r, f"unknown opcode {op}")
+
+
+def block_rows_bytes(fmt: int, rows: int, Kp: int) -> int | None:
+    """Bytes of ``rows`` rows of ``Kp`` weights in the ggml block type ``fmt`` (plus PANELED:
+    rows in panels of 16, the last one padded), or None when ``fmt`` or ``Kp`` cannot be one."""
+    from .kernels.gguf_blocks import BY_TYPE
+    from .kernels.kquant_panels import PANELED
+
+    if fmt < 0 or fmt >= 2 * PANELED:
+        return None
+    spec = BY_TYPE.get(fmt % PANELED)
+    if spec is None or Kp <= 0 or Kp % spec.block_weights:
+        return None
+    if fmt >= PANELED:
+        rows = -(-rows // 16) * 16
+    return rows * (Kp // spec.block_weights) * spec.block_bytes
+
+
+def touch_no_follow(path: Path) -> None:
+    """Set ``path``'s times to now, creating it; a symlink there (planted to make cpullm touch
+    another file) is left alone, as is any error: the time only orders ``cache clear``."""
+    flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError:
+        return
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            os.utime(fd)
     except OSError:
         pass
-    return Program(arrays=arrays, meta=m["program_meta"])
+    finally:
+        os.close(fd)
 
 
 def _read_array(path: Path, dtype: np.dtype, shape: tuple, mmap: bool) -> np.ndarray:
@@ -521,6 +700,16 @@ def load_or_build(build, *, model_dir, config, family, graph, weights, store, qu
         tmp = None
     try:
         program = build(tmp)
+    except OSError as exc:
+        # the build streams its weights into the entry-to-be: a full disk (or quota, or file
+        # size limit) there ends that, not the load; build in memory instead
+        if tmp is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        notice(f"could not write the execution cache under {root} ({exc.strerror or exc}); building in "
+               "memory and continuing without it (free space there, or set --cache-dir or "
+               "CPULLM_CACHE_DIR to a writable directory)")
+        return build(None), f"MISS ({reason}; not cached: {exc.strerror or exc})"
     except BaseException:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -583,7 +772,7 @@ def list_entries(cache_dir=None) -> list[dict]:
         inputs = m.get("inputs") if isinstance(m.get("inputs"), dict) else {}
         lu = p / "last_used"
         try:
-            last_used = lu.stat().st_mtime
+            last_used = lu.lstat().st_mtime
         except OSError:
             last_used = None
         out.append({"key": p.name, "model": m.get("model_dir"), "family": inputs.get("family"),

@@ -17,7 +17,7 @@ import sys
 import threading
 import traceback
 
-from .errors import ConfigError
+from .errors import ConfigError, PromptError
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -80,6 +80,22 @@ def check_fits_in_memory(model, parallel: int, prefix_cache_bytes: int = 0) -> N
         raise ConfigError(f"--parallel {parallel} at --ctx {model.n_ctx} plans {kv / 2**20:.0f} MiB of KV and "
                           f"state and --prefix-cache {prefix_cache_bytes / 2**20:.0f} MiB, more than the "
                           f"{avail / 2**20:.0f} MiB available; lower --parallel or --ctx (or --prefix-cache)")
+
+
+def embedding_rows(model) -> int:
+    """Token ids the model's embedding has rows for: every prompt id must be below this."""
+    meta = model.executor.program.meta
+    return int(meta.get("embed_rows") or meta["vocab"])
+
+
+def check_prompt_ids(model, ids) -> None:
+    """Refuse a prompt holding an id the embedding has no row for, before it joins a batch (a
+    text prompt can tokenize to one when the tokenizer is longer than the embedding)."""
+    rows = embedding_rows(model)
+    bad = next((int(t) for t in ids if not 0 <= int(t) < rows), None)
+    if bad is not None:
+        raise PromptError(f"the prompt holds token id {bad}, but the model's embedding has {rows} rows "
+                          f"(ids 0..{rows - 1}); the tokenizer and the model do not match, or the id is wrong")
 
 
 class Request:
@@ -152,15 +168,20 @@ class Engine:
 
     def submit(self, prompt_ids, max_new_tokens: int = 128, *, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-               seed: int | None = None, stop_ids=None, stats=None, cancel=None, on_token=None) -> Request:
+               seed: int | None = None, stop_ids=None, stats=None, cancel=None, on_token=None,
+               cache_salt: str | None = None) -> Request:
         """Queue a sequence; errors in the request itself (empty prompt, too long for the
-        context, bad sampling values) raise here."""
+        context, bad sampling values, ids the embedding has no row for) raise here.
+        ``cache_salt``: the sequence shares cached prefixes only with others of the same salt
+        (one per tenant: another tenant can neither reuse nor time them)."""
         if self._closed:
             raise ConfigError("the engine is closed; create a new one (model.engine())")
         params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed).validate()
+        check_prompt_ids(self.model, prompt_ids)
         seq = Sequence(prompt_ids, max_new_tokens, params,
                        stop_ids=self.model.eos_token_ids if stop_ids is None else stop_ids,
                        stats=stats, cancel=cancel)
+        seq.cache_salt = cache_salt
         req = Request(seq, on_token)
         self._requests[id(seq)] = req
         try:
@@ -197,6 +218,8 @@ class Engine:
                     continue
                 if tok is None:
                     self._requests.pop(id(seq), None)
+                    if seq.error is not None and req.error is None:   # it failed alone (Sequence.fail)
+                        req.error = seq.error
                 try:
                     req._deliver(tok)
                 except Exception:               # a consumer's callback must not stop the others
@@ -246,8 +269,13 @@ def generate_batch(model, prompts, max_new_tokens: int = 128, parallel: int | No
         prefix_cache_bytes = default_prefix_cache_bytes(model, max(1, n))
     sch = Scheduler(model.forward, max(1, n), prefill_chunk, int(prefix_cache_bytes))
     eos = model.eos_token_ids if stop_ids is None else stop_ids
+    for p in prompts:
+        check_prompt_ids(model, p)
     seqs = [sch.add(Sequence(p, max_new_tokens, pp, stop_ids=eos,
                              stats=None if stats is None else stats[i]))
             for i, (p, pp) in enumerate(zip(prompts, params))]
     sch.run_until_idle()
+    failed = next((s.error for s in seqs if s.error is not None), None)
+    if failed is not None:          # the others ran to their end; this one's error is the caller's
+        raise failed
     return [list(s.generated) for s in seqs]

@@ -153,9 +153,11 @@ class GGUFTensor:
 
     @property
     def data(self) -> np.ndarray:
-        """The stored bytes shaped like gguf.GGUFReader shapes them (rows, bytes per row)."""
+        """The stored bytes shaped like gguf.GGUFReader shapes them (rows, bytes per row): a copy
+        read with pread (:meth:`GGUFFile.read_at`), so a file truncated while it loads is a
+        ConversionError, never a SIGBUS from a read through the map."""
         gguf = _import_gguf()
-        raw = self._file.mm[self.data_offset:self.data_offset + self.n_bytes]
+        raw = self._file.read_at(self.data_offset, self.n_bytes)
         np_shape = tuple(reversed(self.shape))
         if self.tensor_type == gguf.GGMLQuantizationType.F32:
             return raw.view(np.float32).reshape(np_shape)
@@ -175,13 +177,29 @@ class GGUFFile:
 
     def __init__(self, path: Path):
         self.path = path
-        self.size = path.stat().st_size
-        self.mm = np.memmap(path, dtype=np.uint8, mode="r") if self.size else np.zeros(0, np.uint8)
+        fh, self.size = limits.open_regular(path)
+        self._fh = fh                      # tensor data is read from it (read_at), not the map
+        self.mm = np.memmap(fh, dtype=np.uint8, mode="r") if self.size else np.zeros(0, np.uint8)
         self.buf = memoryview(self.mm) if self.size else memoryview(b"")
         self.pos = 0
         self.metadata: dict[str, Any] = {}
         self.tensors: list[GGUFTensor] = []
         self._parse()
+
+    def read_at(self, offset: int, n: int) -> np.ndarray:
+        """``n`` bytes at ``offset`` (uint8, owned), read with pread: the file may have shrunk
+        since its header was checked (truncated while loading), which is a ConversionError."""
+        out = np.empty(n, np.uint8)
+        view, done = memoryview(out), 0
+        while done < n:
+            got = os.preadv(self._fh.fileno(), [view[done:]], offset + done)
+            if got <= 0:
+                now = os.fstat(self._fh.fileno()).st_size
+                raise ConversionError(f"{self.path} is truncated: it shrank to {now} bytes while being read "
+                                      f"(a tensor ends at byte {offset + n}); do not change the file while "
+                                      "cpullm loads it, or download it again")
+            done += got
+        return out
 
     # -- primitive reads, each bounds-checked -------------------------------------------------
     def _need(self, n: int) -> None:
@@ -288,6 +306,16 @@ class GGUFFile:
                                       f"{start + n_bytes} but the file has {self.size} bytes; "
                                       "download it again")
             self.tensors.append(GGUFTensor(name, qtype, ne, n_bytes, start, self))
+        self._check_no_overlap()
+
+    def _check_no_overlap(self) -> None:
+        """Tensors whose bytes overlap (or whose type makes one read into the next) are refused,
+        naming both, as llama.cpp and the safetensors loader refuse them."""
+        spans = sorted((t.data_offset, t.data_offset + t.n_bytes, t.name) for t in self.tensors if t.n_bytes)
+        for (s0, e0, a), (s1, e1, b) in zip(spans, spans[1:]):
+            if s1 < e0:
+                raise ConversionError(f"{self.path} is damaged: tensors {limits.shown(a, 80)} (bytes {s0}..{e0}) "
+                                      f"and {limits.shown(b, 80)} (bytes {s1}..{e1}) overlap; download it again")
 
 
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
@@ -302,6 +330,8 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
         return GGUFFile(path)
     except ConversionError:
         raise
+    except OSError as exc:
+        raise ConversionError(f"cannot read {path}: {exc.strerror}; give a readable .gguf file") from None
     except (ValueError, OverflowError, struct.error, MemoryError, RecursionError) as exc:
         raise ConversionError(f"{path} is a damaged GGUF file ({type(exc).__name__}: {exc}); "
                               "download it again") from exc
@@ -414,8 +444,7 @@ def _hf_shape(t) -> tuple[int, ...]:
 def _tensors_identical(a, b) -> bool:
     if a.tensor_type != b.tensor_type or a.shape != b.shape:
         return False
-    mm = a._file.mm
-    return np.array_equal(mm[a.data_offset:a.data_offset + a.n_bytes], mm[b.data_offset:b.data_offset + b.n_bytes])
+    return np.array_equal(a._file.read_at(a.data_offset, a.n_bytes), b._file.read_at(b.data_offset, b.n_bytes))
 
 
 def plan_tensors(reader, spec: ArchSpec, hp: dict) -> tuple[list[PlannedTensor], bool]:
@@ -559,6 +588,11 @@ def hyperparameters(meta: dict, reader, spec: GGUFArch | None = None) -> dict:
     if not 1 <= vocab <= limits.MAX_VOCAB:
         raise ConversionError(f"this GGUF's vocabulary has {vocab} tokens, outside 1..{limits.MAX_VOCAB}; "
                               "the file is damaged")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if isinstance(tokens, list) and len(tokens) > vocab:
+        raise ConversionError(f"this GGUF's vocabulary (tokenizer.ggml.tokens) has {len(tokens)} tokens but "
+                              f"its embedding only {vocab} rows: text could tokenize to ids the model has no "
+                              "row for; the file is damaged")
     hp["vocab_size"] = vocab
     return hp
 

@@ -112,12 +112,26 @@ def _check_tokenizer_metadata(meta: dict) -> None:
                               "the file is damaged (remove the key to convert without a chat template)")
 
 
+MAX_SPLIT_CHARS = 1 << 27
+"""Bound on the work of rebuilding merges: the sum over tokens of len(token) * (len(token) - 1),
+which bounds both the splits tried and the characters the candidate merges hold. Real
+SentencePiece vocabularies need a few tens of millions (262k tokens of a few characters);
+a hostile one of tokens 'a' * k, k = 1..2045, would need 2.8 G (cubic in the token length)."""
+
+
 def merges_from_vocab(vocab: dict[str, int], order: dict[str, float]) -> list[tuple[str, str]]:
     """Rebuild BPE merges from a SentencePiece vocabulary that lists none.
 
     Every split of a token into two vocabulary pieces is a merge; merges are ranked by ``order``
     (higher first: the token's score, or minus its position), then longer left piece first.
+    The work (and so the memory of the candidates) is checked against MAX_SPLIT_CHARS before
+    anything is built: a vocabulary over it is a ConversionError.
     """
+    work = sum(len(t) * (len(t) - 1) for t in order)
+    if work > MAX_SPLIT_CHARS:
+        raise ConversionError(f"this GGUF's SentencePiece vocabulary lists no merges, and rebuilding them "
+                              f"would split {work} characters of tokens (at most {MAX_SPLIT_CHARS}; real "
+                              "vocabularies need far fewer): the vocabulary is damaged or hostile")
     ranked = []
     for token, score in order.items():
         for cut in range(1, len(token)):

@@ -110,18 +110,25 @@ class PrefixCache:
         return n * 4
 
     # ---- lookup and restore -------------------------------------------------------------------
-    def restore(self, prompt: list[int], state: np.ndarray, have: int = 0) -> int:
+    @staticmethod
+    def _key(prompt: list[int], p: int, salt: str | None) -> tuple:
+        """The entry of ``prompt[:p]``; a ``salt`` (a tenant's) keeps its prefixes apart from
+        every other salt's and the unsalted ones: a tenant can neither reuse nor time another's."""
+        return tuple(prompt[:p]) if salt is None else (salt, *prompt[:p])
+
+    def restore(self, prompt: list[int], state: np.ndarray, have: int = 0, salt: str | None = None) -> int:
         """Write the longest cached prefix of ``prompt`` (whole blocks, shorter than the prompt,
         ending where every region's state is known) into slot ``state``, which already holds the
         state after ``have`` tokens of it (a block boundary); returns the prefix's length, or
-        ``have`` when the cache holds nothing longer."""
+        ``have`` when the cache holds nothing longer. Only prefixes recorded with the same
+        ``salt`` are found."""
         if not self.enabled:
             return have
         found: list[_Block] = []
         usable = 0                      # blocks 1..usable can be restored
         p = self.block
         while p < len(prompt):
-            blk = self.entries.get(tuple(prompt[:p]))
+            blk = self.entries.get(self._key(prompt, p, salt))
             if blk is None:
                 break
             found.append(blk)
@@ -134,7 +141,7 @@ class PrefixCache:
                 self.misses += 1
             return have
         for k, blk in enumerate(found[:usable]):
-            self.entries.move_to_end(tuple(prompt[:(k + 1) * self.block]))
+            self.entries.move_to_end(self._key(prompt, (k + 1) * self.block, salt))
             lo = k * self.block
             if lo + self.block <= have:          # already in the slot, the same numbers
                 continue
@@ -150,7 +157,7 @@ class PrefixCache:
         return n
 
     # ---- recording ------------------------------------------------------------------------------
-    def record(self, prompt: list[int], start: int, end: int, state: np.ndarray) -> None:
+    def record(self, prompt: list[int], start: int, end: int, state: np.ndarray, salt: str | None = None) -> None:
         """Called after a prefill chunk ran positions [start, end) of ``prompt`` on slot ``state``:
         keep the whole blocks that end in (start, end] and are not cached yet. Only the block
         ending at ``end`` gets the other regions' copy (their state at ``end`` is the slot's; at
@@ -163,7 +170,7 @@ class PrefixCache:
         held_from = max((end - r["cap"] for r in self.full), default=0)
         first = max(first, (max(0, held_from) + 2 * self.block - 1) // self.block * self.block)
         for p in range(first, min(end, len(prompt)) + 1, self.block):
-            self._record_one(tuple(prompt[:p]), p, state, with_snap=bool(self.other) and p == end)
+            self._record_one(self._key(prompt, p, salt), p, state, with_snap=bool(self.other) and p == end)
 
     def _record_one(self, key: tuple, p: int, state: np.ndarray, with_snap: bool) -> None:
         blk = self.entries.get(key)

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import limits
 from .errors import CacheError
 from .kvformat import region_is_f16
 
@@ -104,6 +105,57 @@ def _common_prefix(a, b) -> int:
     return i
 
 
+def fh_reopen(path: Path, size: int):
+    """``path`` opened again for its arrays, still a regular file of ``size`` bytes."""
+    fh, now = limits.open_regular(path)
+    if now != size:
+        fh.close()
+        raise OSError(f"it changed size while being read ({size} -> {now} bytes)")
+    return fh
+
+
+def _nat(v) -> bool:
+    return limits.is_int(v) and 0 <= v <= limits.MAX_TENSOR_ELEMENTS
+
+
+def _header_problem(h: dict) -> str | None:
+    """What is wrong with a header's fields (types, ranges, shapes against their sizes), or None:
+    every value the loader and a restore use is checked here, before any is used."""
+    tokens = h.get("tokens")
+    if not isinstance(tokens, list) or len(tokens) > limits.MAX_CONTEXT or \
+            not all(limits.is_int(t) and 0 <= t < limits.MAX_VOCAB for t in tokens):
+        return "tokens is not a list of token ids"
+    if not _nat(h.get("kv_len")) or not _nat(h.get("data_bytes")):
+        return "kv_len or data_bytes is not a size"
+    if h.get("at") is not None and not (_nat(h["at"]) and h["at"] <= len(tokens)):
+        return "at is not a position of the tokens"
+    regions = h.get("regions")
+    if not isinstance(regions, list) or len(regions) > limits.MAX_TENSORS:
+        return "regions is not a list"
+    nodes = set()
+    for r in regions:
+        if not isinstance(r, dict) or not isinstance(r.get("node"), str) or r["node"] in nodes:
+            return "a region is not an object with a unique node name"
+        nodes.add(r["node"])
+        shape = r.get("shape")
+        if not isinstance(r.get("kind"), str):
+            return f"region {limits.shown(r['node'])} has no kind"
+        if not isinstance(r.get("dtype"), str) or r["dtype"] not in _DTYPES or not isinstance(r.get("checksum"), str):
+            return f"region {limits.shown(r['node'])} has a bad dtype or checksum"
+        if not isinstance(shape, list) or len(shape) > limits.MAX_DIMS or not all(_nat(d) for d in shape) \
+                or limits.checked_product(shape) is None:
+            return f"region {limits.shown(r['node'])} has a bad shape"
+        if not _nat(r.get("offset")) or not (_nat(r.get("lo")) and _nat(r.get("hi")) and r["lo"] <= r["hi"]):
+            return f"region {limits.shown(r['node'])} has a bad offset or position range"
+        if r["kind"] == "kv":
+            if not all(_nat(r.get(k)) for k in ("n_kv_heads", "head_dim", "window")) or \
+                    shape != [2, r["n_kv_heads"], r["hi"] - r["lo"], r["head_dim"]]:
+                return f"region {limits.shown(r['node'])}: shape does not hold its keys and values"
+        elif not _nat(r.get("floats")) or shape != [r["floats"]]:
+            return f"region {limits.shown(r['node'])}: shape does not match its floats"
+    return None
+
+
 def _compatible(reg: dict, saved: dict) -> bool:
     if reg["kind"] != saved.get("kind"):
         return False
@@ -144,16 +196,15 @@ class PromptCache:
         from .cache_format import checksum
 
         self.saved = None
-        try:
-            fh = open(self.path, "rb")
+        try:     # without blocking on a FIFO, and only a regular file
+            fh, size = limits.open_regular(self.path)
         except FileNotFoundError:
             self.status = "MISS (no file)"
             return
         except OSError as exc:
-            raise CacheError(f"cannot read the prompt cache {self.path} ({exc}); check its "
-                             "permissions or give another path") from None
+            raise CacheError(f"cannot read the prompt cache {self.path} ({exc.strerror or exc}); give "
+                             "a regular file you can read and write, or another path") from None
         with fh:
-            size = os.fstat(fh.fileno()).st_size
             head = fh.read(_PREFIX.size)
             if len(head) < len(MAGIC) or head[:len(MAGIC)] != MAGIC:
                 if size == 0:
@@ -169,12 +220,17 @@ class PromptCache:
             if hlen > min(_MAX_HEADER, size - _PREFIX.size):
                 return self._stale("truncated")
             try:
-                header = json.loads(fh.read(hlen).decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError):
+                header = limits.parse_json(fh.read(hlen))
+            except ValueError:
                 return self._stale("damaged (unreadable header)")
         if not isinstance(header, dict) or header.get("header_sha") != _header_sha(header):
             return self._stale("damaged (header checksum)")
+        bad = _header_problem(header)
+        if bad is not None:                 # a checksum proves nothing: it is in the file too
+            return self._stale(f"damaged ({bad})")
         saved_id = header.get("identity") or {}
+        if not isinstance(saved_id, dict):
+            return self._stale("damaged (identity is not an object)")
         differs = [k for k in MODEL_KEYS if saved_id.get(k) != self.identity[k]]
         if differs:
             raise CacheError(
@@ -186,23 +242,24 @@ class PromptCache:
             return self._stale(f"stale (changed: {', '.join(changed)})")
         data_start = _align(_PREFIX.size + hlen)
         regions = {}
-        try:
-            for reg in header["regions"]:
-                dtype = _DTYPES[reg.get("dtype", "f32")]
-                nbytes = int(np.prod(reg["shape"], dtype=np.int64)) * np.dtype(dtype).itemsize
-                if data_start + reg["offset"] + nbytes > size:
-                    return self._stale("truncated")
-                arr = (np.memmap(self.path, dtype, "r", data_start + reg["offset"], tuple(reg["shape"]))
-                       if nbytes else np.zeros(reg["shape"], dtype))
-                if checksum(arr) != reg["checksum"]:
-                    return self._stale(f"damaged (state of {reg['node']} fails its checksum)")
-                regions[reg["node"]] = (reg, np.asarray(arr))
-            tokens = [int(t) for t in header["tokens"]]
-            kv_len, at = int(header["kv_len"]), header["at"]
-        except (KeyError, TypeError, ValueError) as exc:
-            return self._stale(f"damaged ({type(exc).__name__} in the header)")
-        if size != data_start + header.get("data_bytes", -1):
+        if size != data_start + header["data_bytes"]:
             return self._stale("truncated")
+        try:
+            with fh_reopen(self.path, size) as fh:
+                for reg in header["regions"]:
+                    dtype = np.dtype(_DTYPES[reg["dtype"]])
+                    count = limits.checked_product(reg["shape"])
+                    if reg["offset"] + count * dtype.itemsize > header["data_bytes"]:
+                        return self._stale("truncated")
+                    fh.seek(data_start + reg["offset"])
+                    arr = np.fromfile(fh, dtype, count).reshape(reg["shape"]) if count else \
+                        np.zeros(reg["shape"], dtype)
+                    if arr.size != count or checksum(arr) != reg["checksum"]:
+                        return self._stale(f"damaged (state of {limits.shown(reg['node'])} fails its checksum)")
+                    regions[reg["node"]] = (reg, arr)
+        except (OSError, ValueError) as exc:
+            return self._stale(f"unreadable ({limits.one_line(exc, 80)})")
+        tokens, kv_len, at = list(header["tokens"]), header["kv_len"], header["at"]
         self.saved = {"tokens": tokens, "kv_len": kv_len, "at": at, "regions": regions}
         self.status = f"LOADED ({len(tokens)} saved tokens)"
 

@@ -11,6 +11,22 @@ import numpy as np
 from .errors import SamplingError
 
 
+MIN_TEMPERATURE = 1e-3         # logits / T stays finite: 3.4e38 (float32 max) / 1e-3 fits float64
+MAX_REPETITION_PENALTY = 1e3   # ... and so do penalized ones (x * 1e3, x / 1e-3)
+
+
+def check_finite_logits(x: np.ndarray) -> None:
+    """Refuse logits a distribution cannot come from: NaN or +inf anywhere, or nothing finite
+    (-inf alone marks a token that may not be drawn). They come from a damaged model (a NaN in
+    a weight row a prompt reaches), so the error names that, on one line."""
+    finite = np.isfinite(x)
+    if finite.all():                    # the usual case: one pass
+        return
+    if np.isnan(x).any() or np.isposinf(x).any() or not finite.any():
+        raise SamplingError("the model produced non-finite logits (NaN or inf) for this sequence: its "
+                            "weights are damaged where this prompt reaches them; try another model file")
+
+
 @attrs.define
 class SamplingParams:
     temperature: float = 0.0
@@ -21,16 +37,23 @@ class SamplingParams:
     seed: int | None = None
 
     def validate(self) -> "SamplingParams":
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
-            raise SamplingError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        """Refuse values out of range, and values in range that overflow the arithmetic: a
+        temperature between 0 and MIN_TEMPERATURE (logits / T past float range), a repetition
+        penalty outside [1 / MAX_REPETITION_PENALTY, MAX_REPETITION_PENALTY]."""
+        t = self.temperature
+        if not (t == 0.0 or MIN_TEMPERATURE <= t < float("inf")):
+            raise SamplingError(f"temperature must be 0 (greedy) or a finite number of at least "
+                                f"{MIN_TEMPERATURE:g} (smaller ones overflow the sampler), got {t}")
         if self.top_k < 0:
             raise SamplingError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
         if not (0.0 <= self.min_p < 1.0):
             raise SamplingError(f"min_p must be in [0, 1), got {self.min_p}")
-        if not (self.repetition_penalty > 0.0):
-            raise SamplingError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        r = self.repetition_penalty
+        if not (1.0 / MAX_REPETITION_PENALTY <= r <= MAX_REPETITION_PENALTY):
+            raise SamplingError(f"repetition_penalty must be in [{1.0 / MAX_REPETITION_PENALTY:g}, "
+                                f"{MAX_REPETITION_PENALTY:g}] (1 = off), got {r}")
         return self
 
 
@@ -42,6 +65,7 @@ class Sampler:
     def __call__(self, logits: np.ndarray, history=()) -> int:
         p = self.p
         x = np.array(logits, dtype=np.float64)
+        check_finite_logits(x)
         if p.repetition_penalty != 1.0 and len(history):
             ids = np.unique(np.asarray(history, dtype=np.int64))
             ids = ids[ids < x.size]

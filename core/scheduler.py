@@ -26,7 +26,7 @@ import threading
 import time
 from collections import deque
 
-from .errors import ConfigError
+from .errors import ConfigError, CpullmError
 from .forward import Forward, Slot
 from .kernels.warmup import compile_seconds
 from .prefix_cache import PrefixCache
@@ -180,7 +180,7 @@ class Scheduler:
         self._prefill_turn += 1
         slot = seq.slot
         # the longest cached prefix, if it is ahead of this sequence (cpullm.prefix_cache)
-        got = self.prefix_cache.restore(seq.prompt, slot.state, slot.position)
+        got = self.prefix_cache.restore(seq.prompt, slot.state, slot.position, salt=seq.cache_salt)
         if got > slot.position:
             seq.reused += got - slot.position
             slot.position = got
@@ -195,18 +195,20 @@ class Scheduler:
             end = split
         ids = seq.prompt[start: end]
         t0, c0 = time.perf_counter(), compile_seconds()
-        logits = self.forward.prefill(slot, ids)
+        try:
+            logits = self.forward.prefill(slot, ids)
+        except CpullmError as exc:              # this prompt's own fault: it alone fails
+            seq.fail(exc)
+            return
         self.prefilled_tokens += len(ids)
-        self.prefix_cache.record(seq.prompt, start, slot.position, slot.state)
+        self.prefix_cache.record(seq.prompt, start, slot.position, slot.state, salt=seq.cache_salt)
         if split is not None and slot.position == split:
             self.prompt_cache.snapshot_split(slot)
         compiled = compile_seconds() - c0
         seq.stats.prefill_s += max(0.0, time.perf_counter() - t0 - compiled)
         seq.stats.compile_s += compiled
         if slot.position == len(seq.prompt):
-            tok = seq.take(self.n_ctx, logits=logits)
-            if tok is not None:
-                events.append((seq, tok))
+            self._take(seq, events, logits=logits)
 
     def _decode_all(self, events):
         batch = [s for s in self.running if s.phase == DECODE and s.pending is not None]
@@ -223,9 +225,18 @@ class Scheduler:
             seq.stats.decode_s += dt
             seq.stats.decode_steps += 1
             seq.stats.compile_s += compiled
-            got = seq.take(self.n_ctx, logits=row, token=tok)
-            if got is not None:
-                events.append((seq, got))
+            self._take(seq, events, logits=row, token=tok)
+
+    def _take(self, seq: Sequence, events, **output) -> None:
+        """Give ``seq`` its model output; a failure of its own (a SamplingError on non-finite
+        logits) ends it alone, with the error for its consumer, and never the batch."""
+        try:
+            tok = seq.take(self.n_ctx, **output)
+        except CpullmError as exc:
+            seq.fail(exc)
+            return
+        if tok is not None:
+            events.append((seq, tok))
 
     def run_until_idle(self, on_event=None) -> None:
         """Step until every sequence added so far has ended."""

@@ -29,7 +29,7 @@ class GenerationStats:
     reused_tokens: int = 0          # prompt tokens restored from a prompt cache
     compile_s: float = 0.0          # numba compiling kernels during this generation (cold cache only),
                                     # kept out of prefill_s and decode_s
-    stop_reason: str = ""           # "eos" | "stop" | "length" | "cancelled"
+    stop_reason: str = ""           # "eos" | "stop" | "length" | "cancelled" | "failed" (Sequence.error)
 
     @property
     def prefill_tps(self) -> float:
@@ -68,6 +68,8 @@ class Sequence:
         self.slot = None             # the cpullm.forward.Slot lent by the scheduler while it runs
         self._left_at = 0            # the slot's position when the sequence gave it back
         self.phase = WAITING
+        self.error: Exception | None = None   # why it failed, when only this sequence did (fail())
+        self.cache_salt: str | None = None     # its tenant: shares cached prefixes only with the same salt
         self.stats.prompt_tokens = len(self.prompt)
         self.stats.stop_reason = "length"
 
@@ -129,6 +131,13 @@ class Sequence:
             self.pending = tok
             self.phase = DECODE
         return tok
+
+    def fail(self, error: Exception) -> None:
+        """End this sequence only, with ``error`` for its consumer (stop reason "failed"): a
+        failure that belongs to it (non-finite logits under sampling) and not to its batch."""
+        if self.phase != DONE:
+            self.error = error
+            self.finish("failed")
 
     def finish(self, reason: str) -> None:
         if self.phase != DONE:

@@ -235,7 +235,7 @@ def test_api_key_sources(tmp_path, monkeypatch):
 
 # ---- shutdown with requests in flight --------------------------------------------------------------------
 def test_sigint_answers_waiting_clients_and_ends_streams(long_model):
-    s = ServerProcess(long_model, "--max-tokens-cap", 8000, "--parallel", 1, ctx=8192)
+    s = ServerProcess(long_model, "--max-tokens-cap", 8000, "--parallel", 1, "--shutdown-timeout", 0, ctx=8192)
     events, waiting = [], {}
     first = threading.Event()
 

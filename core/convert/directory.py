@@ -1,6 +1,7 @@
 """GGUF file -> Hugging Face model directory (``cpullm convert``; see :mod:`cpullm.convert`)."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -135,6 +136,14 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *,
                                   f"inconsistent ({type(exc).__name__}: {limits.one_line(exc, 160)})") from exc
         except MemoryError:
             raise ConversionError(f"not enough memory to convert {Path(gguf_path).name}") from None
+        except OSError as exc:          # a full disk or quota, a file size limit, an I/O error
+            why = exc.strerror or limits.one_line(exc, 120)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise ConversionError(f"cannot write the converted model into {out_dir.parent}: {why}; free "
+                                      "some space there (a bf16 model takes about twice a Q8 GGUF's size) "
+                                      "or give another output directory") from None
+            raise ConversionError(f"converting {Path(gguf_path).name} failed: {why} "
+                                  f"({limits.shown(exc.filename, 120)})") from None
         _check_out_dir(out_dir, overwrite)  # it may have appeared meanwhile
         _move_into_place(tmp, out_dir)
     except BaseException:

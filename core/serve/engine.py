@@ -8,9 +8,12 @@ time between those steps; the rest wait in arrival order. KV memory for ``parall
 of the whole context is allocated at start and reported by ``/health``. Pieces of text flow back
 to the request's coroutine through an asyncio queue. A client that disconnects (streaming or
 not) sets its job's cancel flag: its sequence leaves at the next step and frees its slot.
-At most ``max_queue`` jobs wait; more get 503. A job's generation time is bounded by its
-``time_limit`` (then it ends with finish_reason "length"). On shutdown the running generations
-and every waiting job end with the 503 ``server_shutting_down`` error.
+At most ``max_queue`` jobs wait (``--queue``); more get 429 with ``Retry-After`` at once, never a
+hang. A client reading its stream slowly holds nothing but its own pieces (at most its
+max_tokens of text): the engine's thread never waits for a reader. A job's generation time is bounded by its
+``time_limit`` (then it ends with finish_reason "length"). A graceful shutdown (:meth:`Engine.drain`) refuses new jobs and
+ends the waiting ones with the 503 ``server_shutting_down`` error while the running generations go
+on; :meth:`Engine.close` then ends whatever still runs with that error.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from ..generate import GenerationStats
 from .openai import ApiError, shutting_down_error
 
 DEFAULT_MAX_QUEUE = 64
+RETRY_AFTER_S = 1          # a refused client's Retry-After: a slot frees every few tokens
 
 
 class Job:
@@ -38,6 +42,8 @@ class Job:
         self.abort: Exception | None = None    # set with cancel: the error the client gets
         self.cancel = threading.Event()
         self.stats = GenerationStats()
+        self.request = None               # the engine's cpullm.engine.Request, once submitted
+        self.cache_salt: str | None = None   # its tenant: shares cached prefixes only within it
         self.finished = threading.Event()
         self._emit = None
 
@@ -51,7 +57,7 @@ class Job:
 class Engine:
     """Owns the model's scheduler (:class:`cpullm.engine.Engine`): up to ``parallel`` jobs decode
     together, sharing each pass over the weights; the others wait in arrival order (at most
-    ``max_queue``; more get 503). Text pieces (stop strings applied) go back through each job's
+    ``max_queue``; more get 429). Text pieces (stop strings applied) go back through each job's
     emit; a job's cancel flag is its sequence's, so a client that leaves frees its slot at the
     next step."""
 
@@ -73,18 +79,26 @@ class Engine:
         out: asyncio.Queue = asyncio.Queue()
         job._emit = lambda item: loop.call_soon_threadsafe(out.put_nowait, item)
         with self._lock:
-            if self._closed:
+            if self._closed or self._draining:
                 raise shutting_down_error()
-            if self.core.scheduler.counts()["waiting"] >= self.max_queue:
-                raise ApiError(f"the server is busy ({self.max_queue} requests are already waiting); "
-                               "retry in a moment", 503, "server_overloaded")
+            c = self.core.scheduler.counts()
+            if c["waiting"] >= self.max_queue and not c["free_slots"]:
+                err = ApiError(f"the server is busy: {self.parallel} requests are generating and "
+                               f"{self.max_queue} waiting (its --queue); retry after {RETRY_AFTER_S} s",
+                               429, "rate_limit_exceeded", type="server_overloaded")
+                err.headers = {"retry-after": str(RETRY_AFTER_S)}
+                raise err
             self.counters["requests"] += 1
         text = TextStream(self.model.tokenizer, job.stop)
         job.ended_by = None              # "stop" (a stop string) or "timeout", set on the engine thread
         job.deadline = None
 
+        submitted = threading.Lock()     # held until job.request is set (read at the end)
+
         def on_token(tok):               # on the scheduler's thread
             if tok is None:
+                with submitted:
+                    pass
                 self._finish(job, text)
                 return
             if job.ended_by is not None or job.cancel.is_set():
@@ -102,14 +116,15 @@ class Engine:
                 job.cancel.set()         # frees the slot at the next step
 
         try:
-            self.core.submit(job.ids, job.max_tokens, stats=job.stats, cancel=job.cancel,
-                             on_token=on_token, **job.sampling)
+            with submitted:
+                job.request = self.core.submit(job.ids, job.max_tokens, stats=job.stats, cancel=job.cancel,
+                                               on_token=on_token, cache_salt=job.cache_salt, **job.sampling)
+                with self._lock:             # before its _finish can run (it waits for `submitted`)
+                    self._jobs.add(job)
         except Exception:
             with self._lock:
                 self.counters["failed"] += 1
             raise
-        with self._lock:
-            self._jobs.add(job)
         return out
 
     def _finish(self, job: Job, text) -> None:
@@ -117,7 +132,10 @@ class Engine:
         if job.abort is not None:
             outcome = "cancelled"
             job.emit(("error", job.abort))
-        elif st.stop_reason == "error":
+        elif st.stop_reason == "failed" and job.request is not None and job.request.error is not None:
+            outcome = "failed"              # this request's own failure (cpullm.errors): a 4xx
+            job.emit(("error", job.request.error))
+        elif st.stop_reason in ("error", "failed"):
             outcome = "failed"
             job.emit(("error", RuntimeError("the generation failed (see the server log)")))
         elif st.stop_reason == "cancelled" and job.ended_by is None:
@@ -160,7 +178,27 @@ class Engine:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._closed or self._draining
+
+    _draining = False
+
+    def drain(self) -> None:
+        """Begin a graceful shutdown: new jobs are refused and every job still waiting for a slot
+        ends with the 503 ``server_shutting_down`` error; running generations go on (see
+        :meth:`running`), until :meth:`close` ends what is left."""
+        from ..sequence import WAITING
+        with self._lock:
+            self._draining = True
+            jobs = list(self._jobs)
+        for job in jobs:
+            if job.request is not None and job.request.seq.phase == WAITING:
+                job.abort = shutting_down_error()
+                job.cancel.set()
+
+    def running(self) -> int:
+        """Jobs not finished yet (generating, or ending)."""
+        with self._lock:
+            return len(self._jobs)
 
     def close(self) -> None:
         """Refuse new jobs; the running ones and every waiting one end with a 503 error."""

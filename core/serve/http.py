@@ -46,6 +46,7 @@ STATIC_DIR = Path(__file__).parent / "static"
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 DEFAULT_HEADER_TIMEOUT_S = 10.0       # to send a request's line and headers
 DEFAULT_BODY_TIMEOUT_S = 30.0         # to send its body (4 MiB at ~140 KB/s)
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0     # SIGTERM: running generations' time to finish
 LOOPBACK_NAMES = {"127.0.0.1", "localhost", "::1", "[::1]"}
 PAGE_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; connect-src 'self'; "
             "img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'; form-action 'none'")
@@ -67,29 +68,71 @@ async def _send_json(send, status: int, obj, headers=()) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-class Guard:
-    """Pure ASGI middleware: Host check (loopback servers), bearer API key on /v1/, a last-resort
-    JSON 500, and ``nosniff`` on every response."""
+MAX_HEADER_BYTES = 16 * 1024        # request line aside: names and values of every header
 
-    def __init__(self, app, api_key: str | None, allowed_hosts: set[str] | None, engine=None):
+
+def check_api_keys(keys) -> list[str]:
+    """The API keys (a string or a list), each 1..4096 visible ASCII characters (what a client
+    can send in an Authorization header); anything else is a ConfigError at start, not a key
+    no client could ever send."""
+    keys = [keys] if isinstance(keys, str) else list(keys or [])
+    for i, k in enumerate(keys):
+        if not isinstance(k, str) or not 0 < len(k) <= 4096 or not all("!" <= c <= "~" for c in k):
+            raise ConfigError(f"API key {i + 1} must be 1 to 4096 visible ASCII characters (no spaces, "
+                              "no other alphabets): a client could not send it in an HTTP header")
+    return keys
+
+
+def tenant_salt(key: bytes) -> str:
+    """The prefix-cache salt of the requests made with ``key``: its tenant's, never the key."""
+    import hashlib
+    return "key:" + hashlib.sha256(b"cpullm prefix cache tenant\0" + key).hexdigest()[:32]
+
+
+class Guard:
+    """Pure ASGI middleware: Host check (loopback servers), header size, bearer API key on /v1/
+    (any of the keys; each key is a tenant, whose salt goes to ``scope["cpullm.tenant"]``), a
+    last-resort JSON 500, and ``nosniff`` on every response. ``scope["cpullm.authorized"]``
+    says whether the request may see the server's statistics (no key, or a valid one)."""
+
+    def __init__(self, app, api_key, allowed_hosts: set[str] | None, engine=None):
         self.app = app
-        self.api_key = api_key.encode() if api_key else None
+        self.api_keys = [k.encode() for k in check_api_keys(api_key)]
+        self.api_key = self.api_keys[0] if self.api_keys else None
         self.allowed_hosts = allowed_hosts
         self.engine = engine
+
+    def _key_of(self, token: str) -> bytes | None:
+        """The configured key equal to ``token`` (every key compared, in constant time each)."""
+        got = None
+        raw = token.encode("latin-1", "replace")
+        for k in self.api_keys:
+            if hmac.compare_digest(raw, k):
+                got = k
+        return got
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if sum(len(k) + len(v) + 4 for k, v in scope["headers"]) > MAX_HEADER_BYTES:
+            return await _send_json(send, 431, {"error": {
+                "message": f"the request headers are over {MAX_HEADER_BYTES // 1024} KiB; send fewer "
+                           "or shorter headers", "type": "invalid_request_error", "param": None,
+                "code": "headers_too_large"}})
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if self.allowed_hosts is not None and _host_name(headers.get("host", "")) not in self.allowed_hosts:
             return await _send_json(send, 400, {"error": {
                 "message": "this server is bound to loopback and only answers requests for "
                            "localhost / 127.0.0.1 / [::1] (Host header refused)",
                 "type": "invalid_request_error", "param": None, "code": "invalid_host"}})
-        if self.api_key is not None and scope["path"].startswith("/v1"):
-            auth = headers.get("authorization", "")
-            scheme, _, token = auth.partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
+        key = None
+        if self.api_keys:
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            key = self._key_of(token.strip()) if scheme.lower() == "bearer" else None
+        scope["cpullm.authorized"] = not self.api_keys or key is not None
+        scope["cpullm.tenant"] = tenant_salt(key) if key is not None and len(self.api_keys) > 1 else None
+        if self.api_keys and scope["path"].startswith("/v1"):
+            if key is None:
                 return await _send_json(send, 401, {"error": {
                     "message": "Incorrect or missing API key: send the header "
                                "'Authorization: Bearer <key>' with the key the server was started with",
@@ -177,6 +220,11 @@ class SSEResponse:
                     await self.events.aclose()
 
 
+class ClientLeft(Exception):
+    """The client hung up before its request was read whole: nobody to answer (counted as
+    cancelled, not logged)."""
+
+
 async def _read_json(request, limit: int, timeout: float = DEFAULT_BODY_TIMEOUT_S) -> dict:
     ctype = request.headers.get("content-type", "")
     if ctype.split(";")[0].strip().lower() != "application/json":
@@ -188,13 +236,18 @@ async def _read_json(request, limit: int, timeout: float = DEFAULT_BODY_TIMEOUT_
                        "--max-request-bytes)", 413, "request_too_large")
     import anyio
 
+    from starlette.requests import ClientDisconnect
+
     buf = bytearray()
     with anyio.move_on_after(timeout) as scope:
-        async for chunk in request.stream():
-            buf += chunk
-            if len(buf) > limit:
-                raise ApiError(f"the request body is over the limit of {limit} bytes (the server's "
-                               "--max-request-bytes)", 413, "request_too_large")
+        try:
+            async for chunk in request.stream():
+                buf += chunk
+                if len(buf) > limit:
+                    raise ApiError(f"the request body is over the limit of {limit} bytes (the server's "
+                                   "--max-request-bytes)", 413, "request_too_large")
+        except ClientDisconnect:
+            raise ClientLeft() from None
     if scope.cancelled_caught:
         raise ApiError(f"the request body did not arrive within {timeout:g} s; send it at once",
                        408, "request_timeout")
@@ -224,7 +277,8 @@ def error_response(exc: Exception):
     status, body = error_body(exc)
     if status >= 500 and not isinstance(exc, CpullmError):
         traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
-    return Response(json_bytes(body), status, media_type="application/json")
+    return Response(json_bytes(body), status, media_type="application/json",
+                    headers=getattr(exc, "headers", None))
 
 
 class Endpoints:
@@ -264,10 +318,15 @@ class Endpoints:
         return JSONResponse(_model_card(self.api))
 
     async def health(self, request: Request):
+        """Open to all; the prefix cache's statistics only with the API key (hits tell whether
+        someone sent a prompt, so they are the key holders' business)."""
         from starlette.responses import JSONResponse
+        snap = self.engine.snapshot()
+        if not request.scope.get("cpullm.authorized", True):
+            snap.pop("prefix_cache", None)
         return JSONResponse({"status": "ok", "model": self.api.model_id, "n_ctx": self.api.model.n_ctx,
                              "limits": _limits(self.api, self.max_request_bytes, self.body_timeout),
-                             **self.engine.snapshot()})
+                             **snap})
 
     async def page(self, request: Request):
         from starlette.responses import FileResponse
@@ -332,12 +391,18 @@ class Endpoints:
 
         api, engine = self.api, self.engine
         try:
-            body = await _read_json(request, self.max_request_bytes, self.body_timeout)
+            try:
+                body = await _read_json(request, self.max_request_bytes, self.body_timeout)
+            except ClientLeft:
+                engine.count_left_early()
+                return Response(b"", 499)            # the client left; nobody reads this
             spec, gone = await self._prepare(request, prepare, body)
             if gone:
                 engine.count_left_early()
                 return Response(b"", 499)            # the client left; nobody reads this
             job = Job(spec.ids, spec.max_tokens, spec.sampling, spec.stop, api.request_timeout)
+            tenant = request.scope.get("cpullm.tenant")
+            job.cache_salt = tenant if spec.cache_salt is None else f"{tenant}|salt:{spec.cache_salt}"
             out = engine.submit(job, asyncio.get_running_loop())
         except Exception as exc:
             if engine.closed and (isinstance(exc, ChatTemplateError) or
@@ -522,11 +587,13 @@ def serve(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | None 
           request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
           header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
           body_timeout: float = DEFAULT_BODY_TIMEOUT_S, parallel: int | None = None,
-          prefix_cache_bytes: int | None = None, prefill_chunk: int | None = None) -> None:
+          prefix_cache_bytes: int | None = None, prefill_chunk: int | None = None,
+          shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
     """Serve until interrupted. ``port=0`` picks a free port; ``announce`` gets the ready line
-    (with the real URL) once the socket listens. On SIGINT/SIGTERM the engine and the template
-    worker stop first, so every waiting client gets the 503 JSON error and every stream an
-    error event, before uvicorn's graceful close."""
+    (with the real URL) once the socket listens. On SIGINT/SIGTERM the server stops accepting,
+    every waiting client gets the 503 JSON error, running generations have ``shutdown_timeout``
+    seconds to finish, then the rest end with an error event (a stream) or the 503 JSON error,
+    and the template worker stops, before uvicorn's graceful close."""
     import socket
 
     import uvicorn
@@ -535,6 +602,16 @@ def serve(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | None 
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):
+            # stop accepting, refuse what waits, let what generates finish within the grace
+            # period, then end the rest with the shutdown error (a stream's last event)
+            for server in self.servers:
+                server.close()
+            app.engine.drain()
+            deadline = time.monotonic() + shutdown_timeout
+            # the grace period covers generating and sending: a stream whose tokens are all made
+            # may still be on its way to a slow client (uvicorn's request tasks)
+            while (app.engine.running() or self.server_state.tasks) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             app.engine.close()
             stop_render_worker()
             await super().shutdown(sockets=sockets)
@@ -571,9 +648,23 @@ def serve(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | None 
     announce(f"cpullm: serving {model_id or Path(str(model.model_dir)).name} at "
              f"http://{shown}:{real_port}/ (OpenAI API: http://{shown}:{real_port}/v1, "
              f"chat page: http://{shown}:{real_port}/)")
+    import signal
+
+    class _Terminated(Exception):
+        pass
+
+    def _on_sigterm(signum, frame):       # uvicorn re-raises the signal it handled once it is done
+        raise _Terminated()
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
         server.run(sockets=[sock])
+    except _Terminated:
+        pass                              # a graceful stop: exit status 0
     finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
         app.engine.close()
         stop_render_worker()
         sock.close()

@@ -22,11 +22,10 @@ from ..errors import (ChatTemplateError, ContextOverflowError, CpullmError, Samp
                       ServerRequestError)
 from ..generate import GenerationStats
 from ..limits import one_line
+from ..sampling import MAX_REPETITION_PENALTY, MIN_TEMPERATURE
 
 DEFAULT_MAX_TOKENS_CAP = 1024         # longest answer per request; an omitted max_tokens gets this
 DEFAULT_REQUEST_TIMEOUT_S = 300.0     # generation time per request: 1024 tokens at ~4 tok/s (a 4B model)
-MIN_TEMPERATURE = 1e-3                # logits / T must stay finite: 3.4e38 (float32 max) / 1e-3 is
-MAX_REPETITION_PENALTY = 1e3          # ... and so must penalized ones (x * 1e3, x / 1e-3)
 MAX_STOP = 16
 
 
@@ -86,10 +85,11 @@ def shutting_down_error() -> ApiError:
 class RequestSpec:
     """A checked request: prompt ids, answer length, sampling, stop strings, how to answer."""
 
-    def __init__(self, kind, ids, max_tokens, sampling, stop, stream, include_usage):
+    def __init__(self, kind, ids, max_tokens, sampling, stop, stream, include_usage, cache_salt=None):
         self.kind, self.ids, self.max_tokens = kind, ids, max_tokens
         self.sampling, self.stop = sampling, stop
         self.stream, self.include_usage = stream, include_usage
+        self.cache_salt = cache_salt      # the request's own prefix-cache salt (None: its tenant's)
 
 
 def _number(body: dict, key: str, default, lo=None, hi=None, lo_open=False, hi_open=False):
@@ -132,6 +132,22 @@ def _unsupported(body: dict, key: str, allowed, why: str) -> None:
     if v is not None and v not in allowed:
         raise ApiError(f"{key}={_quoted(v)} is not supported by this server: {why}", param=key,
                        code="unsupported_parameter")
+
+
+MAX_CACHE_SALT = 256
+
+
+def _cache_salt(body: dict) -> str | None:
+    """``cache_salt`` (as vLLM names it): requests share cached prompt prefixes only with
+    requests of the same salt (and the same API key), so a client that sends a secret one can
+    be neither reused nor timed by others."""
+    v = body.get("cache_salt")
+    if v is None:
+        return None
+    if not isinstance(v, str) or not 0 < len(v) <= MAX_CACHE_SALT:
+        raise ApiError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters, got {_quoted(v)}",
+                       param="cache_salt", code="invalid_value")
+    return v
 
 
 def _check_sampling_value(key: str, v: float) -> None:
@@ -185,7 +201,8 @@ class Api:
         self.request_timeout = request_timeout
         self.created = int(time.time())
         self.fingerprint = f"cpullm-{_version()}-{model.quant}"
-        self.vocab = int(model.program.meta.get("vocab", model.tokenizer.vocab_size))
+        from ..engine import embedding_rows
+        self.vocab = embedding_rows(model)          # ids a prompt may hold
         gc = model.config.get("_generation_config") or {}
         self.defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
                          "repetition_penalty": 1.0}
@@ -280,6 +297,21 @@ class Api:
             include_usage = _boolean(so, "include_usage", False)
         return stream, include_usage
 
+    def _without_paths(self, message: str) -> str:
+        """A message for the client with the model's location on this machine replaced by its id
+        (a client has no use for the server's file system layout)."""
+        where = str(self.model.model_dir)
+        return message.replace(where, f"the model `{self.model_id}`") if where else message
+
+    def _check_ids(self, ids: list[int], param: str) -> None:
+        """A text prompt whose tokens have no embedding row (a tokenizer longer than the model's
+        embedding) is this request's 400, before it joins a batch."""
+        bad = next((t for t in ids if not 0 <= t < self.vocab), None)
+        if bad is not None:
+            raise ApiError(f"the {param} tokenize to id {bad}, but this model's embedding has {self.vocab} "
+                           "rows: its tokenizer and weights do not match; use other text", param=param,
+                           code="invalid_value")
+
     # -- endpoint-specific parsing (runs in a worker thread: rendering and tokenizing cost CPU)
     def prepare_chat(self, body: dict, cancel: threading.Event | None = None) -> RequestSpec:
         from ..chat import RenderCancelled, check_messages, chat_prompt_ids
@@ -309,11 +341,13 @@ class Api:
         except RenderCancelled:
             raise
         except ChatTemplateError as exc:
-            raise ApiError(str(exc), param="messages", code="chat_template_error") from None
+            raise ApiError(self._without_paths(str(exc)), param="messages", code="chat_template_error") from None
         if not ids:
             raise ApiError("the chat template rendered an empty prompt", param="messages")
+        self._check_ids(ids, "messages")
         max_tokens = self._max_tokens(body, len(ids), "messages")
-        return RequestSpec("chat", ids, max_tokens, sampling, stop, stream, include_usage)
+        return RequestSpec("chat", ids, max_tokens, sampling, stop, stream, include_usage,
+                           cache_salt=_cache_salt(body))
 
     def prepare_completion(self, body: dict, cancel: threading.Event | None = None) -> RequestSpec:
         self._check_common(body)
@@ -326,6 +360,7 @@ class Api:
             if not prompt:
                 raise ApiError("prompt is empty: give some text", param="prompt", code="invalid_value")
             ids = self.model.tokenizer.encode(prompt)
+            self._check_ids(ids, "prompt")
         elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                          for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self.vocab]
@@ -345,7 +380,8 @@ class Api:
         stream, include_usage = self._stream_flags(body)
         sampling, stop = self._sampling(body), self._stop(body)
         max_tokens = self._max_tokens(body, len(ids), "prompt")
-        return RequestSpec("completion", ids, max_tokens, sampling, stop, stream, include_usage)
+        return RequestSpec("completion", ids, max_tokens, sampling, stop, stream, include_usage,
+                           cache_salt=_cache_salt(body))
 
     # -- responses
     def finish_reason(self, stats: GenerationStats) -> str:

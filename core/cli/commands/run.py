@@ -55,6 +55,9 @@ def run(args) -> int:
     require_utf8("--system", args.system)
     if not args.prompt.strip():
         raise PromptError("the prompt is empty: give some text with -p")
+    from cpullm.sampling import SamplingParams
+    SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty,
+                   args.seed).validate()                 # refused before loading, on one line
     if args.chat:
         check_chat_template(args)
     model = load_model(args)
@@ -76,8 +79,9 @@ def run(args) -> int:
             model.save_prompt_cache()
         print(json.dumps(out, ensure_ascii=False))
         return 0
-    for piece in pieces:
-        sys.stdout.write(piece)
+    from .chat import _safe
+    for piece in pieces:            # a model's text must not drive the terminal (--json: exact, escaped)
+        sys.stdout.write(_safe(piece))
         sys.stdout.flush()
     if args.prompt_cache:
         model.save_prompt_cache()

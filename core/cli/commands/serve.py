@@ -26,8 +26,12 @@ a 400, and /v1/completions still works.
 Without an API key anyone who can reach the port can use the model: the server binds 127.0.0.1
 unless --host says otherwise. The key comes from --api-key-file (its first line), else
 --api-key (which other users can read with ps), else the CPULLM_API_KEY environment variable.
-Ctrl-C (SIGINT) stops the server: waiting requests get a 503 JSON error, streams end with an
-error event."""
+--tenant-keys-file gives several keys, one per line, each a tenant: a tenant shares cached
+prompt prefixes only with requests made with its own key (a request's "cache_salt" narrows that
+further). /health shows the prefix cache's statistics only to a request with a key.
+Ctrl-C (SIGINT) or SIGTERM stops the server: it stops accepting, waiting requests get a 503
+JSON error, running generations have --shutdown-timeout seconds to finish, then the rest end
+with an error event (streams) or the 503 error; exit status 0."""
 
 
 def positive_seconds(text: str) -> float:
@@ -37,6 +41,16 @@ def positive_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
     if not (v > 0 and v < float("inf")):
         raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return v
+
+
+def non_negative_seconds(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not (0 <= v < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be >= 0 seconds, got {text}")
     return v
 
 
@@ -53,12 +67,16 @@ def add_parser(sub):
                         "--api-key-file or $CPULLM_API_KEY; default: $CPULLM_API_KEY, else none)")
     p.add_argument("--api-key-file", default=None, metavar="FILE",
                    help="read the API key from the first line of FILE (not shown in ps)")
+    p.add_argument("--tenant-keys-file", default=None, metavar="FILE",
+                   help="API keys, one per line, each a tenant: a tenant's cached prompt prefixes are "
+                        "never reused (nor timed) by another key")
     p.add_argument("--model-name", default=None,
                    help="model id clients send and /v1/models lists (default: the directory name)")
     p.add_argument("--max-request-bytes", type=positive_int, default=4 * 2**20,
                    help="largest request body accepted, larger ones get 413 (default 4 MiB)")
-    p.add_argument("--max-queue", type=positive_int, default=64,
-                   help="requests allowed to wait for the model, more get 503 (default 64)")
+    p.add_argument("--queue", "--max-queue", dest="max_queue", type=non_negative_int, default=64, metavar="N",
+                   help="requests allowed to wait while every --parallel slot is busy; more get 429 with "
+                        "Retry-After at once (default 64)")
     p.add_argument("--parallel", type=positive_int, default=None, metavar="N",
                    help="requests generating at once (default: 4 per thread, at most 8, and no more "
                         "than whose KV fits in half the available memory)")
@@ -76,6 +94,9 @@ def add_parser(sub):
                         "\"length\" (default 300)")
     p.add_argument("--template-timeout", type=positive_seconds, default=10.0, metavar="SECONDS",
                    help="time to render the chat template of one request (default 10)")
+    p.add_argument("--shutdown-timeout", type=non_negative_seconds, default=10.0, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, running generations get this long to finish before they "
+                        "end with an error event (default 10; 0: end them at once)")
     p.add_argument("--header-timeout", type=positive_seconds, default=10.0, metavar="SECONDS",
                    help="time a client has to send a request's headers, else the connection "
                         "closes (default 10)")
@@ -87,13 +108,17 @@ def add_parser(sub):
     return p
 
 
-def api_key(args) -> str | None:
-    """The key from --api-key-file, --api-key or $CPULLM_API_KEY (one source at a time)."""
+def api_key(args) -> str | list[str] | None:
+    """The key from --api-key-file (its first line), the keys of --tenant-keys-file (one per
+    line: several tenants, whose cached prompt prefixes are kept apart), --api-key or
+    $CPULLM_API_KEY (one source at a time); each visible ASCII, refused at start otherwise."""
     from cpullm.errors import ConfigError
+    from cpullm.serve.http import check_api_keys
 
     if args.api_key_file is not None:
-        if args.api_key is not None:
-            raise ConfigError("give the API key once: --api-key or --api-key-file, not both")
+        if args.api_key is not None or getattr(args, "tenant_keys_file", None) is not None:
+            raise ConfigError("give the API key once: --api-key, --api-key-file or --tenant-keys-file, "
+                              "not both")
         try:
             with open(args.api_key_file, encoding="utf-8") as f:
                 key = f.readline(4097).strip()
@@ -104,8 +129,25 @@ def api_key(args) -> str | None:
         if not key or len(key) > 4096:
             raise ConfigError(f"--api-key-file {args.api_key_file}: the first line must hold the key "
                               "(1 to 4096 characters)")
+        check_api_keys(key)
         return key
+    if getattr(args, "tenant_keys_file", None) is not None:
+        if args.api_key is not None:
+            raise ConfigError("give the API keys once: --api-key or --tenant-keys-file, not both")
+        try:
+            with open(args.tenant_keys_file, encoding="utf-8") as f:
+                lines = f.read(1 << 20).splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read --tenant-keys-file {args.tenant_keys_file} "
+                              f"({getattr(exc, 'strerror', None) or exc}); give a readable text file "
+                              "with one key per line") from None
+        keys = [k.strip() for k in lines if k.strip()]
+        if not keys or len(keys) > 4096:
+            raise ConfigError(f"--tenant-keys-file {args.tenant_keys_file} must hold 1 to 4096 keys, one per line")
+        return check_api_keys(keys)
     key = args.api_key if args.api_key is not None else os.environ.get("CPULLM_API_KEY")
+    if key:
+        check_api_keys(key)
     return key or None
 
 
@@ -137,7 +179,7 @@ def run(args) -> int:
               request_timeout=args.request_timeout, header_timeout=args.header_timeout,
               body_timeout=args.body_timeout, parallel=args.parallel,
               prefix_cache_bytes=None if args.prefix_cache is None else args.prefix_cache * 2**20,
-              prefill_chunk=args.prefill_chunk)
+              prefill_chunk=args.prefill_chunk, shutdown_timeout=args.shutdown_timeout)
     except KeyboardInterrupt:
         pass
     print("cpullm: server stopped", file=sys.stderr, flush=True)
