@@ -32,6 +32,7 @@ class Job:
         self.ids = ids
         self.max_tokens = max_tokens
         self.sampling = sampling
+        self.seq = None             # the running cpullm.sequence.Sequence (its log-probabilities)
         self.stop = stop
         self.time_limit = time_limit      # seconds of generation, from when the engine takes it
         self.timed_out = False
@@ -102,8 +103,8 @@ class Engine:
                 job.cancel.set()         # frees the slot at the next step
 
         try:
-            self.core.submit(job.ids, job.max_tokens, stats=job.stats, cancel=job.cancel,
-                             on_token=on_token, **job.sampling)
+            job.seq = self.core.submit(job.ids, job.max_tokens, stats=job.stats, cancel=job.cancel,
+                                       on_token=on_token, **job.sampling).seq
         except Exception:
             with self._lock:
                 self.counters["failed"] += 1

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ChatTemplateError, ConfigError, CpullmError
 from .engine import DEFAULT_MAX_QUEUE, Engine, Job, job_pieces
-from .openai import (DEFAULT_MAX_TOKENS_CAP, DEFAULT_REQUEST_TIMEOUT_S, Api, ApiError, RequestSpec,
+from .openai import (LogprobCursor, DEFAULT_MAX_TOKENS_CAP, DEFAULT_REQUEST_TIMEOUT_S, Api, ApiError, RequestSpec,
                      error_body, json_bytes, shutting_down_error, surrogate_path)
 
 if TYPE_CHECKING:
@@ -432,6 +432,7 @@ async def _collect(request, api: Api, spec: RequestSpec, job: Job, out, rid, cre
     if failure is not None:
         return error_response(failure)
     obj = api.answer(spec, rid, created, "".join(pieces), job.stats)
+    obj["choices"][0]["logprobs"] = LogprobCursor(spec, api.model.tokenizer, job.seq).whole()
     return Response(json_bytes(obj), 200, media_type="application/json")
 
 
@@ -439,6 +440,7 @@ async def _sse_events(api: Api, spec: RequestSpec, job: Job, out, rid, created):
     """The ``data:`` payloads of a streamed answer, ``[DONE]`` last; an error mid-stream is sent
     as an ``{"error": ...}`` event."""
     chat = spec.kind == "chat"
+    lps = LogprobCursor(spec, api.model.tokenizer, job.seq)
 
     def chunk(**fields):
         return api.chunk(spec, rid, created, **fields)
@@ -447,8 +449,9 @@ async def _sse_events(api: Api, spec: RequestSpec, job: Job, out, rid, created):
         if chat:
             yield chunk(delta={"role": "assistant", "content": ""})
         async for piece in job_pieces(out, job):
-            yield chunk(delta={"content": piece}) if chat else chunk(text=piece)
-        yield chunk(delta={}, text="", finish=api.finish_reason(job.stats))
+            yield chunk(delta={"content": piece}, logprobs=lps.take()) if chat else \
+                chunk(text=piece, logprobs=lps.take())
+        yield chunk(delta={}, text="", finish=api.finish_reason(job.stats), logprobs=lps.take(final=True))
         if spec.include_usage:
             yield chunk(empty=True, usage=api.usage(job.stats, spec))
     except Exception as exc:
