@@ -232,3 +232,28 @@ def test_stream_events_carry_logprobs(tiny):
     free = list(tiny.generate_stream([3, 4, 5], 5, logprobs=2, temperature=0.7, seed=4, presence_penalty=1.5))
     assert all(e.logprob <= 0 and len(e.top_logprobs) == 2 for e in free)
     assert all(e.top_logprobs[0][1] >= e.logprob for e in free)
+
+
+# ---- cpullm run's flags ------------------------------------------------------------------------------------
+def test_run_flags_read_and_check_their_files(tmp_path):
+    import argparse
+
+    from cpullm.cli.commands.run import add_constraint_options, constraint_spec
+    p = argparse.ArgumentParser()
+    add_constraint_options(p)
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object"}')
+    assert constraint_spec(p.parse_args(["--json-schema", str(schema)])) == {"json_schema": {"type": "object"}}
+    gbnf = tmp_path / "g.gbnf"
+    gbnf.write_text('root ::= "a"')
+    assert constraint_spec(p.parse_args(["--grammar", str(gbnf)])) == {"grammar": 'root ::= "a"'}
+    assert constraint_spec(p.parse_args(["--choice", "red,green"])) == {"choice": ["red", "green"]}
+    assert constraint_spec(p.parse_args(["--regex", "[0-9]+"])) == {"regex": "[0-9]+"}
+    assert constraint_spec(p.parse_args([])) is None
+    schema.write_text("{not json")
+    with pytest.raises(ConstraintError, match="not valid JSON"):
+        constraint_spec(p.parse_args(["--json-schema", str(schema)]))
+    with pytest.raises(ConstraintError, match="missing.json"):
+        constraint_spec(p.parse_args(["--json-schema", str(tmp_path / "missing.json")]))
+    with pytest.raises(SystemExit):         # one constraint at a time
+        p.parse_args(["--regex", "a", "--choice", "a"])
