@@ -88,7 +88,10 @@ def _walk(cons, tokenizer, seed=0, limit=200):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_regex_choice_json_and_grammars_hold_on_each_tokenizer(tok, seed):
-    text = _walk(C.build_constraint({"regex": r"[ab]{2,5}-[0-9]{1,3}"}, tok), tok, seed)
+    c = C.build_constraint({"regex": r"[ab]{2,5}-[0-9]{1,3}"}, tok)
+    ok = c.allowed()
+    assert [c.allows(t) for t in range(ok.size + 40)] == list(ok) + [False] * 40
+    text = _walk(c, tok, seed)
     assert re.fullmatch(r"[ab]{2,5}-[0-9]{1,3}", text), text
     assert _walk(C.build_constraint({"choice": ["yes", "no", "maybe so"]}, tok), tok, seed) in \
         ("yes", "no", "maybe so")
