@@ -1,6 +1,6 @@
 """Constrained decoding (cpullm.constraints) and the per-sequence logits pipeline (cpullm.sampling):
 constraints on tiny tokenizers of each kind (byte-level BPE, SentencePiece-style with byte
-fallback), bad and oversized specs refused with a named error, the sampling surface (logit_bias,
+fallback, a GGUF SentencePiece vocabulary through cpullm.gguf_vocab), bad and oversized specs refused with a named error, the sampling surface (logit_bias,
 presence/frequency penalties, logits processors, log-probabilities), and constrained generation
 on a tiny random model: the output matches, alone and batched with free sequences alike."""
 import json
@@ -51,7 +51,20 @@ def _sentencepiece_like():
     return Tokenizer.from_objects(tok, {"eos_token": "</s>"})
 
 
-TOKENIZERS = {"byte_level": _byte_level, "sentencepiece": _sentencepiece_like}
+def _gguf_vocabulary():
+    """A SentencePiece vocabulary as a GGUF's metadata holds it, through cpullm.gguf_vocab."""
+    from cpullm.gguf_vocab import build_tokenizer
+    toks = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + \
+        ["▁yes", "▁no", "▁", "y", "e", "s", "n", "o", "{", "}", '"', ":", "1", "2"]
+    meta = {"general.architecture": "llama", "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": toks,
+            "tokenizer.ggml.token_type": [2, 3, 3] + [6] * 256 + [1] * (len(toks) - 259),
+            "tokenizer.ggml.scores": [0.0] * len(toks), "tokenizer.ggml.bos_token_id": 1,
+            "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0}
+    tok, config, _ = build_tokenizer(meta)
+    return Tokenizer.from_objects(tok, config)
+
+
+TOKENIZERS = {"byte_level": _byte_level, "sentencepiece": _sentencepiece_like, "gguf": _gguf_vocabulary}
 
 
 @pytest.fixture(scope="module", params=sorted(TOKENIZERS))
