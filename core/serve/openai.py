@@ -209,8 +209,8 @@ class Api:
             if m != self.model_id:
                 raise ApiError(f"The model `{m}` does not exist: this server runs `{self.model_id}` "
                                "(GET /v1/models lists it)", 404, "model_not_found", "model")
-        _unsupported(body, "n", (1,), "one choice per request (send several requests)")
-        _unsupported(body, "best_of", (1,), "one choice per request")
+        choices_count(body)
+        _unsupported(body, "best_of", (1,), "best_of is not served: send n for several choices")
 
     def _sampling(self, body: dict) -> dict:
         d = self.defaults
@@ -626,4 +626,41 @@ class LogprobCursor:
     def whole(self):
         """The ``logprobs`` of a non-streamed answer (None when off)."""
         return self.take(final=True)
+
+
+# ---- n choices --------------------------------------------------------------------------------------------
+MAX_CHOICES = 8
+"""Largest ``n``: each choice is a sequence of its own in the scheduler (its own slot and seed)."""
+
+
+def choices_count(body: dict) -> int:
+    """``n``, checked: 1 to :data:`MAX_CHOICES`."""
+    n = _integer(body, "n", 1, 1)
+    if n > MAX_CHOICES:
+        raise ApiError(f"n must be at most {MAX_CHOICES}, got {n}: send several requests for more",
+                       param="n", code="invalid_value")
+    return n
+
+
+def choice_sampling(sampling: dict, index: int) -> dict:
+    """The sampling of choice ``index`` of a request: the seed offset by the index (each choice
+    draws its own tokens; a seeded request stays reproducible), and a copy of the constraint."""
+    out = dict(sampling)
+    if index and out.get("seed") is not None:
+        out["seed"] = (out["seed"] + index) & (2**64 - 1)
+    if index and out.get("constraint") is not None:
+        out["constraint"] = out["constraint"].copy()
+    return out
+
+
+def merge_choices(objs: list[dict]) -> dict:
+    """One answer from the whole answers of each choice (``choices[0]`` of each, re-indexed;
+    completion tokens summed, the prompt counted once)."""
+    out = dict(objs[0])
+    out["choices"] = [dict(o["choices"][0], index=i) for i, o in enumerate(objs)]
+    u = [o.get("usage") or {} for o in objs]
+    prompt = u[0].get("prompt_tokens", 0)
+    done = sum(x.get("completion_tokens", 0) for x in u)
+    out["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+    return out
 
