@@ -1,7 +1,10 @@
 """The generation loop: prefill, sample, decode, stop on EOS ids or stop strings, stream text."""
 from __future__ import annotations
 
+import time
 from typing import Iterator
+
+import attrs
 
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -10,11 +13,17 @@ from .tokenize import IncrementalDecoder
 
 
 def generate_ids(forward, slot, prompt_ids, max_new_tokens: int, params: SamplingParams, stop_ids,
-                 stats: GenerationStats | None = None, cancel=None, prompt_cache=None) -> Iterator[int]:
+                 stats: GenerationStats | None = None, cancel=None, prompt_cache=None, constraint=None,
+                 logits_processors=(), seq_out: list | None = None) -> Iterator[int]:
     """Yield generated token ids of ``prompt_ids`` run alone in ``slot``; stops at an EOS id in
-    ``stop_ids`` (not yielded), after max_new_tokens, at the end of the context, or when ``cancel``
-    (a threading.Event) is set (stop_reason "cancelled")."""
-    seq = Sequence(prompt_ids, max_new_tokens, params, stop_ids=stop_ids, stats=stats, cancel=cancel)
+    ``stop_ids`` (not yielded), after max_new_tokens, at the end of the context, when
+    ``constraint`` (cpullm.constraints.Constraint) is complete (stop_reason "stop"), or when
+    ``cancel`` (a threading.Event) is set (stop_reason "cancelled"). ``seq_out``: a list that
+    receives the Sequence (its log-probabilities)."""
+    seq = Sequence(prompt_ids, max_new_tokens, params, stop_ids=stop_ids, stats=stats, cancel=cancel,
+                   constraint=constraint, logits_processors=logits_processors)
+    if seq_out is not None:
+        seq_out.append(seq)
     yield from run_alone(forward, slot, seq, prompt_cache)
 
 
@@ -92,3 +101,43 @@ def generate_text(tokenizer, token_ids: Iterator[int], stop: list[str] | None = 
         stats.stop_reason = "stop"
     if piece:
         yield piece
+
+
+@attrs.frozen
+class TokenEvent:
+    """One generated token as :func:`generate_events` streams it: its id, the text that became
+    final with it (may be "" while a character or a stop string is incomplete), its
+    log-probability and the likeliest alternatives (None / () unless log-probabilities were
+    asked for), and the seconds since generation started."""
+    token: int
+    text: str
+    logprob: float | None
+    top_logprobs: tuple
+    elapsed_s: float
+
+
+def generate_events(tokenizer, token_ids: Iterator[int], holder: list, stop: list[str] | None = None,
+                    stats: GenerationStats | None = None) -> Iterator[TokenEvent]:
+    """Yield a :class:`TokenEvent` per generated token of ``token_ids`` (whose Sequence
+    ``holder[0]`` receives: :func:`generate_ids`'s ``seq_out``); text past a ``stop`` string is
+    cut (the event that reaches it carries the text before it, and generation ends)."""
+    stats = stats if stats is not None else GenerationStats()
+    text = TextStream(tokenizer, stop)
+    t0 = time.perf_counter()
+    last = None
+    for tok in token_ids:
+        seq = holder[0]
+        lp = seq.logprobs[-1] if seq.logprobs else None
+        piece = text.push(tok)
+        if last is not None:
+            yield last
+        last = TokenEvent(tok, piece, None if lp is None else lp.logprob, () if lp is None else lp.top,
+                          time.perf_counter() - t0)
+        if text.stopped:
+            stats.stop_reason = "stop"
+            break
+    if last is not None:
+        tail = text.flush()
+        if text.stopped:
+            stats.stop_reason = "stop"
+        yield attrs.evolve(last, text=last.text + tail)

@@ -30,7 +30,7 @@ from .errors import ConfigError, CpullmError
 from .forward import Forward, Slot
 from .kernels.warmup import compile_seconds
 from .prefix_cache import PrefixCache
-from .sequence import DECODE, PREFILL, WAITING, Sequence
+from .sequence import DECODE, PREFILL, WAITING, Sequence, start_masks
 
 
 DEFAULT_PREFIX_BLOCK = 64
@@ -214,6 +214,7 @@ class Scheduler:
         batch = [s for s in self.running if s.phase == DECODE and s.pending is not None]
         if not batch:
             return
+        masks = start_masks(batch)        # constrained rows' next masks, beside the forward pass
         t0, c0 = time.perf_counter(), compile_seconds()
         # one pass over the weights for every row; a row that only needs its argmax (plain
         # greedy) gets just the token (a lone one may read the lm_head through its screen)
@@ -221,6 +222,7 @@ class Scheduler:
                                            greedy=[s.greedy for s in batch])
         compiled = compile_seconds() - c0
         dt = max(0.0, time.perf_counter() - t0 - compiled)
+        masks.join()
         for seq, row, tok in zip(batch, logits, tokens):
             seq.stats.decode_s += dt
             seq.stats.decode_steps += 1

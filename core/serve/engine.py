@@ -36,6 +36,7 @@ class Job:
         self.ids = ids
         self.max_tokens = max_tokens
         self.sampling = sampling
+        self.seq = None             # the running cpullm.sequence.Sequence (its log-probabilities)
         self.stop = stop
         self.time_limit = time_limit      # seconds of generation, from when the engine takes it
         self.timed_out = False
@@ -119,6 +120,7 @@ class Engine:
             with submitted:
                 job.request = self.core.submit(job.ids, job.max_tokens, stats=job.stats, cancel=job.cancel,
                                                on_token=on_token, cache_salt=job.cache_salt, **job.sampling)
+                job.seq = job.request.seq
                 with self._lock:             # before its _finish can run (it waits for `submitted`)
                     self._jobs.add(job)
         except Exception:
