@@ -180,6 +180,7 @@ class Api:
                  request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S):
         self.model = model
         self.model_id = model_id
+        self.model_ids = {model_id}        # every id a request may name (create_app adds aliases)
         self.engine = engine
         self.max_tokens_cap = max_tokens_cap
         self.request_timeout = request_timeout
@@ -198,13 +199,41 @@ class Api:
                     continue                        # the checkpoint's value would break sampling
                 self.defaults[k] = type(self.defaults[k])(v)
 
+    # -- token counting
+    def check_model(self, body: dict) -> None:
+        """A 404 when the body names a model this server does not run."""
+        m = body.get("model")
+        if m is not None:
+            if not isinstance(m, str):
+                raise ApiError(f"model must be a string, got {_quoted(m)}", param="model", code="invalid_type")
+            if m not in self.model_ids:
+                raise ApiError(f"The model `{m}` does not exist: this server runs `{self.model_id}` "
+                               "(GET /v1/models lists it)", 404, "model_not_found", "model")
+
+    def tokenize(self, body: dict) -> dict:
+        """``POST /tokenize``: ``{"tokens": [id, ...]}``, or with ``with_pieces``
+        ``{"tokens": [{"id": id, "piece": text}, ...]}`` (a piece is the token decoded alone)."""
+        content, add_special, with_pieces = parse_tokenize(body)
+        self.check_model(body)
+        tok = self.model.tokenizer
+        ids = tok.encode(content, add_special_tokens=add_special)
+        if not with_pieces:
+            return {"tokens": ids}
+        return {"tokens": [{"id": i, "piece": tok.decode([i])} for i in ids]}
+
+    def detokenize(self, body: dict) -> dict:
+        """``POST /detokenize``: ``{"content": text}`` of the ids (special tokens kept)."""
+        ids = parse_detokenize(body, self.vocab)
+        self.check_model(body)
+        return {"content": self.model.tokenizer.decode(ids)}
+
     # -- shared fields
     def _check_common(self, body: dict) -> None:
         m = body.get("model")
         if m is not None:
             if not isinstance(m, str):
                 raise ApiError(f"model must be a string, got {_quoted(m)}", param="model", code="invalid_type")
-            if m != self.model_id:
+            if m not in self.model_ids:
                 raise ApiError(f"The model `{m}` does not exist: this server runs `{self.model_id}` "
                                "(GET /v1/models lists it)", 404, "model_not_found", "model")
         _unsupported(body, "n", (1,), "one choice per request (send several requests)")
@@ -393,3 +422,54 @@ def _version() -> str:
     return __version__
 
 
+
+
+# ---- token counting: llama.cpp's /tokenize and /detokenize ----------------------------------------
+MAX_TOKENIZE_CHARS = 1 << 20          # text per /tokenize request
+MAX_DETOKENIZE_TOKENS = 1 << 18       # ids per /detokenize request
+
+
+def _only_fields(body: dict, allowed: tuple[str, ...], route: str) -> None:
+    """A 400 naming the first field ``route`` does not take (nothing is silently ignored)."""
+    for key in body:
+        if key not in allowed:
+            raise ApiError(f"{route} takes no field {key!r}; its fields are {', '.join(allowed)}",
+                           param=key, code="unsupported_parameter")
+
+
+def _token_ids(value, key: str, vocab: int, limit: int) -> list[int]:
+    """A list of token ids in [0, vocab), at most ``limit`` of them."""
+    if not isinstance(value, list):
+        raise ApiError(f"{key} must be a list of token ids, got {_quoted(value)}", param=key,
+                       code="invalid_type")
+    if len(value) > limit:
+        raise ApiError(f"{key} holds {len(value)} token ids; the limit is {limit}", param=key,
+                       code="invalid_value")
+    for i, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+            raise ApiError(f"{key}[{i}] must be a token id in [0, {vocab}), got {_quoted(t)}",
+                           param=key, code="invalid_value")
+    return [int(t) for t in value]
+
+
+def parse_tokenize(body: dict) -> tuple[str, bool, bool]:
+    """(content, add_special, with_pieces) of a ``POST /tokenize`` body:
+    ``{"content": str, "add_special": bool = false, "with_pieces": bool = false}``."""
+    _only_fields(body, ("content", "add_special", "with_pieces", "model"), "/tokenize")
+    content = body.get("content")
+    if not isinstance(content, str):
+        raise ApiError(f"content must be a string, got {_quoted(content)}", param="content",
+                       code="invalid_type" if content is not None else "missing_required_parameter")
+    if len(content) > MAX_TOKENIZE_CHARS:
+        raise ApiError(f"content holds {len(content)} characters; the limit is {MAX_TOKENIZE_CHARS}",
+                       param="content", code="invalid_value")
+    return content, _boolean(body, "add_special", False), _boolean(body, "with_pieces", False)
+
+
+def parse_detokenize(body: dict, vocab: int) -> list[int]:
+    """The token ids of a ``POST /detokenize`` body: ``{"tokens": [int, ...]}``."""
+    _only_fields(body, ("tokens", "model"), "/detokenize")
+    if body.get("tokens") is None:
+        raise ApiError("tokens is required: a list of token ids", param="tokens",
+                       code="missing_required_parameter")
+    return _token_ids(body["tokens"], "tokens", vocab, MAX_DETOKENIZE_TOKENS)
