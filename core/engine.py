@@ -144,11 +144,15 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="cpullm-scheduler", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt_ids, max_new_tokens: int = 128, *, temperature: float = 0.0, top_k: int = 0,
+    def submit(self, prompt_ids, max_tokens: int | None = None, *, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-               seed: int | None = None, stop_ids=None, stats=None, cancel=None, on_token=None) -> Request:
-        """Queue a sequence; errors in the request itself (empty prompt, too long for the
-        context, bad sampling values) raise here."""
+               seed: int | None = None, stop_ids=None, stats=None, cancel=None, on_token=None,
+               max_new_tokens: int | None = None) -> Request:
+        """Queue a sequence of at most ``max_tokens`` new tokens (default 128; ``max_new_tokens``
+        is an alias); errors in the request itself (empty prompt, too long for the context, bad
+        sampling values) raise here."""
+        from .model import resolve_max_tokens
+        max_new_tokens = resolve_max_tokens(max_tokens, max_new_tokens)
         if self._closed:
             raise ConfigError("the engine is closed; create a new one (model.engine())")
         params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed).validate()

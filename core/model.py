@@ -45,6 +45,20 @@ def resolve_model_dir(path) -> Path:
     return locations.resolve_model(text)
 
 
+DEFAULT_MAX_TOKENS = 128
+
+
+def resolve_max_tokens(max_tokens: int | None, max_new_tokens: int | None,
+                       default: int = DEFAULT_MAX_TOKENS) -> int:
+    """The answer length from ``max_tokens`` (the peers' name) or ``max_new_tokens`` (its alias,
+    transformers' name); a PromptError when both are given and differ."""
+    if max_tokens is not None and max_new_tokens is not None and max_tokens != max_new_tokens:
+        raise PromptError(f"max_tokens={max_tokens} and max_new_tokens={max_new_tokens} disagree; "
+                          "give one of them (max_new_tokens is an alias of max_tokens)")
+    n = max_tokens if max_tokens is not None else max_new_tokens
+    return default if n is None else n
+
+
 class Model:
     def __init__(self, *, model_dir, config, family, args, graph, program, executor, tokenizer,
                  quant, threads, cache_status, load_s, kernels, weights_info, compile_s=0.0, kernel_units=()):
@@ -224,30 +238,35 @@ class Model:
             raise PromptError("the prompt is empty: give at least one token id")
         return ids
 
-    def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+    def generate(self, prompt, max_tokens: int | None = None, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
                  seed: int | None = None, stop: list[str] | None = None, chat: bool = False,
-                 system: str | None = None, stats: GenerationStats | None = None) -> Iterator[str]:
-        """Yield text pieces for ``prompt`` (text or token ids)."""
+                 system: str | None = None, stats: GenerationStats | None = None, *,
+                 max_new_tokens: int | None = None) -> Iterator[str]:
+        """Yield text pieces for ``prompt`` (text or token ids): at most ``max_tokens`` (default
+        128; ``max_new_tokens`` is an alias)."""
+        n = resolve_max_tokens(max_tokens, max_new_tokens)
         params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed).validate()
         ids = self._prompt_ids(prompt, chat=chat, system=system)
-        return generate_text(self, ids, max_new_tokens, params, stop=stop, stats=stats)
+        return generate_text(self, ids, n, params, stop=stop, stats=stats)
 
-    def generate_ids(self, prompt_ids, max_new_tokens: int = 128, temperature: float = 0.0,
+    def generate_ids(self, prompt_ids, max_tokens: int | None = None, temperature: float = 0.0,
                      top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                      repetition_penalty: float = 1.0, seed: int | None = None,
-                     stats: GenerationStats | None = None, ignore_eos: bool = False) -> Iterator[int]:
+                     stats: GenerationStats | None = None, ignore_eos: bool = False, *,
+                     max_new_tokens: int | None = None) -> Iterator[int]:
         """Yield token ids from the same sampler as :meth:`generate` (``ignore_eos``: never stop
         early, as a reference comparison with EOS disabled needs)."""
+        n = resolve_max_tokens(max_tokens, max_new_tokens)
         params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed).validate()
-        return generate_ids(self, self._prompt_ids(prompt_ids), max_new_tokens, params, stats,
+        return generate_ids(self, self._prompt_ids(prompt_ids), n, params, stats,
                             stop_ids=() if ignore_eos else None)
 
-    def generate_batch(self, prompts, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+    def generate_batch(self, prompts, max_tokens: int | None = None, temperature: float = 0.0, top_k: int = 0,
                        top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
                        seed: int | None = None, stop: list[str] | None = None, sampling: list[dict] | None = None,
                        parallel: int | None = None, chat: bool = False, system: str | None = None,
-                       ignore_eos: bool = False) -> list:
+                       ignore_eos: bool = False, *, max_new_tokens: int | None = None) -> list:
         """Generate for every prompt together (continuous batching: ``parallel`` sequences share
         each pass over the weights, the rest join as others finish). Returns a list of strings
         for text prompts, of token-id lists for id prompts. ``sampling``: one dict of sampling
@@ -255,13 +274,14 @@ class Model:
         :meth:`generate` gives it alone."""
         from .engine import generate_batch
         from .generate import TextStream
+        n = resolve_max_tokens(max_tokens, max_new_tokens)
         prompts = list(prompts)
         ids = [self._prompt_ids(p, chat=chat, system=system) for p in prompts]
         base = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                     repetition_penalty=repetition_penalty, seed=seed)
         per = sampling if sampling is not None else [{}] * len(prompts)
         params = [SamplingParams(**{**base, **dict(d)}).validate() for d in per]
-        out = generate_batch(self, ids, max_new_tokens, parallel=parallel, params=params,
+        out = generate_batch(self, ids, n, parallel=parallel, params=params,
                              stop_ids=() if ignore_eos else None)
         texts = []
         for p, toks in zip(prompts, out):
