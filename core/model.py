@@ -103,6 +103,7 @@ class Model:
             from .locations import gguf_in_dir
             model_dir = gguf_in_dir(model_dir) or model_dir
         quant, store, config, gguf_tokenizer = _source(model_dir, quant)
+        _refuse_bidirectional(config, model_dir)
         kv_dtype = resolve_kv_dtype(kv_dtype, quant)
         registry = plugins.discover()
         family = registry.family_for(config)
@@ -298,6 +299,47 @@ class Model:
             texts.append("".join(pieces))
         return texts
 
+    # ---- embeddings ------------------------------------------------------------------------------
+    def embed(self, texts, pooling: str | None = None, normalize: bool = True,
+              dimensions: int | None = None) -> np.ndarray:
+        """Embeddings of ``texts`` (a string, a list of strings, or token-id lists): float32
+        (n, dims), one row per input. The hidden states after the final norm, pooled by
+        ``pooling`` ("last" | "mean" | "cls"; None: what the checkpoint states, else "last"),
+        L2-normalized unless ``normalize=False``, cut to ``dimensions`` where the model declares
+        Matryoshka sizes. See :mod:`cpullm.embed`."""
+        from .embed import token_inputs
+        return self.embed_ids(token_inputs(texts, self.tokenizer, self._embed_vocab(), self.n_ctx),
+                              pooling=pooling, normalize=normalize, dimensions=dimensions)
+
+    def embed_ids(self, inputs: list[list[int]], pooling: str | None = None, normalize: bool = True,
+                  dimensions: int | None = None) -> np.ndarray:
+        """:meth:`embed` of token-id lists. Each input runs alone from position 0 on a second
+        executor of the same program (so generation on this model is not disturbed)."""
+        import threading
+
+        from .embed import check_dimensions, check_pooling, checkpoint_spec, finish, pool
+        check_pooling(pooling)
+        spec = getattr(self, "_embed_spec", None)
+        if spec is None:
+            spec = self._embed_spec = checkpoint_spec(Path(str(self.model_dir)), self.config)
+        how = pooling or spec.pooling or "last"
+        if getattr(self, "_embed_lock", None) is None:
+            self._embed_lock = threading.Lock()
+        with self._embed_lock:
+            if getattr(self, "_embed_executor", None) is None:
+                self._embed_executor = Executor(self.program, {k: v.fn for k, v in self.kernels.items()})
+            ex = self._embed_executor
+            rows = []
+            for ids in inputs:
+                ex.reset()
+                hidden = ex.prefill_hidden(ids)          # (T, hidden)
+                check_dimensions(dimensions, hidden.shape[1], spec)
+                rows.append(finish(pool(hidden, how), normalize, dimensions))
+        return np.stack(rows)
+
+    def _embed_vocab(self) -> int:
+        return int(self.program.meta.get("embed_rows") or self.program.meta["vocab"])
+
     def engine(self, parallel: int | None = None, prefill_chunk: int | None = None,
                prefix_cache_bytes: int | None = None):
         """A :class:`cpullm.engine.Engine` on this model: submit requests from any thread, each
@@ -332,6 +374,17 @@ class Model:
             "memory": memory_report(self),
             "context_plan": state_plan(self.program.meta),
         }
+
+
+def _refuse_bidirectional(config: dict, model_dir) -> None:
+    """A checkpoint whose attention sees every token both ways (EmbeddingGemma) cannot run on
+    cpullm's causal attention: its outputs would be silently wrong, so it is refused."""
+    sub = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    if config.get("use_bidirectional_attention") or sub.get("use_bidirectional_attention"):
+        from .errors import UnsupportedConfigError
+        raise UnsupportedConfigError(
+            f"{model_dir} uses bidirectional attention (use_bidirectional_attention: an encoder "
+            "such as EmbeddingGemma); cpullm's attention is causal only, so this model cannot run")
 
 
 def _source(model_dir: Path, quant: str | None):
