@@ -181,6 +181,22 @@ def test_embeddings_route_refuses_bad_requests(client, body, param):
     assert r.json()["error"]["param"] == param
 
 
+def test_embed_command_writes_one_json_line_per_input_line(qwen3_embedding, model, monkeypatch, capsys):
+    import io
+    import sys
+
+    from cpullm.cli import main
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("\n".join(TEXTS).encode() + b"\n")))
+    assert main(["embed", str(qwen3_embedding), "--quant", "f32", "-t", "1", "-c", "128"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    got = np.array([json.loads(ln)["embedding"] for ln in lines], np.float32)
+    assert [json.loads(ln)["index"] for ln in lines] == [0, 1, 2]
+    assert np.allclose(got, model.embed(TEXTS), atol=1e-6)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"one\n\nthree\n")))
+    assert main(["embed", str(qwen3_embedding), "--quant", "f32", "-t", "1", "-c", "128"]) == 2
+    assert "stdin line 2 is empty" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_retrieval_with_a_real_model():
     """A real model's embeddings put a question nearer its answer than the unrelated texts."""

@@ -2,7 +2,7 @@
 
 Endpoints: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/chat/completions``,
 ``POST /v1/completions`` (both streaming as server-sent events ending in ``data: [DONE]``, or
-not), ``POST /tokenize`` and ``/detokenize`` (llama.cpp's shape), ``GET /health`` and ``GET /``
+not), ``POST /v1/embeddings``, ``POST /tokenize`` and ``/detokenize`` (llama.cpp's shape), ``GET /health`` and ``GET /``
 (a small chat page, ``cpullm/serve/static``).
 
 Bounds: ``request_timeout`` seconds of generation per request (then it ends with finish_reason
@@ -249,6 +249,7 @@ class Endpoints:
             Route("/v1/models/{model_id:path}", self.model_info, methods=["GET"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
             Route("/tokenize", self.tokenize, methods=["POST"]),
             Route("/detokenize", self.detokenize, methods=["POST"]),
             Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
@@ -284,6 +285,9 @@ class Endpoints:
     async def chat_completions(self, request: Request):
         return await self._complete(request, self.api.prepare_chat)
 
+    async def embeddings(self, request: Request):
+        return await self._answer(request, self.api.embeddings)
+
     async def tokenize(self, request: Request):
         return await self._answer(request, self.api.tokenize)
 
@@ -308,7 +312,7 @@ class Endpoints:
         if exc.status_code == 404:
             e = ApiError(f"Unknown request URL: {request.method} {request.url.path}. Endpoints: "
                          "GET /v1/models, POST /v1/chat/completions, POST /v1/completions, "
-                         "POST /tokenize, POST /detokenize, GET /health, GET /", 404, "unknown_url")
+                         "POST /v1/embeddings, POST /tokenize, POST /detokenize, GET /health, GET /", 404, "unknown_url")
         elif exc.status_code == 405:
             e = ApiError(f"{request.method} is not allowed on {request.url.path}", 405,
                          "method_not_allowed")

@@ -227,6 +227,27 @@ class Api:
         self.check_model(body)
         return {"content": self.model.tokenizer.decode(ids)}
 
+    def embeddings(self, body: dict) -> dict:
+        """``POST /v1/embeddings`` in OpenAI's shape (:meth:`cpullm.model.Model.embed`)."""
+        from ..embed import token_inputs
+        from ..errors import CpullmError as _Err
+
+        inp, fmt, dims, pooling = parse_embeddings(body)
+        self.check_model(body)
+        try:
+            ids = token_inputs(inp, self.model.tokenizer, self.model._embed_vocab(), self.model.n_ctx)
+        except _Err as exc:
+            raise ApiError(str(exc), param="input", code="invalid_value") from None
+        try:
+            vecs = self.model.embed_ids(ids, pooling=pooling, dimensions=dims)
+        except _Err as exc:
+            raise ApiError(str(exc), param="dimensions" if dims is not None else None,
+                           code="invalid_value") from None
+        n = sum(len(i) for i in ids)
+        return {"object": "list", "model": self.model_id,
+                "data": [embedding_item(i, v, fmt) for i, v in enumerate(vecs)],
+                "usage": {"prompt_tokens": n, "total_tokens": n}}
+
     # -- shared fields
     def _check_common(self, body: dict) -> None:
         m = body.get("model")
@@ -473,3 +494,49 @@ def parse_detokenize(body: dict, vocab: int) -> list[int]:
         raise ApiError("tokens is required: a list of token ids", param="tokens",
                        code="missing_required_parameter")
     return _token_ids(body["tokens"], "tokens", vocab, MAX_DETOKENIZE_TOKENS)
+
+
+# ---- embeddings: OpenAI's POST /v1/embeddings -----------------------------------------------------
+EMBEDDING_FIELDS = ("input", "model", "encoding_format", "dimensions", "user", "pooling")
+
+
+def parse_embeddings(body: dict) -> tuple:
+    """(input, encoding_format, dimensions, pooling) of a ``POST /v1/embeddings`` body. ``input``
+    is a string, a list of strings, a list of token ids or a list of such lists (checked in
+    full by :func:`cpullm.embed.token_inputs`); ``pooling`` ("last" | "mean" | "cls") is
+    cpullm's extension; ``user`` (OpenAI's end-user tag) must be a string and has no effect."""
+    from ..embed import POOLINGS
+
+    _only_fields(body, EMBEDDING_FIELDS, "/v1/embeddings")
+    inp = body.get("input")
+    if inp is None:
+        raise ApiError("input is required: a string or a list of strings (or of token-id lists)",
+                       param="input", code="missing_required_parameter")
+    if not isinstance(inp, (str, list)) or (isinstance(inp, list) and not inp):
+        raise ApiError(f"input must be a string or a non-empty list, got {_quoted(inp)}",
+                       param="input", code="invalid_value")
+    fmt = body.get("encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise ApiError(f"encoding_format must be \"float\" or \"base64\", got {_quoted(fmt)}",
+                       param="encoding_format", code="invalid_value")
+    dims = _integer(body, "dimensions", None, lo=1)
+    pooling = body.get("pooling")
+    if pooling is not None and pooling not in POOLINGS:
+        raise ApiError(f"pooling must be one of {', '.join(POOLINGS)}, got {_quoted(pooling)}",
+                       param="pooling", code="invalid_value")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise ApiError(f"user must be a string, got {_quoted(body['user'])}", param="user",
+                       code="invalid_type")
+    return inp, fmt, dims, pooling
+
+
+def embedding_item(index: int, vec, fmt: str) -> dict:
+    """One ``data`` entry: the vector as a list of floats, or base64 of its little-endian float32."""
+    import base64
+
+    import numpy as np
+    if fmt == "base64":
+        emb = base64.b64encode(np.asarray(vec, "<f4").tobytes()).decode("ascii")
+    else:
+        emb = [float(x) for x in vec]
+    return {"object": "embedding", "index": index, "embedding": emb}
