@@ -78,7 +78,7 @@ def resolve_model(name_or_path: str | os.PathLike, known_names: tuple[str, ...] 
     fetchable = (f"pull one of: {', '.join(known_names)}" if known_names
                  else "fetch one with `cpullm pull NAME` (`cpullm pull --help` lists them)")
     raise ModelNotFoundError(f"no model directory or store model named {text!r}; give a path to a model "
-                             f"directory, a name from `cpullm models`, or {fetchable}")
+                             f"directory, a name from `cpullm list`, or {fetchable}")
 
 
 __all__ = ["exec_cache_root", "gguf_in_dir", "is_complete_model_dir", "models_dir", "resolve_model",

@@ -41,7 +41,7 @@ def resolve_model_dir(path) -> Path:
     p = Path(os.path.expanduser(text))
     if not p.exists() and ("/" in text or p.is_absolute()):
         raise ModelNotFoundError(f"model directory {p} does not exist; give a path to a Hugging Face "
-                                 "checkpoint directory or a name from `cpullm models`")
+                                 "checkpoint directory or a name from `cpullm list`")
     return locations.resolve_model(text)
 
 

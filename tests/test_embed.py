@@ -200,9 +200,9 @@ def test_embed_command_writes_one_json_line_per_input_line(qwen3_embedding, mode
 @pytest.mark.slow
 def test_retrieval_with_a_real_model():
     """A real model's embeddings put a question nearer its answer than the unrelated texts."""
-    from realmodels import real_model_dir
+    from realmodels import real_gguf_path
 
-    m = cpullm.load(real_model_dir("qwen2.5-coder-0.5b-instruct"), threads=2, n_ctx=256)
+    m = cpullm.load(real_gguf_path("qwen2.5-coder-0.5b-instruct"), threads=2, n_ctx=256)
     docs = ["Paris is the capital and largest city of France.",
             "Photosynthesis turns light, water and carbon dioxide into sugar in plants.",
             "def add(a, b):\n    return a + b"]
