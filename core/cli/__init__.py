@@ -73,20 +73,18 @@ def build_parser() -> Parser:
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     helps: dict[str, str] = {}
-    p.commands = {}
+    p.commands = sub.choices          # command name or alias -> its parser
     for name in COMMANDS:
         try:
             mod = importlib.import_module(f"cpullm.cli.commands.{MODULES.get(name, name)}")
         except ImportError as exc:   # a command whose optional pieces are absent still lists
             sp = sub.add_parser(name, help=f"(unavailable: {exc})")
             sp.set_defaults(func=lambda a, e=exc: _unavailable(e))
-            p.commands[name] = sp
             continue
         sp = mod.add_parser(sub)
         sp.add_argument("--debug", action="store_true", help="show tracebacks")
         # check_args(args), where a command has it, fails early: before any model is loaded.
         sp.set_defaults(func=mod.run, check_args=getattr(mod, "check_args", None))
-        p.commands[name] = sp
     for action in sub._choices_actions:
         helps[action.dest] = action.help or ""
     sub._choices_actions.clear()      # listed by group in the epilog instead
