@@ -81,3 +81,28 @@ class _Fingerprint:
 class _Identity:
     def identity(self):
         return []
+
+
+def test_sliding_window_and_linear_attention_states_move_too(tmp_path):
+    """Qwen3.5's gated-delta states and Qwen2's sliding-window KV: relocated, the program equals a
+    fresh compile for the new context (same I table and state layout; the rest is shared)."""
+    import pytest
+    pytest.importorskip("transformers")
+    from test_qwen_parity import make_checkpoint
+
+    for name in ("qwen3_5_text", "qwen2_sliding_untied"):
+        d = tmp_path / name
+        make_checkpoint(name, "v5", d)
+        cache = tmp_path / f"cache-{name}"
+        cpullm.load(d, threads=1, n_ctx=64, cache_dir=cache)
+        hit = cpullm.load(d, threads=1, n_ctx=200, cache_dir=cache)
+        fresh = cpullm.load(d, threads=1, n_ctx=200, use_cache=False)
+        assert hit.cache_status == "HIT"
+        kinds = {r["kind"] for r in hit.program.meta["state_regions"]}
+        assert kinds >= ({"linear"} if name == "qwen3_5_text" else {"kv"})
+        if name == "qwen2_sliding_untied":                  # windowed layers keep a short cache
+            assert any(r.get("window") for r in hit.program.meta["state_regions"])
+        assert hit.program.meta["state_regions"] == fresh.program.meta["state_regions"]
+        assert np.array_equal(hit.program.I, fresh.program.I)
+        ids = list(range(3, 150))
+        assert np.array_equal(hit.logits(ids), fresh.logits(ids))
