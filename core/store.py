@@ -650,8 +650,7 @@ def store_entry(name: str, root: str | os.PathLike | None = None) -> Path:
     root = Path(root) if root else models_dir()
     text = str(name).strip()
     folder = store_dir_name(text)
-    if (not text or folder.startswith((".", "_")) or "/" in folder or "\\" in folder
-            or folder in (".", "..") or os.sep in folder):
+    if not text or folder.startswith((".", "_")) or "\\" in folder or os.sep in folder:
         raise StoreError(f"{name!r} is not a model name in the store; `cpullm list` shows the names")
     for candidate in dict.fromkeys((folder, folder.lower())):
         d = root / candidate
@@ -670,7 +669,12 @@ def model_details(name: str, root: str | os.PathLike | None = None) -> dict:
     d = store_entry(name, root_path)
     entry = _model_entry(d, set())
     entry["files"] = []
-    for f in sorted(d.iterdir()):
+    try:
+        listing = sorted(d.iterdir())
+    except OSError as exc:                     # a dangling link, an unreadable folder
+        listing = []
+        entry.setdefault("broken", f"{d.name}: {exc.strerror or exc}")
+    for f in listing:
         try:
             st = f.lstat()
         except OSError:
