@@ -323,6 +323,7 @@ class Model:
         if spec is None:
             spec = self._embed_spec = checkpoint_spec(Path(str(self.model_dir)), self.config)
         how = pooling or spec.pooling or "last"
+        check_dimensions(dimensions, int(self.program.meta["hidden_width"]), spec)
         if getattr(self, "_embed_lock", None) is None:
             self._embed_lock = threading.Lock()
         with self._embed_lock:
@@ -333,7 +334,6 @@ class Model:
             for ids in inputs:
                 ex.reset()
                 hidden = ex.prefill_hidden(ids)          # (T, hidden)
-                check_dimensions(dimensions, hidden.shape[1], spec)
                 rows.append(finish(pool(hidden, how), normalize, dimensions))
         return np.stack(rows)
 

@@ -230,17 +230,16 @@ class Api:
     def embeddings(self, body: dict) -> dict:
         """``POST /v1/embeddings`` in OpenAI's shape (:meth:`cpullm.model.Model.embed`)."""
         from ..embed import token_inputs
-        from ..errors import CpullmError as _Err
 
         inp, fmt, dims, pooling = parse_embeddings(body)
         self.check_model(body)
         try:
             ids = token_inputs(inp, self.model.tokenizer, self.model._embed_vocab(), self.model.n_ctx)
-        except _Err as exc:
+        except CpullmError as exc:
             raise ApiError(str(exc), param="input", code="invalid_value") from None
         try:
             vecs = self.model.embed_ids(ids, pooling=pooling, dimensions=dims)
-        except _Err as exc:
+        except CpullmError as exc:
             raise ApiError(str(exc), param="dimensions" if dims is not None else None,
                            code="invalid_value") from None
         n = sum(len(i) for i in ids)
