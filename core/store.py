@@ -705,6 +705,41 @@ def model_details(name: str, root: str | os.PathLike | None = None) -> dict:
     return entry
 
 
+def copy_model(source: str, dest: str, root: str | os.PathLike | None = None) -> Path:
+    """Store the model ``source`` again under the name ``dest`` (as Ollama's ``cp``): its files
+    hard-linked where the filesystem allows (no second copy on disk), else copied; written to a
+    temporary folder and renamed into place. Returns the new folder."""
+    root_path = Path(root) if root else models_dir()
+    src = store_entry(source, root_path)
+    text = str(dest).strip()
+    folder = store_dir_name(text)
+    if not text or folder.startswith((".", "_")) or "\\" in folder or os.sep in folder:
+        raise StoreError(f"{dest!r} cannot name a store model: use letters, digits, '.', '-' and "
+                         "at most one '/' (org/name)")
+    target = root_path / folder
+    if os.path.lexists(target):
+        raise StoreError(f"the store already has a model named {text!r}; pick another name or "
+                         f"`cpullm rm {text}` first")
+    tmp = root_path / f".{folder}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        for base, dirs, files in os.walk(src):
+            rel = Path(base).relative_to(src)
+            (tmp / rel).mkdir(parents=True, exist_ok=True)
+            for name in files:
+                f = Path(base) / name
+                if not f.is_file() or f.is_symlink():
+                    continue
+                try:
+                    os.link(f, tmp / rel / name)
+                except OSError:
+                    shutil.copyfile(f, tmp / rel / name)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
 def remove_model(name: str, root: str | os.PathLike | None = None) -> dict:
     """Delete the store model ``name``: its folder, its verified download when that is the same
     file (a hard link: otherwise no space would be freed) and its compiled programs. Never

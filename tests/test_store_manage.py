@@ -145,3 +145,18 @@ def test_a_server_answers_to_its_store_name_and_is_listed_by_ps(fake, cache, mon
     finally:
         server.stop()
     assert running.running_servers() == []               # the state file went with the server
+
+
+def test_cp_stores_a_second_name_that_outlives_the_first(fake, cache, capsys):
+    path = store.pull("tiny-single")
+    assert main(["cp", "tiny-single", "mine/tiny"]) == 0
+    copy = fake.root / "mine--tiny"
+    assert (copy / "tiny-single.gguf").samefile(path / "tiny-single.gguf")     # no second copy
+    assert [m["name"] for m in store.list_models()] == ["mine/tiny", "tiny-single"]
+    assert main(["cp", "tiny-single", "mine/tiny"]) == 2
+    assert "already has a model named" in capsys.readouterr().err
+    with pytest.raises(StoreError):
+        store.copy_model("tiny-single", "../outside")
+    store.remove_model("tiny-single")
+    assert (copy / "tiny-single.gguf").read_bytes() == fake.data
+    assert store.resolve_model("mine/tiny") == copy

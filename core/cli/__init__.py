@@ -19,7 +19,7 @@ from ..errors import CpullmError
 # (heading, commands) in the order `cpullm --help` shows them: how people look for them.
 GROUPS = [
     ("run a model", ["run", "chat", "serve", "embed"]),
-    ("manage models", ["pull", "list", "show", "rm", "ps"]),
+    ("manage models", ["pull", "list", "show", "rm", "cp", "ps"]),
     ("tools", ["bench", "convert", "cache", "families"]),
 ]
 COMMANDS = [name for _, names in GROUPS for name in names]
