@@ -78,6 +78,21 @@ def test_embeddings_equal_transformers(model, qwen3_embedding):
     assert np.array_equal(model.embed(TEXTS[0]), got[:1])         # one string: one row
 
 
+def test_gemma3_embeddings_equal_transformers(tmp_path):
+    """Another family's conventions (scaled embedding, (1 + w) norms, sliding windows) through
+    the same cut at the lm_head's input."""
+    from transformers import Gemma3TextConfig
+
+    from test_gemma_parity import GEMMA3_270M_LIKE
+    d = save_tiny(Gemma3TextConfig(**GEMMA3_270M_LIKE), tmp_path / "gemma3", seed=5)
+    m = cpullm.load(d, quant="f32", threads=1, n_ctx=64)
+    texts = [t * 2 for t in TEXTS]                                  # beyond the 12-token window
+    ids = [m.tokenizer.encode(t) for t in texts]
+    assert min(map(len, ids)) > 12
+    for pooling in ("last", "mean"):
+        assert _cosines(m.embed(texts, pooling=pooling), _reference(d, ids, pooling)).min() >= 0.9999
+
+
 def test_embedding_leaves_generation_alone(model):
     before = "".join(model.generate("hello", max_tokens=4))
     model.embed(TEXTS)
