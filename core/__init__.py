@@ -2,7 +2,7 @@
 
     import cpullm
     model = cpullm.load("path/to/model_dir", quant="int8")
-    for piece in model.generate("The capital of France is", max_new_tokens=16):
+    for piece in model.generate("The capital of France is", max_tokens=16):
         print(piece, end="")
 """
 from __future__ import annotations

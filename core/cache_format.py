@@ -191,7 +191,7 @@ def config_sha(config: dict) -> str:
 def cache_key_inputs(*, config, family, graph, weights, store, quant, n_ctx, max_chunk, kernels,
                      kv_dtype="f32") -> dict:
     """Everything that, when it changes, must give a new entry."""
-    from .compiler import graph_hash
+    from .compiler import context_free, graph_hash
 
     v = _versions()
     return {
@@ -205,7 +205,8 @@ def cache_key_inputs(*, config, family, graph, weights, store, quant, n_ctx, max
         "weight_map_sha": hashlib.sha256(json.dumps(weights.fingerprint()).encode()).hexdigest(),
         "graph_sha": graph_hash(graph),
         "quant": quant,
-        "n_ctx": n_ctx,
+        # one entry for every context length: the KV regions are sized at load (with_context)
+        "n_ctx": "any" if context_free(graph) else n_ctx,
         "kv_dtype": kv_dtype,          # the KV regions' sizes and the ATTENTION rows' format column
         "max_chunk": max_chunk,
         "kernels_version": v["kernels_version"],
@@ -661,8 +662,8 @@ def _explain_miss(root: Path, inputs: dict, model_dir) -> tuple[str, list[Path]]
         changed = sorted(k for k in set(canon) | set(old) if old.get(k) != canon.get(k))
         if not changed:
             continue
-        if "weights_identity" in changed:
-            superseded.append(p)
+        if "weights_identity" in changed or (changed == ["n_ctx"] and canon.get("n_ctx") == "any"):
+            superseded.append(p)        # unusable for good, or one program per context: replaced
         if best is None or len(changed) < len(best):
             best = changed
     return ("changed: " + ", ".join(best) if best else "no entry"), superseded
@@ -670,7 +671,10 @@ def _explain_miss(root: Path, inputs: dict, model_dir) -> tuple[str, list[Path]]
 
 def load_or_build(build, *, model_dir, config, family, graph, weights, store, quant, n_ctx,
                   max_chunk, kernels, cache_dir=None, use_cache=True, mmap=True, kv_dtype="f32"):
-    """(program, "HIT" | "MISS (reason)"). A HIT runs neither the quantizer nor the compiler."""
+    """(program, "HIT" | "MISS (reason)"). A HIT runs neither the quantizer nor the compiler.
+    An entry serves every context length (unless a RoPE scaling depends on it): the program
+    read is resized to ``n_ctx`` by :func:`cpullm.compiler.with_context`."""
+    from .compiler import with_context
     from .notices import notice
 
     inputs = cache_key_inputs(config=config, family=family, graph=graph, weights=weights, store=store,
@@ -687,7 +691,7 @@ def load_or_build(build, *, model_dir, config, family, graph, weights, store, qu
     reason, superseded = None, []
     if os.path.lexists(entry):
         try:
-            return read_entry(entry, inputs, mmap=mmap), "HIT"
+            return with_context(read_entry(entry, inputs, mmap=mmap), n_ctx), "HIT"
         except CacheError as exc:
             reason = f"damaged entry: {exc}"
             notice(f"execution cache entry {key[:12]} is unusable ({exc}); rebuilding it")
@@ -722,7 +726,7 @@ def load_or_build(build, *, model_dir, config, family, graph, weights, store, qu
             # run from the entry, so a MISS and a HIT behave the same; the build's own mappings
             # go first, or RSS would count the pages of both
             program = _drop(program)
-            program = read_entry(root / key, inputs, mmap=mmap)
+            program = with_context(read_entry(root / key, inputs, mmap=mmap), n_ctx)
     except (OSError, CacheError, TypeError, ValueError) as exc:
         notice(f"could not write the execution cache under {root} ({exc}); continuing without it "
                f"(set --cache-dir or CPULLM_CACHE_DIR to a writable directory)")

@@ -683,6 +683,52 @@ def _assemble(graph: Graph, layout: _Layout, packer: _WeightPacker, emitter: _Em
     return Program(arrays=arrays, meta=meta)
 
 
+def context_free(graph: Graph) -> bool:
+    """Whether a program of ``graph`` is the same for every context length but for its KV
+    regions (which :func:`with_context` resizes): false when a RoPE's frequencies come from a
+    plugin's scaling, which may depend on the context (they are packed into the program)."""
+    return not any(n.op == Op.ROPE and n.attr("rope_type") for n in graph.nodes)
+
+
+def with_context(program: Program, n_ctx: int) -> Program:
+    """``program`` for a context of ``n_ctx`` tokens: its KV regions resized (each attention's
+    capacity as :meth:`_Emitter.attention` computes it), the ``state`` regions laid out again in
+    the same order and alignment, the ATTENTION / GATED_DELTA rows pointed at them. The weights
+    and the instruction stream are shared; only the small I table is copied. Valid for programs
+    of a :func:`context_free` graph."""
+    from .kernels.attention import padded_cap
+    from .kvformat import region_floats
+
+    meta = program.meta
+    if int(meta["n_ctx"]) == int(n_ctx):
+        return program
+    moved: dict[int, tuple[int, int | None]] = {}      # old offset -> (new offset, new cap)
+    regions, size = [], 0
+    for reg in meta["state_regions"]:
+        reg = dict(reg)
+        cap = None
+        if reg["kind"] == "kv":
+            window = reg.get("window") or 0
+            cap = padded_cap(n_ctx if not window else min(n_ctx, window + int(meta["max_chunk"])))
+            reg.update(cap=cap, floats=region_floats(reg["n_kv_heads"], cap, reg["head_dim"],
+                                                     reg.get("kv_dtype", "f32")))
+        moved[int(reg["offset"])] = (size, cap)
+        reg["offset"] = size
+        size = _align(size + int(reg["floats"]), 64)
+        regions.append(reg)
+    I = np.array(program.arrays["I"], copy=True)
+    for r in range(len(I)):
+        op = I[r, P.COL_OP]
+        if op == P.OP_ATTENTION:
+            off, cap = moved[int(I[r, P.ATTENTION_CACHE_OFF])]
+            I[r, P.ATTENTION_CACHE_OFF], I[r, P.ATTENTION_CAP] = off, cap
+        elif op == P.OP_GATED_DELTA:
+            I[r, P.GATED_DELTA_STATE_OFF] = moved[int(I[r, P.GATED_DELTA_STATE_OFF])][0]
+    I.setflags(write=False)
+    return Program(arrays={**program.arrays, "I": I},
+                   meta={**meta, "n_ctx": int(n_ctx), "state_regions": regions, "state_floats": int(size)})
+
+
 def _rope_freqs(n: Node, n_ctx: int) -> tuple[np.ndarray, float]:
     """A ROPE node's (inv_freq, attention_scaling): its own attributes, or, for a plugin's RoPE
     scaling (``rope_type`` attribute), the plugin's frequencies for a context of ``n_ctx``."""

@@ -166,19 +166,22 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="cpullm-scheduler", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt_ids, max_new_tokens: int = 128, *, temperature: float = 0.0, top_k: int = 0,
+    def submit(self, prompt_ids, max_tokens: int | None = None, *, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
                seed: int | None = None, stop_ids=None, stats=None, cancel=None, on_token=None,
                presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logit_bias: dict | None = None,
                logprobs: int | None = None, constraint=None, logits_processors=(),
-               cache_salt: str | None = None) -> Request:
-        """Queue a sequence; errors in the request itself (empty prompt, too long for the
-        context, bad sampling values, ids the embedding has no row for) raise here.
+               cache_salt: str | None = None, max_new_tokens: int | None = None) -> Request:
+        """Queue a sequence of at most ``max_tokens`` new tokens (default 128; ``max_new_tokens``
+        is an alias); errors in the request itself (empty prompt, too long for the context, bad
+        sampling values, ids the embedding has no row for) raise here.
         ``constraint``: a spec dict (cpullm.constraints.build_constraint) or a built Constraint
         for this sequence alone; ``logprobs``: record each token's log-probability and that many
         alternatives (``req.seq.logprobs``); ``cache_salt``: the sequence shares cached prefixes
         only with others of the same salt (one per tenant: another tenant can neither reuse nor
         time them)."""
+        from .model import resolve_max_tokens
+        max_new_tokens = resolve_max_tokens(max_tokens, max_new_tokens)
         if self._closed:
             raise ConfigError("the engine is closed; create a new one (model.engine())")
         params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed,

@@ -213,6 +213,36 @@ class Executor:
                 outs.append(self._head(T - 1, 1, state)[0])
         return np.concatenate(outs) if all_logits else outs[-1]
 
+    def prefill_hidden(self, state: np.ndarray, pos: int, tokens) -> np.ndarray:
+        """Run ``tokens`` at positions pos, pos + 1, ... of the sequence whose state is ``state``
+        and return their hidden states after the final norm, the lm_head's input: float32
+        (T, hidden). The head runs only up to the lm_head (embeddings need no logits)."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if tokens.size == 0:
+            raise PromptError("the input is empty: give at least one token")
+        if tokens.min() < 0 or tokens.max() >= self.embed_rows:
+            raise PromptError(f"token id out of range 0..{self.embed_rows - 1}")
+        self._check_room(pos, tokens.size)
+        names = self.program.meta["names"]
+        lm = next(r for r in range(self.first_head, self.n_instr)
+                  if names[r] == "lm_head" and self.I[r, P.COL_OP] == P.OP_LINEAR)
+        x_off, x_st, width = (int(self.I[lm, c]) for c in (P.LINEAR_X_OFF, P.LINEAR_X_ST, P.LINEAR_K))
+        segs = {True: self._segments(self.first_head, lm, batched=True),
+                False: self._segments(self.first_head, lm, batched=False)}
+        out = np.empty((tokens.size, width), np.float32)
+        for c0 in range(0, tokens.size, self.max_chunk):
+            chunk = tokens[c0: c0 + self.max_chunk]
+            T = chunk.size
+            self.tokens[:T] = chunk
+            self.rt[:4] = (T, pos + c0, 0, 0)
+            self._run_segments(self._body_segments, T, state)
+            for g0 in range(0, T, self.head_rows):
+                rows = min(self.head_rows, T - g0)
+                self.rt[2], self.rt[3] = g0, rows
+                self._run_segments(segs[rows > 1], rows, state)
+                out[c0 + g0: c0 + g0 + rows] = _rows_view(self.arena, x_off, x_st, width, rows)
+        return out
+
     def _head(self, row0: int, n: int, state: np.ndarray) -> np.ndarray:
         out = np.empty((n, self.vocab), np.float32)
         lo = self.program.meta["logits_offset"]

@@ -126,6 +126,16 @@ class Forward:
         slot.position += int(ids.size)
         return out
 
+    def prefill_hidden(self, ids, slot: Slot | None = None) -> np.ndarray:
+        """float32 (T, hidden): the final-norm hidden states (the lm_head's input) of ``ids`` run
+        after ``slot``'s tokens (default: a fresh slot); embeddings pool them."""
+        self.use_threads()
+        slot = slot if slot is not None else self.new_slot()
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        out = self.executor.prefill_hidden(slot.state, slot.position, ids)
+        slot.position += int(ids.size)
+        return out
+
     def step(self, slots: list[Slot], tokens, greedy=None) -> tuple[list, list]:
         """One token of every slot (``tokens[b]`` at ``slots[b].position``) in one pass over the
         weights; every position advances by one. ``greedy[b]`` True: only row b's argmax is

@@ -24,6 +24,11 @@ def exec_cache_root() -> Path:
     return Path(os.path.expanduser(str(root)))
 
 
+def servers_dir() -> Path:
+    """Where running servers leave their state files (``cpullm ps``): ``<cache root>/servers``."""
+    return exec_cache_root() / "servers"
+
+
 def store_dir_name(name: str) -> str:
     """The directory name of a store entry: ``org/name`` -> ``org--name``."""
     return name.strip().replace("/", "--")
@@ -73,8 +78,8 @@ def resolve_model(name_or_path: str | os.PathLike, known_names: tuple[str, ...] 
     fetchable = (f"pull one of: {', '.join(known_names)}" if known_names
                  else "fetch one with `cpullm pull NAME` (`cpullm pull --help` lists them)")
     raise ModelNotFoundError(f"no model directory or store model named {text!r}; give a path to a model "
-                             f"directory, a name from `cpullm models`, or {fetchable}")
+                             f"directory, a name from `cpullm list`, or {fetchable}")
 
 
 __all__ = ["exec_cache_root", "gguf_in_dir", "is_complete_model_dir", "models_dir", "resolve_model",
-           "store_dir_name"]
+           "servers_dir", "store_dir_name"]

@@ -43,8 +43,22 @@ def resolve_model_dir(path) -> Path:
     p = Path(os.path.expanduser(text))
     if not p.exists() and ("/" in text or p.is_absolute()):
         raise ModelNotFoundError(f"model directory {p} does not exist; give a path to a Hugging Face "
-                                 "checkpoint directory or a name from `cpullm models`")
+                                 "checkpoint directory or a name from `cpullm list`")
     return locations.resolve_model(text)
+
+
+DEFAULT_MAX_TOKENS = 128
+
+
+def resolve_max_tokens(max_tokens: int | None, max_new_tokens: int | None,
+                       default: int = DEFAULT_MAX_TOKENS) -> int:
+    """The answer length from ``max_tokens`` (the peers' name) or ``max_new_tokens`` (its alias,
+    transformers' name); a PromptError when both are given and differ."""
+    if max_tokens is not None and max_new_tokens is not None and max_tokens != max_new_tokens:
+        raise PromptError(f"max_tokens={max_tokens} and max_new_tokens={max_new_tokens} disagree; "
+                          "give one of them (max_new_tokens is an alias of max_tokens)")
+    n = max_tokens if max_tokens is not None else max_new_tokens
+    return default if n is None else n
 
 
 class Model:
@@ -94,6 +108,7 @@ class Model:
             from .locations import gguf_in_dir
             model_dir = gguf_in_dir(model_dir) or model_dir
         quant, store, config, gguf_tokenizer = _source(model_dir, quant)
+        _refuse_bidirectional(config, model_dir)
         kv_dtype = resolve_kv_dtype(kv_dtype, quant)
         registry = plugins.discover()
         family = registry.family_for(config)
@@ -288,15 +303,17 @@ class Model:
                                 logit_bias=logit_bias, logprobs=logprobs).validate()
         return params.check_surface(self.logits_size)
 
-    def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+    def generate(self, prompt, max_tokens: int | None = None, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
                  seed: int | None = None, stop: list[str] | None = None, chat: bool = False,
                  system: str | None = None, stats: GenerationStats | None = None, *,
                  json_schema=None, regex: str | None = None, grammar: str | None = None,
                  choice=None, json_object: bool = False, presence_penalty: float = 0.0,
                  frequency_penalty: float = 0.0, logit_bias: dict | None = None,
-                 logits_processors=(), logprobs: int | None = None) -> Iterator[str]:
-        """Yield text pieces for ``prompt`` (text or token ids).
+                 logits_processors=(), logprobs: int | None = None,
+                 max_new_tokens: int | None = None) -> Iterator[str]:
+        """Yield text pieces for ``prompt`` (text or token ids): at most ``max_tokens`` (default
+        128; ``max_new_tokens`` is an alias).
 
         Constrained output (cpullm.constraints; needs ``cpullm[structured]``): ``json_schema``,
         ``regex``, ``grammar`` (GBNF or Lark), ``choice`` or ``json_object``. The sampling
@@ -309,17 +326,19 @@ class Model:
         ids = self._prompt_ids(prompt, chat=chat, system=system)
         cons = self.constraint(spec) if spec else None
         stats = stats if stats is not None else GenerationStats()
-        tokens = self._run_alone(ids, max_new_tokens, params, self.eos_token_ids, stats, cons, logits_processors)
+        tokens = self._run_alone(ids, resolve_max_tokens(max_tokens, max_new_tokens), params, self.eos_token_ids,
+                                 stats, cons, logits_processors)
         return generate_text(self.tokenizer, tokens, stop=stop, stats=stats)
 
-    def generate_stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+    def generate_stream(self, prompt, max_tokens: int | None = None, temperature: float = 0.0, top_k: int = 0,
                         top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
                         seed: int | None = None, stop: list[str] | None = None, chat: bool = False,
                         system: str | None = None, stats: GenerationStats | None = None, *,
                         json_schema=None, regex: str | None = None, grammar: str | None = None,
                         choice=None, json_object: bool = False, presence_penalty: float = 0.0,
                         frequency_penalty: float = 0.0, logit_bias: dict | None = None,
-                        logits_processors=(), logprobs: int | None = None):
+                        logits_processors=(), logprobs: int | None = None,
+                        max_new_tokens: int | None = None):
         """Like :meth:`generate`, yielding a :class:`cpullm.generate.TokenEvent` per token (id,
         text, log-probability, ``logprobs`` likeliest alternatives, seconds since the start)."""
         from .generate import generate_events
@@ -330,36 +349,36 @@ class Model:
         cons = self.constraint(spec) if spec else None
         stats = stats if stats is not None else GenerationStats()
         holder: list = []
-        tokens = self._run_alone(ids, max_new_tokens, params, self.eos_token_ids, stats, cons, logits_processors,
-                                 seq_out=holder)
+        tokens = self._run_alone(ids, resolve_max_tokens(max_tokens, max_new_tokens), params, self.eos_token_ids,
+                                 stats, cons, logits_processors, seq_out=holder)
         return generate_events(self.tokenizer, tokens, holder, stop=stop, stats=stats)
 
-
-    def generate_ids(self, prompt_ids, max_new_tokens: int = 128, temperature: float = 0.0,
+    def generate_ids(self, prompt_ids, max_tokens: int | None = None, temperature: float = 0.0,
                      top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                      repetition_penalty: float = 1.0, seed: int | None = None,
                      stats: GenerationStats | None = None, ignore_eos: bool = False, *,
                      json_schema=None, regex: str | None = None, grammar: str | None = None,
                      choice=None, json_object: bool = False, presence_penalty: float = 0.0,
                      frequency_penalty: float = 0.0, logit_bias: dict | None = None,
-                     logits_processors=(), logprobs: int | None = None) -> Iterator[int]:
+                     logits_processors=(), logprobs: int | None = None,
+                     max_new_tokens: int | None = None) -> Iterator[int]:
         """Yield token ids from the same sampler as :meth:`generate` (``ignore_eos``: never stop
         early, as a reference comparison with EOS disabled needs)."""
         params = self._sampling_surface(temperature, top_k, top_p, min_p, repetition_penalty, seed,
                                         presence_penalty, frequency_penalty, logit_bias, logprobs)
         spec = self.constraint_spec(json_schema, regex, grammar, choice, json_object)
         cons = self.constraint(spec) if spec else None
-        return self._run_alone(self._prompt_ids(prompt_ids), max_new_tokens, params,
+        return self._run_alone(self._prompt_ids(prompt_ids), resolve_max_tokens(max_tokens, max_new_tokens), params,
                                () if ignore_eos else self.eos_token_ids, stats, cons, logits_processors)
 
     SURFACE_KEYS = ("json_schema", "regex", "grammar", "choice", "json_object", "presence_penalty",
                     "frequency_penalty", "logit_bias", "logits_processors", "logprobs")
 
-    def generate_batch(self, prompts, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+    def generate_batch(self, prompts, max_tokens: int | None = None, temperature: float = 0.0, top_k: int = 0,
                        top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
                        seed: int | None = None, stop: list[str] | None = None, sampling: list[dict] | None = None,
                        parallel: int | None = None, chat: bool = False, system: str | None = None,
-                       ignore_eos: bool = False, **surface) -> list:
+                       ignore_eos: bool = False, *, max_new_tokens: int | None = None, **surface) -> list:
         """Generate for every prompt together (continuous batching: ``parallel`` sequences share
         each pass over the weights, the rest join as others finish). Returns a list of strings
         for text prompts, of token-id lists for id prompts. ``sampling``: one dict of sampling
@@ -388,7 +407,8 @@ class Model:
             processors.append(kw.pop("logits_processors", ()))
             constraints.append(self.constraint(spec) if spec else None)
             params.append(SamplingParams(**kw).validate().check_surface(self.logits_size))
-        out = generate_batch(self, ids, max_new_tokens, parallel=parallel, params=params,
+        out = generate_batch(self, ids, resolve_max_tokens(max_tokens, max_new_tokens), parallel=parallel,
+                             params=params,
                              stop_ids=() if ignore_eos else None, constraints=constraints,
                              logits_processors=processors)
         texts = []
@@ -405,6 +425,47 @@ class Model:
             pieces.append(ts.flush())
             texts.append("".join(pieces))
         return texts
+
+    # ---- embeddings ------------------------------------------------------------------------------
+    def embed(self, texts, pooling: str | None = None, normalize: bool = True,
+              dimensions: int | None = None) -> np.ndarray:
+        """Embeddings of ``texts`` (a string, a list of strings, or token-id lists): float32
+        (n, dims), one row per input. The hidden states after the final norm, pooled by
+        ``pooling`` ("last" | "mean" | "cls"; None: what the checkpoint states, else "last"),
+        L2-normalized unless ``normalize=False``, cut to ``dimensions`` where the model declares
+        Matryoshka sizes. See :mod:`cpullm.embed`."""
+        from .embed import token_inputs
+        return self.embed_ids(token_inputs(texts, self.tokenizer, self._embed_vocab(), self.n_ctx),
+                              pooling=pooling, normalize=normalize, dimensions=dimensions)
+
+    def embed_ids(self, inputs: list[list[int]], pooling: str | None = None, normalize: bool = True,
+                  dimensions: int | None = None) -> np.ndarray:
+        """:meth:`embed` of token-id lists. Each input runs alone from position 0 on a second
+        executor of the same program (so generation on this model is not disturbed)."""
+        import threading
+
+        from .embed import check_dimensions, check_pooling, checkpoint_spec, finish, pool
+        check_pooling(pooling)
+        spec = getattr(self, "_embed_spec", None)
+        if spec is None:
+            spec = self._embed_spec = checkpoint_spec(Path(str(self.model_dir)), self.config)
+        how = pooling or spec.pooling or "last"
+        check_dimensions(dimensions, int(self.program.meta["hidden_width"]), spec)
+        if getattr(self, "_embed_lock", None) is None:
+            self._embed_lock = threading.Lock()
+        with self._embed_lock:
+            if getattr(self, "_embed_forward", None) is None:
+                self._embed_forward = Forward(Executor(self.program, {k: v.fn for k, v in self.kernels.items()}),
+                                              self.threads)
+            ex = self._embed_forward
+            rows = []
+            for ids in inputs:
+                hidden = ex.prefill_hidden(ids)          # (T, hidden), from position 0
+                rows.append(finish(pool(hidden, how), normalize, dimensions))
+        return np.stack(rows)
+
+    def _embed_vocab(self) -> int:
+        return int(self.program.meta.get("embed_rows") or self.program.meta["vocab"])
 
     def engine(self, parallel: int | None = None, prefill_chunk: int | None = None,
                prefix_cache_bytes: int | None = None):
@@ -440,6 +501,17 @@ class Model:
             "memory": memory_report(self),
             "context_plan": state_plan(self.program.meta),
         }
+
+
+def _refuse_bidirectional(config: dict, model_dir) -> None:
+    """A checkpoint whose attention sees every token both ways (EmbeddingGemma) cannot run on
+    cpullm's causal attention: its outputs would be silently wrong, so it is refused."""
+    sub = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    if config.get("use_bidirectional_attention") or sub.get("use_bidirectional_attention"):
+        from .errors import UnsupportedConfigError
+        raise UnsupportedConfigError(
+            f"{model_dir} uses bidirectional attention (use_bidirectional_attention: an encoder "
+            "such as EmbeddingGemma); cpullm's attention is causal only, so this model cannot run")
 
 
 def _source(model_dir: Path, quant: str | None):

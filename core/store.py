@@ -546,7 +546,8 @@ def _model_entry(d: Path, cached: set[str]) -> dict:
     from .limits import read_json_file
 
     entry = {"name": d.name.replace("--", "/"), "path": str(d), "model_type": None, "family": None,
-             "architectures": [], "params": 0, "size_bytes": _dir_size(d), "has_exec_cache": False}
+             "architectures": [], "params": 0, "size_bytes": _dir_size(d), "has_exec_cache": False,
+             "quantization": None, "context": None}
     try:
         gguf = gguf_in_dir(d)
         if gguf is not None:
@@ -554,8 +555,11 @@ def _model_entry(d: Path, cached: set[str]) -> dict:
 
             from .gguf_model import GGUFStore
             st = GGUFStore(gguf)
+            fmt = st.format_bytes()
             entry.update(model_type=st.spec.model_type, family=st.spec.model_type, format="gguf",
                          architectures=list(st.spec.architectures),
+                         quantization=max(fmt, key=fmt.get) if fmt else None,
+                         context=_int_or_none(st.hp.get("max_position_embeddings") if isinstance(st.hp, dict) else None),
                          params=int(sum(int(np.prod(st.shape(n), dtype=np.int64)) for n in st.names())),
                          has_exec_cache=str(gguf.resolve()) in cached)
             return entry
@@ -567,7 +571,10 @@ def _model_entry(d: Path, cached: set[str]) -> dict:
         if not is_complete_model_dir(d):
             raise ValueError("no safetensors weights")
         archs = config.get("architectures")
+        dtype = config.get("torch_dtype") or config.get("dtype")
         entry.update(model_type=_model_type(config), family=_model_type(config),
+                     quantization=dtype if isinstance(dtype, str) else None,
+                     context=_int_or_none(config.get("max_position_embeddings")),
                      architectures=[a for a in archs if isinstance(a, str)] if isinstance(archs, list) else [],
                      params=count_params(d), has_exec_cache=str(d.resolve()) in cached)
     except OSError as exc:
@@ -577,12 +584,19 @@ def _model_entry(d: Path, cached: set[str]) -> dict:
     return entry
 
 
+def _int_or_none(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def list_models(root: str | os.PathLike | None = None) -> list[dict]:
     """Every model directory in the store, sorted by name.
 
     Each entry: name, path, model_type, family (the config's model_type), architectures,
-    params (from safetensors headers), size_bytes (on disk), has_exec_cache; a folder that cannot
-    be used (no config.json, damaged headers, ...) is listed with ``broken``: the reason.
+    params (from safetensors headers), size_bytes (on disk), quantization (the GGUF's main
+    tensor type, or the checkpoint's dtype), context (the model's longest), has_exec_cache,
+    exec_cache_bytes and last_used (the newest use of its compiled programs, a Unix time, or
+    None); a folder that cannot be used (no config.json, damaged headers, ...) is listed with
+    ``broken``: the reason.
     """
     root = Path(root) if root else models_dir()
     if not root.is_dir():
@@ -596,4 +610,166 @@ def list_models(root: str | os.PathLike | None = None) -> list[dict]:
         if d.name.startswith((".", "_")) or not d.is_dir():
             continue
         out.append(_model_entry(d, cached))
+    programs = _programs_by_entry(root)
+    for entry in out:
+        mine = programs.get(Path(entry["path"]).name, [])
+        entry["exec_cache_bytes"] = sum(e["size_bytes"] for e in mine)
+        entry["last_used"] = max((e["last_used"] for e in mine if e["last_used"]), default=None)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Managing stored models: show, rm
+# ---------------------------------------------------------------------------------------------
+
+def _programs_by_entry(root: Path) -> dict[str, list[dict]]:
+    """The execution-cache entries (``cache_format.list_entries``) of each store folder, by
+    folder name: those whose model is the folder or a file directly in it."""
+    from . import cache_format
+
+    try:
+        entries = cache_format.list_entries(None)
+        base = root.resolve()
+    except OSError:
+        return {}
+    out: dict[str, list[dict]] = {}
+    for e in entries:
+        if not isinstance(e.get("model"), str):
+            continue
+        m = Path(e["model"])
+        for folder in (m, m.parent):
+            if folder.parent == base:
+                out.setdefault(folder.name, []).append(e)
+                break
+    return out
+
+
+def store_entry(name: str, root: str | os.PathLike | None = None) -> Path:
+    """The store folder of the model called ``name`` (as ``cpullm list`` shows it). Only store
+    names are accepted, never paths: what ``rm`` deletes is always inside the store."""
+    root = Path(root) if root else models_dir()
+    text = str(name).strip()
+    folder = store_dir_name(text)
+    if not text or folder.startswith((".", "_")) or "\\" in folder or os.sep in folder:
+        raise StoreError(f"{name!r} is not a model name in the store; `cpullm list` shows the names")
+    for candidate in dict.fromkeys((folder, folder.lower())):
+        d = root / candidate
+        if d.is_symlink() or d.is_dir():
+            return d
+    raise StoreError(f"no model named {name!r} in the store ({root}); `cpullm list` shows the "
+                     f"stored models, `cpullm pull {text}` fetches a known one")
+
+
+def model_details(name: str, root: str | os.PathLike | None = None) -> dict:
+    """What ``cpullm show`` prints: the listing of the store model ``name`` plus its files,
+    chat template, license and compiled programs."""
+    from .limits import read_json_file
+
+    root_path = Path(root) if root else models_dir()
+    d = store_entry(name, root_path)
+    entry = _model_entry(d, set())
+    entry["files"] = []
+    try:
+        listing = sorted(d.iterdir())
+    except OSError as exc:                     # a dangling link, an unreadable folder
+        listing = []
+        entry.setdefault("broken", f"{d.name}: {exc.strerror or exc}")
+    for f in listing:
+        try:
+            st = f.lstat()
+        except OSError:
+            continue
+        if stat.S_ISREG(st.st_mode) and not f.name.startswith("."):
+            entry["files"].append({"name": f.name, "size_bytes": st.st_size})
+    template = license_text = None
+    gguf = gguf_in_dir(d)
+    try:
+        if gguf is not None:
+            from .gguf_file import open_gguf, read_metadata
+            meta = read_metadata(open_gguf(gguf))
+            template = meta.get("tokenizer.chat_template")
+            license_text = meta.get("general.license")
+        else:
+            from .chat import find_template
+            config = read_json_file(d / "tokenizer_config.json") if (d / "tokenizer_config.json").is_file() else {}
+            template = find_template(d, config if isinstance(config, dict) else {})
+            for lic in ("LICENSE", "LICENSE.txt", "LICENSE.md"):
+                if (d / lic).is_file():
+                    license_text = (d / lic).read_text(encoding="utf-8", errors="replace")[:4000]
+                    break
+    except Exception as exc:     # a damaged file: shown, not fatal to `show`
+        entry.setdefault("broken", f"{type(exc).__name__}: {exc}")
+    entry["chat_template"] = template if isinstance(template, str) else None
+    entry["license"] = license_text if isinstance(license_text, str) else None
+    entry["programs"] = _programs_by_entry(root_path).get(d.name, [])
+    return entry
+
+
+def copy_model(source: str, dest: str, root: str | os.PathLike | None = None) -> Path:
+    """Store the model ``source`` again under the name ``dest`` (as Ollama's ``cp``): its files
+    hard-linked where the filesystem allows (no second copy on disk), else copied; written to a
+    temporary folder and renamed into place. Returns the new folder."""
+    root_path = Path(root) if root else models_dir()
+    src = store_entry(source, root_path)
+    text = str(dest).strip()
+    folder = store_dir_name(text)
+    if not text or folder.startswith((".", "_")) or "\\" in folder or os.sep in folder:
+        raise StoreError(f"{dest!r} cannot name a store model: use letters, digits, '.', '-' and "
+                         "at most one '/' (org/name)")
+    target = root_path / folder
+    if os.path.lexists(target):
+        raise StoreError(f"the store already has a model named {text!r}; pick another name or "
+                         f"`cpullm rm {text}` first")
+    tmp = root_path / f".{folder}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        for base, dirs, files in os.walk(src):
+            rel = Path(base).relative_to(src)
+            (tmp / rel).mkdir(parents=True, exist_ok=True)
+            for name in files:
+                f = Path(base) / name
+                if not f.is_file() or f.is_symlink():
+                    continue
+                try:
+                    os.link(f, tmp / rel / name)
+                except OSError:
+                    shutil.copyfile(f, tmp / rel / name)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def remove_model(name: str, root: str | os.PathLike | None = None) -> dict:
+    """Delete the store model ``name``: its folder, its verified download when that is the same
+    file (a hard link: otherwise no space would be freed) and its compiled programs. Never
+    follows a link out of the store: a symlinked entry loses only the link. Returns what was
+    removed: ``{"path", "bytes", "programs", "program_bytes"}``."""
+    from . import cache_format
+
+    root_path = Path(root) if root else models_dir()
+    d = store_entry(name, root_path)
+    programs = _programs_by_entry(root_path).get(d.name, [])
+    freed = 0
+    if d.is_symlink():
+        d.unlink()
+    else:
+        gguf = gguf_in_dir(d)
+        download = root_path / DOWNLOADS / gguf.name if gguf is not None else None
+        freed = _dir_size(d)
+        with _lock(root_path, d.name):
+            if download is not None and download.is_file() and not download.is_symlink():
+                try:
+                    same = os.path.samefile(gguf, download)
+                except OSError:
+                    same = False
+                if same:
+                    download.unlink()
+            tmp = root_path / f".{d.name}.rm-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            os.replace(d, tmp)          # gone from the store at once; then deleted
+            shutil.rmtree(tmp, ignore_errors=True)
+    for model in {e["model"] for e in programs}:    # by the manifest's own path: matched exactly
+        cache_format.clear(None, model)
+    return {"path": str(d), "bytes": freed, "programs": len(programs),
+            "program_bytes": sum(e["size_bytes"] for e in programs)}
+

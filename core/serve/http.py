@@ -2,7 +2,8 @@
 
 Endpoints: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/chat/completions``,
 ``POST /v1/completions`` (both streaming as server-sent events ending in ``data: [DONE]``, or
-not), ``GET /health`` and ``GET /`` (a small chat page, ``cpullm/serve/static``).
+not), ``POST /v1/embeddings``, ``POST /tokenize`` and ``/detokenize`` (llama.cpp's shape), ``GET /health`` and ``GET /``
+(a small chat page, ``cpullm/serve/static``).
 
 Bounds: ``request_timeout`` seconds of generation per request (then it ends with finish_reason
 "length"). A client has ``header_timeout`` seconds to send its request line and headers (else
@@ -13,7 +14,7 @@ during the render stops it. ``/health`` and ``/v1/models`` report the limits. On
 the engine stops first: the running generation and every waiting request end with the 503
 ``server_shutting_down`` error (a stream gets it as its last event).
 
-With an API key, every ``/v1/`` request needs ``Authorization: Bearer KEY`` (compared in constant
+With an API key, every ``/v1/``, ``/tokenize`` and ``/detokenize`` request needs ``Authorization: Bearer KEY`` (compared in constant
 time); the page and ``/health`` stay open (they reveal nothing and run nothing). Bound to
 loopback, the server also refuses Host headers that are not loopback names (DNS rebinding), and
 POST bodies must be ``application/json`` (so a web page elsewhere cannot post to it without a
@@ -47,6 +48,7 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 DEFAULT_HEADER_TIMEOUT_S = 10.0       # to send a request's line and headers
 DEFAULT_BODY_TIMEOUT_S = 30.0         # to send its body (4 MiB at ~140 KB/s)
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0     # SIGTERM: running generations' time to finish
+KEYED_PATHS = {"/tokenize", "/detokenize"}   # outside /v1/, behind the API key all the same
 LOOPBACK_NAMES = {"127.0.0.1", "localhost", "::1", "[::1]"}
 PAGE_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; connect-src 'self'; "
             "img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'; form-action 'none'")
@@ -131,7 +133,7 @@ class Guard:
             key = self._key_of(token.strip()) if scheme.lower() == "bearer" else None
         scope["cpullm.authorized"] = not self.api_keys or key is not None
         scope["cpullm.tenant"] = tenant_salt(key) if key is not None and len(self.api_keys) > 1 else None
-        if self.api_keys and scope["path"].startswith("/v1"):
+        if self.api_keys and (scope["path"].startswith("/v1") or scope["path"] in KEYED_PATHS):
             if key is None:
                 return await _send_json(send, 401, {"error": {
                     "message": "Incorrect or missing API key: send the header "
@@ -301,6 +303,9 @@ class Endpoints:
             Route("/v1/models/{model_id:path}", self.model_info, methods=["GET"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
             Mount("/static", StaticFiles(directory=STATIC_DIR), name="static"),
         ]
 
@@ -312,7 +317,7 @@ class Endpoints:
         from starlette.responses import JSONResponse
 
         mid, model_id = request.path_params["model_id"], self.api.model_id
-        if mid != model_id:
+        if mid not in self.api.model_ids:
             return error_response(ApiError(f"The model `{mid}` does not exist: this server runs "
                                            f"`{model_id}`", 404, "model_not_found", "model"))
         return JSONResponse(_model_card(self.api))
@@ -339,12 +344,34 @@ class Endpoints:
     async def chat_completions(self, request: Request):
         return await self._complete(request, self.api.prepare_chat)
 
+    async def embeddings(self, request: Request):
+        return await self._answer(request, self.api.embeddings)
+
+    async def tokenize(self, request: Request):
+        return await self._answer(request, self.api.tokenize)
+
+    async def detokenize(self, request: Request):
+        return await self._answer(request, self.api.detokenize)
+
+    async def _answer(self, request: Request, handle):
+        """A JSON request answered by ``handle(body) -> dict`` in a worker thread (tokenizing a
+        long text must not stall the event loop)."""
+        import anyio
+        from starlette.responses import Response
+
+        try:
+            body = await _read_json(request, self.max_request_bytes, self.body_timeout)
+            out = await anyio.to_thread.run_sync(handle, body)
+        except Exception as exc:
+            return error_response(exc)
+        return Response(json_bytes(out), 200, media_type="application/json")
+
     async def not_found(self, request: Request, exc: HTTPException):
         """404 and 405 (and any other HTTPException) as OpenAI-shaped errors."""
         if exc.status_code == 404:
             e = ApiError(f"Unknown request URL: {request.method} {request.url.path}. Endpoints: "
                          "GET /v1/models, POST /v1/chat/completions, POST /v1/completions, "
-                         "GET /health, GET /", 404, "unknown_url")
+                         "POST /v1/embeddings, POST /tokenize, POST /detokenize, GET /health, GET /", 404, "unknown_url")
         elif exc.status_code == 405:
             e = ApiError(f"{request.method} is not allowed on {request.url.path}", 405,
                          "method_not_allowed")
@@ -509,8 +536,10 @@ def create_app(model, model_id: str | None = None, api_key: str | None = None,
                allowed_hosts: set[str] | None = None, max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP,
                request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
                body_timeout: float = DEFAULT_BODY_TIMEOUT_S, parallel: int | None = None,
-               prefix_cache_bytes: int | None = None, prefill_chunk: int | None = None):
-    """The ASGI application serving ``model``; ``parallel`` streams at once (None: chosen from
+               prefix_cache_bytes: int | None = None, prefill_chunk: int | None = None,
+               model_aliases: tuple[str, ...] = ()):
+    """The ASGI application serving ``model`` as ``model_id`` (also answering to
+    ``model_aliases`` and the model's file name); ``parallel`` streams at once (None: chosen from
     the machine, :func:`cpullm.engine.default_parallel`); ``prefix_cache_bytes`` bounds the KV
     kept for shared prompt prefixes (None: :func:`cpullm.engine.default_prefix_cache_bytes`);
     ``prefill_chunk``: prompt tokens prefilled per scheduler step, also the prefix cache's block
@@ -524,6 +553,7 @@ def create_app(model, model_id: str | None = None, api_key: str | None = None,
     engine = Engine(model, max_queue=max_queue, parallel=parallel, prefill_chunk=prefill_chunk,
                     prefix_cache_bytes=prefix_cache_bytes)
     api = Api(model, model_id, engine, max_tokens_cap=max_tokens_cap, request_timeout=request_timeout)
+    api.model_ids = {model_id, Path(str(model.model_dir)).name, *model_aliases}
     endpoints = Endpoints(api, max_request_bytes, body_timeout)
     app = Starlette(routes=endpoints.routes(), exception_handlers={HTTPException: endpoints.not_found},
                     lifespan=endpoints.lifespan)
@@ -679,12 +709,14 @@ def serve(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | None 
           header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
           body_timeout: float = DEFAULT_BODY_TIMEOUT_S, parallel: int | None = None,
           prefix_cache_bytes: int | None = None, prefill_chunk: int | None = None,
-          shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
+          shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S, model_aliases: tuple[str, ...] = (),
+          on_ready=None) -> None:
     """Serve until interrupted. ``port=0`` picks a free port; ``announce`` gets the ready line
-    (with the real URL) once the socket listens. On SIGINT/SIGTERM the server stops accepting,
-    every waiting client gets the 503 JSON error, running generations have ``shutdown_timeout``
-    seconds to finish, then the rest end with an error event (a stream) or the 503 JSON error,
-    and the template worker stops, before uvicorn's graceful close."""
+    (with the real URL) once the socket listens, and ``on_ready(host, port)`` is called then. On
+    SIGINT/SIGTERM the server stops accepting, every waiting client gets the 503 JSON error,
+    running generations have ``shutdown_timeout`` seconds to finish, then the rest end with an
+    error event (a stream) or the 503 JSON error, and the template worker stops, before
+    uvicorn's graceful close."""
     import socket
 
     import uvicorn
@@ -711,7 +743,8 @@ def serve(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | None 
     app = create_app(model, model_id=model_id, api_key=api_key, max_request_bytes=max_request_bytes,
                      max_queue=max_queue, allowed_hosts=allowed, max_tokens_cap=max_tokens_cap,
                      request_timeout=request_timeout, body_timeout=body_timeout, parallel=parallel,
-                     prefix_cache_bytes=prefix_cache_bytes, prefill_chunk=prefill_chunk)
+                     prefix_cache_bytes=prefix_cache_bytes, prefill_chunk=prefill_chunk,
+                     model_aliases=model_aliases)
     bind_host = host.strip("[]")
     try:
         infos = socket.getaddrinfo(bind_host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -749,6 +782,8 @@ def serve(model, host: str = "127.0.0.1", port: int = 8000, api_key: str | None 
 
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    if on_ready is not None:
+        on_ready(bind_host, real_port)
     try:
         server.run(sockets=[sock])
     except _Terminated:

@@ -198,6 +198,7 @@ class Api:
                  request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S):
         self.model = model
         self.model_id = model_id
+        self.model_ids = {model_id}        # every id a request may name (create_app adds aliases)
         self.engine = engine
         self.max_tokens_cap = max_tokens_cap
         self.request_timeout = request_timeout
@@ -217,13 +218,61 @@ class Api:
                     continue                        # the checkpoint's value would break sampling
                 self.defaults[k] = type(self.defaults[k])(v)
 
+    # -- token counting
+    def check_model(self, body: dict) -> None:
+        """A 404 when the body names a model this server does not run."""
+        m = body.get("model")
+        if m is not None:
+            if not isinstance(m, str):
+                raise ApiError(f"model must be a string, got {_quoted(m)}", param="model", code="invalid_type")
+            if m not in self.model_ids:
+                raise ApiError(f"The model `{m}` does not exist: this server runs `{self.model_id}` "
+                               "(GET /v1/models lists it)", 404, "model_not_found", "model")
+
+    def tokenize(self, body: dict) -> dict:
+        """``POST /tokenize``: ``{"tokens": [id, ...]}``, or with ``with_pieces``
+        ``{"tokens": [{"id": id, "piece": text}, ...]}`` (a piece is the token decoded alone)."""
+        content, add_special, with_pieces = parse_tokenize(body)
+        self.check_model(body)
+        tok = self.model.tokenizer
+        ids = tok.encode(content, add_special_tokens=add_special)
+        if not with_pieces:
+            return {"tokens": ids}
+        return {"tokens": [{"id": i, "piece": tok.decode([i])} for i in ids]}
+
+    def detokenize(self, body: dict) -> dict:
+        """``POST /detokenize``: ``{"content": text}`` of the ids (special tokens kept)."""
+        ids = parse_detokenize(body, self.vocab)
+        self.check_model(body)
+        return {"content": self.model.tokenizer.decode(ids)}
+
+    def embeddings(self, body: dict) -> dict:
+        """``POST /v1/embeddings`` in OpenAI's shape (:meth:`cpullm.model.Model.embed`)."""
+        from ..embed import token_inputs
+
+        inp, fmt, dims, pooling = parse_embeddings(body)
+        self.check_model(body)
+        try:
+            ids = token_inputs(inp, self.model.tokenizer, self.model._embed_vocab(), self.model.n_ctx)
+        except CpullmError as exc:
+            raise ApiError(str(exc), param="input", code="invalid_value") from None
+        try:
+            vecs = self.model.embed_ids(ids, pooling=pooling, dimensions=dims)
+        except CpullmError as exc:
+            raise ApiError(str(exc), param="dimensions" if dims is not None else None,
+                           code="invalid_value") from None
+        n = sum(len(i) for i in ids)
+        return {"object": "list", "model": self.model_id,
+                "data": [embedding_item(i, v, fmt) for i, v in enumerate(vecs)],
+                "usage": {"prompt_tokens": n, "total_tokens": n}}
+
     # -- shared fields
     def _check_common(self, body: dict) -> None:
         m = body.get("model")
         if m is not None:
             if not isinstance(m, str):
                 raise ApiError(f"model must be a string, got {_quoted(m)}", param="model", code="invalid_type")
-            if m != self.model_id:
+            if m not in self.model_ids:
                 raise ApiError(f"The model `{m}` does not exist: this server runs `{self.model_id}` "
                                "(GET /v1/models lists it)", 404, "model_not_found", "model")
         choices_count(body)
@@ -700,3 +749,100 @@ def merge_choices(objs: list[dict]) -> dict:
     out["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
     return out
 
+
+
+# ---- token counting: llama.cpp's /tokenize and /detokenize ----------------------------------------
+MAX_TOKENIZE_CHARS = 1 << 20          # text per /tokenize request
+MAX_DETOKENIZE_TOKENS = 1 << 18       # ids per /detokenize request
+
+
+def _only_fields(body: dict, allowed: tuple[str, ...], route: str) -> None:
+    """A 400 naming the first field ``route`` does not take (nothing is silently ignored)."""
+    for key in body:
+        if key not in allowed:
+            raise ApiError(f"{route} takes no field {key!r}; its fields are {', '.join(allowed)}",
+                           param=key, code="unsupported_parameter")
+
+
+def _token_ids(value, key: str, vocab: int, limit: int) -> list[int]:
+    """A list of token ids in [0, vocab), at most ``limit`` of them."""
+    if not isinstance(value, list):
+        raise ApiError(f"{key} must be a list of token ids, got {_quoted(value)}", param=key,
+                       code="invalid_type")
+    if len(value) > limit:
+        raise ApiError(f"{key} holds {len(value)} token ids; the limit is {limit}", param=key,
+                       code="invalid_value")
+    for i, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+            raise ApiError(f"{key}[{i}] must be a token id in [0, {vocab}), got {_quoted(t)}",
+                           param=key, code="invalid_value")
+    return [int(t) for t in value]
+
+
+def parse_tokenize(body: dict) -> tuple[str, bool, bool]:
+    """(content, add_special, with_pieces) of a ``POST /tokenize`` body:
+    ``{"content": str, "add_special": bool = false, "with_pieces": bool = false}``."""
+    _only_fields(body, ("content", "add_special", "with_pieces", "model"), "/tokenize")
+    content = body.get("content")
+    if not isinstance(content, str):
+        raise ApiError(f"content must be a string, got {_quoted(content)}", param="content",
+                       code="invalid_type" if content is not None else "missing_required_parameter")
+    if len(content) > MAX_TOKENIZE_CHARS:
+        raise ApiError(f"content holds {len(content)} characters; the limit is {MAX_TOKENIZE_CHARS}",
+                       param="content", code="invalid_value")
+    return content, _boolean(body, "add_special", False), _boolean(body, "with_pieces", False)
+
+
+def parse_detokenize(body: dict, vocab: int) -> list[int]:
+    """The token ids of a ``POST /detokenize`` body: ``{"tokens": [int, ...]}``."""
+    _only_fields(body, ("tokens", "model"), "/detokenize")
+    if body.get("tokens") is None:
+        raise ApiError("tokens is required: a list of token ids", param="tokens",
+                       code="missing_required_parameter")
+    return _token_ids(body["tokens"], "tokens", vocab, MAX_DETOKENIZE_TOKENS)
+
+
+# ---- embeddings: OpenAI's POST /v1/embeddings -----------------------------------------------------
+EMBEDDING_FIELDS = ("input", "model", "encoding_format", "dimensions", "user", "pooling")
+
+
+def parse_embeddings(body: dict) -> tuple:
+    """(input, encoding_format, dimensions, pooling) of a ``POST /v1/embeddings`` body. ``input``
+    is a string, a list of strings, a list of token ids or a list of such lists (checked in
+    full by :func:`cpullm.embed.token_inputs`); ``pooling`` ("last" | "mean" | "cls") is
+    cpullm's extension; ``user`` (OpenAI's end-user tag) must be a string and has no effect."""
+    from ..embed import POOLINGS
+
+    _only_fields(body, EMBEDDING_FIELDS, "/v1/embeddings")
+    inp = body.get("input")
+    if inp is None:
+        raise ApiError("input is required: a string or a list of strings (or of token-id lists)",
+                       param="input", code="missing_required_parameter")
+    if not isinstance(inp, (str, list)) or (isinstance(inp, list) and not inp):
+        raise ApiError(f"input must be a string or a non-empty list, got {_quoted(inp)}",
+                       param="input", code="invalid_value")
+    fmt = body.get("encoding_format", "float")
+    if fmt not in ("float", "base64"):
+        raise ApiError(f"encoding_format must be \"float\" or \"base64\", got {_quoted(fmt)}",
+                       param="encoding_format", code="invalid_value")
+    dims = _integer(body, "dimensions", None, lo=1)
+    pooling = body.get("pooling")
+    if pooling is not None and pooling not in POOLINGS:
+        raise ApiError(f"pooling must be one of {', '.join(POOLINGS)}, got {_quoted(pooling)}",
+                       param="pooling", code="invalid_value")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise ApiError(f"user must be a string, got {_quoted(body['user'])}", param="user",
+                       code="invalid_type")
+    return inp, fmt, dims, pooling
+
+
+def embedding_item(index: int, vec, fmt: str) -> dict:
+    """One ``data`` entry: the vector as a list of floats, or base64 of its little-endian float32."""
+    import base64
+
+    import numpy as np
+    if fmt == "base64":
+        emb = base64.b64encode(np.asarray(vec, "<f4").tobytes()).decode("ascii")
+    else:
+        emb = [float(x) for x in vec]
+    return {"object": "embedding", "index": index, "embedding": emb}

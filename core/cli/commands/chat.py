@@ -29,7 +29,7 @@ def add_parser(sub):
                                    "a chat_template.jinja to its directory.")
     add_model_options(p)
     p.add_argument("--system", default=None, help="system message")
-    p.add_argument("-n", "--max-tokens", type=positive_int, default=512,
+    p.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=positive_int, default=512,
                    help="longest answer in tokens (default 512)")
     add_sampling_options(p)
     p.set_defaults(temperature=0.7)
@@ -119,6 +119,13 @@ def _probe(system: str) -> list[dict]:
     return [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]
 
 
+def _stdin_is_terminal() -> bool:
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except (OSError, ValueError):
+        return False
+
+
 def _readline():
     try:
         import readline  # noqa: F401  (line editing and history for input())
@@ -149,13 +156,16 @@ def run(args) -> int:
                     min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed)
     _readline()
     name = getattr(model.model_dir, "name", str(model.model_dir))
-    print(f"cpullm chat: {name} ({model.family.name}, {model.quant}, {model.n_ctx}-token context). "
-          "Type /help for commands, Ctrl-C stops an answer, Ctrl-D or /exit leaves.", flush=True)
+    interactive = _stdin_is_terminal()      # piped lines are turns: no banner, no prompt shown
+    if interactive:
+        print(f"cpullm chat: {name} ({model.family.name}, {model.quant}, {model.n_ctx}-token context). "
+              "Type /help for commands, Ctrl-C stops an answer, Ctrl-D or /exit leaves.", flush=True)
     while True:
         try:
-            line = input(">>> ")
+            line = input(">>> " if interactive else "")
         except EOFError:
-            print("", flush=True)
+            if interactive:
+                print("", flush=True)
             return 0
         except KeyboardInterrupt:
             print("\n(Ctrl-D or /exit leaves)", flush=True)

@@ -1,4 +1,6 @@
-"""Options shared by the commands that load a model."""
+"""Options shared by the commands that load a model, in our spelling and llama.cpp's
+(``-m/--model``, ``-t/--threads``, ``-c/--ctx-size``, ``-s/--seed``, ``--temp``,
+``--repeat-penalty``; ``-ngl`` is accepted with a notice: this runtime has no GPU)."""
 from __future__ import annotations
 
 import argparse
@@ -21,11 +23,16 @@ def non_negative_int(text: str) -> int:
 def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=None,
                    help="model directory, .gguf file or store name (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("-m", "--model", dest="model_flag", default=None, metavar="MODEL",
+                   help="the model, as an option (llama.cpp's spelling)")
     p.add_argument("--quant", choices=["int8", "q4", "f32", "gguf"], default=None,
                    help="weight format (default: int8 for a checkpoint directory; gguf for a .gguf file, "
                         "whose quantized tensors run in their own block formats)")
-    p.add_argument("--threads", type=positive_int, default=None, help="threads (default: physical cores)")
-    p.add_argument("--ctx", type=positive_int, default=None, help="context length (default: min(4096, model max))")
+    p.add_argument("-t", "--threads", type=positive_int, default=None, help="threads (default: physical cores)")
+    p.add_argument("-c", "--ctx", "--ctx-size", dest="ctx", type=positive_int, default=None,
+                   help="context length (default: min(4096, model max))")
+    p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=non_negative_int,
+                   default=None, metavar="N", help="accepted for llama.cpp scripts and ignored: cpullm runs on the CPU")
     p.add_argument("--cache-type", "--kv-dtype", dest="kv_dtype", choices=["f16", "f32"], default=None,
                    help="KV cache format, as llama.cpp's --cache-type-k/-v (default: f16; f32 with --quant f32). "
                         "f16 halves the KV bytes a decode step reads at long context")
@@ -39,13 +46,34 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                         "the VMs here, loading up to 8 s slower for Qwen2.5-0.5B (new memory is slow to fault in)")
 
 
-def add_sampling_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+def add_sampling_options(p: argparse.ArgumentParser, temperature: float | None = 0.0) -> None:
+    p.add_argument("--temperature", "--temp", dest="temperature", type=float, default=temperature,
+                   help=f"0 = greedy (default {temperature})" if temperature is not None else "0 = greedy")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--repetition-penalty", "--repeat-penalty", dest="repetition_penalty", type=float, default=1.0)
+    p.add_argument("-s", "--seed", type=int, default=None)
+
+
+def settle_model_args(args, spare: str | None = None) -> None:
+    """Merge ``-m/--model`` into ``args.model`` (the positional). With ``-m`` given, a positional
+    that was taken as the model moves to ``args.<spare>`` (``cpullm run -m MODEL "prompt"``).
+    ``-ngl`` prints its notice here, once."""
+    from cpullm.errors import ConfigError
+
+    flag = getattr(args, "model_flag", None)
+    if flag is not None:
+        if args.model is not None:
+            if spare is None or getattr(args, spare, None) is not None:
+                raise ConfigError(f"two models given ({args.model!r} and -m {flag!r}); give one")
+            setattr(args, spare, args.model)
+        args.model = flag
+        args.model_flag = None
+    if getattr(args, "n_gpu_layers", None) is not None:
+        from cpullm.model import notice
+        notice(f"-ngl {args.n_gpu_layers} ignored: cpullm runs on the CPU (use -t/--threads)")
+        args.n_gpu_layers = None
 
 
 def load_model(args):

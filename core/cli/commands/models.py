@@ -1,16 +1,20 @@
-"""``cpullm models``: the models in the store."""
+"""``cpullm list`` (also ``models``, ``ls``): the models in the store, as Ollama's ``list``."""
 from __future__ import annotations
 
+import datetime
 import json
+import time
 
 
 def add_parser(sub):
-    p = sub.add_parser("models", help="list the models in the model store")
+    p = sub.add_parser("list", aliases=["models", "ls"], help="list the models in the model store",
+                       description="The stored models: name (what run/serve/show/rm take), family, "
+                                   "parameters, quantization, size on disk, when last used.")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     return p
 
 
-def _size(n) -> str:
+def size_text(n) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -18,11 +22,31 @@ def _size(n) -> str:
     return str(n)
 
 
-def _one_line(text: str, width: int = 100) -> str:
+def ago(ts: float | None) -> str:
+    """A Unix time as Ollama shows it: "5 minutes ago", or "never"."""
+    if not ts:
+        return "never"
+    s = max(0.0, time.time() - ts)
+    for unit, n in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if s >= n:
+            k = int(s // n)
+            return f"{k} {unit}{'s' if k > 1 else ''} ago"
+    return "just now"
+
+
+def when(ts: float | None) -> str:
+    return datetime.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M") if ts else "-"
+
+
+def one_line(text: str, width: int = 100) -> str:
     """A reason shown in the table: one line, printable, cut to ``width`` characters."""
     text = " ".join(str(text).split())
     text = "".join(c if c.isprintable() else "?" for c in text)
     return text if len(text) <= width else text[:width - 3] + "..."
+
+
+def params_text(n: int) -> str:
+    return (f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M") if n else "?"
 
 
 def run(args) -> int:
@@ -35,13 +59,13 @@ def run(args) -> int:
     if not models:
         print("no models in the store; fetch one with `cpullm pull smollm2-135m-instruct`")
         return 0
-    print(f"{'NAME':<32} {'FAMILY':<12} {'PARAMS':>8} {'SIZE':>10}  EXEC CACHE")
+    print(f"{'NAME':<32} {'FAMILY':<10} {'PARAMS':>7} {'QUANT':<9} {'SIZE':>9}  LAST USED")
     for m in models:
         if m.get("broken"):
-            print(f"{m['name']:<32} {'(broken)':<12} {'?':>8} {_size(m.get('size_bytes', 0)):>10}  "
-                  f"-  {_one_line(m['broken'])}")
+            print(f"{one_line(m['name'], 32):<32} {'(broken)':<10} {'?':>7} {'?':<9} "
+                  f"{size_text(m.get('size_bytes', 0)):>9}  -  {one_line(m['broken'])}")
             continue
-        params = f"{m.get('params', 0) / 1e6:.0f}M" if m.get("params") else "?"
-        print(f"{m['name']:<32} {str(m.get('model_type') or m.get('family') or '?'):<12} {params:>8} "
-              f"{_size(m.get('size_bytes', 0)):>10}  {'yes' if m.get('has_exec_cache') else 'no'}")
+        print(f"{one_line(m['name'], 32):<32} {one_line(m.get('family') or '?', 10):<10} "
+              f"{params_text(m.get('params', 0)):>7} {one_line(m.get('quantization') or '?', 9):<9} "
+              f"{size_text(m.get('size_bytes', 0)):>9}  {ago(m.get('last_used'))}")
     return 0

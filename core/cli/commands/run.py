@@ -1,4 +1,7 @@
-"""``cpullm run``: generate text from a prompt, streaming, with a one-line summary."""
+"""``cpullm run [MODEL] [PROMPT]``: generate text from a prompt, streaming, with a one-line summary.
+
+The prompt is the argument after the model, or ``-p``; without one, a terminal opens the chat
+(``cpullm chat``, as Ollama's ``run`` does) and piped standard input is read as the prompt."""
 from __future__ import annotations
 
 import json
@@ -10,17 +13,77 @@ from .common import add_model_options, add_sampling_options, load_model, progres
 def add_parser(sub):
     p = sub.add_parser("run", help="generate text from a prompt")
     add_model_options(p)
-    p.add_argument("-p", "--prompt", required=True, help="the prompt text")
-    p.add_argument("-n", "--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("prompt_text", nargs="?", default=None, metavar="PROMPT",
+                   help="the prompt (or -p; none: read piped stdin, or chat on a terminal)")
+    p.add_argument("-p", "--prompt", default=None, help="the prompt text")
+    p.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=int, default=None,
+                   help="tokens to generate (default 64; 512 per answer in the chat)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--prompt-cache", default=None, metavar="FILE",
                    help="save/restore the KV cache of the prompt in FILE")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
-    add_sampling_options(p)
+    add_sampling_options(p, temperature=None)
+    p.add_argument("--no-stats", action="store_true", help="do not print the speed summary")
+    p.set_defaults(model_spare="prompt_text")
     add_constraint_options(p)
     return p
+
+
+MAX_STDIN_PROMPT_BYTES = 16 * 2**20
+
+
+def _stdin_is_terminal() -> bool:
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except (OSError, ValueError):
+        return False
+
+
+def read_stdin_prompt() -> str:
+    """Standard input as the prompt (at most MAX_STDIN_PROMPT_BYTES; UTF-8)."""
+    from cpullm.errors import PromptError
+
+    from .chat import require_utf8
+    data = sys.stdin.buffer.read(MAX_STDIN_PROMPT_BYTES + 1) if sys.stdin is not None else b""
+    if len(data) > MAX_STDIN_PROMPT_BYTES:
+        raise PromptError(f"the prompt on stdin is over {MAX_STDIN_PROMPT_BYTES >> 20} MiB; give a shorter one")
+    text = data.decode("utf-8", errors="surrogateescape")
+    require_utf8("stdin", text)
+    return text
+
+
+def settle_prompt(args) -> bool:
+    """Set ``args.prompt`` from the argument, -p or piped stdin; False when there is none and
+    stdin is a terminal (the chat opens instead)."""
+    from cpullm.errors import PromptError
+
+    if args.prompt_text is not None:
+        if args.prompt is not None:
+            raise PromptError("give the prompt once: after the model or with -p, not both")
+        args.prompt = args.prompt_text
+    if args.prompt is None:
+        if _stdin_is_terminal():
+            return False
+        args.prompt = read_stdin_prompt()
+    return True
+
+
+def open_chat(args) -> int:
+    """``cpullm run MODEL`` on a terminal without a prompt: the interactive chat."""
+    from cpullm.errors import PromptError
+
+    from . import chat
+    for flag, given in (("--json", args.json), ("--prompt-cache", args.prompt_cache),
+                        ("--stop", args.stop), ("--chat", args.chat)):
+        if given:
+            raise PromptError(f"{flag} needs a prompt: give one after the model, with -p, or on stdin")
+    args.max_tokens = 512 if args.max_tokens is None else args.max_tokens
+    args.temperature = 0.7 if args.temperature is None else args.temperature
+    if args.max_tokens <= 0:
+        raise PromptError(f"-n must be >= 1, got {args.max_tokens}")
+    return chat.run(args)
 
 
 def add_constraint_options(p) -> None:
@@ -98,13 +161,17 @@ def run(args) -> int:
     from cpullm.errors import PromptError
     from cpullm.generate import GenerationStats
 
+    if not settle_prompt(args):
+        return open_chat(args)
+    args.max_tokens = 64 if args.max_tokens is None else args.max_tokens
+    args.temperature = 0.0 if args.temperature is None else args.temperature
     if args.max_tokens <= 0:
         raise PromptError(f"-n must be >= 1, got {args.max_tokens}")
     from .chat import require_utf8
     require_utf8("-p", args.prompt)
     require_utf8("--system", args.system)
     if not args.prompt.strip():
-        raise PromptError("the prompt is empty: give some text with -p")
+        raise PromptError("the prompt is empty: give some text after the model, with -p, or on stdin")
     from cpullm.sampling import SamplingParams
     SamplingParams(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty,
                    args.seed).validate()                 # refused before loading, on one line
@@ -141,6 +208,8 @@ def run(args) -> int:
     if args.prompt_cache:
         model.save_prompt_cache()
     sys.stdout.write("\n")
+    if args.no_stats:
+        return 0
     print(f"[{stats.prompt_tokens} prompt tokens, prefill {stats.prefill_tps:.1f} tok/s, "
           f"{stats.generated_tokens} generated, decode {stats.decode_tps:.1f} tok/s, "
           f"{model.quant}, {model.threads} threads, cache {model.cache_status}"

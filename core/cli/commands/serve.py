@@ -70,14 +70,15 @@ def add_parser(sub):
     p.add_argument("--tenant-keys-file", default=None, metavar="FILE",
                    help="API keys, one per line, each a tenant: a tenant's cached prompt prefixes are "
                         "never reused (nor timed) by another key")
-    p.add_argument("--model-name", default=None,
-                   help="model id clients send and /v1/models lists (default: the directory name)")
+    p.add_argument("--model-name", "--alias", dest="model_name", default=None,
+                   help="model id clients send and /v1/models lists (default: the store name or "
+                        "file name it was started with; the file name is always accepted too)")
     p.add_argument("--max-request-bytes", type=positive_int, default=4 * 2**20,
                    help="largest request body accepted, larger ones get 413 (default 4 MiB)")
     p.add_argument("--queue", "--max-queue", dest="max_queue", type=non_negative_int, default=64, metavar="N",
                    help="requests allowed to wait while every --parallel slot is busy; more get 429 with "
                         "Retry-After at once (default 64)")
-    p.add_argument("--parallel", type=positive_int, default=None, metavar="N",
+    p.add_argument("--parallel", "-np", "--parallel-slots", dest="parallel", type=positive_int, default=None, metavar="N",
                    help="requests generating at once (default: 4 per thread, at most 8, and no more "
                         "than whose KV fits in half the available memory)")
     p.add_argument("--prefix-cache", type=non_negative_int, default=None, metavar="MIB",
@@ -151,6 +152,23 @@ def api_key(args) -> str | list[str] | None:
     return key or None
 
 
+def default_model_id(name: str | None, model) -> str:
+    """The id the server answers to: the store name the model was given as (``cpullm serve
+    smollm2-135m-instruct``), else the model's file or directory name."""
+    from pathlib import Path
+
+    from cpullm.locations import models_dir
+
+    if name and not Path(name).expanduser().exists():
+        return name.strip()
+    path = Path(str(model.model_dir)).resolve()
+    root = models_dir().resolve()
+    for folder in (path, path.parent):         # a store entry (the default model too)
+        if folder.parent == root:
+            return folder.name.replace("--", "/")
+    return path.name
+
+
 def run(args) -> int:
     from cpullm.errors import ConfigError
 
@@ -171,9 +189,20 @@ def run(args) -> int:
 
     chat.RENDER_TIMEOUT_S = args.template_timeout
     model = load_model(args)
+    model_id = args.model_name or default_model_id(args.model, model)
+    state = []
+
+    def ready(host: str, port: int) -> None:
+        from cpullm.serve.running import write_state
+        try:
+            state.append(write_state({"host": host, "port": port, "model": model_id,
+                                      "model_path": str(model.model_dir), "api_key": bool(key)}))
+        except OSError as exc:      # `cpullm ps` will not list it; serving goes on
+            print(f"cpullm: warning: cannot record this server for `cpullm ps` ({exc})",
+                  file=sys.stderr, flush=True)
     try:
-        serve(model, host=args.host, port=args.port, api_key=key,
-              model_id=args.model_name, max_request_bytes=args.max_request_bytes,
+        serve(model, host=args.host, port=args.port, api_key=key, on_ready=ready,
+              model_id=model_id, model_aliases=tuple(a for a in (args.model,) if a and a != model_id), max_request_bytes=args.max_request_bytes,
               max_queue=args.max_queue, log_level=args.log_level,
               announce=lambda line: print(line, flush=True), max_tokens_cap=args.max_tokens_cap,
               request_timeout=args.request_timeout, header_timeout=args.header_timeout,
@@ -182,5 +211,9 @@ def run(args) -> int:
               prefill_chunk=args.prefill_chunk, shutdown_timeout=args.shutdown_timeout)
     except KeyboardInterrupt:
         pass
+    finally:
+        from cpullm.serve.running import remove_state
+        for path in state:
+            remove_state(path)
     print("cpullm: server stopped", file=sys.stderr, flush=True)
     return 0
