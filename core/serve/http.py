@@ -337,7 +337,8 @@ class Endpoints:
             if gone:
                 engine.count_left_early()
                 return Response(b"", 499)            # the client left; nobody reads this
-            job = Job(spec.ids, spec.max_tokens, spec.sampling, spec.stop, api.request_timeout)
+            job = Job(spec.ids, spec.max_tokens, spec.sampling, spec.stop, api.request_timeout,
+                      parser=spec.parser(), constraint=spec.constraint)
             out = engine.submit(job, asyncio.get_running_loop())
         except Exception as exc:
             if engine.closed and (isinstance(exc, ChatTemplateError) or
@@ -406,7 +407,9 @@ async def _collect(request, api: Api, spec: RequestSpec, job: Job, out, rid, cre
     import anyio
     from starlette.responses import Response
 
-    pieces: list[str] = []
+    from ..toolcalls import Answer, collect
+
+    answer = Answer()
     failure = None
     gone = False
     async with anyio.create_task_group() as tg:
@@ -422,8 +425,8 @@ async def _collect(request, api: Api, spec: RequestSpec, job: Job, out, rid, cre
 
         tg.start_soon(watch)
         try:
-            async for p in job_pieces(out, job):
-                pieces.append(p)
+            async for event in job_pieces(out, job):
+                collect([event], answer)
         except Exception as exc:
             failure = exc
         tg.cancel_scope.cancel()
@@ -431,7 +434,7 @@ async def _collect(request, api: Api, spec: RequestSpec, job: Job, out, rid, cre
         return Response(b"", 499)                  # the client left; nobody reads this
     if failure is not None:
         return error_response(failure)
-    obj = api.answer(spec, rid, created, "".join(pieces), job.stats)
+    obj = api.answer(spec, rid, created, answer, job.stats)
     return Response(json_bytes(obj), 200, media_type="application/json")
 
 
@@ -446,9 +449,16 @@ async def _sse_events(api: Api, spec: RequestSpec, job: Job, out, rid, created):
     try:
         if chat:
             yield chunk(delta={"role": "assistant", "content": ""})
-        async for piece in job_pieces(out, job):
-            yield chunk(delta={"content": piece}) if chat else chunk(text=piece)
-        yield chunk(delta={}, text="", finish=api.finish_reason(job.stats))
+        calls = 0
+        async for kind, value in job_pieces(out, job):
+            if not chat:
+                yield chunk(text=value)
+            elif kind == "tool_call":
+                yield chunk(delta={"tool_calls": [{"index": calls, **value.openai()}]})
+                calls += 1
+            else:
+                yield chunk(delta={"reasoning_content" if kind == "reasoning" else "content": value})
+        yield chunk(delta={}, text="", finish=api.finish_reason(job.stats, calls))
         if spec.include_usage:
             yield chunk(empty=True, usage=api.usage(job.stats, spec))
     except Exception as exc:
