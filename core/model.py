@@ -67,6 +67,9 @@ class Model:
         self.eos_token_ids = _eos_ids(config, tokenizer)
         self.n_ctx = executor.n_ctx
         self.kv_dtype = program.meta.get("kv_dtype", "f32")
+        from functools import partial
+        from .chat import apply_chat_template
+        tokenizer.apply_chat_template = partial(apply_chat_template, self)   # transformers' call
         self._seq: list[int] = []          # tokens currently in the KV cache
 
     # ---- loading ---------------------------------------------------------------------------
@@ -278,6 +281,53 @@ class Model:
             texts.append("".join(pieces))
         return texts
 
+    def chat(self, messages, tools=None, tool_choice=None, response_format=None, stream: bool = False,
+             max_new_tokens: int = 512, parallel_tool_calls: bool = True, reasoning_effort=None,
+             chat_template_kwargs: dict | None = None, stats: GenerationStats | None = None, **sampling):
+        """Answer a conversation (OpenAI-style ``messages``) as the server's chat endpoint does.
+
+        Returns the assistant message dict: ``content`` (None when the answer is only calls),
+        ``tool_calls`` (OpenAI's objects, ``arguments`` a JSON string) when the model called a
+        tool, ``reasoning_content`` when it thought. ``tools`` / ``tool_choice`` /
+        ``parallel_tool_calls`` / ``reasoning_effort`` / ``chat_template_kwargs`` mean what they
+        mean in the OpenAI API (``tool_choice`` "required", a named function or a strict tool
+        constrain the call); ``response_format`` is OpenAI's (``{"type": "json_schema", ...}``).
+        With ``stream`` it returns an iterator of pieces: ``{"content": str}``,
+        ``{"reasoning_content": str}`` or ``{"tool_call": {...}}``. ``sampling``: the keywords of
+        :meth:`generate` (temperature, top_p, seed, stop, ...)."""
+        from .chat import _arguments_as_objects, check_messages, render_chat
+        from .serve.openai import _tool_request, plan_chat
+
+        body = {"tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls,
+                "reasoning_effort": reasoning_effort}
+        tools_, choice, parallel = _tool_request(body)
+        msgs = _arguments_as_objects(check_messages(messages))
+        plan = plan_chat(self, body, msgs, tools_, choice, parallel, dict(chat_template_kwargs or {}))
+        text = render_chat(self, plan.messages, tools=plan.template_tools, **plan.template_kwargs)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        answer, constraint = plan.answer(self, text)
+        if response_format is not None:
+            rf = _response_format_constraint(self, response_format)
+            if rf is not None and constraint is not None:
+                raise PromptError("give response_format or tools that constrain the answer "
+                                  "(tool_choice 'required', a named function, strict tools), not both")
+            constraint = constraint if rf is None else rf
+        if constraint is not None:
+            sampling["constraint"] = constraint
+        pieces = self.generate(ids, max_new_tokens=max_new_tokens, stats=stats, **sampling)
+        parser = answer.parser()
+
+        def events():
+            for piece in pieces:
+                yield from parser.push(piece)
+            yield from parser.finish()
+
+        if stream:
+            return ({"tool_call": v.openai()} if k == "tool_call" else
+                    {"reasoning_content" if k == "reasoning" else "content": v} for k, v in events())
+        from .toolcalls import collect
+        return collect(events()).message()
+
     def engine(self, parallel: int | None = None, prefill_chunk: int | None = None,
                prefix_cache_bytes: int | None = None):
         """A :class:`cpullm.engine.Engine` on this model: submit requests from any thread, each
@@ -312,6 +362,24 @@ class Model:
             "memory": memory_report(self),
             "context_plan": state_plan(self.program.meta),
         }
+
+
+def _response_format_constraint(model, response_format):
+    """The constraint of an OpenAI ``response_format`` (None for ``{"type": "text"}``)."""
+    rf = response_format
+    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+        raise PromptError("response_format must be {'type': 'text' | 'json_object' | 'json_schema', ...}")
+    if rf["type"] == "text":
+        return None
+    spec = ({"json_object": True} if rf["type"] == "json_object" else
+            {"json_schema": (rf.get("json_schema") or {}).get("schema") or {}})
+    try:
+        from .constraints import build_constraint
+    except ImportError:
+        from .errors import MissingDependencyError
+        raise MissingDependencyError("response_format needs constrained decoding: "
+                                     "pip install 'cpullm[structured]'") from None
+    return build_constraint(spec, model.tokenizer)
 
 
 def _source(model_dir: Path, quant: str | None):

@@ -382,6 +382,8 @@ class AnswerParser:
             marks.append(self.fmt.trigger)
         if self.fallback:
             marks.append(FENCE)
+            if not self.started and not self.calls and (self.fmt is None or self.fmt.trigger != "{"):
+                marks.append("{")                       # a bare JSON call as the whole answer
         if self.reasoning is not None and not self.started and not self.calls:
             marks.append(self.reasoning.start)
         return [m for m in marks if m]
@@ -406,6 +408,8 @@ class AnswerParser:
         if self.buf:
             if self.state == "call":
                 self._fail("the answer ended inside the call", out)
+            elif self.state == "bare":
+                self._step_bare(out, final=True)
             elif self.state == "fence":
                 text, self.buf = self.buf, ""
                 self._content(text, out)
@@ -452,18 +456,21 @@ class AnswerParser:
                 self.state = "reasoning"
                 return
             hits = [(i, m) for i, m in hits if m != self.reasoning.start]
-        if self.fmt is not None and self.fmt.at_start and not self.started:
+        if not self.started:
             # a bare call opens the answer: only where the text starts, not inside it
-            hits = [(i, m) for i, m in hits if m != self.fmt.trigger or not self.buf[:i].strip()]
+            at_start = {"{"} | ({self.fmt.trigger} if self.fmt is not None and self.fmt.at_start else set())
+            hits = [(i, m) for i, m in hits if m not in at_start or not self.buf[:i].strip()]
         if hits:
             i, mark = min(hits)
             self._content(self.buf[:i], out)
             self.buf = self.buf[i:]
-            self.state = "fence" if mark == FENCE and (self.fmt is None or mark != self.fmt.trigger) else "call"
+            if self.fmt is not None and mark == self.fmt.trigger:
+                self.state = "call"
+            else:
+                self.state = "fence" if mark == FENCE else "bare"
             return
         keep = 0 if final else _held(self.buf, marks)
-        if self.fmt is not None and self.fmt.at_start and not self.started and not final \
-                and not self.buf.strip():
+        if not self.started and not final and not self.buf.strip() and (self.fallback or self.fmt):
             keep = len(self.buf)                         # only whitespace so far: wait
         if len(self.buf) > keep:
             self._content(self.buf[:len(self.buf) - keep], out)
@@ -489,6 +496,27 @@ class AnswerParser:
         self.calls += 1
         self.buf = self.buf[end:]
         self.state = "content"
+
+    def _step_bare(self, out, final):
+        """A JSON object opening the answer: a call when it names a declared tool and nothing
+        but whitespace follows it."""
+        try:
+            value, end = json.JSONDecoder().raw_decode(self.buf)
+        except ValueError:
+            if final or len(self.buf) > MAX_CALL_CHARS:
+                text, self.buf, self.state = self.buf, "", "text"
+                self._content(text, out)
+            return
+        call = _call_object(value, self.tools)
+        if call is None or self.buf[end:].strip():
+            text, self.buf, self.state = self.buf, "", "text"
+            self._content(text, out)
+            return
+        if not final:
+            return                                       # text may still follow the object
+        out.append(("tool_call", call))
+        self.calls += 1
+        self.buf, self.state = "", "content"
 
     def _step_fence(self, out, final):
         close = self.buf.find(FENCE, len(FENCE))

@@ -548,28 +548,6 @@ def _tool_request(body: dict):
     return tools, choice, parallel
 
 
-def _history_for_template(messages: list[dict]) -> list[dict]:
-    """Earlier assistant calls with their ``arguments`` as objects (OpenAI sends JSON text;
-    templates write the object with ``tojson``)."""
-    out = []
-    for m in messages:
-        if m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list):
-            calls = []
-            for tc in m["tool_calls"]:
-                if isinstance(tc, dict) and isinstance(tc.get("function"), dict):
-                    fn = dict(tc["function"])
-                    if isinstance(fn.get("arguments"), str):
-                        try:
-                            fn["arguments"] = json.loads(fn["arguments"])
-                        except ValueError:
-                            pass
-                    tc = dict(tc, function=fn)
-                calls.append(tc)
-            m = dict(m, tool_calls=calls)
-        out.append(m)
-    return out
-
-
 class ChatPlan:
     """What a chat request sends to the template and how its answer is read and constrained."""
 
@@ -628,7 +606,7 @@ def plan_chat(model, body: dict, messages: list[dict], tools, choice, parallel, 
     """The template's inputs and the answer's reading for a chat request: the model's tool and
     reasoning formats (its plugin's, for its template), ``enable_thinking`` and
     ``reasoning_effort`` checked against them."""
-    from ..chat import require_template
+    from ..chat import _arguments_as_objects, require_template
     from ..toolcalls import formats_of, messages_for_template
 
     template = require_template(model, tools=tools)
@@ -658,7 +636,7 @@ def plan_chat(model, body: dict, messages: list[dict], tools, choice, parallel, 
         kwargs.update(reasoning.efforts[effort])
     strict = any(t["function"].get("strict") is True for t in tools or ())
     active = tools if choice != "none" else None
-    history = _history_for_template(messages)
+    history = _arguments_as_objects(messages)
     if fmt is not None and not fmt.in_template:
         history, template_tools = messages_for_template(history, active, fmt), None
     else:
