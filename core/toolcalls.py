@@ -341,10 +341,13 @@ class AnswerParser:
     ("reasoning", str), ("tool_call", ToolCall). ``tools`` (name -> parameter schema) enables
     tool-call parsing with ``fmt`` (the model's ToolFormat, or None) and the fenced-JSON fallback;
     ``reasoning`` with ``thinking`` (the prompt ended inside an open thinking block) enables
-    reasoning. Nothing is dropped: text that is not a valid call comes back as content."""
+    reasoning. ``max_calls`` (1 for ``parallel_tool_calls`` false; 0: no limit): text after that
+    many calls is content. Nothing is dropped: text that is not a valid call comes back as
+    content."""
 
     def __init__(self, fmt: ToolFormat | None = None, tools: dict | None = None,
-                 reasoning: ReasoningFormat | None = None, thinking: bool = False):
+                 reasoning: ReasoningFormat | None = None, thinking: bool = False, max_calls: int = 0):
+        self.max_calls = max_calls
         self.fmt = fmt if tools else None
         self.tools = tools or {}
         self.strip = bool(tools) or reasoning is not None   # plain text keeps its leading spaces
@@ -378,6 +381,8 @@ class AnswerParser:
 
     def _triggers(self) -> list[str]:
         marks = []
+        if self.max_calls and self.calls >= self.max_calls:
+            return marks
         if self.fmt is not None and (not self.fmt.at_start or not self.started):
             marks.append(self.fmt.trigger)
         if self.fallback:
@@ -530,6 +535,9 @@ class AnswerParser:
         self.state = "content"
         if calls is None:
             self._content(block, out)
+            return
+        if self.max_calls and self.calls + len(calls) > self.max_calls:
+            self._content(block, out)                  # more calls than allowed: text
             return
         for call in calls:
             out.append(("tool_call", call))

@@ -69,6 +69,15 @@ def test_parallel_calls_and_typed_parameters():
     assert len(parse(HERMES, two).tool_calls) == 2
 
 
+def test_one_call_when_parallel_calls_are_off():
+    two = '<tool_call>\n{"name": "search", "arguments": {"q": "a"}}\n</tool_call>\n' * 2
+    p = AnswerParser(HERMES, TOOLS, max_calls=1)
+    a = collect(p.push(two))
+    collect(p.finish(), a)
+    assert a.tool_calls == [ToolCall("search", {"q": "a"})]
+    assert a.content == '<tool_call>\n{"name": "search", "arguments": {"q": "a"}}\n</tool_call>\n'
+
+
 @pytest.mark.parametrize("fmt,text", [
     (HERMES, '<tool_call>\n{"name": "delete_everything", "arguments": {}}\n</tool_call>'),   # undeclared
     (HERMES, "<tool_call>\nget_weather(Paris)\n</tool_call>"),                                 # not JSON

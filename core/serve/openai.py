@@ -112,12 +112,15 @@ class ChatAnswer:
     """How a chat answer is read: the declared tools (name -> parameter schema) and the
     model's tool format, its reasoning format and whether the prompt opened the thinking."""
 
-    def __init__(self, tools: dict | None = None, fmt=None, reasoning=None, thinking: bool = False):
+    def __init__(self, tools: dict | None = None, fmt=None, reasoning=None, thinking: bool = False,
+                 parallel: bool = True):
         self.tools, self.fmt, self.reasoning, self.thinking = tools or {}, fmt, reasoning, thinking
+        self.parallel = parallel
 
     def parser(self):
         from ..toolcalls import AnswerParser
-        return AnswerParser(self.fmt, self.tools, self.reasoning, self.thinking)
+        return AnswerParser(self.fmt, self.tools, self.reasoning, self.thinking,
+                            max_calls=0 if self.parallel else 1)
 
 
 # ---- every request field: honored, a label, or refused -------------------------------------------
@@ -565,7 +568,7 @@ class ChatPlan:
         if isinstance(self.choice, tuple):
             schemas = {self.choice[1]: schemas[self.choice[1]]}
         opened = opens_thinking(prompt_text, self.reasoning)
-        answer = ChatAnswer(schemas, self.fmt, self.reasoning, opened)
+        answer = ChatAnswer(schemas, self.fmt, self.reasoning, opened, self.parallel)
         must = self.choice == "required" or isinstance(self.choice, tuple) or self.strict
         if not schemas or self.fmt is None:
             if must and schemas:
