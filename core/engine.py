@@ -146,15 +146,26 @@ class Engine:
 
     def submit(self, prompt_ids, max_new_tokens: int = 128, *, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-               seed: int | None = None, stop_ids=None, stats=None, cancel=None, on_token=None) -> Request:
+               seed: int | None = None, stop_ids=None, stats=None, cancel=None, on_token=None,
+               presence_penalty: float = 0.0, frequency_penalty: float = 0.0, logit_bias: dict | None = None,
+               logprobs: int | None = None, constraint=None, logits_processors=()) -> Request:
         """Queue a sequence; errors in the request itself (empty prompt, too long for the
-        context, bad sampling values) raise here."""
+        context, bad sampling values) raise here. ``constraint``: a spec dict
+        (cpullm.constraints.build_constraint) or a built Constraint for this sequence alone;
+        ``logprobs``: record each token's log-probability and that many alternatives
+        (``req.seq.logprobs``)."""
         if self._closed:
             raise ConfigError("the engine is closed; create a new one (model.engine())")
-        params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed).validate()
+        params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed,
+                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                logit_bias=logit_bias, logprobs=logprobs).validate()
+        params.check_surface(self.model.logits_size)
+        if isinstance(constraint, dict):
+            constraint = self.model.constraint(constraint)
         seq = Sequence(prompt_ids, max_new_tokens, params,
                        stop_ids=self.model.eos_token_ids if stop_ids is None else stop_ids,
-                       stats=stats, cancel=cancel)
+                       stats=stats, cancel=cancel, constraint=constraint,
+                       logits_processors=logits_processors)
         req = Request(seq, on_token)
         self._requests[id(seq)] = req
         try:
@@ -227,9 +238,11 @@ class Engine:
 
 def generate_batch(model, prompts, max_new_tokens: int = 128, parallel: int | None = None,
                    prefill_chunk: int | None = None, stop_ids=None, params=None, stats=None,
-                   prefix_cache_bytes: int | None = None) -> list[list[int]]:
+                   prefix_cache_bytes: int | None = None, constraints=None,
+                   logits_processors=None) -> list[list[int]]:
     """Token ids generated for each prompt (lists of ids), ``parallel`` at a time through one
-    scheduler in the calling thread. ``params``: one SamplingParams for all, or a list of them."""
+    scheduler in the calling thread. ``params``: one SamplingParams for all, or a list of them;
+    ``constraints`` and ``logits_processors``: one per prompt (None entries: none)."""
     prompts = list(prompts)
     if not isinstance(params, (list, tuple)):
         params = [params or SamplingParams()] * len(prompts)
@@ -240,8 +253,13 @@ def generate_batch(model, prompts, max_new_tokens: int = 128, parallel: int | No
         prefix_cache_bytes = default_prefix_cache_bytes(model, max(1, n))
     sch = Scheduler(model, max(1, n), prefill_chunk, int(prefix_cache_bytes))
     eos = model.eos_token_ids if stop_ids is None else stop_ids
+    cons = list(constraints) if constraints is not None else [None] * len(prompts)
+    procs = list(logits_processors) if logits_processors is not None else [()] * len(prompts)
+    if len(cons) != len(prompts) or len(procs) != len(prompts):
+        raise ConfigError(f"give one constraint and one processor list per prompt ({len(prompts)})")
     seqs = [sch.add(Sequence(p, max_new_tokens, pp, stop_ids=eos,
-                             stats=None if stats is None else stats[i]))
+                             stats=None if stats is None else stats[i], constraint=cons[i],
+                             logits_processors=procs[i] or ()))
             for i, (p, pp) in enumerate(zip(prompts, params))]
     sch.run_until_idle()
     return [list(s.generated) for s in seqs]

@@ -101,3 +101,8 @@ class ServerRequestError(CpullmError):
         super().__init__(message)
         self.status = status
         self.code = code
+
+
+class ConstraintError(CpullmError):
+    """A JSON schema, regular expression, grammar or choice list given to constrain the output is
+    invalid, too large, or too complex (the message names the problem and where)."""

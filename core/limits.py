@@ -40,6 +40,16 @@ MAX_GGUF_STRING = 64 << 20     # bytes of one metadata string (chat templates ar
 MAX_GGUF_NESTING = 2           # arrays inside arrays (the format allows it; no real file uses it)
 
 
+# --- output constraints (cpullm.constraints: JSON schemas, regexes, grammars from requests) ---------
+MAX_CONSTRAINT_BYTES = 256 << 10    # a JSON schema (serialized), Lark or GBNF grammar: real ones < 20 kB
+MAX_REGEX_BYTES = 16 << 10          # one regular expression
+MAX_REGEX_EXPANSION = 100_000       # its length with counted repetitions ({n,m}) written out
+MAX_SCHEMA_DEPTH = 64               # nesting of a JSON schema's objects and arrays (OpenAI allows 10 levels)
+MAX_ENUM_VALUES = 4096              # values of one enum / const list, and strings of a choice
+MAX_SCHEMA_NODES = 50_000           # objects, arrays and values in one schema
+MAX_CHOICE_BYTES = 4096             # one string of a choice list
+
+
 def is_int(value: Any) -> bool:
     """A JSON/metadata integer (``True`` is not a count)."""
     return isinstance(value, int) and not isinstance(value, bool)

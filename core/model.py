@@ -227,45 +227,152 @@ class Model:
             raise PromptError("the prompt is empty: give at least one token id")
         return ids
 
+    # ---- constraints and the sampling surface ----------------------------------------------------
+    @property
+    def logits_size(self) -> int:
+        """Rows of the logits (may exceed the tokenizer's tokens: padded embeddings)."""
+        return int(self.program.meta.get("vocab", self.tokenizer.vocab_size))
+
+    def constraint(self, spec: dict):
+        """A fresh :class:`cpullm.constraints.Constraint` for one sequence of this model (``spec``
+        as :func:`cpullm.constraints.build_constraint` takes it)."""
+        from .constraints import build_constraint
+        return build_constraint(spec, self.tokenizer, vocab_size=self.logits_size, eos_ids=self.eos_token_ids)
+
+    @staticmethod
+    def constraint_spec(json_schema=None, regex=None, grammar=None, choice=None, json_object=False,
+                        lark=None) -> dict | None:
+        """The constraint spec of the generate keywords (at most one given): ``json_schema`` (a
+        dict, or a JSON string), ``regex``, ``grammar`` (GBNF or Lark, told apart by its syntax),
+        ``lark`` (Lark only), ``choice`` (strings), ``json_object`` (any JSON object)."""
+        from .errors import ConstraintError
+        given = {k: v for k, v in (("json_schema", json_schema), ("regex", regex), ("gbnf", grammar),
+                                   ("lark", lark), ("choice", choice)) if v is not None}
+        if json_object:
+            given["json_object"] = True
+        if len(given) > 1:
+            names = {"gbnf": "grammar"}
+            raise ConstraintError("give one constraint (json_schema, regex, grammar, lark, choice or "
+                                  f"json_object), got {', '.join(names.get(k, k) for k in given)}")
+        if not given:
+            return None
+        kind, value = next(iter(given.items()))
+        if kind == "json_schema" and isinstance(value, str):
+            from .limits import parse_json
+            try:
+                value = parse_json(value)
+            except ValueError as exc:
+                raise ConstraintError(f"json_schema is not valid JSON: {exc}") from None
+        if kind == "choice":
+            value = list(value) if isinstance(value, (list, tuple)) else value
+        return {kind: value}
+
+    def _sampling_surface(self, temperature, top_k, top_p, min_p, repetition_penalty, seed,
+                          presence_penalty=0.0, frequency_penalty=0.0, logit_bias=None, logprobs=None):
+        params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed,
+                                presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                logit_bias=logit_bias, logprobs=logprobs).validate()
+        return params.check_surface(self.logits_size)
+
     def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
                  seed: int | None = None, stop: list[str] | None = None, chat: bool = False,
-                 system: str | None = None, stats: GenerationStats | None = None) -> Iterator[str]:
-        """Yield text pieces for ``prompt`` (text or token ids)."""
-        params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed).validate()
+                 system: str | None = None, stats: GenerationStats | None = None, *,
+                 json_schema=None, regex: str | None = None, grammar: str | None = None,
+                 choice=None, json_object: bool = False, presence_penalty: float = 0.0,
+                 frequency_penalty: float = 0.0, logit_bias: dict | None = None,
+                 logits_processors=(), logprobs: int | None = None) -> Iterator[str]:
+        """Yield text pieces for ``prompt`` (text or token ids).
+
+        Constrained output (cpullm.constraints; needs ``cpullm[structured]``): ``json_schema``,
+        ``regex``, ``grammar`` (GBNF or Lark), ``choice`` or ``json_object``. The sampling
+        surface (cpullm.sampling): ``presence_penalty``, ``frequency_penalty``, ``logit_bias``,
+        ``logits_processors`` (callables ``(token_ids, logits) -> logits``); ``logprobs`` is
+        used by :meth:`generate_stream`, which yields them per token."""
+        params = self._sampling_surface(temperature, top_k, top_p, min_p, repetition_penalty, seed,
+                                        presence_penalty, frequency_penalty, logit_bias, logprobs)
+        spec = self.constraint_spec(json_schema, regex, grammar, choice, json_object)
         ids = self._prompt_ids(prompt, chat=chat, system=system)
-        return generate_text(self, ids, max_new_tokens, params, stop=stop, stats=stats)
+        cons = self.constraint(spec) if spec else None
+        return generate_text(self, ids, max_new_tokens, params, stop=stop, stats=stats,
+                             constraint=cons, logits_processors=logits_processors)
+
+    def generate_stream(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                        top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                        seed: int | None = None, stop: list[str] | None = None, chat: bool = False,
+                        system: str | None = None, stats: GenerationStats | None = None, *,
+                        json_schema=None, regex: str | None = None, grammar: str | None = None,
+                        choice=None, json_object: bool = False, presence_penalty: float = 0.0,
+                        frequency_penalty: float = 0.0, logit_bias: dict | None = None,
+                        logits_processors=(), logprobs: int | None = None):
+        """Like :meth:`generate`, yielding a :class:`cpullm.generate.TokenEvent` per token (id,
+        text, log-probability, ``logprobs`` likeliest alternatives, seconds since the start)."""
+        from .generate import generate_events
+        params = self._sampling_surface(temperature, top_k, top_p, min_p, repetition_penalty, seed,
+                                        presence_penalty, frequency_penalty, logit_bias, logprobs)
+        spec = self.constraint_spec(json_schema, regex, grammar, choice, json_object)
+        ids = self._prompt_ids(prompt, chat=chat, system=system)
+        cons = self.constraint(spec) if spec else None
+        return generate_events(self, ids, max_new_tokens, params, stop=stop, stats=stats,
+                               constraint=cons, logits_processors=logits_processors)
 
     def generate_ids(self, prompt_ids, max_new_tokens: int = 128, temperature: float = 0.0,
                      top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                      repetition_penalty: float = 1.0, seed: int | None = None,
-                     stats: GenerationStats | None = None, ignore_eos: bool = False) -> Iterator[int]:
+                     stats: GenerationStats | None = None, ignore_eos: bool = False, *,
+                     json_schema=None, regex: str | None = None, grammar: str | None = None,
+                     choice=None, json_object: bool = False, presence_penalty: float = 0.0,
+                     frequency_penalty: float = 0.0, logit_bias: dict | None = None,
+                     logits_processors=(), logprobs: int | None = None) -> Iterator[int]:
         """Yield token ids from the same sampler as :meth:`generate` (``ignore_eos``: never stop
         early, as a reference comparison with EOS disabled needs)."""
-        params = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty, seed).validate()
+        params = self._sampling_surface(temperature, top_k, top_p, min_p, repetition_penalty, seed,
+                                        presence_penalty, frequency_penalty, logit_bias, logprobs)
+        spec = self.constraint_spec(json_schema, regex, grammar, choice, json_object)
+        cons = self.constraint(spec) if spec else None
         return generate_ids(self, self._prompt_ids(prompt_ids), max_new_tokens, params, stats,
-                            stop_ids=() if ignore_eos else None)
+                            stop_ids=() if ignore_eos else None, constraint=cons,
+                            logits_processors=logits_processors)
+
+    SURFACE_KEYS = ("json_schema", "regex", "grammar", "choice", "json_object", "presence_penalty",
+                    "frequency_penalty", "logit_bias", "logits_processors", "logprobs")
 
     def generate_batch(self, prompts, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
                        top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
                        seed: int | None = None, stop: list[str] | None = None, sampling: list[dict] | None = None,
                        parallel: int | None = None, chat: bool = False, system: str | None = None,
-                       ignore_eos: bool = False) -> list:
+                       ignore_eos: bool = False, **surface) -> list:
         """Generate for every prompt together (continuous batching: ``parallel`` sequences share
         each pass over the weights, the rest join as others finish). Returns a list of strings
         for text prompts, of token-id lists for id prompts. ``sampling``: one dict of sampling
         keywords per prompt (overrides the shared ones). A prompt's greedy output is the same as
-        :meth:`generate` gives it alone."""
+        :meth:`generate` gives it alone, constrained or not. ``surface``: :meth:`generate`'s
+        constraint and sampling-surface keywords (json_schema, regex, grammar, choice,
+        json_object, presence_penalty, frequency_penalty, logit_bias, logits_processors,
+        logprobs), shared or per prompt in ``sampling``; each prompt gets its own constraint."""
         from .engine import generate_batch
+        from .errors import ConfigError
         from .generate import TextStream
+        bad = sorted(set(surface) - set(self.SURFACE_KEYS))
+        if bad:
+            raise ConfigError(f"generate_batch() got unknown keywords {bad}; it takes {list(self.SURFACE_KEYS)}")
         prompts = list(prompts)
         ids = [self._prompt_ids(p, chat=chat, system=system) for p in prompts]
         base = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                    repetition_penalty=repetition_penalty, seed=seed)
+                    repetition_penalty=repetition_penalty, seed=seed, **surface)
         per = sampling if sampling is not None else [{}] * len(prompts)
-        params = [SamplingParams(**{**base, **dict(d)}).validate() for d in per]
+        params, constraints, processors = [], [], []
+        for d in per:
+            kw = {**base, **dict(d)}
+            spec = self.constraint_spec(kw.pop("json_schema", None), kw.pop("regex", None),
+                                        kw.pop("grammar", None), kw.pop("choice", None),
+                                        kw.pop("json_object", False))
+            processors.append(kw.pop("logits_processors", ()))
+            constraints.append(self.constraint(spec) if spec else None)
+            params.append(SamplingParams(**kw).validate().check_surface(self.logits_size))
         out = generate_batch(self, ids, max_new_tokens, parallel=parallel, params=params,
-                             stop_ids=() if ignore_eos else None)
+                             stop_ids=() if ignore_eos else None, constraints=constraints,
+                             logits_processors=processors)
         texts = []
         for p, toks in zip(prompts, out):
             if not isinstance(p, str):

@@ -31,7 +31,7 @@ from .batch import BatchDecoder, bind_state, unbind_state
 from .errors import ConfigError
 from .kernels.warmup import compile_seconds
 from .prefix_cache import PrefixCache
-from .sequence import DECODE, PREFILL, WAITING, Sequence
+from .sequence import DECODE, PREFILL, WAITING, Sequence, start_masks
 
 
 DEFAULT_PREFIX_BLOCK = 64
@@ -200,6 +200,7 @@ class Scheduler:
         if not batch:
             return
         ex = self.ex
+        masks = start_masks(batch)        # constrained rows' next masks, beside the forward pass
         t0, c0 = time.perf_counter(), compile_seconds()
         if len(batch) == 1 and self.decoder.single_path_identical:
             # one sequence: the executor's one-token path (and greedy through its lm_head screen),
@@ -220,6 +221,7 @@ class Scheduler:
                     for i, s in enumerate(batch)]
         compiled = compile_seconds() - c0
         dt = max(0.0, time.perf_counter() - t0 - compiled)
+        masks.join()
         for seq, (logits_row, tok) in zip(batch, outs):
             seq.position += 1
             seq.stats.decode_s += dt

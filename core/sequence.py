@@ -15,7 +15,7 @@ import attrs
 import numpy as np
 
 from .errors import ContextOverflowError, PromptError
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, top_logprobs
 
 WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
 
@@ -48,9 +48,19 @@ class GenerationStats:
 
 
 
+@attrs.frozen
+class TokenLogprob:
+    """One generated token's log-probability and the likeliest alternatives at its step (see
+    cpullm.sampling for which logits they come from)."""
+    token: int
+    logprob: float
+    top: tuple = ()                 # ((token id, log-probability), ...) best first
+
+
 class Sequence:
     def __init__(self, prompt_ids, max_new_tokens: int, params: SamplingParams | None = None,
-                 stop_ids=(), stats=None, cancel: threading.Event | None = None):
+                 stop_ids=(), stats=None, cancel: threading.Event | None = None, constraint=None,
+                 logits_processors=()):
         if max_new_tokens is None or int(max_new_tokens) <= 0:
             raise PromptError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self.prompt = [int(t) for t in prompt_ids]
@@ -58,7 +68,9 @@ class Sequence:
             raise PromptError("the prompt is empty: give some text or token ids")
         self.max_new_tokens = int(max_new_tokens)
         self.params = (params or SamplingParams()).validate()
-        self.sampler = Sampler(self.params)
+        self.sampler = Sampler(self.params, logits_processors)
+        self.constraint = constraint          # cpullm.constraints.Constraint or None
+        self.logprobs: list[TokenLogprob] = []   # one per generated token when params.logprobs is set
         self.stop_ids = set(int(t) for t in stop_ids)
         self.stats = stats if stats is not None else GenerationStats()
         self.cancel_event = cancel if cancel is not None else threading.Event()
@@ -77,8 +89,10 @@ class Sequence:
     @property
     def greedy(self) -> bool:
         """True when the next token is the argmax of the logits (no sampler state needed), so a
-        runner may compute only the argmax (the executor's lm_head screen)."""
-        return self.params.temperature == 0.0 and self.params.repetition_penalty == 1.0
+        runner may compute only the argmax (the executor's lm_head screen). False as soon as
+        anything reads or changes the logits: penalties, bias, processors, a constraint,
+        log-probabilities."""
+        return self.params.temperature == 0.0 and self.sampler.plain and self.constraint is None
 
     @property
     def cancelled(self) -> bool:
@@ -103,15 +117,41 @@ class Sequence:
         """The model's output after the last prompt token or the pending token: ``logits``
         (vocab,) to sample from, or a greedy ``token`` already chosen. Returns the new token if it
         is emitted (then the caller yields it), None when the sequence ends here (an EOS id: not
-        emitted). Sets :attr:`pending` while the sequence goes on."""
-        tok = int(self.sampler(logits, self.history)) if token is None else int(token)
+        emitted). Sets :attr:`pending` while the sequence goes on.
+
+        With ``logits`` the per-sequence pipeline runs (cpullm.sampling: processors, bias,
+        penalties, then the constraint's mask), log-probabilities are recorded from its result,
+        and the token is drawn from it. A constraint that is complete ends the sequence with
+        stop reason "stop" after its last token."""
+        if token is None:
+            x = self.sampler.process(logits, self.history)
+            if self.constraint is not None:
+                x = self.constraint.apply(x)
+            tok = int(self.sampler.draw(x))
+            if self.params.logprobs is not None:
+                lp, top = top_logprobs(x, tok, self.params.logprobs)
+                self.logprobs.append(TokenLogprob(tok, lp, tuple(top)))
+        else:
+            tok = int(token)
         self.pending = None
         if tok in self.stop_ids:
+            if token is None and self.params.logprobs is not None:
+                self.logprobs.pop()             # an EOS id is not emitted: neither is its log-probability
             self.finish("eos")
             return None
         self.history.append(tok)
         self.generated.append(tok)
+        self.sampler.note(tok)
         self.stats.generated_tokens += 1
+        if self.constraint is not None:
+            if not self.constraint.consume(tok):
+                # only a token the mask did not choose (a runner's greedy token) gets here:
+                # the output cannot continue under the constraint
+                self.finish("stop")
+                return tok
+            if self.constraint.finished:
+                self.finish("stop")
+                return tok
         if len(self.generated) >= self.max_new_tokens or self.position >= n_ctx:
             self.finish("length")
         else:
@@ -152,3 +192,12 @@ class Sequence:
             logits = ex.prefill(ids[split:])
         self.position = ex.n_past
         return logits
+
+
+def start_masks(seqs):
+    """Start computing the next step's constraint mask of every constrained sequence in
+    ``seqs`` on the mask thread (cpullm.constraints.start_masks); call ``.join()`` on the result
+    after the forward pass. Free sequences cost nothing here."""
+    from .constraints import MaskJob, start_masks as start
+    cons = [s.constraint for s in seqs if s.constraint is not None]
+    return start(cons) if cons else MaskJob()
