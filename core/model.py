@@ -414,14 +414,17 @@ class Model:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         answer, constraint = plan.answer(self, text)
         if response_format is not None:
-            rf = _response_format_constraint(self, response_format)
+            rf = _response_format_spec(response_format)
             if rf is not None and constraint is not None:
                 raise PromptError("give response_format or tools that constrain the answer "
                                   "(tool_choice 'required', a named function, strict tools), not both")
-            constraint = constraint if rf is None else rf
-        if constraint is not None:
-            sampling["constraint"] = constraint
-        pieces = self.generate(ids, max_new_tokens=max_new_tokens, stats=stats, **sampling)
+            if rf is not None:
+                constraint = self.constraint(rf)
+        stop = sampling.pop("stop", None)
+        params = self._sampling_surface(**{**dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
+                                                  repetition_penalty=1.0, seed=None), **sampling})
+        pieces = generate_text(self, ids, max_new_tokens, params, stop=stop, stats=stats,
+                               constraint=constraint)
         parser = answer.parser()
 
         def events():
@@ -471,22 +474,16 @@ class Model:
         }
 
 
-def _response_format_constraint(model, response_format):
-    """The constraint of an OpenAI ``response_format`` (None for ``{"type": "text"}``)."""
+def _response_format_spec(response_format) -> dict | None:
+    """The constraint spec of an OpenAI ``response_format`` (None for ``{"type": "text"}``)."""
     rf = response_format
     if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
         raise PromptError("response_format must be {'type': 'text' | 'json_object' | 'json_schema', ...}")
     if rf["type"] == "text":
         return None
-    spec = ({"json_object": True} if rf["type"] == "json_object" else
-            {"json_schema": (rf.get("json_schema") or {}).get("schema") or {}})
-    try:
-        from .constraints import build_constraint
-    except ImportError:
-        from .errors import MissingDependencyError
-        raise MissingDependencyError("response_format needs constrained decoding: "
-                                     "pip install 'cpullm[structured]'") from None
-    return build_constraint(spec, model.tokenizer)
+    if rf["type"] == "json_object":
+        return {"json_object": True}
+    return {"json_schema": (rf.get("json_schema") or {}).get("schema") or {}}
 
 
 def _source(model_dir: Path, quant: str | None):

@@ -33,6 +33,9 @@ import attrs
 
 log = logging.getLogger("cpullm.toolcalls")
 
+WS = "/[ \\t\\r\\n]{0,4}/"
+"""Whitespace between a call's parts in a grammar (Lark): a few characters at most, so a model
+that would rather stop than close the call cannot pad it with spaces until max_tokens."""
 MAX_TOOLS = 128                   # declared tools per request
 MAX_CALL_CHARS = 256 * 1024       # a call's text held while waiting for its end
 FENCE = "```"
@@ -226,43 +229,74 @@ def object_schema(params: dict) -> dict:
     return schema
 
 
-def call_grammar(fmt: ToolFormat, tools: dict, mode: str, parallel: bool) -> str:
+def _never(text: str) -> bool:
+    return False
+
+
+def use_special_tokens(grammar: str, is_special) -> str:
+    """``grammar`` with each quoted literal that is exactly one special token of the vocabulary
+    (as the constraint engine sees it: ``is_special(text)``) written as a reference to that token
+    (``"<tool_call>"`` -> ``<tool_call>``): such a token's text is not matched byte by byte, and
+    the model writes the token, not its spelling. ``%json`` schemas are left as they are."""
+    def fix(part: str) -> str:
+        return re.sub(r'"(<[^"<>\s\\]{1,64}>)"', lambda m: m.group(1) if is_special(m.group(1)) else m.group(0), part)
+    out = []
+    for line in grammar.split("\n"):
+        head, sep, rest = line.partition("%json ")
+        out.append(fix(head) + sep + rest)
+    return "\n".join(out)
+
+
+def call_grammar(fmt: ToolFormat, tools: dict, mode: str, parallel: bool, is_special=_never) -> str:
     """The Lark grammar an answer must match.
 
     ``mode``: "required" (the answer is one call, or several with ``parallel``, and nothing
     else) or "auto" (any text; once the trigger appears, a call of a declared tool must follow:
-    llguidance's lazy lexeme ends the free text at the trigger)."""
+    llguidance's lazy lexeme ends the free text at the trigger, or, when the trigger is a special
+    token (``is_special``), the free text simply cannot contain it)."""
     body = fmt.call_body(tools)
     trigger = lark_string(fmt.trigger)
     if mode == "required":
         calls = "call (SEP call)*" if parallel else "call"
-        return (f"start: {calls} SEP\ncall: {trigger} call_body\nSEP: /[ \\t\\r\\n]*/\n{body}\n")
-    if mode != "auto":
+        grammar = f"start: {calls} SEP\ncall: {trigger} call_body\nSEP: {WS}\n{body}\n"
+    elif mode != "auto":
         raise ValueError(f"mode must be 'required' or 'auto', not {mode!r}")
-    if fmt.at_start:                   # a call opens the answer, or the answer is text
+    elif fmt.at_start:                 # a call opens the answer, or the answer is text
         first = re.escape(fmt.trigger[:1]) if fmt.trigger else ""
         free = f"/([^{first}\\s](.|\\n)*)?/" if first else "/(.|\\n)*/"
-        return f"start: call SEP | FREE\ncall: {trigger} call_body\nSEP: /[ \\t\\r\\n]*/\nFREE: {free}\n{body}\n"
-    calls = "(pre call_body)*" if parallel else "(pre call_body)?"
-    return (f"start: {calls} TEXT\npre[lazy]: TEXT {trigger}\nTEXT: /(.|\\n)*/\n{body}\n")
+        grammar = (f"start: call SEP | FREE\ncall: {trigger} call_body\nSEP: {WS}\n"
+                   f"FREE: {free}\n{body}\n")
+    elif is_special(fmt.trigger):
+        calls = "*" if parallel else "?"
+        grammar = f"start: TEXT ({trigger} call_body TEXT){calls}\nTEXT: /(.|\\n)*/\n{body}\n"
+    else:
+        calls = "(pre call_body)*" if parallel else "(pre call_body)?"
+        grammar = f"start: {calls} TEXT\npre[lazy]: TEXT {trigger}\nTEXT: /(.|\\n)*/\n{body}\n"
+    return use_special_tokens(grammar, is_special)
 
 
-def thinking_prefix(reasoning: ReasoningFormat, opened: bool) -> str:
+def thinking_prefix(reasoning: ReasoningFormat, opened: bool, is_special=_never) -> str:
     """Lark rules for free thinking before a constrained answer: rule ``thought`` (the thinking
     and its end tag; with ``opened`` the prompt already opened it). Use ``start: thought answer``."""
-    end = lark_string(reasoning.end)
-    if opened:
-        return f"thought[lazy]: /(.|\\n)*/ {end} /[ \\t\\r\\n]*/\n"
-    return (f"thought: (/[ \\t\\r\\n]*/ {lark_string(reasoning.start)} thought_text)?\n"
-            f"thought_text[lazy]: /(.|\\n)*/ {end} /[ \\t\\r\\n]*/\n")
+    start, end = lark_string(reasoning.start), lark_string(reasoning.end)
+    ws = WS
+    if is_special(reasoning.end):      # free text cannot hold the special end token: no laziness
+        text = f"THOUGHT_TEXT {end} {ws}\nTHOUGHT_TEXT: /(.|\\n)*/"
+        rules = (f"thought: {text}\n" if opened else
+                 f"thought: ({ws} {start} thought_text)?\nthought_text: {text}\n")
+    elif opened:
+        rules = f"thought[lazy]: /(.|\\n)*/ {end} {ws}\n"
+    else:
+        rules = f"thought: ({ws} {start} thought_text)?\nthought_text[lazy]: /(.|\\n)*/ {end} {ws}\n"
+    return use_special_tokens(rules, is_special)
 
 
-def with_thinking(grammar: str, reasoning: ReasoningFormat | None, opened: bool) -> str:
+def with_thinking(grammar: str, reasoning: ReasoningFormat | None, opened: bool, is_special=_never) -> str:
     """``grammar`` (whose rule is ``start``) preceded by free thinking when the model thinks."""
     if reasoning is None:
         return grammar
     renamed = re.sub(r"(?m)^start:", "answer:", grammar, count=1)
-    return f"start: thought answer\n{thinking_prefix(reasoning, opened)}{renamed}"
+    return f"start: thought answer\n{thinking_prefix(reasoning, opened, is_special)}{renamed}"
 
 
 def opens_thinking(prompt_text: str, reasoning: ReasoningFormat | None) -> bool:

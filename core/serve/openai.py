@@ -578,28 +578,45 @@ class ChatPlan:
                                code="unsupported_parameter")
             return answer, None
         mode = "required" if self.choice == "required" or isinstance(self.choice, tuple) else "auto"
-        grammar = with_thinking(call_grammar(self.fmt, schemas, mode, self.parallel), self.reasoning, opened)
-        constraint = build_tool_constraint(model, grammar, required=must)
-        return answer, constraint
+        is_special = special_token_test(model)
+        if is_special is None:                      # constrained decoding is not installed
+            return answer, build_tool_constraint(model, "", required=must)
+        grammar = with_thinking(call_grammar(self.fmt, schemas, mode, self.parallel, is_special),
+                                self.reasoning, opened, is_special)
+        return answer, build_tool_constraint(model, grammar, required=must)
+
+
+def special_token_test(model):
+    """``text -> bool``: whether ``text`` is one token of ``model``'s vocabulary that the
+    constraint engine treats as special (matched as that token, not as bytes); None when
+    constrained decoding is not installed."""
+    from .. import constraints
+
+    if not constraints.available():
+        return None
+    table = constraints.token_table(model.tokenizer, model.logits_size, model.eos_token_ids)
+    tok = model.tokenizer
+
+    def is_special(text: str) -> bool:
+        i = tok.token_to_id(text)
+        return i is not None and 0 <= i < table.vocab_size and bool(table.is_special_token(i))
+    return is_special
 
 
 def build_tool_constraint(model, grammar: str, required: bool):
-    """The constraint of a tool-call grammar (cpullm.constraints, the ``lark`` kind), or None when
-    constrained decoding is not installed and the request does not need it."""
-    try:
-        from ..constraints import build_constraint
-    except ImportError:
-        build_constraint = None
-    if build_constraint is None:
+    """The constraint of a tool-call grammar (:mod:`cpullm.constraints`, the ``lark`` kind), or
+    None when constrained decoding is not installed and the request does not need it."""
+    from .. import constraints
+
+    if not constraints.available():
         if required:
             raise ApiError("tool_choice \"required\", a named function and strict tools need constrained "
-                           "decoding, which this installation lacks: pip install 'cpullm[structured]', "
-                           "or send tool_choice \"auto\"", param="tool_choice", code="unsupported_parameter")
+                           f"decoding, which this installation lacks: {constraints.INSTALL_HINT}, or send "
+                           "tool_choice \"auto\" and no strict tools", param="tool_choice",
+                           code="unsupported_parameter")
         return None
     try:
-        return build_constraint({"lark": grammar}, model.tokenizer)
-    except ApiError:
-        raise
+        return model.constraint({"lark": grammar})
     except CpullmError as exc:
         raise ApiError(f"the tools' parameter schemas cannot be enforced: {exc}", param="tools",
                        code="invalid_value") from None

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import json
 
-from cpullm.toolcalls import MalformedCall, ToolFormat, json_rule, lark_string, object_schema, parse_json_call
+from cpullm.toolcalls import WS, MalformedCall, ToolFormat, json_rule, lark_string, object_schema, parse_json_call
 
-WS = "/[ \\t\\r\\n]*/"
 
 
 def parse_call(text: str, tools: dict):

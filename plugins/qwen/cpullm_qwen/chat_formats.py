@@ -24,12 +24,11 @@ from __future__ import annotations
 import json
 import re
 
-from cpullm.toolcalls import (MalformedCall, ReasoningFormat, ToolCall, ToolFormat, json_rule,
+from cpullm.toolcalls import (WS, MalformedCall, ReasoningFormat, ToolCall, ToolFormat, json_rule,
                               lark_string, object_schema, parse_json_call)
 
 TRIGGER = "<tool_call>"
 END = "</tool_call>"
-WS = "/[ \\t\\r\\n]*/"
 
 
 def _tagged(text: str):
