@@ -143,7 +143,7 @@ def test_openai_agents_sdk_runs_the_tool(server):
     model = agents.OpenAIChatCompletionsModel(
         model=NAME, openai_client=openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
                                                      timeout=600))
-    agent = agents.Agent(name="weather", instructions="Answer with the tools.", tools=[get_weather], model=model,
+    agent = agents.Agent(name="weather", instructions="Use the tools to answer.", tools=[get_weather], model=model,
                          model_settings=agents.ModelSettings(temperature=0, max_tokens=64))
     result = asyncio.run(agents.Runner.run(agent, "What is the weather in Paris?", max_turns=3))
     assert seen and seen[0].lower().startswith("paris")
