@@ -178,3 +178,51 @@ def test_a_family_without_native_format_rewrites_the_conversation(tmp_path):
     assert plan.template_tools is None and plan.messages[0]["role"] == "system"
     assert [m["role"] for m in plan.messages] == ["system", "user", "assistant", "user"]
     assert json.loads(plan.messages[2]["content"][len("<tool_call>"):-len("</tool_call>")])["name"] == "get_weather"
+
+
+THINKING_TEMPLATE = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}"
+                     "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+                     "{%- if enable_thinking is defined and enable_thinking is false %}"
+                     "{{- '<think>\\n\\n</think>\\n\\n' }}{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}")
+
+
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory):
+    """A tiny random Qwen3 whose template opens the thinking in the prompt (as Qwen3.5's does):
+    its answer is thinking until it writes </think>, which random weights never do."""
+    from cpullm_qwen.tiny_configs import QWEN3
+    from test_server_support import ServerProcess
+
+    from cpullm.testing import make_random_checkpoint
+
+    out = make_random_checkpoint(dict(QWEN3, eos_token_id=10**6), tmp_path_factory.mktemp("qwen3think") / "m")
+    (out / "tokenizer_config.json").write_text(json.dumps({"chat_template": THINKING_TEMPLATE}))
+    s = ServerProcess(out, "--model-name", "thinker")
+    yield s
+    s.stop()
+
+
+def test_reasoning_content_and_deltas(thinking_server):
+    """Thinking goes to reasoning_content (and reasoning deltas when streamed), not content;
+    enable_thinking false reaches the template and the answer is content again."""
+    url = thinking_server.url + "/v1/chat/completions"
+    body = {"messages": HI, "max_tokens": 8, "temperature": 0}
+    on = httpx.post(url, json=body, timeout=120).json()
+    msg = on["choices"][0]["message"]
+    assert msg["content"] == "" and msg["reasoning_content"]
+    reasoning, content = "", ""
+    with httpx.stream("POST", url, json=dict(body, stream=True), timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                reasoning += delta.get("reasoning_content", "")
+                content += delta.get("content", "")
+    assert content == "" and reasoning.strip() == msg["reasoning_content"]
+    off = httpx.post(url, json=dict(body, chat_template_kwargs={"enable_thinking": False}), timeout=120).json()
+    off_msg = off["choices"][0]["message"]
+    assert "reasoning_content" not in off_msg and isinstance(off_msg["content"], str)
+    assert off["usage"]["prompt_tokens"] > on["usage"]["prompt_tokens"]     # the template closed it
+    r = httpx.post(url, json=dict(body, reasoning_effort="none"), timeout=120)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"] == off_msg
+    r = httpx.post(url, json=dict(body, reasoning_effort="high"), timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
