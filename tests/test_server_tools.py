@@ -226,3 +226,56 @@ def test_reasoning_content_and_deltas(thinking_server):
     assert r.status_code == 200 and r.json()["choices"][0]["message"] == off_msg
     r = httpx.post(url, json=dict(body, reasoning_effort="high"), timeout=120)
     assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
+
+
+HERMES_TEMPLATE = ("{%- if tools %}{{- '<|im_start|>system\\nTools:' }}{%- for t in tools %}{{- t | tojson }}"
+                   "{%- endfor %}{{- ' Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>"
+                   "<|im_end|>\\n' }}{%- endif %}{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + "
+                   "(m.content or '') + '<|im_end|>\\n' }}{%- endfor %}"
+                   "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+FORECAST = {"type": "function", "function": {"name": "forecast", "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["c", "f"]}, "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["unit", "days"], "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def hermes_server(tmp_path_factory):
+    """A tiny random Qwen2 with a template that writes calls in <tool_call> tags."""
+    pytest.importorskip("llguidance", reason="llguidance (cpullm[structured]) is not installed")
+    from cpullm_qwen.tiny_configs import QWEN2
+    from test_server_support import ServerProcess
+
+    from cpullm.testing import make_random_checkpoint
+
+    out = make_random_checkpoint(dict(QWEN2, eos_token_id=10**6), tmp_path_factory.mktemp("qwen2tools") / "m")
+    (out / "tokenizer_config.json").write_text(json.dumps({"chat_template": HERMES_TEMPLATE}))
+    s = ServerProcess(out, "--model-name", "caller", ctx=1024)
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "forecast"}}])
+def test_a_forced_call_from_random_weights_is_valid(hermes_server, choice):
+    """With tool_choice required or named, even a model of random weights answers with a call
+    of a declared tool whose arguments satisfy its schema (the constraint), streamed or not."""
+    jsonschema = pytest.importorskip("jsonschema")
+    url = hermes_server.url + "/v1/chat/completions"
+    # required: only the tool whose schema a random model finishes quickly (a free string would
+    # take it hundreds of tokens); named: forecast picked among two
+    tools = [FORECAST] if choice == "required" else [WEATHER, FORECAST]
+    body = {"messages": HI, "tools": tools, "tool_choice": choice, "max_tokens": 200, "temperature": 0.8,
+            "seed": 3}
+    r = httpx.post(url, json=body, timeout=300).json()
+    assert "choices" in r, r
+    choice0 = r["choices"][0]
+    assert choice0["finish_reason"] == "tool_calls", r
+    (call,) = choice0["message"]["tool_calls"]
+    assert call["function"]["name"] == "forecast"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), FORECAST["function"]["parameters"])
+    calls = []
+    with httpx.stream("POST", url, json=dict(body, stream=True), timeout=300) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                calls += json.loads(line[6:])["choices"][0]["delta"].get("tool_calls", [])
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("forecast", json.loads(call["function"]["arguments"]))]
