@@ -279,3 +279,36 @@ def test_a_forced_call_from_random_weights_is_valid(hermes_server, choice):
                 calls += json.loads(line[6:])["choices"][0]["delta"].get("tool_calls", [])
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
         [("forecast", json.loads(call["function"]["arguments"]))]
+
+
+def test_python_chat_api(tmp_path):
+    """model.chat: the assistant message with tool_calls (a forced call is valid), streamed
+    pieces, and tokenizer.apply_chat_template over a tool turn."""
+    pytest.importorskip("llguidance", reason="llguidance (cpullm[structured]) is not installed")
+    jsonschema = pytest.importorskip("jsonschema")
+    import cpullm
+    from cpullm_qwen.tiny_configs import QWEN2
+
+    from cpullm.testing import make_random_checkpoint
+
+    out = make_random_checkpoint(dict(QWEN2, eos_token_id=10**6), tmp_path / "m")
+    (out / "tokenizer_config.json").write_text(json.dumps({"chat_template": HERMES_TEMPLATE}))
+    model = cpullm.load(out, threads=1, n_ctx=1024)
+    msg = model.chat(HI, tools=[FORECAST], tool_choice="required", max_new_tokens=200, temperature=0.8, seed=3)
+    assert msg["role"] == "assistant" and msg["content"] is None
+    (call,) = msg["tool_calls"]
+    jsonschema.validate(json.loads(call["function"]["arguments"]), FORECAST["function"]["parameters"])
+    pieces = list(model.chat(HI, tools=[FORECAST], tool_choice="required", max_new_tokens=200, temperature=0.8,
+                             seed=3, stream=True))
+    assert [p["tool_call"]["function"]["arguments"] for p in pieces if "tool_call" in p] == \
+        [call["function"]["arguments"]]
+    plain = model.chat(HI, max_new_tokens=4)
+    assert set(plain) == {"role", "content"} and isinstance(plain["content"], str)
+    turn = HI + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                 {"role": "tool", "tool_call_id": call["id"], "content": "sunny"}]
+    text = model.tokenizer.apply_chat_template(turn, tools=[FORECAST])
+    assert text.endswith("<|im_start|>tool\nsunny<|im_end|>\n<|im_start|>assistant\n") and '"forecast"' in text
+    assert model.tokenizer.apply_chat_template(turn, tools=[FORECAST], tokenize=True) == \
+        model.tokenizer.encode(text, add_special_tokens=False)
+    with pytest.raises(api.ApiError, match="not in tools"):
+        model.chat(HI, tools=[FORECAST], tool_choice={"type": "function", "function": {"name": "nope"}})
