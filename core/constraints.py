@@ -291,6 +291,12 @@ class Constraint:
         self.compute_mask()
         return np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.vocab_size].astype(bool)
 
+    def allows(self, token: int) -> bool:
+        """Whether the next step may take ``token`` (one bit read: no full mask unpacked)."""
+        self.compute_mask()
+        t = int(token)
+        return 0 <= t < self.vocab_size and bool((int(self._bits[t >> 5]) >> (t & 31)) & 1)
+
     def apply(self, logits: np.ndarray) -> np.ndarray:
         """``logits`` (vocab,) with every token the constraint forbids at -inf (a new array; rows
         past the tokenizer's vocabulary are forbidden too)."""

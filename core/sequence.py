@@ -125,9 +125,18 @@ class Sequence:
         stop reason "stop" after its last token."""
         if token is None:
             x = self.sampler.process(logits, self.history)
+            tok = None
             if self.constraint is not None:
-                x = self.constraint.apply(x)
-            tok = int(self.sampler.draw(x))
+                if self.params.temperature == 0.0 and self.params.logprobs is None:
+                    # greedy: the unmasked argmax, when allowed, is the masked argmax (the same
+                    # first index on ties), so the full mask is applied only when it is not
+                    best = int(np.argmax(x))
+                    if self.constraint.allows(best):
+                        tok = best
+                if tok is None:
+                    x = self.constraint.apply(x)
+            if tok is None:
+                tok = int(self.sampler.draw(x))
             if self.params.logprobs is not None:
                 lp, top = top_logprobs(x, tok, self.params.logprobs)
                 self.logprobs.append(TokenLogprob(tok, lp, tuple(top)))

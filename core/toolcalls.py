@@ -247,16 +247,22 @@ def use_special_tokens(grammar: str, is_special) -> str:
     return "\n".join(out)
 
 
-def call_grammar(fmt: ToolFormat, tools: dict, mode: str, parallel: bool, is_special=_never) -> str:
+def call_grammar(fmt: ToolFormat, tools: dict, mode: str, parallel: bool, is_special=_never,
+                 answer_schema: dict | None = None) -> str:
     """The Lark grammar an answer must match.
 
     ``mode``: "required" (the answer is one call, or several with ``parallel``, and nothing
     else) or "auto" (any text; once the trigger appears, a call of a declared tool must follow:
     llguidance's lazy lexeme ends the free text at the trigger, or, when the trigger is a special
-    token (``is_special``), the free text simply cannot contain it)."""
+    token (``is_special``), the free text simply cannot contain it). ``answer_schema`` (auto
+    only): an answer that is not a call must be JSON of this schema (``response_format``)."""
     body = fmt.call_body(tools)
     trigger = lark_string(fmt.trigger)
-    if mode == "required":
+    if mode == "auto" and answer_schema is not None:
+        calls = "call (SEP call)*" if parallel else "call"
+        grammar = (f"start: answer_json | {calls} SEP\nanswer_json: {json_rule(answer_schema)}\n"
+                   f"call: {trigger} call_body\nSEP: {WS}\n{body}\n")
+    elif mode == "required":
         calls = "call (SEP call)*" if parallel else "call"
         grammar = f"start: {calls} SEP\ncall: {trigger} call_body\nSEP: {WS}\n{body}\n"
     elif mode != "auto":

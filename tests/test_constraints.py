@@ -1,6 +1,6 @@
 """Constrained decoding (cpullm.constraints) and the per-sequence logits pipeline (cpullm.sampling):
 constraints on tiny tokenizers of each kind (byte-level BPE, SentencePiece-style with byte
-fallback), bad and oversized specs refused with a named error, the sampling surface (logit_bias,
+fallback, a GGUF SentencePiece vocabulary through cpullm.gguf_vocab), bad and oversized specs refused with a named error, the sampling surface (logit_bias,
 presence/frequency penalties, logits processors, log-probabilities), and constrained generation
 on a tiny random model: the output matches, alone and batched with free sequences alike."""
 import json
@@ -51,7 +51,20 @@ def _sentencepiece_like():
     return Tokenizer.from_objects(tok, {"eos_token": "</s>"})
 
 
-TOKENIZERS = {"byte_level": _byte_level, "sentencepiece": _sentencepiece_like}
+def _gguf_vocabulary():
+    """A SentencePiece vocabulary as a GGUF's metadata holds it, through cpullm.gguf_vocab."""
+    from cpullm.gguf_vocab import build_tokenizer
+    toks = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + \
+        ["▁yes", "▁no", "▁", "y", "e", "s", "n", "o", "{", "}", '"', ":", "1", "2"]
+    meta = {"general.architecture": "llama", "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": toks,
+            "tokenizer.ggml.token_type": [2, 3, 3] + [6] * 256 + [1] * (len(toks) - 259),
+            "tokenizer.ggml.scores": [0.0] * len(toks), "tokenizer.ggml.bos_token_id": 1,
+            "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0}
+    tok, config, _ = build_tokenizer(meta)
+    return Tokenizer.from_objects(tok, config)
+
+
+TOKENIZERS = {"byte_level": _byte_level, "sentencepiece": _sentencepiece_like, "gguf": _gguf_vocabulary}
 
 
 @pytest.fixture(scope="module", params=sorted(TOKENIZERS))
@@ -88,7 +101,10 @@ def _walk(cons, tokenizer, seed=0, limit=200):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_regex_choice_json_and_grammars_hold_on_each_tokenizer(tok, seed):
-    text = _walk(C.build_constraint({"regex": r"[ab]{2,5}-[0-9]{1,3}"}, tok), tok, seed)
+    c = C.build_constraint({"regex": r"[ab]{2,5}-[0-9]{1,3}"}, tok)
+    ok = c.allowed()
+    assert [c.allows(t) for t in range(ok.size + 40)] == list(ok) + [False] * 40
+    text = _walk(c, tok, seed)
     assert re.fullmatch(r"[ab]{2,5}-[0-9]{1,3}", text), text
     assert _walk(C.build_constraint({"choice": ["yes", "no", "maybe so"]}, tok), tok, seed) in \
         ("yes", "no", "maybe so")
@@ -232,3 +248,28 @@ def test_stream_events_carry_logprobs(tiny):
     free = list(tiny.generate_stream([3, 4, 5], 5, logprobs=2, temperature=0.7, seed=4, presence_penalty=1.5))
     assert all(e.logprob <= 0 and len(e.top_logprobs) == 2 for e in free)
     assert all(e.top_logprobs[0][1] >= e.logprob for e in free)
+
+
+# ---- cpullm run's flags ------------------------------------------------------------------------------------
+def test_run_flags_read_and_check_their_files(tmp_path):
+    import argparse
+
+    from cpullm.cli.commands.run import add_constraint_options, constraint_spec
+    p = argparse.ArgumentParser()
+    add_constraint_options(p)
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object"}')
+    assert constraint_spec(p.parse_args(["--json-schema", str(schema)])) == {"json_schema": {"type": "object"}}
+    gbnf = tmp_path / "g.gbnf"
+    gbnf.write_text('root ::= "a"')
+    assert constraint_spec(p.parse_args(["--grammar", str(gbnf)])) == {"grammar": 'root ::= "a"'}
+    assert constraint_spec(p.parse_args(["--choice", "red,green"])) == {"choice": ["red", "green"]}
+    assert constraint_spec(p.parse_args(["--regex", "[0-9]+"])) == {"regex": "[0-9]+"}
+    assert constraint_spec(p.parse_args([])) is None
+    schema.write_text("{not json")
+    with pytest.raises(ConstraintError, match="not valid JSON"):
+        constraint_spec(p.parse_args(["--json-schema", str(schema)]))
+    with pytest.raises(ConstraintError, match="missing.json"):
+        constraint_spec(p.parse_args(["--json-schema", str(tmp_path / "missing.json")]))
+    with pytest.raises(SystemExit):         # one constraint at a time
+        p.parse_args(["--regex", "a", "--choice", "a"])

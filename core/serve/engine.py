@@ -40,6 +40,7 @@ class Job:
         self.ids = ids
         self.max_tokens = max_tokens
         self.sampling = sampling
+        self.seq = None             # the running cpullm.sequence.Sequence (its log-probabilities)
         self.stop = stop
         self.time_limit = time_limit      # seconds of generation, from when the engine takes it
         self.timed_out = False
@@ -121,8 +122,8 @@ class Engine:
 
         extra = {"constraint": job.constraint} if job.constraint is not None else {}
         try:
-            self.core.submit(job.ids, job.max_tokens, stats=job.stats, cancel=job.cancel,
-                             on_token=on_token, **extra, **job.sampling)
+            job.seq = self.core.submit(job.ids, job.max_tokens, stats=job.stats, cancel=job.cancel,
+                                       on_token=on_token, **extra, **job.sampling).seq
         except Exception:
             with self._lock:
                 self.counters["failed"] += 1

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ChatTemplateError, ConfigError, CpullmError
 from .engine import DEFAULT_MAX_QUEUE, Engine, Job, job_pieces
-from .openai import (DEFAULT_MAX_TOKENS_CAP, DEFAULT_REQUEST_TIMEOUT_S, Api, ApiError, RequestSpec,
+from .openai import (LogprobCursor, DEFAULT_MAX_TOKENS_CAP, DEFAULT_REQUEST_TIMEOUT_S, Api, ApiError, RequestSpec,
                      error_body, json_bytes, shutting_down_error, surrogate_path)
 
 if TYPE_CHECKING:
@@ -435,6 +435,7 @@ async def _collect(request, api: Api, spec: RequestSpec, job: Job, out, rid, cre
     if failure is not None:
         return error_response(failure)
     obj = api.answer(spec, rid, created, answer, job.stats)
+    obj["choices"][0]["logprobs"] = LogprobCursor(spec, api.model.tokenizer, job.seq).whole()
     return Response(json_bytes(obj), 200, media_type="application/json")
 
 
@@ -442,6 +443,7 @@ async def _sse_events(api: Api, spec: RequestSpec, job: Job, out, rid, created):
     """The ``data:`` payloads of a streamed answer, ``[DONE]`` last; an error mid-stream is sent
     as an ``{"error": ...}`` event."""
     chat = spec.kind == "chat"
+    lps = LogprobCursor(spec, api.model.tokenizer, job.seq)
 
     def chunk(**fields):
         return api.chunk(spec, rid, created, **fields)
@@ -452,13 +454,14 @@ async def _sse_events(api: Api, spec: RequestSpec, job: Job, out, rid, created):
         calls = 0
         async for kind, value in job_pieces(out, job):
             if not chat:
-                yield chunk(text=value)
+                yield chunk(text=value, logprobs=lps.take())
             elif kind == "tool_call":
-                yield chunk(delta={"tool_calls": [{"index": calls, **value.openai()}]})
+                yield chunk(delta={"tool_calls": [{"index": calls, **value.openai()}]}, logprobs=lps.take())
                 calls += 1
             else:
-                yield chunk(delta={"reasoning_content" if kind == "reasoning" else "content": value})
-        yield chunk(delta={}, text="", finish=api.finish_reason(job.stats, calls))
+                yield chunk(delta={"reasoning_content" if kind == "reasoning" else "content": value},
+                            logprobs=lps.take())
+        yield chunk(delta={}, text="", finish=api.finish_reason(job.stats, calls), logprobs=lps.take(final=True))
         if spec.include_usage:
             yield chunk(empty=True, usage=api.usage(job.stats, spec))
     except Exception as exc:

@@ -3,9 +3,12 @@
 Sampling defaults for fields a request omits: OpenAI's (temperature 1, top_p 1), overridden by
 the checkpoint's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty).
 Extensions accepted beside OpenAI's fields: ``top_k``, ``min_p``, ``repetition_penalty``,
-``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``). Every field of OpenAI's request
-schemas is honored, accepted as a label (:data:`LABEL_FIELDS`: no effect on the answer) or refused
-with a 400 naming it; so is a field no schema has (:func:`check_fields`).
+``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``), and the peers' spellings of
+constrained output (:data:`CONSTRAINT_FIELDS`: llama.cpp's ``grammar`` and ``json_schema``, vLLM's
+``guided_*`` and ``structured_outputs``, Ollama's ``format``) beside OpenAI's ``response_format``.
+Every field of OpenAI's request schemas is honored, accepted as a label (:data:`LABEL_FIELDS`: no
+effect on the answer) or refused with a 400 naming it; so is a field no schema has
+(:func:`check_fields`).
 
 Tool calls (:mod:`cpullm.toolcalls`): ``tools`` go to the chat template and the answer is parsed
 with the model family's tool format into ``message.tool_calls`` (finish_reason "tool_calls");
@@ -153,7 +156,7 @@ REFUSED_FIELDS = {
 
 def check_fields(body: dict, kind: str) -> None:
     """Refuse, with a 400 naming it, every field that is neither honored nor a label."""
-    known = CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS
+    known = (CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS) + CONSTRAINT_FIELDS
     for key in body:
         if key in known or key in LABEL_FIELDS:
             continue
@@ -165,7 +168,8 @@ def check_fields(body: dict, kind: str) -> None:
         where = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         raise ApiError(f"{key!s:.60} is not a field this server knows for {where}; remove it (the "
                        "fields it honors are OpenAI's plus top_k, min_p, repetition_penalty"
-                       f"{', chat_template_kwargs' if kind == 'chat' else ''})", param=str(key)[:60],
+                       f"{', chat_template_kwargs' if kind == 'chat' else ''} and the constraint "
+                       f"spellings {', '.join(CONSTRAINT_FIELDS[1:])})", param=str(key)[:60],
                        code="unknown_parameter")
     mods = body.get("modalities")
     if mods is not None and mods != ["text"]:
@@ -290,19 +294,6 @@ class Api:
                                "(GET /v1/models lists it)", 404, "model_not_found", "model")
         _unsupported(body, "n", (1,), "one choice per request (send several requests)")
         _unsupported(body, "best_of", (1,), "one choice per request")
-        _unsupported(body, "logprobs", (False, 0), "log-probabilities are not returned")
-        _unsupported(body, "top_logprobs", (0,), "log-probabilities are not returned")
-        _unsupported(body, "presence_penalty", (0, 0.0), "use repetition_penalty instead")
-        _unsupported(body, "frequency_penalty", (0, 0.0), "use repetition_penalty instead")
-        lb = body.get("logit_bias")
-        if lb not in (None, {}):
-            raise ApiError("logit_bias is not supported by this server", param="logit_bias",
-                           code="unsupported_parameter")
-        rf = body.get("response_format")
-        if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-            raise ApiError("response_format other than {\"type\": \"text\"} is not supported by this "
-                           "server (no constrained decoding)", param="response_format",
-                           code="unsupported_parameter")
 
     def _sampling(self, body: dict) -> dict:
         d = self.defaults
@@ -318,6 +309,12 @@ class Api:
         }
         _check_sampling_value("temperature", out["temperature"])
         _check_sampling_value("repetition_penalty", out["repetition_penalty"])
+        out.update(sampling_surface(body, self.vocab))
+        spec = constraint_request(body)
+        if spec is not None:
+            field = next(k for k in CONSTRAINT_FIELDS if body.get(k) is not None and
+                         not (k == "response_format" and body[k] == {"type": "text"}))
+            out["constraint"] = build_request_constraint(self.model, spec, field)
         return out
 
     def _stop(self, body: dict) -> list[str]:
@@ -396,7 +393,11 @@ class Api:
         if not ids:
             raise ApiError("the chat template rendered an empty prompt", param="messages")
         max_tokens = self._max_tokens(body, len(ids), "messages")
-        answer, constraint = plan.answer(self.model, text)
+        answer_spec = constraint_request(body) if sampling.get("constraint") is not None else None
+        answer, constraint = plan.answer(self.model, text, answer_spec)
+        if constraint is not None and sampling.get("constraint") is not None:
+            # the tool grammar holds the answer format too (auto), or forces a call (required)
+            sampling = {k: v for k, v in sampling.items() if k != "constraint"}
         return RequestSpec("chat", ids, max_tokens, sampling, stop, stream, include_usage, answer, constraint)
 
     def prepare_completion(self, body: dict, cancel: threading.Event | None = None) -> RequestSpec:
@@ -460,7 +461,7 @@ class Api:
                 "usage": usage}
 
     def chunk(self, spec: RequestSpec, rid: str, created: int, delta=None, text=None, finish=None,
-              usage=None, empty=False) -> str:
+              usage=None, empty=False, logprobs=None) -> str:
         """One streamed chunk as JSON text: a chat ``delta`` or completion ``text``; ``empty``:
         no choices (the last chunk, carrying the usage)."""
         chat = spec.kind == "chat"
@@ -469,9 +470,9 @@ class Api:
         if empty:
             c["choices"] = []
         elif chat:
-            c["choices"] = [{"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}]
+            c["choices"] = [{"index": 0, "delta": delta or {}, "logprobs": logprobs, "finish_reason": finish}]
         else:
-            c["choices"] = [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]
+            c["choices"] = [{"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}]
         if usage is not None or spec.include_usage:
             c["usage"] = usage
         return json.dumps(c, ensure_ascii=False, separators=(",", ":"))
@@ -480,8 +481,6 @@ class Api:
 def _version() -> str:
     from .. import __version__
     return __version__
-
-
 
 
 # ---- tools, tool_choice and reasoning (chat) ------------------------------------------------------
@@ -560,8 +559,10 @@ class ChatPlan:
         self.tools, self.choice, self.parallel = tools, choice, parallel
         self.fmt, self.reasoning, self.strict = fmt, reasoning, strict
 
-    def answer(self, model, prompt_text: str):
-        """(ChatAnswer, constraint or None) once the prompt is rendered."""
+    def answer(self, model, prompt_text: str, answer_spec: dict | None = None):
+        """(ChatAnswer, constraint or None) once the prompt is rendered. ``answer_spec``: the
+        request's own constraint spec (response_format or a peer's spelling): under "auto" an
+        answer that is not a call must match it (JSON kinds only); a forced call makes it moot."""
         from ..toolcalls import call_grammar, opens_thinking, tool_schemas, with_thinking
 
         schemas = tool_schemas(self.tools) if self.tools and self.choice != "none" else {}
@@ -581,7 +582,16 @@ class ChatPlan:
         is_special = special_token_test(model)
         if is_special is None:                      # constrained decoding is not installed
             return answer, build_tool_constraint(model, "", required=must)
-        grammar = with_thinking(call_grammar(self.fmt, schemas, mode, self.parallel, is_special),
+        answer_schema = None
+        if mode == "auto" and answer_spec:
+            kind, value = next(iter(answer_spec.items()))
+            if kind not in ("json_schema", "json_object"):
+                raise ApiError(f"tools under tool_choice \"auto\" combine only with a JSON answer format "
+                               f"(response_format json_schema / json_object), not a {kind} constraint: "
+                               "send tool_choice \"none\" or \"required\", or drop the constraint",
+                               param="tools", code="unsupported_parameter")
+            answer_schema = value if kind == "json_schema" else {"type": "object"}
+        grammar = with_thinking(call_grammar(self.fmt, schemas, mode, self.parallel, is_special, answer_schema),
                                 self.reasoning, opened, is_special)
         return answer, build_tool_constraint(model, grammar, required=must)
 
@@ -663,3 +673,244 @@ def plan_chat(model, body: dict, messages: list[dict], tools, choice, parallel, 
         template_tools = active
     return ChatPlan(history, template_tools, kwargs, tools, choice, parallel, fmt,
                     reasoning, strict and choice != "none")
+
+
+# ---- constrained output and the sampling surface (cpullm.constraints, cpullm.sampling) ------------
+CONSTRAINT_FIELDS = ("response_format", "grammar", "json_schema", "guided_json", "guided_regex",
+                     "guided_choice", "guided_grammar", "structured_outputs", "format")
+"""Request fields that constrain the output (at most one per request): OpenAI's
+``response_format`` (text, json_object, json_schema); llama.cpp's ``grammar`` (GBNF) and
+``json_schema``; vLLM's ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``
+and ``structured_outputs`` ({json | regex | choice | grammar | json_object}); Ollama's ``format``
+("json" or a schema)."""
+
+
+def _schema_value(field: str, v):
+    """A schema given as an object or as JSON text (vLLM accepts both)."""
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except ValueError as exc:
+            raise ApiError(f"{field} is not valid JSON: {exc}", param=field, code="invalid_value") from None
+    if not isinstance(v, dict):
+        raise ApiError(f"{field} must be a JSON schema object, got {_quoted(v)}", param=field,
+                       code="invalid_type")
+    return v
+
+
+def _text_value(field: str, v) -> str:
+    if not isinstance(v, str):
+        raise ApiError(f"{field} must be a string, got {_quoted(v)}", param=field, code="invalid_type")
+    return v
+
+
+def _choice_value(field: str, v) -> list:
+    if not isinstance(v, list) or not all(isinstance(c, str) for c in v):
+        raise ApiError(f"{field} must be a list of strings, got {_quoted(v)}", param=field, code="invalid_type")
+    return v
+
+
+def _response_format(v):
+    if not isinstance(v, dict) or v.get("type") not in ("text", "json_object", "json_schema"):
+        raise ApiError("response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                       "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}, "
+                       f"got {_quoted(v)}", param="response_format", code="invalid_value")
+    if v["type"] == "text":
+        return None
+    if v["type"] == "json_object":
+        return {"json_object": True}
+    js = v.get("json_schema")
+    if not isinstance(js, dict) or not isinstance(js.get("name", ""), str):
+        raise ApiError("response_format.json_schema must be {\"name\": ..., \"schema\": {...}, "
+                       "\"strict\": true}", param="response_format", code="invalid_value")
+    schema = js.get("schema")
+    # OpenAI's strict flag asks the schema to be followed exactly: constrained decoding always does,
+    # strict or not (a schema OpenAI would refuse in strict mode is still enforced as written)
+    if schema is None:
+        return {"json_object": True}
+    return {"json_schema": _schema_value("response_format.json_schema.schema", schema)}
+
+
+def _structured_outputs(v):
+    kinds = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "gbnf",
+             "json_object": "json_object"}
+    if not isinstance(v, dict):
+        raise ApiError("structured_outputs must be an object with one of json, regex, choice, grammar, "
+                       "json_object", param="structured_outputs", code="invalid_type")
+    given = {k: x for k, x in v.items() if x is not None and x is not False}
+    unknown = sorted(set(given) - set(kinds))
+    if unknown or len(given) != 1:
+        raise ApiError(f"structured_outputs takes exactly one of {', '.join(kinds)}; got "
+                       f"{', '.join(map(str, given)) or 'none'}", param="structured_outputs",
+                       code="invalid_value")
+    key, x = next(iter(given.items()))
+    where = f"structured_outputs.{key}"
+    if key == "json":
+        return {"json_schema": _schema_value(where, x)}
+    if key == "json_object":
+        return {"json_object": True}
+    if key == "choice":
+        return {"choice": _choice_value(where, x)}
+    return {kinds[key]: _text_value(where, x)}
+
+
+def constraint_request(body: dict) -> dict | None:
+    """The constraint spec (cpullm.constraints) a request asks for through any of
+    :data:`CONSTRAINT_FIELDS`, or None; two of them at once is a 400 naming both."""
+    given = [k for k in CONSTRAINT_FIELDS if body.get(k) is not None]
+    rf = body.get("response_format")
+    if rf is not None and isinstance(rf, dict) and rf.get("type") == "text":
+        given.remove("response_format")          # plain text: no constraint
+        if not given:
+            return None
+    if len(given) > 1:
+        raise ApiError(f"{given[0]} and {given[1]} both constrain the output: send one of them",
+                       param=given[1], code="invalid_value")
+    if not given:
+        return None
+    field = given[0]
+    v = body[field]
+    if field == "response_format":
+        return _response_format(v)
+    if field in ("grammar", "guided_grammar"):
+        return {"gbnf": _text_value(field, v)}           # GBNF, or Lark told apart by its syntax
+    if field in ("json_schema", "guided_json"):
+        return {"json_schema": _schema_value(field, v)}
+    if field == "guided_regex":
+        return {"regex": _text_value(field, v)}
+    if field == "guided_choice":
+        return {"choice": _choice_value(field, v)}
+    if field == "structured_outputs":
+        return _structured_outputs(v)
+    # Ollama's format: "json" or a schema
+    if v == "json":
+        return {"json_object": True}
+    if isinstance(v, dict):
+        return {"json_schema": _schema_value(field, v)}
+    raise ApiError(f"format must be \"json\" or a JSON schema object, got {_quoted(v)}", param="format",
+                   code="invalid_value")
+
+
+def build_request_constraint(model, spec: dict, field: str = "response_format"):
+    """The request's Constraint (built in the request's worker thread: the first one on a model
+    reads the token table, a few seconds); errors become 400s naming the field."""
+    from ..errors import ConstraintError, MissingDependencyError
+    from ..constraints import build_constraint  # noqa: F401  (cpullm.constraints loads without llguidance)
+    try:
+        return model.constraint(spec)
+    except MissingDependencyError as exc:
+        raise ApiError(f"{exc} (or drop {field} from the request)", 400,
+                       "unsupported_parameter", field) from None
+    except ConstraintError as exc:
+        raise ApiError(f"{field}: {exc}", param=field, code="invalid_value") from None
+
+
+def sampling_surface(body: dict, vocab: int) -> dict:
+    """OpenAI's penalties, logit_bias and log-probability fields, checked, as engine.submit
+    keywords. ``logprobs`` (chat: true/false with ``top_logprobs`` 0-20; completions: 0-5, the
+    alternatives per token) asks for each token's log-probability from the logits it was sampled
+    from (after penalties, bias and the constraint's mask, before temperature)."""
+    from ..sampling import SamplingParams
+
+    out = {"presence_penalty": _number(body, "presence_penalty", 0.0, -2.0, 2.0),
+           "frequency_penalty": _number(body, "frequency_penalty", 0.0, -2.0, 2.0)}
+    lb = body.get("logit_bias")
+    if lb is not None:
+        if not isinstance(lb, dict):
+            raise ApiError("logit_bias must be an object {\"token id\": bias}", param="logit_bias",
+                           code="invalid_type")
+        try:
+            out["logit_bias"] = SamplingParams(logit_bias=dict(lb)).check_surface(vocab).logit_bias or None
+        except SamplingError as exc:
+            raise ApiError(str(exc), param="logit_bias", code="invalid_value") from None
+    lp = body.get("logprobs")
+    top = body.get("top_logprobs")
+    if isinstance(lp, bool):                                 # chat: logprobs true + top_logprobs N
+        n = _integer(body, "top_logprobs", 0, 0)
+        if n > SamplingParams.MAX_TOP_LOGPROBS:
+            raise ApiError(f"top_logprobs must be in [0, {SamplingParams.MAX_TOP_LOGPROBS}], got {n}",
+                           param="top_logprobs", code="invalid_value")
+        if top is not None and not lp:
+            raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+        if lp:
+            out["logprobs"] = n
+    elif lp is not None:                                     # completions: logprobs N
+        n = _integer(body, "logprobs", 0, 0)
+        if n > 5:
+            raise ApiError(f"logprobs must be in [0, 5] for completions, got {n}", param="logprobs",
+                           code="invalid_value")
+        out["logprobs"] = n
+    elif top is not None:
+        raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs", code="invalid_value")
+    return out
+
+
+# ---- log-probabilities in OpenAI's answer shapes ---------------------------------------------------------
+def _token_text(tokenizer, tok: int) -> tuple[str, list[int]]:
+    """A token's text and its UTF-8 bytes (a token holding part of a character decodes to
+    U+FFFD; its bytes are then those of that replacement)."""
+    text = tokenizer.decode([int(tok)])
+    return text, list(text.encode("utf-8", "surrogatepass"))
+
+
+def chat_logprobs(tokenizer, records) -> dict:
+    """``choices[].logprobs`` of a chat answer: ``{"content": [{token, logprob, bytes,
+    top_logprobs: [...]}, ...]}`` for ``records`` (cpullm.sequence.TokenLogprob)."""
+    content = []
+    for r in records:
+        text, raw = _token_text(tokenizer, r.token)
+        top = []
+        for t, lp in r.top:
+            tt, tb = _token_text(tokenizer, t)
+            top.append({"token": tt, "logprob": _finite(lp), "bytes": tb})
+        content.append({"token": text, "logprob": _finite(r.logprob), "bytes": raw, "top_logprobs": top})
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(tokenizer, records, offset: int = 0) -> dict:
+    """``choices[].logprobs`` of a completion: OpenAI's legacy shape (tokens, token_logprobs,
+    top_logprobs as {token text: logprob}, text_offset from ``offset``)."""
+    tokens, lps, tops, offsets = [], [], [], []
+    for r in records:
+        text, _ = _token_text(tokenizer, r.token)
+        tokens.append(text)
+        lps.append(_finite(r.logprob))
+        tops.append({_token_text(tokenizer, t)[0]: _finite(lp) for t, lp in r.top})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _finite(x: float) -> float:
+    """JSON has no -inf: a token the mask forbade (never sampled, only listed) gets -9999 as OpenAI does."""
+    return float(x) if math.isfinite(x) else -9999.0
+
+
+class LogprobCursor:
+    """The log-probabilities of a running sequence, handed out as the stream goes: each chunk
+    carries the tokens recorded since the last one (the scheduler's thread appends to
+    ``seq.logprobs``; a slice of a list is safe to read meanwhile)."""
+
+    def __init__(self, spec, tokenizer, seq):
+        self.on = seq is not None and spec.sampling.get("logprobs") is not None
+        self.chat = spec.kind == "chat"
+        self.tokenizer, self.seq = tokenizer, seq
+        self.done, self.offset = 0, 0
+
+    def take(self, final: bool = False):
+        """The ``logprobs`` of the next chunk (None when off; at ``final`` everything left)."""
+        if not self.on:
+            return None
+        n = len(self.seq.logprobs) if final else min(len(self.seq.logprobs), len(self.seq.generated))
+        recs = self.seq.logprobs[self.done:n]
+        self.done = n
+        if self.chat:
+            return chat_logprobs(self.tokenizer, recs)
+        out = completion_logprobs(self.tokenizer, recs, self.offset)
+        self.offset += sum(len(t) for t in out["tokens"])
+        return out
+
+    def whole(self):
+        """The ``logprobs`` of a non-streamed answer (None when off)."""
+        return self.take(final=True)
+

@@ -19,7 +19,57 @@ def add_parser(sub):
                    help="save/restore the KV cache of the prompt in FILE")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     add_sampling_options(p)
+    add_constraint_options(p)
     return p
+
+
+def add_constraint_options(p) -> None:
+    """Constrained output (needs cpullm[structured]): at most one of these."""
+    g = p.add_argument_group("constrained output (pip install 'cpullm[structured]')")
+    one = g.add_mutually_exclusive_group()
+    one.add_argument("--json-schema", metavar="FILE", default=None,
+                     help="answer with JSON valid under the JSON schema in FILE")
+    one.add_argument("--json-object", action="store_true", help="answer with any JSON object")
+    one.add_argument("--grammar", metavar="FILE", default=None,
+                     help="answer in the grammar in FILE: llama.cpp GBNF or llguidance Lark (told apart "
+                          "by its syntax: GBNF rules use ::=, Lark rules a colon)")
+    one.add_argument("--regex", metavar="RE", default=None, help="answer matching the regular expression RE")
+    one.add_argument("--choice", metavar="A,B,...", default=None,
+                     help="answer with exactly one of these comma-separated strings")
+
+
+def constraint_spec(args) -> dict | None:
+    """model.generate's constraint keyword the flags ask for, files read and bounded (None:
+    unconstrained)."""
+    from pathlib import Path
+
+    from cpullm.errors import ConstraintError
+    from cpullm.limits import MAX_CONSTRAINT_BYTES, parse_json, read_untrusted_bytes
+
+    def read(flag, path):
+        try:
+            data = read_untrusted_bytes(Path(path), MAX_CONSTRAINT_BYTES)
+            return data.decode("utf-8")
+        except OSError as exc:
+            raise ConstraintError(f"{flag} {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            raise ConstraintError(f"{flag} {path} is not UTF-8 text") from None
+
+    if getattr(args, "json_schema", None):
+        text = read("--json-schema", args.json_schema)
+        try:
+            return {"json_schema": parse_json(text)}
+        except ValueError as exc:
+            raise ConstraintError(f"--json-schema {args.json_schema} is not valid JSON: {exc}") from None
+    if getattr(args, "json_object", False):
+        return {"json_object": True}
+    if getattr(args, "grammar", None):
+        return {"grammar": read("--grammar", args.grammar)}
+    if getattr(args, "regex", None) is not None:
+        return {"regex": args.regex}
+    if getattr(args, "choice", None) is not None:
+        return {"choice": [c for c in args.choice.split(",")]}
+    return None
 
 
 def compiled_note(seconds: float) -> str:
@@ -57,14 +107,19 @@ def run(args) -> int:
         raise PromptError("the prompt is empty: give some text with -p")
     if args.chat:
         check_chat_template(args)
+    spec = constraint_spec(args)
+    if spec is not None:
+        from cpullm.constraints import _llguidance
+        _llguidance()                   # a missing extra is an error before the model loads
     model = load_model(args)
     if args.prompt_cache:
         model.use_prompt_cache(args.prompt_cache)
     stats = GenerationStats()
+    surface = spec or {}                # model.generate's keywords
     pieces = model.generate(args.prompt, max_new_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                             repetition_penalty=args.repetition_penalty, seed=args.seed,
-                            stop=args.stop, chat=args.chat, system=args.system, stats=stats)
+                            stop=args.stop, chat=args.chat, system=args.system, stats=stats, **surface)
     if args.json:
         text = "".join(pieces)
         out = {"model": str(model.model_dir), "family": model.family.name, "quant": model.quant,
