@@ -213,7 +213,12 @@ def tool_schemas(tools) -> dict:
 
 
 def json_rule(schema: dict) -> str:
-    """A JSON schema as an llguidance ``%json`` item."""
+    """A JSON schema as an llguidance ``%json`` item, laid out as constrained JSON is everywhere
+    (:data:`cpullm.constraints.JSON_OPTIONS`: one line, ``", "`` and ``": "``, no free whitespace
+    a model could pad forever); a schema's own ``x-guidance`` wins."""
+    from .constraints import JSON_OPTIONS
+    if isinstance(schema, dict) and "x-guidance" not in schema:
+        schema = {"x-guidance": dict(JSON_OPTIONS), **schema}
     return "%json " + json.dumps(schema, ensure_ascii=False)
 
 

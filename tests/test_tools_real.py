@@ -118,7 +118,7 @@ def test_langchain_structured_output(server):
 
     llm = lc.ChatOpenAI(model=NAME, base_url=server.url + "/v1", api_key="unused", temperature=0,
                         max_tokens=64, max_retries=0, timeout=600)
-    for method in ("function_calling",):          # json_schema (response_format): tests/test_constraints*
+    for method in ("function_calling", "json_schema"):
         out = llm.with_structured_output(City, method=method).invoke("Paris is the capital of France. "
                                                                      "Extract the city.")
         assert isinstance(out, City) and out.name and out.country, (method, out)
