@@ -291,6 +291,10 @@ class Constraint:
         self.compute_mask()
         return np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.vocab_size].astype(bool)
 
+    def copy(self) -> "Constraint":
+        """An independent constraint in the same state (another choice of the same request)."""
+        return Constraint(self._m.deep_copy(), self.vocab_size, self.kind)
+
     def allows(self, token: int) -> bool:
         """Whether the next step may take ``token`` (one bit read: no full mask unpacked)."""
         self.compute_mask()

@@ -218,7 +218,7 @@ BAD = [
     (CHAT, {"messages": HI, "seed": "x"}, 400, "invalid_type", "seed", "integer"),
     (CHAT, {"messages": HI, "stream": "yes"}, 400, "invalid_type", "stream", "true or false"),
     (CHAT, {"messages": HI, "stop": 5}, 400, "invalid_type", "stop", "string or a list"),
-    (CHAT, {"messages": HI, "n": 2}, 400, "unsupported_parameter", "n", "one choice"),
+    (CHAT, {"messages": HI, "n": 9}, 400, "invalid_value", "n", "at most 8"),
     (CHAT, {"model": "gpt-4o", "messages": HI}, 404, "model_not_found", "model", "`gpt-4o` does not exist"),
     (CHAT, {"model": 7, "messages": HI}, 400, "invalid_type", "model", "string"),
     (CHAT, {"messages": [{"role": "user", "content": "long " * 120}]}, 400, "context_length_exceeded",

@@ -1,6 +1,7 @@
 """``cpullm serve``: constrained output through OpenAI's ``response_format`` and the peers'
 spellings (llama.cpp, vLLM, Ollama), log-probabilities in OpenAI's answer shapes (whole and
-streamed), presence/frequency penalties and logit_bias; bad constraints are 400s naming the field.
+streamed), presence/frequency penalties and logit_bias, ``n`` choices (whole and streamed); bad
+constraints are 400s naming the field.
 Against the tiny random chat model (byte-level tokenizer): its text is noise unless constrained."""
 from __future__ import annotations
 
@@ -156,3 +157,36 @@ def test_logit_bias_and_penalties_change_the_answer(url):
     assert _post(url, COMP, biased).json()["choices"][0]["text"] == "x" * 12
     r = _post(url, COMP, {**biased, "presence_penalty": 2.0, "frequency_penalty": 2.0}).json()
     assert r["choices"][0]["text"].startswith("xxxx") and r["choices"][0]["text"] != "x" * 12
+
+
+def test_n_choices_whole_and_streamed(url):
+    body = {"messages": HI, "max_tokens": 6, "temperature": 1.0, "seed": 11}
+    one = _post(url, CHAT, body).json()
+    r = _post(url, CHAT, {**body, "n": 3}).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    texts = [c["message"]["content"] for c in r["choices"]]
+    assert texts[0] == one["choices"][0]["message"]["content"]      # choice 0 keeps the request's seed
+    assert len(set(texts)) > 1                                       # the others draw their own
+    assert r["usage"]["completion_tokens"] == 18 and r["usage"]["prompt_tokens"] == one["usage"]["prompt_tokens"]
+    chunks = _post(url, CHAT, {**body, "n": 2, "stream_options": {"include_usage": True}}, stream=True)
+    got = {0: "", 1: ""}
+    finished = set()
+    for c in chunks:
+        for ch in c["choices"]:
+            got[ch["index"]] += ch["delta"].get("content") or ""
+            if ch["finish_reason"]:
+                finished.add(ch["index"])
+    assert finished == {0, 1} and got[0] == texts[0]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 12
+    # constrained: every choice is constrained, each with its own copy
+    r = _post(url, COMP, {"prompt": "Pick:", "n": 4, "temperature": 1.0, "seed": 2, "guided_choice": ["ab", "cd"]})
+    assert all(c["text"] in ("ab", "cd") for c in r.json()["choices"])
+
+
+def test_n_choices_share_the_prompt_through_the_prefix_cache(url):
+    words = " ".join(f"w{i}" for i in range(90))             # a prompt of well over one 64-token block
+    before = httpx.get(url + "/health").json()["prefix_cache"]["prefilled_tokens"]
+    r = _post(url, COMP, {"prompt": words, "n": 3, "max_tokens": 2, "temperature": 1.0}).json()
+    after = httpx.get(url + "/health").json()["prefix_cache"]["prefilled_tokens"]
+    n_prompt = r["usage"]["prompt_tokens"]
+    assert n_prompt > 128 and after - before < 2 * n_prompt

@@ -28,14 +28,12 @@ class Job:
     """One generation: prompt ids, limits, sampling; a cancel flag; the answer out via ``emit``
     as events ``("event", (kind, value))``: kind "content" or "reasoning" with text, or
     "tool_call" with a :class:`cpullm.toolcalls.ToolCall`, as ``parser`` (a
-    :class:`cpullm.toolcalls.AnswerParser`; default: all text is content) reads the text;
-    ``constraint`` (or None) restricts the sampled tokens."""
+    :class:`cpullm.toolcalls.AnswerParser`; default: all text is content) reads the text."""
 
     def __init__(self, ids: list[int], max_tokens: int, sampling: dict, stop: list[str],
-                 time_limit: float | None = None, parser=None, constraint=None):
+                 time_limit: float | None = None, parser=None):
         from ..toolcalls import AnswerParser
         self.parser = parser if parser is not None else AnswerParser()
-        self.constraint = constraint
         self.tool_calls = 0
         self.ids = ids
         self.max_tokens = max_tokens
@@ -120,10 +118,9 @@ class Engine:
             if job.ended_by is not None:
                 job.cancel.set()         # frees the slot at the next step
 
-        extra = {"constraint": job.constraint} if job.constraint is not None else {}
         try:
             job.seq = self.core.submit(job.ids, job.max_tokens, stats=job.stats, cancel=job.cancel,
-                                       on_token=on_token, **extra, **job.sampling).seq
+                                       on_token=on_token, **job.sampling).seq
         except Exception:
             with self._lock:
                 self.counters["failed"] += 1

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ChatTemplateError, ConfigError, CpullmError
 from .engine import DEFAULT_MAX_QUEUE, Engine, Job, job_pieces
-from .openai import (LogprobCursor, DEFAULT_MAX_TOKENS_CAP, DEFAULT_REQUEST_TIMEOUT_S, Api, ApiError, RequestSpec,
+from .openai import (LogprobCursor, choice_sampling, choices_count, merge_choices, DEFAULT_MAX_TOKENS_CAP, DEFAULT_REQUEST_TIMEOUT_S, Api, ApiError, RequestSpec,
                      error_body, json_bytes, shutting_down_error, surrogate_path)
 
 if TYPE_CHECKING:
@@ -337,8 +337,11 @@ class Endpoints:
             if gone:
                 engine.count_left_early()
                 return Response(b"", 499)            # the client left; nobody reads this
+            n = choices_count(body)
+            if n > 1:
+                return await self._complete_choices(request, spec, n)
             job = Job(spec.ids, spec.max_tokens, spec.sampling, spec.stop, api.request_timeout,
-                      parser=spec.parser(), constraint=spec.constraint)
+                      parser=spec.parser())
             out = engine.submit(job, asyncio.get_running_loop())
         except Exception as exc:
             if engine.closed and (isinstance(exc, ChatTemplateError) or
@@ -350,6 +353,91 @@ class Endpoints:
         if spec.stream:
             return SSEResponse(_sse_events(api, spec, job, out, rid, created), job.cancel.set)
         return await _collect(request, api, spec, job, out, rid, created)
+
+
+    async def _complete_choices(self, request: Request, spec: RequestSpec, n: int):
+        """``n`` choices of one request: ``n`` jobs, each its own sequence with its own seed
+        offset (and its own copy of the constraint); their prompt is the same, so the scheduler's
+        prefix cache shares its KV in whole blocks. Each is answered as a request of its own would
+        be, and the answers are merged with their choices re-indexed."""
+        api, engine = self.api, self.engine
+        loop = asyncio.get_running_loop()
+        jobs, outs = [], []
+        try:
+            for i in range(n):
+                job = Job(spec.ids, spec.max_tokens, choice_sampling(spec.sampling, i), spec.stop,
+                          api.request_timeout, parser=spec.parser())
+                outs.append(engine.submit(job, loop))
+                jobs.append(job)
+        except Exception as exc:
+            for job in jobs:
+                job.cancel.set()
+            return error_response(exc)
+        rid = ("chatcmpl-" if spec.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        created = int(time.time())
+
+        def cancel_all():
+            for job in jobs:
+                job.cancel.set()
+
+        if spec.stream:
+            streams = [_sse_events(api, spec, job, out, rid, created) for job, out in zip(jobs, outs)]
+            return SSEResponse(_merged_events(streams, spec), cancel_all)
+        from starlette.responses import Response
+        answers = await asyncio.gather(*[_collect(request, api, spec, job, out, rid, created)
+                                         for job, out in zip(jobs, outs)])
+        for r in answers:
+            if r.status_code != 200:
+                cancel_all()
+                return r
+        return Response(json_bytes(merge_choices([json.loads(r.body) for r in answers])), 200,
+                        media_type="application/json")
+
+
+async def _merged_events(streams, spec: RequestSpec):
+    """The ``data:`` payloads of several choices' streams, as they come, each chunk's choice
+    re-indexed; one usage chunk (prompt counted once) and one ``[DONE]`` at the end."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, events):
+        try:
+            async for data in events:
+                await queue.put((i, data))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, ev)) for i, ev in enumerate(streams)]
+    left, usage = len(tasks), None
+    try:
+        while left:
+            i, data = await queue.get()
+            if data is None:
+                left -= 1
+                continue
+            if data == "[DONE]":
+                continue
+            obj = json.loads(data)
+            if "error" in obj:
+                yield data
+                continue
+            if not obj.get("choices"):                  # a choice's usage chunk: summed below
+                u = obj.get("usage") or {}
+                usage = usage or {"prompt_tokens": u.get("prompt_tokens", 0), "completion_tokens": 0}
+                usage["completion_tokens"] += u.get("completion_tokens", 0)
+                last = obj
+                continue
+            for c in obj["choices"]:
+                c["index"] = i
+            if spec.include_usage:
+                obj["usage"] = None
+            yield json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+        if usage is not None:
+            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+            yield json.dumps({**last, "choices": [], "usage": usage}, ensure_ascii=False, separators=(",", ":"))
+    finally:
+        for t in tasks:
+            t.cancel()
+    yield "[DONE]"
 
 
 def create_app(model, model_id: str | None = None, api_key: str | None = None,

@@ -95,17 +95,15 @@ def shutting_down_error() -> ApiError:
 
 # ---- request parsing ---------------------------------------------------------------------------------
 class RequestSpec:
-    """A checked request: prompt ids, answer length, sampling, stop strings, how to answer.
-    ``answer`` (a :class:`ChatAnswer`) says how a chat answer's text is read: tools, reasoning,
-    the constraint; ``constraint`` is what the scheduler applies to the sampled tokens."""
+    """A checked request: prompt ids, answer length, sampling (with its ``constraint``, the
+    tools' grammar or the requested format), stop strings, how to answer. ``answer`` (a
+    :class:`ChatAnswer`) says how a chat answer's text is read: tools, reasoning."""
 
-    def __init__(self, kind, ids, max_tokens, sampling, stop, stream, include_usage, answer=None,
-                 constraint=None):
+    def __init__(self, kind, ids, max_tokens, sampling, stop, stream, include_usage, answer=None):
         self.kind, self.ids, self.max_tokens = kind, ids, max_tokens
         self.sampling, self.stop = sampling, stop
         self.stream, self.include_usage = stream, include_usage
         self.answer = answer if answer is not None else ChatAnswer()
-        self.constraint = constraint
 
     def parser(self):
         return self.answer.parser()
@@ -292,8 +290,8 @@ class Api:
             if m != self.model_id:
                 raise ApiError(f"The model `{m}` does not exist: this server runs `{self.model_id}` "
                                "(GET /v1/models lists it)", 404, "model_not_found", "model")
-        _unsupported(body, "n", (1,), "one choice per request (send several requests)")
-        _unsupported(body, "best_of", (1,), "one choice per request")
+        choices_count(body)
+        _unsupported(body, "best_of", (1,), "best_of is not served: send n for several choices")
 
     def _sampling(self, body: dict) -> dict:
         d = self.defaults
@@ -395,10 +393,10 @@ class Api:
         max_tokens = self._max_tokens(body, len(ids), "messages")
         answer_spec = constraint_request(body) if sampling.get("constraint") is not None else None
         answer, constraint = plan.answer(self.model, text, answer_spec)
-        if constraint is not None and sampling.get("constraint") is not None:
+        if constraint is not None:
             # the tool grammar holds the answer format too (auto), or forces a call (required)
-            sampling = {k: v for k, v in sampling.items() if k != "constraint"}
-        return RequestSpec("chat", ids, max_tokens, sampling, stop, stream, include_usage, answer, constraint)
+            sampling = dict(sampling, constraint=constraint)
+        return RequestSpec("chat", ids, max_tokens, sampling, stop, stream, include_usage, answer)
 
     def prepare_completion(self, body: dict, cancel: threading.Event | None = None) -> RequestSpec:
         check_fields(body, "completion")
@@ -913,4 +911,41 @@ class LogprobCursor:
     def whole(self):
         """The ``logprobs`` of a non-streamed answer (None when off)."""
         return self.take(final=True)
+
+
+# ---- n choices --------------------------------------------------------------------------------------------
+MAX_CHOICES = 8
+"""Largest ``n``: each choice is a sequence of its own in the scheduler (its own slot and seed)."""
+
+
+def choices_count(body: dict) -> int:
+    """``n``, checked: 1 to :data:`MAX_CHOICES`."""
+    n = _integer(body, "n", 1, 1)
+    if n > MAX_CHOICES:
+        raise ApiError(f"n must be at most {MAX_CHOICES}, got {n}: send several requests for more",
+                       param="n", code="invalid_value")
+    return n
+
+
+def choice_sampling(sampling: dict, index: int) -> dict:
+    """The sampling of choice ``index`` of a request: the seed offset by the index (each choice
+    draws its own tokens; a seeded request stays reproducible), and a copy of the constraint."""
+    out = dict(sampling)
+    if index and out.get("seed") is not None:
+        out["seed"] = (out["seed"] + index) & (2**64 - 1)
+    if index and out.get("constraint") is not None:
+        out["constraint"] = out["constraint"].copy()
+    return out
+
+
+def merge_choices(objs: list[dict]) -> dict:
+    """One answer from the whole answers of each choice (``choices[0]`` of each, re-indexed;
+    completion tokens summed, the prompt counted once)."""
+    out = dict(objs[0])
+    out["choices"] = [dict(o["choices"][0], index=i) for i, o in enumerate(objs)]
+    u = [o.get("usage") or {} for o in objs]
+    prompt = u[0].get("prompt_tokens", 0)
+    done = sum(x.get("completion_tokens", 0) for x in u)
+    out["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+    return out
 
