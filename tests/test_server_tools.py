@@ -339,3 +339,17 @@ def test_response_format_beside_tools(hermes_server):
     r = httpx.post(url, json={"messages": HI, "tools": [FORECAST], "max_tokens": 4,
                               "guided_regex": "[a-z]+"}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+
+
+def test_n_choices_each_carry_their_calls(hermes_server):
+    """n > 1 with a forced call: every choice is a valid call of its own (own parser, own copy of
+    the constraint)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    r = httpx.post(hermes_server.url + "/v1/chat/completions", timeout=300, json={
+        "messages": HI, "tools": [FORECAST], "tool_choice": "required", "parallel_tool_calls": False,
+        "n": 2, "max_tokens": 120, "temperature": 1.0, "seed": 5}).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1], r
+    for c in r["choices"]:
+        assert c["finish_reason"] == "tool_calls"
+        (call,) = c["message"]["tool_calls"]
+        jsonschema.validate(json.loads(call["function"]["arguments"]), FORECAST["function"]["parameters"])
