@@ -362,6 +362,44 @@ def render_chat(model, messages: list[dict], add_generation_prompt: bool = True,
                            add_generation_prompt=add_generation_prompt, tools=tools, **extra)
 
 
+def apply_chat_template(model, messages: list[dict], tools=None, add_generation_prompt: bool = True,
+                        tokenize: bool = False, **extra):
+    """transformers' ``tokenizer.apply_chat_template`` for a loaded model (``model.tokenizer``
+    has it bound): the rendered text, or with ``tokenize`` its token ids (no special tokens
+    added: the template writes them). Messages are checked as the server checks them; a tool
+    call's ``arguments`` may be a JSON string (OpenAI's form) or an object."""
+    from .toolcalls import formats_of, messages_for_template
+
+    msgs = _arguments_as_objects(check_messages(messages))
+    fmt, _ = formats_of(model, require_template(model, tools=tools))
+    if fmt is not None and not fmt.in_template:
+        msgs, tools = messages_for_template(msgs, tools, fmt), None
+    text = render_chat(model, msgs, add_generation_prompt=add_generation_prompt, tools=tools, **extra)
+    return model.tokenizer.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _arguments_as_objects(messages: list[dict]) -> list[dict]:
+    """Earlier assistant calls with their ``arguments`` as objects (OpenAI sends JSON text;
+    templates write the object with ``tojson``)."""
+    out = []
+    for m in messages:
+        if m.get("role") == "assistant" and isinstance(m.get("tool_calls"), list):
+            calls = []
+            for tc in m["tool_calls"]:
+                if isinstance(tc, dict) and isinstance(tc.get("function"), dict):
+                    fn = dict(tc["function"])
+                    if isinstance(fn.get("arguments"), str):
+                        try:
+                            fn["arguments"] = json.loads(fn["arguments"])
+                        except ValueError:
+                            pass
+                    tc = dict(tc, function=fn)
+                calls.append(tc)
+            m = dict(m, tool_calls=calls)
+        out.append(m)
+    return out
+
+
 def chat_prompt_ids(model, messages: list[dict], tools=None, **extra) -> list[int]:
     """Token ids of the rendered conversation, ready for an assistant answer. The template writes
     BOS itself when the model wants one, so no special tokens are added (as transformers'

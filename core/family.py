@@ -89,6 +89,13 @@ class LayerSpec:
     mlp: str = "glu"
 
 
+def _formats(value, kind: str, field: str) -> tuple:
+    """A FamilySpec format field checked at construction (a wrong entry fails the plugin's hook,
+    which ``cpullm families`` reports)."""
+    from . import toolcalls
+    return toolcalls.check_formats(value, getattr(toolcalls, kind), field)
+
+
 @attrs.define
 class FamilySpec:
     """One model family (a set of ``model_type`` strings sharing one implementation); the
@@ -115,6 +122,12 @@ class FamilySpec:
                   checkpoints (head layout, RoPE kind, tying). cpullm's registry-coverage test
                   runs the conformance kit (:func:`cpullm.testing.run_family_conformance`) on it
                   for every installed family; a family without one fails that test
+    tool_formats  tuple of :class:`cpullm.toolcalls.ToolFormat`: how the family's checkpoints
+                  write a tool call; the first whose ``detect`` accepts the checkpoint's chat
+                  template applies (none: tool calls are read only from fenced JSON blocks)
+    reasoning_formats  tuple of :class:`cpullm.toolcalls.ReasoningFormat`: how the checkpoints
+                  that think mark their thinking, chosen the same way (none: the model does not
+                  think; ``enable_thinking`` and ``reasoning_effort`` are refused)
     plugin, plugin_version  filled in by cpullm from the plugin's distribution
     """
 
@@ -127,6 +140,9 @@ class FamilySpec:
     priority: int = 0
     description: str = ""
     tiny_config: dict | None = None
+    tool_formats: tuple = attrs.field(default=(), converter=lambda v: _formats(v, "ToolFormat", "tool_formats"))
+    reasoning_formats: tuple = attrs.field(
+        default=(), converter=lambda v: _formats(v, "ReasoningFormat", "reasoning_formats"))
     plugin: str | None = None
     plugin_version: str | None = None
 

@@ -37,7 +37,11 @@ def cpullm_families():
     """Return a list of :class:`cpullm.family.FamilySpec`, one per family (a set of
     ``model_type`` strings sharing one implementation). The FamilySpec docstring is the reference
     for its fields (name, model_types, architectures, args_class, weight_map, build_graph,
-    priority, description); CONTRIBUTING.md walks through writing each one.
+    priority, description, tool_formats, reasoning_formats); CONTRIBUTING.md walks through
+    writing each one. How a family's checkpoints write tool calls and mark their thinking is
+    declared there too: ``tool_formats`` (:class:`cpullm.toolcalls.ToolFormat`: the trigger, an
+    incremental parser, the Lark grammar of a call) and ``reasoning_formats``
+    (:class:`cpullm.toolcalls.ReasoningFormat`), each chosen per checkpoint by its chat template.
     """
 
 

@@ -87,6 +87,9 @@ class Model:
         self._slot = None                  # the slot lone generations run in, made on first use
         self._last_prompt: list[int] = []  # the prompt whose state _slot holds (save_prompt_cache)
         self._prompt_cache = None
+        from functools import partial
+        from .chat import apply_chat_template
+        tokenizer.apply_chat_template = partial(apply_chat_template, self)   # transformers' call
 
     # ---- loading ---------------------------------------------------------------------------
     @classmethod
@@ -467,6 +470,59 @@ class Model:
     def _embed_vocab(self) -> int:
         return int(self.program.meta.get("embed_rows") or self.program.meta["vocab"])
 
+    def chat(self, messages, tools=None, tool_choice=None, response_format=None, stream: bool = False,
+             max_tokens: int | None = None, parallel_tool_calls: bool = True, reasoning_effort=None,
+             chat_template_kwargs: dict | None = None, stats: GenerationStats | None = None, *,
+             max_new_tokens: int | None = None, **sampling):
+        """Answer a conversation (OpenAI-style ``messages``) as the server's chat endpoint does.
+
+        Returns the assistant message dict: ``content`` (None when the answer is only calls),
+        ``tool_calls`` (OpenAI's objects, ``arguments`` a JSON string) when the model called a
+        tool, ``reasoning_content`` when it thought. ``tools`` / ``tool_choice`` /
+        ``parallel_tool_calls`` / ``reasoning_effort`` / ``chat_template_kwargs`` mean what they
+        mean in the OpenAI API (``tool_choice`` "required", a named function or a strict tool
+        constrain the call); ``response_format`` is OpenAI's (``{"type": "json_schema", ...}``).
+        With ``stream`` it returns an iterator of pieces: ``{"content": str}``,
+        ``{"reasoning_content": str}`` or ``{"tool_call": {...}}``. ``sampling``: the keywords of
+        :meth:`generate` (temperature, top_p, seed, stop, ...)."""
+        from .chat import _arguments_as_objects, check_messages, render_chat
+        from .serve.openai import _tool_request, plan_chat
+
+        body = {"tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls,
+                "reasoning_effort": reasoning_effort}
+        tools_, choice, parallel = _tool_request(body)
+        msgs = _arguments_as_objects(check_messages(messages))
+        plan = plan_chat(self, body, msgs, tools_, choice, parallel, dict(chat_template_kwargs or {}))
+        text = render_chat(self, plan.messages, tools=plan.template_tools, **plan.template_kwargs)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        answer, constraint = plan.answer(self, text)
+        if response_format is not None:
+            rf = _response_format_spec(response_format)
+            if rf is not None and constraint is not None:
+                raise PromptError("give response_format or tools that constrain the answer "
+                                  "(tool_choice 'required', a named function, strict tools), not both")
+            if rf is not None:
+                constraint = self.constraint(rf)
+        stop = sampling.pop("stop", None)
+        params = self._sampling_surface(**{**dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
+                                                  repetition_penalty=1.0, seed=None), **sampling})
+        stats = stats if stats is not None else GenerationStats()
+        n = resolve_max_tokens(max_tokens, max_new_tokens, default=512)
+        pieces = generate_text(self.tokenizer, self._run_alone(ids, n, params, self.eos_token_ids, stats, constraint),
+                               stop=stop, stats=stats)
+        parser = answer.parser()
+
+        def events():
+            for piece in pieces:
+                yield from parser.push(piece)
+            yield from parser.finish()
+
+        if stream:
+            return ({"tool_call": v.openai()} if k == "tool_call" else
+                    {"reasoning_content" if k == "reasoning" else "content": v} for k, v in events())
+        from .toolcalls import collect
+        return collect(events()).message()
+
     def engine(self, parallel: int | None = None, prefill_chunk: int | None = None,
                prefix_cache_bytes: int | None = None):
         """A :class:`cpullm.engine.Engine` on this model: submit requests from any thread, each
@@ -512,6 +568,18 @@ def _refuse_bidirectional(config: dict, model_dir) -> None:
         raise UnsupportedConfigError(
             f"{model_dir} uses bidirectional attention (use_bidirectional_attention: an encoder "
             "such as EmbeddingGemma); cpullm's attention is causal only, so this model cannot run")
+
+
+def _response_format_spec(response_format) -> dict | None:
+    """The constraint spec of an OpenAI ``response_format`` (None for ``{"type": "text"}``)."""
+    rf = response_format
+    if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
+        raise PromptError("response_format must be {'type': 'text' | 'json_object' | 'json_schema', ...}")
+    if rf["type"] == "text":
+        return None
+    if rf["type"] == "json_object":
+        return {"json_object": True}
+    return {"json_schema": (rf.get("json_schema") or {}).get("schema") or {}}
 
 
 def _source(model_dir: Path, quant: str | None):

@@ -186,9 +186,9 @@ def test_typed_message_streams_an_answer_with_speed(page):
     b.type("#max-tokens", "24")
     # record every change of the answer as it streams in
     b.js("window.__updates = []; new MutationObserver(rs => { for (const r of rs) { const e = "
-         "r.target.nodeType === 1 ? r.target : r.target.parentElement; if (e && e.classList.contains("
-         "'assistant')) window.__updates.push(e.textContent); } }).observe(document.getElementById("
-         "'messages'), {childList: true, subtree: true, characterData: true}); true")
+         "r.target.nodeType === 1 ? r.target : r.target.parentElement; const m = e && e.closest("
+         "'.msg.assistant'); if (m) window.__updates.push(m.textContent); } }).observe("
+         "document.getElementById('messages'), {childList: true, subtree: true, characterData: true}); true")
     b.type("#prompt", "Hello there")
     b.press_enter()
     b.wait_for(f"{ANSWER_DONE} === 1")
@@ -246,3 +246,31 @@ def test_stop_button_and_new_chat(page):
     assert h["cancelled"] == cancelled + 1
     b.js("document.getElementById('reset').click(); true")
     assert b.js("document.querySelectorAll('.msg').length") == 0
+
+
+def test_thinking_is_collapsed_and_tool_calls_are_shown(page):
+    """The page's rendering of a thinking model's reasoning deltas (a collapsed block above the
+    answer) and of tool-call deltas (one line per call, kept in the history); a tools box with
+    bad JSON is an error in the page, not a request."""
+    b, server = page
+    b.js("document.getElementById('reset').click(); true")
+    shown = b.js("(() => { const el = addMessage('assistant', ''); const p = answerParts(el); "
+                 "addThinking(p, 'Let me '); addThinking(p, 'see.'); p.content.textContent = 'Paris.'; "
+                 "addToolCall(p, {id: 'c1', function: {name: 'get_weather', arguments: '{\"city\": \"Paris\"}'}}); "
+                 "const d = el.querySelector('details.thinking'); return JSON.stringify({open: d.open, "
+                 "thinking: d.textContent, content: el.querySelector('.content').textContent, "
+                 "call: el.querySelector('.tool-call').textContent, calls: p.calls}); })()")
+    got = json.loads(shown)
+    assert got["open"] is False and got["thinking"] == "thinkingLet me see." and got["content"] == "Paris."
+    assert got["call"] == '\u2192 get_weather({"city": "Paris"})'
+    assert got["calls"] == [{"id": "c1", "type": "function",
+                             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]
+    b.js("document.getElementById('reset').click(); true")
+    b.js("document.getElementById('tools').value = '[not json'; true")
+    before = server.health()["requests"]
+    b.type("#prompt", "Hi")
+    b.press_enter()
+    b.wait_for("document.querySelectorAll('.msg.error').length === 1")
+    assert b.js("document.querySelector('.msg.error').textContent").startswith("error: tools:")
+    assert server.health()["requests"] == before
+    b.js("document.getElementById('tools').value = ''; document.getElementById('reset').click(); true")

@@ -29,10 +29,16 @@ RETRY_AFTER_S = 1          # a refused client's Retry-After: a slot frees every 
 
 
 class Job:
-    """One generation: prompt ids, limits, sampling; a cancel flag; text pieces out via ``emit``."""
+    """One generation: prompt ids, limits, sampling; a cancel flag; the answer out via ``emit``
+    as events ``("event", (kind, value))``: kind "content" or "reasoning" with text, or
+    "tool_call" with a :class:`cpullm.toolcalls.ToolCall`, as ``parser`` (a
+    :class:`cpullm.toolcalls.AnswerParser`; default: all text is content) reads the text."""
 
     def __init__(self, ids: list[int], max_tokens: int, sampling: dict, stop: list[str],
-                 time_limit: float | None = None):
+                 time_limit: float | None = None, parser=None):
+        from ..toolcalls import AnswerParser
+        self.parser = parser if parser is not None else AnswerParser()
+        self.tool_calls = 0
         self.ids = ids
         self.max_tokens = max_tokens
         self.sampling = sampling
@@ -53,6 +59,16 @@ class Job:
             self._emit(item)
         except RuntimeError:        # the event loop is gone (server shutting down)
             self.cancel.set()
+
+    def emit_text(self, piece: str, final: bool = False) -> None:
+        """Read ``piece`` (and with ``final`` the end of the answer) and emit its events."""
+        events = self.parser.push(piece) if piece else []
+        if final:
+            events += self.parser.finish()
+        for kind, value in events:
+            if kind == "tool_call":
+                self.tool_calls += 1
+            self.emit(("event", (kind, value)))
 
 
 class Engine:
@@ -108,7 +124,7 @@ class Engine:
                 job.deadline = time.monotonic() - job.stats.prefill_s + job.time_limit
             piece = text.push(tok)
             if piece:
-                job.emit(("piece", piece))
+                job.emit_text(piece)
             if text.stopped:
                 job.ended_by = "stop"
             elif job.deadline is not None and time.monotonic() > job.deadline:
@@ -144,17 +160,16 @@ class Engine:
             outcome = "cancelled"
             job.emit(("done", None))
         else:
-            outcome = "completed"
+            outcome, piece = "completed", ""
             if job.ended_by == "timeout":
                 outcome, job.timed_out, st.stop_reason = "timed_out", True, "length"
             elif job.ended_by == "stop":
                 st.stop_reason = "stop"
             else:
                 piece = text.flush()
-                if piece:
-                    job.emit(("piece", piece))
                 if text.stopped:
                     st.stop_reason = "stop"
+            job.emit_text(piece, final=True)
             job.emit(("done", None))
         with self._lock:
             self.counters[outcome] += 1
@@ -216,11 +231,12 @@ class Engine:
 
 
 async def job_pieces(out: asyncio.Queue, job: Job):
-    """Async iterator over a job's text pieces; raises the job's error; cancels it when left early."""
+    """Async iterator over a job's answer events ``(kind, value)`` (see :class:`Job`); raises the
+    job's error; cancels it when left early."""
     try:
         while True:
             kind, data = await out.get()
-            if kind == "piece":
+            if kind == "event":
                 yield data
             elif kind == "error":
                 raise data

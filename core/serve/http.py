@@ -430,7 +430,8 @@ class Endpoints:
             n = choices_count(body)
             if n > 1:
                 return await self._complete_choices(request, spec, n)
-            job = Job(spec.ids, spec.max_tokens, spec.sampling, spec.stop, api.request_timeout)
+            job = Job(spec.ids, spec.max_tokens, spec.sampling, spec.stop, api.request_timeout,
+                      parser=spec.parser())
             tenant = request.scope.get("cpullm.tenant")
             job.cache_salt = tenant if spec.cache_salt is None else f"{tenant}|salt:{spec.cache_salt}"
             out = engine.submit(job, asyncio.get_running_loop())
@@ -457,7 +458,7 @@ class Endpoints:
         try:
             for i in range(n):
                 job = Job(spec.ids, spec.max_tokens, choice_sampling(spec.sampling, i), spec.stop,
-                          api.request_timeout)
+                          api.request_timeout, parser=spec.parser())
                 outs.append(engine.submit(job, loop))
                 jobs.append(job)
         except Exception as exc:
@@ -589,7 +590,9 @@ async def _collect(request, api: Api, spec: RequestSpec, job: Job, out, rid, cre
     import anyio
     from starlette.responses import Response
 
-    pieces: list[str] = []
+    from ..toolcalls import Answer, collect
+
+    answer = Answer()
     failure = None
     gone = False
     async with anyio.create_task_group() as tg:
@@ -605,8 +608,8 @@ async def _collect(request, api: Api, spec: RequestSpec, job: Job, out, rid, cre
 
         tg.start_soon(watch)
         try:
-            async for p in job_pieces(out, job):
-                pieces.append(p)
+            async for event in job_pieces(out, job):
+                collect([event], answer)
         except Exception as exc:
             failure = exc
         tg.cancel_scope.cancel()
@@ -614,7 +617,7 @@ async def _collect(request, api: Api, spec: RequestSpec, job: Job, out, rid, cre
         return Response(b"", 499)                  # the client left; nobody reads this
     if failure is not None:
         return error_response(failure)
-    obj = api.answer(spec, rid, created, "".join(pieces), job.stats)
+    obj = api.answer(spec, rid, created, answer, job.stats)
     obj["choices"][0]["logprobs"] = LogprobCursor(spec, api.model.tokenizer, job.seq).whole()
     return Response(json_bytes(obj), 200, media_type="application/json")
 
@@ -631,10 +634,17 @@ async def _sse_events(api: Api, spec: RequestSpec, job: Job, out, rid, created):
     try:
         if chat:
             yield chunk(delta={"role": "assistant", "content": ""})
-        async for piece in job_pieces(out, job):
-            yield chunk(delta={"content": piece}, logprobs=lps.take()) if chat else \
-                chunk(text=piece, logprobs=lps.take())
-        yield chunk(delta={}, text="", finish=api.finish_reason(job.stats), logprobs=lps.take(final=True))
+        calls = 0
+        async for kind, value in job_pieces(out, job):
+            if not chat:
+                yield chunk(text=value, logprobs=lps.take())
+            elif kind == "tool_call":
+                yield chunk(delta={"tool_calls": [{"index": calls, **value.openai()}]}, logprobs=lps.take())
+                calls += 1
+            else:
+                yield chunk(delta={"reasoning_content" if kind == "reasoning" else "content": value},
+                            logprobs=lps.take())
+        yield chunk(delta={}, text="", finish=api.finish_reason(job.stats, calls), logprobs=lps.take(final=True))
         if spec.include_usage:
             yield chunk(empty=True, usage=api.usage(job.stats, spec))
     except Exception as exc:

@@ -5,8 +5,16 @@ the checkpoint's generation_config.json (temperature, top_p, top_k, min_p, repet
 Extensions accepted beside OpenAI's fields: ``top_k``, ``min_p``, ``repetition_penalty``,
 ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``), and the peers' spellings of
 constrained output (:data:`CONSTRAINT_FIELDS`: llama.cpp's ``grammar`` and ``json_schema``, vLLM's
-``guided_*`` and ``structured_outputs``, Ollama's ``format``) beside OpenAI's ``response_format``. ``tools`` are passed to the chat
-template; tool calls come back as plain text. Lone UTF-16 surrogates anywhere in a body, and
+``guided_*`` and ``structured_outputs``, Ollama's ``format``) beside OpenAI's ``response_format``.
+Every field of OpenAI's request schemas is honored, accepted as a label (:data:`LABEL_FIELDS`: no
+effect on the answer) or refused with a 400 naming it; so is a field no schema has
+(:func:`check_fields`).
+
+Tool calls (:mod:`cpullm.toolcalls`): ``tools`` go to the chat template and the answer is parsed
+with the model family's tool format into ``message.tool_calls`` (finish_reason "tool_calls");
+``tool_choice`` "required", a named function or a ``strict`` function constrain the call to the
+declared names and schemas (constrained decoding), "none" answers in text. A model that thinks
+returns its thinking as ``reasoning_content``. Lone UTF-16 surrogates anywhere in a body, and
 sampling values that would overflow the sampler (a temperature under 1e-3 other than 0), are
 400s. An answer is at most ``max_tokens_cap`` tokens (an omitted ``max_tokens`` means the cap,
 not the rest of the context; a larger one is cut with finish_reason "length").
@@ -17,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 import time
 
@@ -85,13 +94,86 @@ def shutting_down_error() -> ApiError:
 
 # ---- request parsing ---------------------------------------------------------------------------------
 class RequestSpec:
-    """A checked request: prompt ids, answer length, sampling, stop strings, how to answer."""
+    """A checked request: prompt ids, answer length, sampling (with its ``constraint``, the
+    tools' grammar or the requested format), stop strings, how to answer. ``answer`` (a
+    :class:`ChatAnswer`) says how a chat answer's text is read: tools, reasoning."""
 
-    def __init__(self, kind, ids, max_tokens, sampling, stop, stream, include_usage, cache_salt=None):
+    def __init__(self, kind, ids, max_tokens, sampling, stop, stream, include_usage, answer=None,
+                 cache_salt=None):
         self.kind, self.ids, self.max_tokens = kind, ids, max_tokens
         self.sampling, self.stop = sampling, stop
         self.stream, self.include_usage = stream, include_usage
+        self.answer = answer if answer is not None else ChatAnswer()
         self.cache_salt = cache_salt      # the request's own prefix-cache salt (None: its tenant's)
+
+    def parser(self):
+        return self.answer.parser()
+
+
+class ChatAnswer:
+    """How a chat answer is read: the declared tools (name -> parameter schema) and the
+    model's tool format, its reasoning format and whether the prompt opened the thinking."""
+
+    def __init__(self, tools: dict | None = None, fmt=None, reasoning=None, thinking: bool = False,
+                 parallel: bool = True):
+        self.tools, self.fmt, self.reasoning, self.thinking = tools or {}, fmt, reasoning, thinking
+        self.parallel = parallel
+
+    def parser(self):
+        from ..toolcalls import AnswerParser
+        return AnswerParser(self.fmt, self.tools, self.reasoning, self.thinking,
+                            max_calls=0 if self.parallel else 1)
+
+
+# ---- every request field: honored, a label, or refused -------------------------------------------
+# Fields that only label a request: accepted, no effect on the answer (README "Tool calls, reasoning
+# and request fields"): who sent it, for the caller's own records, storage and caching hints.
+LABEL_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier",
+                "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options")
+# Fields this server honors (or checks and refuses values of) in its own parsing.
+CHAT_FIELDS = ("model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens",
+               "temperature", "top_p", "seed", "stop", "n", "logprobs", "top_logprobs",
+               "presence_penalty", "frequency_penalty", "logit_bias", "response_format",
+               "tools", "tool_choice", "parallel_tool_calls", "reasoning_effort", "modalities",
+               "top_k", "min_p", "repetition_penalty", "chat_template_kwargs", "cache_salt")
+COMPLETION_FIELDS = ("model", "prompt", "stream", "stream_options", "max_tokens", "temperature",
+                     "top_p", "seed", "stop", "n", "best_of", "logprobs", "echo", "suffix",
+                     "presence_penalty", "frequency_penalty", "logit_bias", "top_k", "min_p",
+                     "repetition_penalty", "cache_salt")
+# Fields refused whatever their value (null aside): what to send instead.
+REFUSED_FIELDS = {
+    "functions": "the deprecated functions API is not served: send tools=[{\"type\": \"function\", "
+                 "\"function\": {...}}] instead",
+    "function_call": "the deprecated functions API is not served: send tool_choice instead",
+    "audio": "this server answers in text only: omit audio",
+    "prediction": "predicted outputs are not supported: omit prediction",
+    "web_search_options": "this server has no web search: omit web_search_options (declare a tool instead)",
+    "verbosity": "the answer's length follows the model: omit verbosity (use max_tokens to bound it)",
+    "moderation": "this server runs no moderation: omit moderation",
+}
+
+
+def check_fields(body: dict, kind: str) -> None:
+    """Refuse, with a 400 naming it, every field that is neither honored nor a label."""
+    known = (CHAT_FIELDS if kind == "chat" else COMPLETION_FIELDS) + CONSTRAINT_FIELDS
+    for key in body:
+        if key in known or key in LABEL_FIELDS:
+            continue
+        if key in REFUSED_FIELDS and body[key] is not None:
+            raise ApiError(f"{key} is not supported by this server: {REFUSED_FIELDS[key]}", param=key,
+                           code="unsupported_parameter")
+        if key in REFUSED_FIELDS:
+            continue                                    # null: the client sent nothing
+        where = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        raise ApiError(f"{key!s:.60} is not a field this server knows for {where}; remove it (the "
+                       "fields it honors are OpenAI's plus top_k, min_p, repetition_penalty"
+                       f"{', chat_template_kwargs' if kind == 'chat' else ''} and the constraint "
+                       f"spellings {', '.join(CONSTRAINT_FIELDS[1:])})", param=str(key)[:60],
+                       code="unknown_parameter")
+    mods = body.get("modalities")
+    if mods is not None and mods != ["text"]:
+        raise ApiError(f"modalities={_quoted(mods)} is not supported: this server answers in text "
+                       "only (send [\"text\"] or omit it)", param="modalities", code="unsupported_parameter")
 
 
 def _number(body: dict, key: str, default, lo=None, hi=None, lo_open=False, hi_open=False):
@@ -358,8 +440,9 @@ class Api:
 
     # -- endpoint-specific parsing (runs in a worker thread: rendering and tokenizing cost CPU)
     def prepare_chat(self, body: dict, cancel: threading.Event | None = None) -> RequestSpec:
-        from ..chat import RenderCancelled, check_messages, chat_prompt_ids
+        from ..chat import RenderCancelled, check_messages, render_chat
 
+        check_fields(body, "chat")
         self._check_common(body)
         if "messages" not in body:
             raise ApiError("messages is required: a list of {role, content} objects", param="messages",
@@ -368,9 +451,7 @@ class Api:
             messages = check_messages(body["messages"])
         except ChatTemplateError as exc:
             raise ApiError(str(exc), param="messages", code="invalid_value") from None
-        tools = body.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise ApiError("tools must be a list", param="tools", code="invalid_type")
+        tools, choice, parallel = _tool_request(body)
         extra = body.get("chat_template_kwargs") or {}
         if not isinstance(extra, dict):
             raise ApiError("chat_template_kwargs must be an object", param="chat_template_kwargs",
@@ -381,19 +462,28 @@ class Api:
         stream, include_usage = self._stream_flags(body)
         sampling, stop = self._sampling(body), self._stop(body)
         try:
-            ids = chat_prompt_ids(self.model, messages, tools=tools, cancel=cancel, **extra)
+            plan = plan_chat(self.model, body, messages, tools, choice, parallel, extra)
+            text = render_chat(self.model, plan.messages, tools=plan.template_tools, cancel=cancel,
+                               **plan.template_kwargs)
         except RenderCancelled:
             raise
         except ChatTemplateError as exc:
             raise ApiError(self._without_paths(str(exc)), param="messages", code="chat_template_error") from None
+        ids = self.model.tokenizer.encode(text, add_special_tokens=False)
         if not ids:
             raise ApiError("the chat template rendered an empty prompt", param="messages")
         self._check_ids(ids, "messages")
         max_tokens = self._max_tokens(body, len(ids), "messages")
-        return RequestSpec("chat", ids, max_tokens, sampling, stop, stream, include_usage,
+        answer_spec = constraint_request(body) if sampling.get("constraint") is not None else None
+        answer, constraint = plan.answer(self.model, text, answer_spec)
+        if constraint is not None:
+            # the tool grammar holds the answer format too (auto), or forces a call (required)
+            sampling = dict(sampling, constraint=constraint)
+        return RequestSpec("chat", ids, max_tokens, sampling, stop, stream, include_usage, answer,
                            cache_salt=_cache_salt(body))
 
     def prepare_completion(self, body: dict, cancel: threading.Event | None = None) -> RequestSpec:
+        check_fields(body, "completion")
         self._check_common(body)
         _unsupported(body, "echo", (False,), "the prompt is not echoed")
         _unsupported(body, "suffix", ("",), "no fill-in-the-middle")
@@ -428,7 +518,9 @@ class Api:
                            cache_salt=_cache_salt(body))
 
     # -- responses
-    def finish_reason(self, stats: GenerationStats) -> str:
+    def finish_reason(self, stats: GenerationStats, tool_calls: int = 0) -> str:
+        if tool_calls:
+            return "tool_calls"
         return "length" if stats.stop_reason == "length" else "stop"
 
     @staticmethod
@@ -436,13 +528,15 @@ class Api:
         p, c = len(spec.ids), stats.generated_tokens
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
-    def answer(self, spec: RequestSpec, rid: str, created: int, text: str, stats: GenerationStats) -> dict:
-        """The response object of a non-streamed answer."""
-        usage, fr = self.usage(stats, spec), self.finish_reason(stats)
+    def answer(self, spec: RequestSpec, rid: str, created: int, answer, stats: GenerationStats) -> dict:
+        """The response object of a non-streamed answer (``answer``: a
+        :class:`cpullm.toolcalls.Answer`)."""
+        usage, fr = self.usage(stats, spec), self.finish_reason(stats, len(answer.tool_calls))
+        text = answer.content
         if spec.kind == "chat":
             return {"id": rid, "object": "chat.completion", "created": created, "model": self.model_id,
                     "system_fingerprint": self.fingerprint,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                    "choices": [{"index": 0, "message": answer.message(),
                                  "logprobs": None, "finish_reason": fr}],
                     "usage": usage}
         return {"id": rid, "object": "text_completion", "created": created, "model": self.model_id,
@@ -471,6 +565,198 @@ class Api:
 def _version() -> str:
     from .. import __version__
     return __version__
+
+
+# ---- tools, tool_choice and reasoning (chat) ------------------------------------------------------
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def _tool_request(body: dict):
+    """(tools or None, tool_choice, parallel_tool_calls) checked: tool_choice is "auto", "none",
+    "required" or ("named", name)."""
+    from ..toolcalls import MAX_TOOLS
+
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise ApiError("tools must be a list of {\"type\": \"function\", \"function\": {...}}",
+                           param="tools", code="invalid_type")
+        if len(tools) > MAX_TOOLS:
+            raise ApiError(f"tools takes at most {MAX_TOOLS} tools, got {len(tools)}", param="tools",
+                           code="invalid_value")
+        seen = set()
+        for i, t in enumerate(tools):
+            where = f"tools[{i}]"
+            if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
+                kind = t.get("type") if isinstance(t, dict) else type(t).__name__
+                raise ApiError(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\", "
+                               f"\"parameters\"}}}} (got type {_quoted(kind)}); only function tools are "
+                               "served", param="tools", code="invalid_value")
+            fn = t["function"]
+            name = fn.get("name")
+            if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+                raise ApiError(f"{where}.function.name must be 1-64 letters, digits, '_', '-' or '.', "
+                               f"got {_quoted(name)}", param="tools", code="invalid_value")
+            if name in seen:
+                raise ApiError(f"{where}.function.name {name!r} is declared twice; give each tool its "
+                               "own name", param="tools", code="invalid_value")
+            seen.add(name)
+            params = fn.get("parameters")
+            if params is not None and not isinstance(params, dict):
+                raise ApiError(f"{where}.function.parameters must be a JSON schema object",
+                               param="tools", code="invalid_type")
+            if fn.get("strict") not in (None, True, False):
+                raise ApiError(f"{where}.function.strict must be true or false", param="tools",
+                               code="invalid_type")
+        if not tools:
+            tools = None
+    choice = body.get("tool_choice")
+    if choice is None:
+        choice = "auto"
+    elif isinstance(choice, dict):
+        fn = choice.get("function") if choice.get("type") == "function" else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str):
+            raise ApiError("tool_choice must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
+                           "\"function\": {\"name\": ...}}", param="tool_choice", code="invalid_value")
+        if name not in {t["function"]["name"] for t in tools or ()}:
+            raise ApiError(f"tool_choice names {name!r}, which is not in tools; declare it in tools",
+                           param="tool_choice", code="invalid_value")
+        choice = ("named", name)
+    elif choice not in ("auto", "none", "required"):
+        raise ApiError(f"tool_choice must be \"auto\", \"none\", \"required\" or {{\"type\": \"function\", "
+                       f"\"function\": {{\"name\": ...}}}}, got {_quoted(choice)}", param="tool_choice",
+                       code="invalid_value")
+    elif choice == "required" and not tools:
+        raise ApiError("tool_choice \"required\" needs tools: declare at least one", param="tool_choice",
+                       code="invalid_value")
+    parallel = _boolean(body, "parallel_tool_calls", True)
+    return tools, choice, parallel
+
+
+class ChatPlan:
+    """What a chat request sends to the template and how its answer is read and constrained."""
+
+    def __init__(self, messages, template_tools, template_kwargs, tools, choice, parallel, fmt,
+                 reasoning, strict):
+        self.messages, self.template_tools, self.template_kwargs = messages, template_tools, template_kwargs
+        self.tools, self.choice, self.parallel = tools, choice, parallel
+        self.fmt, self.reasoning, self.strict = fmt, reasoning, strict
+
+    def answer(self, model, prompt_text: str, answer_spec: dict | None = None):
+        """(ChatAnswer, constraint or None) once the prompt is rendered. ``answer_spec``: the
+        request's own constraint spec (response_format or a peer's spelling): under "auto" an
+        answer that is not a call must match it (JSON kinds only); a forced call makes it moot."""
+        from ..toolcalls import call_grammar, opens_thinking, tool_schemas, with_thinking
+
+        schemas = tool_schemas(self.tools) if self.tools and self.choice != "none" else {}
+        if isinstance(self.choice, tuple):
+            schemas = {self.choice[1]: schemas[self.choice[1]]}
+        opened = opens_thinking(prompt_text, self.reasoning)
+        answer = ChatAnswer(schemas, self.fmt, self.reasoning, opened, self.parallel)
+        must = self.choice == "required" or isinstance(self.choice, tuple) or self.strict
+        if not schemas or self.fmt is None:
+            if must and schemas:
+                raise ApiError("this model's chat template has no tool-call format its plugin knows, so "
+                               "a call cannot be constrained: send tool_choice \"auto\" (calls are then "
+                               "read from fenced JSON blocks) and no strict tools", param="tool_choice",
+                               code="unsupported_parameter")
+            return answer, None
+        mode = "required" if self.choice == "required" or isinstance(self.choice, tuple) else "auto"
+        is_special = special_token_test(model)
+        if is_special is None:                      # constrained decoding is not installed
+            return answer, build_tool_constraint(model, "", required=must)
+        answer_schema = None
+        if mode == "auto" and answer_spec:
+            kind, value = next(iter(answer_spec.items()))
+            if kind not in ("json_schema", "json_object"):
+                raise ApiError(f"tools under tool_choice \"auto\" combine only with a JSON answer format "
+                               f"(response_format json_schema / json_object), not a {kind} constraint: "
+                               "send tool_choice \"none\" or \"required\", or drop the constraint",
+                               param="tools", code="unsupported_parameter")
+            answer_schema = value if kind == "json_schema" else {"type": "object"}
+        grammar = with_thinking(call_grammar(self.fmt, schemas, mode, self.parallel, is_special, answer_schema),
+                                self.reasoning, opened, is_special)
+        return answer, build_tool_constraint(model, grammar, required=must)
+
+
+def special_token_test(model):
+    """``text -> bool``: whether ``text`` is one token of ``model``'s vocabulary that the
+    constraint engine treats as special (matched as that token, not as bytes); None when
+    constrained decoding is not installed."""
+    from .. import constraints
+
+    if not constraints.available():
+        return None
+    table = constraints.token_table(model.tokenizer, model.logits_size, model.eos_token_ids)
+    tok = model.tokenizer
+
+    def is_special(text: str) -> bool:
+        i = tok.token_to_id(text)
+        return i is not None and 0 <= i < table.vocab_size and bool(table.is_special_token(i))
+    return is_special
+
+
+def build_tool_constraint(model, grammar: str, required: bool):
+    """The constraint of a tool-call grammar (:mod:`cpullm.constraints`, the ``lark`` kind), or
+    None when constrained decoding is not installed and the request does not need it."""
+    from .. import constraints
+
+    if not constraints.available():
+        if required:
+            raise ApiError("tool_choice \"required\", a named function and strict tools need constrained "
+                           f"decoding, which this installation lacks: {constraints.INSTALL_HINT}, or send "
+                           "tool_choice \"auto\" and no strict tools", param="tool_choice",
+                           code="unsupported_parameter")
+        return None
+    try:
+        return model.constraint({"lark": grammar})
+    except CpullmError as exc:
+        raise ApiError(f"the tools' parameter schemas cannot be enforced: {exc}", param="tools",
+                       code="invalid_value") from None
+
+
+def plan_chat(model, body: dict, messages: list[dict], tools, choice, parallel, extra: dict) -> ChatPlan:
+    """The template's inputs and the answer's reading for a chat request: the model's tool and
+    reasoning formats (its plugin's, for its template), ``enable_thinking`` and
+    ``reasoning_effort`` checked against them."""
+    from ..chat import _arguments_as_objects, require_template
+    from ..toolcalls import formats_of, messages_for_template
+
+    template = require_template(model, tools=tools)
+    fmt, reasoning = formats_of(model, template)
+    kwargs = dict(extra)
+    switch = reasoning.switch if reasoning is not None else None
+    supported = switch is not None and switch in template
+    if "enable_thinking" in kwargs:
+        if not supported or switch != "enable_thinking":
+            raise ApiError("chat_template_kwargs.enable_thinking is not supported: this model's chat "
+                           "template has no thinking switch (remove it)", param="chat_template_kwargs",
+                           code="unsupported_parameter")
+        if not isinstance(kwargs["enable_thinking"], bool):
+            raise ApiError("chat_template_kwargs.enable_thinking must be true or false",
+                           param="chat_template_kwargs", code="invalid_type")
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if not supported:
+            raise ApiError(f"reasoning_effort={_quoted(effort)} is not supported: this model does not "
+                           "think (remove reasoning_effort)", param="reasoning_effort",
+                           code="unsupported_parameter")
+        if effort not in reasoning.efforts:
+            raise ApiError(f"reasoning_effort={_quoted(effort)} is not supported by this model's template, "
+                           f"which can only turn thinking on or off: send one of "
+                           f"{', '.join(map(repr, reasoning.efforts))}", param="reasoning_effort",
+                           code="unsupported_parameter")
+        kwargs.update(reasoning.efforts[effort])
+    strict = any(t["function"].get("strict") is True for t in tools or ())
+    active = tools if choice != "none" else None
+    history = _arguments_as_objects(messages)
+    if fmt is not None and not fmt.in_template:
+        history, template_tools = messages_for_template(history, active, fmt), None
+    else:
+        template_tools = active
+    return ChatPlan(history, template_tools, kwargs, tools, choice, parallel, fmt,
+                    reasoning, strict and choice != "none")
 
 
 # ---- constrained output and the sampling surface (cpullm.constraints, cpullm.sampling) ------------

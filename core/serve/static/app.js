@@ -69,12 +69,61 @@ function showStats(tokens, t0, tFirst, tEnd, live) {
   $("stats").dataset.tps = tps.toFixed(3);
 }
 
+// The tools declared in the settings (a JSON list of OpenAI function tools), or null.
+function declaredTools() {
+  const raw = $("tools").value.trim();
+  if (!raw) return null;
+  const tools = JSON.parse(raw);
+  if (!Array.isArray(tools)) throw new Error("Tools must be a JSON list of {type: 'function', function: {...}}");
+  return tools;
+}
+
+// An assistant message's parts: thinking (collapsed), the answer's text, its tool calls.
+function answerParts(el) {
+  const parts = { el: el, content: document.createElement("span"), thinking: null, calls: [] };
+  parts.content.className = "content";
+  el.appendChild(parts.content);
+  return parts;
+}
+
+function addThinking(parts, piece) {
+  if (!parts.thinking) {
+    const box = document.createElement("details");
+    box.className = "thinking";
+    const summary = document.createElement("summary");
+    summary.textContent = "thinking";
+    box.appendChild(summary);
+    parts.thinkingText = document.createElement("div");
+    box.appendChild(parts.thinkingText);
+    parts.el.insertBefore(box, parts.content);
+    parts.thinking = box;
+  }
+  parts.thinkingText.textContent += piece;
+}
+
+function addToolCall(parts, call) {
+  const row = document.createElement("div");
+  row.className = "tool-call";
+  row.textContent = "\u2192 " + call.function.name + "(" + call.function.arguments + ")";
+  parts.el.appendChild(row);
+  parts.calls.push({ id: call.id, type: "function", function: call.function });
+}
+
 async function streamAnswer(messages, el) {
   const body = {
     model: state.model, messages: messages, stream: true, stream_options: { include_usage: true },
     temperature: numberField("temperature", 0.7, 0, 2),
     max_tokens: Math.round(numberField("max-tokens", 256, 1, 1e9)),
   };
+  let tools;
+  try {
+    tools = declaredTools();
+  } catch (e) {
+    return { error: { message: "tools: " + e.message } };
+  }
+  if (tools) body.tools = tools;
+  el.textContent = "";
+  const parts = answerParts(el);
   state.abort = new AbortController();
   const t0 = performance.now();
   let tFirst = null, chunks = 0, text = "", finish = null, usage = null;
@@ -96,26 +145,31 @@ async function streamAnswer(messages, el) {
       for (const line of event.split("\n")) {
         if (!line.startsWith("data: ")) continue;
         const data = line.slice(6);
-        if (data === "[DONE]") return { text, finish, usage, t0, tFirst, chunks };
+        if (data === "[DONE]") return { text, finish, usage, t0, tFirst, chunks, calls: parts.calls };
         const obj = JSON.parse(data);
         if (obj.error) return { error: obj.error, text };
         if (obj.usage) usage = obj.usage;
         const choice = obj.choices && obj.choices[0];
         if (!choice) continue;
         if (choice.finish_reason) finish = choice.finish_reason;
-        const piece = choice.delta && choice.delta.content;
-        if (piece) {
+        const delta = choice.delta || {};
+        const piece = delta.content, thought = delta.reasoning_content;
+        if (piece || thought || delta.tool_calls) {
           if (tFirst === null) tFirst = performance.now();
           chunks += 1;
-          text += piece;
-          el.textContent = text;
+          if (piece) {
+            text += piece;
+            parts.content.textContent = text;
+          }
+          if (thought) addThinking(parts, thought);
+          for (const call of delta.tool_calls || []) addToolCall(parts, call);
           el.scrollIntoView({ block: "end" });
           showStats(chunks, t0, tFirst, performance.now(), true);
         }
       }
     }
   }
-  return { text, finish, usage, t0, tFirst, chunks };
+  return { text, finish, usage, t0, tFirst, chunks, calls: parts.calls };
 }
 
 async function send(text) {
@@ -154,7 +208,9 @@ async function send(text) {
   } else {
     const tokens = result.usage ? result.usage.completion_tokens : result.chunks || 0;
     if (result.t0 !== undefined) showStats(tokens, result.t0, result.tFirst, performance.now(), false);
-    state.history.push({ role: "assistant", content: result.text || "" });
+    const reply = { role: "assistant", content: result.text || "" };
+    if (result.calls && result.calls.length) reply.tool_calls = result.calls;
+    state.history.push(reply);
     el.dataset.done = "1";
     el.dataset.finish = result.finish || "";
     setState("idle", result.finish === "stopped" ? "stopped" : "ready");

@@ -15,7 +15,7 @@ from cpullm import blocks
 from cpullm.family import Args, FamilySpec
 from cpullm.ir import GraphBuilder
 
-from . import common, tiny_configs
+from . import chat_formats, common, tiny_configs
 
 
 @attrs.define
@@ -68,4 +68,5 @@ FAMILY = FamilySpec(
     build_graph=build_graph,
     description="Gemma 2B/7B (GemmaForCausalLM)",
     tiny_config=tiny_configs.GEMMA,
+    tool_formats=(chat_formats.TOOL_CALL_JSON,),
 )

@@ -18,7 +18,7 @@ from cpullm import blocks
 from cpullm.family import Args, FamilySpec
 from cpullm.ir import GraphBuilder
 
-from . import common, tiny_configs
+from . import chat_formats, common, tiny_configs
 
 
 @attrs.define
@@ -80,4 +80,5 @@ FAMILY = FamilySpec(
     build_graph=build_graph,
     description="Gemma 2 2B/9B (Gemma2ForCausalLM): soft-capping, alternating sliding windows",
     tiny_config=tiny_configs.GEMMA2,
+    tool_formats=(chat_formats.TOOL_CALL_JSON,),
 )

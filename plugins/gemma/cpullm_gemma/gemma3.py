@@ -17,7 +17,7 @@ import attrs
 from cpullm.family import FamilySpec, text_config
 from cpullm.ir import GraphBuilder
 
-from . import gemma3_text, tiny_configs
+from . import chat_formats, gemma3_text, tiny_configs
 
 # (prefix found in checkpoints, prefix the weight map's rules use)
 TEXT_PREFIXES = [
@@ -58,4 +58,5 @@ FAMILY = FamilySpec(
     build_graph=build_graph,
     description="Gemma 3 4B+ multimodal checkpoints (text model only)",
     tiny_config=tiny_configs.GEMMA3,
+    tool_formats=(chat_formats.TOOL_CALL_JSON,),
 )

@@ -22,7 +22,7 @@ import attrs
 from cpullm.family import Args, FamilySpec
 from cpullm.ir import GraphBuilder
 
-from . import common, tiny_configs
+from . import chat_formats, common, tiny_configs
 
 DEFAULT_THETA = {common.FULL: 1_000_000.0, common.SLIDING: 10_000.0}
 DEFAULT_PATTERN = 6
@@ -111,4 +111,5 @@ FAMILY = FamilySpec(
     build_graph=build_graph,
     description="Gemma 3 270M/1B text models (Gemma3ForCausalLM): 5 local : 1 global, q/k norms",
     tiny_config=tiny_configs.GEMMA3_TEXT,
+    tool_formats=(chat_formats.TOOL_CALL_JSON,),
 )

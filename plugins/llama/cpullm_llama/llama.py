@@ -14,7 +14,7 @@ from cpullm.family import Args, FamilySpec, require
 from cpullm.ir import GraphBuilder
 from cpullm.weightmap import W, WeightMap
 
-from . import tiny_configs
+from . import chat_formats, tiny_configs
 
 
 @attrs.define
@@ -111,4 +111,5 @@ FAMILY = FamilySpec(
     build_graph=build_graph,
     description="Llama 2/3.x, SmolLM2 and other LlamaForCausalLM checkpoints",
     tiny_config=tiny_configs.LLAMA,
+    tool_formats=(chat_formats.LLAMA3_JSON,),
 )

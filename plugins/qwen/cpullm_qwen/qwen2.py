@@ -12,7 +12,7 @@ import attrs
 from cpullm import blocks
 from cpullm.family import Args, FamilySpec, require
 
-from . import dense, tiny_configs
+from . import chat_formats, dense, tiny_configs
 
 
 @attrs.define
@@ -60,4 +60,5 @@ FAMILY = FamilySpec(
     build_graph=dense.build_graph,
     description="Qwen2 / Qwen2.5 (incl. Coder, Math) Qwen2ForCausalLM checkpoints",
     tiny_config=tiny_configs.QWEN2,
+    tool_formats=(chat_formats.HERMES,),
 )

@@ -11,7 +11,7 @@ import attrs
 from cpullm import blocks
 from cpullm.family import Args, FamilySpec, require
 
-from . import dense, tiny_configs
+from . import chat_formats, dense, tiny_configs
 
 
 @attrs.define
@@ -61,4 +61,6 @@ FAMILY = FamilySpec(
     build_graph=dense.build_graph,
     description="Qwen3 dense Qwen3ForCausalLM checkpoints (q/k norm, explicit head_dim)",
     tiny_config=tiny_configs.QWEN3,
+    tool_formats=(chat_formats.HERMES,),
+    reasoning_formats=(chat_formats.THINK,),
 )

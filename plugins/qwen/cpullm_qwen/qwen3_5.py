@@ -11,7 +11,7 @@ import attrs
 
 from cpullm.family import FamilySpec, text_config
 
-from . import qwen3_5_text, tiny_configs
+from . import chat_formats, qwen3_5_text, tiny_configs
 
 
 @attrs.define
@@ -33,4 +33,6 @@ FAMILY = FamilySpec(
     build_graph=qwen3_5_text.build_graph,
     description="Qwen3.5 multimodal checkpoints: the text model (vision tower and MTP head ignored)",
     tiny_config=tiny_configs.QWEN3_5,
+    tool_formats=(chat_formats.XML, chat_formats.HERMES),
+    reasoning_formats=(chat_formats.THINK,),
 )

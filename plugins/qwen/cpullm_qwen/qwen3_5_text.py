@@ -20,7 +20,7 @@ from cpullm.family import Args, FamilySpec, require
 from cpullm.ir import GraphBuilder
 from cpullm.weightmap import ADD_ONE, W, WeightMap
 
-from . import tiny_configs
+from . import chat_formats, tiny_configs
 from .common import (BUFFER_IGNORES, MULTIMODAL_IGNORES, TEXT_PREFIX_ALIASES, check_layer_types,
                      lm_head_rule, per_head_halves)
 
@@ -158,4 +158,6 @@ FAMILY = FamilySpec(
     build_graph=build_graph,
     description="Qwen3.5 text-only checkpoints (hybrid Gated DeltaNet + gated attention)",
     tiny_config=tiny_configs.QWEN3_5_TEXT,
+    tool_formats=(chat_formats.XML, chat_formats.HERMES),
+    reasoning_formats=(chat_formats.THINK,),
 )
