@@ -272,6 +272,13 @@ async def _read_json(request, limit: int, timeout: float = DEFAULT_BODY_TIMEOUT_
     return body
 
 
+def _cache_salt(request, spec: RequestSpec) -> str | None:
+    """The prefix-cache salt of a request's sequences: its tenant's (the API key's), narrowed by
+    its own ``cache_salt``."""
+    tenant = request.scope.get("cpullm.tenant")
+    return tenant if spec.cache_salt is None else f"{tenant}|salt:{spec.cache_salt}"
+
+
 def error_response(exc: Exception):
     """The OpenAI error JSON for ``exc``; an unexpected failure's traceback goes to the log."""
     from starlette.responses import Response
@@ -432,8 +439,7 @@ class Endpoints:
                 return await self._complete_choices(request, spec, n)
             job = Job(spec.ids, spec.max_tokens, spec.sampling, spec.stop, api.request_timeout,
                       parser=spec.parser())
-            tenant = request.scope.get("cpullm.tenant")
-            job.cache_salt = tenant if spec.cache_salt is None else f"{tenant}|salt:{spec.cache_salt}"
+            job.cache_salt = _cache_salt(request, spec)
             out = engine.submit(job, asyncio.get_running_loop())
         except Exception as exc:
             if engine.closed and (isinstance(exc, ChatTemplateError) or
@@ -459,6 +465,7 @@ class Endpoints:
             for i in range(n):
                 job = Job(spec.ids, spec.max_tokens, choice_sampling(spec.sampling, i), spec.stop,
                           api.request_timeout, parser=spec.parser())
+                job.cache_salt = _cache_salt(request, spec)
                 outs.append(engine.submit(job, loop))
                 jobs.append(job)
         except Exception as exc:
