@@ -12,6 +12,7 @@ from .. import __version__
 from ..errors import CpullmError
 
 COMMANDS = ["families", "run", "chat", "bench", "serve", "convert", "pull", "models", "cache"]
+COMMANDS.append("batch")         # cpullm batch: a JSONL file of OpenAI batch requests
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,7 +2,8 @@
 
 Endpoints: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/chat/completions``,
 ``POST /v1/completions`` (both streaming as server-sent events ending in ``data: [DONE]``, or
-not), ``GET /health`` and ``GET /`` (a small chat page, ``cpullm/serve/static``).
+not), ``GET /health``, ``GET /metrics`` (Prometheus text, ``cpullm.serve.metrics``) and ``GET /``
+(a small chat page, ``cpullm/serve/static``).
 
 Bounds: ``request_timeout`` seconds of generation per request (then it ends with finish_reason
 "length"). A client has ``header_timeout`` seconds to send its request line and headers (else
@@ -13,8 +14,9 @@ during the render stops it. ``/health`` and ``/v1/models`` report the limits. On
 the engine stops first: the running generation and every waiting request end with the 503
 ``server_shutting_down`` error (a stream gets it as its last event).
 
-With an API key, every ``/v1/`` request needs ``Authorization: Bearer KEY`` (compared in constant
-time); the page and ``/health`` stay open (they reveal nothing and run nothing). Bound to
+With an API key, every ``/v1/`` request and ``/metrics`` need ``Authorization: Bearer KEY``
+(compared in constant time; a Prometheus scrape job sends it as its ``authorization`` credentials);
+the page and ``/health`` stay open (they reveal nothing and run nothing). Bound to
 loopback, the server also refuses Host headers that are not loopback names (DNS rebinding), and
 POST bodies must be ``application/json`` (so a web page elsewhere cannot post to it without a
 CORS preflight, which this server never grants).
@@ -35,6 +37,8 @@ from typing import TYPE_CHECKING
 
 from ..errors import ChatTemplateError, ConfigError, CpullmError
 from .engine import DEFAULT_MAX_QUEUE, Engine, Job, job_pieces
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import ServerMetrics, available as metrics_available, unavailable_text
 from .openai import (DEFAULT_MAX_TOKENS_CAP, DEFAULT_REQUEST_TIMEOUT_S, Api, ApiError, RequestSpec,
                      error_body, json_bytes, shutting_down_error, surrogate_path)
 
@@ -76,17 +80,20 @@ class Guard:
         self.api_key = api_key.encode() if api_key else None
         self.allowed_hosts = allowed_hosts
         self.engine = engine
+        self.metrics: ServerMetrics | None = None     # counts every response's status when set
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if self.metrics is not None:
+            send = self.metrics.counting_send(send, scope["path"])
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if self.allowed_hosts is not None and _host_name(headers.get("host", "")) not in self.allowed_hosts:
             return await _send_json(send, 400, {"error": {
                 "message": "this server is bound to loopback and only answers requests for "
                            "localhost / 127.0.0.1 / [::1] (Host header refused)",
                 "type": "invalid_request_error", "param": None, "code": "invalid_host"}})
-        if self.api_key is not None and scope["path"].startswith("/v1"):
+        if self.api_key is not None and (scope["path"].startswith("/v1") or scope["path"] == "/metrics"):
             auth = headers.get("authorization", "")
             scheme, _, token = auth.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key):
@@ -230,9 +237,11 @@ def error_response(exc: Exception):
 class Endpoints:
     """The route handlers over one :class:`Api` (its model and engine) and the body limits."""
 
-    def __init__(self, api: Api, max_request_bytes: int, body_timeout: float):
+    def __init__(self, api: Api, max_request_bytes: int, body_timeout: float,
+                 metrics: ServerMetrics | None = None):
         self.api = api
         self.engine = api.engine
+        self.metrics = metrics
         self.max_request_bytes = max_request_bytes
         self.body_timeout = body_timeout
 
@@ -243,6 +252,7 @@ class Endpoints:
         return [
             Route("/", self.page, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics_text, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.model_info, methods=["GET"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -269,6 +279,13 @@ class Endpoints:
                              "limits": _limits(self.api, self.max_request_bytes, self.body_timeout),
                              **self.engine.snapshot()})
 
+    async def metrics_text(self, request: Request):
+        from starlette.responses import Response
+
+        if self.metrics is None:
+            return error_response(ApiError(unavailable_text(), 501, "metrics_unavailable"))
+        return Response(self.metrics.exposition(), 200, media_type=METRICS_CONTENT_TYPE)
+
     async def page(self, request: Request):
         from starlette.responses import FileResponse
         return FileResponse(STATIC_DIR / "index.html", headers={
@@ -285,7 +302,7 @@ class Endpoints:
         if exc.status_code == 404:
             e = ApiError(f"Unknown request URL: {request.method} {request.url.path}. Endpoints: "
                          "GET /v1/models, POST /v1/chat/completions, POST /v1/completions, "
-                         "GET /health, GET /", 404, "unknown_url")
+                         "GET /health, GET /metrics, GET /", 404, "unknown_url")
         elif exc.status_code == 405:
             e = ApiError(f"{request.method} is not allowed on {request.url.path}", 405,
                          "method_not_allowed")
@@ -346,9 +363,12 @@ class Endpoints:
             return error_response(exc)
         rid = ("chatcmpl-" if spec.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
+        pieces = job_pieces(out, job)
+        if self.metrics is not None:
+            pieces = self.metrics.timed(pieces, job)
         if spec.stream:
-            return SSEResponse(_sse_events(api, spec, job, out, rid, created), job.cancel.set)
-        return await _collect(request, api, spec, job, out, rid, created)
+            return SSEResponse(_sse_events(api, spec, job, pieces, rid, created), job.cancel.set)
+        return await _collect(request, api, spec, job, pieces, rid, created)
 
 
 def create_app(model, model_id: str | None = None, api_key: str | None = None,
@@ -371,13 +391,16 @@ def create_app(model, model_id: str | None = None, api_key: str | None = None,
     engine = Engine(model, max_queue=max_queue, parallel=parallel, prefill_chunk=prefill_chunk,
                     prefix_cache_bytes=prefix_cache_bytes)
     api = Api(model, model_id, engine, max_tokens_cap=max_tokens_cap, request_timeout=request_timeout)
-    endpoints = Endpoints(api, max_request_bytes, body_timeout)
+    metrics = ServerMetrics(engine, model, model_id) if metrics_available() else None
+    endpoints = Endpoints(api, max_request_bytes, body_timeout, metrics)
     app = Starlette(routes=endpoints.routes(), exception_handlers={HTTPException: endpoints.not_found},
                     lifespan=endpoints.lifespan)
     app.state.engine = engine
     app.state.model_id = model_id
+    app.state.metrics = metrics
     guarded = Guard(app, api_key, allowed_hosts, engine)
     guarded.engine = engine
+    guarded.metrics = metrics
     return guarded
 
 
@@ -401,12 +424,13 @@ def _model_card(api: Api) -> dict:
             "max_tokens_cap": api.max_tokens_cap, "request_timeout_s": api.request_timeout}
 
 
-async def _collect(request, api: Api, spec: RequestSpec, job: Job, out, rid, created):
-    """A non-streaming answer; a client that disconnects while waiting cancels its job."""
+async def _collect(request, api: Api, spec: RequestSpec, job: Job, pieces, rid, created):
+    """A non-streaming answer from ``pieces`` (the job's text, :func:`job_pieces`); a client
+    that disconnects while waiting cancels its job."""
     import anyio
     from starlette.responses import Response
 
-    pieces: list[str] = []
+    texts: list[str] = []
     failure = None
     gone = False
     async with anyio.create_task_group() as tg:
@@ -422,8 +446,8 @@ async def _collect(request, api: Api, spec: RequestSpec, job: Job, out, rid, cre
 
         tg.start_soon(watch)
         try:
-            async for p in job_pieces(out, job):
-                pieces.append(p)
+            async for p in pieces:
+                texts.append(p)
         except Exception as exc:
             failure = exc
         tg.cancel_scope.cancel()
@@ -431,12 +455,12 @@ async def _collect(request, api: Api, spec: RequestSpec, job: Job, out, rid, cre
         return Response(b"", 499)                  # the client left; nobody reads this
     if failure is not None:
         return error_response(failure)
-    obj = api.answer(spec, rid, created, "".join(pieces), job.stats)
+    obj = api.answer(spec, rid, created, "".join(texts), job.stats)
     return Response(json_bytes(obj), 200, media_type="application/json")
 
 
-async def _sse_events(api: Api, spec: RequestSpec, job: Job, out, rid, created):
-    """The ``data:`` payloads of a streamed answer, ``[DONE]`` last; an error mid-stream is sent
+async def _sse_events(api: Api, spec: RequestSpec, job: Job, pieces, rid, created):
+    """The ``data:`` payloads of a streamed answer (``pieces``: the job's text), ``[DONE]`` last; an error mid-stream is sent
     as an ``{"error": ...}`` event."""
     chat = spec.kind == "chat"
 
@@ -446,7 +470,7 @@ async def _sse_events(api: Api, spec: RequestSpec, job: Job, out, rid, created):
     try:
         if chat:
             yield chunk(delta={"role": "assistant", "content": ""})
-        async for piece in job_pieces(out, job):
+        async for piece in pieces:
             yield chunk(delta={"content": piece}) if chat else chunk(text=piece)
         yield chunk(delta={}, text="", finish=api.finish_reason(job.stats))
         if spec.include_usage:
