@@ -182,15 +182,22 @@ def output_line(line: BatchLine, status: int | None = None, body=None) -> dict:
     return out
 
 
-async def call_app(app, path: str, body: bytes, headers=(), cancel: asyncio.Event | None = None):
-    """POST ``body`` to ``path`` of an ASGI app in this process. Yields the ASGI messages it sends
+JSON_HEADERS = ((b"host", b"localhost"), (b"content-type", b"application/json"))
+
+
+async def call_app(app, path: str, body: bytes, headers=JSON_HEADERS, cancel: asyncio.Event | None = None,
+                   method: str = "POST", query: bytes = b""):
+    """Send one HTTP request (``method``, ``path``, ``headers`` as (bytes, bytes) pairs, whole
+    ``body``) to an ASGI app in this process. Yields the ASGI messages it sends
     (``http.response.start``, then ``http.response.body`` ones). ``cancel`` set (or this
     generator closed) is the client leaving: the app sees ``http.disconnect``."""
+    headers = [(bytes(k).lower(), bytes(v)) for k, v in headers if bytes(k).lower() != b"content-length"]
+    if body or method not in ("GET", "HEAD"):
+        headers.append((b"content-length", str(len(body)).encode()))
     scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
-             "query_string": b"", "root_path": "", "client": None, "server": None,
-             "headers": [(b"host", b"localhost"), (b"content-type", b"application/json"),
-                         (b"content-length", str(len(body)).encode()), *headers]}
+             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(),
+             "query_string": query, "root_path": "", "client": None, "server": None,
+             "headers": headers}
     gone = asyncio.Event()
     sent = False
 
@@ -345,6 +352,9 @@ def build_app(options: dict, **app_options):
 
     from .http import create_app
 
+    if options.get("template_timeout"):
+        from .. import chat
+        chat.RENDER_TIMEOUT_S = float(options["template_timeout"])
     name = options.get("model")
     if name is None:
         from ..store import ensure_default_model
@@ -355,4 +365,5 @@ def build_app(options: dict, **app_options):
     return create_app(model, model_id=options.get("model_id"), parallel=options.get("parallel"),
                       prefix_cache_bytes=options.get("prefix_cache_bytes"),
                       max_tokens_cap=options.get("max_tokens_cap", 1024),
-                      request_timeout=options.get("request_timeout"), **app_options)
+                      request_timeout=options.get("request_timeout"),
+                      prefill_chunk=options.get("prefill_chunk"), **app_options)

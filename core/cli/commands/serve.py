@@ -81,6 +81,13 @@ def add_parser(sub):
                         "closes (default 10)")
     p.add_argument("--body-timeout", type=positive_seconds, default=30.0, metavar="SECONDS",
                    help="time a client has to send a request's body, else 408 (default 30)")
+    p.add_argument("--ray", action="store_true",
+                   help="serve --replicas replicas on Ray Serve behind one endpoint, requests sharing a "
+                        "prompt prefix on the same replica (pip install 'cpullm[ray]'; docs/scaling.md)")
+    p.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="with --ray: the Ray cluster to join (default: $RAY_ADDRESS, else a local one)")
+    p.add_argument("--replicas", type=positive_int, default=None, metavar="N",
+                   help="with --ray: model replicas, each on --threads cores of one node (default 1)")
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="server log level; info and debug also log each request (default warning)")
@@ -109,6 +116,16 @@ def api_key(args) -> str | None:
     return key or None
 
 
+def check_args(args) -> None:
+    from cpullm.errors import ConfigError
+
+    if not args.ray and (args.ray_address is not None or args.replicas is not None):
+        raise ConfigError("--ray-address and --replicas go with --ray; add --ray (or drop them)")
+    if args.ray:
+        from cpullm.ray import require_ray
+        require_ray()
+
+
 def run(args) -> int:
     from cpullm.errors import ConfigError
 
@@ -128,6 +145,9 @@ def run(args) -> int:
     from cpullm import chat
 
     chat.RENDER_TIMEOUT_S = args.template_timeout
+    if args.ray:
+        from cpullm.ray.cli import serve_on_ray
+        return serve_on_ray(args, key)
     model = load_model(args)
     try:
         serve(model, host=args.host, port=args.port, api_key=key,
