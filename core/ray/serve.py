@@ -41,7 +41,7 @@ from ray.serve.request_router import FIFOMixin, RequestRouter
 
 APP_NAME = "cpullm"
 ROUTE_PREFIX_CHARS = 512
-RETRIES = 2
+RETRIES = 3
 METRICS_PUSH_S = 2.0
 
 
@@ -106,7 +106,8 @@ class Replica:
                                   method=request["method"], query=request["query"]):
             yield msg
 
-    def pid(self) -> int:
+    def pid(self, key: str = "") -> int:
+        """This replica's process id (``key`` routes the call like a request's)."""
         return os.getpid()
 
     def _push_metrics(self) -> None:
@@ -201,7 +202,7 @@ class Ingress:
                 failure = exc
                 if attempt < RETRIES:
                     self.retries.inc()
-                    await asyncio.sleep(0.2 * (attempt + 1))
+                    await asyncio.sleep(0.25 * 2 ** attempt)      # let Ray drop the dead replica
             except StopAsyncIteration:
                 return error_response(RuntimeError("the replica sent no answer"))
         else:
