@@ -195,3 +195,11 @@ def test_ray_flags_without_ray_name_the_extra(tmp_path, monkeypatch, capsys):
     assert "pip install 'cpullm[ray]'" in capsys.readouterr().err
     assert main(["batch", str(inp), "-o", str(tmp_path / "o.jsonl"), "--replicas", "2"]) == 2
     assert "go with --ray" in capsys.readouterr().err
+
+
+def test_the_core_and_the_cli_never_import_ray():
+    code = ("import sys, cpullm, cpullm.serve, cpullm.serve.jobs, cpullm.cli; cpullm.cli.build_parser(); "
+            "print(sorted(m for m in sys.modules if m == 'ray' or m.startswith('ray.')))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=cli_env(), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"

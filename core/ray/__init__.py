@@ -28,7 +28,11 @@ def require_ray():
 def connect(address: str | None, num_cpus: int | None = None):
     """Join the cluster at ``address`` (or ``$RAY_ADDRESS``), else start a local one with
     ``num_cpus`` CPUs. Ray's own logs stay out of the terminal."""
+    import logging
+
     ray = require_ray()
+    for name in ("ray.serve", "ray.data"):         # their progress chatter; warnings still show
+        logging.getLogger(name).setLevel(logging.WARNING)
     if ray.is_initialized():
         return ray
     address = address or os.environ.get("RAY_ADDRESS") or None

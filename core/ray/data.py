@@ -68,6 +68,8 @@ def run_batch(pending, output: str, options: dict, progress, replicas: int, thre
     per_batch = 2 * (options.get("parallel") or min(8, 4 * threads))
     rows = [{"number": ln.number, "custom_id": ln.custom_id, "url": ln.url or "", "body": ln.body or b"",
              "error": ln.error or ""} for ln in pending]
+    import logging
+    logging.getLogger("ray.data").setLevel(logging.ERROR)      # the job's progress line says it
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False

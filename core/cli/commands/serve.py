@@ -9,7 +9,8 @@ from .common import add_model_options, load_model, non_negative_int, positive_in
 
 EPILOG = """\
 endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (stream or not),
-GET /health, GET / (chat page). Point an OpenAI client at http://HOST:PORT/v1.
+GET /health, GET /metrics (Prometheus text; needs the API key when one is set), GET / (chat
+page). Point an OpenAI client at http://HOST:PORT/v1.
 Requests that omit sampling fields get OpenAI's defaults (temperature 1, top_p 1), overridden
 by the model's generation_config.json. Up to --parallel requests generate at once (each decode
 step advances all of them in one pass over the weights; long prompts are prefilled a chunk at a
@@ -27,7 +28,10 @@ Without an API key anyone who can reach the port can use the model: the server b
 unless --host says otherwise. The key comes from --api-key-file (its first line), else
 --api-key (which other users can read with ps), else the CPULLM_API_KEY environment variable.
 Ctrl-C (SIGINT) stops the server: waiting requests get a 503 JSON error, streams end with an
-error event."""
+error event.
+With --ray, --replicas copies of this server (each --threads cores, its own scheduler and prefix
+cache) run on Ray Serve behind one endpoint with the same routes, key and limits; requests whose
+prompts start alike go to the same replica; Ray restarts a replica that dies (docs/scaling.md)."""
 
 
 def positive_seconds(text: str) -> float:
