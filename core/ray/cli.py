@@ -33,9 +33,10 @@ def serve_on_ray(args, api_key: str | None) -> int:
     try:
         ray_serve.deploy(options, replicas, threads, host=args.host, port=args.port, api_key=api_key,
                          max_request_bytes=args.max_request_bytes, body_timeout=args.body_timeout,
-                         max_queue=args.max_queue)
+                         max_queue=args.max_queue, max_replicas=args.max_replicas)
         shown = f"[{args.host}]" if ":" in args.host else args.host
-        print(f"cpullm: serving {args.model_name or options['model']} on Ray ({replicas} replicas x "
+        scale = f"{replicas}-{args.max_replicas}" if args.max_replicas else f"{replicas}"
+        print(f"cpullm: serving {args.model_name or options['model']} on Ray ({scale} replicas x "
               f"{threads} threads) at http://{shown}:{args.port}/ (OpenAI API: "
               f"http://{shown}:{args.port}/v1)", flush=True)
         stop.wait()

@@ -275,20 +275,31 @@ class _MergedReplicas:
 # ---- deploying -----------------------------------------------------------------------------------
 def deploy(options: dict, replicas: int, threads: int, host: str = "127.0.0.1", port: int = 8000,
            api_key: str | None = None, max_request_bytes: int = 4 * 2**20, body_timeout: float = 30.0,
-           app_options: dict | None = None, max_queue: int = 64):
+           app_options: dict | None = None, max_queue: int = 64, max_replicas: int | None = None):
     """Start Ray Serve's proxy on host:port and deploy ``replicas`` x ``threads``; returns when
-    every replica has loaded its model. The caller joined or started the cluster."""
+    every replica has loaded its model. With ``max_replicas``, Ray Serve scales between the two
+    on the requests each replica has in hand (target: its --parallel). The caller joined or
+    started the cluster."""
     from ..serve.http import LOOPBACK_NAMES, is_loopback
+    from ..errors import ConfigError
     from . import check_cores
 
-    check_cores(replicas, threads)
+    if max_replicas is not None and max_replicas < replicas:
+        raise ConfigError(f"--max-replicas {max_replicas} is below --replicas {replicas}; raise it")
+    check_cores(max_replicas or replicas, threads)
+    import logging
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)     # its INFO lines; warnings show
     options = dict(options, threads=threads)
     parallel = options.get("parallel") or min(8, 4 * threads)
     app_options = dict(app_options or {}, api_key=api_key, max_request_bytes=max_request_bytes,
                        body_timeout=body_timeout, max_queue=max_queue,
                        allowed_hosts=LOOPBACK_NAMES if is_loopback(host) else None)
     serve.start(http_options={"host": host.strip("[]"), "port": port})
-    replica = serve.deployment(Replica, name="Replica", num_replicas=replicas,
+    scaling = {"num_replicas": replicas} if not max_replicas or max_replicas == replicas else {
+        "num_replicas": "auto", "autoscaling_config": {
+            "min_replicas": replicas, "initial_replicas": replicas, "max_replicas": max_replicas,
+            "target_ongoing_requests": parallel}}
+    replica = serve.deployment(Replica, name="Replica", **scaling,
                                ray_actor_options={"num_cpus": threads},
                                max_ongoing_requests=2 * parallel, max_queued_requests=max_queue,
                                health_check_period_s=5, health_check_timeout_s=30,

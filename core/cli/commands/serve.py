@@ -92,6 +92,9 @@ def add_parser(sub):
                    help="with --ray: the Ray cluster to join (default: $RAY_ADDRESS, else a local one)")
     p.add_argument("--replicas", type=positive_int, default=None, metavar="N",
                    help="with --ray: model replicas, each on --threads cores of one node (default 1)")
+    p.add_argument("--max-replicas", type=positive_int, default=None, metavar="N",
+                   help="with --ray: scale between --replicas and N replicas on the requests each "
+                        "holds (Ray Serve autoscaling; default: a fixed --replicas)")
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="server log level; info and debug also log each request (default warning)")
@@ -123,8 +126,10 @@ def api_key(args) -> str | None:
 def check_args(args) -> None:
     from cpullm.errors import ConfigError
 
-    if not args.ray and (args.ray_address is not None or args.replicas is not None):
-        raise ConfigError("--ray-address and --replicas go with --ray; add --ray (or drop them)")
+    if not args.ray and (args.ray_address is not None or args.replicas is not None or
+                         args.max_replicas is not None):
+        raise ConfigError("--ray-address, --replicas and --max-replicas go with --ray; add --ray "
+                          "(or drop them)")
     if args.ray:
         from cpullm.ray import require_ray
         require_ray()
