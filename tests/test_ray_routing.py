@@ -49,3 +49,20 @@ def test_the_router_is_stable_spreads_keys_and_moves_only_a_lost_replicas_keys()
     assert all(after[k] == owner[k] for k in keys if owner[k] != "r-c")
     assert asyncio.run(PrefixRouter.choose_replicas(None, reps, None)) == [reps]
     assert asyncio.run(PrefixRouter.choose_replicas(None, [], SimpleNamespace(args=["k"]))) == []
+
+
+def test_replicas_times_threads_are_checked_against_the_nodes_cores(monkeypatch):
+    import ray
+
+    from cpullm.errors import ConfigError
+    from cpullm.ray import check_cores
+
+    nodes = [{"Alive": True, "Resources": {"CPU": 8.0}}, {"Alive": True, "Resources": {"CPU": 2.0}},
+             {"Alive": False, "Resources": {"CPU": 64.0}}]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    check_cores(4, 2)                        # 8 // 2 + 2 // 2 = 5 fit
+    check_cores(1, 8)
+    with pytest.raises(ConfigError, match=r"--replicas 6 x --threads 2 needs 12 CPUs .* \[8, 2\] CPUs \(5 replicas fit\)"):
+        check_cores(6, 2)
+    with pytest.raises(ConfigError, match="--threads 16 is more than any node's 8 CPUs"):
+        check_cores(1, 16)

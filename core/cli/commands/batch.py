@@ -115,8 +115,12 @@ def _run_local(pending, args, progress) -> bool:
     from cpullm.serve.jobs import OutputWriter, run_local
     from cpullm.serve.jobs import build_app
 
-    app = build_app(load_options(args))
-    writer = OutputWriter(args.output)
+    writer = OutputWriter(args.output)          # an unwritable output fails before the model loads
+    try:
+        app = build_app(load_options(args))
+    except BaseException:
+        writer.close()
+        raise
     engine = app.engine
 
     async def main() -> bool:
