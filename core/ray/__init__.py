@@ -37,6 +37,10 @@ def connect(address: str | None, num_cpus: int | None = None):
         return ray
     address = address or os.environ.get("RAY_ADDRESS") or None
     kwargs = {"address": address} if address else {"num_cpus": num_cpus or os.cpu_count() or 1}
+    if not address:
+        # Ray starts its workers at nice 15 (background work); replicas and batch actors are the
+        # node's main work and must not yield their cores to everything else on the machine
+        os.environ.setdefault("RAY_worker_niceness", "0")
     try:
         ray.init(log_to_driver=False, include_dashboard=False, logging_level="ERROR",
                  configure_logging=True, **kwargs)
