@@ -3,6 +3,11 @@ serve``, or ``cpullm serve --ray``) at 1..N concurrent streams, and the latency 
 request (to compare a single server with the same model behind Ray: Ray's overhead per request).
 
     python benchmarks/serve_streams.py http://127.0.0.1:8000 --streams 1,2,4,8,16 --tokens 64
+    python benchmarks/serve_streams.py http://127.0.0.1:8771 --paired http://127.0.0.1:8772
+
+``--paired URL2``: instead, one-token requests sent alternately to URL and URL2 (both up: the same
+model served two ways, e.g. alone and on Ray), 60 each after 2 warm-ups; the medians and the
+median of the paired differences (URL2 - URL): Ray's overhead per request.
 
 Each stream is a streamed /v1/completions request with its own prompt (no shared prefix),
 greedy, ``--tokens`` tokens (the model's EOS is ignored: ``min_tokens`` is not sent, so a short
@@ -68,6 +73,21 @@ def one_token_latency(url: str, key: str | None, n: int = 20) -> float:
     return statistics.median(times)
 
 
+def paired(url: str, url2: str, key: str | None, n: int = 60) -> dict:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    times: dict = {url: [], url2: []}
+    for i in range(n + 2):
+        for u in ((url, url2) if i % 2 else (url2, url)):
+            t0 = time.perf_counter()
+            r = httpx.post(u + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "temperature": 0},
+                           headers=headers, timeout=120)
+            r.raise_for_status()
+            if i >= 2:
+                times[u].append(time.perf_counter() - t0)
+    return {"median_s": round(statistics.median(times[url]), 4), "median2_s": round(statistics.median(times[url2]), 4),
+            "paired_difference_s": round(statistics.median(b - a for a, b in zip(times[url], times[url2])), 4)}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("url")
@@ -76,7 +96,11 @@ def main():
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--api-key", default=None)
     ap.add_argument("--label", default="")
+    ap.add_argument("--paired", default=None, metavar="URL2")
     a = ap.parse_args()
+    if a.paired:
+        print(json.dumps({"label": a.label, **paired(a.url, a.paired, a.api_key)}))
+        return
     print(json.dumps({"label": a.label, "one_token_request_s": round(one_token_latency(a.url, a.api_key), 4)}),
           flush=True)
     offset = 0
