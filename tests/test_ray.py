@@ -32,7 +32,10 @@ SYSTEM = "You are a terse assistant who answers in one line. " * 3
 
 @pytest.fixture(scope="module")
 def cluster(session_cache_dir):
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    from cpullm.ray import connect
+
+    assert not ray.is_initialized()
+    connect(None, num_cpus=2)             # a local cluster, as the CLI starts one
     yield ray
     ray.shutdown()
 
