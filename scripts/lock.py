@@ -1,5 +1,5 @@
 """Write constraints.txt: the exact versions, taken from the running environment, of every package
-that cpullm, its plugins and the extras test, serve, bench and plot need, directly or not.
+that cpullm, its plugins and the extras test, serve, ray, bench and plot need, directly or not.
 
 Run it (Python 3.11+) with the interpreter of an environment in which the whole suite passed:
 
@@ -24,12 +24,12 @@ from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
-EXTRAS = ("test", "serve", "bench", "plot")
+EXTRAS = ("test", "serve", "ray", "bench", "plot")
 OUT = ROOT / "constraints.txt"
 
 HEADER = """\
 # The versions the test suite is known to pass with: every package that cpullm, its plugins and
-# the extras test, serve, bench and plot need, directly or not. scripts/test.sh installs with
+# the extras test, serve, ray, bench and plot need, directly or not. scripts/test.sh installs with
 # `-c constraints.txt`; `pip install -c constraints.txt -e '.[bench]'` gives the same set elsewhere.
 # Regenerate from an environment in which the whole suite passed: python scripts/lock.py
 # torch is pinned by its public version: the CPU build (2.13.0+cpu) satisfies it; see README.md

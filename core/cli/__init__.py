@@ -18,7 +18,7 @@ from ..errors import CpullmError
 
 # (heading, commands) in the order `cpullm --help` shows them: how people look for them.
 GROUPS = [
-    ("run a model", ["run", "chat", "serve", "embed"]),
+    ("run a model", ["run", "chat", "serve", "embed", "batch"]),
     ("manage models", ["pull", "list", "show", "rm", "cp", "ps"]),
     ("tools", ["bench", "convert", "cache", "families"]),
 ]

@@ -2,7 +2,8 @@
 
 Endpoints: ``GET /v1/models`` (and ``/v1/models/{id}``), ``POST /v1/chat/completions``,
 ``POST /v1/completions`` (both streaming as server-sent events ending in ``data: [DONE]``, or
-not), ``POST /v1/embeddings``, ``POST /tokenize`` and ``/detokenize`` (llama.cpp's shape), ``GET /health`` and ``GET /``
+not), ``POST /v1/embeddings``, ``POST /tokenize`` and ``/detokenize`` (llama.cpp's shape), ``GET /health``,
+``GET /metrics`` (Prometheus text, ``cpullm.serve.metrics``) and ``GET /``
 (a small chat page, ``cpullm/serve/static``).
 
 Bounds: ``request_timeout`` seconds of generation per request (then it ends with finish_reason
@@ -14,8 +15,9 @@ during the render stops it. ``/health`` and ``/v1/models`` report the limits. On
 the engine stops first: the running generation and every waiting request end with the 503
 ``server_shutting_down`` error (a stream gets it as its last event).
 
-With an API key, every ``/v1/``, ``/tokenize`` and ``/detokenize`` request needs ``Authorization: Bearer KEY`` (compared in constant
-time); the page and ``/health`` stay open (they reveal nothing and run nothing). Bound to
+With an API key, every ``/v1/``, ``/tokenize``, ``/detokenize`` and ``/metrics`` request needs
+``Authorization: Bearer KEY`` (compared in constant time; a Prometheus scrape job sends it as its
+``authorization`` credentials); the page and ``/health`` stay open (they reveal nothing and run nothing). Bound to
 loopback, the server also refuses Host headers that are not loopback names (DNS rebinding), and
 POST bodies must be ``application/json`` (so a web page elsewhere cannot post to it without a
 CORS preflight, which this server never grants).
@@ -36,6 +38,8 @@ from typing import TYPE_CHECKING
 
 from ..errors import ChatTemplateError, ConfigError, CpullmError
 from .engine import DEFAULT_MAX_QUEUE, Engine, Job, job_pieces
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import ServerMetrics, available as metrics_available, unavailable_text
 from .openai import (LogprobCursor, choice_sampling, choices_count, merge_choices, DEFAULT_MAX_TOKENS_CAP, DEFAULT_REQUEST_TIMEOUT_S, Api, ApiError, RequestSpec,
                      error_body, json_bytes, shutting_down_error, surrogate_path)
 
@@ -48,7 +52,7 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
 DEFAULT_HEADER_TIMEOUT_S = 10.0       # to send a request's line and headers
 DEFAULT_BODY_TIMEOUT_S = 30.0         # to send its body (4 MiB at ~140 KB/s)
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0     # SIGTERM: running generations' time to finish
-KEYED_PATHS = {"/tokenize", "/detokenize"}   # outside /v1/, behind the API key all the same
+KEYED_PATHS = {"/tokenize", "/detokenize", "/metrics"}   # outside /v1/, behind the API key all the same
 LOOPBACK_NAMES = {"127.0.0.1", "localhost", "::1", "[::1]"}
 PAGE_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; connect-src 'self'; "
             "img-src 'self' data:; frame-ancestors 'none'; base-uri 'none'; form-action 'none'")
@@ -103,6 +107,7 @@ class Guard:
         self.api_key = self.api_keys[0] if self.api_keys else None
         self.allowed_hosts = allowed_hosts
         self.engine = engine
+        self.metrics: ServerMetrics | None = None     # counts every response's status when set
 
     def _key_of(self, token: str) -> bytes | None:
         """The configured key equal to ``token`` (every key compared, in constant time each)."""
@@ -121,6 +126,8 @@ class Guard:
                 "message": f"the request headers are over {MAX_HEADER_BYTES // 1024} KiB; send fewer "
                            "or shorter headers", "type": "invalid_request_error", "param": None,
                 "code": "headers_too_large"}})
+        if self.metrics is not None:
+            send = self.metrics.counting_send(send, scope["path"])
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         if self.allowed_hosts is not None and _host_name(headers.get("host", "")) not in self.allowed_hosts:
             return await _send_json(send, 400, {"error": {
@@ -293,9 +300,11 @@ def error_response(exc: Exception):
 class Endpoints:
     """The route handlers over one :class:`Api` (its model and engine) and the body limits."""
 
-    def __init__(self, api: Api, max_request_bytes: int, body_timeout: float):
+    def __init__(self, api: Api, max_request_bytes: int, body_timeout: float,
+                 metrics: ServerMetrics | None = None):
         self.api = api
         self.engine = api.engine
+        self.metrics = metrics
         self.max_request_bytes = max_request_bytes
         self.body_timeout = body_timeout
 
@@ -306,6 +315,7 @@ class Endpoints:
         return [
             Route("/", self.page, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics_text, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.model_info, methods=["GET"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -339,6 +349,13 @@ class Endpoints:
         return JSONResponse({"status": "ok", "model": self.api.model_id, "n_ctx": self.api.model.n_ctx,
                              "limits": _limits(self.api, self.max_request_bytes, self.body_timeout),
                              **snap})
+
+    async def metrics_text(self, request: Request):
+        from starlette.responses import Response
+
+        if self.metrics is None:
+            return error_response(ApiError(unavailable_text(), 501, "metrics_unavailable"))
+        return Response(self.metrics.exposition(), 200, media_type=METRICS_CONTENT_TYPE)
 
     async def page(self, request: Request):
         from starlette.responses import FileResponse
@@ -378,7 +395,8 @@ class Endpoints:
         if exc.status_code == 404:
             e = ApiError(f"Unknown request URL: {request.method} {request.url.path}. Endpoints: "
                          "GET /v1/models, POST /v1/chat/completions, POST /v1/completions, "
-                         "POST /v1/embeddings, POST /tokenize, POST /detokenize, GET /health, GET /", 404, "unknown_url")
+                         "POST /v1/embeddings, POST /tokenize, POST /detokenize, GET /health, GET /metrics, GET /",
+                         404, "unknown_url")
         elif exc.status_code == 405:
             e = ApiError(f"{request.method} is not allowed on {request.url.path}", 405,
                          "method_not_allowed")
@@ -448,9 +466,12 @@ class Endpoints:
             return error_response(exc)
         rid = ("chatcmpl-" if spec.kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
+        pieces = job_pieces(out, job)
+        if self.metrics is not None:
+            pieces = self.metrics.timed(pieces, job)
         if spec.stream:
-            return SSEResponse(_sse_events(api, spec, job, out, rid, created), job.cancel.set)
-        return await _collect(request, api, spec, job, out, rid, created)
+            return SSEResponse(_sse_events(api, spec, job, pieces, rid, created), job.cancel.set)
+        return await _collect(request, api, spec, job, pieces, rid, created)
 
 
     async def _complete_choices(self, request: Request, spec: RequestSpec, n: int):
@@ -480,10 +501,10 @@ class Endpoints:
                 job.cancel.set()
 
         if spec.stream:
-            streams = [_sse_events(api, spec, job, out, rid, created) for job, out in zip(jobs, outs)]
+            streams = [_sse_events(api, spec, job, job_pieces(out, job), rid, created) for job, out in zip(jobs, outs)]
             return SSEResponse(_merged_events(streams, spec), cancel_all)
         from starlette.responses import Response
-        answers = await asyncio.gather(*[_collect(request, api, spec, job, out, rid, created)
+        answers = await asyncio.gather(*[_collect(request, api, spec, job, job_pieces(out, job), rid, created)
                                          for job, out in zip(jobs, outs)])
         for r in answers:
             if r.status_code != 200:
@@ -562,13 +583,16 @@ def create_app(model, model_id: str | None = None, api_key: str | None = None,
                     prefix_cache_bytes=prefix_cache_bytes)
     api = Api(model, model_id, engine, max_tokens_cap=max_tokens_cap, request_timeout=request_timeout)
     api.model_ids = {model_id, Path(str(model.model_dir)).name, *model_aliases}
-    endpoints = Endpoints(api, max_request_bytes, body_timeout)
+    metrics = ServerMetrics(engine, model, model_id) if metrics_available() else None
+    endpoints = Endpoints(api, max_request_bytes, body_timeout, metrics)
     app = Starlette(routes=endpoints.routes(), exception_handlers={HTTPException: endpoints.not_found},
                     lifespan=endpoints.lifespan)
     app.state.engine = engine
     app.state.model_id = model_id
+    app.state.metrics = metrics
     guarded = Guard(app, api_key, allowed_hosts, engine)
     guarded.engine = engine
+    guarded.metrics = metrics
     return guarded
 
 
@@ -592,8 +616,9 @@ def _model_card(api: Api) -> dict:
             "max_tokens_cap": api.max_tokens_cap, "request_timeout_s": api.request_timeout}
 
 
-async def _collect(request, api: Api, spec: RequestSpec, job: Job, out, rid, created):
-    """A non-streaming answer; a client that disconnects while waiting cancels its job."""
+async def _collect(request, api: Api, spec: RequestSpec, job: Job, pieces, rid, created):
+    """A non-streaming answer from ``pieces`` (the job's text, :func:`job_pieces`); a client
+    that disconnects while waiting cancels its job."""
     import anyio
     from starlette.responses import Response
 
@@ -615,7 +640,7 @@ async def _collect(request, api: Api, spec: RequestSpec, job: Job, out, rid, cre
 
         tg.start_soon(watch)
         try:
-            async for event in job_pieces(out, job):
+            async for event in pieces:
                 collect([event], answer)
         except Exception as exc:
             failure = exc
@@ -629,8 +654,8 @@ async def _collect(request, api: Api, spec: RequestSpec, job: Job, out, rid, cre
     return Response(json_bytes(obj), 200, media_type="application/json")
 
 
-async def _sse_events(api: Api, spec: RequestSpec, job: Job, out, rid, created):
-    """The ``data:`` payloads of a streamed answer, ``[DONE]`` last; an error mid-stream is sent
+async def _sse_events(api: Api, spec: RequestSpec, job: Job, pieces, rid, created):
+    """The ``data:`` payloads of a streamed answer (``pieces``: the job's text), ``[DONE]`` last; an error mid-stream is sent
     as an ``{"error": ...}`` event."""
     chat = spec.kind == "chat"
     lps = LogprobCursor(spec, api.model.tokenizer, job.seq)
@@ -642,7 +667,7 @@ async def _sse_events(api: Api, spec: RequestSpec, job: Job, out, rid, created):
         if chat:
             yield chunk(delta={"role": "assistant", "content": ""})
         calls = 0
-        async for kind, value in job_pieces(out, job):
+        async for kind, value in pieces:
             if not chat:
                 yield chunk(text=value, logprobs=lps.take())
             elif kind == "tool_call":

@@ -9,7 +9,8 @@ from .common import add_model_options, load_model, non_negative_int, positive_in
 
 EPILOG = """\
 endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (stream or not),
-GET /health, GET / (chat page). Point an OpenAI client at http://HOST:PORT/v1.
+GET /health, GET /metrics (Prometheus text; needs the API key when one is set), GET / (chat
+page). Point an OpenAI client at http://HOST:PORT/v1.
 Requests that omit sampling fields get OpenAI's defaults (temperature 1, top_p 1), overridden
 by the model's generation_config.json. Up to --parallel requests generate at once (each decode
 step advances all of them in one pass over the weights; long prompts are prefilled a chunk at a
@@ -31,7 +32,10 @@ prompt prefixes only with requests made with its own key (a request's "cache_sal
 further). /health shows the prefix cache's statistics only to a request with a key.
 Ctrl-C (SIGINT) or SIGTERM stops the server: it stops accepting, waiting requests get a 503
 JSON error, running generations have --shutdown-timeout seconds to finish, then the rest end
-with an error event (streams) or the 503 error; exit status 0."""
+with an error event (streams) or the 503 error; exit status 0.
+With --ray, --replicas copies of this server (each --threads cores, its own scheduler and prefix
+cache) run on Ray Serve behind one endpoint with the same routes, key and limits; requests whose
+prompts start alike go to the same replica; Ray restarts a replica that dies (docs/scaling.md)."""
 
 
 def positive_seconds(text: str) -> float:
@@ -103,6 +107,16 @@ def add_parser(sub):
                         "closes (default 10)")
     p.add_argument("--body-timeout", type=positive_seconds, default=30.0, metavar="SECONDS",
                    help="time a client has to send a request's body, else 408 (default 30)")
+    p.add_argument("--ray", action="store_true",
+                   help="serve --replicas replicas on Ray Serve behind one endpoint, requests sharing a "
+                        "prompt prefix on the same replica (pip install 'cpullm[ray]'; docs/scaling.md)")
+    p.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="with --ray: the Ray cluster to join (default: $RAY_ADDRESS, else a local one)")
+    p.add_argument("--replicas", type=positive_int, default=None, metavar="N",
+                   help="with --ray: model replicas, each on --threads cores of one node (default 1)")
+    p.add_argument("--max-replicas", type=positive_int, default=None, metavar="N",
+                   help="with --ray: scale between --replicas and N replicas on the requests each "
+                        "holds (Ray Serve autoscaling; default: a fixed --replicas)")
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="server log level; info and debug also log each request (default warning)")
@@ -167,6 +181,16 @@ def default_model_id(name: str | None, model) -> str:
         if folder.parent == root:
             return folder.name.replace("--", "/")
     return path.name
+def check_args(args) -> None:
+    from cpullm.errors import ConfigError
+
+    if not args.ray and (args.ray_address is not None or args.replicas is not None or
+                         args.max_replicas is not None):
+        raise ConfigError("--ray-address, --replicas and --max-replicas go with --ray; add --ray "
+                          "(or drop them)")
+    if args.ray:
+        from cpullm.ray import require_ray
+        require_ray()
 
 
 def run(args) -> int:
@@ -188,6 +212,9 @@ def run(args) -> int:
     from cpullm import chat
 
     chat.RENDER_TIMEOUT_S = args.template_timeout
+    if args.ray:
+        from cpullm.ray.cli import serve_on_ray
+        return serve_on_ray(args, key)
     model = load_model(args)
     model_id = args.model_name or default_model_id(args.model, model)
     state = []
