@@ -4,7 +4,7 @@ Import this module first (``cpullm.kernels/__init__`` does). Ideally it is impor
 and numba too (``import cpullm`` can import it first thing): two of the settings are environment
 variables that their libraries read only when they load.
 
-What it sets, and why (numbers from benchmarks/kernels_q8.py):
+What it sets, and why (numbers from benchmarks/ab/kernels_q8.py):
 
 1. LLVM ``--unroll-full-max-count=4``. Without it LLVM fully unrolls every ``for j in range(32)``
    block loop *before* the loop vectorizer sees it and emits 32 scalar ``imul``: block-quantized
@@ -13,7 +13,7 @@ What it sets, and why (numbers from benchmarks/kernels_q8.py):
 
 2. CPU model. numba tunes for ``llvm.get_host_cpu_name()`` (``znver3`` here). On AVX-512 Intel
    hosts that tuning carries LLVM's "prefer 256-bit vectors" flag, which halved the integer kernels
-   there (measured with benchmarks/kernels_q8.py); ``NUMBA_CPU_NAME=host`` fixed it there, but an unknown CPU name makes
+   there (measured with benchmarks/ab/kernels_q8.py); ``NUMBA_CPU_NAME=host`` fixed it there, but an unknown CPU name makes
    LLVM print "'host' is not a recognized processor" on every compile and drops the scheduling
    model. The equivalent used here keeps the real CPU name and appends ``-prefer-256-bit`` to the
    host's feature string, on AVX-512 hosts only (on AVX2-only hosts such as the AMD EPYC of CI it

@@ -31,7 +31,7 @@ of 32 values of 16 rows costs 16 ``vpdpwssd`` (32 multiply-adds each) and one co
 batch row. 8 batch rows of Qwen2.5-0.5B's lm_head (151936 x 896), two copies cycled: ~220 G
 multiply-adds/s on the 2-core Intel VM (AVX-512 VNNI), 5.0 ms against 4.5 for one row; a
 row-major layout, which converts and FMAs 8 lanes per (row, block, batch row), ran 8 rows of such
-a matrix at 37 (benchmarks/batch_linear.py). The weights stay int8 in memory and are widened in
+a matrix at 37 (benchmarks/ab/batch_linear.py). The weights stay int8 in memory and are widened in
 registers (an int16 copy would double the bytes a single stream reads).
 
 Kernels: ``pack_panels(w_q, w_s) -> (wp, sp)`` at compile time (``unpack_panels``, its inverse;
