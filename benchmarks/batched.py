@@ -13,7 +13,7 @@ engines alternating:
   unified KV cache), every prompt prefilled, then each step one ``llama_decode`` of a batch with
   one token per sequence, greedy from each row's logits: how llama.cpp's batched-bench and its
   server with N parallel slots decode. Q8_0 made from the same checkpoint by llama.cpp's own
-  quantizer (``compare.py``'s ``ensure_q8_gguf``).
+  quantizer (benchmarks/compare's ``ensure_q8_gguf``).
 
 Reported per engine and N: aggregate decode tokens/s (every stream decoding), per-stream decode
 tokens/s, time to each stream's first token (median, p95) and the speedup over one stream; and
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     gguf = args.gguf
     if "llama.cpp" in engines and not gguf:
         sys.path.insert(0, str(HERE))
-        from compare import ensure_q8_gguf
+        from compare.llama_convert import ensure_q8_gguf
         gguf = str(ensure_q8_gguf(Path(model_dir), Path(args.work_dir), args.threads,
                                   say=lambda m: print(m, file=sys.stderr)))
     results: dict = {e: {} for e in engines}

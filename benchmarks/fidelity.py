@@ -25,7 +25,7 @@ the 4-bit formats made by each runtime's own quantizer from those weights:
 
 * ``cpullm q4 (bf16)``: ``cpullm.load(MODEL_DIR, quant="q4")``.
 * ``llama.cpp Q4_K_M (bf16)`` and ``Q4_0 (bf16)``: MODEL_DIR written as an F32 GGUF (exact for
-  bf16; compare.py's writer) and quantized by ``llama_cpp.llama_model_quantize``.
+  bf16; benchmarks/compare's writer) and quantized by ``llama_cpp.llama_model_quantize``.
 * ``cpullm f32 (bf16)``: what the bf16 rounding alone costs against the reference, the floor
   under the two rows above.
 
@@ -198,7 +198,7 @@ def run(args) -> dict:
                 del m
         if "q4km" not in skip:
             sys.path.insert(0, str(Path(__file__).resolve().parent))
-            from compare import checkpoint_identity, llama_quantize, write_f32_gguf
+            from compare.gguf import checkpoint_identity, llama_quantize, write_f32_gguf
 
             work = Path(args.work_dir).expanduser() / checkpoint_identity(model_dir)
             work.mkdir(parents=True, exist_ok=True)

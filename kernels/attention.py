@@ -22,14 +22,9 @@ over (query row, KV head, range of its keys). In decode (chunks of at most STREA
 cache comes from DRAM, so both loops prefetch PREFETCH_BYTES ahead; prefill, whose cache is
 warm, does not.
 
-Measured per layer on the 2-core Zen 5, 2 threads, cache-warm, against the kernels this
-replaced (row-major keys with a horizontal sum per score and query-head slices in decode; OpenBLAS
-products per KV head on Python threads in prefill), ranges over repeated runs: decode at a
-512-token context, SmolLM2-135M shapes (9 heads / 3 KV heads / head_dim 64) 0.033-0.037 ->
-0.010-0.011 ms, Qwen2.5-0.5B (14 / 2 / 64) 0.035-0.038 -> 0.011-0.014 ms, Gemma 3 270M
-(4 / 1 / 256) 0.042-0.054 -> 0.011-0.019 ms (at 2048: 0.047 -> 0.036, 0.041 -> 0.032,
-0.116 -> 0.045 ms); a 512-token prefill 4.0-4.9 -> 2.7-3.5, 4.6-7.6 -> 3.1-4.4 and 4.3-7.0 ->
-3.3-4.7 ms.
+Key tiles and shared value rows replaced row-major keys with a horizontal sum per score: decode
+at a 512-token context took about a third of the time per layer (Qwen2.5-0.5B's shapes, 2
+threads: 0.035 -> 0.011 ms).
 """
 from __future__ import annotations
 
@@ -62,8 +57,7 @@ def kv_operand(code: int):
     """The kernels' ``kv16`` operand for a KV format code: None for float32 caches, an int64 for
     float16 ones. Its type, not its value, selects the format: numba compiles one specialization
     per type and prunes the ``kv16 is None`` branches, so a cold start compiles only the format
-    the program uses (attention alone from an empty cache on a 2-core Zen 4: 22 s with both
-    formats, 13-15 s with one)."""
+    the program uses (attention's cold compile: 22 s with both formats, 13-15 s with one)."""
     return np.int64(1) if int(code) == KV_F16 else None
 
 
@@ -793,11 +787,9 @@ MIN_SPLIT_KEYS = 2 * TILE
 
 STREAM_ROWS = 4
 """Chunks of at most this many query rows (decode) read the KV cache with software prefetch:
-between tokens the weights streamed through the caches evict it. Measured on the Zen 5, in one
-process, decode at 576 keys, 2 threads, every layer's cache read after 4.8 MB of other reads:
-time per layer -16-19 % with SmolLM2's and Qwen2.5's shapes (8 KiB ahead; 4 KiB: -12-16 %),
-Gemma 3's (head_dim 256) -6 to +8 % over runs; a 512-row prefill chunk, whose cache is warm,
-measured 0-7 % slower with it, so prefill does not prefetch."""
+between tokens the weights streamed through the caches evict it (decode at 576 keys: -16-19 %
+per layer with 8 KiB ahead). Prefill chunks, whose cache is warm, do not prefetch: it only cost
+them time."""
 
 BALANCE_PAIRS = 4
 """With fewer than this many (query row, KV head) pairs per thread that do not divide evenly
@@ -818,10 +810,9 @@ def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
     into ranges of at least MIN_SPLIT_KEYS, whose partial softmax sums (max, sum of
     exponentials, weighted values) are combined afterwards, as flash-decoding does; so are they
     when a few pairs do not divide evenly over the threads (3 KV heads on 2 threads: 2 ranges
-    each, 3 equal jobs per thread instead of 2 and 1). (Splitting when the pairs already divide
-    evenly measured slower: Qwen2.5-0.5B, 2 KV heads, 2 threads, 512 keys: 0.010 ms unsplit,
-    0.018 ms in 4 ranges.) Jobs are
-    dealt round-robin to at most MAX_CHUNKS parallel chunks (later rows see more keys, so each
+    each, 3 equal jobs per thread instead of 2 and 1). Pairs that already divide evenly are not
+    split: the combine costs more than it balances (0.010 ms unsplit, 0.018 ms in 4 ranges at
+    512 keys). Jobs are dealt round-robin to at most MAX_CHUNKS parallel chunks (later rows see more keys, so each
     chunk gets early and late rows), each chunk with its own scratch."""
     kv_write(arena, state, k_off, k_st, v_off, v_st, n_kv, head_dim, c_off, cap, pos0, T, kv16)
     group = n_heads // n_kv

@@ -59,11 +59,9 @@ streaming 30-45 GB/s leaves it 25-40 ns a row per thread. Its 4-bit blocks there
 activations and go two blocks (32 bytes) per vector: ``vpdpbusd`` (AVX-512 VNNI, ymm) or
 ``vpmaddubsw`` + ``vpmaddwd`` (AVX2) on the nibbles as unsigned bytes, whose +8 offset is taken
 back exactly by a per-pair integer correction computed once per token (:func:`_pack_rest`).
-Against the int16 version (two ``vpmaddwd`` a block after sign-extending and shifting the
-nibbles), 2-core Zen 4 VM, interleaved in one process: a row from L2 27 -> 22 ns (one thread),
-the whole step on the real heads 3-9 % (Qwen2.5-0.5B) and 5-26 % (Gemma 3 270M) less time
-(medians of per-round ratios over 600-800 rounds; the same tokens). The int8 rounding leaves a
-few more rows to compute exactly (Gemma 3: 44 -> 69 on one step, of 262144).
+Against an int16 version (two ``vpmaddwd`` a block after sign-extending and shifting the nibbles)
+a row from L2 takes 22 ns instead of 27; the int8 rounding leaves a few more rows to compute
+exactly (tens, of 262144).
 """
 from __future__ import annotations
 
@@ -85,11 +83,10 @@ HAVE_VNNI256 = (numba_setup.HOST_IS_X86 and HAVE_AVX2
 """True when the screen's 4-bit blocks use ``vpdpbusd`` on ymm (else ``vpmaddubsw`` + ``vpmaddwd``)."""
 
 SEL_COLUMNS = 128
-"""Columns kept at 8 bits (at most a quarter of them: :func:`sel_columns`). Surviving rows over
-120 greedy decode positions (half of 240; the other half chose the columns), 64 -> 128 columns:
-Gemma 3 270M median 960 -> 270 (mean 5866 -> 1937) of 262144; SmolLM2-135M 1358 -> 331 of
-49152. Columns chosen by the final norm's weights instead: 29903 (Gemma 3), 7436 (SmolLM2).
-3-bit rests keep most rows whatever the columns."""
+"""Columns kept at 8 bits (at most a quarter of them: :func:`sel_columns`), chosen from greedy
+decode's activations: 128 rather than 64 cut the surviving rows about 3.5x (Gemma 3 270M: median
+960 -> 270 of 262144); columns chosen by the final norm's weights kept many times more. 3-bit
+rests keep most rows whatever the columns."""
 
 
 def sel_columns(Kp: int) -> int:
@@ -98,9 +95,8 @@ def sel_columns(Kp: int) -> int:
 
 MIN_LM_HEAD_BYTES = 64 << 20
 """Smallest q8 lm_head (bytes) that gets a screen. A smaller one stays largely in the last-level
-cache between tokens and is cheap to read whole: SmolLM2-135M's (30 MB) decoded 3 % slower through
-a screen, Qwen2.5-0.5B's (144 MB) and Gemma 3 270M's (173 MB) 8-14 % faster (greedy steps after
-a 64-token prompt, interleaved A/B, 2-core Zen 4 VM)."""
+cache between tokens and is cheap to read whole: a 30 MB head decoded 3 % slower through a
+screen, 144-173 MB heads 8-14 % faster."""
 
 _ROUNDING_MARGIN = 1.0 + 2.0 ** -10
 
@@ -315,8 +311,8 @@ def _define_screen_row_dot(module, isa: str):
     :func:`_pack_rest`), two pairs (one 64-byte line of the row) per loop step with one prefetch
     PREFETCH_BYTES ahead, a pair's factors as one vector (4 lanes each); an odd last pair, then an
     odd last block (its 16 bytes widened with zeros: activations and correction are zero there).
-    (Two rows at a time, sharing the activation loads, measured faster from the caches but slower
-    from DRAM, whether the rows were adjacent or half a thread's range apart.)
+    One row at a time: two rows sharing the activation loads were faster from the caches but
+    slower from DRAM.
     """
     name = "cpullm_screen_row_dot_v3_" + isa
     fn = module.globals.get(name)

@@ -62,9 +62,8 @@ Which programs get one (core/head_screen.py): ``quant="q4"`` programs whose lm_h
 raw-block LINEAR of a format in SCREEN_FORMATS (Q6_K; a Q8_0 head of rows that are not whole
 super-blocks is held in q8's layout and takes the q8 screen) stored row by row, i.e. a vocabulary
 that is not a multiple of 16: a Q6_K head of whole 16-row panels is stored in
-kernels/kquant_panels.py's layout, whose full read beat this screen (on the 1.24B Llama-3.2-1B
-shape on the 2-core Intel Xeon the panel head took 8.3 ms a token against 10.4 for kquant.matvec's,
-and the screen saves 5-11 % of the latter). A GGUF file run as it is gets none
+kernels/kquant_panels.py's layout, whose full read beats this screen (a 1.24B model's panel head
+takes 0.8x the time of kquant.matvec's, and the screen saves only 5-11 % of the latter). A GGUF file run as it is gets none
 by default: its resident weights stay within 5 % of the file's tensor bytes, and a screen adds
 56-78 % of the head's.
 
@@ -186,8 +185,8 @@ def screen_argmax_blocks_ref(x, perm, k_sel: int, hq, hs, hb, w, fmt):
 SCREEN_FORMATS = (14,)
 """ggml types whose heads a screen reads: Q6_K, ``--quant q4``'s head (and the head of llama.cpp's
 K-quant mixes). The bound holds for every kquant format (tests/test_head_screen_blocks.py checks
-all eight), but each row routine compiled into the screen costs cold-start time (a fresh numba
-cache, 2-core Zen 4 VM: the screen kernel 10 s with all eight, 7-8 s with one); any other format
+all eight), but each row routine compiled into the screen costs cold-start time (the screen
+kernel compiles in 10 s with all eight, 7-8 s with one); any other format
 returns -1 (the full head), and core/head_screen.py gives it no screen."""
 
 

@@ -285,7 +285,7 @@ class _Legacy8(_Format):
     go: the 8 scales (and mins) in one vcvtph2ps, one <8 x float> of factors and one of offsets
     per 8 blocks instead of a scalar conversion, splat and offset per block; on vnni512 two blocks
     per zmm vpdpbusd. The per-block scalar work, not the dot products, bounded the one-block loop:
-    Q4_1 on one Zen 4 thread (2048 x 8192, vnni512) went 7.5 -> 13.4 G weights/s
+    grouping took Q4_1 on one thread from 7.5 to 13.4 G weights/s
     (benchmarks/results/2026-12-04-kquant-speed.md). The row's last K/32 % 8 blocks go through the
     one-block routine (``one``); the sums' order changes (per-lane float accumulators over groups),
     so results differ from the one-block loop's in the last bits, within the tests' tolerance."""

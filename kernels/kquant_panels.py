@@ -4,9 +4,8 @@
 
 Why a layout of its own: decode of a 1.24B model at 4.5-6.6 bits reads ~800 MB a token, and a
 kernel that walks one row at a time (kernels/kquant.py) spends per 32 weights of every row an
-unpack of its scales, a horizontal sum and a float step; on the 2-core Intel Xeon (AVX-512 VNNI)
-its Q4_K rows streamed at 0.55 of the machine's read rate, so decode was bound by that work, not
-by the bytes. Here the 16 rows of a panel sit side by side, one int32 lane a row: one
+unpack of its scales, a horizontal sum and a float step: its Q4_K rows streamed at about half
+the machine's read rate, so decode was bound by that work, not by the bytes. Here the 16 rows of a panel sit side by side, one int32 lane a row: one
 ``vpdpbusd`` multiplies 4 quants of each of 16 rows by 4 broadcast activation bytes, the sums of a
 sub-block form in their lanes with no horizontal reduction, and one scale step a sub-block
 serves 16 rows. The bytes are the file's, only in another order: a panel holds exactly its 16
@@ -64,9 +63,8 @@ since LLVM's tuning for some Intel hosts rewrites the instruction), ``avx2`` (``
 
 Streaming: a register tile is 1, 2, 4 or 8 activation rows by one panel, or, for a lone row
 (decode), by GROUP = 4 panels at once (4 weight streams); every 64-byte line of a panel's
-super-block is prefetched into L2 ``q8.PREFETCH_BYTES`` (4 KiB) ahead. Measured on the 2-core
-Intel Xeon, four 1B-sized matrices cycled from memory: 25-28 GB/s, against 23-24 prefetching
-into L1 2 KiB ahead, 20-21 with no prefetch and 20-24 at 8 or 16 KiB (a plain read: ~30 GB/s).
+super-block is prefetched into L2 ``q8.PREFETCH_BYTES`` (4 KiB) ahead, the fastest of the
+distances and levels tried (25-28 GB/s streaming 1B-sized matrices against 20-21 with no prefetch).
 
 Entry points:
 
@@ -517,8 +515,7 @@ def _make_tile(isa: str, TR: int, V: int):
 
 GROUP = 4
 """Panels a thread's work is counted in: a lone activation row (decode) takes the 4 as one tile,
-4 weight streams at once (one stream a tile: 2048 x 8192 Q4_K read at 20 GB/s against 24 with
-4, 2-core Intel Xeon)."""
+4 weight streams at once (one stream a tile read a Q4_K matrix at 20 GB/s, four at 24)."""
 
 _tile8, _tile4, _tile2, _tile1 = (_make_tile(ISA, t, 1) for t in TILES)
 _tile1x4 = _make_tile(ISA, 1, GROUP)

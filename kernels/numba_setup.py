@@ -4,16 +4,16 @@ Import this module first (``cpullm.kernels/__init__`` does). Ideally it is impor
 and numba too (``import cpullm`` can import it first thing): two of the settings are environment
 variables that their libraries read only when they load.
 
-What it sets, and why (numbers from benchmarks/kernels_q8.py):
+What it sets, and why (numbers from benchmarks/ab/kernels_q8.py):
 
 1. LLVM ``--unroll-full-max-count=4``. Without it LLVM fully unrolls every ``for j in range(32)``
    block loop *before* the loop vectorizer sees it and emits 32 scalar ``imul``: block-quantized
-   loops run 3-5x slower (measured here: plain-numba q8 matvec 2.2 -> 9.4 GB/s on 1 thread). The
+   loops run 3-5x slower (a plain-numba q8 matvec: 2.2 against 9.4 GB/s on 1 thread). The
    option is global to the process and applies to every later compile, including other modules'.
 
 2. CPU model. numba tunes for ``llvm.get_host_cpu_name()`` (``znver3`` here). On AVX-512 Intel
    hosts that tuning carries LLVM's "prefer 256-bit vectors" flag, which halved the integer kernels
-   there (measured with benchmarks/kernels_q8.py); ``NUMBA_CPU_NAME=host`` fixed it there, but an unknown CPU name makes
+   there; ``NUMBA_CPU_NAME=host`` fixed it there, but an unknown CPU name makes
    LLVM print "'host' is not a recognized processor" on every compile and drops the scheduling
    model. The equivalent used here keeps the real CPU name and appends ``-prefer-256-bit`` to the
    host's feature string, on AVX-512 hosts only (on AVX2-only hosts such as the AMD EPYC of CI it
@@ -23,9 +23,8 @@ What it sets, and why (numbers from benchmarks/kernels_q8.py):
    cache index), so a cache built on one machine kind is never loaded on another.
 
 3. ``GOMP_SPINCOUNT`` (default here 10000, unless set). After a parallel region numba's OpenMP
-   workers busy-wait for new work before sleeping; libgomp's default is 300000 spins. Measured on
-   the 2-core Zen 3 (benchmarks: launch cost of a tiny q8 matrix-vector kernel after a serial gap): with 10000
-   the launch stays ~1.5-2 us for gaps up to ~100 us (decode's gaps between kernels are shorter)
+   workers busy-wait for new work before sleeping; libgomp's default is 300000 spins. With 10000
+   the launch of a tiny kernel after a serial gap stays ~1.5-2 us for gaps up to ~100 us (decode's gaps between kernels are shorter)
    and the workers sleep after ~150-200 us; with 1000 a launch after a 50 us gap costs 8 us; with
    300000 they spin for milliseconds and fight OpenBLAS / the prefill threads for the 2 cores
    (measured: 2.7x slower prefill). A woken worker costs ~15-25 us.

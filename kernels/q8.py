@@ -66,10 +66,9 @@ QBLOCK = 32
 """Values per quantization block along K."""
 
 PREFETCH_BYTES = 4096
-"""Software-prefetch distance in a q8 weight stream (:func:`_prefetch_ahead`). Measured on a
-row-at-a-time q8 matrix-vector kernel: 0 -> 1 KiB +10-25 % (Zen 3); 1 -> 4 KiB +4-7 % on a whole
-Qwen2.5-0.5B decode sweep on the Zen 5 (AVX-512), reaching a plain read of the same bytes; 8 KiB
-no better; on the Zen 3, 0-8 KiB were equal within the noise."""
+"""Software-prefetch distance in a q8 weight stream (:func:`_prefetch_ahead`): 4 KiB brought a
+whole decode sweep to the speed of a plain read of the same bytes (+4-7 % over 1 KiB; 8 KiB no
+better)."""
 
 HAVE_AVX2 = {"avx2", "fma"} <= numba_setup.HOST_FEATURES
 """True on x86 with AVX2 and FMA: the kernels that import it compile their AVX2 variants (else
@@ -487,9 +486,8 @@ def _vnni_block_sums(b, wptrs, xptrs, load: str, pair_bytes: int, chains: int = 
     chains hide the instruction's latency in a small tile; the integer sum is the same).
 
     Inline assembly, not IR: LLVM's tuning for some Intel hosts rewrites every ``vpdpwssd`` into
-    ``vpmaddwd`` + ``vpaddd`` and hoists the broadcasts into spilled registers (2-core Intel Xeon
-    VM: 50-65 G multiply-adds/s for the q8 panels' 8-row tile instead of ~2-3x that; 3 of the
-    prefill tile's 192 ``vpdpwssd`` left)."""
+    ``vpmaddwd`` + ``vpaddd`` and hoists the broadcasts into spilled registers (the q8 panels'
+    8-row tile then ran at a third to half the speed)."""
     TR, V = len(xptrs), len(wptrs)
     nacc = TR * V * chains
     reg = lambda i: f"${i}"  # noqa: E731

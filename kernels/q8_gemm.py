@@ -24,18 +24,13 @@ Why: an int16 multiply-add instruction does twice the work of a float32 FMA of t
 and the weights stay 1 byte each in memory. Two variants (``GEMM_ISA``), one code path:
 
 * ``avx512vnni``: ``vpdpwssd`` on zmm (32 multiply-adds, accumulating), register tile TR x V =
-  3 x 4 vectors of 16 lanes. Zen 5, T=512: 430-640 GOP/s, 2.2-3x dequantize + OpenBLAS sgemm.
-  2-core Zen 4 (one zmm ``vpdpwssd`` per cycle per core, ~3.25 GHz: 208 GOP/s per core at most),
-  T=512, Qwen2.5-0.5B's shapes, cold caches: 260-345 GOP/s with 2 threads, as the host allows.
+  3 x 4 vectors of 16 lanes: 2.2-3x the speed of dequantize + OpenBLAS sgemm at T=512.
 * ``avx2`` (x86 with AVX2, FMA and F16C): ``vpmaddwd`` + ``vpaddd`` on ymm, tile 4 x 2 vectors of
   8 lanes with the float32 accumulators in an L1/L2-resident panel buffer (the 16 ymm registers
   hold the int32 block sums, two weight vectors, the broadcast and the product). A block's 16
   steps are one inline-assembly routine (:func:`_avx2_block_dots`): written as IR, LLVM
-  reassociates each accumulator's adds, keeps all 16 weight vectors live and spills (60-80
-  GOP/s). Measured on the 2-core Zen 3 (T=512, Qwen2.5-0.5B's shapes): 120-150 GOP/s against
-  100-120 for dequantize + sgemm; register-only madd + add peaks at ~66 G multiply-adds/s per
-  core there, FMA at ~46. (On a Zen 5 compiled for AVX2 only, the tile as IR, without the
-  inline assembly, measured no gain.)
+  reassociates each accumulator's adds, keeps all 16 weight vectors live and spills (half the
+  speed). With the routine it beats dequantize + sgemm by about 1.25x at T=512.
 
 Structure (GotoBLAS-like, everything sized for one core's L1 / L2):
 
@@ -83,13 +78,9 @@ GEMM_ISA = "avx512vnni" if HAVE_VNNI512 else "avx2" if HAVE_AVX2 else None
 """Which variant of the micro-kernel this process compiles, or None (no AVX2 + FMA + F16C:
 :func:`matmul_w8a16` raises, kquant_gemm's prefill uses dequantize + sgemm)."""
 
-# Register tiles (TR activation rows x V weight vectors of LANES int32 lanes), measured at T=512 on
-# Qwen2.5-0.5B's gate/up and down shapes, GOP/s:
-#   Zen 5, AVX-512 (32 zmm): 3x4 512 / 638, 4x3 465 / 540, 6x2 470 / 620, 4x4 (spills) 369 / 333,
-#     8x1 380 / 465; K chunks of 4 or 16 blocks were no better than 8.
-#   Zen 3, AVX2 (16 ymm), float accumulators in registers for 3x2, else in the panel buffer: 4x2
-#     139-151 / 126-139, 6x2 102-139 / 130-147, 2x4 76-150 / 129-138, 3x2 99-104 / 98-103 (two
-#     rounds on a noisy shared host).
+# Register tiles (TR activation rows x V weight vectors of LANES int32 lanes): the largest tile
+# whose accumulators fit the register file without spilling (AVX-512's 32 zmm: 3x4 was the fastest
+# of 3x4, 4x3, 6x2, 8x1 and 4x4, which spills; AVX2's 16 ymm: 4x2, sums in the panel buffer).
 if GEMM_ISA == "avx512vnni":
     LANES, TR, V = 16, 3, 4
 else:
@@ -98,21 +89,16 @@ NR = LANES * V        # weight rows per panel (a multiple of the 16 rows _pack_r
 KC_BLOCKS = 32
 """Blocks of 32 packed and multiplied at a time: 1024 values of 64 rows (AVX-512) or 16 rows (AVX2)
 as int16. Each chunk reloads and stores the panel's sums in ``out``, so fewer, larger chunks win
-until the packed chunk crowds x out of L2. Measured on the Zen 4 (AVX-512), 2 threads, T=512,
-Qwen2.5-0.5B's QKV / O / gate-up / down shapes with cold caches, one process, 10-12 rounds: 8
-blocks (an L1-sized 32 KiB) 1.03-1.09x the time of 32, 16 blocks 0.98-1.01x of 8, 48 / 64 / 160
-within 2 % of 32; a 512-token prefill of that model 0.95x the time with 32 against 8 (12 rounds).
-On the Zen 3 (AVX2, 32 KiB chunks), the down projection: 132-143 GOP/s with 8 blocks, 158 with 16,
-159-178 with 32, 169-179 with 64; gate/up (K = 896) within the noise."""
+until the packed chunk crowds x out of L2 (a 512-token prefill took 0.95x the time with 32 blocks
+against an L1-sized 8; larger chunks gained nothing more)."""
 FACC_IN_REGS = 2 * TR * V + V + 2 <= (32 if LANES == 16 else 16)
 """Whether the float32 accumulators of a tile fit in registers beside the int32 block sums (else
 they live in the panel buffer, loaded and stored once per block)."""
 SUM_INTO_OUT = FACC_IN_REGS
 """Whether full panels' tiles sum straight into ``out`` rather than a per-panel buffer (Tp, NR)
 copied out at the end. With the sums in registers (AVX-512), the buffer and its copy took 15-22 %
-of the GEMM's time on Qwen2.5-0.5B's QKV and gate/up shapes (Zen 4); the AVX2 tile, which loads
-and stores its sums every block, keeps them in the compact buffer (with them in ``out``, run on the
-Zen 4 for lack of the Zen 3: 0.97-1.05x the time, 12 rounds)."""
+of the GEMM's time; the AVX2 tile, which loads and stores its sums every block, keeps them in the
+compact buffer (summing into ``out`` gained nothing there)."""
 
 _I16, _I32, _I64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _F32 = ir.FloatType()
@@ -132,7 +118,7 @@ def _avx2_block_dots(b, wblk, xpairs):
 
     One inline-assembly routine per block, not IR: as IR (intrinsic + add) LLVM reorders the
     work accumulator by accumulator, which keeps all 16 weight vectors of a block live, and the 16
-    ymm registers spill (measured: 60-80 GOP/s instead of ~2x that). The order here is the one a
+    ymm registers spill (half the speed). The order here is the one a
     register tile wants: per pair, V weight loads, then per row one broadcast and V multiply-adds.
     """
     n_acc = TR * V

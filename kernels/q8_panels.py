@@ -28,10 +28,8 @@ decode of the same activations.
 Why this layout: decode is bound by reading the weights, so a batch of B sequences should read
 them once and do B times the arithmetic; that only pays if the arithmetic is cheap. Here a block
 of 32 values of 16 rows costs 16 ``vpdpwssd`` (32 multiply-adds each) and one convert + FMA per
-batch row. 8 batch rows of Qwen2.5-0.5B's lm_head (151936 x 896), two copies cycled: ~220 G
-multiply-adds/s on the 2-core Intel VM (AVX-512 VNNI), 5.0 ms against 4.5 for one row; a
-row-major layout, which converts and FMAs 8 lanes per (row, block, batch row), ran 8 rows of such
-a matrix at 37 (benchmarks/batch_linear.py). The weights stay int8 in memory and are widened in
+batch row, so 8 batch rows of an lm_head cost about 1.1x one row (a row-major layout, which
+converts and FMAs 8 lanes per (row, block, batch row), could not do that; benchmarks/ab/batch_linear.py). The weights stay int8 in memory and are widened in
 registers (an int16 copy would double the bytes a single stream reads).
 
 Kernels: ``pack_panels(w_q, w_s) -> (wp, sp)`` at compile time (``unpack_panels``, its inverse;
@@ -180,10 +178,8 @@ def _define_tile(module, isa: str, TR: int, V: int, locality: int):
     sp + v * panel_bytes / 16) against activation row t. Strides in bytes.
 
     Each of the V weight streams is prefetched ``q8.PREFETCH_BYTES`` ahead, every 64-byte line of
-    every block (8 a block). Measured on the 2-core Intel VM, 8 rows, matrix copies cycled: the
-    151936 x 896 lm_head 9.2 -> 6.5 ms against 2 prefetches a block (0 prefetches: 10.4), the MLP's
-    9728 x 896 0.60 -> 0.47 ms and 896 x 4864 0.21 -> 0.15; one row unchanged (memory-bound
-    either way). 2 or 8 KiB ahead, or L2 for every size, measured the same within noise."""
+    every block (8 a block): an 8-row step over Qwen2.5-0.5B's lm_head took 6.5 ms against 9.2
+    with 2 prefetches a block; one row, memory-bound either way, is unchanged."""
     name = f"cpullm_q8_panel_tile_{isa}_{TR}x{V}_l{locality}"
     fn = module.globals.get(name)
     if fn is not None:

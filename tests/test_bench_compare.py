@@ -1,8 +1,10 @@
-"""benchmarks/compare.py: the checkpoint -> GGUF writer, llama.cpp on the same weights, the report.
+"""benchmarks/compare: the checkpoint -> GGUF writer, llama.cpp on the same weights, the report.
 The llama.cpp and transformers parts are skipped, with a reason, when their packages are missing."""
+import importlib
 import importlib.util
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,13 +20,20 @@ LLAMA_CPP_REASON = "llama-cpp-python is an optional extra (pip install 'cpullm[b
 
 
 def _load_compare():
-    spec = importlib.util.spec_from_file_location("cpullm_bench_compare", ROOT / "benchmarks" / "compare.py")
+    """The benchmarks/compare package, under a name of its own (the repository root stays off sys.path)."""
+    pkg = ROOT / "benchmarks" / "compare"
+    spec = importlib.util.spec_from_file_location("cpullm_bench_compare", pkg / "__init__.py",
+                                                  submodule_search_locations=[str(pkg)])
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod
 
 
 compare = _load_compare()
+cli, gguf, llama_convert, paired, reporting, workers = (
+    importlib.import_module(f"{compare.__name__}.{m}")
+    for m in ("cli", "gguf", "llama_convert", "paired", "report", "workers"))
 
 CASES = {"llama32": LLAMA32_LIKE, "untied_bias": LLAMA_UNTIED_BIAS}
 
@@ -37,7 +46,7 @@ def checkpoint(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def f32_gguf(checkpoint, tmp_path_factory):
-    return compare.write_f32_gguf(checkpoint, tmp_path_factory.mktemp("gguf") / "model.f32.gguf")
+    return gguf.write_f32_gguf(checkpoint, tmp_path_factory.mktemp("gguf") / "model.f32.gguf")
 
 
 def test_gguf_writer_layout(checkpoint, f32_gguf):
@@ -76,9 +85,9 @@ def test_permute_matches_llama_cpp_interleaving():
 
 
 def test_compare_reports_a_missing_runtime_as_skipped(checkpoint, tmp_path, monkeypatch):
-    monkeypatch.setattr(compare, "_available",
+    monkeypatch.setattr(cli, "_available",
                         lambda name: "skipped: llama_cpp not installed" if name == "llama.cpp" else None)
-    code = compare.main([str(checkpoint), "--prompt-tokens", "16", "--gen-tokens", "3",
+    code = cli.main([str(checkpoint), "--prompt-tokens", "16", "--gen-tokens", "3",
                          "--context-tokens", "32", "--repeat", "1", "--threads", "1",
                          "--skip", "transformers", "--out", str(tmp_path)])
     assert code == 0
@@ -97,7 +106,7 @@ def test_compare_reports_a_missing_runtime_as_skipped(checkpoint, tmp_path, monk
 def test_compare_with_transformers(checkpoint, tmp_path):
     pytest.importorskip("torch", reason="torch is an optional extra (pip install 'cpullm[bench]')")
     pytest.importorskip("transformers", reason="transformers is an optional extra (pip install 'cpullm[bench]')")
-    code = compare.main([str(checkpoint), "--prompt-tokens", "16", "--gen-tokens", "3",
+    code = cli.main([str(checkpoint), "--prompt-tokens", "16", "--gen-tokens", "3",
                          "--context-tokens", "32", "--repeat", "1", "--threads", "1",
                          "--skip", "llama.cpp", "--out", str(tmp_path)])
     assert code == 0
@@ -129,7 +138,7 @@ def test_llama_cpp_f32_gguf_matches_cpullm_f32(checkpoint, f32_gguf):
 
 def test_compare_with_llama_cpp_q8_0(checkpoint, tmp_path):
     pytest.importorskip("llama_cpp", reason=LLAMA_CPP_REASON)
-    code = compare.main([str(checkpoint), "--prompt-tokens", "16", "--gen-tokens", "3",
+    code = cli.main([str(checkpoint), "--prompt-tokens", "16", "--gen-tokens", "3",
                          "--context-tokens", "32", "--repeat", "1", "--threads", "1",
                          "--skip", "transformers", "--out", str(tmp_path / "out"),
                          "--work-dir", str(tmp_path / "work"), "--paired", "2"])
@@ -173,16 +182,16 @@ def _kl_ok(row):
 def test_compare_four_bit_cpullm_runtimes(llama32_checkpoint, tmp_path, monkeypatch):
     """cpullm-q4 and cpullm-gguf (on a Q4_0 GGUF the gguf package writes: no llama.cpp needed)
     beside cpullm int8, with the KL pass; the llama.cpp runtimes reported as missing."""
-    monkeypatch.setattr(compare, "_available", lambda name: (
-        "skipped: llama_cpp not installed" if compare.is_llama_cpp(name) else None))
-    q4_0 = compare.write_f32_gguf(llama32_checkpoint, tmp_path / "model.Q4_0.gguf", qtype="Q4_0")
-    code = compare.main([str(llama32_checkpoint), "--four-bit", "--gguf-q4", str(q4_0), "--kl-tokens", "4",
+    monkeypatch.setattr(cli, "_available", lambda name: (
+        "skipped: llama_cpp not installed" if workers.is_llama_cpp(name) else None))
+    q4_0 = gguf.write_f32_gguf(llama32_checkpoint, tmp_path / "model.Q4_0.gguf", qtype="Q4_0")
+    code = cli.main([str(llama32_checkpoint), "--four-bit", "--gguf-q4", str(q4_0), "--kl-tokens", "4",
                          "--prompt-tokens", "16", "--gen-tokens", "3", "--context-tokens", "32", "--repeat", "1",
                          "--threads", "1", "--skip", "transformers", "--out", str(tmp_path / "out")])
     assert code == 0
     report = json.loads((tmp_path / "out" / "compare.json").read_text())
     rows = {r["runtime"]: r for r in report["results"]}
-    assert list(rows) == list(compare.ALL_RUNTIMES)
+    assert list(rows) == list(workers.ALL_RUNTIMES)
     for name in ("llama.cpp", "llama.cpp-Q4_K_M", "llama.cpp-Q4_0"):
         assert rows[name]["skipped"].startswith("skipped: llama_cpp")
     for name in ("cpullm", "cpullm-q4", "cpullm-gguf"):
@@ -204,7 +213,7 @@ def test_compare_four_bit_cpullm_runtimes(llama32_checkpoint, tmp_path, monkeypa
 
 
 def test_compare_four_bit_kl_pass_can_be_turned_off(llama32_checkpoint, tmp_path):
-    code = compare.main([str(llama32_checkpoint), "--four-bit", "--kl-prompts", "0", "--prompt-tokens", "16",
+    code = cli.main([str(llama32_checkpoint), "--four-bit", "--kl-prompts", "0", "--prompt-tokens", "16",
                          "--gen-tokens", "3", "--context-tokens", "32", "--repeat", "1", "--threads", "1",
                          "--skip", "cpullm,transformers,cpullm-gguf,llama.cpp,llama.cpp-Q4_K_M,llama.cpp-Q4_0",
                          "--out", str(tmp_path)])
@@ -212,19 +221,19 @@ def test_compare_four_bit_kl_pass_can_be_turned_off(llama32_checkpoint, tmp_path
     report = json.loads((tmp_path / "compare.json").read_text())
     rows = {r["runtime"]: r for r in report["results"]}
     assert rows["cpullm-q4"]["decode_tps"] > 0 and "kl" not in rows["cpullm-q4"] and "kl" not in report
-    assert compare.main([str(llama32_checkpoint), "--skip", "cpullm-q8", "--out", str(tmp_path)]) == 2
-    assert compare.main([str(llama32_checkpoint), "--four-bit", "--kl-prompts", "6", "--out", str(tmp_path)]) == 2
+    assert cli.main([str(llama32_checkpoint), "--skip", "cpullm-q8", "--out", str(tmp_path)]) == 2
+    assert cli.main([str(llama32_checkpoint), "--four-bit", "--kl-prompts", "6", "--out", str(tmp_path)]) == 2
 
 
 def test_four_bit_ratios_pair_each_runtime_with_its_llama_cpp_counterpart():
     by = {n: {"runtime": n, "prefill_tps": p, "decode_tps": d, "decode_tps_at_512": d}
           for n, p, d in (("cpullm-q4", 300.0, 30.0), ("cpullm-gguf", 200.0, 24.0),
                           ("llama.cpp-Q4_K_M", 100.0, 20.0), ("llama.cpp-Q4_0", 100.0, 10.0))}
-    rat = compare._ratios(by)
+    rat = reporting._ratios(by)
     assert set(rat) == {"cpullm-q4 / llama.cpp-Q4_K_M", "cpullm-gguf / llama.cpp-Q4_K_M"}
     assert rat["cpullm-q4 / llama.cpp-Q4_K_M"] == {"prefill": 3.0, "decode": 1.5, "decode_at_512": 1.5}
     assert rat["cpullm-gguf / llama.cpp-Q4_K_M"]["decode"] == pytest.approx(1.2)
-    assert compare.ratio_pairs(["cpullm-q4", "llama.cpp-Q4_0"]) == []
+    assert paired.ratio_pairs(["cpullm-q4", "llama.cpp-Q4_0"]) == []
 
 
 def test_compare_four_bit_with_llama_cpp(llama32_checkpoint, tmp_path):
@@ -233,7 +242,7 @@ def test_compare_four_bit_with_llama_cpp(llama32_checkpoint, tmp_path):
     pytest.importorskip("llama_cpp", reason=LLAMA_CPP_REASON)
     import gguf
 
-    code = compare.main([str(llama32_checkpoint), "--four-bit", "--kl-tokens", "4", "--prompt-tokens", "16",
+    code = cli.main([str(llama32_checkpoint), "--four-bit", "--kl-tokens", "4", "--prompt-tokens", "16",
                          "--gen-tokens", "3", "--context-tokens", "32", "--repeat", "1", "--threads", "1",
                          "--skip", "transformers", "--paired", "1", "--out", str(tmp_path / "out"),
                          "--work-dir", str(tmp_path / "work")])
@@ -246,7 +255,7 @@ def test_compare_four_bit_with_llama_cpp(llama32_checkpoint, tmp_path):
     assert types["blk.0.ffn_gate.weight"] == gguf.GGMLQuantizationType.Q4_0
     report = json.loads((tmp_path / "out" / "compare.json").read_text())
     rows = {r["runtime"]: r for r in report["results"]}
-    for name in ("cpullm", "llama.cpp") + compare.FOUR_BIT:
+    for name in ("cpullm", "llama.cpp") + workers.FOUR_BIT:
         assert rows[name]["decode_tps"] > 0 and rows[name]["decode_weight_bytes"] > 0 and _kl_ok(rows[name]), name
     assert rows["llama.cpp-Q4_K_M"]["weights"].startswith("Q4_K_M") and rows["llama.cpp-Q4_0"]["weights"].startswith("Q4_0")
     assert rows["cpullm-gguf"]["gguf"] == rows["llama.cpp-Q4_K_M"]["gguf"] == str(files["Q4_K_M"][0])
@@ -264,9 +273,9 @@ def test_compare_four_bit_with_llama_cpp(llama32_checkpoint, tmp_path):
 
 def test_busy_flag_uses_the_measured_cpu_time_before_the_run():
     m = {"logical_cpus": 2}
-    assert compare._busy({"cpu_busy_before": 0.6, "loadavg_before": 0.0, "machine": m})
-    assert not compare._busy({"cpu_busy_before": 0.05, "loadavg_before": 1.5, "machine": m})  # a run that just ended
-    assert compare._busy({"cpu_busy_before": None, "loadavg_before": 1.5, "machine": m})      # no /proc/stat
+    assert reporting._busy({"cpu_busy_before": 0.6, "loadavg_before": 0.0, "machine": m})
+    assert not reporting._busy({"cpu_busy_before": 0.05, "loadavg_before": 1.5, "machine": m})  # a run that just ended
+    assert reporting._busy({"cpu_busy_before": None, "loadavg_before": 1.5, "machine": m})      # no /proc/stat
     from cpullm.bench import cpu_busy
     busy = cpu_busy(0.2)
     assert busy is None or 0.0 <= busy <= 1.0
@@ -275,29 +284,29 @@ def test_busy_flag_uses_the_measured_cpu_time_before_the_run():
 def test_rounds_take_medians_and_keep_every_rounds_ratio():
     runs = [{"runtime": "cpullm", "prefill_tps": p, "decode_tps": d, "decode_tps_at_512": d, "ttft_s": 0.1,
              "load_s": 1.0, "weights": "int8"} for p, d in ((100.0, 10.0), (300.0, 30.0), (200.0, 50.0))]
-    row = compare.merge_rounds(runs + [{"runtime": "cpullm", "error": "exit 1: boom"}])
+    row = reporting.merge_rounds(runs + [{"runtime": "cpullm", "error": "exit 1: boom"}])
     assert row["prefill_tps"] == 200.0 and row["decode_tps"] == 30.0 and row["weights"] == "int8"
     assert row["rounds"]["decode_tps"] == [10.0, 30.0, 50.0]
     assert row["rounds_ok"] == 3 and row["rounds_failed"] == 1
-    assert compare.merge_rounds([{"runtime": "x", "error": "e"}])["error"] == "e"
-    assert "rounds" not in compare.merge_rounds(runs[:1])                   # one round: as it was
+    assert reporting.merge_rounds([{"runtime": "x", "error": "e"}])["error"] == "e"
+    assert "rounds" not in reporting.merge_rounds(runs[:1])                   # one round: as it was
     llama = [{"runtime": "llama.cpp", "prefill_tps": 100.0, "decode_tps": 20.0, "decode_tps_at_512": 25.0}]
-    per = [compare._ratios({"cpullm": runs[i], "llama.cpp": llama[0]}) for i in range(3)]
+    per = [reporting._ratios({"cpullm": runs[i], "llama.cpp": llama[0]}) for i in range(3)]
     assert [r["cpullm / llama.cpp"]["decode"] for r in per] == [0.5, 1.5, 2.5]
-    lines = "\n".join(compare._round_lines({"round_ratios": per}))
+    lines = "\n".join(reporting._round_lines({"round_ratios": per}))
     assert "| 2 | 3.00x | 1.50x | 1.20x |" in lines
     assert "| min | 1.00x | 0.50x | 0.40x |" in lines and "| max | 3.00x | 2.50x | 2.00x |" in lines
 
 
 def test_compare_rounds_run_every_runtime_again(checkpoint, tmp_path, monkeypatch):
     calls = []
-    real = compare.run_worker
+    real = workers.run_worker
 
     def counted(name, spec, workdir, timeout):
         calls.append(name)
         return real(name, spec, workdir, timeout)
-    monkeypatch.setattr(compare, "run_worker", counted)
-    code = compare.main([str(checkpoint), "--prompt-tokens", "16", "--gen-tokens", "3",
+    monkeypatch.setattr(workers, "run_worker", counted)
+    code = cli.main([str(checkpoint), "--prompt-tokens", "16", "--gen-tokens", "3",
                          "--context-tokens", "32", "--repeat", "1", "--threads", "1", "--rounds", "2",
                          "--skip", "llama.cpp,transformers", "--out", str(tmp_path), "--paired", "1"])
     assert code == 0 and calls == ["cpullm", "cpullm"]
@@ -309,8 +318,8 @@ def test_compare_rounds_run_every_runtime_again(checkpoint, tmp_path, monkeypatc
     assert "median over 2 rounds" in (tmp_path / "compare.md").read_text()
     assert "Paired decode: not run (it needs both runtimes of a ratio: cpullm and llama.cpp" in (
         tmp_path / "compare.md").read_text()
-    assert compare.main([str(checkpoint), "--rounds", "0", "--out", str(tmp_path)]) == 2
-    assert compare.main([str(checkpoint), "--paired", "-1", "--out", str(tmp_path)]) == 2
+    assert cli.main([str(checkpoint), "--rounds", "0", "--out", str(tmp_path)]) == 2
+    assert cli.main([str(checkpoint), "--paired", "-1", "--out", str(tmp_path)]) == 2
 
 
 def test_compare_no_mmap_reaches_cpullm(checkpoint, tmp_path, monkeypatch):
@@ -325,7 +334,7 @@ def test_compare_no_mmap_reaches_cpullm(checkpoint, tmp_path, monkeypatch):
     spec = {"model_dir": str(checkpoint), "ids": IDS[:8], "context_ids": IDS[:16], "gen_tokens": 2,
             "context_tokens": 16, "repeat": 1, "threads": 1, "quant": "int8", "gguf": None, "no_mmap": True,
             "logits_out": str(tmp_path / "l.npy")}
-    res = compare.worker("cpullm", spec)
+    res = workers.worker("cpullm", spec)
     assert loads == [False] and res["weights"] == "int8 (cpullm, --no-mmap)" and res["decode_tps"] > 0
 
 
@@ -351,7 +360,7 @@ def test_paired_decode_alternates_and_takes_ratios_within_each_turn(tmp_path):
     # cpullm: turn 1 (decode, ctx) = 60, 50; turn 2 = 30, 25 (the machine slowed down); llama.cpp half of it
     speeds = {"cpullm": [60.0, 50.0, 30.0, 25.0], "llama.cpp": [30.0, 25.0, 15.0, 12.5]}
     _FakeRuntime.asked = []
-    pd = compare.paired_decode(["cpullm", "llama.cpp"], {}, tmp_path, 2, 0, say=lambda m: None,
+    pd = paired.paired_decode(["cpullm", "llama.cpp"], {}, tmp_path, 2, 0, say=lambda m: None,
                                start=lambda n, spec, wd: _FakeRuntime(n, spec, wd, speeds[n]))
     assert _FakeRuntime.asked == [("cpullm", "decode"), ("llama.cpp", "decode"),
                                   ("cpullm", "decode_at_512"), ("llama.cpp", "decode_at_512"),
@@ -360,16 +369,16 @@ def test_paired_decode_alternates_and_takes_ratios_within_each_turn(tmp_path):
     assert pd["ratios"]["cpullm / llama.cpp"] == {"decode": [2.0, 2.0], "decode_at_512": [2.0, 2.0]}
     assert pd["tps"]["cpullm"]["decode"] == [60.0, 30.0] and pd["read_gbps"]["decode"] == [30.0, 30.0]
     report = {"paired": pd, "settings": {"gen_tokens": 8, "context_tokens": 32}}
-    md = "\n".join(compare._paired_lines(report))
+    md = "\n".join(reporting._paired_lines(report))
     assert "| cpullm / llama.cpp | 2.00x | 2.00x | 2.00x | 2.00x | 2.00x | 2.00x |" in md
     assert "| 2 | 30.0 / 30.0 | 30.0 / 25.0 | 15.0 / 12.5 | 2.00x / 2.00x |" in md
     assert "| cpullm | 45.0 | 37.5 |" in md                  # medians over the turns
     # a runtime that stops is reported, not raised
     def broken(n, spec, wd):
         raise RuntimeError(f"{n} stopped (exit 1): boom")
-    pd = compare.paired_decode(["cpullm", "llama.cpp"], {}, tmp_path, 2, 0, say=lambda m: None, start=broken)
+    pd = paired.paired_decode(["cpullm", "llama.cpp"], {}, tmp_path, 2, 0, say=lambda m: None, start=broken)
     assert pd == {"error": "cpullm stopped (exit 1): boom"}
-    assert "not run (cpullm stopped" in "\n".join(compare._paired_lines({"paired": pd}))
+    assert "not run (cpullm stopped" in "\n".join(reporting._paired_lines({"paired": pd}))
 
 
 def test_serve_times_runs_on_command(checkpoint, tmp_path):
@@ -377,10 +386,10 @@ def test_serve_times_runs_on_command(checkpoint, tmp_path):
     spec = {"model_dir": str(checkpoint), "ids": IDS[:8], "context_ids": IDS[:16], "gen_tokens": 2,
             "context_tokens": 16, "repeat": 1, "threads": 1, "quant": "int8", "gguf": None}
     out = io.StringIO()
-    compare.serve("cpullm", spec, stdin=io.StringIO("decode\ndecode_at_512\nquit\ndecode\n"), stdout=out)
+    paired.serve("cpullm", spec, stdin=io.StringIO("decode\ndecode_at_512\nquit\ndecode\n"), stdout=out)
     lines = out.getvalue().splitlines()
-    assert lines[0].startswith(compare.READY_TAG) and json.loads(lines[0][len(compare.READY_TAG):])["load_s"] > 0
-    res = [json.loads(ln[len(compare.RESULT_TAG):]) for ln in lines[1:]]
+    assert lines[0].startswith(paired.READY_TAG) and json.loads(lines[0][len(paired.READY_TAG):])["load_s"] > 0
+    res = [json.loads(ln[len(workers.RESULT_TAG):]) for ln in lines[1:]]
     assert [r["kind"] for r in res] == ["decode", "decode_at_512"]          # nothing after quit
     assert all(r["tps"] > 0 and r["read_gbps"] > 0 for r in res)
 
@@ -388,7 +397,7 @@ def test_serve_times_runs_on_command(checkpoint, tmp_path):
 def test_a_served_runtime_that_fails_to_load_names_its_error(tmp_path):
     spec = {"model_dir": str(tmp_path / "missing"), "ids": IDS[:8], "gen_tokens": 2, "context_tokens": 16,
             "repeat": 1, "threads": 1, "quant": "int8", "gguf": None}
-    pd = compare.paired_decode(["cpullm", "llama.cpp"], spec, tmp_path, 1, 60, say=lambda m: None)
+    pd = paired.paired_decode(["cpullm", "llama.cpp"], spec, tmp_path, 1, 60, say=lambda m: None)
     assert pd["error"].startswith("cpullm stopped (exit 1)") and "missing" in pd["error"]
 
 
@@ -408,17 +417,17 @@ def test_llama_cpp_converter_makes_the_q8_0_of_a_gemma2_checkpoint(tmp_path, req
 
     llama_ckpt = make_random_checkpoint(dict(LLAMA32_LIKE, model_type="llama"), tmp_path / "llama", seed=5)
     ckpt = make_random_checkpoint(dict(GEMMA2), tmp_path / "gemma2", seed=5)
-    assert compare.writer_has_table(llama_ckpt) and not compare.writer_has_table(ckpt)
+    assert llama_convert.writer_has_table(llama_ckpt) and not llama_convert.writer_has_table(ckpt)
     cached = request.config.cache.mkdir("llama-cpp-converter")   # fetched (~77 MB) once, in .pytest_cache
     try:
-        src = compare.llama_cpp_converter(cached, say=lambda msg: None)
+        src = llama_convert.llama_cpp_converter(cached, say=lambda msg: None)
     except SystemExit as exc:
         pytest.skip(f"llama.cpp's converter source (llama-cpp-python's sdist) could not be fetched: {exc}")
     work = tmp_path / "work"
     work.mkdir()
     (work / src.name).symlink_to(src, target_is_directory=True)
     said = []
-    q8 = compare.ensure_q8_gguf(ckpt, work, 1, say=said.append)
+    q8 = llama_convert.ensure_q8_gguf(ckpt, work, 1, say=said.append)
     assert q8.name.endswith("-hfconv.Q8_0.gguf") and not list(work.glob("*.partial"))
     assert any("written from tokenizer.json" in m for m in said), said
     r = gguf.GGUFReader(str(q8))
@@ -431,9 +440,9 @@ def test_llama_cpp_converter_makes_the_q8_0_of_a_gemma2_checkpoint(tmp_path, req
     llm.eval(IDS)
     got = np.asarray(llm.scores[: len(IDS)], np.float32)
     ref = cpullm.load(ckpt, quant="f32", use_cache=False).logits(IDS)
-    fid = compare._fidelity(got[-1], ref[-1])
+    fid = reporting._fidelity(got[-1], ref[-1])
     assert fid["cosine"] > 0.99 and fid["same_top1"], fid
-    assert compare.gguf_source(ckpt).startswith("llama.cpp's convert_hf_to_gguf.py")
+    assert llama_convert.gguf_source(ckpt).startswith("llama.cpp's convert_hf_to_gguf.py")
 
 
 def test_llama_cpp_converter_and_cpullm_writer_give_the_same_q8_0(tmp_path, request):
@@ -447,13 +456,13 @@ def test_llama_cpp_converter_and_cpullm_writer_give_the_same_q8_0(tmp_path, requ
     ckpt = make_random_checkpoint(dict(LLAMA32_LIKE, model_type="llama", architectures=["LlamaForCausalLM"]),
                                   tmp_path / "llama", seed=5)
     try:
-        src = compare.llama_cpp_converter(request.config.cache.mkdir("llama-cpp-converter"), say=lambda msg: None)
+        src = llama_convert.llama_cpp_converter(request.config.cache.mkdir("llama-cpp-converter"), say=lambda msg: None)
     except SystemExit as exc:
         pytest.skip(f"llama.cpp's converter source (llama-cpp-python's sdist) could not be fetched: {exc}")
     work = tmp_path / "work"
     work.mkdir()
     (work / src.name).symlink_to(src, target_is_directory=True)
-    files = {way: compare.ensure_q8_gguf(ckpt, work, 1, say=lambda msg: None, llama_convert=way)
+    files = {way: llama_convert.ensure_q8_gguf(ckpt, work, 1, say=lambda msg: None, llama_convert=way)
              for way in (True, False)}
     assert files[True] != files[False]
     tensors = {way: {t.name: t for t in gguf.GGUFReader(str(f)).tensors} for way, f in files.items()}

@@ -42,8 +42,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mmap", dest="mmap", action="store_true", default=True,
                    help="map the cached program (default: starts fast, shares the page cache)")
     p.add_argument("--no-mmap", dest="mmap", action="store_false",
-                   help="read the cached program into private memory: decode measured 4-14 %% faster on "
-                        "the VMs here, loading up to 8 s slower for Qwen2.5-0.5B (new memory is slow to fault in)")
+                   help="read the cached program into private memory: decode may run faster, loading is "
+                        "slower (new memory is slow to fault in)")
 
 
 def add_sampling_options(p: argparse.ArgumentParser, temperature: float | None = 0.0) -> None:

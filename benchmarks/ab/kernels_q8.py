@@ -1,7 +1,7 @@
 """Microbenchmark of the INT8 LINEAR (cpullm.kernels.q8_panels) and the f32 kernels on real model shapes.
 
-    python benchmarks/kernels_q8.py [--threads 2,1] [--models qwen05,smol135] [--quick]
-                                     [--wait-idle SECONDS] [--skip matmul]
+    python benchmarks/ab/kernels_q8.py [--threads 2,1] [--models qwen05,smol135] [--quick]
+                                        [--wait-idle SECONDS] [--skip matmul]
 
 Prints, per thread count:
   * the DRAM read ceiling (cpullm.kernels.bandwidth.read_rate over 1 GiB: the read `cpullm bench`

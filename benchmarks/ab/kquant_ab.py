@@ -1,8 +1,11 @@
 """Old vs new GGUF block matvec (cpullm.kernels.kquant), interleaved, against a plain read.
 
-    git show REV:kernels/kquant.py > kernels/kquant_old.py      # the baseline, not committed
-    python benchmarks/kquant_ab.py [--threads 1] [--shape 2048x8192] [--formats Q4_1,Q4_K]
-                                   [--rounds 11] [--mb 64] [--old cpullm.kernels.kquant_old]
+    python benchmarks/ab/kquant_ab.py [--old-rev HEAD] [--old-path kernels/kquant.py] [--threads 1]
+                                      [--shape 2048x8192] [--formats Q4_1,Q4_K] [--rounds 11] [--mb 64]
+
+The baseline ("old") is ``git show REV:PATH`` of this repository, written into a temporary
+directory and imported from there as a module of cpullm.kernels (its relative imports find the
+working tree's helpers); nothing is written into the package folder.
 
 Each round runs one pass of the old kernel, one of the new and one plain parallel read
 (``bandwidth.read_sum_u32``) over the same copies of a random N x K matrix of blocks (``--mb``
@@ -14,8 +17,12 @@ and whether the two outputs are bit-identical (else their largest difference / l
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.util
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import cpullm.kernels  # noqa: F401  (numba_setup first)
 import numpy as np
@@ -26,6 +33,24 @@ from cpullm.kernels.bandwidth import as_words, read_sum_u32
 from cpullm.kernels.numba_setup import configure
 
 
+REPO = Path(__file__).resolve().parents[2]
+
+
+def load_baseline(rev: str, path: str, tmp: Path):
+    """``git show REV:PATH`` of this repository as the module cpullm.kernels.kquant_baseline, its
+    source kept in ``tmp``."""
+    proc = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{path}"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"kquant_ab: git show {rev}:{path} failed: {proc.stderr.strip()}")
+    src = tmp / "kquant_baseline.py"
+    src.write_text(proc.stdout)
+    spec = importlib.util.spec_from_file_location("cpullm.kernels.kquant_baseline", src)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1)
@@ -33,9 +58,14 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="Q4_1,Q4_0,Q5_0,Q4_K,Q6_K")
     ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--mb", type=int, default=64)
-    ap.add_argument("--old", default="cpullm.kernels.kquant_old", help="module of the baseline kernel")
+    ap.add_argument("--old-rev", default="HEAD", help="git revision of the baseline kernel (default HEAD)")
+    ap.add_argument("--old-path", default="kernels/kquant.py", help="the kernel's file at that revision")
     args = ap.parse_args(argv)
-    old = importlib.import_module(args.old)
+    with tempfile.TemporaryDirectory(prefix="cpullm-kquant-ab-") as tmp:
+        return run(args, load_baseline(args.old_rev, args.old_path, Path(tmp)))
+
+
+def run(args, old) -> int:
     threads = configure(args.threads)
     N, K = (int(v) for v in args.shape.lower().split("x"))
     rng = np.random.default_rng(0)

@@ -1,7 +1,7 @@
 """Greedy decode's lm_head through the head screen against the full lm_head, paired in one process.
 
-    python benchmarks/head_screen_ab.py MODEL [--quant q4] [--threads 2] [--prompt-tokens 128]
-                                              [--steps 48] [--reps 3] [--json]
+    python benchmarks/ab/head_screen_ab.py MODEL [--quant q4] [--threads 2] [--prompt-tokens 128]
+                                                 [--steps 48] [--reps 3] [--json]
 
 Loads MODEL (its program must have a screen: int8 or q4 with an lm_head of at least
 head_screen.MIN_LM_HEAD_BYTES), prefills the bench prompt, then for each greedy step runs the

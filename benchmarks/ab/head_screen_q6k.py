@@ -1,6 +1,6 @@
 """The raw-block head screen on a real lm_head and real activations, the head stored as Q6_K.
 
-    python benchmarks/head_screen_q6k.py MODEL_DIR [--threads 2] [--steps 48] [--reps 3]
+    python benchmarks/ab/head_screen_q6k.py MODEL_DIR [--threads 2] [--steps 48] [--reps 3]
 
 For a model whose hidden size is not a multiple of 256 (the small ones in the store: 576, 640,
 896), ``--quant q4`` keeps the head at Q8_0 (held as q8: the q8 screen), so the Q6_K screen of

@@ -2,7 +2,7 @@
 batch size B, interleaved, on one ~65 MB matrix (streamed from DRAM on every call where that
 exceeds the L3 cache; ``--n`` sets the size).
 
-    python benchmarks/batch_linear.py [--threads 2] [--rows 1,2,4,8,16] [--rounds 15] [--n 75968 --k 896] [--gemm]
+    python benchmarks/ab/batch_linear.py [--threads 2] [--rows 1,2,4,8,16] [--rounds 15] [--n 75968 --k 896] [--gemm]
 
 Each round times every (kernel, B) once, in a shuffled order; the table shows medians over the
 rounds (ms, G multiply-adds/s) and the median per-round ratio of each time to the panels kernel's

@@ -1,7 +1,7 @@
 """Read rate of the GGUF block matvec (cpullm.kernels.kquant) against a plain read of the same bytes.
 
-    python benchmarks/kquant_matvec.py [--threads 2] [--shape 2048x8192] [--mb 256] [--rounds 7]
-                                       [--formats Q4_K,Q6_K,...] [--isa all|best] [--json]
+    python benchmarks/ab/kquant_matvec.py [--threads 2] [--shape 2048x8192] [--mb 256] [--rounds 7]
+                                          [--formats Q4_K,Q6_K,...] [--isa all|best] [--json]
 
 For each format: enough copies of a random N x K matrix of its blocks (finite scales) to fill
 ``--mb`` megabytes, so every call streams from DRAM; then ``--rounds`` rounds, each one pass of
