@@ -190,7 +190,7 @@ class Engine:
             return {**self.counters, "queued": c["waiting"], "active": c["running"],
                     "parallel": self.parallel, "kv_bytes_per_stream": sch.slot_bytes,
                     "kv_bytes_planned": sch.kv_bytes,
-                    "kv_dtype": self.core.scheduler.ex.program.meta.get("kv_dtype", "f32"),
+                    "kv_dtype": self.core.model.kv_dtype,
                     "prefix_cache": self.core.prefix_stats()}
 
     @property
