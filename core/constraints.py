@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from .errors import ConstraintError, MissingDependencyError
+from .toolcalls import JSON_OPTIONS  # the one JSON layout of constrained output and tool calls
 from .limits import (MAX_CHOICE_BYTES, MAX_CONSTRAINT_BYTES, MAX_ENUM_VALUES, MAX_REGEX_BYTES, MAX_REGEX_EXPANSION,
                      MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES, one_line)
 
@@ -38,7 +39,6 @@ KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf", "choice")
 
 INSTALL_HINT = "pip install 'cpullm[structured]'"
 
-JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
 """How constrained JSON is laid out: one line, ``", "`` and ``": "`` between items (what models
 write by habit). No free whitespace: a small model can otherwise emit newlines until max_tokens.
 A schema's own ``"x-guidance"`` object overrides these (llguidance's JSON options)."""

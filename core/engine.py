@@ -20,7 +20,7 @@ import traceback
 from .errors import ConfigError, PromptError
 from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .sequence import Sequence
+from .sequence import Sequence, resolve_max_tokens
 
 MAX_DEFAULT_PARALLEL = 8
 """Largest default --parallel: decode reads the weights once per step whatever the batch, and
@@ -180,7 +180,6 @@ class Engine:
         alternatives (``req.seq.logprobs``); ``cache_salt``: the sequence shares cached prefixes
         only with others of the same salt (one per tenant: another tenant can neither reuse nor
         time them)."""
-        from .model import resolve_max_tokens
         max_new_tokens = resolve_max_tokens(max_tokens, max_new_tokens)
         if self._closed:
             raise ConfigError("the engine is closed; create a new one (model.engine())")

@@ -21,6 +21,7 @@ from .executor import Executor
 from .family import read_config
 from .forward import Forward
 from .generate import GenerationStats, generate_ids, generate_text
+from .sequence import resolve_max_tokens
 from .ir import GraphBuilder
 from .kernels.warmup import warmup_for_graph
 from .quant_blocks import BLOCK_QUANTS, BlockPlan
@@ -45,20 +46,6 @@ def resolve_model_dir(path) -> Path:
         raise ModelNotFoundError(f"model directory {p} does not exist; give a path to a Hugging Face "
                                  "checkpoint directory or a name from `cpullm list`")
     return locations.resolve_model(text)
-
-
-DEFAULT_MAX_TOKENS = 128
-
-
-def resolve_max_tokens(max_tokens: int | None, max_new_tokens: int | None,
-                       default: int = DEFAULT_MAX_TOKENS) -> int:
-    """The answer length from ``max_tokens`` (the peers' name) or ``max_new_tokens`` (its alias,
-    transformers' name); a PromptError when both are given and differ."""
-    if max_tokens is not None and max_new_tokens is not None and max_tokens != max_new_tokens:
-        raise PromptError(f"max_tokens={max_tokens} and max_new_tokens={max_new_tokens} disagree; "
-                          "give one of them (max_new_tokens is an alias of max_tokens)")
-    n = max_tokens if max_tokens is not None else max_new_tokens
-    return default if n is None else n
 
 
 class Model:

@@ -18,6 +18,19 @@ from .sampling import Sampler, SamplingParams, top_logprobs
 
 WAITING, PREFILL, DECODE, DONE = "waiting", "prefill", "decode", "done"
 
+DEFAULT_MAX_TOKENS = 128
+
+
+def resolve_max_tokens(max_tokens: int | None, max_new_tokens: int | None,
+                       default: int = DEFAULT_MAX_TOKENS) -> int:
+    """The answer length from ``max_tokens`` (the peers' name) or ``max_new_tokens`` (its alias,
+    transformers' name); a PromptError when both are given and differ."""
+    if max_tokens is not None and max_new_tokens is not None and max_tokens != max_new_tokens:
+        raise PromptError(f"max_tokens={max_tokens} and max_new_tokens={max_new_tokens} disagree; "
+                          "give one of them (max_new_tokens is an alias of max_tokens)")
+    n = max_tokens if max_tokens is not None else max_new_tokens
+    return default if n is None else n
+
 
 @attrs.define
 class GenerationStats:

@@ -31,6 +31,8 @@ from typing import Callable
 
 import attrs
 
+JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False}
+
 log = logging.getLogger("cpullm.toolcalls")
 
 WS = "/[ \\t\\r\\n]{0,4}/"
@@ -214,9 +216,8 @@ def tool_schemas(tools) -> dict:
 
 def json_rule(schema: dict) -> str:
     """A JSON schema as an llguidance ``%json`` item, laid out as constrained JSON is everywhere
-    (:data:`cpullm.constraints.JSON_OPTIONS`: one line, ``", "`` and ``": "``, no free whitespace
+    (:data:`JSON_OPTIONS`: one line, ``", "`` and ``": "``, no free whitespace
     a model could pad forever); a schema's own ``x-guidance`` wins."""
-    from .constraints import JSON_OPTIONS
     if isinstance(schema, dict) and "x-guidance" not in schema:
         schema = {"x-guidance": dict(JSON_OPTIONS), **schema}
     return "%json " + json.dumps(schema, ensure_ascii=False)

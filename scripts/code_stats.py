@@ -25,14 +25,14 @@ LAYERS = [
     ("foundation", ["errors", "limits", "notices", "hookspecs", "filearrays", "kvformat"]),
     ("kernels", ["kernels"]),          # numba kernels: import nothing of cpullm outside their package
     ("registry", ["family", "plugins", "weightmap", "tensors", "gguf_file", "gguf_vocab", "gguf_model",
-                  "locations", "tokenize"]),
+                  "locations", "tokenize", "toolcalls"]),
     ("graph", ["ir", "blocks"]),
     ("compiler", ["compiler", "quant_blocks"]),
     ("execution", ["cache_format", "head_screen", "executor", "batch", "forward", "prompt_cache", "prefix_cache",
                    "memory"]),
-    ("generation", ["sampling", "sequence", "generate", "scheduler", "engine", "model", "chat",
+    ("generation", ["constraints", "sampling", "sequence", "generate", "scheduler", "embed", "engine", "model", "chat",
                     "template_sandbox", "testing", "__init__"]),
-    ("shell", ["convert", "store", "bench", "serve", "cli"]),
+    ("shell", ["convert", "store", "bench", "serve", "cli", "ray"]),
 ]
 
 

@@ -1,7 +1,7 @@
 """``cpullm bench``: how fast a model runs here, measured the same way every time.
 
 Definitions (the same harness, :func:`measure_speed`, also drives llama.cpp and transformers in
-``benchmarks/compare.py``, so the three runtimes are measured identically):
+``benchmarks/compare/``, so the three runtimes are measured identically):
 
 * **prompt**: deterministic token ids, a fixed English passage tokenized without special tokens
   and repeated until it is exactly ``prompt_tokens`` long (:func:`prompt_ids`).

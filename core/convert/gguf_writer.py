@@ -1,6 +1,6 @@
 """Write a GGUF file laid out as llama.cpp's ``convert_hf_to_gguf.py`` lays it out, from tensors
 under transformers' names: the one writer behind the test suite's tiny GGUFs and the F32 GGUF
-that ``benchmarks/compare.py`` hands to llama.cpp.
+that ``benchmarks/compare/`` hands to llama.cpp.
 
     from cpullm.gguf_writer import write_gguf
     write_gguf("tiny.gguf", "llama", {"block_count": 2, "head_count": 4, "head_count_kv": 2, ...},
