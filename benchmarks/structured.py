@@ -37,7 +37,7 @@ def run(model, n: int, gen_tokens: int, schema: dict | None) -> dict:
     from cpullm.scheduler import Scheduler
     from cpullm.sequence import DECODE, Sequence
 
-    sch = Scheduler(model, n, prefix_cache_bytes=0)
+    sch = Scheduler(model.forward, n, prefix_cache_bytes=0)
     sch.warm_up()
     seqs = []
     for i in range(n):

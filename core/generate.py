@@ -37,6 +37,8 @@ def run_alone(forward, slot, seq: Sequence, prompt_cache=None) -> Iterator[int]:
         for _, tok in sch.step():
             if tok is not None:
                 yield tok
+    if seq.error is not None:        # a failure of its own (cpullm.errors): the caller's to see
+        raise seq.error
 
 
 class TextStream:

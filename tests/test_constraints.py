@@ -221,7 +221,7 @@ def test_constrained_generation_matches_alone_and_batched(tiny):
         assert re.fullmatch(REGEX, tiny.tokenizer.decode(toks)), tiny.tokenizer.decode(toks)
     free_alone = list(tiny.generate_ids(prompts[0], 12))
     # constrained and free sequences share the decode batch: each keeps its alone tokens
-    sch = Scheduler(tiny, slots=4, prefill_chunk=16)
+    sch = Scheduler(tiny.forward, slots=4, prefill_chunk=16)
     seqs = [sch.add(Sequence(p, 24, SamplingParams(), stop_ids=tiny.eos_token_ids,
                              constraint=tiny.constraint({"regex": REGEX}))) for p in prompts]
     free = sch.add(Sequence(prompts[0], 12, SamplingParams(), stop_ids=tiny.eos_token_ids))
