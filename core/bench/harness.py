@@ -75,7 +75,7 @@ class CpullmRunner:
         self.model = model
         self.ex = model.executor
         self.forward = model.forward      # the path generate and the scheduler take
-        self.slot = model.forward.new_slot()
+        self.slot = model.slot            # the model's own: model.info() reports its KV in use
 
     @property
     def n_ctx(self) -> int:
