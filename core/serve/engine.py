@@ -146,19 +146,22 @@ class Engine:
         return out
 
     def _finish(self, job: Job, text) -> None:
+        """The job's last events, after its outcome is counted (a client that saw its answer end
+        finds it in /health and /metrics)."""
         st = job.stats
+        last: list = []
         if job.abort is not None:
             outcome = "cancelled"
-            job.emit(("error", job.abort))
+            last.append(("error", job.abort))
         elif st.stop_reason == "failed" and job.request is not None and job.request.error is not None:
             outcome = "failed"              # this request's own failure (cpullm.errors): a 4xx
-            job.emit(("error", job.request.error))
+            last.append(("error", job.request.error))
         elif st.stop_reason in ("error", "failed"):
             outcome = "failed"
-            job.emit(("error", RuntimeError("the generation failed (see the server log)")))
+            last.append(("error", RuntimeError("the generation failed (see the server log)")))
         elif st.stop_reason == "cancelled" and job.ended_by is None:
             outcome = "cancelled"
-            job.emit(("done", None))
+            last.append(("done", None))
         else:
             outcome, piece = "completed", ""
             if job.ended_by == "timeout":
@@ -169,12 +172,16 @@ class Engine:
                 piece = text.flush()
                 if text.stopped:
                     st.stop_reason = "stop"
-            job.emit_text(piece, final=True)
-            job.emit(("done", None))
+            last += [("text", piece), ("done", None)]
         with self._lock:
             self.counters[outcome] += 1
             self.counters["generated_tokens"] += st.generated_tokens
             self._jobs.discard(job)
+        for kind, value in last:
+            if kind == "text":
+                job.emit_text(value, final=True)
+            else:
+                job.emit((kind, value))
         job.finished.set()
 
     def count_left_early(self) -> None:
