@@ -460,6 +460,7 @@ class _WeightPacker:
                 kind = P.WEIGHT_Q8 if as_q8 is not None else P.WEIGHT_BLOCKS
             if (as_q8 is not None) != (kind == P.WEIGHT_Q8):
                 raise ValueError(f"{canonicals}: Q8_0 row blocks neither all q8 nor all raw")
+            rows += data.shape[0]           # (N, row bytes): counted before a panel pack regroups them
             if kind == P.WEIGHT_Q8:
                 panels.add(*as_q8)
             else:
@@ -468,7 +469,6 @@ class _WeightPacker:
                 wo, so = self.wq.extend(data.view(np.int8)), ggml + kquant_panels.PANELED * paneled
                 w_off = wo if w_off is None else w_off
                 s_off = so if s_off is None else s_off
-            rows += data.shape[0]
         if kind == P.WEIGHT_Q8:             # Q8_0 as q8 panels: what they hold, padding rows included
             from .kernels.q8_panels import padded_rows
             w_off, s_off = panels.finish()
