@@ -14,6 +14,10 @@ class Steps:
         self.fwd = getattr(src, "forward", src)
         self.slot = self.fwd.new_slot()
 
+    def __getattr__(self, name):
+        """The executor's attributes (``program``, ``I``, ``screen``, ...) for tests that read them."""
+        return getattr(self.fwd.executor, name)
+
     @property
     def position(self) -> int:
         return self.slot.position
