@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import math
 
-from cpullm import blocks
-from cpullm.errors import ConfigError, UnsupportedConfigError
-from cpullm.family import LayerSpec, RopeSpec, require
-from cpullm.ir import GraphBuilder
-from cpullm.weightmap import ADD_ONE, W, WeightMap
+from cpullm.plugin import (ADD_ONE, W, ConfigError, GraphBuilder, LayerSpec, RopeSpec,
+                           UnsupportedConfigError, WeightMap, blocks, require)
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"

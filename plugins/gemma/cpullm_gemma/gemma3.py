@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import attrs
 
-from cpullm.family import FamilySpec, text_config
-from cpullm.ir import GraphBuilder
+from cpullm.plugin import FamilySpec, GraphBuilder, text_config
 
 from . import gemma3_text, tiny_configs
 

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import attrs
 
-from cpullm.family import Args, FamilySpec
-from cpullm.ir import GraphBuilder
+from cpullm.plugin import Args, FamilySpec, GraphBuilder
 
 from . import common, tiny_configs
 

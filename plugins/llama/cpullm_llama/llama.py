@@ -8,11 +8,7 @@ from __future__ import annotations
 
 import attrs
 
-from cpullm import blocks
-from cpullm.errors import ConfigError
-from cpullm.family import Args, FamilySpec, require
-from cpullm.ir import GraphBuilder
-from cpullm.weightmap import W, WeightMap
+from cpullm.plugin import W, Args, ConfigError, FamilySpec, GraphBuilder, WeightMap, blocks, require
 
 from . import tiny_configs
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cpullm.errors import UnsupportedConfigError
-from cpullm.weightmap import Transform, W
+from cpullm.plugin import W, Transform, UnsupportedConfigError
 
 # Prefixes real checkpoints use for the text model, mapped onto the text-only form ("model.").
 #   model.language_model.*   multimodal wrappers saved by transformers (Qwen3.5 Hub checkpoints)

@@ -10,9 +10,7 @@ RMSNorm over head_dim before RoPE), and a per-layer attention window (0 = full c
 """
 from __future__ import annotations
 
-from cpullm import blocks
-from cpullm.ir import GraphBuilder
-from cpullm.weightmap import W, WeightMap
+from cpullm.plugin import W, GraphBuilder, WeightMap, blocks
 
 from .common import BUFFER_IGNORES, TEXT_PREFIX_ALIASES, check_layer_types, lm_head_rule
 

@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import attrs
 
-from cpullm import blocks
-from cpullm.family import Args, FamilySpec, require
-from cpullm.ir import GraphBuilder
-from cpullm.weightmap import ADD_ONE, W, WeightMap
+from cpullm.plugin import ADD_ONE, W, Args, FamilySpec, GraphBuilder, WeightMap, blocks, require
 
 from . import tiny_configs
 from .common import (BUFFER_IGNORES, MULTIMODAL_IGNORES, TEXT_PREFIX_ALIASES, check_layer_types,
