@@ -10,6 +10,7 @@ stays cheap to import.
 from __future__ import annotations
 
 from . import blocks, limits
+from .decoder import lm_head_rule, standard_rules
 from .errors import ConfigError, ConversionError, UnsupportedConfigError
 from .family import (Args, FamilySpec, GGUFArch, KernelSpec, LayerSpec, OpSpec, RopeSpec, RopeType,
                      require, text_config)
@@ -24,7 +25,7 @@ __all__ = [
     # a family: its arguments, its weight map, its graph
     "Args", "FamilySpec", "require", "text_config", "RopeSpec", "LayerSpec",
     "W", "WeightMap", "Transform", "ADD_ONE",
-    "GraphBuilder", "Op", "blocks",
+    "GraphBuilder", "Op", "blocks", "standard_rules", "lm_head_rule",
     # ops, kernels, RoPE scalings, GGUF architectures
     "OpSpec", "KernelSpec", "RopeType", "GGUFArch", "DENSE_LAYER_NAMES", "QK_NORM_LAYER_NAMES",
     "meta_int", "limits",

@@ -216,7 +216,7 @@ def tiny3_tensors(prefix, rng):
     wmap = family(TINY3).weight_map(a)
     out = {}
     for r in wmap.expand():
-        if r.source:
+        if r.source and r.source.startswith("model."):     # tied: no lm_head.weight stored
             out[prefix + r.source[len("model."):]] = rng.standard_normal(r.shape).astype(np.float32)
     return out
 

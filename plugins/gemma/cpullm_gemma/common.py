@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import math
 
-from cpullm.plugin import (ADD_ONE, W, ConfigError, GraphBuilder, LayerSpec, RopeSpec,
-                           UnsupportedConfigError, WeightMap, blocks, require)
+from cpullm.plugin import (ADD_ONE, ConfigError, GraphBuilder, LayerSpec, RopeSpec,
+                           UnsupportedConfigError, WeightMap, blocks, require,
+                           standard_rules)
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -131,36 +132,11 @@ def rope_spec(params: dict, head_dim: int, key: str = "rope_parameters (or rope_
 # Weight map (data)
 # ---------------------------------------------------------------------------------------------
 def weight_map(a, norm_names: dict, qk_norm: bool = False, aliases=(), ignore=()) -> WeightMap:
-    """Gemma checkpoint names -> canonical names. Every norm gets ``ADD_ONE`` (``1 + w``)."""
-    H, V, I, D = a.hidden_size, a.vocab_size, a.intermediate_size, a.head_dim
-    q, kv = a.num_attention_heads * D, a.num_key_value_heads * D
-    L = "model.layers.{i}."
-    tied = a.tie_word_embeddings
-    rules = [
-        W("embed", "model.embed_tokens.weight", (V, H)),
-        W("final_norm", "model.norm.weight", (H,), transform=ADD_ONE),
-        W("lm_head", None if tied else "lm_head.weight", (V, H), tied_to="embed" if tied else None),
-        W("layers.{i}.attn.q_proj", L + "self_attn.q_proj.weight", (q, H)),
-        W("layers.{i}.attn.k_proj", L + "self_attn.k_proj.weight", (kv, H)),
-        W("layers.{i}.attn.v_proj", L + "self_attn.v_proj.weight", (kv, H)),
-        W("layers.{i}.attn.o_proj", L + "self_attn.o_proj.weight", (H, q)),
-        W("layers.{i}.mlp.gate_proj", L + "mlp.gate_proj.weight", (I, H)),
-        W("layers.{i}.mlp.up_proj", L + "mlp.up_proj.weight", (I, H)),
-        W("layers.{i}.mlp.down_proj", L + "mlp.down_proj.weight", (H, I)),
-    ]
-    rules += [W(f"layers.{{i}}.{canonical}", f"{L}{stored}.weight", (H,), transform=ADD_ONE)
-              for canonical, stored in norm_names.items()]
-    if qk_norm:
-        rules += [W("layers.{i}.attn.q_norm", L + "self_attn.q_norm.weight", (D,), transform=ADD_ONE),
-                  W("layers.{i}.attn.k_norm", L + "self_attn.k_norm.weight", (D,), transform=ADD_ONE)]
-    if a.attention_bias:
-        rules += [W("layers.{i}.attn.q_bias", L + "self_attn.q_proj.bias", (q,)),
-                  W("layers.{i}.attn.k_bias", L + "self_attn.k_proj.bias", (kv,)),
-                  W("layers.{i}.attn.v_bias", L + "self_attn.v_proj.bias", (kv,)),
-                  W("layers.{i}.attn.o_bias", L + "self_attn.o_proj.bias", (H,))]
+    """Gemma checkpoint names -> canonical names: the standard decoder tensors with the family's
+    own per-layer norms (``norm_names``: canonical -> stored module), every norm ``1 + w``."""
+    rules = standard_rules(a, norm=ADD_ONE, norms=norm_names, qkv_bias=a.attention_bias,
+                           o_bias=a.attention_bias, qk_norm=qk_norm)
     ignored = [r"rotary_emb\.[a-z_]*inv_freq$"]          # buffers some old checkpoints saved
-    if tied:
-        ignored.append(r"^lm_head\.weight$")              # tied: transformers ignores it too
     return WeightMap(rules=rules, n_layers=a.num_hidden_layers, aliases=list(aliases),
                      ignore=ignored + list(ignore))
 

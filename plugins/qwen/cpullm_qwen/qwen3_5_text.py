@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import attrs
 
-from cpullm.plugin import ADD_ONE, W, Args, FamilySpec, GraphBuilder, WeightMap, blocks, require
+from cpullm.plugin import (ADD_ONE, W, Args, FamilySpec, GraphBuilder, WeightMap, blocks, lm_head_rule,
+                           require)
 
 from . import tiny_configs
 from .common import (BUFFER_IGNORES, MULTIMODAL_IGNORES, TEXT_PREFIX_ALIASES, check_layer_types,
-                     lm_head_rule, per_head_halves)
+                     per_head_halves)
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
