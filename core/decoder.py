@@ -10,9 +10,13 @@ Tied embeddings follow transformers (``PreTrainedModel.tie_weights`` in transfor
 ``tie_word_embeddings`` is true and the checkpoint stores no ``lm_head.weight``, the head is the
 embedding; when it stores one that differs from the embedding, transformers does not tie and uses
 the stored head. :func:`lm_head_rule` is that rule, in one place.
+
+:func:`decoder_stack` builds the standard graph around a family's own attention (and MLP).
 """
 from __future__ import annotations
 
+from . import blocks
+from .ir import GraphBuilder
 from .weightmap import Transform, W
 
 STANDARD_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
@@ -63,3 +67,24 @@ def standard_rules(a, prefix: str = "model.layers.{i}.", *, norm: Transform | No
         rules += [W("layers.{i}.attn.q_norm", L + "self_attn.q_norm.weight", (D,), transform=norm),
                   W("layers.{i}.attn.k_norm", L + "self_attn.k_norm.weight", (D,), transform=norm)]
     return rules
+
+
+def glu_silu(a):
+    """The standard MLP, SwiGLU over (hidden_size, intermediate_size): mlp(g, i, x) -> (T, H)."""
+    def mlp(g, i, x):
+        return blocks.glu_mlp(g, i, x, a.hidden_size, a.intermediate_size, act="silu")
+    return mlp
+
+
+def decoder_stack(g: GraphBuilder, a, mixer, mlp=None, *, embed_scale: float = 1.0,
+                  sandwich: bool = False, final_softcap: float = 0.0):
+    """The standard decoder graph: embed [* embed_scale] -> num_hidden_layers pre-norm (or
+    ``sandwich``) layers of ``mixer(g, i, x)`` and ``mlp(g, i, x)`` (default: :func:`glu_silu`),
+    each (T, H) -> (T, H), norms with ``a.rms_norm_eps`` -> final norm -> lm_head
+    [-> final soft-cap]; returns the built graph (logits (R, V))."""
+    eps = a.rms_norm_eps
+    mlp = glu_silu(a) if mlp is None else mlp
+    h = blocks.embed(g, a.hidden_size, scale=embed_scale)                         # (T, H)
+    for i in range(a.num_hidden_layers):
+        h = blocks.decoder_layer(g, i, h, mixer, mlp, eps, sandwich=sandwich)
+    return g.build(blocks.lm_head(g, h, a.vocab_size, eps, final_softcap=final_softcap))

@@ -10,7 +10,7 @@ stays cheap to import.
 from __future__ import annotations
 
 from . import blocks, limits
-from .decoder import lm_head_rule, standard_rules
+from .decoder import decoder_stack, glu_silu, lm_head_rule, standard_rules
 from .errors import ConfigError, ConversionError, UnsupportedConfigError
 from .family import (Args, FamilySpec, GGUFArch, KernelSpec, LayerSpec, OpSpec, RopeSpec, RopeType,
                      require, text_config)
@@ -26,6 +26,7 @@ __all__ = [
     "Args", "FamilySpec", "require", "text_config", "RopeSpec", "LayerSpec",
     "W", "WeightMap", "Transform", "ADD_ONE",
     "GraphBuilder", "Op", "blocks", "standard_rules", "lm_head_rule",
+    "decoder_stack", "glu_silu",
     # ops, kernels, RoPE scalings, GGUF architectures
     "OpSpec", "KernelSpec", "RopeType", "GGUFArch", "DENSE_LAYER_NAMES", "QK_NORM_LAYER_NAMES",
     "meta_int", "limits",

@@ -19,8 +19,8 @@ from __future__ import annotations
 import math
 
 from cpullm.plugin import (ADD_ONE, ConfigError, GraphBuilder, LayerSpec, RopeSpec,
-                           UnsupportedConfigError, WeightMap, blocks, require,
-                           standard_rules)
+                           UnsupportedConfigError, WeightMap, blocks, decoder_stack,
+                           require, standard_rules)
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -152,21 +152,17 @@ def build_graph(a, g: GraphBuilder, *, sandwich: bool, final_softcap: float):
     def mlp(g, i, x):                                      # (T, H) -> (T, H)
         return blocks.glu_mlp(g, i, x, a.hidden_size, a.intermediate_size, act=a.glu_act)
 
-    def mixer_for(spec: LayerSpec):
-        def mixer(g, i, x):                                # (T, H) -> (T, H)
-            return blocks.attention(
-                g, i, x, hidden=a.hidden_size, n_heads=a.num_attention_heads,
-                n_kv_heads=a.num_key_value_heads, head_dim=a.head_dim, rope_spec=spec.rope,
-                scale=a.attn_scale, qkv_bias=a.attention_bias, o_bias=a.attention_bias,
-                qk_norm_eps=eps if spec.qk_norm else None, softcap=spec.attn_softcap,
-                window=spec.sliding_window)
-        return mixer
+    def mixer(g, i, x):                                    # (T, H) -> (T, H)
+        spec = a.layer_specs[i]
+        return blocks.attention(
+            g, i, x, hidden=a.hidden_size, n_heads=a.num_attention_heads,
+            n_kv_heads=a.num_key_value_heads, head_dim=a.head_dim, rope_spec=spec.rope,
+            scale=a.attn_scale, qkv_bias=a.attention_bias, o_bias=a.attention_bias,
+            qk_norm_eps=eps if spec.qk_norm else None, softcap=spec.attn_softcap,
+            window=spec.sliding_window)
 
-    h = blocks.embed(g, a.hidden_size, scale=a.embed_scale)          # (T, H)
-    for i, spec in enumerate(a.layer_specs):
-        h = blocks.decoder_layer(g, i, h, mixer_for(spec), mlp, eps, sandwich=sandwich)
-    g.meta["sliding_layers"] = [i for i, s in enumerate(a.layer_specs) if s.sliding_window]
-    return g.build(blocks.lm_head(g, h, a.vocab_size, eps, final_softcap=final_softcap))  # (R, V)
+    return decoder_stack(g, a, mixer, mlp, embed_scale=a.embed_scale, sandwich=sandwich,
+                         final_softcap=final_softcap)
 
 
 def unsupported_rope(key: str, value) -> UnsupportedConfigError:

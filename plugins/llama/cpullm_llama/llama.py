@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import attrs
 
-from cpullm.plugin import (Args, ConfigError, FamilySpec, GraphBuilder, WeightMap, blocks, require,
-                           standard_rules)
+from cpullm.plugin import (Args, ConfigError, FamilySpec, GraphBuilder, WeightMap, blocks, decoder_stack,
+                           require, standard_rules)
 
 from . import tiny_configs
 
@@ -68,13 +68,7 @@ def build_graph(a: LlamaArgs, g: GraphBuilder):
                                 rope_spec=a.rope, scale=a.head_dim ** -0.5, qkv_bias=a.attention_bias,
                                 o_bias=a.attention_bias)
 
-    def mlp(g, i, x):
-        return blocks.glu_mlp(g, i, x, a.hidden_size, a.intermediate_size, act="silu")
-
-    h = blocks.embed(g, a.hidden_size)
-    for i in range(a.num_hidden_layers):
-        h = blocks.decoder_layer(g, i, h, mixer, mlp, a.rms_norm_eps)
-    return g.build(blocks.lm_head(g, h, a.vocab_size, a.rms_norm_eps))
+    return decoder_stack(g, a, mixer)
 
 
 FAMILY = FamilySpec(

@@ -10,7 +10,7 @@ RMSNorm over head_dim before RoPE), and a per-layer attention window (0 = full c
 """
 from __future__ import annotations
 
-from cpullm.plugin import GraphBuilder, WeightMap, blocks, standard_rules
+from cpullm.plugin import GraphBuilder, WeightMap, blocks, decoder_stack, standard_rules
 
 from .common import BUFFER_IGNORES, TEXT_PREFIX_ALIASES, check_layer_types
 
@@ -44,10 +44,4 @@ def build_graph(a, g: GraphBuilder):
                                 o_bias=a.o_bias, qk_norm_eps=a.rms_norm_eps if a.qk_norm else None,
                                 window=a.layer_windows[i])
 
-    def mlp(g, i, x):
-        return blocks.glu_mlp(g, i, x, a.hidden_size, a.intermediate_size, act="silu")
-
-    h = blocks.embed(g, a.hidden_size)
-    for i in range(a.num_hidden_layers):
-        h = blocks.decoder_layer(g, i, h, mixer, mlp, a.rms_norm_eps)
-    return g.build(blocks.lm_head(g, h, a.vocab_size, a.rms_norm_eps))
+    return decoder_stack(g, a, mixer)
