@@ -12,7 +12,7 @@ from __future__ import annotations
 from . import blocks, limits
 from .decoder import decoder_stack, glu_silu, lm_head_rule, standard_rules
 from .errors import ConfigError, ConversionError, UnsupportedConfigError
-from .family import (Args, FamilySpec, GGUFArch, KernelSpec, LayerSpec, OpSpec, RopeSpec, RopeType,
+from .family import (Args, FamilySpec, GGUFArch, KernelSpec, OpSpec, RopeSpec, RopeType,
                      require, text_config)
 from .gguf_file import DENSE_LAYER_NAMES, QK_NORM_LAYER_NAMES, meta_int
 from .hookspecs import hookimpl
@@ -23,7 +23,7 @@ __all__ = [
     # the hook marker (the hooks themselves are documented in cpullm.hookspecs)
     "hookimpl",
     # a family: its arguments, its weight map, its graph
-    "Args", "FamilySpec", "require", "text_config", "RopeSpec", "LayerSpec",
+    "Args", "FamilySpec", "require", "text_config", "RopeSpec",
     "W", "WeightMap", "Transform", "ADD_ONE",
     "GraphBuilder", "Op", "blocks", "standard_rules", "lm_head_rule",
     "decoder_stack", "glu_silu",

@@ -10,7 +10,8 @@ import pytest
 
 from cpullm.gguf_file import permute_qk
 from cpullm.testing import make_random_checkpoint
-from tiny_configs import LLAMA32_LIKE, LLAMA_UNTIED_BIAS
+from cpullm_llama.tiny_configs import LLAMA
+from tiny_configs import LLAMA_UNTIED_BIAS
 
 ROOT = Path(__file__).resolve().parents[1]
 IDS = [int(x) for x in np.random.default_rng(3).integers(0, 255, 40)]
@@ -26,7 +27,7 @@ def _load_compare():
 
 compare = _load_compare()
 
-CASES = {"llama32": LLAMA32_LIKE, "untied_bias": LLAMA_UNTIED_BIAS}
+CASES = {"llama32": LLAMA, "untied_bias": LLAMA_UNTIED_BIAS}
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -163,7 +164,7 @@ def test_compare_with_llama_cpp_q8_0(checkpoint, tmp_path):
 # ---- 4-bit (--four-bit) ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llama32_checkpoint(tmp_path_factory):
-    return make_random_checkpoint(dict(LLAMA32_LIKE, model_type="llama"), tmp_path_factory.mktemp("cmp4"), seed=5)
+    return make_random_checkpoint(dict(LLAMA), tmp_path_factory.mktemp("cmp4"), seed=5)
 
 
 def _kl_ok(row):
@@ -406,7 +407,7 @@ def test_llama_cpp_converter_makes_the_q8_0_of_a_gemma2_checkpoint(tmp_path, req
     import cpullm
     from cpullm_gemma.tiny_configs import GEMMA2
 
-    llama_ckpt = make_random_checkpoint(dict(LLAMA32_LIKE, model_type="llama"), tmp_path / "llama", seed=5)
+    llama_ckpt = make_random_checkpoint(dict(LLAMA), tmp_path / "llama", seed=5)
     ckpt = make_random_checkpoint(dict(GEMMA2), tmp_path / "gemma2", seed=5)
     assert compare.writer_has_table(llama_ckpt) and not compare.writer_has_table(ckpt)
     cached = request.config.cache.mkdir("llama-cpp-converter")   # fetched (~77 MB) once, in .pytest_cache
@@ -444,7 +445,7 @@ def test_llama_cpp_converter_and_cpullm_writer_give_the_same_q8_0(tmp_path, requ
     pytest.importorskip("transformers", reason="llama.cpp's convert_hf_to_gguf.py needs transformers")
     import gguf
 
-    ckpt = make_random_checkpoint(dict(LLAMA32_LIKE, model_type="llama", architectures=["LlamaForCausalLM"]),
+    ckpt = make_random_checkpoint(dict(LLAMA),
                                   tmp_path / "llama", seed=5)
     try:
         src = compare.llama_cpp_converter(request.config.cache.mkdir("llama-cpp-converter"), say=lambda msg: None)

@@ -8,7 +8,7 @@ from pathlib import Path
 import cpullm.plugin
 
 REPO = Path(__file__).resolve().parent.parent
-PLUGIN_SOURCES = sorted([*REPO.glob("plugins/*/cpullm_*/**/*.py"), *REPO.glob("plugins/*/tests/*.py"),
+PLUGIN_SOURCES = sorted([*REPO.glob("plugins/*/cpullm_*/**/*.py"),
                          *REPO.glob("tests/third_party/*/**/*.py")])
 OTHER_DOOR = re.compile(r"^\s*(from cpullm(\.(?!plugin\b)\w+)* import|import cpullm\.)", re.M)
 

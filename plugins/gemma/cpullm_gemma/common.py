@@ -1,7 +1,7 @@
 """What the Gemma model types share: activation and layer-pattern rules, the weight map as data,
 and the decoder graph built from :mod:`cpullm.blocks`.
 
-Conventions (transformers 5.24, see ARCHITECTURES.md sections 0-3):
+Conventions (as transformers 5.24's Gemma models compute):
 
 * every RMSNorm is zero-centred, ``n * (1 + w)``: the weight map folds ``1 + w`` once at load
   (``ADD_ONE``), so the graph uses the core's plain ``n * w`` norm;
@@ -9,7 +9,7 @@ Conventions (transformers 5.24, see ARCHITECTURES.md sections 0-3):
   dtype, so a *bf16* run uses the bf16-rounded value (sqrt(640) = 25.298 -> 25.25), while a
   *float32* run uses the exact value. cpullm computes in float32 (INT8 weights are dequantized to
   float32 too), so it uses the exact float32 ``sqrt(hidden_size)``: the same number transformers
-  uses when it runs in float32, which is the parity reference (tests/test_gemma_parity.py) and
+  uses when it runs in float32, which is the parity reference (plugins/gemma/tests/test_gemma_parity.py) and
   how the real-model test loads gemma-3-270m. Versus a bf16 transformers run the difference is
   about 0.1-0.2 % of the embedding scale, well inside bf16's own rounding noise;
 * the MLP is GeGLU with the tanh approximation of GELU.
@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import math
 
-from cpullm.plugin import (ADD_ONE, ConfigError, GraphBuilder, LayerSpec, RopeSpec,
+import attrs
+
+from cpullm.plugin import (ADD_ONE, ConfigError, GraphBuilder, RopeSpec,
                            UnsupportedConfigError, WeightMap, blocks, decoder_stack,
                            require, standard_rules)
 
@@ -50,7 +52,7 @@ def embed_scale(hidden_size: int) -> float:
 
 def glu_act(name: str, key: str, gelu_means_tanh: bool = False) -> str:
     """The GLU activation for a config's activation name. ``gelu_means_tanh``: Gemma 1's config
-    class rewrites ``"gelu"`` to ``"gelu_pytorch_tanh"`` (ARCHITECTURES.md quirk 10.1)."""
+    class rewrites ``"gelu"`` to ``"gelu_pytorch_tanh"``."""
     if name in GELU_TANH_NAMES or (gelu_means_tanh and name == "gelu"):
         return "gelu_tanh"
     supported = ", ".join(GELU_TANH_NAMES + (("gelu",) if gelu_means_tanh else ()))
@@ -110,6 +112,16 @@ def sliding_window(value, types: tuple) -> int:
                           "positive window; set sliding_window (or make every layer full_attention "
                           "in layer_types)")
     return value
+
+
+@attrs.define(frozen=True)
+class LayerSpec:
+    """What one Gemma layer's attention declares (from the config, never guessed from weights)."""
+
+    sliding_window: int = 0           # 0 = full causal attention
+    rope: RopeSpec | None = None
+    attn_softcap: float = 0.0         # 0 = none
+    qk_norm: bool = False
 
 
 def layer_specs(types: tuple, window: int, ropes: dict, attn_softcap: float, qk_norm: bool) -> tuple:

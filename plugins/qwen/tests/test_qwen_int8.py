@@ -29,7 +29,7 @@ def with_precision(graph: Graph, predicate, precision="f32") -> Graph:
     """The graph with ``precision`` set on the LINEAR/EMBED nodes ``predicate`` selects."""
     nodes = [attrs.evolve(n, attrs=tuple(sorted(n.attrs + (("precision", precision),))))
              if n.op in (Op.LINEAR, Op.EMBED) and predicate(n) else n for n in graph.nodes]
-    return Graph(nodes=nodes, output=graph.output, hidden=graph.hidden, meta=dict(graph.meta))
+    return Graph(nodes=nodes, output=graph.output, hidden=graph.hidden)
 
 
 def executor(model_dir, quant, keep_f32=None):
