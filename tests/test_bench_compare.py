@@ -95,6 +95,7 @@ def test_compare_reports_a_missing_runtime_as_skipped(checkpoint, tmp_path, monk
     assert "weight bytes read per decode token" in md and "Read rate:" in md
 
 
+@pytest.mark.reference
 def test_compare_with_transformers(checkpoint, tmp_path):
     pytest.importorskip("torch", reason="torch is an optional extra (pip install 'cpullm[bench]')")
     pytest.importorskip("transformers", reason="transformers is an optional extra (pip install 'cpullm[bench]')")

@@ -10,6 +10,8 @@ import attrs
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.reference   # needs torch and transformers
+
 pytest.importorskip("torch", reason="torch is a test dependency (pip install -e '.[test]')")
 pytest.importorskip("transformers", reason="transformers is a test dependency")
 

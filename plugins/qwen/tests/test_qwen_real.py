@@ -7,7 +7,7 @@ checks greedy tokens on more prompts; this file adds f32 parity at every prompt 
 """
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.reference]
 
 torch = pytest.importorskip("torch", reason="torch is a test dependency (pip install -e '.[test]')")
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")
