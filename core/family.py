@@ -1,4 +1,4 @@
-"""What a family plugin declares: FamilySpec, its typed Args, LayerSpec and optional KernelSpecs."""
+"""What a family plugin declares: FamilySpec, its typed Args and optional KernelSpecs."""
 from __future__ import annotations
 
 import json
@@ -74,19 +74,6 @@ class RopeSpec:
     scaling: str = ""
     scaling_params: str = ""
     scaling_version: str = ""
-
-
-@attrs.define(frozen=True)
-class LayerSpec:
-    """Declared capabilities of one decoder layer (never guessed from weight names)."""
-
-    mixer: str = "attention"          # "attention" | "linear_attention"
-    sliding_window: int = 0           # 0 = full causal attention
-    rope: RopeSpec | None = None
-    attn_softcap: float = 0.0         # 0 = none
-    qk_norm: bool = False
-    output_gate: bool = False
-    mlp: str = "glu"
 
 
 def _formats(value, kind: str, field: str) -> tuple:

@@ -7,7 +7,7 @@ A plugin is a module registered under the entry-point group ``cpullm`` of its di
 
 and implements any of the hooks below, each marked with ``@hookimpl``::
 
-    from cpullm.hookspecs import hookimpl
+    from cpullm.plugin import hookimpl
 
     @hookimpl
     def cpullm_families():

@@ -91,7 +91,6 @@ class Graph:
     nodes: list
     output: str                      # final value (logits)
     hidden: str                      # last body value (input of the head's SELECT_ROWS)
-    meta: dict = attrs.field(factory=dict)
 
     def node(self, name: str) -> Node:
         for n in self.nodes:
@@ -178,7 +177,6 @@ class GraphBuilder:
         self.nodes: list[Node] = []
         self.widths: dict[str, int] = {}
         self.section = "body"
-        self.meta: dict = {}
         self.hidden: str | None = None
 
     def add(self, name: str, op: Op, inputs=(), width: int | None = None, weights=None,
@@ -219,7 +217,7 @@ class GraphBuilder:
     def build(self, output: str) -> Graph:
         if self.hidden is None:
             raise GraphError("the graph has no head: call begin_head(hidden) before the final norm")
-        g = Graph(nodes=list(self.nodes), output=output, hidden=self.hidden, meta=dict(self.meta))
+        g = Graph(nodes=list(self.nodes), output=output, hidden=self.hidden)
         if os.environ.get("CPULLM_VALIDATE", "1") != "0":
             g.validate()
         return g

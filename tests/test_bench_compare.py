@@ -12,7 +12,8 @@ import pytest
 
 from cpullm.gguf_file import permute_qk
 from cpullm.testing import make_random_checkpoint
-from tiny_configs import LLAMA32_LIKE, LLAMA_UNTIED_BIAS
+from cpullm_llama.tiny_configs import LLAMA
+from tiny_configs import LLAMA_UNTIED_BIAS
 
 ROOT = Path(__file__).resolve().parents[1]
 IDS = [int(x) for x in np.random.default_rng(3).integers(0, 255, 40)]
@@ -35,7 +36,7 @@ cli, gguf, llama_convert, paired, reporting, workers = (
     importlib.import_module(f"{compare.__name__}.{m}")
     for m in ("cli", "gguf", "llama_convert", "paired", "report", "workers"))
 
-CASES = {"llama32": LLAMA32_LIKE, "untied_bias": LLAMA_UNTIED_BIAS}
+CASES = {"llama32": LLAMA, "untied_bias": LLAMA_UNTIED_BIAS}
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -103,6 +104,7 @@ def test_compare_reports_a_missing_runtime_as_skipped(checkpoint, tmp_path, monk
     assert "weight bytes read per decode token" in md and "Read rate:" in md
 
 
+@pytest.mark.reference
 def test_compare_with_transformers(checkpoint, tmp_path):
     pytest.importorskip("torch", reason="torch is an optional extra (pip install 'cpullm[bench]')")
     pytest.importorskip("transformers", reason="transformers is an optional extra (pip install 'cpullm[bench]')")
@@ -172,7 +174,7 @@ def test_compare_with_llama_cpp_q8_0(checkpoint, tmp_path):
 # ---- 4-bit (--four-bit) ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llama32_checkpoint(tmp_path_factory):
-    return make_random_checkpoint(dict(LLAMA32_LIKE, model_type="llama"), tmp_path_factory.mktemp("cmp4"), seed=5)
+    return make_random_checkpoint(dict(LLAMA), tmp_path_factory.mktemp("cmp4"), seed=5)
 
 
 def _kl_ok(row):
@@ -415,7 +417,7 @@ def test_llama_cpp_converter_makes_the_q8_0_of_a_gemma2_checkpoint(tmp_path, req
     import cpullm
     from cpullm_gemma.tiny_configs import GEMMA2
 
-    llama_ckpt = make_random_checkpoint(dict(LLAMA32_LIKE, model_type="llama"), tmp_path / "llama", seed=5)
+    llama_ckpt = make_random_checkpoint(dict(LLAMA), tmp_path / "llama", seed=5)
     ckpt = make_random_checkpoint(dict(GEMMA2), tmp_path / "gemma2", seed=5)
     assert llama_convert.writer_has_table(llama_ckpt) and not llama_convert.writer_has_table(ckpt)
     cached = request.config.cache.mkdir("llama-cpp-converter")   # fetched (~77 MB) once, in .pytest_cache
@@ -453,7 +455,7 @@ def test_llama_cpp_converter_and_cpullm_writer_give_the_same_q8_0(tmp_path, requ
     pytest.importorskip("transformers", reason="llama.cpp's convert_hf_to_gguf.py needs transformers")
     import gguf
 
-    ckpt = make_random_checkpoint(dict(LLAMA32_LIKE, model_type="llama", architectures=["LlamaForCausalLM"]),
+    ckpt = make_random_checkpoint(dict(LLAMA),
                                   tmp_path / "llama", seed=5)
     try:
         src = llama_convert.llama_cpp_converter(request.config.cache.mkdir("llama-cpp-converter"), say=lambda msg: None)

@@ -70,6 +70,7 @@ def synth_qwen3(tmp_path_factory):
 BUILD_ALLOWANCE = {"int8": 96 * MB, "q4": 192 * MB}
 
 
+@pytest.mark.reference
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc (VmHWM reset)")
 @pytest.mark.parametrize("quant", ["int8", "q4"])
 def test_build_and_cached_load_peak_within_the_bounds(synth_qwen3, tmp_path, quant):

@@ -452,6 +452,7 @@ def test_conversation_drops_oldest_turns_to_fit(fake_model):
     ("gemma3", GEMMA3, [{"role": "system", "content": "S"}] + USER_HI, {}),
     ("qwen3-no-thinking", QWEN3_TAIL, USER_HI, {"enable_thinking": False}),
 ])
+@pytest.mark.reference
 def test_rendering_matches_transformers(name, template, messages, kwargs, tmp_path):
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer

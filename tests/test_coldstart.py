@@ -179,6 +179,7 @@ def test_info_reports_the_parameter_count(cfg, tied, tmp_path):
     assert again.cache_status == "HIT" and again.info()["params"] == m.info()["params"]
 
 
+@pytest.mark.reference
 def test_parameter_count_matches_transformers(tmp_path):
     pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -237,6 +238,7 @@ def test_warmup_child_ignores_a_cpullm_folder_in_the_working_directory(tmp_path)
     assert r.stdout.split() == ["copy"]
 
 
+@pytest.mark.cold
 @pytest.mark.slow      # compiles every kernel of a small Llama with an empty numba cache (~1 min)
 def test_cold_start_in_two_processes_then_nothing_to_compile(tiny, tmp_path):
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), CPULLM_QUIET="1")

@@ -297,6 +297,7 @@ def test_unsupported_tensor_type_fails_before_writing(tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists() and _leftovers(tmp_path, "out") == []
 
 
+@pytest.mark.reference
 def test_bf16_rounding_matches_torch():
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(0)
@@ -470,6 +471,7 @@ TOKEN_TEXTS = [
 ]
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
 def test_tiny_matches_transformers_gguf_loader(arch, tmp_path):
     pytest.importorskip("transformers")

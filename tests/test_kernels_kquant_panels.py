@@ -114,6 +114,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.cold
 def test_every_isa_variant_gives_the_same_bits(tmp_path):
     """Each variant this CPU runs, compiled in a process of its own (own numba cache), equals the
     reference and the others bit for bit."""

@@ -50,6 +50,7 @@ def test_rmsnorm(T, width, group, parallel):
     np.testing.assert_allclose(got, N.rmsnorm_ref(x, w, 1e-6, group), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.reference
 @pytest.mark.parametrize("T,width,group", [(1, 37, 37), (5, 64, 16), (9, 96, 96)])
 @pytest.mark.parametrize("parallel", [False, True])
 @pytest.mark.parametrize("bias", [False, True])

@@ -30,6 +30,7 @@ def gemma3(tmp_path_factory):
     return d
 
 
+@pytest.mark.reference
 def test_gemma3_sliding_layers_hold_their_window_at_32k(gemma3):
     cfg = json.loads((gemma3 / "config.json").read_text())["text_config"]
     window = cfg["sliding_window"]

@@ -10,6 +10,8 @@ import sys
 import textwrap
 import time
 
+import pytest
+
 from cpullm.kernels import numba_cache_lock
 
 MODULE = textwrap.dedent('''
@@ -62,6 +64,7 @@ def test_the_lock_is_installed_on_posix():
     assert numba_cache_lock.INSTALLED == (os.name == "posix")
 
 
+@pytest.mark.cold
 def test_two_processes_writing_one_cache_leave_every_entry_loadable(tmp_path):
     if not numba_cache_lock.INSTALLED:
         import pytest

@@ -15,8 +15,8 @@ from cpullm.sampling import SamplingParams
 from cpullm.scheduler import Scheduler
 from cpullm.sequence import Sequence
 from cpullm.testing import make_random_checkpoint
-from test_gemma_parity import GEMMA2_2B_LIKE, GEMMA3_270M_LIKE
-from test_qwen_parity import QWEN2_SLIDING_UNTIED, QWEN35_TEXT_ONLY
+from cpullm_gemma.tiny_configs import GEMMA2_2B_LIKE, GEMMA3_270M_LIKE
+from cpullm_qwen.tiny_configs import QWEN2_SLIDING_UNTIED, QWEN35_TEXT_ONLY
 from tiny_configs import SMOLLM2_LIKE
 
 FAMILIES = {

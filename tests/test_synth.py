@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.reference   # needs torch and transformers
+
 import cpullm
 from cpullm import testing
 from cpullm.chat import render_chat

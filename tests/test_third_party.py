@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.install
+
 THIRD_PARTY = Path(__file__).parent / "third_party"
 VARIANT = "cpullm-plugin-tinyvariant"
 FAST = "cpullm-plugin-tinyvariant-fast"

@@ -3,15 +3,6 @@ from __future__ import annotations
 
 from hf_reference import TINY_VOCAB
 
-LLAMA32_LIKE = dict(  # Llama-3.2-3B-Instruct: llama3 rope scaling, tied, GQA 24/8 (here 6/2), head_dim 128 -> 16
-    hidden_size=96, intermediate_size=192, num_hidden_layers=3, num_attention_heads=6,
-    num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, vocab_size=TINY_VOCAB,
-    max_position_embeddings=131072, tie_word_embeddings=True, bos_token_id=256, eos_token_id=257,
-    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
-                     "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                     "original_max_position_embeddings": 8192},
-)
-
 SMOLLM2_LIKE = dict(  # SmolLM2-135M: 9 heads over 3 KV heads, head_dim 64, rope_theta 100000, tied
     hidden_size=576 // 4, intermediate_size=384, num_hidden_layers=3, num_attention_heads=9,
     num_key_value_heads=3, head_dim=16, rms_norm_eps=1e-5, vocab_size=TINY_VOCAB,

@@ -1,7 +1,7 @@
 """What the Gemma model types share: activation and layer-pattern rules, the weight map as data,
 and the decoder graph built from :mod:`cpullm.blocks`.
 
-Conventions (transformers 5.24, see ARCHITECTURES.md sections 0-3):
+Conventions (as transformers 5.24's Gemma models compute):
 
 * every RMSNorm is zero-centred, ``n * (1 + w)``: the weight map folds ``1 + w`` once at load
   (``ADD_ONE``), so the graph uses the core's plain ``n * w`` norm;
@@ -9,7 +9,7 @@ Conventions (transformers 5.24, see ARCHITECTURES.md sections 0-3):
   dtype, so a *bf16* run uses the bf16-rounded value (sqrt(640) = 25.298 -> 25.25), while a
   *float32* run uses the exact value. cpullm computes in float32 (INT8 weights are dequantized to
   float32 too), so it uses the exact float32 ``sqrt(hidden_size)``: the same number transformers
-  uses when it runs in float32, which is the parity reference (tests/test_gemma_parity.py) and
+  uses when it runs in float32, which is the parity reference (plugins/gemma/tests/test_gemma_parity.py) and
   how the real-model test loads gemma-3-270m. Versus a bf16 transformers run the difference is
   about 0.1-0.2 % of the embedding scale, well inside bf16's own rounding noise;
 * the MLP is GeGLU with the tanh approximation of GELU.
@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import math
 
-from cpullm import blocks
-from cpullm.errors import ConfigError, UnsupportedConfigError
-from cpullm.family import LayerSpec, RopeSpec, require
-from cpullm.ir import GraphBuilder
-from cpullm.weightmap import ADD_ONE, W, WeightMap
+import attrs
+
+from cpullm.plugin import (ADD_ONE, ConfigError, GraphBuilder, RopeSpec,
+                           UnsupportedConfigError, WeightMap, blocks, decoder_stack,
+                           require, standard_rules)
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -52,7 +52,7 @@ def embed_scale(hidden_size: int) -> float:
 
 def glu_act(name: str, key: str, gelu_means_tanh: bool = False) -> str:
     """The GLU activation for a config's activation name. ``gelu_means_tanh``: Gemma 1's config
-    class rewrites ``"gelu"`` to ``"gelu_pytorch_tanh"`` (ARCHITECTURES.md quirk 10.1)."""
+    class rewrites ``"gelu"`` to ``"gelu_pytorch_tanh"``."""
     if name in GELU_TANH_NAMES or (gelu_means_tanh and name == "gelu"):
         return "gelu_tanh"
     supported = ", ".join(GELU_TANH_NAMES + (("gelu",) if gelu_means_tanh else ()))
@@ -114,6 +114,16 @@ def sliding_window(value, types: tuple) -> int:
     return value
 
 
+@attrs.define(frozen=True)
+class LayerSpec:
+    """What one Gemma layer's attention declares (from the config, never guessed from weights)."""
+
+    sliding_window: int = 0           # 0 = full causal attention
+    rope: RopeSpec | None = None
+    attn_softcap: float = 0.0         # 0 = none
+    qk_norm: bool = False
+
+
 def layer_specs(types: tuple, window: int, ropes: dict, attn_softcap: float, qk_norm: bool) -> tuple:
     """One LayerSpec per layer; ``ropes`` maps layer type -> RopeSpec."""
     return tuple(LayerSpec(sliding_window=window if t == SLIDING else 0, rope=ropes[t],
@@ -134,36 +144,11 @@ def rope_spec(params: dict, head_dim: int, key: str = "rope_parameters (or rope_
 # Weight map (data)
 # ---------------------------------------------------------------------------------------------
 def weight_map(a, norm_names: dict, qk_norm: bool = False, aliases=(), ignore=()) -> WeightMap:
-    """Gemma checkpoint names -> canonical names. Every norm gets ``ADD_ONE`` (``1 + w``)."""
-    H, V, I, D = a.hidden_size, a.vocab_size, a.intermediate_size, a.head_dim
-    q, kv = a.num_attention_heads * D, a.num_key_value_heads * D
-    L = "model.layers.{i}."
-    tied = a.tie_word_embeddings
-    rules = [
-        W("embed", "model.embed_tokens.weight", (V, H)),
-        W("final_norm", "model.norm.weight", (H,), transform=ADD_ONE),
-        W("lm_head", None if tied else "lm_head.weight", (V, H), tied_to="embed" if tied else None),
-        W("layers.{i}.attn.q_proj", L + "self_attn.q_proj.weight", (q, H)),
-        W("layers.{i}.attn.k_proj", L + "self_attn.k_proj.weight", (kv, H)),
-        W("layers.{i}.attn.v_proj", L + "self_attn.v_proj.weight", (kv, H)),
-        W("layers.{i}.attn.o_proj", L + "self_attn.o_proj.weight", (H, q)),
-        W("layers.{i}.mlp.gate_proj", L + "mlp.gate_proj.weight", (I, H)),
-        W("layers.{i}.mlp.up_proj", L + "mlp.up_proj.weight", (I, H)),
-        W("layers.{i}.mlp.down_proj", L + "mlp.down_proj.weight", (H, I)),
-    ]
-    rules += [W(f"layers.{{i}}.{canonical}", f"{L}{stored}.weight", (H,), transform=ADD_ONE)
-              for canonical, stored in norm_names.items()]
-    if qk_norm:
-        rules += [W("layers.{i}.attn.q_norm", L + "self_attn.q_norm.weight", (D,), transform=ADD_ONE),
-                  W("layers.{i}.attn.k_norm", L + "self_attn.k_norm.weight", (D,), transform=ADD_ONE)]
-    if a.attention_bias:
-        rules += [W("layers.{i}.attn.q_bias", L + "self_attn.q_proj.bias", (q,)),
-                  W("layers.{i}.attn.k_bias", L + "self_attn.k_proj.bias", (kv,)),
-                  W("layers.{i}.attn.v_bias", L + "self_attn.v_proj.bias", (kv,)),
-                  W("layers.{i}.attn.o_bias", L + "self_attn.o_proj.bias", (H,))]
+    """Gemma checkpoint names -> canonical names: the standard decoder tensors with the family's
+    own per-layer norms (``norm_names``: canonical -> stored module), every norm ``1 + w``."""
+    rules = standard_rules(a, norm=ADD_ONE, norms=norm_names, qkv_bias=a.attention_bias,
+                           o_bias=a.attention_bias, qk_norm=qk_norm)
     ignored = [r"rotary_emb\.[a-z_]*inv_freq$"]          # buffers some old checkpoints saved
-    if tied:
-        ignored.append(r"^lm_head\.weight$")              # tied: transformers ignores it too
     return WeightMap(rules=rules, n_layers=a.num_hidden_layers, aliases=list(aliases),
                      ignore=ignored + list(ignore))
 
@@ -179,21 +164,17 @@ def build_graph(a, g: GraphBuilder, *, sandwich: bool, final_softcap: float):
     def mlp(g, i, x):                                      # (T, H) -> (T, H)
         return blocks.glu_mlp(g, i, x, a.hidden_size, a.intermediate_size, act=a.glu_act)
 
-    def mixer_for(spec: LayerSpec):
-        def mixer(g, i, x):                                # (T, H) -> (T, H)
-            return blocks.attention(
-                g, i, x, hidden=a.hidden_size, n_heads=a.num_attention_heads,
-                n_kv_heads=a.num_key_value_heads, head_dim=a.head_dim, rope_spec=spec.rope,
-                scale=a.attn_scale, qkv_bias=a.attention_bias, o_bias=a.attention_bias,
-                qk_norm_eps=eps if spec.qk_norm else None, softcap=spec.attn_softcap,
-                window=spec.sliding_window)
-        return mixer
+    def mixer(g, i, x):                                    # (T, H) -> (T, H)
+        spec = a.layer_specs[i]
+        return blocks.attention(
+            g, i, x, hidden=a.hidden_size, n_heads=a.num_attention_heads,
+            n_kv_heads=a.num_key_value_heads, head_dim=a.head_dim, rope_spec=spec.rope,
+            scale=a.attn_scale, qkv_bias=a.attention_bias, o_bias=a.attention_bias,
+            qk_norm_eps=eps if spec.qk_norm else None, softcap=spec.attn_softcap,
+            window=spec.sliding_window)
 
-    h = blocks.embed(g, a.hidden_size, scale=a.embed_scale)          # (T, H)
-    for i, spec in enumerate(a.layer_specs):
-        h = blocks.decoder_layer(g, i, h, mixer_for(spec), mlp, eps, sandwich=sandwich)
-    g.meta["sliding_layers"] = [i for i, s in enumerate(a.layer_specs) if s.sliding_window]
-    return g.build(blocks.lm_head(g, h, a.vocab_size, eps, final_softcap=final_softcap))  # (R, V)
+    return decoder_stack(g, a, mixer, mlp, embed_scale=a.embed_scale, sandwich=sandwich,
+                         final_softcap=final_softcap)
 
 
 def unsupported_rope(key: str, value) -> UnsupportedConfigError:

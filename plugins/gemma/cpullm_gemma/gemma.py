@@ -4,16 +4,14 @@ Pre-norm decoder with zero-centred RMSNorms (``1 + w``, folded at load), embeddi
 sqrt(hidden_size), RoPE over the whole head, full causal attention scaled by head_dim**-0.5
 (multi-query in gemma-2b: one KV head), GeGLU MLP with tanh-GELU, tied lm_head.
 
-Quirk (ARCHITECTURES.md 10.1): the real configs say ``hidden_act: "gelu"``, which GemmaConfig
+A transformers quirk: the real configs say ``hidden_act: "gelu"``, which GemmaConfig
 rewrites to ``gelu_pytorch_tanh``; ``hidden_activation`` is ignored by Gemma 1 in transformers 5.
 """
 from __future__ import annotations
 
 import attrs
 
-from cpullm import blocks
-from cpullm.family import Args, FamilySpec
-from cpullm.ir import GraphBuilder
+from cpullm.plugin import Args, FamilySpec, GraphBuilder, blocks
 
 from . import chat_formats, common, tiny_configs
 

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import attrs
 
-from cpullm import blocks
-from cpullm.family import Args, FamilySpec
-from cpullm.ir import GraphBuilder
+from cpullm.plugin import Args, FamilySpec, GraphBuilder, blocks
 
 from . import chat_formats, common, tiny_configs
 

@@ -7,15 +7,14 @@ google/gemma-3-4b-it and larger. Only its text model runs.
   transformers 4.5x) or ``model.language_model.*`` (transformers 5 save_pretrained); an untied
   lm_head under ``language_model.lm_head.*`` or ``lm_head.*``.
 * The vision tower and the projector are ignored (the core prints a one-line notice).
-* The wrapper never applies ``final_logit_softcapping`` (quirk 10.3), and no Gemma 3 attention
-  applies ``attn_logit_softcapping`` (quirk 10.2).
+* The wrapper never applies ``final_logit_softcapping``, and no Gemma 3 attention
+  applies ``attn_logit_softcapping``.
 """
 from __future__ import annotations
 
 import attrs
 
-from cpullm.family import FamilySpec, text_config
-from cpullm.ir import GraphBuilder
+from cpullm.plugin import FamilySpec, GraphBuilder, text_config
 
 from . import chat_formats, gemma3_text, tiny_configs
 

@@ -11,16 +11,15 @@ Gemma 2's layer (sandwich norms, ``query_pre_attn_scalar``) plus:
   layers the global base (``rope_theta``, 1e6) with ``rope_scaling`` (linear, factor 8 in 4B).
   transformers 5 writes both as ``rope_parameters = {"full_attention": {...},
   "sliding_attention": {...}}``; both layouts are read;
-* no attention soft-capping: Gemma3Attention ignores ``attn_logit_softcapping`` (quirk 10.2);
-* Gemma3ForCausalLM applies ``final_logit_softcapping`` when it is set (quirk 10.3; null in the
+* no attention soft-capping: Gemma3Attention ignores ``attn_logit_softcapping``;
+* Gemma3ForCausalLM applies ``final_logit_softcapping`` when it is set (null in the
   real configs). The multimodal wrapper never does (:mod:`.gemma3`).
 """
 from __future__ import annotations
 
 import attrs
 
-from cpullm.family import Args, FamilySpec
-from cpullm.ir import GraphBuilder
+from cpullm.plugin import Args, FamilySpec, GraphBuilder
 
 from . import chat_formats, common, tiny_configs
 
@@ -71,7 +70,7 @@ class Gemma3TextArgs(Args):
     sliding_window: int | None = 4096
     sliding_window_pattern: int = DEFAULT_PATTERN
     final_logit_softcapping: float | None = None
-    attn_logit_softcapping: float | None = None   # ignored by transformers 5.24 (quirk 10.2)
+    attn_logit_softcapping: float | None = None   # ignored by transformers 5.24's Gemma3Attention
     use_bidirectional_attention: bool | None = False
     # derived in derive()
     glu_act: str = ""

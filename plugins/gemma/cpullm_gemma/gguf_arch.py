@@ -1,10 +1,8 @@
 """How llama.cpp's ``gemma3`` GGUF architecture converts to a transformers Gemma 3 text checkpoint."""
 from __future__ import annotations
 
-from cpullm import limits
-from cpullm.gguf_file import DENSE_LAYER_NAMES, QK_NORM_LAYER_NAMES, meta_int
-from cpullm.errors import ConversionError
-from cpullm.family import GGUFArch
+from cpullm.plugin import (DENSE_LAYER_NAMES, QK_NORM_LAYER_NAMES, ConversionError, GGUFArch, limits,
+                           meta_int)
 
 # "Sandwich" norms: llama.cpp's ffn_norm is the *pre*-feedforward norm here.
 LAYER_NAMES = {

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from cpullm.toolcalls import WS, MalformedCall, ToolFormat, json_rule, lark_string, object_schema, parse_json_call
+from cpullm.plugin import WS, MalformedCall, ToolFormat, json_rule, lark_string, object_schema, parse_json_call
 
 
 

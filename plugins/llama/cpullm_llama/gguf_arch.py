@@ -1,8 +1,7 @@
 """How llama.cpp's ``llama`` GGUF architecture converts to a transformers Llama checkpoint."""
 from __future__ import annotations
 
-from cpullm.gguf_file import DENSE_LAYER_NAMES
-from cpullm.family import GGUFArch
+from cpullm.plugin import DENSE_LAYER_NAMES, GGUFArch
 
 # Pre-tokenizer split regexes per ``tokenizer.ggml.pre`` of files in this architecture, as
 # transformers' GGUF converter uses them.

@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import attrs
 
-from cpullm import blocks
-from cpullm.errors import ConfigError
-from cpullm.family import Args, FamilySpec, require
-from cpullm.ir import GraphBuilder
-from cpullm.weightmap import W, WeightMap
+from cpullm.plugin import (Args, ConfigError, FamilySpec, GraphBuilder, WeightMap, blocks, decoder_stack,
+                           require, standard_rules)
 
 from . import chat_formats, tiny_configs
 
@@ -58,31 +55,9 @@ class LlamaArgs(Args):
 
 
 def weight_map(a: LlamaArgs) -> WeightMap:
-    H, V, I = a.hidden_size, a.vocab_size, a.intermediate_size
-    q, kv = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
-    L = "model.layers.{i}."
-    rules = [
-        W("embed", "model.embed_tokens.weight", (V, H)),
-        W("final_norm", "model.norm.weight", (H,)),
-        W("lm_head", None if a.tie_word_embeddings else "lm_head.weight", (V, H), tied_to="embed"
-          if a.tie_word_embeddings else None),
-        W("layers.{i}.attn_norm", L + "input_layernorm.weight", (H,)),
-        W("layers.{i}.mlp_norm", L + "post_attention_layernorm.weight", (H,)),
-        W("layers.{i}.attn.q_proj", L + "self_attn.q_proj.weight", (q, H)),
-        W("layers.{i}.attn.k_proj", L + "self_attn.k_proj.weight", (kv, H)),
-        W("layers.{i}.attn.v_proj", L + "self_attn.v_proj.weight", (kv, H)),
-        W("layers.{i}.attn.o_proj", L + "self_attn.o_proj.weight", (H, q)),
-        W("layers.{i}.mlp.gate_proj", L + "mlp.gate_proj.weight", (I, H)),
-        W("layers.{i}.mlp.up_proj", L + "mlp.up_proj.weight", (I, H)),
-        W("layers.{i}.mlp.down_proj", L + "mlp.down_proj.weight", (H, I)),
-    ]
-    if a.attention_bias:
-        rules += [W("layers.{i}.attn.q_bias", L + "self_attn.q_proj.bias", (q,)),
-                  W("layers.{i}.attn.k_bias", L + "self_attn.k_proj.bias", (kv,)),
-                  W("layers.{i}.attn.v_bias", L + "self_attn.v_proj.bias", (kv,)),
-                  W("layers.{i}.attn.o_bias", L + "self_attn.o_proj.bias", (H,))]
-    ignore = [r"^lm_head\.weight$"] if a.tie_word_embeddings else []
-    ignore.append(r"rotary_emb\.inv_freq$")        # buffers some old checkpoints saved
+    """The standard decoder tensors; with ``attention_bias`` all four projections carry a bias."""
+    rules = standard_rules(a, qkv_bias=a.attention_bias, o_bias=a.attention_bias)
+    ignore = [r"rotary_emb\.inv_freq$"]        # buffers some old checkpoints saved
     return WeightMap(rules=rules, n_layers=a.num_hidden_layers, ignore=ignore)
 
 
@@ -93,13 +68,7 @@ def build_graph(a: LlamaArgs, g: GraphBuilder):
                                 rope_spec=a.rope, scale=a.head_dim ** -0.5, qkv_bias=a.attention_bias,
                                 o_bias=a.attention_bias)
 
-    def mlp(g, i, x):
-        return blocks.glu_mlp(g, i, x, a.hidden_size, a.intermediate_size, act="silu")
-
-    h = blocks.embed(g, a.hidden_size)
-    for i in range(a.num_hidden_layers):
-        h = blocks.decoder_layer(g, i, h, mixer, mlp, a.rms_norm_eps)
-    return g.build(blocks.lm_head(g, h, a.vocab_size, a.rms_norm_eps))
+    return decoder_stack(g, a, mixer)
 
 
 FAMILY = FamilySpec(

@@ -1,5 +1,5 @@
 """Entry point of cpullm-plugin-llama: registers the family; imports nothing heavy."""
-from cpullm.hookspecs import hookimpl
+from cpullm.plugin import hookimpl
 
 
 @hookimpl

@@ -24,8 +24,8 @@ from __future__ import annotations
 import json
 import re
 
-from cpullm.toolcalls import (WS, MalformedCall, ReasoningFormat, ToolCall, ToolFormat, json_rule,
-                              lark_string, object_schema, parse_json_call)
+from cpullm.plugin import (WS, MalformedCall, ReasoningFormat, ToolCall, ToolFormat, json_rule,
+                            lark_string, object_schema, parse_json_call)
 
 TRIGGER = "<tool_call>"
 END = "</tool_call>"

@@ -1,11 +1,10 @@
-"""Pieces every Qwen model type shares: layer-type checks, the lm_head rule, prefix aliases,
+"""Pieces every Qwen model type shares: layer-type checks, prefix aliases,
 and the per-head row reordering of Qwen3.5's gated q projection."""
 from __future__ import annotations
 
 import numpy as np
 
-from cpullm.errors import UnsupportedConfigError
-from cpullm.weightmap import Transform, W
+from cpullm.plugin import Transform, UnsupportedConfigError
 
 # Prefixes real checkpoints use for the text model, mapped onto the text-only form ("model.").
 #   model.language_model.*   multimodal wrappers saved by transformers (Qwen3.5 Hub checkpoints)
@@ -34,12 +33,6 @@ def check_layer_types(layer_types, n_layers: int, allowed: tuple, key: str = "la
                 f"config key {key!r} entry {i} = {t!r} is not supported by this family "
                 f"(supported: {', '.join(allowed)})")
     return types
-
-
-def lm_head_rule(tied: bool, vocab: int, hidden: int) -> W:
-    """lm_head: tied -> the embedding, unless the checkpoint stores its own lm_head.weight (as
-    transformers, which does not tie two stored tensors that differ); untied -> required."""
-    return W("lm_head", "lm_head.weight", (vocab, hidden), tied_to="embed" if tied else None)
 
 
 def per_head_halves(n_heads: int, head_dim: int, parts: int = 2) -> Transform:

@@ -10,11 +10,9 @@ RMSNorm over head_dim before RoPE), and a per-layer attention window (0 = full c
 """
 from __future__ import annotations
 
-from cpullm import blocks
-from cpullm.ir import GraphBuilder
-from cpullm.weightmap import W, WeightMap
+from cpullm.plugin import GraphBuilder, WeightMap, blocks, decoder_stack, standard_rules
 
-from .common import BUFFER_IGNORES, TEXT_PREFIX_ALIASES, check_layer_types, lm_head_rule
+from .common import BUFFER_IGNORES, TEXT_PREFIX_ALIASES, check_layer_types
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -33,32 +31,7 @@ def layer_windows(a) -> tuple:
 
 
 def weight_map(a) -> WeightMap:
-    H, V, I = a.hidden_size, a.vocab_size, a.intermediate_size
-    q, kv, hd = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim, a.head_dim
-    L = "model.layers.{i}."
-    rules = [
-        W("embed", "model.embed_tokens.weight", (V, H)),
-        W("final_norm", "model.norm.weight", (H,)),
-        lm_head_rule(a.tie_word_embeddings, V, H),
-        W("layers.{i}.attn_norm", L + "input_layernorm.weight", (H,)),
-        W("layers.{i}.mlp_norm", L + "post_attention_layernorm.weight", (H,)),
-        W("layers.{i}.attn.q_proj", L + "self_attn.q_proj.weight", (q, H)),
-        W("layers.{i}.attn.k_proj", L + "self_attn.k_proj.weight", (kv, H)),
-        W("layers.{i}.attn.v_proj", L + "self_attn.v_proj.weight", (kv, H)),
-        W("layers.{i}.attn.o_proj", L + "self_attn.o_proj.weight", (H, q)),
-        W("layers.{i}.mlp.gate_proj", L + "mlp.gate_proj.weight", (I, H)),
-        W("layers.{i}.mlp.up_proj", L + "mlp.up_proj.weight", (I, H)),
-        W("layers.{i}.mlp.down_proj", L + "mlp.down_proj.weight", (H, I)),
-    ]
-    if a.qkv_bias:
-        rules += [W("layers.{i}.attn.q_bias", L + "self_attn.q_proj.bias", (q,)),
-                  W("layers.{i}.attn.k_bias", L + "self_attn.k_proj.bias", (kv,)),
-                  W("layers.{i}.attn.v_bias", L + "self_attn.v_proj.bias", (kv,))]
-    if a.o_bias:
-        rules.append(W("layers.{i}.attn.o_bias", L + "self_attn.o_proj.bias", (H,)))
-    if a.qk_norm:
-        rules += [W("layers.{i}.attn.q_norm", L + "self_attn.q_norm.weight", (hd,)),
-                  W("layers.{i}.attn.k_norm", L + "self_attn.k_norm.weight", (hd,))]
+    rules = standard_rules(a, qkv_bias=a.qkv_bias, o_bias=a.o_bias, qk_norm=a.qk_norm)
     return WeightMap(rules=rules, n_layers=a.num_hidden_layers, aliases=list(TEXT_PREFIX_ALIASES),
                      ignore=list(BUFFER_IGNORES))
 
@@ -71,10 +44,4 @@ def build_graph(a, g: GraphBuilder):
                                 o_bias=a.o_bias, qk_norm_eps=a.rms_norm_eps if a.qk_norm else None,
                                 window=a.layer_windows[i])
 
-    def mlp(g, i, x):
-        return blocks.glu_mlp(g, i, x, a.hidden_size, a.intermediate_size, act="silu")
-
-    h = blocks.embed(g, a.hidden_size)
-    for i in range(a.num_hidden_layers):
-        h = blocks.decoder_layer(g, i, h, mixer, mlp, a.rms_norm_eps)
-    return g.build(blocks.lm_head(g, h, a.vocab_size, a.rms_norm_eps))
+    return decoder_stack(g, a, mixer)

@@ -1,8 +1,7 @@
 """How llama.cpp's ``qwen2`` and ``qwen3`` GGUF architectures convert to transformers checkpoints."""
 from __future__ import annotations
 
-from cpullm.gguf_file import DENSE_LAYER_NAMES, QK_NORM_LAYER_NAMES
-from cpullm.family import GGUFArch
+from cpullm.plugin import DENSE_LAYER_NAMES, QK_NORM_LAYER_NAMES, GGUFArch
 
 # Pre-tokenizer split regexes per ``tokenizer.ggml.pre``, as transformers' GGUF converter uses them.
 QWEN2_SPLIT = (

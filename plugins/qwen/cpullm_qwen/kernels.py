@@ -7,8 +7,7 @@ sequence the other started.
 """
 from __future__ import annotations
 
-from cpullm.family import KernelSpec
-from cpullm.ir import Op
+from cpullm.plugin import KernelSpec, Op
 
 VERSION = "1"
 _impl = None

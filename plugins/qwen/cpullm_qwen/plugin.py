@@ -1,6 +1,6 @@
 """Entry point of cpullm-plugin-qwen: registers the families and the fused Gated DeltaNet
 kernel. Imports nothing heavy: numba kernels are compiled only when first called."""
-from cpullm.hookspecs import hookimpl
+from cpullm.plugin import hookimpl
 
 
 @hookimpl

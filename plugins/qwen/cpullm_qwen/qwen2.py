@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import attrs
 
-from cpullm import blocks
-from cpullm.family import Args, FamilySpec, require
+from cpullm.plugin import Args, FamilySpec, blocks, require
 
 from . import chat_formats, dense, tiny_configs
 

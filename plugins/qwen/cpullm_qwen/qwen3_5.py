@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import attrs
 
-from cpullm.family import FamilySpec, text_config
+from cpullm.plugin import FamilySpec, text_config
 
 from . import chat_formats, qwen3_5_text, tiny_configs
 

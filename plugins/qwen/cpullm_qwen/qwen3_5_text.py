@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import attrs
 
-from cpullm import blocks
-from cpullm.family import Args, FamilySpec, require
-from cpullm.ir import GraphBuilder
-from cpullm.weightmap import ADD_ONE, W, WeightMap
+from cpullm.plugin import (ADD_ONE, W, Args, FamilySpec, GraphBuilder, WeightMap, blocks, decoder_stack,
+                           lm_head_rule, require)
 
 from . import chat_formats, tiny_configs
 from .common import (BUFFER_IGNORES, MULTIMODAL_IGNORES, TEXT_PREFIX_ALIASES, check_layer_types,
-                     lm_head_rule, per_head_halves)
+                     per_head_halves)
 
 LAYER_TYPES = ("linear_attention", "full_attention")
 
@@ -140,13 +138,7 @@ def build_graph(a: Qwen35TextArgs, g: GraphBuilder):
                                   v_head_dim=a.linear_value_head_dim,
                                   conv_kernel=a.linear_conv_kernel_dim, norm_eps=a.rms_norm_eps)
 
-    def mlp(g, i, x):
-        return blocks.glu_mlp(g, i, x, a.hidden_size, a.intermediate_size, act="silu")
-
-    h = blocks.embed(g, a.hidden_size)
-    for i in range(a.num_hidden_layers):
-        h = blocks.decoder_layer(g, i, h, mixer, mlp, a.rms_norm_eps)
-    return g.build(blocks.lm_head(g, h, a.vocab_size, a.rms_norm_eps))
+    return decoder_stack(g, a, mixer)
 
 
 FAMILY = FamilySpec(

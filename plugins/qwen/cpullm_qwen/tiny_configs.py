@@ -34,3 +34,25 @@ QWEN3_5 = dict(  # the multimodal wrapper: the text model in text_config (no vis
     model_type="qwen3_5", architectures=["Qwen3_5ForConditionalGeneration"], tie_word_embeddings=True,
     text_config=dict(_QWEN35_TEXT, model_type="qwen3_5_text"),
 )
+
+# Parity configs of the family's tests (plugins/qwen/tests), also run by the core's scheduler tests.
+QWEN2_SLIDING_UNTIED = dict(  # untied lm_head; use_sliding_window on: layers >= 1 see 8 keys
+    hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+    num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=4096,
+    tie_word_embeddings=False, use_sliding_window=True, sliding_window=8, max_window_layers=1,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **_TOKENS,
+)
+
+# Qwen3.5-4B text_config, shrunk: hybrid layers, GQA 4/2 with head_dim 32 (heads*hd != hidden),
+# output gate, partial rotary 0.25 (rotary_dim 8) with M-RoPE keys, linear heads nv = 2 * nk.
+QWEN35_TEXT = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+    max_position_embeddings=262144, linear_num_key_heads=2, linear_key_head_dim=16,
+    linear_num_value_heads=4, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                     "mrope_section": [2, 1, 1], "mrope_interleaved": True}, **_TOKENS,
+)
+# The text-only model: the default interval-4 pattern, untied, attention biases.
+QWEN35_TEXT_ONLY = dict(QWEN35_TEXT, tie_word_embeddings=False, attention_bias=True,
+                        layer_types=["linear_attention"] * 3 + ["full_attention"])

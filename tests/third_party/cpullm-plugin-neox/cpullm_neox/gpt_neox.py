@@ -23,10 +23,7 @@ from __future__ import annotations
 import attrs
 import numpy as np
 
-from cpullm import blocks
-from cpullm.family import Args, FamilySpec, require
-from cpullm.ir import GraphBuilder, Op
-from cpullm.weightmap import Transform, W, WeightMap
+from cpullm.plugin import W, Args, FamilySpec, GraphBuilder, Op, Transform, WeightMap, blocks, require
 
 
 @attrs.define

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from cpullm.family import OpSpec
+from cpullm.plugin import OpSpec
 
 
 def width(widths: tuple, attrs: dict) -> int:

@@ -1,6 +1,6 @@
 """Entry point of cpullm-plugin-neox: the family and its op; imports nothing heavy (numba kernels
 compile on their first call)."""
-from cpullm.hookspecs import hookimpl
+from cpullm.plugin import hookimpl
 
 
 @hookimpl

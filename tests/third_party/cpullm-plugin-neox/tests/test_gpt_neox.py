@@ -6,7 +6,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the reference is transformers (pip install torch transformers)")
 transformers = pytest.importorskip("transformers", reason="the reference is transformers")
 
-from cpullm import testing  # noqa: E402
+from cpullm.plugin import testing  # noqa: E402
 
 BASE = dict(vocab_size=272, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
             intermediate_size=160, max_position_embeddings=512, layer_norm_eps=1e-5,

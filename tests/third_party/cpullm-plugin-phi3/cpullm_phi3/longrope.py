@@ -15,8 +15,7 @@ import math
 
 import numpy as np
 
-from cpullm.errors import UnsupportedConfigError
-from cpullm.family import RopeType
+from cpullm.plugin import RopeType, UnsupportedConfigError
 
 
 def _factors(params: dict, key: str, n: int) -> np.ndarray:

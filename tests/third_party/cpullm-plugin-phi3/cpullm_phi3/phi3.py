@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import attrs
 
-from cpullm import blocks
-from cpullm.family import Args, FamilySpec, require
-from cpullm.ir import GraphBuilder
-from cpullm.weightmap import W, WeightMap
+from cpullm.plugin import W, Args, FamilySpec, GraphBuilder, WeightMap, blocks, require
 
 
 @attrs.define

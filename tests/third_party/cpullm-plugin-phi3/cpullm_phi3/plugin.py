@@ -1,5 +1,5 @@
 """Entry point of cpullm-plugin-phi3: the family and its RoPE scaling; imports nothing heavy."""
-from cpullm.hookspecs import hookimpl
+from cpullm.plugin import hookimpl
 
 
 @hookimpl

@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch", reason="the reference is transformers (pip 
 transformers = pytest.importorskip("transformers", reason="the reference is transformers")
 
 import cpullm  # noqa: E402
-from cpullm import testing  # noqa: E402
+from cpullm.plugin import testing  # noqa: E402
 
 HEAD_DIM, ORIGINAL = 16, 32
 BASE = dict(vocab_size=272, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

@@ -1,5 +1,5 @@
 """Entry point: the tinyllama_variant family again, under another name and with priority 1."""
-from cpullm.hookspecs import hookimpl
+from cpullm.plugin import hookimpl
 
 
 @hookimpl

@@ -21,11 +21,7 @@ from __future__ import annotations
 
 import attrs
 
-from cpullm import blocks
-from cpullm.errors import ConfigError
-from cpullm.family import Args, FamilySpec, require
-from cpullm.ir import GraphBuilder
-from cpullm.weightmap import ADD_ONE, W, WeightMap
+from cpullm.plugin import ADD_ONE, W, Args, ConfigError, FamilySpec, GraphBuilder, WeightMap, blocks, require
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 

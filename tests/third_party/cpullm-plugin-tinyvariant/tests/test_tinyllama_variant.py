@@ -5,7 +5,7 @@ import json
 import pytest
 from reference import reference_logits
 
-from cpullm import testing
+from cpullm.plugin import testing
 
 BASE = dict(
     model_type="tinyllama_variant", architectures=["TinyLlamaVariantForCausalLM"],

@@ -21,12 +21,15 @@ import json
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.reference   # needs torch and transformers
+
 torch = pytest.importorskip("torch", reason="torch is a test dependency (pip install -e '.[test]')")
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")
 
 import cpullm  # noqa: E402
 from cpullm import testing  # noqa: E402
 from cpullm.kernels.attention import padded_cap  # noqa: E402
+from cpullm_gemma.tiny_configs import GEMMA2_2B_LIKE, GEMMA3_270M_LIKE  # noqa: E402
 from hf_reference import TINY_VOCAB, hf_greedy, hf_logits, hf_model, save_tiny  # noqa: E402
 
 IDS = [256] + [int(x) for x in np.random.default_rng(7).integers(0, 255, 39)]   # 40 tokens
@@ -42,30 +45,9 @@ GEMMA_2B_LIKE = dict(
     hidden_act="gelu_pytorch_tanh", rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     **TOKENS)
 
-# gemma-2-2b: GQA 8/4 -> 4/2, query_pre_attn_scalar != head_dim here so the scale is tested,
-# alternating sliding layers (window 4096 -> 8), attention softcap 50, final softcap 30.
-GEMMA2_2B_LIKE = dict(
-    hidden_size=96, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=24, sliding_window=8,
-    attn_logit_softcapping=50.0, final_logit_softcapping=30.0, rms_norm_eps=1e-6,
-    max_position_embeddings=8192, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    **TOKENS)
-
-# gemma-3-270m: 4 heads over 1 KV head, 5 local : 1 global (7 layers: layer 5 is global),
-# window 512 -> 12, global theta 1e6 / local 1e4, no RoPE scaling. The softcap values exercise
-# quirks 10.2 (attention cap ignored) and 10.3 (Gemma3ForCausalLM applies the final cap).
-GEMMA3_270M_LIKE = dict(
-    hidden_size=96, intermediate_size=192, num_hidden_layers=7, num_attention_heads=4,
-    num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32, sliding_window=12,
-    rms_norm_eps=1e-6, max_position_embeddings=32768, attn_logit_softcapping=5.0,
-    final_logit_softcapping=10.0,
-    rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
-                     "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
-    **TOKENS)
-
 # gemma-3-4b-it's text model: heads 8 / kv 4 / query_pre_attn_scalar 256 / eps / thetas are
 # Gemma3TextConfig defaults (the legacy file omits them), linear RoPE factor 8 on global layers,
-# 6 layers (5 local, then the global layer 5), window 1024 -> 10. Softcaps set but never applied by the wrapper (quirks 10.2, 10.3).
+# 6 layers (5 local, then the global layer 5), window 1024 -> 10. Softcaps set but never applied by the wrapper.
 GEMMA3_4B_TEXT_LIKE = dict(
     hidden_size=128, intermediate_size=256, num_hidden_layers=6, num_attention_heads=8,
     num_key_value_heads=4, head_dim=16, sliding_window=10, attn_logit_softcapping=5.0,

@@ -11,12 +11,15 @@ import json
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.reference   # needs torch and transformers
+
 torch = pytest.importorskip("torch", reason="torch is a test dependency (pip install -e '.[test]')")
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")
 
 import cpullm  # noqa: E402
 from cpullm import testing  # noqa: E402
 from cpullm.errors import UnsupportedConfigError, WeightMapError  # noqa: E402
+from cpullm_qwen.tiny_configs import QWEN2_SLIDING_UNTIED, QWEN35_TEXT, QWEN35_TEXT_ONLY  # noqa: E402
 from hf_reference import TINY_VOCAB, hf_greedy, hf_logits, hf_model, save_tiny  # noqa: E402
 
 # ---- tiny configs mirroring the real checkpoints' structure ----------------------------------
@@ -26,13 +29,6 @@ QWEN25_LIKE = dict(  # Qwen2.5-1.5B-Instruct: GQA 12/2 (here 6/2), head_dim from
     hidden_size=96, intermediate_size=192, num_hidden_layers=3, num_attention_heads=6,
     num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=TINY_VOCAB, max_position_embeddings=32768,
     tie_word_embeddings=True, use_sliding_window=False, sliding_window=8, max_window_layers=1,
-    bos_token_id=256, eos_token_id=257, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-)
-
-QWEN2_SLIDING_UNTIED = dict(  # untied lm_head; use_sliding_window on: layers >= 1 see 8 keys
-    hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-    num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=TINY_VOCAB, max_position_embeddings=4096,
-    tie_word_embeddings=False, use_sliding_window=True, sliding_window=8, max_window_layers=1,
     bos_token_id=256, eos_token_id=257, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
 )
 
@@ -51,23 +47,9 @@ QWEN3_BIAS_UNTIED = dict(  # Qwen3-8B-like untied lm_head, plus attention_bias (
     bos_token_id=256, eos_token_id=257, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
 )
 
-# Qwen3.5-4B text_config, shrunk: hybrid layers, GQA 4/2 with head_dim 32 (heads*hd != hidden),
-# output gate, partial rotary 0.25 (rotary_dim 8) with M-RoPE keys, linear heads nv = 2 * nk.
-QWEN35_TEXT = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, vocab_size=TINY_VOCAB,
-    max_position_embeddings=262144, linear_num_key_heads=2, linear_key_head_dim=16,
-    linear_num_value_heads=4, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-    bos_token_id=256, eos_token_id=257,
-    rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
-                     "mrope_section": [2, 1, 1], "mrope_interleaved": True},
-)
 # The wrapper's text model: an interval-2 pattern (legacy layout: written as full_attention_interval).
 QWEN35_WRAPPER_TEXT = dict(QWEN35_TEXT, tie_word_embeddings=True,
                            layer_types=["linear_attention", "full_attention"] * 2)
-# The text-only model: the default interval-4 pattern, untied, attention biases.
-QWEN35_TEXT_ONLY = dict(QWEN35_TEXT, tie_word_embeddings=False, attention_bias=True,
-                        layer_types=["linear_attention"] * 3 + ["full_attention"])
 TINY_VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=64,
                    num_position_embeddings=16, patch_size=4, temporal_patch_size=2, spatial_merge_size=2)
 

@@ -10,6 +10,8 @@ import attrs
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.reference   # needs torch and transformers
+
 pytest.importorskip("torch", reason="torch is a test dependency (pip install -e '.[test]')")
 pytest.importorskip("transformers", reason="transformers is a test dependency")
 
@@ -30,7 +32,7 @@ def with_precision(graph: Graph, predicate, precision="f32") -> Graph:
     """The graph with ``precision`` set on the LINEAR/EMBED nodes ``predicate`` selects."""
     nodes = [attrs.evolve(n, attrs=tuple(sorted(n.attrs + (("precision", precision),))))
              if n.op in (Op.LINEAR, Op.EMBED) and predicate(n) else n for n in graph.nodes]
-    return Graph(nodes=nodes, output=graph.output, hidden=graph.hidden, meta=dict(graph.meta))
+    return Graph(nodes=nodes, output=graph.output, hidden=graph.hidden)
 
 
 def executor(model_dir, quant, keep_f32=None):

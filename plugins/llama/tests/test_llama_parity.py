@@ -4,16 +4,19 @@ import zlib
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.reference   # needs torch and transformers
+
 torch = pytest.importorskip("torch", reason="torch is a test dependency (pip install -e '.[test]')")
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")
 
 import cpullm  # noqa: E402
 from cpullm import testing  # noqa: E402
 from hf_reference import hf_greedy, hf_logits, hf_model, save_tiny  # noqa: E402
-from tiny_configs import LLAMA32_LIKE, LLAMA_UNTIED_BIAS, SMOLLM2_LIKE  # noqa: E402
+from cpullm_llama.tiny_configs import LLAMA  # noqa: E402
+from tiny_configs import LLAMA_UNTIED_BIAS, SMOLLM2_LIKE  # noqa: E402
 
 CASES = {
-    "llama32": LLAMA32_LIKE,
+    "llama32": {k: v for k, v in LLAMA.items() if k != "model_type"},   # Llama 3.2-like
     "smollm2": SMOLLM2_LIKE,
     "untied_bias": LLAMA_UNTIED_BIAS,
 }

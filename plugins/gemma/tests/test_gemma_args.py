@@ -9,7 +9,7 @@ from cpullm import blocks, plugins
 from cpullm.errors import ConfigError, UnsupportedConfigError, WeightMapError
 from cpullm.weightmap import ADD_ONE
 
-# The real google/gemma-3-4b-it config.json (ARCHITECTURES.md 3a): only non-default text keys.
+# The real google/gemma-3-4b-it config.json: only non-default text keys.
 GEMMA3_4B_IT = {
     "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
     "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144,
@@ -78,7 +78,7 @@ def test_cli_families_lists_them(capsys):
 # ---- Gemma 1 ------------------------------------------------------------------------------------
 def test_gemma_2b_gelu_means_tanh_and_mqa():
     a = args(GEMMA_2B)
-    assert a.glu_act == "gelu_tanh"                                    # quirk 10.1
+    assert a.glu_act == "gelu_tanh"                                    # "gelu" means tanh-GELU
     assert (a.num_attention_heads, a.num_key_value_heads, a.head_dim) == (8, 1, 256)
     assert a.attn_scale == 256 ** -0.5 and a.tie_word_embeddings
     assert np.float32(a.embed_scale) == np.float32(np.sqrt(np.float32(2048)))
@@ -138,7 +138,7 @@ def test_gemma3_4b_it_text_defaults_patterns_and_ropes():
 def test_gemma3_wrapper_ignores_softcaps_text_model_applies_final():
     text = {**GEMMA3_4B_IT["text_config"], "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0}
     a = args({**GEMMA3_4B_IT, "text_config": text})
-    assert a.final_softcap == 0.0 and all(s.attn_softcap == 0 for s in a.layer_specs)   # quirks 10.2/10.3
+    assert a.final_softcap == 0.0 and all(s.attn_softcap == 0 for s in a.layer_specs)   # caps never applied
     b = args({**GEMMA3_1B, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0})
     assert b.final_softcap == 30.0 and all(s.attn_softcap == 0 for s in b.layer_specs)
 
@@ -216,7 +216,7 @@ def tiny3_tensors(prefix, rng):
     wmap = family(TINY3).weight_map(a)
     out = {}
     for r in wmap.expand():
-        if r.source:
+        if r.source and r.source.startswith("model."):     # tied: no lm_head.weight stored
             out[prefix + r.source[len("model."):]] = rng.standard_normal(r.shape).astype(np.float32)
     return out
 

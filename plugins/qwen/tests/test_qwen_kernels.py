@@ -110,6 +110,7 @@ def test_kernel_supports():
 # ---- against transformers ----------------------------------------------------------------------
 
 
+@pytest.mark.reference
 def test_kernels_match_transformers_gated_deltanet():
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
