@@ -88,7 +88,14 @@ def test_sliding_window_and_linear_attention_states_move_too(tmp_path):
     fresh compile for the new context (same I table and state layout; the rest is shared)."""
     import pytest
     pytest.importorskip("transformers")
-    from test_qwen_parity import make_checkpoint
+    import importlib.util
+    from pathlib import Path
+    # the qwen plugin's parity module builds these checkpoints (plugins/qwen/tests)
+    path = Path(__file__).resolve().parent.parent / "plugins" / "qwen" / "tests" / "test_qwen_parity.py"
+    spec = importlib.util.spec_from_file_location("qwen_parity_checkpoints", path)
+    parity = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(parity)
+    make_checkpoint = parity.make_checkpoint
 
     for name in ("qwen3_5_text", "qwen2_sliding_untied"):
         d = tmp_path / name

@@ -15,7 +15,10 @@ pytest.importorskip("transformers")
 import cpullm  # noqa: E402
 from cpullm.errors import PromptError, UnsupportedConfigError  # noqa: E402
 from hf_reference import hf_model, save_tiny  # noqa: E402
-from test_qwen_parity import QWEN3_LIKE  # noqa: E402
+from cpullm_qwen.tiny_configs import QWEN3  # noqa: E402
+
+# Qwen3-0.6B's structure (heads x head_dim != hidden, GQA, q/k norm, tied), as a transformers config
+QWEN3_LIKE = {k: v for k, v in QWEN3.items() if k not in ("model_type", "architectures")}
 
 TEXTS = ["the cat sat on the mat", "a dog ran in the park", "stock prices fell sharply today"]
 
@@ -83,7 +86,7 @@ def test_gemma3_embeddings_equal_transformers(tmp_path):
     the same cut at the lm_head's input."""
     from transformers import Gemma3TextConfig
 
-    from test_gemma_parity import GEMMA3_270M_LIKE
+    from cpullm_gemma.tiny_configs import GEMMA3_270M_LIKE
     d = save_tiny(Gemma3TextConfig(**GEMMA3_270M_LIKE), tmp_path / "gemma3", seed=5)
     m = cpullm.load(d, quant="f32", threads=1, n_ctx=64)
     texts = [t * 2 for t in TEXTS]                                  # beyond the 12-token window
