@@ -166,9 +166,9 @@ def test_concurrent_clients_get_their_own_answers(client, local):
 
 def test_disconnect_mid_stream_stops_the_generation(server, client):
     before = server.wait_idle()
-    # as many tokens as the context allows: on a loaded host the tiny model can write 300 before
-    # the server sees the client leave
-    body = {"model": MODEL, "messages": HI, "max_tokens": 480, "temperature": 0, "stream": True}
+    # the rest of the context (512 - 159 prompt tokens): on a loaded host the tiny model can write
+    # 300 tokens before the server sees the client leave
+    body = {"model": MODEL, "messages": HI, "max_tokens": 350, "temperature": 0, "stream": True}
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
@@ -179,7 +179,7 @@ def test_disconnect_mid_stream_stops_the_generation(server, client):
                     break                       # leave mid-answer: the connection closes
     after = server.wait_idle()
     assert after["cancelled"] == before["cancelled"] + 1
-    assert 0 < after["generated_tokens"] - before["generated_tokens"] < 480
+    assert 0 < after["generated_tokens"] - before["generated_tokens"] < 350
     # the slot is free: the next request is answered in full
     r = client.chat.completions.create(model=MODEL, messages=HI, max_tokens=3, temperature=0)
     assert r.usage.completion_tokens == 3
@@ -194,7 +194,7 @@ def test_disconnect_while_waiting_for_a_full_answer(server):
                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
     after = server.wait_idle(requests=before["requests"] + 1)
     assert after["cancelled"] == before["cancelled"] + 1
-    assert after["generated_tokens"] - before["generated_tokens"] < 400
+    assert after["generated_tokens"] - before["generated_tokens"] < 350
 
 
 # ---- bad requests -----------------------------------------------------------------------------------------
