@@ -176,12 +176,13 @@ class Engine:
         with self._lock:
             self.counters[outcome] += 1
             self.counters["generated_tokens"] += st.generated_tokens
-            self._jobs.discard(job)
         for kind, value in last:
             if kind == "text":
                 job.emit_text(value, final=True)
             else:
                 job.emit((kind, value))
+        with self._lock:                 # running until its last events are out (a drain waits for them)
+            self._jobs.discard(job)
         job.finished.set()
 
     def count_left_early(self) -> None:
