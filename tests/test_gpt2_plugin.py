@@ -140,3 +140,29 @@ def test_precision_f32_keeps_one_linear_float32(gpt2, checkpoint, monkeypatch):
     np.testing.assert_array_equal(wf[off: off + size], weights.get("layers.1.mlp.down_proj").reshape(-1))
     with pytest.raises(ValueError, match="precision 'bf16' is not one of f32"):
         blocks.linear(GraphBuilder(), "x", "y", "w", 4, precision="bf16")
+
+
+def test_the_kit_catches_a_batch_that_reads_one_position_for_every_sequence(gpt2, checkpoint, monkeypatch):
+    """POS_EMBED reads the step's position: run once for the whole batch (as a row-wise op) every
+    sequence would get the first one's positions; the kit's batched-decode check fails then."""
+    from cpullm import batch
+    from cpullm.kernels import program_table as P
+
+    model = cpullm.load(checkpoint, quant="f32", use_cache=False)
+    ids = list(range(3, 30))
+    assert testing.check_batched_decode(model, ids) <= testing.F32_TOLERANCE
+    monkeypatch.setattr(batch, "PER_SEQUENCE_OPS", tuple(o for o in batch.PER_SEQUENCE_OPS if o != P.OP_POS_EMBED))
+    model = cpullm.load(checkpoint, quant="f32", use_cache=False)
+    with pytest.raises(AssertionError, match="batched decode differs from decoding alone"):
+        testing.check_batched_decode(model, ids)
+
+
+def test_a_wrong_config_keys_declaration_fails_the_family(gpt2):
+    import attrs
+
+    from cpullm.plugin import FamilySpec
+
+    family = plugins.discover().family_for({"model_type": "gpt2"})
+    with pytest.raises(ValueError, match=r"config_keys\['n_embd'\] = 'hidden': give a common key"):
+        FamilySpec(**{**attrs.asdict(family, recurse=False), "config_keys": {"n_embd": "hidden"}})
+    assert FamilySpec(**{**attrs.asdict(family, recurse=False), "config_keys": {"n_expert": (1, 512)}})
