@@ -254,7 +254,9 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
     ``kernels``: KernelSpecs from plugins; the first whose ``supports(node)`` is true replaces
     the reference kernel of that node.
     A LINEAR or EMBED node's ``precision`` attribute overrides ``quant`` for its weights
-    (``"f32"``: kept float32 in every mode); only LINEARs of equal precision are fused.
+    (``"f32"``: kept float32 in every mode); only LINEARs of equal precision are fused. A PLUGIN
+    node's ``OpSpec.matrices`` are packed like LINEAR matrices (its precision applies; in q4 mode
+    Q4_K or Q5_0 by row length, in gguf mode the file's own blocks).
     ``workdir``: a directory where the weight blobs are written as they are packed
     (``<name>.bin``) and mapped back (cpullm.filearrays), instead of joined in memory: the build
     then holds one row block of a matrix at a time, not the model.
@@ -796,7 +798,11 @@ def _plugin_call(n: Node, loc, nodes_by_out, weights, f32_param, out, packer=Non
     widths = tuple(nodes_by_out[i].width for i in n.inputs)
     attributes = _plain_attrs(n)
     packed = []
-    for role, shape in spec.weight_roles(widths, attributes).items():
+    roles = spec.weight_roles(widths, attributes)
+    if set(spec.matrices) - set(roles):
+        raise GraphError(f"{n.name}: {spec.name} declares matrices {sorted(set(spec.matrices) - set(roles))} "
+                         f"that its weight_roles do not give")
+    for role, shape in roles.items():
         canonical = n.weight(role)
         if tuple(weights.shape(canonical)) != tuple(shape):
             raise GraphError(f"{n.name}: {spec.name} expects weight {role} of shape {tuple(shape)}, "

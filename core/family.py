@@ -242,7 +242,8 @@ class OpSpec:
     prefill    optional fast kernel for T rows (numba ``@njit`` functions fit; compile lazily):
                ``fn(out, *inputs, *weights, params, pos0)`` writing ``out`` (T, width) in place;
                inputs and out are row-strided float32 views of the activation arena, weights
-               float32 arrays in ``weight_roles`` order, ``params`` a float64 array of the node's
+               in ``weight_roles`` order (float32 arrays; an OpMatrix for a role of
+               ``matrices``), ``params`` a float64 array of the node's
                ``params`` attributes in order, ``pos0`` an int
     decode     optional fast kernel for one row (decode steps), same arguments as ``prefill``
     weight_roles  ``(input_widths, attrs) -> {role: shape}``: the weights a node reads (default none)
