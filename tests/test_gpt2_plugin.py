@@ -166,3 +166,15 @@ def test_a_wrong_config_keys_declaration_fails_the_family(gpt2):
     with pytest.raises(ValueError, match=r"config_keys\['n_embd'\] = 'hidden': give a common key"):
         FamilySpec(**{**attrs.asdict(family, recurse=False), "config_keys": {"n_embd": "hidden"}})
     assert FamilySpec(**{**attrs.asdict(family, recurse=False), "config_keys": {"n_expert": (1, 512)}})
+
+
+def test_the_execution_cache_keeps_the_new_ops(gpt2, checkpoint, tmp_path):
+    """A program with ACT and POS_EMBED rows is stored, passes the cache's bounds checks when read
+    back, and gives the same logits; another context within the table reuses it."""
+    ids = list(range(5, 25))
+    first = cpullm.load(checkpoint, quant="int8", n_ctx=48, cache_dir=tmp_path)
+    again = cpullm.load(checkpoint, quant="int8", n_ctx=48, cache_dir=tmp_path)
+    other = cpullm.load(checkpoint, quant="int8", n_ctx=64, cache_dir=tmp_path)
+    assert first.cache_status.startswith("MISS") and again.cache_status == other.cache_status == "HIT"
+    np.testing.assert_array_equal(again.logits(ids), first.logits(ids))
+    np.testing.assert_array_equal(other.logits(ids), first.logits(ids))
