@@ -2,11 +2,11 @@
 the head, and the Gated DeltaNet mixer. Canonical weight names used here:
 
     embed, final_norm, lm_head  [final_norm_bias lm_head_bias]
+    [pos_embed]  [layers.{i}.mlp.{up,down}_bias]     (learned positions; a plain MLP with biases)
     layers.{i}.attn_norm  layers.{i}.mlp_norm  [layers.{i}.post_attn_norm  layers.{i}.post_mlp_norm]
     [layers.{i}.{attn_norm,mlp_norm,post_attn_norm,post_mlp_norm}_bias]   (LayerNorm with bias)
     layers.{i}.attn.{q,k,v,o}_proj  [.{q,k,v}_bias]  [.q_norm .k_norm]
-    layers.{i}.mlp.{gate,up,down}_proj  [layers.{i}.mlp.{up,down}_bias]   (plain MLP with bias)
-    [pos_embed]                                                       (learned positions)
+    layers.{i}.mlp.{gate,up,down}_proj
     layers.{i}.linear_attn.{in_qkv,in_z,in_b,in_a,conv,dt_bias,A_log,norm,out_proj}
 """
 from __future__ import annotations
