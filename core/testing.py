@@ -391,9 +391,11 @@ def _sample_weights(graph, vocab: int, seed: int = 0) -> _ArrayWeights:
         elif n.op == Op.POS_EMBED:
             shapes[w["table"]] = (n.attr("n_positions"), n.width)
         elif n.op == Op.PLUGIN:
-            from .ir import _plain_attrs, _plugin_spec
-            spec = _plugin_spec(n.attr("plugin_op"), n.name)
-            roles = spec.weight_roles(tuple(width[i] for i in n.inputs), _plain_attrs(n))
+            from . import plugins
+            spec = plugins.discover().op(n.attr("plugin_op"))
+            own = json.loads(json.dumps({k: v for k, v in n.attrs if k not in ("plugin_op", "op_version")},
+                                        default=str))                     # what the op's shape rule gets
+            roles = spec.weight_roles(tuple(width[i] for i in n.inputs), own)
             shapes.update({w[role]: tuple(shape) for role, shape in roles.items()})
         elif n.op == Op.GATED_DELTA:
             nk, dk, nv, dv, ck = (n.attr(a) for a in ("n_k_heads", "k_head_dim", "n_v_heads",
