@@ -20,7 +20,7 @@ from .ir import GraphBuilder, Op
 from .toolcalls import (WS, MalformedCall, ReasoningFormat, ToolCall, ToolFormat, json_rule, lark_string,
                         object_schema, parse_json_call)
 from .weightmap import ADD_ONE, Transform, W, WeightMap
-from .op_matrix import OpMatrix  # noqa: I001  (apart from the imports above: other branches edit them)
+from .op_matrix import OpMatrix
 from .weightmap import TRANSPOSE
 
 __all__ = [
