@@ -141,7 +141,7 @@ def _sample(x, m, inv_t, top_k, top_p, min_p, u, e):
         h = head.size
         keep = h
         zk = z
-        if cut_k:
+        if cut_k and top_k <= h:            # (fewer finite logits than k: all of them stay)
             kth = x[head[top_k - 1]]
             keep = top_k
             while keep < h and x[head[keep]] >= kth:       # ties of the k-th logit stay

@@ -63,6 +63,9 @@ def test_banned_tokens_are_never_drawn_and_all_banned_is_refused():
     e = np.empty(x.size, np.float32)
     assert {sample_logits(x, 1.0, 0, 1.0, 0.0, u, e) for u in np.linspace(0, 0.999, 50)} == {3, 500}
     assert sample_logits(np.full(10, -np.inf), 1.0, 0, 0.9, 0.0, 0.5, np.empty(10, np.float32)) == -1
+    # top-k past the finite logits (a mask left fewer): every allowed token stays
+    for top_p in (1.0, 0.999):
+        assert {sample_logits(x, 1.0, 40, top_p, 0.0, u, e) for u in np.linspace(0, 0.999, 50)} == {3, 500}
 
 
 def test_a_flat_tail_past_the_last_level_is_still_cut_exactly():
