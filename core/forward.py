@@ -164,12 +164,6 @@ class Forward:
             s.position += 1
         return rows
 
-    def lone_logits(self, slot: Slot) -> np.ndarray:
-        """float32 (vocab,): the full logits of the lone greedy row :meth:`step` just ran on
-        ``slot`` (whose argmax it returned, maybe through the lm_head screen); call it before the
-        next step. A constrained greedy row needs them when the mask forbids that argmax."""
-        return self.executor.last_step_logits(slot.state).copy()
-
     @property
     def decoder(self):
         """The batched decode step (:class:`cpullm.batch.BatchDecoder`), made on first use: its
@@ -179,6 +173,12 @@ class Forward:
             self._decoder = BatchDecoder(self.executor)
         return self._decoder
 
+
+    def lone_logits(self, slot: Slot) -> np.ndarray:
+        """float32 (vocab,): the full logits of the lone greedy row :meth:`step` just ran on
+        ``slot`` (whose argmax it returned, maybe through the lm_head screen); call it before the
+        next step. A constrained greedy row needs them when the mask forbids that argmax."""
+        return self.executor.last_step_logits(slot.state).copy()
 
     def logits(self, ids) -> np.ndarray:
         """float32 (T, vocab): logits at every position of ``ids`` run as a fresh sequence."""
