@@ -12,7 +12,9 @@ vocabulary-sized temporaries. Here:
 3. the smallest "head" ``(m - x) / T < L`` over the levels L = 1, 2, 4, ... 64 (one vectorized
    counting pass each, tried in turn; past 64, the whole vocabulary) that must hold every token a
    cut can keep: with top-k one holding at least k tokens; with top-p one whose weight reaches
-   p Z. Only its tokens are collected and sorted (a few to a few thousand): they are the start of
+   p Z. Only its tokens are collected and sorted (a few to a few thousand on a model's logits; a
+   flat distribution whose top-p set spans most of the vocabulary still sorts most of it, as
+   numpy's argsort did): they are the start of
    the vocabulary's order, since every token outside is strictly less likely than every token
    inside. The cuts are then made on the head exactly as on the whole sorted vocabulary
    (cumulative weights summed in sorted order). If rounding leaves the head's top-p sum just
