@@ -183,3 +183,12 @@ def _sample(x, m, inv_t, top_k, top_p, min_p, u, e):
             if acc > target:
                 return kept[j]
     return last
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's cache) the draw for float32 logits (the model's) and float64
+    ones (after a mask, bias or penalty) now, rather than in a server's first sampled step, where
+    it would stall every stream of the batch (a few seconds on a cold cache)."""
+    for dtype in (np.float32, np.float64):
+        x = np.zeros(4, dtype)
+        sample_logits(x, 1.0, 2, 0.5, 0.0, 0.5, np.empty(4, np.float32))
