@@ -160,6 +160,8 @@ class Engine:
         self.scheduler = Scheduler(model.forward, self.parallel, prefill_chunk, int(prefix_cache_bytes))
         if self.parallel > 1:
             self.scheduler.warm_up()
+            from .kernels.sample import warm_up as warm_sampler
+            warm_sampler()              # a server's first sampled step would compile it for the batch
         self._requests: dict[int, Request] = {}
         self._wake = threading.Event()
         self._closed = False

@@ -326,6 +326,18 @@ class Executor:
             self.profile[sc.row] = self.profile.get(sc.row, 0.0) + dt
         return int(tok)
 
+    def last_step_logits(self, state: np.ndarray) -> np.ndarray:
+        """The full logits (vocab,) of the step :meth:`decode_argmax` just ran on ``state`` (a
+        view, copy to keep): the plain head's output if it ran, else the plain head run now on
+        the lm_head input the step left in the arena (the same numbers as :meth:`decode`'s).
+        Call it before anything else runs on this executor."""
+        lo = self.program.meta["logits_offset"]
+        sc = self.screen
+        if sc is not None and not self.head_read[1]:     # the screen answered: no logits yet
+            self._interp(sc.row, self.n_instr, state)
+            self.head_read = (self.head_read[0], True)
+        return self.arena[lo: lo + self.vocab]
+
     @property
     def embed_rows(self) -> int:
         """Rows of the token embedding: the ids a prompt may hold are 0..embed_rows - 1."""

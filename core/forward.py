@@ -138,9 +138,10 @@ class Forward:
 
     def step(self, slots: list[Slot], tokens, greedy=None) -> tuple[list, list]:
         """One token of every slot (``tokens[b]`` at ``slots[b].position``) in one pass over the
-        weights; every position advances by one. ``greedy[b]`` True: only row b's argmax is
-        needed (a lone greedy row may read the lm_head through its screen). Returns (logits,
-        tokens): per row, float32 logits (vocab,) or None, and the greedy token or None."""
+        weights; every position advances by one. ``greedy[b]`` True: row b's argmax is wanted
+        (a lone greedy row may read the lm_head through its screen; :meth:`lone_logits` gives
+        its full logits after all if needed). Returns (logits, tokens): per row, float32 logits
+        (vocab,) (None for a lone greedy row), and the greedy token or None."""
         self.use_threads()
         B = len(slots)
         greedy = [False] * B if greedy is None else [bool(g) for g in greedy]
@@ -157,7 +158,7 @@ class Forward:
                 raise ValueError("a step decodes slots of one table (made by one Forward.slots call)")
             logits = self.decoder.decode(table, [s.index for s in slots], [s.position for s in slots],
                                          [int(t) for t in tokens])
-            rows = ([None if g else logits[b] for b, g in enumerate(greedy)],
+            rows = ([logits[b] for b in range(B)],
                     [int(np.argmax(logits[b])) if g else None for b, g in enumerate(greedy)])
         for s in slots:
             s.position += 1
@@ -172,6 +173,12 @@ class Forward:
             self._decoder = BatchDecoder(self.executor)
         return self._decoder
 
+
+    def lone_logits(self, slot: Slot) -> np.ndarray:
+        """float32 (vocab,): the full logits of the lone greedy row :meth:`step` just ran on
+        ``slot`` (whose argmax it returned, maybe through the lm_head screen); call it before the
+        next step. A constrained greedy row needs them when the mask forbids that argmax."""
+        return self.executor.last_step_logits(slot.state).copy()
 
     def logits(self, ids) -> np.ndarray:
         """float32 (T, vocab): logits at every position of ``ids`` run as a fresh sequence."""

@@ -217,9 +217,10 @@ class Scheduler:
         masks = start_masks(batch)        # constrained rows' next masks, beside the forward pass
         t0, c0 = time.perf_counter(), compile_seconds()
         # one pass over the weights for every row; a row that only needs its argmax (plain
-        # greedy) gets just the token (a lone one may read the lm_head through its screen)
+        # greedy, or a constrained greedy one whose mask allows it) gets just the token (a lone
+        # one may read the lm_head through its screen; its full logits only if the mask refuses)
         logits, tokens = self.forward.step([s.slot for s in batch], [s.pending for s in batch],
-                                           greedy=[s.greedy for s in batch])
+                                           greedy=[s.argmax_first for s in batch])
         compiled = compile_seconds() - c0
         dt = max(0.0, time.perf_counter() - t0 - compiled)
         masks.join()
@@ -227,7 +228,8 @@ class Scheduler:
             seq.stats.decode_s += dt
             seq.stats.decode_steps += 1
             seq.stats.compile_s += compiled
-            self._take(seq, events, logits=row, token=tok)
+            self._take(seq, events, logits=row, token=tok,
+                       full_logits=lambda s=seq.slot: self.forward.lone_logits(s))
 
     def _take(self, seq: Sequence, events, **output) -> None:
         """Give ``seq`` its model output; a failure of its own (a SamplingError on non-finite
