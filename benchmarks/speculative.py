@@ -137,6 +137,14 @@ def main(argv=None) -> int:
     model = cpullm.load(a.model, quant=a.quant, threads=a.threads, n_ctx=4096)
     res = {"model": a.model, "quant": a.quant, "threads": a.threads, "argv": sys.argv}
 
+    def save(r):
+        if a.out:
+            import os
+            tmp = a.out + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(r, f, indent=1, default=float)
+            os.replace(tmp, a.out)
+
     def say(*x):
         print(*x, file=sys.stderr, flush=True)
 
@@ -150,9 +158,12 @@ def main(argv=None) -> int:
         r = {"workload": what, "prompt_tokens": len(ids), "plain": _short(plain), "lookup": _short(spec),
              "speedup_vs_plain": spec["decode_tps"] / plain["decode_tps"],
              "identical": plain["tokens"] == spec["tokens"]}
-        if a.llama_gguf:
-            lp = run_llama(a.llama_gguf, ids, a.gen_tokens, a.threads, False, len(ids) + a.gen_tokens + 16)
-            ll = run_llama(a.llama_gguf, ids, a.gen_tokens, a.threads, True, len(ids) + a.gen_tokens + 16)
+        res["edit"] = r
+        say(json.dumps(r, default=float))
+        save(res)
+        if a.llama_gguf:      # (its lookup drafts past the last token: room for them in n_ctx)
+            lp = run_llama(a.llama_gguf, ids, a.gen_tokens, a.threads, False, len(ids) + a.gen_tokens + 256)
+            ll = run_llama(a.llama_gguf, ids, a.gen_tokens, a.threads, True, len(ids) + a.gen_tokens + 256)
             r["llama_plain"] = {k: v for k, v in lp.items() if k != "text"}
             r["llama_lookup"] = {k: v for k, v in ll.items() if k != "text"}
             r["speedup_vs_llama_lookup"] = spec["decode_tps"] / ll["decode_tps"]
@@ -165,6 +176,7 @@ def main(argv=None) -> int:
         res["chat"] = {"plain": _short(plain), "lookup": _short(spec),
                        "ratio": spec["decode_tps"] / plain["decode_tps"], "identical": plain["tokens"] == spec["tokens"]}
         say(json.dumps(res["chat"], default=float))
+        save(res)
     if "verify" in parts:
         res["verify"] = {a.model: verify_costs(model)}
         say(json.dumps(res["verify"], default=float))
@@ -172,6 +184,7 @@ def main(argv=None) -> int:
             m = cpullm.load(d, quant=a.quant, threads=a.threads, n_ctx=1024)
             res["verify"][d] = verify_costs(m)
             say(d, json.dumps(res["verify"][d], default=float))
+            save(res)
             del m
     if "draft" in parts and a.draft_model:
         dm = cpullm.load(a.draft_model, quant=a.quant, threads=a.threads, n_ctx=1024)
@@ -184,12 +197,7 @@ def main(argv=None) -> int:
                                                                            ver, k, al)
                                             for k in (2, 4, 8) for al in (0.6, 0.7, 0.8)}}
         say(json.dumps(res["draft"], default=float))
-    if a.out:
-        import os
-        tmp = a.out + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(res, f, indent=1, default=float)
-        os.replace(tmp, a.out)
+    save(res)
     print(json.dumps(res, default=float))
     return 0
 

@@ -275,3 +275,42 @@ def test_draft_model_guesses_and_the_output_stays_exact(tmp_path):
                         quant="int8", threads=2, n_ctx=96, max_chunk=16)
     with pytest.raises(ConfigError, match="does not share the target's tokenizer"):
         target.speculate("draft", other)
+
+
+def test_the_constraint_mask_applies_to_guessed_tokens(tmp_path, monkeypatch):
+    """Guesses that break a regex are rejected by the mask (each row's token is the masked
+    choice), guesses that follow it are kept: the output is the plain constrained output."""
+    pytest.importorskip("llguidance", reason="llguidance (cpullm[structured]) is not installed")
+    import re
+    m = cpullm.load(make_random_checkpoint(FAMILIES["llama"], tmp_path / "c", seed=3), quant="int8", threads=2,
+                    n_ctx=128, max_chunk=16)
+    m.speculate("off")
+    regex = r"(ab|ba){1,3}-[0-9]{2}"
+    prompt = [5, 9, 33, 17]
+    plain = list(m.generate_ids(prompt, 24, regex=regex))
+    assert re.fullmatch(regex, m.tokenizer.decode(plain))
+    for wrong_at in (0, 1, 3):
+        oracle = Oracle(prompt, plain, lambda done: wrong_at)
+        monkeypatch.setattr(SeqSpec, "lookup", lambda spec, history, k: oracle(spec, history, k))
+        sch = Scheduler(m.forward, slots=2, prefill_chunk=16, speculative=resolve("lookup", K))
+        seq = sch.add(Sequence(prompt, 24, SamplingParams(), stop_ids=m.eos_token_ids,
+                               constraint=m.constraint({"regex": regex})))
+        sch.run_until_idle()
+        assert seq.generated == plain and seq.stats.stop_reason == "stop"
+        assert sch.spec_stats.verify_passes > 0
+
+
+def test_cli_flags_are_checked_before_the_model_loads():
+    import argparse
+
+    from cpullm.cli.commands.common import add_speculative_options, load_model
+    p = argparse.ArgumentParser()
+    add_speculative_options(p)
+    args = p.parse_args(["--speculative", "lookup", "--draft-max", "0"])
+    args.model = "no-such-model-anywhere"
+    with pytest.raises(ConfigError, match="--draft-max must be an integer in 1..32"):
+        load_model(args)
+    args = p.parse_args(["--speculative", "draft"])
+    args.model = "no-such-model-anywhere"
+    with pytest.raises(ConfigError, match="give --draft-model MODEL"):
+        load_model(args)
