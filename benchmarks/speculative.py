@@ -5,8 +5,9 @@ Parts (``--parts``, default all that their inputs allow):
 * ``edit``: code editing. The prompt holds a module of this Python's standard library (default
   ``colorsys``, 166 lines, written by someone else) and asks for the whole file back with one small
   change; greedy, decode tokens/s from the first generated token to the last, plain decode vs
-  ``--speculative lookup``; with ``--llama-gguf`` (the Q8_0 of the same weights) also
-  llama-cpp-python's plain decode and its ``LlamaPromptLookupDecoding`` on the same token ids.
+  ``--speculative lookup``.
+* ``llama``: with ``--llama-gguf`` (the Q8_0 of the same weights), llama-cpp-python's plain
+  decode and its ``LlamaPromptLookupDecoding`` on the same token ids.
 * ``chat``: an open-ended chat request, plain vs lookup (what backing off costs).
 * ``verify``: the cost of a verify pass of k = 1, 2, 4, 8 guesses (k + 1 rows) relative to one
   plain decode step (greedy, as decoding runs it), after a 256-token prompt, for the model and
@@ -73,6 +74,8 @@ def run_llama(path: str, ids, gen_tokens: int, threads: int, lookup: bool, n_ctx
     if lookup:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
         kw["draft_model"] = LlamaPromptLookupDecoding()
+        kw["logits_all"] = True     # llama-cpp-python 0.3.36 sizes its logits buffer from this argument
+                                    # (not from the draft model), prompts over n_batch fail without it
     llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, verbose=False, **kw)
     times, toks = [], []
     for chunk in llm.create_completion(prompt=list(ids), max_tokens=gen_tokens, temperature=0.0, top_k=1,
@@ -128,7 +131,7 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-gguf", default=None, help="the Q8_0 GGUF of the same weights (llama-cpp-python)")
     ap.add_argument("--synth", nargs="*", default=[], help="synthetic checkpoint dirs for the verify cost")
     ap.add_argument("--draft-model", default=None, help="a draft model: draft-step cost and implied speedup")
-    ap.add_argument("--parts", default="edit,chat,verify,draft")
+    ap.add_argument("--parts", default="edit,llama,chat,verify,draft")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args(argv)
     parts = set(a.parts.split(","))
@@ -148,27 +151,29 @@ def main(argv=None) -> int:
     def say(*x):
         print(*x, file=sys.stderr, flush=True)
 
-    if "edit" in parts:
+    if "edit" in parts or "llama" in parts:
         ids, what = edit_prompt(model, a.module)
         say(f"edit: {what}, {len(ids)} prompt tokens")
+        r = res["edit"] = {"workload": what, "prompt_tokens": len(ids)}
+    if "edit" in parts:
         run_cpullm(model, ids[:64], 8, "off", a.draft_max)                 # warm every path
         run_cpullm(model, ids[:64], 8, "lookup", a.draft_max)
         plain = run_cpullm(model, ids, a.gen_tokens, "off", a.draft_max)
         spec = run_cpullm(model, ids, a.gen_tokens, "lookup", a.draft_max)
-        r = {"workload": what, "prompt_tokens": len(ids), "plain": _short(plain), "lookup": _short(spec),
-             "speedup_vs_plain": spec["decode_tps"] / plain["decode_tps"],
-             "identical": plain["tokens"] == spec["tokens"]}
-        res["edit"] = r
+        r.update({"plain": _short(plain), "lookup": _short(spec),
+                  "speedup_vs_plain": spec["decode_tps"] / plain["decode_tps"],
+                  "identical": plain["tokens"] == spec["tokens"]})
         say(json.dumps(r, default=float))
         save(res)
-        if a.llama_gguf:      # (its lookup drafts past the last token: room for them in n_ctx)
-            lp = run_llama(a.llama_gguf, ids, a.gen_tokens, a.threads, False, len(ids) + a.gen_tokens + 256)
-            ll = run_llama(a.llama_gguf, ids, a.gen_tokens, a.threads, True, len(ids) + a.gen_tokens + 256)
-            r["llama_plain"] = {k: v for k, v in lp.items() if k != "text"}
-            r["llama_lookup"] = {k: v for k, v in ll.items() if k != "text"}
-            r["speedup_vs_llama_lookup"] = spec["decode_tps"] / ll["decode_tps"]
-        res["edit"] = r
+    if "llama" in parts and a.llama_gguf:     # (its lookup drafts past the last token: room in n_ctx)
+        lp = run_llama(a.llama_gguf, ids, a.gen_tokens, a.threads, False, len(ids) + a.gen_tokens + 256)
+        ll = run_llama(a.llama_gguf, ids, a.gen_tokens, a.threads, True, len(ids) + a.gen_tokens + 256)
+        r["llama_plain"] = {k: v for k, v in lp.items() if k != "text"}
+        r["llama_lookup"] = {k: v for k, v in ll.items() if k != "text"}
+        if "lookup" in r:
+            r["speedup_vs_llama_lookup"] = r["lookup"]["decode_tps"] / ll["decode_tps"]
         say(json.dumps(r, default=float))
+        save(res)
     if "chat" in parts:
         ids = chat_ids(model, CHAT_PROMPT)
         plain = run_cpullm(model, ids, a.chat_tokens, "off", a.draft_max)
