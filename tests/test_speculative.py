@@ -159,7 +159,7 @@ def test_sampling_keeps_the_target_distribution(monkeypatch, tmp_path):
     """With sampling (temperature 1), a guess of the second token is accepted when the drawn
     token equals it (probability p(guess)), otherwise the drawn token is the residual's: the
     second token must follow the model's distribution P(x2) = sum over x1 of p(x1) p(x2 | x1),
-    checked by a chi-square test over 2400 draws."""
+    checked by a chi-square test over 1024 draws."""
     d = make_random_checkpoint(FAMILIES["llama"], tmp_path / "s", seed=10, std=0.6)
     m = cpullm.load(d, quant="f32", threads=2, n_ctx=64, max_chunk=16)
     fwd = m.forward
@@ -173,7 +173,7 @@ def test_sampling_keeps_the_target_distribution(monkeypatch, tmp_path):
     guess = int(np.argmax(marginal))
     monkeypatch.setattr(SeqSpec, "lookup",
                         lambda spec, history, k: [guess] if len(history) == len(prompt) + 1 else [])
-    n, width = 2400, 16
+    n, width = 1024, 16
     counts = np.zeros(p1.size)
     cfg = resolve("lookup", 2)
     passes = 0
