@@ -74,6 +74,8 @@ class Model:
         self._slot = None                  # the slot lone generations run in, made on first use
         self._last_prompt: list[int] = []  # the prompt whose state _slot holds (save_prompt_cache)
         self._prompt_cache = None
+        from .speculative import resolve
+        self.speculative = resolve()       # how generation guesses tokens (speculate())
         from functools import partial
         from .chat import apply_chat_template
         tokenizer.apply_chat_template = partial(apply_chat_template, self)   # transformers' call
@@ -168,6 +170,24 @@ class Model:
             self._slot = self.forward.new_slot()
         return self._slot
 
+    # ---- speculative decoding ---------------------------------------------------------------------
+    def speculate(self, mode: str | None = None, draft_model=None, draft_max: int | None = None) -> "Model":
+        """Set how generation guesses tokens to verify in one pass (cpullm.speculative):
+        ``mode`` "off", "lookup" (from the prompt and the text so far), "draft" (``draft_model``:
+        a smaller model with this tokenizer, a path, store name or loaded Model) or "auto" (the
+        default: lookup, then the draft model if given); at most ``draft_max`` guesses per pass
+        (1..32). Greedy output is the same in every mode."""
+        from .speculative import DraftModel, resolve
+        draft = None
+        if draft_model is not None:
+            dm = draft_model if isinstance(draft_model, Model) else Model.load(
+                draft_model, quant=self.quant if self.quant != "gguf" else None, threads=self.threads,
+                n_ctx=self.n_ctx)
+            DraftModel.check_pair(dm, self)
+            draft = DraftModel(dm)
+        self.speculative = resolve(mode, draft_max, draft)
+        return self
+
     # ---- prompt cache ---------------------------------------------------------------------------
     def use_prompt_cache(self, path) -> "Model":
         """Attach the prompt-cache file ``path``: the next prompts restore the state it holds when
@@ -226,7 +246,8 @@ class Model:
         self._last_prompt = list(ids)
         return generate_ids(self.forward, self.slot, ids, max_new_tokens, params, stop_ids, stats,
                             prompt_cache=self._prompt_cache, constraint=constraint,
-                            logits_processors=logits_processors, seq_out=seq_out)
+                            logits_processors=logits_processors, seq_out=seq_out,
+                            speculative=self.speculative)
 
     # ---- generation ----------------------------------------------------------------------------
     def _prompt_ids(self, prompt, chat: bool = False, system: str | None = None) -> list[int]:
@@ -535,6 +556,7 @@ class Model:
             "vocab": self.program.meta["vocab"],
             "cache": self.cache_status,
             "load_s": self.load_s,
+            "speculative": self.speculative.mode,
             "compile_s": self.compile_s,
             "prompt_cache": self.prompt_cache_status,
             "weight_formats": weight_format_bytes(self.program),

@@ -38,11 +38,15 @@ class GenerationStats:
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    decode_steps: int = 0           # one-token forward passes (the first token comes from prefill)
+    decode_steps: int = 0           # tokens from decode passes (one per one-token pass; a verify pass
+                                    # gives as many as it keeps); the first token comes from prefill
     reused_tokens: int = 0          # prompt tokens restored from a prompt cache
     compile_s: float = 0.0          # numba compiling kernels during this generation (cold cache only),
                                     # kept out of prefill_s and decode_s
     stop_reason: str = ""           # "eos" | "stop" | "length" | "cancelled" | "failed" (Sequence.error)
+    spec_passes: int = 0            # decode passes that scored guesses (cpullm.speculative)
+    spec_drafted: int = 0           # guessed tokens scored
+    spec_accepted: int = 0          # guessed tokens kept (each a token without a pass of its own)
 
     @property
     def prefill_tps(self) -> float:
@@ -95,6 +99,7 @@ class Sequence:
         self.phase = WAITING
         self.error: Exception | None = None   # why it failed, when only this sequence did (fail())
         self.cache_salt: str | None = None     # its tenant: shares cached prefixes only with the same salt
+        self.spec = None             # cpullm.speculative.SeqSpec while a speculating runner runs it
         self.stats.prompt_tokens = len(self.prompt)
         self.stats.stop_reason = "length"
 
