@@ -472,13 +472,13 @@ class Model:
         With ``stream`` it returns an iterator of pieces: ``{"content": str}``,
         ``{"reasoning_content": str}`` or ``{"tool_call": {...}}``. ``sampling``: the keywords of
         :meth:`generate` (temperature, top_p, seed, stop, ...)."""
-        from .chat import _arguments_as_objects, check_messages, render_chat
-        from .serve.openai import _tool_request, plan_chat
+        from .chat import arguments_as_objects, check_messages, render_chat
+        from .chat_tools import plan_chat, tool_request
 
         body = {"tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls,
                 "reasoning_effort": reasoning_effort}
-        tools_, choice, parallel = _tool_request(body)
-        msgs = _arguments_as_objects(check_messages(messages))
+        tools_, choice, parallel = tool_request(body)
+        msgs = arguments_as_objects(check_messages(messages))
         plan = plan_chat(self, body, msgs, tools_, choice, parallel, dict(chat_template_kwargs or {}))
         text = render_chat(self, plan.messages, tools=plan.template_tools, **plan.template_kwargs)
         ids = self.tokenizer.encode(text, add_special_tokens=False)

@@ -75,7 +75,8 @@ CORE = {
     "memory": "run",
     # generate: sampling, sequences, scheduler, engine, chat, constraints
     "sampling": "generate", "constraints": "generate", "sequence": "generate", "generate": "generate",
-    "scheduler": "generate", "engine": "generate", "chat": "generate", "template_sandbox": "generate",
+    "scheduler": "generate", "engine": "generate", "chat": "generate", "chat_tools": "generate",
+    "template_sandbox": "generate",
     "embed": "generate",
     # the shell, beside the stages
     "store": "", "cli": "", "serve": "", "convert": "", "bench": "", "ray": "",
@@ -435,7 +436,7 @@ def new_core_init(text: str) -> str:
     at = text.find("\n__all__")
     if at < 0:
         return text.rstrip("\n") + "\n" + stages_block()
-    return text[:at] + "\n" + stages_block() + text[at:]
+    return text[:at].rstrip("\n") + "\n\n" + stages_block() + text[at:]
 
 
 STAGE_DOCS = {
@@ -540,6 +541,11 @@ def main(argv=None) -> int:
             out = new_test_sh(out)
         elif rel == "core/__init__.py":
             out = new_core_init(out)
+        if f.suffix == ".py":
+            left = re.search(rf"(?m)^\s*from ({CORE_PKG}|{KERNELS_PKG}) import \(", out)
+            if left:
+                raise SystemExit(f"restage: error: {f.relative_to(ROOT)}: a parenthesized `{left.group(0).strip()}` "
+                                 "is not rewritten; write it on one line (or as `from cpullm.x import y`) first")
         if out != text:
             new_text[f] = out
     for old, new in plan.moves:
@@ -551,6 +557,7 @@ def main(argv=None) -> int:
     for f, text in new_text.items():
         tmp = f.with_name(f.name + ".restage-tmp")
         tmp.write_text(text, encoding="utf-8")
+        shutil.copymode(f, tmp)
         os.replace(tmp, f)
     git = (ROOT / ".git").exists()
     for old, new in sorted(plan.moves, key=lambda m: str(m[0])):
