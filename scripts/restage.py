@@ -248,6 +248,14 @@ def _from_groups(plan: Plan, pkg_old: str, names: list[tuple[str, str | None]]):
     return groups
 
 
+def _statement(where: str, names, pkg_old: str, plan: Plan) -> str:
+    """``from where import names``; names that became top-level packages (``where`` "") are
+    imported as ``import package as name``."""
+    if where:
+        return f"from {where} import {_names_text(names)}"
+    return "; ".join(f"import {plan.modules[f'{pkg_old}.{n}']} as {a or n}" for n, a in names)
+
+
 def _names_text(names) -> str:
     return ", ".join(n if a is None else f"{n} as {a}" for n, a in names)
 
@@ -269,7 +277,7 @@ def rewrite_absolute_from(text: str, plan: Plan) -> str:
             return m.group(0)
         groups = _from_groups(plan, pkg, names)
         lead = m.group("lead")
-        parts = [f"from {where} import {_names_text(ns)}" for where, ns in groups.items()]
+        parts = [_statement(where, ns, pkg, plan) for where, ns in groups.items()]
         if len(parts) == 1:
             return lead + parts[0]
         sep = "\n" + lead if lead.strip() == "" else "; "
@@ -338,11 +346,11 @@ def rewrite_relative_imports(source: str, old_module: str, old_is_pkg: bool, new
             groups = _from_groups(plan, target_old, names)
         else:
             groups = {plan.new_name(target_old): names}
-        spelled = {_relative(new_pkg, where): ns for where, ns in groups.items()}
+        spelled = {_relative(new_pkg, where) if where else "": ns for where, ns in groups.items()}
         first, last = node.lineno - 1, node.end_lineno - 1
         stmt = "".join(lines[first:last + 1])
         head = re.compile(r"from\s+(\.+[\w.]*)\s+import")
-        if len(spelled) == 1:
+        if len(spelled) == 1 and "" not in spelled:
             (mod_text, _), = spelled.items()
             at = node.col_offset
             m = head.match(stmt, at)
@@ -360,7 +368,7 @@ def rewrite_relative_imports(source: str, old_module: str, old_is_pkg: bool, new
         tail = lines[last][node.end_col_offset:].rstrip("\n")
         if tail.strip().startswith("#"):
             comment = "  " + tail.strip()
-        out = [f"{indent}from {mod} import {_names_text(ns)}{comment}\n" for mod, ns in sorted(spelled.items())]
+        out = [f"{indent}{_statement(mod, ns, target_old, plan)}{comment}\n" for mod, ns in sorted(spelled.items())]
         edits.append((first, last, "".join(out)))
     for first, last, new in sorted(edits, reverse=True):
         lines[first:last + 1] = [new]
