@@ -123,8 +123,10 @@ def _entries(folder: Path, keep: tuple) -> dict[str, Path]:
     """name -> path of what a flat folder holds: modules (stem), packages, data files."""
     out = {}
     for p in sorted(folder.iterdir()):
-        if p.name == "__pycache__" or p.name in keep:
+        if p.name == "__pycache__" or p.name in keep or p.name.endswith(".egg-info"):
             continue
+        if p.is_dir() and not any(p.rglob("*.py")):
+            continue            # only caches left behind (a __pycache__ of a module moved away)
         if p.is_dir():
             if not (p / "__init__.py").exists():
                 raise RestageError(f"{p.relative_to(ROOT)}/ is a folder without __init__.py: restage.py does not "
