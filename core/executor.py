@@ -190,15 +190,21 @@ class Executor:
                 f"{pos + n} tokens do not fit in the context of {self.n_ctx}; "
                 f"shorten the prompt or load with a larger n_ctx (cpullm.load(..., n_ctx=N) / --ctx N)")
 
-    def prefill(self, state: np.ndarray, pos: int, tokens, all_logits: bool = False) -> np.ndarray:
-        """Run ``tokens`` at positions pos, pos + 1, ... of the sequence whose state is ``state``.
-        Returns float32 logits (T, vocab) if ``all_logits`` else (vocab,) for the last token."""
+    def _checked(self, tokens, pos: int, what: str) -> np.ndarray:
+        """``tokens`` as int64 (T,), refused when empty, out of the vocabulary's range, or past
+        the context from ``pos``."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if tokens.size == 0:
-            raise PromptError("the prompt is empty: give at least one token")
+            raise PromptError(f"the {what} is empty: give at least one token")
         if tokens.min() < 0 or tokens.max() >= self.embed_rows:
             raise PromptError(f"token id out of range 0..{self.embed_rows - 1}")
         self._check_room(pos, tokens.size)
+        return tokens
+
+    def prefill(self, state: np.ndarray, pos: int, tokens, all_logits: bool = False) -> np.ndarray:
+        """Run ``tokens`` at positions pos, pos + 1, ... of the sequence whose state is ``state``.
+        Returns float32 logits (T, vocab) if ``all_logits`` else (vocab,) for the last token."""
+        tokens = self._checked(tokens, pos, "prompt")
         outs = []
         for c0 in range(0, tokens.size, self.max_chunk):
             chunk = tokens[c0: c0 + self.max_chunk]
@@ -217,12 +223,7 @@ class Executor:
         """Run ``tokens`` at positions pos, pos + 1, ... of the sequence whose state is ``state``
         and return their hidden states after the final norm, the lm_head's input: float32
         (T, hidden). The head runs only up to the lm_head (embeddings need no logits)."""
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if tokens.size == 0:
-            raise PromptError("the input is empty: give at least one token")
-        if tokens.min() < 0 or tokens.max() >= self.embed_rows:
-            raise PromptError(f"token id out of range 0..{self.embed_rows - 1}")
-        self._check_room(pos, tokens.size)
+        tokens = self._checked(tokens, pos, "input")
         names = self.program.meta["names"]
         lm = next(r for r in range(self.first_head, self.n_instr)
                   if names[r] == "lm_head" and self.I[r, P.COL_OP] == P.OP_LINEAR)
