@@ -144,6 +144,7 @@ class Plan:
 
     def __init__(self):
         core, kern = _entries(ROOT / "core", CORE_KEEP), _entries(ROOT / "kernels", KERNELS_KEEP)
+        self.present = set(core)
         unplaced = [f"core/{n}" for n in core if n not in CORE] + [f"kernels/{n}" for n in kern if n not in KERNELS]
         if unplaced:
             raise RestageError("not placed by the tables CORE / KERNELS at the top of scripts/restage.py: "
@@ -467,6 +468,89 @@ GROUP_DOCS = {
 }
 
 
+# ---- the stage table (docs/INTERNALS.md) and core/README.md, written from the tables -------------
+
+def _summary(path: Path) -> str:
+    """A module's docstring up to its first full stop (one line), or ""."""
+    try:
+        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+    except (SyntaxError, UnicodeDecodeError):
+        return ""
+    text = " ".join(doc.split("\n\n")[0].split())
+    m = re.match(r"(.+?[.:])(\s|$)", text)
+    return (m.group(1) if m else text).rstrip(":.") if text else ""
+
+
+def _rows(present=None):
+    """(stage, folder, [core module or package names]) in data-flow order, of the names in
+    ``present`` (default: every name CORE places)."""
+    core = [n for n in CORE if not n.endswith(".json") and (present is None or n in present)]
+    rows = [("base", "core/cpullm/", [n for n in core if CORE[n] == "" and n in BASE])]
+    rows += [(s, f"core/cpullm/{s}/", [n for n in core if CORE[n] == s]) for s in STAGES]
+    rows.append(("shell", "core/cpullm/", [n for n in core if CORE[n] == "" and n not in BASE]))
+    return rows
+
+
+def stage_table(present=None) -> str:
+    """The folder = stage table that opens docs/INTERNALS.md."""
+    out = ["| stage | folder | modules |", "|---|---|---|"]
+    for stage, folder, names in _rows(present):
+        shown = [f"`{n}/`" if (ROOT / "core" / n).is_dir() or (ROOT / folder / n).is_dir() else f"`{n}.py`"
+                 for n in names]
+        out.append(f"| {stage} | `{folder}` | {', '.join(shown)} |")
+    groups: dict[str, list] = {}
+    for name, group in KERNELS.items():
+        if group:
+            groups.setdefault(group, []).append(name)
+    for group, names in groups.items():
+        out.append(f"| kernels: {group} | `kernels/cpullm_kernels/{group}/` | {', '.join(f'`{n}.py`' for n in names)} |")
+    return "\n".join(out) + "\n"
+
+
+def new_internals(text: str, present=None) -> str:
+    """docs/INTERNALS.md with the generated stage table in place of the hand-written one."""
+    m = re.search(r"(?ms)^Where each module sits.*?\n\n(\|.*?\n)(?=\n)", text)
+    if m is None:
+        return text
+    intro = ("Where each module sits: one folder per stage inside the package `cpullm` (core/cpullm/), in\n"
+             "the order data flows; a module imports only from its own stage, an earlier one and the base\n"
+             "modules (tests/test_stages.py). The kernels are the package `cpullm_kernels`\n"
+             "(kernels/cpullm_kernels/), grouped by how they lay out their data.\n\n")
+    return text[:m.start()] + intro + stage_table(present) + text[m.end():]
+
+
+def core_readme(plan: Plan, moved_to: dict) -> str:
+    """core/README.md: each stage folder and its modules, with their docstrings' first sentence."""
+    out = ["# cpullm's core", "",
+           "The package `cpullm` (core/cpullm/): one folder per stage, in the order data flows through",
+           "them. A checkpoint's tensors become a family's graph, the graph a compiled program, the",
+           "program runs one token after another for many sequences at once. A module imports only from",
+           "its own stage, an earlier one and the base modules at the package root",
+           "(tests/test_stages.py; `python scripts/code_stats.py` draws the import graph). The core names",
+           "no model family: everything family-specific comes from the plugins (`plugins/`) through the",
+           "hooks in `hookspecs.py`; a plugin imports only `cpullm.plugin`.", ""]
+    for stage, folder, names in _rows(plan.present):
+        title = {"base": "Base: what every stage uses", "shell": "The doors and the shell"}.get(
+            stage, STAGE_DOCS.get(stage, stage))
+        out += [f"## `{folder}` ({stage})", "", title, "", "| module | what it is |", "|---|---|"]
+        for n in names:
+            old = ROOT / "core" / (n if (ROOT / "core" / n).is_dir() else f"{n}.py")
+            where = moved_to.get(old, old)
+            init = where / "__init__.py" if where.is_dir() else where
+            label = f"`{n}/`" if where.is_dir() else f"`{n}.py`"
+            out.append(f"| {label} | {_summary(init)} |")
+        out.append("")
+    out += ["## `kernels/cpullm_kernels/` (the kernels)", "",
+            "numba kernels, each with a numpy reference, grouped by how they lay out their data:", ""]
+    groups: dict[str, list] = {}
+    for name, group in KERNELS.items():
+        if group:
+            groups.setdefault(group, []).append(name)
+    for group, names in groups.items():
+        out.append(f"- `{group}/` ({GROUP_DOCS.get(group, group)}): {', '.join(f'`{n}.py`' for n in names)}")
+    return "\n".join(out) + "\n"
+
+
 # ---- running it ----------------------------------------------------------------------------------
 
 def tracked_files() -> list[Path]:
@@ -551,6 +635,8 @@ def main(argv=None) -> int:
             out = new_test_sh(out)
         elif rel == "core/__init__.py":
             out = new_core_init(out)
+        elif rel == "docs/INTERNALS.md":
+            out = new_internals(out, plan.present)
         if f.suffix == ".py":
             left = re.search(rf"(?m)^\s*from ({CORE_PKG}|{KERNELS_PKG}) import \(", out)
             if left:
@@ -585,6 +671,8 @@ def main(argv=None) -> int:
                             encoding="utf-8")
             if git:
                 subprocess.run(["git", "add", str(init)], cwd=ROOT, check=True)
+    readme = ROOT / "core" / "README.md"
+    readme.write_text(core_readme(plan, dict(plan.moves)), encoding="utf-8")
     for stale in (ROOT / "core" / "__pycache__", ROOT / "kernels" / "__pycache__"):
         shutil.rmtree(stale, ignore_errors=True)
     if git:
