@@ -145,6 +145,7 @@ class Plan:
     def __init__(self):
         core, kern = _entries(ROOT / "core", CORE_KEEP), _entries(ROOT / "kernels", KERNELS_KEEP)
         self.present = set(core)
+        self.core_paths = core
         unplaced = [f"core/{n}" for n in core if n not in CORE] + [f"kernels/{n}" for n in kern if n not in KERNELS]
         if unplaced:
             raise RestageError("not placed by the tables CORE / KERNELS at the top of scripts/restage.py: "
@@ -519,7 +520,7 @@ def new_internals(text: str, present=None) -> str:
     return text[:m.start()] + intro + stage_table(present) + text[m.end():]
 
 
-def core_readme(plan: Plan, moved_to: dict) -> str:
+def core_readme(plan: Plan) -> str:
     """core/README.md: each stage folder and its modules, with their docstrings' first sentence."""
     out = ["# cpullm's core", "",
            "The package `cpullm` (core/cpullm/): one folder per stage, in the order data flows through",
@@ -534,10 +535,9 @@ def core_readme(plan: Plan, moved_to: dict) -> str:
             stage, STAGE_DOCS.get(stage, stage))
         out += [f"## `{folder}` ({stage})", "", title, "", "| module | what it is |", "|---|---|"]
         for n in names:
-            old = ROOT / "core" / (n if (ROOT / "core" / n).is_dir() else f"{n}.py")
-            where = moved_to.get(old, old)
-            init = where / "__init__.py" if where.is_dir() else where
-            label = f"`{n}/`" if where.is_dir() else f"`{n}.py`"
+            path = plan.core_paths[n]            # read before the move
+            init = path / "__init__.py" if path.is_dir() else path
+            label = f"`{n}/`" if path.is_dir() else f"`{n}.py`"
             out.append(f"| {label} | {_summary(init)} |")
         out.append("")
     out += ["## `kernels/cpullm_kernels/` (the kernels)", "",
@@ -644,6 +644,7 @@ def main(argv=None) -> int:
                                  "is not rewritten; write it on one line (or as `from cpullm.x import y`) first")
         if out != text:
             new_text[f] = out
+    readme = core_readme(plan)
     for old, new in plan.moves:
         print(f"  {old.relative_to(ROOT)} -> {new.relative_to(ROOT)}")
     print(f"restage: {len(plan.moves)} moves, {len(new_text)} files rewritten")
@@ -671,8 +672,7 @@ def main(argv=None) -> int:
                             encoding="utf-8")
             if git:
                 subprocess.run(["git", "add", str(init)], cwd=ROOT, check=True)
-    readme = ROOT / "core" / "README.md"
-    readme.write_text(core_readme(plan, dict(plan.moves)), encoding="utf-8")
+    (ROOT / "core" / "README.md").write_text(readme, encoding="utf-8")
     for stale in (ROOT / "core" / "__pycache__", ROOT / "kernels" / "__pycache__"):
         shutil.rmtree(stale, ignore_errors=True)
     if git:
