@@ -478,8 +478,14 @@ def _summary(path: Path) -> str:
     except (SyntaxError, UnicodeDecodeError):
         return ""
     text = " ".join(doc.split("\n\n")[0].split())
-    m = re.match(r"(.+?[.:])(\s|$)", text)
-    return (m.group(1) if m else text).rstrip(":.") if text else ""
+    m = re.match(r"(.+?)\.(\s|$)", text)
+    text = m.group(1) if m else text
+    if len(text) > 110:
+        m = re.match(r"(.+?)[:;](\s|$)", text)
+        text = m.group(1) if m else text
+    while text.count("(") > text.count(")"):
+        text = text[:text.rindex("(")].rstrip()
+    return text.rstrip(":.")
 
 
 def _rows(present=None):
