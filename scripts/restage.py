@@ -269,7 +269,7 @@ def rewrite_absolute_from(text: str, plan: Plan) -> str:
     docs; ``cpullm.kernels`` already renamed by rewrite_dotted): each name from the package it
     now lives in."""
     pattern = re.compile(rf"(?m)^(?P<lead>[^\n]*?)(?<![\w.])from (?P<pkg>{CORE_PKG}|{KERNELS_PKG}) import "
-                         rf"(?P<names>{_NAME}(?: as {_NAME})?(?:, *{_NAME}(?: as {_NAME})?)*)")
+                         rf"(?P<names>{_NAME}(?: as {_NAME})?(?:, *{_NAME}(?: as {_NAME})?)*)(?P<rest>[ \t]*#[^\n]*)?")
 
     def fix(m):
         names = []
@@ -280,12 +280,13 @@ def rewrite_absolute_from(text: str, plan: Plan) -> str:
         if not any(plan.is_module(f"{pkg}.{n}") for n, _ in names) and pkg == CORE_PKG:
             return m.group(0)
         groups = _from_groups(plan, pkg, names)
-        lead = m.group("lead")
+        lead, rest = m.group("lead"), m.group("rest") or ""
         parts = [_statement(where, ns, pkg, plan) for where, ns in groups.items()]
         if len(parts) == 1:
-            return lead + parts[0]
-        sep = "\n" + lead if lead.strip() == "" else "; "
-        return lead + sep.join(parts)
+            return lead + parts[0] + rest
+        if lead.strip() == "":            # a statement of its own: one line per package, each with the comment
+            return lead + ("\n" + lead).join(p + rest for p in parts)
+        return lead + "; ".join(parts) + rest
 
     return pattern.sub(fix, text)
 
