@@ -5,8 +5,10 @@
     python scripts/restage.py --check    # plan and check only: print the moves, change nothing
 
 Run it from anywhere on a clean checkout (it works on the tree that holds this script), then
-reinstall the editable packages (``bash scripts/test.sh --co -q`` does) and commit the result
-with ``git add -A``. What it does:
+reinstall the editable packages (``bash scripts/test.sh --co -q`` does; an existing .venv needs
+``pip install -e . -e plugins/llama -e plugins/qwen -e plugins/gemma`` again, as the package
+layout changed), check with ``python -m pytest tests/test_stages.py`` and
+``python scripts/code_stats.py``, and commit the result with ``git add -A``. What it does:
 
 * ``core/<module>.py`` -> ``core/cpullm/<stage>/<module>.py`` and each shell package
   ``core/<pkg>/`` -> ``core/cpullm/<pkg>/``, as the table ``CORE`` below says; the stages, in the
@@ -26,8 +28,13 @@ with ``git add -A``. What it does:
   ``core/`` and ``kernels/``; package data follows its package. tests/conftest.py loses the
   sys.path surgery and scripts/test.sh the ``python -m pytest`` workaround: with the packages in
   their own folders, nothing at the repository root shadows an installed package.
-* ``STAGES`` is written into cpullm/__init__.py, where scripts/code_stats.py and
-  tests/test_stages.py read it.
+* ``STAGES`` and ``BASE`` are written into cpullm/__init__.py, where scripts/code_stats.py and
+  tests/test_stages.py read them; each new folder gets an ``__init__.py`` saying what it holds;
+  docs/INTERNALS.md's stage table and core/README.md are written from the tables.
+
+The load stage's folder is ``loading``: a subpackage ``cpullm.load`` would replace the function
+``cpullm.load`` on first import. ``toolcalls`` stays at the root (BASE): a FamilySpec declares
+its ToolFormat / ReasoningFormat, so the load stage's ``family`` imports it.
 
 It plans everything before it changes anything, and FAILS naming every module under core/ or
 kernels/ that the tables do not place (add it to ``CORE`` or ``KERNELS`` and run again). On a
