@@ -76,14 +76,14 @@ CORE = {
     "ir": "graph", "blocks": "graph", "decoder": "graph",
     # compile: quant -> block plan -> passes -> head screen -> cache (one entry)
     "quant_blocks": "compile", "compiler": "compile", "filearrays": "compile", "kvformat": "compile",
-    "head_screen": "compile", "cache_format": "compile",
+    "head_screen": "compile", "cache_format": "compile", "op_matrix": "compile",
     # run: the forward path, slots, batch, prefix / prompt cache, memory
     "executor": "run", "forward": "run", "batch": "run", "prefix_cache": "run", "prompt_cache": "run",
     "memory": "run",
     # generate: sampling, sequences, scheduler, engine, chat, constraints
     "sampling": "generate", "constraints": "generate", "sequence": "generate", "generate": "generate",
     "scheduler": "generate", "engine": "generate", "chat": "generate", "chat_tools": "generate",
-    "template_sandbox": "generate",
+    "template_sandbox": "generate", "speculative": "generate",
     "embed": "generate",
     # the shell, beside the stages
     "store": "", "cli": "", "serve": "", "convert": "", "bench": "", "ray": "",
@@ -103,9 +103,9 @@ KERNELS = {
     # attention over the KV cache and linear-attention state
     "attention": "attention", "attention_batch": "attention", "gated_delta": "attention",
     # row-wise ops
-    "elementwise": "ops", "norm": "ops", "rope": "ops", "vmath": "ops",
-    # the program: its instruction table and the loop that runs it
-    "program_table": "program", "interpreter": "program",
+    "elementwise": "ops", "norm": "ops", "rope": "ops", "vmath": "ops", "pointwise": "ops", "sample": "ops",
+    # the program: its instruction table, the loop that runs it, its composite ops
+    "program_table": "program", "interpreter": "program", "moe": "program",
     # setup: numba's settings, its cache lock, warm-up, the read-rate probe
     "numba_setup": "setup", "numba_cache_lock": "setup", "warmup": "setup", "bandwidth": "setup",
 }
@@ -151,7 +151,7 @@ class Plan:
 
     def __init__(self):
         core, kern = _entries(ROOT / "core", CORE_KEEP), _entries(ROOT / "kernels", KERNELS_KEEP)
-        self.present = set(core)
+        self.present, self.present_kernels = set(core), set(kern)
         self.core_paths = core
         unplaced = [f"core/{n}" for n in core if n not in CORE] + [f"kernels/{n}" for n in kern if n not in KERNELS]
         if unplaced:
@@ -506,23 +506,28 @@ def _rows(present=None):
     return rows
 
 
-def stage_table(present=None) -> str:
+def _groups(present=None) -> dict[str, list]:
+    """kernel group -> its modules (of those in ``present``), in the table's order."""
+    groups: dict[str, list] = {}
+    for name, group in KERNELS.items():
+        if group and (present is None or name in present):
+            groups.setdefault(group, []).append(name)
+    return groups
+
+
+def stage_table(present=None, present_kernels=None) -> str:
     """The folder = stage table that opens docs/INTERNALS.md."""
     out = ["| stage | folder | modules |", "|---|---|---|"]
     for stage, folder, names in _rows(present):
         shown = [f"`{n}/`" if (ROOT / "core" / n).is_dir() or (ROOT / folder / n).is_dir() else f"`{n}.py`"
                  for n in names]
         out.append(f"| {stage} | `{folder}` | {', '.join(shown)} |")
-    groups: dict[str, list] = {}
-    for name, group in KERNELS.items():
-        if group:
-            groups.setdefault(group, []).append(name)
-    for group, names in groups.items():
+    for group, names in _groups(present_kernels).items():
         out.append(f"| kernels: {group} | `kernels/cpullm_kernels/{group}/` | {', '.join(f'`{n}.py`' for n in names)} |")
     return "\n".join(out) + "\n"
 
 
-def new_internals(text: str, present=None) -> str:
+def new_internals(text: str, present=None, present_kernels=None) -> str:
     """docs/INTERNALS.md with the generated stage table in place of the hand-written one."""
     m = re.search(r"(?ms)^Where each module sits.*?\n\n(\|.*?\n)(?=\n)", text)
     if m is None:
@@ -531,7 +536,7 @@ def new_internals(text: str, present=None) -> str:
              "the order data flows; a module imports only from its own stage, an earlier one and the base\n"
              "modules (tests/test_stages.py). The kernels are the package `cpullm_kernels`\n"
              "(kernels/cpullm_kernels/), grouped by how they lay out their data.\n\n")
-    return text[:m.start()] + intro + stage_table(present) + text[m.end():]
+    return text[:m.start()] + intro + stage_table(present, present_kernels) + text[m.end():]
 
 
 def core_readme(plan: Plan) -> str:
@@ -556,11 +561,7 @@ def core_readme(plan: Plan) -> str:
         out.append("")
     out += ["## `kernels/cpullm_kernels/` (the kernels)", "",
             "numba kernels, each with a numpy reference, grouped by how they lay out their data:", ""]
-    groups: dict[str, list] = {}
-    for name, group in KERNELS.items():
-        if group:
-            groups.setdefault(group, []).append(name)
-    for group, names in groups.items():
+    for group, names in _groups(plan.present_kernels).items():
         out.append(f"- `{group}/` ({GROUP_DOCS.get(group, group)}): {', '.join(f'`{n}.py`' for n in names)}")
     return "\n".join(out) + "\n"
 
@@ -650,7 +651,7 @@ def main(argv=None) -> int:
         elif rel == "core/__init__.py":
             out = new_core_init(out)
         elif rel == "docs/INTERNALS.md":
-            out = new_internals(out, plan.present)
+            out = new_internals(out, plan.present, plan.present_kernels)
         if f.suffix == ".py":
             left = re.search(rf"(?m)^\s*from ({CORE_PKG}|{KERNELS_PKG}) import \(", out)
             if left:
