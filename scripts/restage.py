@@ -591,6 +591,37 @@ def _is_text(path: Path) -> bool:
     return path.suffix in TEXT_SUFFIXES
 
 
+def check_imports(text: str, new_path: Path | None, known: set) -> str | None:
+    """Why the rewritten ``text`` would not import, or None: it must parse, and each import of a
+    cpullm / cpullm_kernels module (relative ones resolved from ``new_path``, the file's new
+    place) must name a module or package that exists after the move."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError as exc:
+        return f"does not parse (line {exc.lineno}: {exc.msg})"
+    pkg = None
+    if new_path is not None:
+        mod, is_pkg = _module_of(new_path)
+        pkg = mod if is_pkg else mod.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                if pkg is None:
+                    continue
+                base = pkg.split(".")[:len(pkg.split(".")) - (node.level - 1)]
+                targets = [".".join(base + ([node.module] if node.module else []))]
+            else:
+                targets = [node.module or ""]
+        else:
+            continue
+        for t in targets:
+            if t.split(".")[0] in (CORE_PKG, KERNELS_PKG) and t not in known:
+                return f"line {node.lineno} imports {t}, which does not exist"
+    return None
+
+
 def already_restaged() -> bool:
     return (ROOT / "core" / CORE_PKG / "__init__.py").exists() and not (ROOT / "core" / "__init__.py").exists()
 
@@ -608,17 +639,14 @@ def main(argv=None) -> int:
         print(f"restage: error: {exc}", file=sys.stderr)
         return 2
     files = tracked_files()
-    moved_from = {old: new for old, new in plan.moves}
+    known = set(plan.modules.values()) | plan.packages
     # new text of every file, computed before anything changes
     new_text: dict[Path, str] = {}
-    file_dest: dict[Path, Path] = {}
     for f in files:
         dest = f
         for old, new in plan.moves:
             if f == old or (old.is_dir() and old in f.parents):
                 dest = new / f.relative_to(old) if old.is_dir() else new
-        if dest != f:
-            file_dest[f] = dest
         if not _is_text(f):
             continue
         try:
@@ -657,6 +685,10 @@ def main(argv=None) -> int:
             if left:
                 raise SystemExit(f"restage: error: {f.relative_to(ROOT)}: a parenthesized `{left.group(0).strip()}` "
                                  "is not rewritten; write it on one line (or as `from cpullm.x import y`) first")
+        if out != text and f.suffix == ".py":
+            problem = check_imports(out, dest, known) if dest != f else check_imports(out, None, known)
+            if problem:
+                raise SystemExit(f"restage: error: {f.relative_to(ROOT)}: {problem} after the rewrite; nothing was changed")
         if out != text:
             new_text[f] = out
     readme = core_readme(plan)
@@ -680,8 +712,7 @@ def main(argv=None) -> int:
             subprocess.run(["git", "mv", str(old), str(new)], cwd=ROOT, check=True)
         else:
             shutil.move(str(old), str(new))
-    for init, docs, top in [(p, STAGE_DOCS, "core") for p in plan.stage_inits] + \
-                           [(p, GROUP_DOCS, "kernels") for p in plan.group_inits]:
+    for init, docs in [(p, STAGE_DOCS) for p in plan.stage_inits] + [(p, GROUP_DOCS) for p in plan.group_inits]:
         if not init.exists():
             init.write_text(f'"""{docs.get(init.parent.name, init.parent.name.capitalize() + ".")}"""\n',
                             encoding="utf-8")
