@@ -33,7 +33,7 @@ from typing import Callable
 import attrs
 import numpy as np
 
-from .ir import Graph, GraphError, Node, Op, VIEW_OPS, plain_attrs, plugin_spec
+from .ir import Graph, GraphError, Node, Op, VIEW_OPS, _plain_attrs, _plugin_spec
 from .kernels import program_table as P
 from .quant_blocks import BLOCK_QUANTS, BlockPlan, q8_0_as_q8, quantize_q4_rows, stored_blocks
 
@@ -751,9 +751,9 @@ def _plugin_call(n: Node, loc, nodes_by_out, weights, f32_param, out) -> dict:
     """How the executor calls a PLUGIN node's kernels (``meta["plugin_ops"][row]``): its op, the
     (offset, row stride, width) of each input and of the output, its weights (role, wf offset,
     shape), the float params of the fast kernels and the attributes of the reference."""
-    spec = plugin_spec(n.attr("plugin_op"), n.name)
+    spec = _plugin_spec(n.attr("plugin_op"), n.name)
     widths = tuple(nodes_by_out[i].width for i in n.inputs)
-    attributes = plain_attrs(n)
+    attributes = _plain_attrs(n)
     packed = []
     for role, shape in spec.weight_roles(widths, attributes).items():
         canonical = n.weight(role)

@@ -139,7 +139,7 @@ class Graph:
             raise GraphError("graph output or hidden value is not defined")
 
 
-def plugin_spec(op_name: str, where: str):
+def _plugin_spec(op_name: str, where: str):
     from .errors import PluginError
     from .plugins import discover
     try:
@@ -150,11 +150,11 @@ def plugin_spec(op_name: str, where: str):
 
 def _check_plugin_node(n: Node, widths: tuple) -> None:
     """A PLUGIN node agrees with its installed OpSpec: version, weight roles, width."""
-    spec = plugin_spec(n.attr("plugin_op"), n.name)
+    spec = _plugin_spec(n.attr("plugin_op"), n.name)
     if n.attr("op_version") != spec.version:
         raise GraphError(f"{n.name}: built for {spec.name} version {n.attr('op_version')!r}, "
                          f"installed {spec.version!r}")
-    attributes = plain_attrs(n)
+    attributes = _plain_attrs(n)
     roles = dict(spec.weight_roles(widths, attributes))
     if set(roles) != {r for r, _ in n.weights}:
         raise GraphError(f"{n.name}: {spec.name} reads weights {sorted(roles)}, the node gives "
@@ -164,7 +164,7 @@ def _check_plugin_node(n: Node, widths: tuple) -> None:
                          f"{spec.width(widths, attributes)}, the node has {n.width}")
 
 
-def plain_attrs(n: Node) -> dict:
+def _plain_attrs(n: Node) -> dict:
     """A node's attributes as JSON values (what an OpSpec's width, weight_roles and reference get)."""
     own = {k: v for k, v in n.attrs if k not in ("plugin_op", "op_version")}
     return json.loads(json.dumps(own, default=str))
@@ -197,7 +197,7 @@ class GraphBuilder:
            **attributes) -> str:
         """A node of the plugin op ``op_name`` (cpullm.family.OpSpec, hook ``cpullm_ops``); its
         width comes from the op's shape rule, its version is recorded (``op_version``)."""
-        spec = plugin_spec(op_name, name)
+        spec = _plugin_spec(op_name, name)
         widths = tuple(self.widths[i] for i in inputs)
         plain = json.loads(json.dumps(attributes, default=str))
         try:
