@@ -363,12 +363,20 @@ class _PluginCall:
             raise PluginError(f"the program was compiled for op {spec.name} version {call['version']!r}, "
                               f"installed {spec.version!r}; clear the cache (`cpullm cache clear`)")
         self.spec, self.call = spec, call
-        self.weights = [ex.wf[off: off + int(np.prod(shape))].reshape(shape) for _, off, shape in call["weights"]]
-        self.named = {role: w for (role, _, _), w in zip(call["weights"], self.weights)}
+        self.weights = [_plugin_weight(ex, w) for w in call["weights"]]
+        self.roles = [w[0] for w in call["weights"]]
+        self._named = None
         self.params = np.asarray(call["params"], np.float64)
         fast = impl == "fast"
         self.batched_fn = (spec.prefill or spec.decode) if fast else None
         self.single_fn = (spec.decode or spec.prefill) if fast else None
+
+    @property
+    def named(self) -> dict:
+        """role -> float32 array for the reference (a matrix dequantized: what the program holds)."""
+        if self._named is None:
+            self._named = {role: (w.dense() if hasattr(w, "dense") else w) for role, w in zip(self.roles, self.weights)}
+        return self._named
 
     def __call__(self, arena: np.ndarray, T: int, pos0: int, batched: bool, row0: int = 0) -> None:
         """Rows [row0, row0 + T) of the operands, the first at position pos0."""
@@ -385,6 +393,16 @@ class _PluginCall:
             raise PluginError(f"op {self.spec.name}'s reference returned shape {res.shape} for node "
                               f"{self.call['node']}, expected {out.shape}")
         out[...] = res
+
+
+def _plugin_weight(ex: Executor, entry: list):
+    """A plugin op's weight: float32 array from wf, or for a role of OpSpec.matrices (packed like a
+    LINEAR's matrix: entry [role, -1, shape, [kind, w_off, s_off, Kp]]) a cpullm.op_matrix.OpMatrix."""
+    role, off, shape = entry[:3]
+    if len(entry) > 3:
+        from .op_matrix import OpMatrix
+        return OpMatrix(ex, *entry[3], *shape)
+    return ex.wf[off: off + int(np.prod(shape))].reshape(shape)
 
 
 def _plugin_calls(ex: Executor, calls: dict, ops: dict | None, impl: str) -> dict:

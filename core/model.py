@@ -18,7 +18,7 @@ from . import head_screen, locations, plugins
 from .compiler import DEFAULT_CHUNK, QUANT_MODES, Program, compile_graph
 from .errors import ConfigError, ModelNotFoundError, PromptError
 from .executor import Executor
-from .family import read_config
+from .family import read_config, resolve_context
 from .forward import Forward
 from .generate import GenerationStats, generate_ids, generate_text
 from .sequence import resolve_max_tokens
@@ -109,9 +109,7 @@ class Model:
                    f"(e.g. {weights.ignored[0]}): only the text model runs")
         g = GraphBuilder()
         graph = family.build_graph(args, g)
-        ctx = int(n_ctx or min(DEFAULT_CTX, int(getattr(args, "max_position_embeddings", 0) or DEFAULT_CTX)))
-        if ctx <= 0:
-            raise ConfigError(f"n_ctx must be positive, got {ctx}")
+        ctx = resolve_context(family, args, n_ctx, DEFAULT_CTX)   # within the family's hard limit
         specs = list(registry.kernels) if plugin_kernels else []
         kernels = {k.name: k for k in specs}
         kernel_fns = {k: v.fn for k, v in kernels.items()}
