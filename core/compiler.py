@@ -33,6 +33,7 @@ from typing import Callable
 import attrs
 import numpy as np
 
+from .blocks import PRECISIONS
 from .ir import Graph, GraphError, Node, Op, VIEW_OPS, _plain_attrs, _plugin_spec
 from .kernels import program_table as P
 from .quant_blocks import BLOCK_QUANTS, BlockPlan, q8_0_as_q8, quantize_q4_rows, stored_blocks
@@ -859,9 +860,6 @@ def _block_slots(slots: dict, weights, canonicals: list[str], fmt: str, w_off: i
         n = weights.shape(c)[0]
         slots.setdefault(c, [name, w_off + r0 * rb, n * rb, Kp, -1])
         r0 += n
-
-
-PRECISIONS = ("f32",)      # node attribute ``precision``: per-node override of the quant mode
 
 
 def _precision(node: Node, quant: str) -> str:

@@ -21,6 +21,7 @@ from .kernels import interpreter as K
 from .kernels.attention import KV_F16, KV_F32, kv_operand
 from .kernels.warmup import run_flags
 from .head_screen import HeadScreen
+from .op_matrix import matmul_blocks
 from .kernels import program_table as P
 from .kernels.q8 import matmul_f32
 from .kernels.q8_panels import matmul_panels, padded_rows
@@ -162,7 +163,7 @@ class Executor:
         x = self.arena[x_off: x_off + T * x_st].reshape(T, x_st)[:, :Kd]
         out = self.arena[o_off: o_off + T * o_st].reshape(T, o_st)[:, :N]
         if kind == P.WEIGHT_BLOCKS:
-            _matmul_blocks(self.wb, s_off, w_off, Kp, x, out)
+            matmul_blocks(self.wb, s_off, w_off, Kp, x, out)
         elif kind == P.WEIGHT_Q8:               # the full rows of out: one kernel specialization
             Np = padded_rows(N)
             matmul_panels(x, self.wq[w_off: w_off + Np * Kp], self.ws[s_off: s_off + Np * (Kp // 32)], N,
@@ -432,26 +433,6 @@ def lazy_zeros(n: int) -> np.ndarray:
     if n * 4 < 1 << 22:
         return np.zeros(n, np.float32)
     return np.frombuffer(mmap.mmap(-1, n * 4), np.float32)
-
-
-def _matmul_blocks(wb: np.ndarray, fmt: int, w_off: int, Kp: int, x: np.ndarray, out: np.ndarray) -> None:
-    """Prefill LINEAR over raw ggml blocks: out (T, N) = x (T, K) @ W.T by kquant_gemm.matmul, or
-    kquant_panels.matmul_float for Q4_K / Q6_K in panels (``fmt`` the ggml type + PANELED); rows
-    stored padded to Kp weights (zero weights) get x padded with zeros."""
-    from .kernels.gguf_blocks import block_format
-    from .kernels.kquant_gemm import matmul
-    from .kernels.kquant_panels import PANELED, matmul_float
-    N = out.shape[1]
-    rb = block_format(fmt % PANELED).row_bytes(Kp)
-    if fmt >= PANELED:                   # Q4_K / Q6_K in panels of 16 rows
-        matmul_float(fmt % PANELED, x, wb[w_off: w_off + N * rb], N, out)
-        return
-    w = wb[w_off: w_off + N * rb].reshape(N, rb)
-    if x.shape[1] != Kp:
-        xp = np.zeros((x.shape[0], Kp), np.float32)
-        xp[:, :x.shape[1]] = x
-        x = xp
-    matmul(fmt, x, w, out)
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:

@@ -76,10 +76,10 @@ CORE = {
     "ir": "graph", "blocks": "graph", "decoder": "graph",
     # compile: quant -> block plan -> passes -> head screen -> cache (one entry)
     "quant_blocks": "compile", "compiler": "compile", "filearrays": "compile", "kvformat": "compile",
-    "head_screen": "compile", "cache_format": "compile", "op_matrix": "compile",
+    "head_screen": "compile", "cache_format": "compile",
     # run: the forward path, slots, batch, prefix / prompt cache, memory
     "executor": "run", "forward": "run", "batch": "run", "prefix_cache": "run", "prompt_cache": "run",
-    "memory": "run",
+    "memory": "run", "op_matrix": "run",
     # generate: sampling, sequences, scheduler, engine, chat, constraints
     "sampling": "generate", "constraints": "generate", "sequence": "generate", "generate": "generate",
     "scheduler": "generate", "engine": "generate", "chat": "generate", "chat_tools": "generate",
