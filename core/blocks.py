@@ -177,12 +177,14 @@ def norm(g: GraphBuilder, name: str, x: str, eps: float, kind: str = "rms", bias
     raise ValueError(f"{name}: norm kind {kind!r} is not 'rms' or 'layer'")
 
 
+PRECISIONS = ("f32",)      # node attribute ``precision``: per-node override of the quant mode
+
+
 def linear(g: GraphBuilder, name: str, x: str, weight: str, out_features: int,
            bias: str | None = None, group: str = "", precision: str | None = None) -> str:
     """x (T, K) @ weight.T (+ bias) -> (T, out_features). ``precision="f32"`` keeps this one
     matrix float32 whatever the quant mode (a layer the model is sensitive to); LINEARs of equal
     precision that share an input are still fused."""
-    from .compiler import PRECISIONS
     w = {"weight": weight}
     if bias:
         w["bias"] = bias

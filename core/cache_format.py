@@ -155,7 +155,7 @@ def _json_default(x):
     raise TypeError(f"{type(x).__name__} is not JSON-serializable")
 
 
-def _json_sha(obj) -> str:
+def json_sha(obj) -> str:
     text = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=_json_default)
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -169,7 +169,7 @@ def cpu_features() -> str:
         return platform.processor()
 
 
-def _versions() -> dict:
+def versions() -> dict:
     """Version sources, read at call time (so a test can monkeypatch each one)."""
     import sys
 
@@ -193,7 +193,7 @@ def cache_key_inputs(*, config, family, graph, weights, store, quant, n_ctx, max
     """Everything that, when it changes, must give a new entry."""
     from .compiler import context_free, graph_hash
 
-    v = _versions()
+    v = versions()
     return {
         "format_version": FORMAT_VERSION,
         "cpullm_version": v["cpullm_version"],
@@ -283,7 +283,7 @@ def write_entry(root: Path, key: str, program: Program, inputs: dict, model_dir,
                     "model_dir": str(Path(model_dir).resolve()), "created": time.time(),
                     "arrays": table,
                     "program_meta": json.loads(json.dumps(program.meta, default=_json_default))}
-        manifest["manifest_sha"] = _json_sha(manifest)
+        manifest["manifest_sha"] = json_sha(manifest)
         with open(tmp / MANIFEST, "w") as fh:
             json.dump(manifest, fh)
             fh.flush()
@@ -383,7 +383,7 @@ def _read_manifest(entry: Path):
     if not isinstance(m, dict) or "manifest_sha" not in m:
         return None
     sha = m.pop("manifest_sha")
-    return m if sha == _json_sha(m) else None
+    return m if sha == json_sha(m) else None
 
 
 def _check_manifest(m: dict, key: str):

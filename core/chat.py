@@ -370,7 +370,7 @@ def apply_chat_template(model, messages: list[dict], tools=None, add_generation_
     call's ``arguments`` may be a JSON string (OpenAI's form) or an object."""
     from .toolcalls import formats_of, messages_for_template
 
-    msgs = _arguments_as_objects(check_messages(messages))
+    msgs = arguments_as_objects(check_messages(messages))
     fmt, _ = formats_of(model, require_template(model, tools=tools))
     if fmt is not None and not fmt.in_template:
         msgs, tools = messages_for_template(msgs, tools, fmt), None
@@ -378,7 +378,7 @@ def apply_chat_template(model, messages: list[dict], tools=None, add_generation_
     return model.tokenizer.encode(text, add_special_tokens=False) if tokenize else text
 
 
-def _arguments_as_objects(messages: list[dict]) -> list[dict]:
+def arguments_as_objects(messages: list[dict]) -> list[dict]:
     """Earlier assistant calls with their ``arguments`` as objects (OpenAI sends JSON text;
     templates write the object with ``tojson``)."""
     out = []

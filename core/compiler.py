@@ -33,6 +33,7 @@ from typing import Callable
 import attrs
 import numpy as np
 
+from .blocks import PRECISIONS
 from .ir import Graph, GraphError, Node, Op, VIEW_OPS, _plain_attrs, _plugin_spec
 from .kernels import program_table as P
 from .quant_blocks import BLOCK_QUANTS, BlockPlan, q8_0_as_q8, quantize_q4_rows, stored_blocks
@@ -58,7 +59,7 @@ class Program:
         return self.arrays["F"]
 
 
-def _align(n: int, a: int = 16) -> int:
+def align_up(n: int, a: int = 16) -> int:
     return (n + a - 1) // a * a
 
 
@@ -71,7 +72,7 @@ class _Blob:
     def add(self, arr: np.ndarray) -> int:
         arr = np.ascontiguousarray(arr, dtype=self.dtype).reshape(-1)
         off = self.size
-        pad = _align(arr.size) - arr.size
+        pad = align_up(arr.size) - arr.size
         self.parts.append(arr)
         if pad:
             self.parts.append(np.zeros(pad, self.dtype))
@@ -87,7 +88,7 @@ class _Blob:
         return off
 
     def pad(self) -> None:
-        n = _align(self.size) - self.size
+        n = align_up(self.size) - self.size
         if n:
             self.parts.append(np.zeros(n, self.dtype))
             self.size += n
@@ -343,7 +344,7 @@ def _plan_arena(graph: Graph, order: list[_Phys], layout: _Layout, max_chunk: in
 
     offsets, free, arena_size = layout.offsets, [], 0       # free: list of (offset, size)
     for idx, p in enumerate(order):
-        size = _align(layout.rows(p.output, max_chunk) * layout.widths[p.output], 64)
+        size = align_up(layout.rows(p.output, max_chunk) * layout.widths[p.output], 64)
         spot = None
         for j, (off, sz) in enumerate(free):
             if sz >= size:
@@ -360,7 +361,7 @@ def _plan_arena(graph: Graph, order: list[_Phys], layout: _Layout, max_chunk: in
             for inp in m.inputs:
                 b = base_of(inp)[0]
                 if last_use.get(b) == idx and b in offsets and b not in (hidden_base,):
-                    free.append((offsets[b], _align(layout.rows(b, max_chunk) * layout.widths[b], 64)))
+                    free.append((offsets[b], align_up(layout.rows(b, max_chunk) * layout.widths[b], 64)))
                     last_use[b] = -1
         free.sort()
         free = _merge(free)
@@ -504,7 +505,7 @@ class _StatePlan:
     def add(self, node: Node, floats: int, kind: str, **info) -> int:
         """Offset of a new region of ``floats`` for ``node`` (64-float aligned)."""
         off = self.size
-        self.size = _align(self.size + floats, 64)
+        self.size = align_up(self.size + floats, 64)
         self.regions.append({"node": node.name, "kind": kind, "offset": off, "floats": floats, **info})
         return off
 
@@ -755,7 +756,7 @@ def with_context(program: Program, n_ctx: int) -> Program:
                                                      reg.get("kv_dtype", "f32")))
         moved[int(reg["offset"])] = (size, cap)
         reg["offset"] = size
-        size = _align(size + int(reg["floats"]), 64)
+        size = align_up(size + int(reg["floats"]), 64)
         regions.append(reg)
     I = np.array(program.arrays["I"], copy=True)
     for r in range(len(I)):
@@ -859,9 +860,6 @@ def _block_slots(slots: dict, weights, canonicals: list[str], fmt: str, w_off: i
         n = weights.shape(c)[0]
         slots.setdefault(c, [name, w_off + r0 * rb, n * rb, Kp, -1])
         r0 += n
-
-
-PRECISIONS = ("f32",)      # node attribute ``precision``: per-node override of the quant mode
 
 
 def _precision(node: Node, quant: str) -> str:

@@ -54,7 +54,7 @@ PARSER_LIMITS = dict(
 and a smaller grammar: the lexer's memory is the one unbounded-looking cost)."""
 
 
-def _llguidance():
+def load_llguidance():
     try:
         import llguidance
         import llguidance.gbnf_to_lark  # noqa: F401
@@ -68,7 +68,7 @@ def _llguidance():
 def available() -> bool:
     """True when llguidance is installed (constrained requests can run)."""
     try:
-        _llguidance()
+        load_llguidance()
         return True
     except MissingDependencyError:
         return False
@@ -86,7 +86,7 @@ def token_table(tokenizer, vocab_size: int | None = None, eos_ids=None):
     ``vocab_size``: rows of the model's logits (may exceed the tokenizer's tokens; the extra ids
     are never allowed). ``eos_ids``: the tokens that end the sequence, allowed once the
     constraint accepts. Costs a few seconds for a 152k vocabulary; cached per tokenizer."""
-    llg = _llguidance()
+    llg = load_llguidance()
     n = int(vocab_size or tokenizer.vocab_size)
     known = min(n, int(tokenizer.vocab_size))        # ids the tokenizer has (llguidance's bound)
     eos = sorted({int(i) for i in (eos_ids or ()) if 0 <= int(i) < known})
@@ -196,7 +196,7 @@ def check_schema(schema) -> None:
 
 def _grammar_text(spec) -> tuple[str, str]:
     """(kind, llguidance grammar text) for a spec dict, after the size checks."""
-    llg = _llguidance()
+    llg = load_llguidance()
     if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in KINDS:
         got = sorted(spec) if isinstance(spec, dict) else type(spec).__name__
         raise ConstraintError(f"a constraint is one of {', '.join(KINDS)} (exactly one), got {got}")
@@ -243,7 +243,7 @@ def build_constraint(spec: dict, tokenizer, *, vocab_size: int | None = None, eo
     ``eos_ids``: the model's logits size and stop ids (``Model.constraint`` fills them in).
     Raises ConstraintError naming what is wrong and where, MissingDependencyError without
     llguidance."""
-    llg = _llguidance()
+    llg = load_llguidance()
     kind, grammar = _grammar_text(spec)
     table = token_table(tokenizer, vocab_size, eos_ids)
     limits = llg.LLParserLimits(**PARSER_LIMITS)

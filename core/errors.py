@@ -103,6 +103,19 @@ class ServerRequestError(CpullmError):
         self.code = code
 
 
+class ApiError(ServerRequestError):
+    """A request field (of an HTTP request or of :meth:`cpullm.model.Model.chat`'s arguments)
+    that is wrong, with the OpenAI error fields (``type``, ``param``, ``code``)."""
+
+    def __init__(self, message: str, status: int = 400, code: str | None = None,
+                 param: str | None = None, type: str | None = None):
+        from .limits import one_line
+        super().__init__(one_line(message, 500), status, code or "invalid_request_error")
+        self.param = param
+        self.openai_code = code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+
 class ConstraintError(CpullmError):
     """A JSON schema, regular expression, grammar or choice list given to constrain the output is
     invalid, too large, or too complex (the message names the problem and where)."""

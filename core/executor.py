@@ -21,6 +21,7 @@ from .kernels import interpreter as K
 from .kernels.attention import KV_F16, KV_F32, kv_operand
 from .kernels.warmup import run_flags
 from .head_screen import HeadScreen
+from .op_matrix import matmul_blocks
 from .kernels import program_table as P
 from .kernels.q8 import matmul_f32
 from .kernels.q8_panels import matmul_panels, padded_rows
@@ -162,7 +163,7 @@ class Executor:
         x = self.arena[x_off: x_off + T * x_st].reshape(T, x_st)[:, :Kd]
         out = self.arena[o_off: o_off + T * o_st].reshape(T, o_st)[:, :N]
         if kind == P.WEIGHT_BLOCKS:
-            _matmul_blocks(self.wb, s_off, w_off, Kp, x, out)
+            matmul_blocks(self.wb, s_off, w_off, Kp, x, out)
         elif kind == P.WEIGHT_Q8:               # the full rows of out: one kernel specialization
             Np = padded_rows(N)
             matmul_panels(x, self.wq[w_off: w_off + Np * Kp], self.ws[s_off: s_off + Np * (Kp // 32)], N,
@@ -190,15 +191,21 @@ class Executor:
                 f"{pos + n} tokens do not fit in the context of {self.n_ctx}; "
                 f"shorten the prompt or load with a larger n_ctx (cpullm.load(..., n_ctx=N) / --ctx N)")
 
-    def prefill(self, state: np.ndarray, pos: int, tokens, all_logits: bool = False) -> np.ndarray:
-        """Run ``tokens`` at positions pos, pos + 1, ... of the sequence whose state is ``state``.
-        Returns float32 logits (T, vocab) if ``all_logits`` else (vocab,) for the last token."""
+    def _checked(self, tokens, pos: int, what: str) -> np.ndarray:
+        """``tokens`` as int64 (T,), refused when empty, out of the vocabulary's range, or past
+        the context from ``pos``."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         if tokens.size == 0:
-            raise PromptError("the prompt is empty: give at least one token")
+            raise PromptError(f"the {what} is empty: give at least one token")
         if tokens.min() < 0 or tokens.max() >= self.embed_rows:
             raise PromptError(f"token id out of range 0..{self.embed_rows - 1}")
         self._check_room(pos, tokens.size)
+        return tokens
+
+    def prefill(self, state: np.ndarray, pos: int, tokens, all_logits: bool = False) -> np.ndarray:
+        """Run ``tokens`` at positions pos, pos + 1, ... of the sequence whose state is ``state``.
+        Returns float32 logits (T, vocab) if ``all_logits`` else (vocab,) for the last token."""
+        tokens = self._checked(tokens, pos, "prompt")
         outs = []
         for c0 in range(0, tokens.size, self.max_chunk):
             chunk = tokens[c0: c0 + self.max_chunk]
@@ -217,12 +224,7 @@ class Executor:
         """Run ``tokens`` at positions pos, pos + 1, ... of the sequence whose state is ``state``
         and return their hidden states after the final norm, the lm_head's input: float32
         (T, hidden). The head runs only up to the lm_head (embeddings need no logits)."""
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if tokens.size == 0:
-            raise PromptError("the input is empty: give at least one token")
-        if tokens.min() < 0 or tokens.max() >= self.embed_rows:
-            raise PromptError(f"token id out of range 0..{self.embed_rows - 1}")
-        self._check_room(pos, tokens.size)
+        tokens = self._checked(tokens, pos, "input")
         names = self.program.meta["names"]
         lm = next(r for r in range(self.first_head, self.n_instr)
                   if names[r] == "lm_head" and self.I[r, P.COL_OP] == P.OP_LINEAR)
@@ -443,26 +445,6 @@ def lazy_zeros(n: int) -> np.ndarray:
     if n * 4 < 1 << 22:
         return np.zeros(n, np.float32)
     return np.frombuffer(mmap.mmap(-1, n * 4), np.float32)
-
-
-def _matmul_blocks(wb: np.ndarray, fmt: int, w_off: int, Kp: int, x: np.ndarray, out: np.ndarray) -> None:
-    """Prefill LINEAR over raw ggml blocks: out (T, N) = x (T, K) @ W.T by kquant_gemm.matmul, or
-    kquant_panels.matmul_float for Q4_K / Q6_K in panels (``fmt`` the ggml type + PANELED); rows
-    stored padded to Kp weights (zero weights) get x padded with zeros."""
-    from .kernels.gguf_blocks import block_format
-    from .kernels.kquant_gemm import matmul
-    from .kernels.kquant_panels import PANELED, matmul_float
-    N = out.shape[1]
-    rb = block_format(fmt % PANELED).row_bytes(Kp)
-    if fmt >= PANELED:                   # Q4_K / Q6_K in panels of 16 rows
-        matmul_float(fmt % PANELED, x, wb[w_off: w_off + N * rb], N, out)
-        return
-    w = wb[w_off: w_off + N * rb].reshape(N, rb)
-    if x.shape[1] != Kp:
-        xp = np.zeros((x.shape[0], Kp), np.float32)
-        xp[:, :x.shape[1]] = x
-        x = xp
-    matmul(fmt, x, w, out)
 
 
 def _read_only(a: np.ndarray) -> np.ndarray:

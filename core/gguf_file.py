@@ -125,7 +125,7 @@ def hf_tensor_name(gguf_name: str, spec: ArchSpec) -> str | None:
 # Reading the GGUF file
 # ---------------------------------------------------------------------------------------------
 
-def _import_gguf():
+def import_gguf():
     try:
         import gguf  # noqa: F401
     except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -156,7 +156,7 @@ class GGUFTensor:
         """The stored bytes shaped like gguf.GGUFReader shapes them (rows, bytes per row): a copy
         read with pread (:meth:`GGUFFile.read_at`), so a file truncated while it loads is a
         ConversionError, never a SIGBUS from a read through the map."""
-        gguf = _import_gguf()
+        gguf = import_gguf()
         raw = self._file.read_at(self.data_offset, self.n_bytes)
         np_shape = tuple(reversed(self.shape))
         if self.tensor_type == gguf.GGMLQuantizationType.F32:
@@ -255,7 +255,7 @@ class GGUFFile:
 
     # -- the header ---------------------------------------------------------------------------
     def _parse(self) -> None:
-        gguf = _import_gguf()
+        gguf = import_gguf()
         if self.size < 4 or bytes(self.buf[:4]) != b"GGUF":
             raise ConversionError(f"{self.path} is not a GGUF file (it does not start with the GGUF "
                                   "magic); give a .gguf model file")
@@ -404,7 +404,7 @@ class PlannedTensor:
 
 def _dequantize(t) -> np.ndarray:
     """A GGUF tensor as float32 in HF (row-major) shape."""
-    gguf = _import_gguf()
+    gguf = import_gguf()
     type_name = t.tensor_type.name
     if type_name not in SUPPORTED_TENSOR_TYPES:
         raise ConversionError(f"tensor {t.name} has ggml type {type_name}, which cpullm cannot convert; "

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from . import limits
 from .errors import ConversionError
 from .family import GGUFArch
-from .gguf_file import _shown, arch_spec, meta_int, token_id
+from .gguf_file import arch_spec, meta_int, token_id
 from .plugins import discover
 
 # ---------------------------------------------------------------------------------------------
@@ -94,7 +94,7 @@ def _check_tokenizer_metadata(meta: dict) -> None:
     for key in ("model", "pre"):
         value = meta.get(f"tokenizer.ggml.{key}")
         if value is not None and not isinstance(value, str):
-            raise ConversionError(f"GGUF tokenizer.ggml.{key} = {_shown(value)} is not a string; the file is damaged")
+            raise ConversionError(f"GGUF tokenizer.ggml.{key} = {limits.shown(value)} is not a string; the file is damaged")
     for key, (ok, what) in _TOKENIZER_LISTS.items():
         value = meta.get(f"tokenizer.ggml.{key}")
         if value is None:
@@ -105,7 +105,7 @@ def _check_tokenizer_metadata(meta: dict) -> None:
     for key in ("add_bos_token", "add_eos_token"):
         value = meta.get(f"tokenizer.ggml.{key}")
         if value is not None and not isinstance(value, (bool, int)):
-            raise ConversionError(f"GGUF tokenizer.ggml.{key} = {_shown(value)} is not a boolean; the file is damaged")
+            raise ConversionError(f"GGUF tokenizer.ggml.{key} = {limits.shown(value)} is not a boolean; the file is damaged")
     template = meta.get("tokenizer.chat_template")
     if template is not None and not isinstance(template, str):
         raise ConversionError(f"GGUF tokenizer.chat_template is a {type(template).__name__}, not a string; "

@@ -14,7 +14,7 @@ from collections import deque
 import numba
 import numpy as np
 
-from .compiler import Program, _align
+from .compiler import Program, align_up
 from .kernels import program_table as P
 from .kernels.head_screen import padded_blocks, screen_argmax
 from .kernels.q8_panels import padded_rows
@@ -128,7 +128,7 @@ def _append_array(base: np.ndarray, arr: np.ndarray, align: int) -> tuple[np.nda
     from .filearrays import append_mapped, backing_path
     if backing_path(base) is not None:
         return append_mapped(base, arr, align)
-    start = _align(base.size, align)
+    start = align_up(base.size, align)
     return np.concatenate([base, np.zeros(start - base.size, base.dtype), arr.reshape(-1)]), start
 
 

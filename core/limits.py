@@ -72,6 +72,15 @@ def one_line(text: Any, width: int = 200) -> str:
     return flat if len(flat) <= width else flat[:width - 3] + "..."
 
 
+def quoted(value: Any) -> str:
+    """A client's value quoted in an error message: JSON, one line, at most 80 characters."""
+    try:
+        text = json.dumps(value, ensure_ascii=True)
+    except (TypeError, ValueError, RecursionError):
+        text = repr(type(value))
+    return one_line(text, 80)
+
+
 def shown(value: Any, width: int = 60) -> str:
     """A value read from an untrusted file, quoted for an error message: repr (control characters
     escaped), one line, cut to ``width`` characters."""

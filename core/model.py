@@ -329,28 +329,28 @@ class Model:
         surface (cpullm.sampling): ``presence_penalty``, ``frequency_penalty``, ``logit_bias``,
         ``logits_processors`` (callables ``(token_ids, logits) -> logits``); ``logprobs`` is
         used by :meth:`generate_stream`, which yields them per token."""
-        params = self._sampling_surface(temperature, top_k, top_p, min_p, repetition_penalty, seed,
-                                        presence_penalty, frequency_penalty, logit_bias, logprobs)
-        spec = self.constraint_spec(json_schema, regex, grammar, choice, json_object)
-        ids = self._prompt_ids(prompt, chat=chat, system=system)
-        cons = self.constraint(spec) if spec else None
-        stats = stats if stats is not None else GenerationStats()
-        tokens = self._run_alone(ids, resolve_max_tokens(max_tokens, max_new_tokens), params, self.eos_token_ids,
-                                 stats, cons, logits_processors)
+        tokens, stats, _ = self._start(prompt, max_tokens, temperature, top_k, top_p, min_p, repetition_penalty,
+                                       seed, chat, system, stats, json_schema, regex, grammar, choice, json_object,
+                                       presence_penalty, frequency_penalty, logit_bias, logits_processors,
+                                       logprobs, max_new_tokens)
         return generate_text(self.tokenizer, tokens, stop=stop, stats=stats)
 
-    def generate_stream(self, prompt, max_tokens: int | None = None, temperature: float = 0.0, top_k: int = 0,
-                        top_p: float = 1.0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-                        seed: int | None = None, stop: list[str] | None = None, chat: bool = False,
-                        system: str | None = None, stats: GenerationStats | None = None, *,
-                        json_schema=None, regex: str | None = None, grammar: str | None = None,
-                        choice=None, json_object: bool = False, presence_penalty: float = 0.0,
-                        frequency_penalty: float = 0.0, logit_bias: dict | None = None,
-                        logits_processors=(), logprobs: int | None = None,
-                        max_new_tokens: int | None = None):
-        """Like :meth:`generate`, yielding a :class:`cpullm.generate.TokenEvent` per token (id,
-        text, log-probability, ``logprobs`` likeliest alternatives, seconds since the start)."""
+    def generate_stream(self, prompt, max_tokens: int | None = None, stop: list[str] | None = None,
+                        stats: GenerationStats | None = None, **options):
+        """Like :meth:`generate` (``options``: its other keywords), yielding a
+        :class:`cpullm.generate.TokenEvent` per token (id, text, log-probability, ``logprobs``
+        likeliest alternatives, seconds since the start)."""
         from .generate import generate_events
+        tokens, stats, holder = self._start(prompt, max_tokens, stats=stats, events=True, **options)
+        return generate_events(self.tokenizer, tokens, holder, stop=stop, stats=stats)
+
+    def _start(self, prompt, max_tokens=None, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
+               repetition_penalty=1.0, seed=None, chat=False, system=None, stats=None, json_schema=None,
+               regex=None, grammar=None, choice=None, json_object=False, presence_penalty=0.0,
+               frequency_penalty=0.0, logit_bias=None, logits_processors=(), logprobs=None,
+               max_new_tokens=None, events: bool = False):
+        """One sequence alone, started: (its token iterator, its stats, the list its Sequence
+        lands in when ``events``, for per-token log-probabilities)."""
         params = self._sampling_surface(temperature, top_k, top_p, min_p, repetition_penalty, seed,
                                         presence_penalty, frequency_penalty, logit_bias, logprobs)
         spec = self.constraint_spec(json_schema, regex, grammar, choice, json_object)
@@ -359,8 +359,8 @@ class Model:
         stats = stats if stats is not None else GenerationStats()
         holder: list = []
         tokens = self._run_alone(ids, resolve_max_tokens(max_tokens, max_new_tokens), params, self.eos_token_ids,
-                                 stats, cons, logits_processors, seq_out=holder)
-        return generate_events(self.tokenizer, tokens, holder, stop=stop, stats=stats)
+                                 stats, cons, logits_processors, seq_out=holder if events else None)
+        return tokens, stats, holder
 
     def generate_ids(self, prompt_ids, max_tokens: int | None = None, temperature: float = 0.0,
                      top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
@@ -491,13 +491,13 @@ class Model:
         With ``stream`` it returns an iterator of pieces: ``{"content": str}``,
         ``{"reasoning_content": str}`` or ``{"tool_call": {...}}``. ``sampling``: the keywords of
         :meth:`generate` (temperature, top_p, seed, stop, ...)."""
-        from .chat import _arguments_as_objects, check_messages, render_chat
-        from .serve.openai import _tool_request, plan_chat
+        from .chat import arguments_as_objects, check_messages, render_chat
+        from .chat_tools import plan_chat, tool_request
 
         body = {"tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls,
                 "reasoning_effort": reasoning_effort}
-        tools_, choice, parallel = _tool_request(body)
-        msgs = _arguments_as_objects(check_messages(messages))
+        tools_, choice, parallel = tool_request(body)
+        msgs = arguments_as_objects(check_messages(messages))
         plan = plan_chat(self, body, msgs, tools_, choice, parallel, dict(chat_template_kwargs or {}))
         text = render_chat(self, plan.messages, tools=plan.template_tools, **plan.template_kwargs)
         ids = self.tokenizer.encode(text, add_special_tokens=False)

@@ -56,7 +56,6 @@ class OpMatrix:
     def matmul(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
         """out (T, N) = x (T, K) @ W.T with the core's LINEAR kernels (int8 / 4-bit / float32
         weights as packed); x and out float32, any row stride. Returns out."""
-        from .executor import _matmul_blocks
         from .kernels.q8 import matmul_f32
         from .kernels.q8_panels import matmul_panels, padded_rows
         N, K = self.shape
@@ -70,7 +69,7 @@ class OpMatrix:
                           self._ws[self.s_off: self.s_off + Np * (self.Kp // 32)], N, target)
         elif self.kind == P.WEIGHT_BLOCKS:
             target = out if out.flags.c_contiguous else np.empty(out.shape, np.float32)
-            _matmul_blocks(self._wq.view(np.uint8), self.s_off, self.w_off, self.Kp, x, target)
+            matmul_blocks(self._wq.view(np.uint8), self.s_off, self.w_off, self.Kp, x, target)
         else:
             target = out
             matmul_f32(x, self._wf[self.w_off: self.w_off + N * K].reshape(N, K), out)
@@ -105,3 +104,23 @@ class OpMatrix:
         else:
             full = dequantize(fmt, data.reshape(N, rb), self.Kp)
         return np.ascontiguousarray(full[:, :K], dtype=np.float32)
+
+
+def matmul_blocks(wb: np.ndarray, fmt: int, w_off: int, Kp: int, x: np.ndarray, out: np.ndarray) -> None:
+    """Prefill LINEAR over raw ggml blocks: out (T, N) = x (T, K) @ W.T by kquant_gemm.matmul, or
+    kquant_panels.matmul_float for Q4_K / Q6_K in panels (``fmt`` the ggml type + PANELED); rows
+    stored padded to Kp weights (zero weights) get x padded with zeros."""
+    from .kernels.gguf_blocks import block_format
+    from .kernels.kquant_gemm import matmul
+    from .kernels.kquant_panels import PANELED, matmul_float
+    N = out.shape[1]
+    rb = block_format(fmt % PANELED).row_bytes(Kp)
+    if fmt >= PANELED:                   # Q4_K / Q6_K in panels of 16 rows
+        matmul_float(fmt % PANELED, x, wb[w_off: w_off + N * rb], N, out)
+        return
+    w = wb[w_off: w_off + N * rb].reshape(N, rb)
+    if x.shape[1] != Kp:
+        xp = np.zeros((x.shape[0], Kp), np.float32)
+        xp[:, :x.shape[1]] = x
+        x = xp
+    matmul(fmt, x, w, out)

@@ -18,7 +18,7 @@ from .gguf_file import DENSE_LAYER_NAMES, QK_NORM_LAYER_NAMES, meta_int
 from .hookspecs import hookimpl
 from .ir import GraphBuilder, Op
 from .toolcalls import (WS, MalformedCall, ReasoningFormat, ToolCall, ToolFormat, json_rule, lark_string,
-                        object_schema, parse_json_call)
+                        object_schema, parse_json_call, parse_tagged_json_call, tagged_json_call_body)
 from .weightmap import ADD_ONE, Transform, W, WeightMap
 from .op_matrix import OpMatrix
 from .weightmap import TRANSPOSE
@@ -33,7 +33,7 @@ __all__ = [
     "decoder_stack", "glu_silu",
     # how the family's models write tool calls and thinking (FamilySpec.tool_formats / reasoning_formats)
     "ToolFormat", "ReasoningFormat", "ToolCall", "MalformedCall", "WS", "json_rule", "lark_string",
-    "object_schema", "parse_json_call",
+    "object_schema", "parse_json_call", "parse_tagged_json_call", "tagged_json_call_body",
     # ops, kernels, RoPE scalings, GGUF architectures
     "OpSpec", "OpMatrix", "KernelSpec", "RopeType", "GGUFArch", "DENSE_LAYER_NAMES", "QK_NORM_LAYER_NAMES",
     "meta_int", "limits",

@@ -63,7 +63,7 @@ def _align(n: int) -> int:
 def model_identity(model) -> dict:
     """What a saved state depends on. ``MODEL_KEYS`` say which model; the rest which runtime
     produced the numbers (a mismatch there makes the file stale, not foreign)."""
-    from .cache_format import _versions, config_sha, cpu_features
+    from .cache_format import config_sha, cpu_features, versions
     from .compiler import graph_hash
     from .tensors import TensorStore
 
@@ -72,7 +72,7 @@ def model_identity(model) -> dict:
         files = GGUFStore(model.model_dir).identity()
     else:
         files = TensorStore(model.model_dir).identity()
-    v = _versions()
+    v = versions()
     return {
         "family": model.family.name,
         "model_type": model.config.get("model_type"),
@@ -93,8 +93,8 @@ def model_identity(model) -> dict:
 
 
 def _header_sha(header: dict) -> str:
-    from .cache_format import _json_sha
-    return _json_sha({k: v for k, v in header.items() if k != "header_sha"})
+    from .cache_format import json_sha
+    return json_sha({k: v for k, v in header.items() if k != "header_sha"})
 
 
 def _common_prefix(a, b) -> int:

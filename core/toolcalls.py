@@ -380,6 +380,33 @@ def parse_json_call(text: str, tools: dict) -> ToolCall:
     return call
 
 
+def parse_tagged_json_call(text: str, tools: dict, start: str, end: str):
+    """A ToolFormat's ``parse_call`` for one JSON call (``{"name": ..., "arguments": {...}}``)
+    between ``start`` and ``end`` tags, as Qwen2.5 / Qwen3 write it and cpullm's Gemma format:
+    ``text`` starts with ``start``. (call, index past ``end``) once the end tag came, (None, 0)
+    before; :class:`MalformedCall` when what follows the tag cannot be a JSON object."""
+    close = text.find(end, len(start))
+    if close < 0:
+        head = text[len(start):].lstrip()
+        if head and not head.startswith("{"):
+            raise MalformedCall(f"a {start} that does not hold a JSON object")
+        return None, 0
+    return parse_json_call(text[len(start):close].strip(), tools), close + len(end)
+
+
+def tagged_json_call_body(tools: dict, end: str) -> str:
+    """A ToolFormat's ``call_body`` for :func:`parse_tagged_json_call`'s calls: one JSON object
+    naming a declared tool with its parameters' schema, then the ``end`` tag."""
+    names = [f"fn_{i}" for i in range(len(tools))]
+    rules = [f"call_body: {WS} ({' | '.join(names)}) {WS} {lark_string(end)}"]
+    for rule, (name, params) in zip(names, tools.items()):
+        schema = {"type": "object",
+                  "properties": {"name": {"const": name}, "arguments": object_schema(params)},
+                  "required": ["name", "arguments"], "additionalProperties": False}
+        rules.append(f"{rule}: {json_rule(schema)}")
+    return "\n".join(rules)
+
+
 class AnswerParser:
     """Splits an answer's text into content, reasoning and tool calls, as it streams.
 

@@ -1,13 +1,16 @@
 #!/usr/bin/env python
 """The shape of the code: files and lines per package, the longest functions, and the import
-graph of the ``cpullm`` package (its cycles, and its imports that run from a lower layer to a
-higher one).
+graph of the ``cpullm`` and ``cpullm_kernels`` packages (its cycles, its imports that go up a
+stage, and the private names imported across modules).
 
     python scripts/code_stats.py [--top 15]
 
-Imports are read from the source (``ast``), module-level and inside functions alike, so a lazy
-import that closes a loop is counted. The layers are the ones core/README.md describes, lowest
-first; an import of a module in a higher layer is an upward edge.
+The stages are the core package's folders (core/cpullm/<stage>/), in the order ``STAGES`` in
+core/cpullm/__init__.py gives; the root modules named in ``BASE`` there come before every stage,
+and the rest of the root and the shell packages (cli, serve, ...) after them. An import of a
+module in a later stage is an upward edge. Imports are read from the source (``ast``),
+module-level and inside functions alike, so a lazy import that closes a loop is counted.
+tests/test_stages.py holds the tree to this.
 """
 from __future__ import annotations
 
@@ -16,48 +19,68 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"cpullm": ROOT / "core", "cpullm.kernels": ROOT / "kernels"}   # as pyproject.toml maps them
-COUNTED = ["core", "core/bench", "core/cli", "core/convert", "core/serve", "kernels", "plugins/llama", "plugins/qwen", "plugins/gemma",
-           "benchmarks", "scripts", "tests"]
+# Import name -> package folder. Before scripts/restage.py ran, core/ itself was the package
+# cpullm (and kernels/ cpullm.kernels): then there are no stage folders to read.
+PACKAGES = {"cpullm": ROOT / "core" / "cpullm", "cpullm_kernels": ROOT / "kernels" / "cpullm_kernels"}
+FLAT_PACKAGES = {"cpullm": ROOT / "core", "cpullm.kernels": ROOT / "kernels"}
+SHELL = "shell"
 
-# Lowest first. A module's layer is the first entry naming it or a package above it.
-LAYERS = [
-    ("foundation", ["errors", "limits", "notices", "hookspecs", "filearrays", "kvformat"]),
-    ("kernels", ["kernels"]),          # numba kernels: import nothing of cpullm outside their package
-    ("registry", ["family", "plugins", "weightmap", "tensors", "gguf_file", "gguf_vocab", "gguf_model",
-                  "locations", "tokenize", "toolcalls"]),
-    ("graph", ["ir", "blocks", "decoder"]),
-    ("compiler", ["compiler", "quant_blocks"]),
-    ("execution", ["cache_format", "head_screen", "executor", "batch", "forward", "prompt_cache", "prefix_cache",
-                   "memory"]),
-    ("generation", ["constraints", "sampling", "sequence", "generate", "scheduler", "embed", "engine", "model", "chat",
-                    "template_sandbox", "testing", "plugin", "__init__"]),   # plugin: the door, testing included
-    ("shell", ["convert", "store", "bench", "serve", "cli", "ray"]),
-]
+
+def restaged() -> bool:
+    return (PACKAGES["cpullm"] / "__init__.py").exists()
+
+
+def packages() -> dict[str, Path]:
+    return PACKAGES if restaged() else FLAT_PACKAGES
+
+
+def layout() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(STAGES, BASE) as core/cpullm/__init__.py declares them."""
+    tree = ast.parse((PACKAGES["cpullm"] / "__init__.py").read_text(encoding="utf-8"))
+    found = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            if node.targets[0].id in ("STAGES", "BASE"):
+                found[node.targets[0].id] = tuple(ast.literal_eval(node.value))
+    if set(found) != {"STAGES", "BASE"}:
+        raise SystemExit("core/cpullm/__init__.py declares no STAGES and BASE (scripts/restage.py writes them)")
+    return found["STAGES"], found["BASE"]
+
+
+def stages() -> list[str]:
+    """The stage folders in data-flow order; every one must exist (and be a package)."""
+    names, _ = layout()
+    missing = [s for s in names if not (PACKAGES["cpullm"] / s / "__init__.py").exists()]
+    if missing:
+        raise SystemExit(f"STAGES names folders core/cpullm/ does not have: {missing}")
+    return list(names)
 
 
 def modules() -> dict[str, Path]:
-    """cpullm module name -> file."""
+    """module name -> file, for both packages."""
     out = {}
-    for pkg, folder in PACKAGES.items():
+    for pkg, folder in packages().items():
         for path in sorted(folder.rglob("*.py")):
             rel = path.relative_to(folder).with_suffix("")
-            parts = [p for p in rel.parts if p != "__init__"] if rel.name == "__init__" else list(rel.parts)
+            parts = list(rel.parts[:-1]) if rel.name == "__init__" else list(rel.parts)
             out[".".join([pkg, *parts])] = path
     return out
 
 
+def _resolve(current: str, is_pkg: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    base = current.split(".") if is_pkg else current.split(".")[:-1]
+    base = base[:len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def _imported(current: str, is_pkg: bool, node, mods) -> list[str]:
-    """The cpullm modules one import statement loads: ``from .x import y`` loads x (and x.y
-    when y is a module); ``from . import x`` loads x."""
+    """The modules one import statement loads: ``from .x import y`` loads x (and x.y when y is
+    a module); ``from . import x`` loads x."""
     if isinstance(node, ast.Import):
         return [a.name for a in node.names if a.name in mods]
-    if node.level:
-        base = current.split(".") if is_pkg else current.split(".")[:-1]
-        base = base[:len(base) - (node.level - 1)]
-        prefix = ".".join(base + ([node.module] if node.module else []))
-    else:
-        prefix = node.module or ""
+    prefix = _resolve(current, is_pkg, node)
     subs = [f"{prefix}.{a.name}" for a in node.names if f"{prefix}.{a.name}" in mods]
     if subs and node.module is None:
         return subs
@@ -65,7 +88,7 @@ def _imported(current: str, is_pkg: bool, node, mods) -> list[str]:
 
 
 def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
-    """module -> the cpullm modules it imports, at module level or inside a function."""
+    """module -> the modules of both packages it imports, at module level or inside a function."""
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for mod, path in mods.items():
         is_pkg = path.name == "__init__.py"
@@ -73,6 +96,35 @@ def import_graph(mods: dict[str, Path]) -> dict[str, set[str]]:
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 graph[mod].update(m for m in _imported(mod, is_pkg, node, mods) if m != mod)
     return graph
+
+
+def private_imports(mods: dict[str, Path]) -> list[str]:
+    """Private names (``_x``, not dunders) one module takes from another: ``from m import _x``,
+    or ``m._x`` on a module it imported. One entry per (importer, module, name)."""
+    found = set()
+    for mod, path in mods.items():
+        is_pkg = path.name == "__init__.py"
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        aliases = {}                  # local name -> module, for imported modules
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in mods and a.asname:
+                        aliases[a.asname] = a.name
+            elif isinstance(node, ast.ImportFrom):
+                source = _resolve(mod, is_pkg, node)
+                for a in node.names:
+                    if f"{source}.{a.name}" in mods:
+                        aliases[a.asname or a.name] = f"{source}.{a.name}"
+                    elif source in mods and source != mod and a.name.startswith("_") \
+                            and not a.name.startswith("__"):
+                        found.add(f"{mod} <- {source}.{a.name}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                    and node.value.id in aliases and node.attr.startswith("_") and not node.attr.startswith("__"):
+                if aliases[node.value.id] != mod:
+                    found.add(f"{mod} <- {aliases[node.value.id]}.{node.attr}")
+    return sorted(found)
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -107,19 +159,39 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def layer(mod: str) -> int:
-    short = mod.removeprefix("cpullm.").removeprefix("cpullm") or "__init__"
-    for rank, (_, names) in enumerate(LAYERS):
-        for name in names:
-            if short == name or short.startswith(name + "."):
-                return rank
-    raise KeyError(f"{mod} is in no layer of scripts/code_stats.py: add it to LAYERS")
+def stage_of(mod: str, stage_names: list[str], base: tuple) -> str:
+    """The stage a cpullm module belongs to: "base", a stage folder's name, or "shell" (the
+    package root's other modules and the packages beside the stages). Kernels: "kernels"."""
+    parts = mod.split(".")
+    if parts[0] == "cpullm_kernels":
+        return "kernels"
+    if len(parts) == 1:
+        return SHELL
+    if parts[1] in stage_names:
+        return parts[1]
+    if len(parts) == 2 and parts[1] in base:
+        return "base"
+    return SHELL
+
+
+def stage_rank(stage_names: list[str]) -> dict[str, int]:
+    """Lowest first: the kernels, the base modules, the stages in order, the shell."""
+    return {"kernels": 0, "base": 1, **{s: 2 + i for i, s in enumerate(stage_names)}, SHELL: 2 + len(stage_names)}
+
+
+def upward_imports(graph: dict[str, set[str]], stage_names: list[str], base: tuple) -> list[tuple[str, str]]:
+    """Edges from a module to one in a later stage."""
+    rank = stage_rank(stage_names)
+    return [(a, b) for a in sorted(graph) for b in sorted(graph[a])
+            if rank[stage_of(b, stage_names, base)] > rank[stage_of(a, stage_names, base)]]
 
 
 def longest_functions(top: int) -> list[tuple[int, str]]:
     rows = []
     for folder in ("core", "kernels", "plugins", "benchmarks"):
         for path in sorted((ROOT / folder).rglob("*.py")):
+            if ".venv" in path.parts:
+                continue
             tree = ast.parse(path.read_text(encoding="utf-8"))
             for node in ast.walk(tree):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -128,18 +200,30 @@ def longest_functions(top: int) -> list[tuple[int, str]]:
     return sorted(rows, reverse=True)[:top]
 
 
+def counted_folders() -> list[Path]:
+    """Each stage folder, shell package and kernel group, the package roots, the plugins and the
+    repository's other code folders."""
+    out = []
+    for folder in packages().values():
+        out.append(folder)
+        out += sorted(p for p in folder.iterdir() if (p / "__init__.py").exists())
+    out += sorted(p for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").exists())
+    return out + [ROOT / "benchmarks", ROOT / "scripts", ROOT / "tests"]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--top", type=int, default=15, help="how many of the longest functions to list")
     args = ap.parse_args(argv)
 
-    print("files and lines per package (*.py; a package's count excludes its sub-packages listed here)")
-    for folder in COUNTED:
-        base = ROOT / folder
-        nested = [ROOT / c for c in COUNTED if c != folder and c.startswith(folder + "/")]
-        files = [p for p in base.rglob("*.py") if not any(n in p.parents for n in nested)]
+    folders = counted_folders()
+    print("files and lines per folder (*.py; a folder's count excludes the folders listed after it)")
+    for folder in folders:
+        nested = [n for n in folders if n != folder and folder in n.parents]
+        files = [p for p in folder.rglob("*.py") if not any(n in p.parents for n in nested)
+                 and ".venv" not in p.parts]
         lines = sum(len(p.read_text(encoding="utf-8").splitlines()) for p in files)
-        print(f"  {folder:<16} {len(files):>4} files {lines:>7} lines")
+        print(f"  {folder.relative_to(ROOT).as_posix():<36} {len(files):>4} files {lines:>7} lines")
 
     print("\nlongest functions (lines)")
     for n, where in longest_functions(args.top):
@@ -152,11 +236,19 @@ def main(argv=None) -> int:
     for comp in comps:
         inner = [f"{a} -> {b}" for a in comp for b in sorted(graph[a]) if b in comp]
         print(f"  {', '.join(comp)}: {'; '.join(inner)}")
-    upward = [(a, b) for a in sorted(graph) for b in sorted(graph[a]) if layer(b) > layer(a)]
-    print(f"\nupward imports (a lower layer importing a higher one; layers: "
-          f"{' < '.join(name for name, _ in LAYERS)}): {len(upward)}")
-    for a, b in upward:
-        print(f"  {a} ({LAYERS[layer(a)][0]}) -> {b} ({LAYERS[layer(b)][0]})")
+    if restaged():
+        names = stages()
+        _, base = layout()
+        up = upward_imports(graph, names, base)
+        print(f"\nupward imports (stages: kernels < base < {' < '.join(names)} < shell): {len(up)}")
+        for a, b in up:
+            print(f"  {a} ({stage_of(a, names, base)}) -> {b} ({stage_of(b, names, base)})")
+    else:
+        print("\nupward imports: not checked (the core is not in stage folders; scripts/restage.py moves it)")
+    private = private_imports(mods)
+    print(f"\nprivate names imported across modules: {len(private)}")
+    for row in private:
+        print(f"  {row}")
     return 0
 
 

@@ -225,7 +225,7 @@ def _foreign(entry):
     m = json.loads(f.read_text())
     m.pop("manifest_sha")
     m["inputs"]["quant"] = "f32"
-    m["manifest_sha"] = cache_format._json_sha(m)
+    m["manifest_sha"] = cache_format.json_sha(m)
     f.write_text(json.dumps(m))
 
 

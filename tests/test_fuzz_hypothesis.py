@@ -225,7 +225,7 @@ def test_execution_cache_reader(tiny):
             m["program_meta"][field] = value
         if isinstance(m.get("arrays"), dict) and isinstance(m["arrays"].get("I"), dict):
             m["arrays"]["I"]["checksum"] = cache_format.checksum(forged)
-        m["manifest_sha"] = cache_format._json_sha(m)
+        m["manifest_sha"] = cache_format.json_sha(m)
         (entry / "manifest.json").write_text(json.dumps(m))
         forged.tofile(entry / "I.bin")
         _refused_cleanly(lambda: cache_format.read_entry(entry))
@@ -233,7 +233,7 @@ def test_execution_cache_reader(tiny):
         _spent(check)
     finally:
         I.tofile(entry / "I.bin")
-        manifest["manifest_sha"] = cache_format._json_sha(manifest)
+        manifest["manifest_sha"] = cache_format.json_sha(manifest)
         (entry / "manifest.json").write_text(json.dumps(manifest))
 
 

@@ -406,7 +406,7 @@ def test_forged_manifest_with_an_overflowing_shape_is_refused(cached_model):
     m.pop("manifest_sha")
     m["arrays"]["wf"]["shape"] = [2 ** 32, 2 ** 32]
     m["arrays"]["wf"]["checksum"] = cache_format.checksum(np.zeros(0, np.float32))
-    m["manifest_sha"] = cache_format._json_sha(m)
+    m["manifest_sha"] = cache_format.json_sha(m)
     (entry / "manifest.json").write_text(json.dumps(m))
     (entry / "wf.bin").write_bytes(b"")
     with pytest.raises(errors.CacheError, match="malformed"):

@@ -261,7 +261,7 @@ def _reseal(entry: Path, change_meta=None, change_I=None):
         change_I(I)
         I.tofile(entry / "I.bin")
         info["checksum"] = cache_format.checksum(I)
-    m["manifest_sha"] = cache_format._json_sha(m)
+    m["manifest_sha"] = cache_format.json_sha(m)
     (entry / "manifest.json").write_text(json.dumps(m))
 
 

@@ -26,12 +26,20 @@ def _places(spec) -> list[Path]:
     return [Path(p).resolve() for p in places]
 
 
+def _shadows(spec, name: str) -> bool:
+    """Whether ``spec`` loads the repository's root folder ``name`` as a module or regular
+    package. A folder without ``__init__.py`` found on sys.path is only a namespace portion:
+    any installed module or regular package of that name is found before it."""
+    return spec is not None and spec.origin not in (None, "namespace") and \
+        any(p.is_relative_to(REPO / name) for p in _places(spec))
+
+
 def test_no_root_folder_is_importable_under_its_own_name():
     shadowing = {}
     for name in ROOT_FOLDERS:
         spec = importlib.util.find_spec(name)
-        if spec is not None and any(p.is_relative_to(REPO / name) for p in _places(spec)):
-            shadowing[name] = spec.origin or list(spec.submodule_search_locations)
+        if _shadows(spec, name):
+            shadowing[name] = spec.origin
     assert shadowing == {}
     assert "kernels" in ROOT_FOLDERS          # the folder the check above is mostly about
 
@@ -42,13 +50,13 @@ def test_kernels_is_the_installed_package():
     site = os.environ.get(SITE_ENV)
     if site is None:       # the real PyPI package (a transformers dependency; in the repository's
         # own .venv when scripts/test.sh made one there) or none at all
-        assert spec is None or not any(p.is_relative_to(REPO / "kernels") for p in _places(spec))
+        assert not _shadows(spec, "kernels")
         return
     import kernels
     assert kernels.SOURCE == "the installed package", kernels.__file__
     assert Path(kernels.__file__).resolve().is_relative_to(Path(site).resolve())
     import cpullm.kernels  # the project's own folder, through its install
-    assert Path(cpullm.kernels.__file__).resolve().parent.name == "kernels"
+    assert Path(cpullm.kernels.__file__).resolve().is_relative_to(REPO / "kernels")
 
 
 def test_python_m_pytest_from_the_root_imports_the_installed_kernels(tmp_path):

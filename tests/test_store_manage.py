@@ -25,7 +25,7 @@ def _program(cache, key: str, model_path, used: float) -> dict:
     entry = cache / "exec" / key
     entry.mkdir(parents=True)
     manifest = {"model_dir": str(model_path.resolve()), "inputs": {"quant": "gguf", "n_ctx": 256}}
-    manifest["manifest_sha"] = cache_format._json_sha(manifest)
+    manifest["manifest_sha"] = cache_format.json_sha(manifest)
     (entry / "manifest.json").write_text(json.dumps(manifest))
     (entry / "program.bin").write_bytes(b"\0" * 1000)
     (entry / "last_used").touch()

@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
-from ..gguf_file import GLOBAL_TENSOR_NAMES, _import_gguf, arch_spec, gguf_architectures, permute_qk
+from ..gguf_file import GLOBAL_TENSOR_NAMES, import_gguf, arch_spec, gguf_architectures, permute_qk
 from ..errors import ConversionError
 from ..family import GGUFArch
 
@@ -94,7 +94,7 @@ def write_gguf(path: str | os.PathLike, arch: str, fields: Mapping[str, object],
 
     A tensor the table has no GGUF name for is a ConversionError naming it.
     """
-    gguf = _import_gguf()
+    gguf = import_gguf()
     layout = layout or arch_spec(arch)
     n_head = int(fields["head_count"])
     n_head_kv = int(fields.get("head_count_kv", n_head))

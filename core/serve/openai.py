@@ -25,39 +25,19 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import threading
 import time
 
-from ..errors import (ChatTemplateError, ContextOverflowError, CpullmError, SamplingError,
+from ..chat_tools import ChatAnswer, plan_chat, tool_request
+from ..errors import (ApiError, ChatTemplateError, ContextOverflowError, CpullmError, SamplingError,
                       ServerRequestError)
 from ..generate import GenerationStats
-from ..limits import one_line
+from ..limits import one_line, quoted
 from ..sampling import MAX_REPETITION_PENALTY, MIN_TEMPERATURE
 
 DEFAULT_MAX_TOKENS_CAP = 1024         # longest answer per request; an omitted max_tokens gets this
 DEFAULT_REQUEST_TIMEOUT_S = 300.0     # generation time per request: 1024 tokens at ~4 tok/s (a 4B model)
 MAX_STOP = 16
-
-
-class ApiError(ServerRequestError):
-    """A request error with the OpenAI error fields (``type``, ``param``, ``code``)."""
-
-    def __init__(self, message: str, status: int = 400, code: str | None = None,
-                 param: str | None = None, type: str | None = None):
-        super().__init__(one_line(message, 500), status, code or "invalid_request_error")
-        self.param = param
-        self.openai_code = code
-        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
-
-
-def _quoted(value) -> str:
-    """A client's value quoted in an error message: JSON, one line, at most 80 characters."""
-    try:
-        text = json.dumps(value, ensure_ascii=True)
-    except (TypeError, ValueError, RecursionError):
-        text = repr(type(value))
-    return one_line(text, 80)
 
 
 def error_body(exc: Exception) -> tuple[int, dict]:
@@ -110,21 +90,6 @@ class RequestSpec:
         return self.answer.parser()
 
 
-class ChatAnswer:
-    """How a chat answer is read: the declared tools (name -> parameter schema) and the
-    model's tool format, its reasoning format and whether the prompt opened the thinking."""
-
-    def __init__(self, tools: dict | None = None, fmt=None, reasoning=None, thinking: bool = False,
-                 parallel: bool = True):
-        self.tools, self.fmt, self.reasoning, self.thinking = tools or {}, fmt, reasoning, thinking
-        self.parallel = parallel
-
-    def parser(self):
-        from ..toolcalls import AnswerParser
-        return AnswerParser(self.fmt, self.tools, self.reasoning, self.thinking,
-                            max_calls=0 if self.parallel else 1)
-
-
 # ---- every request field: honored, a label, or refused -------------------------------------------
 # Fields that only label a request: accepted, no effect on the answer (README "Tool calls, reasoning
 # and request fields"): who sent it, for the caller's own records, storage and caching hints.
@@ -172,7 +137,7 @@ def check_fields(body: dict, kind: str) -> None:
                        code="unknown_parameter")
     mods = body.get("modalities")
     if mods is not None and mods != ["text"]:
-        raise ApiError(f"modalities={_quoted(mods)} is not supported: this server answers in text "
+        raise ApiError(f"modalities={quoted(mods)} is not supported: this server answers in text "
                        "only (send [\"text\"] or omit it)", param="modalities", code="unsupported_parameter")
 
 
@@ -181,7 +146,7 @@ def _number(body: dict, key: str, default, lo=None, hi=None, lo_open=False, hi_o
     if v is None:
         return default
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ApiError(f"{key} must be a number, got {_quoted(v)}", param=key, code="invalid_type")
+        raise ApiError(f"{key} must be a number, got {quoted(v)}", param=key, code="invalid_type")
     if lo is not None and (v <= lo if lo_open else v < lo) or hi is not None and (v >= hi if hi_open else v > hi):
         rng = f"{'(' if lo_open else '['}{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}{')' if hi_open else ']'}"
         raise ApiError(f"{key} must be in {rng}, got {v}", param=key, code="invalid_value")
@@ -196,7 +161,7 @@ def _integer(body: dict, key: str, default, lo=None):
         if isinstance(v, float) and v.is_integer():
             v = int(v)
         else:
-            raise ApiError(f"{key} must be an integer, got {_quoted(v)}", param=key, code="invalid_type")
+            raise ApiError(f"{key} must be an integer, got {quoted(v)}", param=key, code="invalid_type")
     if lo is not None and v < lo:
         raise ApiError(f"{key} must be >= {lo}, got {v}", param=key, code="invalid_value")
     return int(v)
@@ -207,14 +172,14 @@ def _boolean(body: dict, key: str, default: bool) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise ApiError(f"{key} must be true or false, got {_quoted(v)}", param=key, code="invalid_type")
+        raise ApiError(f"{key} must be true or false, got {quoted(v)}", param=key, code="invalid_type")
     return v
 
 
 def _unsupported(body: dict, key: str, allowed, why: str) -> None:
     v = body.get(key)
     if v is not None and v not in allowed:
-        raise ApiError(f"{key}={_quoted(v)} is not supported by this server: {why}", param=key,
+        raise ApiError(f"{key}={quoted(v)} is not supported by this server: {why}", param=key,
                        code="unsupported_parameter")
 
 
@@ -229,7 +194,7 @@ def _cache_salt(body: dict) -> str | None:
     if v is None:
         return None
     if not isinstance(v, str) or not 0 < len(v) <= MAX_CACHE_SALT:
-        raise ApiError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters, got {_quoted(v)}",
+        raise ApiError(f"cache_salt must be a string of 1 to {MAX_CACHE_SALT} characters, got {quoted(v)}",
                        param="cache_salt", code="invalid_value")
     return v
 
@@ -306,7 +271,7 @@ class Api:
         m = body.get("model")
         if m is not None:
             if not isinstance(m, str):
-                raise ApiError(f"model must be a string, got {_quoted(m)}", param="model", code="invalid_type")
+                raise ApiError(f"model must be a string, got {quoted(m)}", param="model", code="invalid_type")
             if m not in self.model_ids:
                 raise ApiError(f"The model `{m}` does not exist: this server runs `{self.model_id}` "
                                "(GET /v1/models lists it)", 404, "model_not_found", "model")
@@ -353,7 +318,7 @@ class Api:
         m = body.get("model")
         if m is not None:
             if not isinstance(m, str):
-                raise ApiError(f"model must be a string, got {_quoted(m)}", param="model", code="invalid_type")
+                raise ApiError(f"model must be a string, got {quoted(m)}", param="model", code="invalid_type")
             if m not in self.model_ids:
                 raise ApiError(f"The model `{m}` does not exist: this server runs `{self.model_id}` "
                                "(GET /v1/models lists it)", 404, "model_not_found", "model")
@@ -451,7 +416,7 @@ class Api:
             messages = check_messages(body["messages"])
         except ChatTemplateError as exc:
             raise ApiError(str(exc), param="messages", code="invalid_value") from None
-        tools, choice, parallel = _tool_request(body)
+        tools, choice, parallel = tool_request(body)
         extra = body.get("chat_template_kwargs") or {}
         if not isinstance(extra, dict):
             raise ApiError("chat_template_kwargs must be an object", param="chat_template_kwargs",
@@ -571,198 +536,6 @@ def _version() -> str:
     return __version__
 
 
-# ---- tools, tool_choice and reasoning (chat) ------------------------------------------------------
-_TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-
-
-def _tool_request(body: dict):
-    """(tools or None, tool_choice, parallel_tool_calls) checked: tool_choice is "auto", "none",
-    "required" or ("named", name)."""
-    from ..toolcalls import MAX_TOOLS
-
-    tools = body.get("tools")
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise ApiError("tools must be a list of {\"type\": \"function\", \"function\": {...}}",
-                           param="tools", code="invalid_type")
-        if len(tools) > MAX_TOOLS:
-            raise ApiError(f"tools takes at most {MAX_TOOLS} tools, got {len(tools)}", param="tools",
-                           code="invalid_value")
-        seen = set()
-        for i, t in enumerate(tools):
-            where = f"tools[{i}]"
-            if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
-                kind = t.get("type") if isinstance(t, dict) else type(t).__name__
-                raise ApiError(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\", "
-                               f"\"parameters\"}}}} (got type {_quoted(kind)}); only function tools are "
-                               "served", param="tools", code="invalid_value")
-            fn = t["function"]
-            name = fn.get("name")
-            if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
-                raise ApiError(f"{where}.function.name must be 1-64 letters, digits, '_', '-' or '.', "
-                               f"got {_quoted(name)}", param="tools", code="invalid_value")
-            if name in seen:
-                raise ApiError(f"{where}.function.name {name!r} is declared twice; give each tool its "
-                               "own name", param="tools", code="invalid_value")
-            seen.add(name)
-            params = fn.get("parameters")
-            if params is not None and not isinstance(params, dict):
-                raise ApiError(f"{where}.function.parameters must be a JSON schema object",
-                               param="tools", code="invalid_type")
-            if fn.get("strict") not in (None, True, False):
-                raise ApiError(f"{where}.function.strict must be true or false", param="tools",
-                               code="invalid_type")
-        if not tools:
-            tools = None
-    choice = body.get("tool_choice")
-    if choice is None:
-        choice = "auto"
-    elif isinstance(choice, dict):
-        fn = choice.get("function") if choice.get("type") == "function" else None
-        name = fn.get("name") if isinstance(fn, dict) else None
-        if not isinstance(name, str):
-            raise ApiError("tool_choice must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
-                           "\"function\": {\"name\": ...}}", param="tool_choice", code="invalid_value")
-        if name not in {t["function"]["name"] for t in tools or ()}:
-            raise ApiError(f"tool_choice names {name!r}, which is not in tools; declare it in tools",
-                           param="tool_choice", code="invalid_value")
-        choice = ("named", name)
-    elif choice not in ("auto", "none", "required"):
-        raise ApiError(f"tool_choice must be \"auto\", \"none\", \"required\" or {{\"type\": \"function\", "
-                       f"\"function\": {{\"name\": ...}}}}, got {_quoted(choice)}", param="tool_choice",
-                       code="invalid_value")
-    elif choice == "required" and not tools:
-        raise ApiError("tool_choice \"required\" needs tools: declare at least one", param="tool_choice",
-                       code="invalid_value")
-    parallel = _boolean(body, "parallel_tool_calls", True)
-    return tools, choice, parallel
-
-
-class ChatPlan:
-    """What a chat request sends to the template and how its answer is read and constrained."""
-
-    def __init__(self, messages, template_tools, template_kwargs, tools, choice, parallel, fmt,
-                 reasoning, strict):
-        self.messages, self.template_tools, self.template_kwargs = messages, template_tools, template_kwargs
-        self.tools, self.choice, self.parallel = tools, choice, parallel
-        self.fmt, self.reasoning, self.strict = fmt, reasoning, strict
-
-    def answer(self, model, prompt_text: str, answer_spec: dict | None = None):
-        """(ChatAnswer, constraint or None) once the prompt is rendered. ``answer_spec``: the
-        request's own constraint spec (response_format or a peer's spelling): under "auto" an
-        answer that is not a call must match it (JSON kinds only); a forced call makes it moot."""
-        from ..toolcalls import call_grammar, opens_thinking, tool_schemas, with_thinking
-
-        schemas = tool_schemas(self.tools) if self.tools and self.choice != "none" else {}
-        if isinstance(self.choice, tuple):
-            schemas = {self.choice[1]: schemas[self.choice[1]]}
-        opened = opens_thinking(prompt_text, self.reasoning)
-        answer = ChatAnswer(schemas, self.fmt, self.reasoning, opened, self.parallel)
-        must = self.choice == "required" or isinstance(self.choice, tuple) or self.strict
-        if not schemas or self.fmt is None:
-            if must and schemas:
-                raise ApiError("this model's chat template has no tool-call format its plugin knows, so "
-                               "a call cannot be constrained: send tool_choice \"auto\" (calls are then "
-                               "read from fenced JSON blocks) and no strict tools", param="tool_choice",
-                               code="unsupported_parameter")
-            return answer, None
-        mode = "required" if self.choice == "required" or isinstance(self.choice, tuple) else "auto"
-        is_special = special_token_test(model)
-        if is_special is None:                      # constrained decoding is not installed
-            return answer, build_tool_constraint(model, "", required=must)
-        answer_schema = None
-        if mode == "auto" and answer_spec:
-            kind, value = next(iter(answer_spec.items()))
-            if kind not in ("json_schema", "json_object"):
-                raise ApiError(f"tools under tool_choice \"auto\" combine only with a JSON answer format "
-                               f"(response_format json_schema / json_object), not a {kind} constraint: "
-                               "send tool_choice \"none\" or \"required\", or drop the constraint",
-                               param="tools", code="unsupported_parameter")
-            answer_schema = value if kind == "json_schema" else {"type": "object"}
-        grammar = with_thinking(call_grammar(self.fmt, schemas, mode, self.parallel, is_special, answer_schema),
-                                self.reasoning, opened, is_special)
-        return answer, build_tool_constraint(model, grammar, required=must)
-
-
-def special_token_test(model):
-    """``text -> bool``: whether ``text`` is one token of ``model``'s vocabulary that the
-    constraint engine treats as special (matched as that token, not as bytes); None when
-    constrained decoding is not installed."""
-    from .. import constraints
-
-    if not constraints.available():
-        return None
-    table = constraints.token_table(model.tokenizer, model.logits_size, model.eos_token_ids)
-    tok = model.tokenizer
-
-    def is_special(text: str) -> bool:
-        i = tok.token_to_id(text)
-        return i is not None and 0 <= i < table.vocab_size and bool(table.is_special_token(i))
-    return is_special
-
-
-def build_tool_constraint(model, grammar: str, required: bool):
-    """The constraint of a tool-call grammar (:mod:`cpullm.constraints`, the ``lark`` kind), or
-    None when constrained decoding is not installed and the request does not need it."""
-    from .. import constraints
-
-    if not constraints.available():
-        if required:
-            raise ApiError("tool_choice \"required\", a named function and strict tools need constrained "
-                           f"decoding, which this installation lacks: {constraints.INSTALL_HINT}, or send "
-                           "tool_choice \"auto\" and no strict tools", param="tool_choice",
-                           code="unsupported_parameter")
-        return None
-    try:
-        return model.constraint({"lark": grammar})
-    except CpullmError as exc:
-        raise ApiError(f"the tools' parameter schemas cannot be enforced: {exc}", param="tools",
-                       code="invalid_value") from None
-
-
-def plan_chat(model, body: dict, messages: list[dict], tools, choice, parallel, extra: dict) -> ChatPlan:
-    """The template's inputs and the answer's reading for a chat request: the model's tool and
-    reasoning formats (its plugin's, for its template), ``enable_thinking`` and
-    ``reasoning_effort`` checked against them."""
-    from ..chat import _arguments_as_objects, require_template
-    from ..toolcalls import formats_of, messages_for_template
-
-    template = require_template(model, tools=tools)
-    fmt, reasoning = formats_of(model, template)
-    kwargs = dict(extra)
-    switch = reasoning.switch if reasoning is not None else None
-    supported = switch is not None and switch in template
-    if "enable_thinking" in kwargs:
-        if not supported or switch != "enable_thinking":
-            raise ApiError("chat_template_kwargs.enable_thinking is not supported: this model's chat "
-                           "template has no thinking switch (remove it)", param="chat_template_kwargs",
-                           code="unsupported_parameter")
-        if not isinstance(kwargs["enable_thinking"], bool):
-            raise ApiError("chat_template_kwargs.enable_thinking must be true or false",
-                           param="chat_template_kwargs", code="invalid_type")
-    effort = body.get("reasoning_effort")
-    if effort is not None:
-        if not supported:
-            raise ApiError(f"reasoning_effort={_quoted(effort)} is not supported: this model does not "
-                           "think (remove reasoning_effort)", param="reasoning_effort",
-                           code="unsupported_parameter")
-        if effort not in reasoning.efforts:
-            raise ApiError(f"reasoning_effort={_quoted(effort)} is not supported by this model's template, "
-                           f"which can only turn thinking on or off: send one of "
-                           f"{', '.join(map(repr, reasoning.efforts))}", param="reasoning_effort",
-                           code="unsupported_parameter")
-        kwargs.update(reasoning.efforts[effort])
-    strict = any(t["function"].get("strict") is True for t in tools or ())
-    active = tools if choice != "none" else None
-    history = _arguments_as_objects(messages)
-    if fmt is not None and not fmt.in_template:
-        history, template_tools = messages_for_template(history, active, fmt), None
-    else:
-        template_tools = active
-    return ChatPlan(history, template_tools, kwargs, tools, choice, parallel, fmt,
-                    reasoning, strict and choice != "none")
-
-
 # ---- constrained output and the sampling surface (cpullm.constraints, cpullm.sampling) ------------
 CONSTRAINT_FIELDS = ("response_format", "grammar", "json_schema", "guided_json", "guided_regex",
                      "guided_choice", "guided_grammar", "structured_outputs", "format")
@@ -781,20 +554,20 @@ def _schema_value(field: str, v):
         except ValueError as exc:
             raise ApiError(f"{field} is not valid JSON: {exc}", param=field, code="invalid_value") from None
     if not isinstance(v, dict):
-        raise ApiError(f"{field} must be a JSON schema object, got {_quoted(v)}", param=field,
+        raise ApiError(f"{field} must be a JSON schema object, got {quoted(v)}", param=field,
                        code="invalid_type")
     return v
 
 
 def _text_value(field: str, v) -> str:
     if not isinstance(v, str):
-        raise ApiError(f"{field} must be a string, got {_quoted(v)}", param=field, code="invalid_type")
+        raise ApiError(f"{field} must be a string, got {quoted(v)}", param=field, code="invalid_type")
     return v
 
 
 def _choice_value(field: str, v) -> list:
     if not isinstance(v, list) or not all(isinstance(c, str) for c in v):
-        raise ApiError(f"{field} must be a list of strings, got {_quoted(v)}", param=field, code="invalid_type")
+        raise ApiError(f"{field} must be a list of strings, got {quoted(v)}", param=field, code="invalid_type")
     return v
 
 
@@ -802,7 +575,7 @@ def _response_format(v):
     if not isinstance(v, dict) or v.get("type") not in ("text", "json_object", "json_schema"):
         raise ApiError("response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
                        "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}, "
-                       f"got {_quoted(v)}", param="response_format", code="invalid_value")
+                       f"got {quoted(v)}", param="response_format", code="invalid_value")
     if v["type"] == "text":
         return None
     if v["type"] == "json_object":
@@ -875,7 +648,7 @@ def constraint_request(body: dict) -> dict | None:
         return {"json_object": True}
     if isinstance(v, dict):
         return {"json_schema": _schema_value(field, v)}
-    raise ApiError(f"format must be \"json\" or a JSON schema object, got {_quoted(v)}", param="format",
+    raise ApiError(f"format must be \"json\" or a JSON schema object, got {quoted(v)}", param="format",
                    code="invalid_value")
 
 
@@ -1040,7 +813,6 @@ def merge_choices(objs: list[dict]) -> dict:
     return out
 
 
-
 # ---- token counting: llama.cpp's /tokenize and /detokenize ----------------------------------------
 MAX_TOKENIZE_CHARS = 1 << 20          # text per /tokenize request
 MAX_DETOKENIZE_TOKENS = 1 << 18       # ids per /detokenize request
@@ -1057,14 +829,14 @@ def _only_fields(body: dict, allowed: tuple[str, ...], route: str) -> None:
 def _token_ids(value, key: str, vocab: int, limit: int) -> list[int]:
     """A list of token ids in [0, vocab), at most ``limit`` of them."""
     if not isinstance(value, list):
-        raise ApiError(f"{key} must be a list of token ids, got {_quoted(value)}", param=key,
+        raise ApiError(f"{key} must be a list of token ids, got {quoted(value)}", param=key,
                        code="invalid_type")
     if len(value) > limit:
         raise ApiError(f"{key} holds {len(value)} token ids; the limit is {limit}", param=key,
                        code="invalid_value")
     for i, t in enumerate(value):
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-            raise ApiError(f"{key}[{i}] must be a token id in [0, {vocab}), got {_quoted(t)}",
+            raise ApiError(f"{key}[{i}] must be a token id in [0, {vocab}), got {quoted(t)}",
                            param=key, code="invalid_value")
     return [int(t) for t in value]
 
@@ -1075,7 +847,7 @@ def parse_tokenize(body: dict) -> tuple[str, bool, bool]:
     _only_fields(body, ("content", "add_special", "with_pieces", "model"), "/tokenize")
     content = body.get("content")
     if not isinstance(content, str):
-        raise ApiError(f"content must be a string, got {_quoted(content)}", param="content",
+        raise ApiError(f"content must be a string, got {quoted(content)}", param="content",
                        code="invalid_type" if content is not None else "missing_required_parameter")
     if len(content) > MAX_TOKENIZE_CHARS:
         raise ApiError(f"content holds {len(content)} characters; the limit is {MAX_TOKENIZE_CHARS}",
@@ -1109,19 +881,19 @@ def parse_embeddings(body: dict) -> tuple:
         raise ApiError("input is required: a string or a list of strings (or of token-id lists)",
                        param="input", code="missing_required_parameter")
     if not isinstance(inp, (str, list)) or (isinstance(inp, list) and not inp):
-        raise ApiError(f"input must be a string or a non-empty list, got {_quoted(inp)}",
+        raise ApiError(f"input must be a string or a non-empty list, got {quoted(inp)}",
                        param="input", code="invalid_value")
     fmt = body.get("encoding_format", "float")
     if fmt not in ("float", "base64"):
-        raise ApiError(f"encoding_format must be \"float\" or \"base64\", got {_quoted(fmt)}",
+        raise ApiError(f"encoding_format must be \"float\" or \"base64\", got {quoted(fmt)}",
                        param="encoding_format", code="invalid_value")
     dims = _integer(body, "dimensions", None, lo=1)
     pooling = body.get("pooling")
     if pooling is not None and pooling not in POOLINGS:
-        raise ApiError(f"pooling must be one of {', '.join(POOLINGS)}, got {_quoted(pooling)}",
+        raise ApiError(f"pooling must be one of {', '.join(POOLINGS)}, got {quoted(pooling)}",
                        param="pooling", code="invalid_value")
     if body.get("user") is not None and not isinstance(body["user"], str):
-        raise ApiError(f"user must be a string, got {_quoted(body['user'])}", param="user",
+        raise ApiError(f"user must be a string, got {quoted(body['user'])}", param="user",
                        code="invalid_type")
     return inp, fmt, dims, pooling
 

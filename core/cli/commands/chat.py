@@ -38,7 +38,7 @@ def add_parser(sub):
     return p
 
 
-def _safe(text: str) -> str:
+def terminal_safe(text: str) -> str:
     """Model output without terminal control sequences (a model's text must not drive the
     terminal); newlines and tabs stay."""
     return _CONTROL.sub(lambda m: "\ufffd" if m.group() != "\r" else "", text)
@@ -225,7 +225,7 @@ def run(args) -> int:
                 answer = _Answer(model, ids, max_tokens, sampling)
                 for piece in answer:
                     parts.append(piece)
-                    sys.stdout.write(_safe(piece))
+                    sys.stdout.write(terminal_safe(piece))
                     sys.stdout.flush()
             except KeyboardInterrupt:
                 stopped = True

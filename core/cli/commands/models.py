@@ -45,6 +45,23 @@ def one_line(text: str, width: int = 100) -> str:
     return text if len(text) <= width else text[:width - 3] + "..."
 
 
+def print_table(columns, rows) -> None:
+    """Print a header and the rows as fixed-width columns, as Ollama's tables. ``columns``:
+    (title, width) or (title, width, spaces before it; default 1); a negative width right-aligns,
+    width 0 is the last column (one line, not padded). Every cell is cut to its width."""
+    def line(cells):
+        out = ""
+        for i, (col, cell) in enumerate(zip(columns, cells)):
+            width = col[1]
+            text = one_line(str(cell), abs(width) if width else 100)
+            out += (" " * (col[2] if len(col) > 2 else 1) if i else "") + \
+                (text.rjust(-width) if width < 0 else text.ljust(width) if width else text)
+        return out.rstrip()
+    print(line([col[0] for col in columns]))
+    for row in rows:
+        print(line(row))
+
+
 def params_text(n: int) -> str:
     return (f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M") if n else "?"
 
@@ -59,13 +76,13 @@ def run(args) -> int:
     if not models:
         print("no models in the store; fetch one with `cpullm pull smollm2-135m-instruct`")
         return 0
-    print(f"{'NAME':<32} {'FAMILY':<10} {'PARAMS':>7} {'QUANT':<9} {'SIZE':>9}  LAST USED")
+    rows = []
     for m in models:
         if m.get("broken"):
-            print(f"{one_line(m['name'], 32):<32} {'(broken)':<10} {'?':>7} {'?':<9} "
-                  f"{size_text(m.get('size_bytes', 0)):>9}  -  {one_line(m['broken'])}")
-            continue
-        print(f"{one_line(m['name'], 32):<32} {one_line(m.get('family') or '?', 10):<10} "
-              f"{params_text(m.get('params', 0)):>7} {one_line(m.get('quantization') or '?', 9):<9} "
-              f"{size_text(m.get('size_bytes', 0)):>9}  {ago(m.get('last_used'))}")
+            rows.append((m["name"], "(broken)", "?", "?", size_text(m.get("size_bytes", 0)),
+                         f"-  {one_line(m['broken'])}"))
+        else:
+            rows.append((m["name"], m.get("family") or "?", params_text(m.get("params", 0)),
+                         m.get("quantization") or "?", size_text(m.get("size_bytes", 0)), ago(m.get("last_used"))))
+    print_table([("NAME", 32), ("FAMILY", 10), ("PARAMS", -7), ("QUANT", 9), ("SIZE", -9), ("LAST USED", 0, 2)], rows)
     return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from .models import ago, one_line
+from .models import ago, print_table
 
 
 def add_parser(sub):
@@ -25,7 +25,7 @@ def run(args) -> int:
     if not servers:
         print("no cpullm server is running (start one with `cpullm serve MODEL`)")
         return 0
-    print(f"{'PID':>7}  {'ADDRESS':<22} {'MODEL':<32} {'STARTED':<16} STATUS")
+    rows = []
     for s in servers:
         host = s.get("host", "?")
         addr = f"{'[' + host + ']' if ':' in str(host) else host}:{s.get('port', '?')}"
@@ -37,6 +37,6 @@ def run(args) -> int:
             for key, label in (("active", "running"), ("queued", "waiting")):
                 if isinstance(h.get(key), int):
                     status += f", {h[key]} {label}"
-        print(f"{s['pid']:>7}  {one_line(addr, 22):<22} {one_line(str(s.get('model', '?')), 32):<32} "
-              f"{ago(s.get('started')):<16} {status}")
+        rows.append((s["pid"], addr, s.get("model", "?"), ago(s.get("started")), status))
+    print_table([("PID", -7), ("ADDRESS", 22, 2), ("MODEL", 32), ("STARTED", 16), ("STATUS", 0)], rows)
     return 0

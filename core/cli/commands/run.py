@@ -180,8 +180,8 @@ def run(args) -> int:
         check_chat_template(args)
     spec = constraint_spec(args)
     if spec is not None:
-        from cpullm.constraints import _llguidance
-        _llguidance()                   # a missing extra is an error before the model loads
+        from cpullm.constraints import load_llguidance
+        load_llguidance()                   # a missing extra is an error before the model loads
     model = load_model(args)
     if args.prompt_cache:
         model.use_prompt_cache(args.prompt_cache)
@@ -202,9 +202,9 @@ def run(args) -> int:
             model.save_prompt_cache()
         print(json.dumps(out, ensure_ascii=False))
         return 0
-    from .chat import _safe
+    from .chat import terminal_safe
     for piece in pieces:            # a model's text must not drive the terminal (--json: exact, escaped)
-        sys.stdout.write(_safe(piece))
+        sys.stdout.write(terminal_safe(piece))
         sys.stdout.flush()
     if args.prompt_cache:
         model.save_prompt_cache()

@@ -11,30 +11,17 @@ from __future__ import annotations
 
 import json
 
-from cpullm.plugin import WS, MalformedCall, ToolFormat, json_rule, lark_string, object_schema, parse_json_call
+from cpullm.plugin import ToolFormat, parse_tagged_json_call, tagged_json_call_body
 
 TRIGGER, END = "<tool_call>", "</tool_call>"
 
 
 def parse_call(text: str, tools: dict):
-    close = text.find(END, len(TRIGGER))
-    if close < 0:
-        head = text[len(TRIGGER):].lstrip()
-        if head and not head.startswith("{"):
-            raise MalformedCall("a <tool_call> that does not hold a JSON object")
-        return None, 0
-    return parse_json_call(text[len(TRIGGER):close].strip(), tools), close + len(END)
+    return parse_tagged_json_call(text, tools, TRIGGER, END)
 
 
 def call_body(tools: dict) -> str:
-    names = [f"fn_{i}" for i in range(len(tools))]
-    rules = [f"call_body: {WS} ({' | '.join(names)}) {WS} {lark_string(END)}"]
-    for rule, (name, params) in zip(names, tools.items()):
-        schema = {"type": "object",
-                  "properties": {"name": {"const": name}, "arguments": object_schema(params)},
-                  "required": ["name", "arguments"], "additionalProperties": False}
-        rules.append(f"{rule}: {json_rule(schema)}")
-    return "\n".join(rules)
+    return tagged_json_call_body(tools, END)
 
 
 def describe_tools(tools: list) -> str:

@@ -25,7 +25,7 @@ import json
 import re
 
 from cpullm.plugin import (WS, MalformedCall, ReasoningFormat, ToolCall, ToolFormat, json_rule,
-                            lark_string, object_schema, parse_json_call)
+                            lark_string, parse_tagged_json_call, tagged_json_call_body)
 
 TRIGGER = "<tool_call>"
 END = "</tool_call>"
@@ -42,25 +42,11 @@ def _tagged(text: str):
 
 # ---- Qwen2.5 / Qwen3: JSON in <tool_call> tags ------------------------------------------------
 def parse_hermes(text: str, tools: dict):
-    found = _tagged(text)
-    if found is None:
-        head = text[len(TRIGGER):].lstrip()
-        if head and not head.startswith("{"):
-            raise MalformedCall("a <tool_call> that does not hold a JSON object")
-        return None, 0
-    inner, end = found
-    return parse_json_call(inner.strip(), tools), end
+    return parse_tagged_json_call(text, tools, TRIGGER, END)
 
 
 def hermes_body(tools: dict) -> str:
-    names = [f"fn_{i}" for i in range(len(tools))]
-    rules = [f"call_body: {WS} ({' | '.join(names)}) {WS} {lark_string(END)}"]
-    for rule, (name, params) in zip(names, tools.items()):
-        schema = {"type": "object",
-                  "properties": {"name": {"const": name}, "arguments": object_schema(params)},
-                  "required": ["name", "arguments"], "additionalProperties": False}
-        rules.append(f"{rule}: {json_rule(schema)}")
-    return "\n".join(rules)
+    return tagged_json_call_body(tools, END)
 
 
 def _hermes_template(template: str) -> bool:
