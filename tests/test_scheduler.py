@@ -179,7 +179,11 @@ def test_engine_serves_threads_with_cancel(llama):
         for t in threads:
             t.join(60)
         assert [got[i] for i in range(len(prompts))] == alone
-        assert victim.stats.stop_reason == "cancelled" and len(victim.seq.generated) < 10
+        # a cancel takes effect within a few passes; a pass may keep up to DEFAULT_DRAFT_MAX
+        # guessed tokens plus its own (speculation is on by default)
+        from cpullm.speculative import DEFAULT_DRAFT_MAX
+        assert victim.stats.stop_reason == "cancelled"
+        assert len(victim.seq.generated) < 2 + 3 * (DEFAULT_DRAFT_MAX + 1) < 200
         assert eng.counts()["running"] == 0 and eng.counts()["free_slots"] == 3
 
 

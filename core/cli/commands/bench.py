@@ -122,7 +122,7 @@ def run(args) -> int:
 def run_speculative_bench(model, args, say) -> int:
     """A copying workload (a standard-library module to repeat), greedy, plain and with the
     chosen speculation: decode tokens/s of each and tokens accepted per verify pass."""
-    from cpullm.speculative import copy_prompt, measure
+    from cpullm.bench.speculative import copy_prompt, measure
     ids = copy_prompt(model.tokenizer, args.prompt_tokens)
     say(f"speculative ({model.speculative.mode}, draft max {model.speculative.draft_max}): "
         f"{len(ids)}-token copying prompt, {args.gen_tokens} tokens plain and speculative")
