@@ -188,3 +188,17 @@ def test_route_matches_reference_order_and_weights():
         if norm:
             w = w / w.sum(1, keepdims=True)
         np.testing.assert_allclose(wts, w, rtol=1e-5)
+
+
+def test_executor_calls_the_kernel_with_a_warmed_signature():
+    from cpullm.kernels import warmup
+    H, V, E, k, inter = 256, 24, 4, 2, 256
+    a = _arrays(H, V, E, inter, 0, False)
+    for quant in ("int8", "q4"):
+        fwd = Forward(Executor(compile_graph(_graph(H, V, E, k, inter, "softmax_topk", True, 0, False),
+                                             _ArrayWeights(a), quant=quant, n_ctx=16, max_chunk=4)), 2)
+        slot = fwd.new_slot()
+        fwd.prefill(slot, [1, 2, 3])
+        fwd.step([slot], [4])
+    warmed = {sig for unit in ("moe", "moe_blocks") for _, sig in warmup._kernels(unit)}
+    assert set(M.moe.signatures) <= warmed and len(M.moe.signatures) == 2
