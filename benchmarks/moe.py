@@ -7,8 +7,9 @@ For each depth and each quant mode (int8, q4):
 * bytes read per decode token, counted: every dense matrix the token reads (attention, the
   routers, the lm_head) plus the expert matrices the MOE kernel read (``Executor.moe[r].bytes_read``),
   against the bytes of the active weights (the dense ones plus top_k experts per layer);
-* decode tokens/s of one stream (greedy, ``--gen`` tokens after a ``--prompt``-token prompt), and
-  of ``--streams`` concurrent streams (``Model.generate_batch``), both with ``--threads`` threads;
+* decode tokens/s of one stream (``--gen`` greedy steps after a ``--prompt``-token prompt, the
+  prefill not timed), and of ``--streams`` streams decoded together (``Forward.step`` over all
+  their slots: one pass over the weights a step), both with ``--threads`` threads;
 * the program's resident bytes and the build's peak RSS;
 * with ``--llama-bench PATH``: llama.cpp's Q8_0 and Q4_K_M made from the same checkpoint by its
   own converter and quantizer (benchmarks/compare), decode tok/s by ``llama-bench -n GEN -p 0
@@ -104,37 +105,46 @@ def measure(model_dir: Path, quant: str, threads: int, prompt: int, gen: int, st
     dense = _dense_bytes(ex)
     k = int(calls[0].prm[M.PRM_K])
     active = dense + router + sum(k * int(c.expert_bytes[0]) for c in calls)
-    ids = [int(x) for x in np.random.default_rng(0).integers(1000, 100000, prompt)]
-    list(model.generate_ids(ids, max_tokens=4, ignore_eos=True))                  # warm-up
-    before = sum(c.bytes_read for c in calls)
-    t1 = time.perf_counter()
-    out = list(model.generate_ids(ids, max_tokens=gen, ignore_eos=True))
-    one_s = time.perf_counter() - t1
-    experts_read = sum(c.bytes_read for c in calls) - before
-    tokens = len(out)
-    # prefill runs the prompt once (its expert reads are in the count): take decode's share
-    # from a second count over decode steps alone
-    before = sum(c.bytes_read for c in calls)
-    slot = model.forward.new_slot()
-    model.forward.prefill(slot, ids)
-    after_prefill = sum(c.bytes_read for c in calls)
-    for t in out[:8]:
-        model.forward.step([slot], [t])
-    per_token_experts = (sum(c.bytes_read for c in calls) - after_prefill) / 8
+    fwd = model.forward
+    rng = np.random.default_rng(0)
+    prompts = [[int(x) for x in rng.integers(1000, 100000, prompt)] for _ in range(streams)]
+
+    def decode(B: int, steps: int) -> tuple[float, float]:
+        """(seconds, expert bytes read) of ``steps`` greedy decode steps of B streams after
+        their prompts (prefill not timed)."""
+        slots = fwd.slots(B) if B > 1 else [fwd.new_slot()]
+        toks = []
+        for s, ids in zip(slots, prompts):
+            toks.append(int(np.argmax(fwd.prefill(s, ids))))
+        before = sum(c.bytes_read for c in calls)
+        t = time.perf_counter()
+        for _ in range(steps):
+            toks = fwd.step(slots, toks, greedy=[True] * B)[1]
+        return time.perf_counter() - t, sum(c.bytes_read for c in calls) - before
+
+    decode(1, 2)                                # warm-up: compiles, faults the pages in
+    decode(streams, 2)
+    one_s, one_read = decode(1, gen)
+    many_s, many_read = decode(streams, gen)
+    per_token_experts = one_read / gen
     read = dense + router + per_token_experts
-    prompts = [[int(x) for x in np.random.default_rng(s + 1).integers(1000, 100000, prompt)] for s in range(streams)]
-    t2 = time.perf_counter()
-    outs = model.generate_batch([model.tokenizer.decode(p) for p in prompts], max_tokens=gen, parallel=streams,
-                                ignore_eos=True)
-    many_s = time.perf_counter() - t2
-    info = model.info()
-    return {"quant": quant, "build_s": round(build_s, 1), "decode_tps": tokens / one_s,
-            "streams": streams, "streams_tps": streams * gen / many_s, "streams_wall_s": many_s,
+
+    return {"quant": quant, "build_s": round(build_s, 1), "decode_tps": gen / one_s,
+            "streams": streams, "streams_tps": streams * gen / many_s, "streams_step_s": many_s / gen,
+            "streams_bytes_per_step": dense + router + many_read / gen,
             "bytes_per_token": read, "active_bytes": active, "read_over_active": read / active,
             "dense_bytes": dense, "router_bytes": router, "experts_per_token": per_token_experts,
-            "weight_bytes": int(info.get("weights_bytes", 0) or 0),
             "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "answers": len(outs), "prefill_expert_bytes": experts_read}
+            "rss_mb": _rss_mb(), "program_bytes": sum(int(a.nbytes) for a in model.forward.executor.program.arrays.values())}
+
+
+def _rss_mb() -> float:
+    """Resident set size now (MB): the built program and the planned state, mapped and touched."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
 
 
 def llama_decode(model_dir: Path, work: Path, bench: str, threads: int, gen: int) -> dict:
@@ -186,7 +196,7 @@ def main(argv=None) -> int:
     for quant in args.quants:
         a, b = results["depths"][d1][quant], results["depths"][d2][quant]
         ext = {}
-        for key in ("bytes_per_token", "active_bytes", "maxrss_mb"):
+        for key in ("bytes_per_token", "active_bytes", "maxrss_mb", "rss_mb", "program_bytes"):
             per = (b[key] - a[key]) / (d2 - d1)
             ext[key] = a[key] + (full - d1) * per
         spt = (1 / b["decode_tps"] - 1 / a["decode_tps"]) / (d2 - d1)
