@@ -202,3 +202,20 @@ def test_executor_calls_the_kernel_with_a_warmed_signature():
         fwd.step([slot], [4])
     warmed = {sig for unit in ("moe", "moe_blocks") for _, sig in warmup._kernels(unit)}
     assert set(M.moe.signatures) <= warmed and len(M.moe.signatures) == 2
+
+
+@pytest.mark.parametrize("quant", ["int8", "q4"])
+def test_a_moe_program_comes_back_from_the_execution_cache(quant, tmp_path, monkeypatch):
+    """The cache's checker knows MOE rows and their expert tables: a second load is a HIT with the
+    same logits."""
+    import cpullm
+    from cpullm import testing
+    pytest.importorskip("cpullm_qwen", reason="the tiny MoE config is the qwen plugin's")
+    from cpullm_qwen.tiny_configs import QWEN3_MOE
+    monkeypatch.setenv("CPULLM_CACHE_DIR", str(tmp_path / "cache"))
+    d = testing.make_random_checkpoint(QWEN3_MOE, tmp_path / "m")
+    ids = [256, 5, 9, 12, 40, 41]
+    first = cpullm.load(d, quant=quant)
+    second = cpullm.load(d, quant=quant)
+    assert second.info()["cache"] == "HIT"
+    np.testing.assert_array_equal(first.logits(ids), second.logits(ids))
