@@ -1,12 +1,15 @@
 """Constrained (JSON-schema) decode against unconstrained decode, same model, same prompts, one run.
 
 For each N of ``--streams``: N chat prompts asking for JSON, decoded greedily by one scheduler with
-N slots, first unconstrained (plain greedy: the lm_head screen path where it applies), then each
-sequence constrained by ``--schema``'s JSON schema (full logits, the mask computed on the mask
-thread while the forward pass runs, applied, argmax). Reported per mode: decode tokens/s summed
+N slots, unconstrained (plain greedy: the lm_head screen path where it applies) and with each
+sequence constrained by ``--schema``'s JSON schema (the mask computed on the mask thread while the
+forward pass runs; the unmasked argmax, a lone row's through the screen, kept when the mask allows
+it, else the full logits of the step masked and their argmax). Reported per mode: decode tokens/s summed
 over the streams, timed from the step at which every stream is decoding to the end (prefill is
 left out; it is the same in both modes); the ratio constrained / unconstrained; and the mask time
-per token (median, p99: llguidance's compute_mask for one sequence and one step).
+per token (median, p99: llguidance's compute_mask for one sequence and one step). ``--repeat R``
+runs R rounds of both modes, alternating (the order flipped every other round), and reports the
+median run of each mode and the median of the rounds' ratios.
 
 End of sequence is ignored in the unconstrained mode; a constrained sequence ends when its JSON
 is complete, so its schema should allow long answers (the default: a list of up to 64 strings).
@@ -63,6 +66,16 @@ def run(model, n: int, gen_tokens: int, schema: dict | None) -> dict:
             "stop_reasons": sorted({s.stats.stop_reason for s in seqs})}
 
 
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median tokens/s (the lower middle one of an even count)."""
+    return dict(sorted(runs, key=lambda r: r["tps"])[(len(runs) - 1) // 2])
+
+
+def _median_of(xs):
+    xs = [x for x in xs if x is not None]
+    return float(np.median(xs)) if xs else None
+
+
 def main(argv=None) -> int:
     import cpullm
 
@@ -72,6 +85,9 @@ def main(argv=None) -> int:
     ap.add_argument("--streams", default="1,8")
     ap.add_argument("--gen-tokens", type=int, default=64)
     ap.add_argument("--schema", default=None, help="a JSON schema file (default: a list of named counts)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds per stream count, free and constrained alternating; medians (the "
+                         "ratio: median of each round's ratio)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     schema = json.load(open(a.schema)) if a.schema else DEFAULT_SCHEMA
@@ -79,10 +95,19 @@ def main(argv=None) -> int:
     model.constraint({"json_schema": schema})           # the token table, once, outside the timing
     rows = []
     for n in [int(x) for x in a.streams.split(",")]:
-        free = run(model, n, a.gen_tokens, None)
-        cons = run(model, n, a.gen_tokens, schema)
+        frees, conss = [], []
+        for i in range(a.repeat):             # alternating, the order flipped every other round
+            order = (None, schema) if i % 2 == 0 else (schema, None)
+            for sch in order:
+                (frees if sch is None else conss).append(run(model, n, a.gen_tokens, sch))
+        ratios = [c["tps"] / f["tps"] for f, c in zip(frees, conss) if f["tps"]]
+        free = median_run(frees)
+        cons = median_run(conss)
+        cons["mask_ms_median"] = _median_of([c["mask_ms_median"] for c in conss])
+        cons["mask_ms_p99"] = _median_of([c["mask_ms_p99"] for c in conss])
         rows.append({"streams": n, "unconstrained": free, "json_schema": cons,
-                     "ratio": cons["tps"] / free["tps"] if free["tps"] else None})
+                     "ratio": float(np.median(ratios)) if ratios else None,
+                     "ratios": ratios})
     if a.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -91,7 +116,7 @@ def main(argv=None) -> int:
         c = r["json_schema"]
         print(f"{r['streams']:>7} {r['unconstrained']['tps']:>10.2f} {c['tps']:>10.2f} {r['ratio']:>6.3f} "
               f"{c['mask_ms_median'] or 0:>11.3f} {c['mask_ms_p99'] or 0:>7.3f}   ({c['tokens']} constrained "
-              f"tokens, stop {','.join(c['stop_reasons'])})")
+              f"tokens, stop {','.join(c['stop_reasons'])}; ratios {', '.join(f'{x:.3f}' for x in r['ratios'])})")
     return 0
 
 

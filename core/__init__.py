@@ -26,11 +26,16 @@ def load(path, quant: str | None = None, threads: int | None = None, **kwargs):
     ``threads`` defaults to the number of physical cores. Other keyword arguments are passed to
     :meth:`cpullm.model.Model.load` (``n_ctx``, ``kv_dtype`` ("f16" or "f32": the KV cache's
     format, as llama.cpp's --cache-type-k/-v; default f16, f32 for quant "f32"), ``cache_dir``,
-    ``use_cache``, ``mlock``, ``mmap``).
+    ``use_cache``, ``mlock``, ``mmap``). ``speculative`` ("off", "lookup", "draft", "auto"),
+    ``draft_model`` and ``draft_max`` set speculative decoding (:meth:`cpullm.model.Model.speculate`).
     """
     from .model import Model
 
-    return Model.load(path, quant=quant, threads=threads, **kwargs)
+    spec = {k: kwargs.pop(k) for k in ("speculative", "draft_model", "draft_max") if k in kwargs}
+    model = Model.load(path, quant=quant, threads=threads, **kwargs)
+    if spec:
+        model.speculate(spec.get("speculative"), spec.get("draft_model"), spec.get("draft_max"))
+    return model
 
 
 __all__ = ["load", "CpullmError", "__version__"]

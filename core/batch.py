@@ -39,8 +39,9 @@ from .kernels.elementwise import binary_rows, glu_rows
 from .kernels.norm import layernorm_rows, rmsnorm_rows
 from .kernels.gated_delta import gated_delta
 from .kernels.rope import rope_rows
+from .kernels.pointwise import pos_embed_rows
 
-PER_SEQUENCE_OPS = (P.OP_ROPE, P.OP_ATTENTION, P.OP_GATED_DELTA)
+PER_SEQUENCE_OPS = (P.OP_ROPE, P.OP_ATTENTION, P.OP_GATED_DELTA, P.OP_POS_EMBED)
 # Row-wise ops the interpreter runs as a parallel loop over rows when T > 1. A decode batch has a
 # few rows, each op microseconds of work: a parallel region per op costs more than it saves (on a
 # loaded 2-core host, 2.6 ms of such ops per step at B = 1 became 190 ms at B = 2), so the
@@ -124,6 +125,11 @@ def _per_sequence(I, F, a, b, arena, states, slots, rows0, nrows, positions, wf,
                                 I[r, P.GATED_DELTA_DT_OFF], I[r, P.GATED_DELTA_ALOG_OFF],
                                 I[r, P.GATED_DELTA_NORM_OFF], I[r, P.GATED_DELTA_STATE_OFF],
                                 F[r, P.F_GATED_DELTA_EPS], T)
+            elif op == P.OP_POS_EMBED:
+                # absolute rows, as rope_rows: row t of the sequence is at position pos0 - row0 + t
+                pos_embed_rows(arena, I[r, P.UNARY_X_OFF], I[r, P.UNARY_X_ST], I[r, P.UNARY_OUT_OFF],
+                               I[r, P.UNARY_OUT_ST], I[r, P.UNARY_WIDTH], wf, I[r, P.POS_TABLE_OFF],
+                               I[r, P.POS_ROWS], pos0 - row0 + I[r, P.POS_OFFSET], row0, row0 + T)
             else:
                 raise ValueError("cpullm batch: not a per-sequence opcode")
 
@@ -174,7 +180,7 @@ def _fused(I, F, a, b, arena, states, slots, rows0, nrows, positions, wq, ws, wf
         op = I[r, P.COL_OP]
         if op == P.OP_LINEAR:
             _linear_batch(I, r, arena, wq, ws, wf, xq, xs, T, nthreads)
-        elif op == P.OP_ROPE or op == P.OP_ATTENTION or op == P.OP_GATED_DELTA:
+        elif op == P.OP_ROPE or op == P.OP_ATTENTION or op == P.OP_GATED_DELTA or op == P.OP_POS_EMBED:
             _per_sequence(I, F, r, r + 1, arena, states, slots, rows0, nrows, positions, wf, nthreads, has_linear,
                           decode, kv16)
         else:

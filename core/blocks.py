@@ -2,6 +2,7 @@
 the head, and the Gated DeltaNet mixer. Canonical weight names used here:
 
     embed, final_norm, lm_head  [final_norm_bias lm_head_bias]
+    [pos_embed]  [layers.{i}.mlp.{up,down}_bias]     (learned positions; a plain MLP with biases)
     layers.{i}.attn_norm  layers.{i}.mlp_norm  [layers.{i}.post_attn_norm  layers.{i}.post_mlp_norm]
     [layers.{i}.{attn_norm,mlp_norm,post_attn_norm,post_mlp_norm}_bias]   (LayerNorm with bias)
     layers.{i}.attn.{q,k,v,o}_proj  [.{q,k,v}_bias]  [.q_norm .k_norm]
@@ -179,11 +180,54 @@ def norm(g: GraphBuilder, name: str, x: str, eps: float, kind: str = "rms", bias
 
 
 def linear(g: GraphBuilder, name: str, x: str, weight: str, out_features: int,
-           bias: str | None = None, group: str = "") -> str:
+           bias: str | None = None, group: str = "", precision: str | None = None) -> str:
+    """x (T, K) @ weight.T (+ bias) -> (T, out_features). ``precision="f32"`` keeps this one
+    matrix float32 whatever the quant mode (a layer the model is sensitive to); LINEARs of equal
+    precision that share an input are still fused."""
+    from .compiler import PRECISIONS
     w = {"weight": weight}
     if bias:
         w["bias"] = bias
-    return g.add(name, Op.LINEAR, [x], width=out_features, weights=w, group=group)
+    if precision is None:
+        return g.add(name, Op.LINEAR, [x], width=out_features, weights=w, group=group)
+    if precision not in PRECISIONS:
+        raise ValueError(f"{name}: precision {precision!r} is not one of {', '.join(PRECISIONS)} (or None)")
+    return g.add(name, Op.LINEAR, [x], width=out_features, weights=w, group=group, precision=precision)
+
+
+# Activation names as transformers' ``hidden_act`` / ``activation_function`` spell them -> the ACT
+# op's (cpullm.kernels.pointwise.ACT_KINDS); a family maps its config value with this table.
+HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+                  "relu": "relu", "silu": "silu", "swish": "silu"}
+
+
+def activation(g: GraphBuilder, name: str, x: str, act: str, group: str = "mlp_act") -> str:
+    """ACT node: ``act`` ("gelu" exact, "gelu_tanh", "relu", "silu") of every value of x."""
+    from .kernels.pointwise import ACT_KINDS
+    if act not in ACT_KINDS:
+        raise ValueError(f"{name}: activation {act!r} is not one of {', '.join(ACT_KINDS)}")
+    return g.add(name, Op.ACT, [x], group=group, act=act)
+
+
+def position_embed(g: GraphBuilder, x: str, n_positions: int, offset: int = 0,
+                   weight: str = "pos_embed", name: str = "pos_embed") -> str:
+    """POS_EMBED node: x (T, H) plus the learned absolute position embedding of each row's
+    position, rows of ``weight`` (n_positions, H) starting at row ``offset`` for position 0 (GPT-2,
+    GPT-Neo, StarCoder: 0; OPT: 2). The context a program is compiled for must fit the table:
+    declare ``FamilySpec.context_limit`` so a too-long n_ctx is refused at load, naming the fix."""
+    return g.add(name, Op.POS_EMBED, [x], weights={"table": weight}, group="embedding",
+                 n_positions=int(n_positions), offset=int(offset))
+
+
+def mlp(g: GraphBuilder, i: int, x: str, hidden: int, intermediate: int, act: str, bias: bool = False) -> str:
+    """down(act(up(x))) (GPT-2, OPT, GPT-Neo, StarCoder): weights ``layers.{i}.mlp.{up,down}_proj``
+    and, with ``bias``, ``layers.{i}.mlp.{up,down}_bias``; ``act`` as :func:`activation`."""
+    p = f"layers.{i}.mlp"
+    up = linear(g, f"{p}.up_proj", x, f"{p}.up_proj", intermediate, group="mlp_up",
+                bias=f"{p}.up_bias" if bias else None)                           # (T, I)
+    h = activation(g, f"{p}.act", up, act)
+    return linear(g, f"{p}.down_proj", h, f"{p}.down_proj", hidden, group="mlp_down",
+                  bias=f"{p}.down_bias" if bias else None)                        # (T, H)
 
 
 def rope(g: GraphBuilder, name: str, x: str, n_heads: int, head_dim: int, spec: RopeSpec) -> str:

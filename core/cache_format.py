@@ -585,6 +585,16 @@ def check_program_bounds(arrays: dict, meta: dict) -> None:
                 inside(r, row[c], 1, nf, "parameters")
         elif op == P.OP_MOE:
             _check_moe(r, row, meta, arena_ok, inside, fail, nq, ns, nf)
+        elif op in (P.OP_ACT, P.OP_POS_EMBED):
+            w = row[P.UNARY_WIDTH]
+            arena_ok(r, row[P.UNARY_X_OFF], row[P.UNARY_X_ST], w, "input")
+            arena_ok(r, row[P.UNARY_OUT_OFF], row[P.UNARY_OUT_ST], w, "output")
+            if op == P.OP_ACT and not 0 <= row[P.ACT_KIND] <= 3:
+                fail(r, "activation kind")
+            if op == P.OP_POS_EMBED:
+                if not 0 <= row[P.POS_OFFSET] < row[P.POS_ROWS] or row[P.POS_ROWS] - row[P.POS_OFFSET] < meta["n_ctx"]:
+                    fail(r, "position table rows")
+                inside(r, row[P.POS_TABLE_OFF], row[P.POS_ROWS] * w, nf, "position table")
         else:
             fail(r, f"unknown opcode {op}")
 

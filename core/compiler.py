@@ -254,7 +254,9 @@ def compile_graph(graph: Graph, weights, *, quant: str = "int8", n_ctx: int = 40
     ``kernels``: KernelSpecs from plugins; the first whose ``supports(node)`` is true replaces
     the reference kernel of that node.
     A LINEAR or EMBED node's ``precision`` attribute overrides ``quant`` for its weights
-    (``"f32"``: kept float32 in every mode); only LINEARs of equal precision are fused.
+    (``"f32"``: kept float32 in every mode); only LINEARs of equal precision are fused. A PLUGIN
+    node's ``OpSpec.matrices`` are packed like LINEAR matrices (its precision applies; in q4 mode
+    Q4_K or Q5_0 by row length, in gguf mode the file's own blocks).
     ``workdir``: a directory where the weight blobs are written as they are packed
     (``<name>.bin``) and mapped back (cpullm.filearrays), instead of joined in memory: the build
     then holds one row block of a matrix at a time, not the model.
@@ -396,12 +398,15 @@ class _WeightPacker:
         self.slots.setdefault(canonical, ["f32", off, size, size, -1])
         return off
 
-    def matrix(self, canonicals: list[str], node: Node | None = None) -> tuple:
+    def matrix(self, canonicals: list[str], node: Node | None = None, block_fmt: str | None = None) -> tuple:
         """(kind, w_off, s_off, Kp, rows) of the row-stacked matrix of ``canonicals``, in the
-        weight mode of ``node`` (its precision, else the quant mode)."""
+        weight mode of ``node`` (its precision, else the quant mode); ``block_fmt``: the block
+        format of a matrix the BlockPlan does not place (a plugin op's), None: the plan's."""
         quant, block_plan = self.quant, self.block_plan
         mode = _precision(node, quant) if node is not None else quant
         fmt = block_plan.fmt(node) if block_plan and node is not None and mode == quant else None
+        if block_fmt is not None and block_plan and mode == quant:
+            fmt = block_fmt
         if mode in BLOCK_QUANTS:
             mode = f"blocks:{fmt}" if fmt else "int8"
         key = (tuple(self.identity(c) for c in canonicals), mode)
@@ -519,6 +524,7 @@ class _Emitter:
         self.plugin_calls: dict[str, dict] = {}  # row -> how the executor calls a plugin op
         self.moe_calls: dict[str, dict] = {}     # row -> a MOE's operands and expert table (kernels.moe)
         self.max_k, self.embed_rows = 32, 0
+        self.position_limit = 0                  # POS_EMBED: positions its tables hold (0: none)
 
     def emit(self, p: _Phys) -> None:
         """Append the row of physical op ``p``."""
@@ -612,6 +618,32 @@ class _Emitter:
         if n.op != Op.SELECT_ROWS:
             Fr[P.F_UNARY_PARAM] = n.attr("cap") if n.op == Op.SOFTCAP else n.attr("scale")
 
+    def act(self, phys, n, Ir, Fr, out_off, out_st):
+        from .kernels.pointwise import ACT_KINDS
+        x_off, x_st = self.layout.loc(n.inputs[0])
+        _fill(Ir, {P.UNARY_X_OFF: x_off, P.UNARY_X_ST: x_st, P.UNARY_OUT_OFF: out_off,
+                   P.UNARY_OUT_ST: out_st, P.UNARY_WIDTH: n.width, P.ACT_KIND: ACT_KINDS[n.attr("act")]})
+
+    def pos_embed(self, phys, n, Ir, Fr, out_off, out_st):
+        """x + the learned position table's rows; the context must fit the table (a position past
+        it has no embedding)."""
+        x_off, x_st = self.layout.loc(n.inputs[0])
+        rows, offset = n.attr("n_positions"), n.attr("offset", 0)
+        shape = tuple(self.weights.shape(n.weight("table")))
+        if shape != (rows, n.width):
+            raise GraphError(f"{n.name}: position table {n.weight('table')} is {shape}, the node "
+                             f"says ({rows}, {n.width})")
+        if self.n_ctx + offset > rows:
+            from .errors import ConfigError
+            raise ConfigError(f"n_ctx {self.n_ctx} is more than the {rows - offset} positions this model's "
+                              f"learned position table holds; load with n_ctx <= {rows - offset} "
+                              f"(cpullm.load(..., n_ctx=N) / --ctx N)")
+        self.position_limit = min(self.position_limit or rows - offset, rows - offset)
+        _fill(Ir, {P.UNARY_X_OFF: x_off, P.UNARY_X_ST: x_st, P.UNARY_OUT_OFF: out_off,
+                   P.UNARY_OUT_ST: out_st, P.UNARY_WIDTH: n.width,
+                   P.POS_TABLE_OFF: self.packer.f32_param(n.weight("table")), P.POS_OFFSET: offset,
+                   P.POS_ROWS: rows})
+
     def gated_delta(self, phys, n, Ir, Fr, out_off, out_st):
         from .kernels.gated_delta import state_size
         (qkv_off, qkv_st), (z_off, z_st), (b_off, b_st), (a_off, a_st) = (self.layout.loc(i) for i in n.inputs)
@@ -665,7 +697,8 @@ class _Emitter:
 
     def plugin(self, phys, n, Ir, Fr, out_off, out_st):
         self.plugin_calls[str(len(self.rows_I))] = _plugin_call(
-            n, self.layout.loc, self.layout.nodes_by_out, self.weights, self.packer.f32_param, (out_off, out_st))
+            n, self.layout.loc, self.layout.nodes_by_out, self.weights, self.packer.f32_param, (out_off, out_st),
+            packer=self.packer)
         Ir[P.COL_IMPL] = P.IMPL_PLUGIN_OP
 
 
@@ -676,6 +709,7 @@ _EMITTERS = {
     Op.SOFTCAP: "unary", Op.SCALE: "unary", Op.SELECT_ROWS: "unary", Op.GATED_DELTA: "gated_delta",
     Op.PLUGIN: "plugin", Op.MOE: "moe",
 }
+_EMITTERS.update({Op.ACT: "act", Op.POS_EMBED: "pos_embed"})
 
 
 def _expert_node(n: Node, prefix: str, part: str, canonical: str) -> Node:
@@ -720,6 +754,8 @@ def _assemble(graph: Graph, layout: _Layout, packer: _WeightPacker, emitter: _Em
         "moe": emitter.moe_calls,
         "block_bytes": packer.block_bytes,
     }
+    if emitter.position_limit:
+        meta["position_limit"] = int(emitter.position_limit)      # with_context refuses more
     arrays = {
         "I": np.stack(rows_I), "F": np.stack(emitter.rows_F),
         "wq": packer.wq.build(), "ws": packer.ws.build(), "wf": packer.wf.build(),
@@ -746,6 +782,11 @@ def with_context(program: Program, n_ctx: int) -> Program:
     meta = program.meta
     if int(meta["n_ctx"]) == int(n_ctx):
         return program
+    limit = meta.get("position_limit")
+    if limit and int(n_ctx) > int(limit):
+        from .errors import ConfigError
+        raise ConfigError(f"n_ctx {n_ctx} is more than the {limit} positions this model's learned position "
+                          f"table holds; load with n_ctx <= {limit} (cpullm.load(..., n_ctx=N) / --ctx N)")
     moved: dict[int, tuple[int, int | None]] = {}      # old offset -> (new offset, new cap)
     regions, size = [], 0
     for reg in meta["state_regions"]:
@@ -791,19 +832,28 @@ def _rope_freqs(n: Node, n_ctx: int) -> tuple[np.ndarray, float]:
     return plugin_rope_freqs(rt, json.loads(n.attr("rope_params")), n.attr("rotary_dim"), n_ctx)
 
 
-def _plugin_call(n: Node, loc, nodes_by_out, weights, f32_param, out) -> dict:
+def _plugin_call(n: Node, loc, nodes_by_out, weights, f32_param, out, packer=None) -> dict:
     """How the executor calls a PLUGIN node's kernels (``meta["plugin_ops"][row]``): its op, the
     (offset, row stride, width) of each input and of the output, its weights (role, wf offset,
-    shape), the float params of the fast kernels and the attributes of the reference."""
+    shape; a role of ``OpSpec.matrices``: role, -1, shape, [kind, w_off, s_off, Kp] as a LINEAR's
+    matrix, packed by ``packer``), the float params of the fast kernels and the attributes of the
+    reference."""
     spec = _plugin_spec(n.attr("plugin_op"), n.name)
     widths = tuple(nodes_by_out[i].width for i in n.inputs)
     attributes = _plain_attrs(n)
     packed = []
-    for role, shape in spec.weight_roles(widths, attributes).items():
+    roles = spec.weight_roles(widths, attributes)
+    if set(spec.matrices) - set(roles):
+        raise GraphError(f"{n.name}: {spec.name} declares matrices {sorted(set(spec.matrices) - set(roles))} "
+                         f"that its weight_roles do not give")
+    for role, shape in roles.items():
         canonical = n.weight(role)
         if tuple(weights.shape(canonical)) != tuple(shape):
             raise GraphError(f"{n.name}: {spec.name} expects weight {role} of shape {tuple(shape)}, "
                              f"{canonical} is {tuple(weights.shape(canonical))}")
+        if role in spec.matrices:
+            packed.append(_plugin_matrix(n, role, canonical, shape, weights, packer))
+            continue
         packed.append([role, f32_param(canonical), [int(d) for d in shape]])
     try:
         params = [float(attributes[p]) for p in spec.params]
@@ -812,6 +862,28 @@ def _plugin_call(n: Node, loc, nodes_by_out, weights, f32_param, out) -> dict:
     return {"op": spec.name, "version": spec.version, "node": n.name,
             "inputs": [[*loc(i), nodes_by_out[i].width] for i in n.inputs],
             "out": [out[0], out[1], n.width], "weights": packed, "params": params, "attrs": attributes}
+
+
+def _plugin_matrix(n: Node, role: str, canonical: str, shape, weights, packer) -> list:
+    """A plugin op's matrix weight packed as a LINEAR's would be in this quant mode (``n``'s
+    precision applies): [role, -1, shape, [kind, w_off, s_off, Kp]]."""
+    if len(shape) != 2:
+        raise GraphError(f"{n.name}: matrix weight {role} must be 2-D (N, K), its shape rule gives {tuple(shape)}")
+    mode = _precision(n, packer.quant)
+    kind, w_off, s_off, Kp, _ = packer.matrix([canonical], n, block_fmt=_op_matrix_format(weights, canonical, mode))
+    return [role, -1, [int(d) for d in shape], [int(kind), int(w_off), int(s_off), int(Kp)]]
+
+
+def _op_matrix_format(weights, canonical: str, mode: str) -> str | None:
+    """Block format of a plugin op's matrix in a raw-block mode: a GGUF file's own blocks, q4's
+    Q4_K (rows of whole 256-weight super-blocks) or Q5_0 (of 32); None: the int8 way."""
+    if mode == "gguf":
+        found = weights.blocks(canonical) if hasattr(weights, "blocks") else None
+        return found[0] if found is not None else None
+    if mode != "q4":
+        return None
+    K = int(weights.shape(canonical)[1])
+    return None if K % 32 else "Q4_K" if K % 256 == 0 else "Q5_0"
 
 
 def _block_plan(graph: Graph, weights, quant: str):

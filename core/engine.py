@@ -157,9 +157,12 @@ class Engine:
         if prefix_cache_bytes is None:
             prefix_cache_bytes = default_prefix_cache_bytes(model, self.parallel)
         check_fits_in_memory(model, self.parallel, int(prefix_cache_bytes))
-        self.scheduler = Scheduler(model.forward, self.parallel, prefill_chunk, int(prefix_cache_bytes))
+        self.scheduler = Scheduler(model.forward, self.parallel, prefill_chunk, int(prefix_cache_bytes),
+                                   speculative=getattr(model, "speculative", None))
         if self.parallel > 1:
             self.scheduler.warm_up()
+            from .kernels.sample import warm_up as warm_sampler
+            warm_sampler()              # a server's first sampled step would compile it for the batch
         self._requests: dict[int, Request] = {}
         self._wake = threading.Event()
         self._closed = False
@@ -282,7 +285,8 @@ def generate_batch(model, prompts, max_new_tokens: int = 128, parallel: int | No
     n = int(parallel or min(len(prompts), default_parallel(model))) or 1
     if prefix_cache_bytes is None:
         prefix_cache_bytes = default_prefix_cache_bytes(model, max(1, n))
-    sch = Scheduler(model.forward, max(1, n), prefill_chunk, int(prefix_cache_bytes))
+    sch = Scheduler(model.forward, max(1, n), prefill_chunk, int(prefix_cache_bytes),
+                    speculative=getattr(model, "speculative", None))
     eos = model.eos_token_ids if stop_ids is None else stop_ids
     for p in prompts:
         check_prompt_ids(model, p)

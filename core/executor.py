@@ -331,6 +331,18 @@ class Executor:
             self.profile[sc.row] = self.profile.get(sc.row, 0.0) + dt
         return int(tok)
 
+    def last_step_logits(self, state: np.ndarray) -> np.ndarray:
+        """The full logits (vocab,) of the step :meth:`decode_argmax` just ran on ``state`` (a
+        view, copy to keep): the plain head's output if it ran, else the plain head run now on
+        the lm_head input the step left in the arena (the same numbers as :meth:`decode`'s).
+        Call it before anything else runs on this executor."""
+        lo = self.program.meta["logits_offset"]
+        sc = self.screen
+        if sc is not None and not self.head_read[1]:     # the screen answered: no logits yet
+            self._interp(sc.row, self.n_instr, state)
+            self.head_read = (self.head_read[0], True)
+        return self.arena[lo: lo + self.vocab]
+
     @property
     def embed_rows(self) -> int:
         """Rows of the token embedding: the ids a prompt may hold are 0..embed_rows - 1."""
@@ -412,12 +424,20 @@ class _PluginCall:
             raise PluginError(f"the program was compiled for op {spec.name} version {call['version']!r}, "
                               f"installed {spec.version!r}; clear the cache (`cpullm cache clear`)")
         self.spec, self.call = spec, call
-        self.weights = [ex.wf[off: off + int(np.prod(shape))].reshape(shape) for _, off, shape in call["weights"]]
-        self.named = {role: w for (role, _, _), w in zip(call["weights"], self.weights)}
+        self.weights = [_plugin_weight(ex, w) for w in call["weights"]]
+        self.roles = [w[0] for w in call["weights"]]
+        self._named = None
         self.params = np.asarray(call["params"], np.float64)
         fast = impl == "fast"
         self.batched_fn = (spec.prefill or spec.decode) if fast else None
         self.single_fn = (spec.decode or spec.prefill) if fast else None
+
+    @property
+    def named(self) -> dict:
+        """role -> float32 array for the reference (a matrix dequantized: what the program holds)."""
+        if self._named is None:
+            self._named = {role: (w.dense() if hasattr(w, "dense") else w) for role, w in zip(self.roles, self.weights)}
+        return self._named
 
     def __call__(self, arena: np.ndarray, T: int, pos0: int, batched: bool, row0: int = 0) -> None:
         """Rows [row0, row0 + T) of the operands, the first at position pos0."""
@@ -434,6 +454,16 @@ class _PluginCall:
             raise PluginError(f"op {self.spec.name}'s reference returned shape {res.shape} for node "
                               f"{self.call['node']}, expected {out.shape}")
         out[...] = res
+
+
+def _plugin_weight(ex: Executor, entry: list):
+    """A plugin op's weight: float32 array from wf, or for a role of OpSpec.matrices (packed like a
+    LINEAR's matrix: entry [role, -1, shape, [kind, w_off, s_off, Kp]]) a cpullm.op_matrix.OpMatrix."""
+    role, off, shape = entry[:3]
+    if len(entry) > 3:
+        from .op_matrix import OpMatrix
+        return OpMatrix(ex, *entry[3], *shape)
+    return ex.wf[off: off + int(np.prod(shape))].reshape(shape)
 
 
 def _plugin_calls(ex: Executor, calls: dict, ops: dict | None, impl: str) -> dict:

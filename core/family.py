@@ -115,6 +115,18 @@ class FamilySpec:
     reasoning_formats  tuple of :class:`cpullm.toolcalls.ReasoningFormat`: how the checkpoints
                   that think mark their thinking, chosen the same way (none: the model does not
                   think; ``enable_thinking`` and ``reasoning_effort`` are refused)
+    context_limit  ``(args) -> int | None``: the most positions the checkpoint can address, when
+                  it has a hard limit (a learned position table: GPT-2's ``n_positions``); the core
+                  loads it with at most that context by default and refuses a larger ``n_ctx`` at
+                  load with a one-line ConfigError naming the fix. None (default): no hard limit
+                  (RoPE models run past ``max_position_embeddings`` if asked to)
+    config_keys   ``{key: bound}`` for config.json keys under this family's own names
+                  (GPT-2's ``n_embd``, ``n_layer``, ...), which the core's common checks do not
+                  know: ``bound`` is a common key whose check applies (``"hidden_size"``,
+                  ``"num_hidden_layers"``, ``"max_position_embeddings"``, ``"layer_norm_eps"``...:
+                  the ranges of cpullm.limits), or an explicit ``(lowest, highest)`` integer
+                  range. Checked before the Args are built, so no family allocates from an
+                  absurd value; a bad value is a ConfigError naming the key
     plugin, plugin_version  filled in by cpullm from the plugin's distribution
     """
 
@@ -132,10 +144,13 @@ class FamilySpec:
         default=(), converter=lambda v: _formats(v, "ReasoningFormat", "reasoning_formats"))
     plugin: str | None = None
     plugin_version: str | None = None
+    context_limit: Callable | None = None
+    config_keys: dict = attrs.field(factory=dict, converter=lambda v: _config_keys(v))
 
     def args(self, config: dict) -> Args:
         """Typed Args; a config value the family cannot use (a type it does not expect, a zero it
         divides by) is a ConfigError naming the family, never a traceback."""
+        check_family_keys(config, self.config_keys)
         try:
             return self.args_class.from_config(config)
         except CpullmError:
@@ -144,6 +159,57 @@ class FamilySpec:
             raise ConfigError(f"config.json does not fit the {self.name} family "
                               f"({type(exc).__name__}: {exc}); check the config's values against "
                               "the checkpoint") from None
+
+
+def _config_keys(value) -> dict:
+    """FamilySpec.config_keys checked at construction (a wrong entry fails the plugin's hook)."""
+    if not isinstance(value, dict):
+        raise TypeError("FamilySpec.config_keys must be a dict {config key: bound}")
+    for key, bound in value.items():
+        ok = (bound in _INT_RANGES or bound in _FLOAT_RANGES if isinstance(bound, str) else
+              isinstance(bound, tuple) and len(bound) == 2 and all(limits.is_int(b) for b in bound))
+        if not ok:
+            raise ValueError(f"FamilySpec.config_keys[{key!r}] = {bound!r}: give a common key whose check "
+                             f"applies ({', '.join(sorted(_INT_RANGES) + sorted(_FLOAT_RANGES))}) or a "
+                             "(lowest, highest) integer range")
+    return dict(value)
+
+
+def check_family_keys(config: dict, keys: dict, where: str = "config.json") -> None:
+    """Raise ConfigError when a family-specific key (FamilySpec.config_keys) has the wrong type or
+    a value outside its bound; in a multimodal wrapper's text_config as well."""
+    if not keys:
+        return
+    sections = [(where, config)]
+    if isinstance(config.get("text_config"), dict):
+        sections.append((f"{where} (text_config)", text_config(config)))
+    for place, cfg in sections:
+        for key, bound in keys.items():
+            value = cfg.get(key)
+            if isinstance(bound, tuple):
+                _check_int(place, key, value, *bound)
+            elif bound in _INT_RANGES:
+                _check_int(place, key, value, *_INT_RANGES[bound])
+            else:
+                _check_float(place, key, value, *_FLOAT_RANGES[bound])
+
+
+def resolve_context(family: "FamilySpec", args: Args, n_ctx: int | None, default: int) -> int:
+    """The context a model loads with: ``n_ctx``, else the smallest of ``default``, the
+    checkpoint's ``max_position_embeddings`` and the family's hard limit. An ``n_ctx`` over the
+    hard limit (FamilySpec.context_limit) is a one-line ConfigError naming the fix."""
+    limit = family.context_limit(args) if family.context_limit is not None else None
+    if n_ctx is None or n_ctx == 0:
+        own = int(getattr(args, "max_position_embeddings", 0) or default)
+        ctx = min(default, own, int(limit) if limit else default)
+    else:
+        ctx = int(n_ctx)
+    if ctx <= 0:
+        raise ConfigError(f"n_ctx must be positive, got {ctx}")
+    if limit and ctx > int(limit):
+        raise ConfigError(f"n_ctx {ctx} is more than the {int(limit)} positions a {family.name} checkpoint can "
+                          f"address; load with n_ctx <= {int(limit)} (cpullm.load(..., n_ctx=N) / --ctx N)")
+    return ctx
 
 
 @attrs.define
@@ -176,10 +242,17 @@ class OpSpec:
     prefill    optional fast kernel for T rows (numba ``@njit`` functions fit; compile lazily):
                ``fn(out, *inputs, *weights, params, pos0)`` writing ``out`` (T, width) in place;
                inputs and out are row-strided float32 views of the activation arena, weights
-               float32 arrays in ``weight_roles`` order, ``params`` a float64 array of the node's
+               in ``weight_roles`` order (float32 arrays; an OpMatrix for a role of
+               ``matrices``), ``params`` a float64 array of the node's
                ``params`` attributes in order, ``pos0`` an int
     decode     optional fast kernel for one row (decode steps), same arguments as ``prefill``
     weight_roles  ``(input_widths, attrs) -> {role: shape}``: the weights a node reads (default none)
+    matrices   roles (of ``weight_roles``) that are matrices (N, K) multiplied by activations:
+               the compiler packs them like LINEAR weights (int8 panels, 4-bit blocks, a GGUF's
+               own blocks; float32 under "f32" or the node's ``precision="f32"``), and the fast
+               kernels receive each as a :class:`cpullm.op_matrix.OpMatrix` (``w.matmul(x, out)``:
+               out (T, N) = x (T, K) @ W.T by the core's LINEAR kernels; ``w.shape``), the
+               reference as float32 (N, K), the values the program holds. Other roles stay float32
     params     names of the numeric node attributes the fast kernels receive, in order
     group      profile group of its nodes (default: the op's name)
     version    enters the execution-cache key through the graph (``op_version`` attribute):
@@ -197,6 +270,7 @@ class OpSpec:
     prefill: Callable | None = None
     decode: Callable | None = None
     weight_roles: Callable = lambda widths, attrs: {}
+    matrices: tuple = ()
     params: tuple = ()
     group: str = ""
     version: str = "1"

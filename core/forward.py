@@ -138,9 +138,10 @@ class Forward:
 
     def step(self, slots: list[Slot], tokens, greedy=None) -> tuple[list, list]:
         """One token of every slot (``tokens[b]`` at ``slots[b].position``) in one pass over the
-        weights; every position advances by one. ``greedy[b]`` True: only row b's argmax is
-        needed (a lone greedy row may read the lm_head through its screen). Returns (logits,
-        tokens): per row, float32 logits (vocab,) or None, and the greedy token or None."""
+        weights; every position advances by one. ``greedy[b]`` True: row b's argmax is wanted
+        (a lone greedy row may read the lm_head through its screen; :meth:`lone_logits` gives
+        its full logits after all if needed). Returns (logits, tokens): per row, float32 logits
+        (vocab,) (None for a lone greedy row), and the greedy token or None."""
         self.use_threads()
         B = len(slots)
         greedy = [False] * B if greedy is None else [bool(g) for g in greedy]
@@ -157,11 +158,77 @@ class Forward:
                 raise ValueError("a step decodes slots of one table (made by one Forward.slots call)")
             logits = self.decoder.decode(table, [s.index for s in slots], [s.position for s in slots],
                                          [int(t) for t in tokens])
-            rows = ([None if g else logits[b] for b, g in enumerate(greedy)],
+            rows = ([logits[b] for b in range(B)],
                     [int(np.argmax(logits[b])) if g else None for b, g in enumerate(greedy)])
         for s in slots:
             s.position += 1
         return rows
+
+    def verify(self, slots: list[Slot], token_lists) -> tuple[list[np.ndarray], list]:
+        """Score several tokens of each slot in one pass over the weights: ``token_lists[b]``
+        (n_b >= 1 tokens) run at positions ``slots[b].position``, ``+1``, ... Returns (logits,
+        snapshots): per slot float32 logits (n_b, vocab), row t for the input after its token t,
+        and what :meth:`rewind` needs to keep only a prefix of the tokens. Every position
+        advances by n_b.
+
+        Exact by construction: every token is one row of the batched decode step
+        (:class:`cpullm.batch.BatchDecoder`) with its slot and its own position, so it gets the
+        one-token decode's numbers: the rows of a slot are in order, each writes its keys and
+        values before any row attends (positions after a row are never read by it), and the
+        recurrent (linear-attention) ops run row after row on the slot's state. The logits of
+        token t are those of t one-token steps (the lone decode's where it is the batched
+        row's: ``lone_path_identical``; f32 always decodes through the batch)."""
+        self.use_threads()
+        table = slots[0].table
+        if any(s.table is not table for s in slots):
+            raise ValueError("a verify pass runs slots of one table (made by one Forward.slots call)")
+        counts = [len(t) for t in token_lists]
+        if min(counts) < 1 or sum(counts) > self.decoder.max_rows:
+            raise ValueError(f"a verify pass runs 1..{self.decoder.max_rows} rows, at least one per slot; "
+                             f"got {counts}")
+        rows_slot, rows_pos, rows_tok = [], [], []
+        for s, toks in zip(slots, token_lists):
+            if s.position + len(toks) > self.n_ctx:
+                raise ContextOverflowError(f"{len(toks)} tokens at position {s.position} pass the context "
+                                           f"of {self.n_ctx}")
+            rows_slot += [s.index] * len(toks)
+            rows_pos += range(s.position, s.position + len(toks))
+            rows_tok += [int(t) for t in toks]
+        # the recurrent state before the pass: it cannot be cut back by position (rewind)
+        snaps = [self._linear_snapshot(s) if n > 1 else None for s, n in zip(slots, counts)]
+        logits = self.decoder.decode(table, rows_slot, rows_pos, rows_tok)
+        out, r = [], 0
+        for s, n in zip(slots, counts):
+            out.append(logits[r: r + n])
+            r += n
+            s.position += n
+        return out, [(s.position - n, snap) for s, n, snap in zip(slots, counts, snaps)]
+
+    def _linear_snapshot(self, slot: Slot):
+        if not self.linear_regions:
+            return None
+        return [slot.state[off: off + n].copy() for off, n in self.linear_regions]
+
+    def rewind(self, slots: list[Slot], snapshots: list, kept_lists) -> None:
+        """Keep only the first tokens ``kept_lists[b]`` (a prefix of what :meth:`verify` ran) of
+        each slot. Keys and values are cut by position (later rows are overwritten before any
+        token reads them; a sliding-window ring holds window + max_chunk positions, so a pass of
+        at most max_chunk rows never overwrote a position still in the window). A recurrent
+        state cannot be cut: it is restored from the snapshot and the kept tokens run again, all
+        slots in one pass, the same rows as before (so the same state, bit for bit)."""
+        again = []
+        for s, (pos0, snap), kept in zip(slots, snapshots, kept_lists):
+            target = pos0 + len(kept)
+            if target == s.position:
+                continue
+            s.position = target
+            if snap is not None:
+                for (off, n), saved in zip(self.linear_regions, snap):
+                    s.state[off: off + n] = saved
+                s.position = pos0
+                again.append((s, kept))
+        if again:
+            self.verify([s for s, _ in again], [k for _, k in again])
 
     @property
     def decoder(self):
@@ -172,6 +239,12 @@ class Forward:
             self._decoder = BatchDecoder(self.executor)
         return self._decoder
 
+
+    def lone_logits(self, slot: Slot) -> np.ndarray:
+        """float32 (vocab,): the full logits of the lone greedy row :meth:`step` just ran on
+        ``slot`` (whose argmax it returned, maybe through the lm_head screen); call it before the
+        next step. A constrained greedy row needs them when the mask forbids that argmax."""
+        return self.executor.last_step_logits(slot.state).copy()
 
     def logits(self, ids) -> np.ndarray:
         """float32 (T, vocab): logits at every position of ``ids`` run as a fresh sequence."""

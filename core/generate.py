@@ -14,24 +14,25 @@ from .tokenize import IncrementalDecoder
 
 def generate_ids(forward, slot, prompt_ids, max_new_tokens: int, params: SamplingParams, stop_ids,
                  stats: GenerationStats | None = None, cancel=None, prompt_cache=None, constraint=None,
-                 logits_processors=(), seq_out: list | None = None) -> Iterator[int]:
+                 logits_processors=(), seq_out: list | None = None, speculative=None) -> Iterator[int]:
     """Yield generated token ids of ``prompt_ids`` run alone in ``slot``; stops at an EOS id in
     ``stop_ids`` (not yielded), after max_new_tokens, at the end of the context, when
     ``constraint`` (cpullm.constraints.Constraint) is complete (stop_reason "stop"), or when
     ``cancel`` (a threading.Event) is set (stop_reason "cancelled"). ``seq_out``: a list that
-    receives the Sequence (its log-probabilities)."""
+    receives the Sequence (its log-probabilities). ``speculative``: a
+    :class:`cpullm.speculative.SpecConfig` (None: no guesses)."""
     seq = Sequence(prompt_ids, max_new_tokens, params, stop_ids=stop_ids, stats=stats, cancel=cancel,
                    constraint=constraint, logits_processors=logits_processors)
     if seq_out is not None:
         seq_out.append(seq)
-    yield from run_alone(forward, slot, seq, prompt_cache)
+    yield from run_alone(forward, slot, seq, prompt_cache, speculative)
 
 
-def run_alone(forward, slot, seq: Sequence, prompt_cache=None) -> Iterator[int]:
+def run_alone(forward, slot, seq: Sequence, prompt_cache=None, speculative=None) -> Iterator[int]:
     """Run ``seq`` by itself: a scheduler of the one ``slot`` (plain greedy reads the lm_head
     through the executor's screen there), restoring its prompt from ``prompt_cache``
     (:class:`cpullm.prompt_cache.PromptCache`) when one is given."""
-    sch = Scheduler(forward, [slot], prompt_cache=prompt_cache)
+    sch = Scheduler(forward, [slot], prompt_cache=prompt_cache, speculative=speculative)
     sch.add(seq)
     while not sch.idle:
         for _, tok in sch.step():

@@ -35,6 +35,9 @@ class Op(enum.IntEnum):
     GATED_DELTA = 12 # (qkv, z, b, a)   -> (T, nv*dv)   linear attention (Gated DeltaNet) with conv + recurrent state
     SCALE = 13       # (x)              -> x.shape      attrs: scale
     LAYERNORM = 14   # (x)              -> x.shape      weights: weight, [bias]; attrs: eps, group_size
+    ACT = 20         # (x)              -> x.shape      attrs: act ("gelu" | "gelu_tanh" | "relu" | "silu")
+    POS_EMBED = 21   # (x)              -> x.shape      x + table[position + offset]; weights: table
+                     #                                  (n_positions, width); attrs: n_positions, offset
     PLUGIN = 15      # (inputs...)      -> (T, width)   a plugin's op (cpullm.family.OpSpec): attrs
                      #                                  plugin_op (its name), op_version, its own attrs
     MOE = 16         # (x (T,H))        -> (T, H)       routed experts (cpullm.kernels.moe): weights router
@@ -136,6 +139,8 @@ class Graph:
                 raise GraphError(f"{n.name}: slice runs past its input")
             if n.op == Op.SELECT_ROWS and n.section != "head":
                 raise GraphError(f"{n.name}: SELECT_ROWS starts the head section")
+            if n.op in (Op.ACT, Op.POS_EMBED):
+                _check_pointwise(n, tuple(w))
             if n.op == Op.PLUGIN:
                 _check_plugin_node(n, tuple(w))
             if n.op == Op.MOE:
@@ -206,6 +211,22 @@ def _plain_attrs(n: Node) -> dict:
     """A node's attributes as JSON values (what an OpSpec's width, weight_roles and reference get)."""
     own = {k: v for k, v in n.attrs if k not in ("plugin_op", "op_version")}
     return json.loads(json.dumps(own, default=str))
+
+
+def _check_pointwise(n: Node, widths: tuple) -> None:
+    """An ACT names a known activation; a POS_EMBED reads its table in the body; both keep the width."""
+    from .kernels.pointwise import ACT_KINDS
+    if widths != (n.width,):
+        raise GraphError(f"{n.name}: {n.op.name} takes one input of its own width {n.width}, got {list(widths)}")
+    if n.op == Op.ACT and n.attr("act") not in ACT_KINDS:
+        raise GraphError(f"{n.name}: activation {n.attr('act')!r} is not one of {', '.join(ACT_KINDS)}")
+    if n.op == Op.POS_EMBED:
+        if n.section != "body" or n.weight("table") is None:
+            raise GraphError(f"{n.name}: POS_EMBED runs in the body and reads a 'table' weight")
+        positions, offset = n.attr("n_positions"), n.attr("offset", 0)
+        if not (isinstance(positions, int) and isinstance(offset, int) and 0 <= offset < positions):
+            raise GraphError(f"{n.name}: POS_EMBED needs integer n_positions > offset >= 0, "
+                             f"got {positions!r}, {offset!r}")
 
 
 class GraphBuilder:

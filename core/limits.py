@@ -5,6 +5,10 @@ them. Every size, count and offset read from them is checked against the file's 
 the limits below *before* anything is allocated from it, so a 227-byte file cannot ask for
 terabytes. The limits are generous: each is several times what the largest model cpullm targets
 (about 4B parameters) needs, and far below what would exhaust memory on its own.
+
+config.json's common keys are checked against them by cpullm.family.check_config; a family whose
+checkpoints name their keys their own way (GPT-2's ``n_embd``, ``n_layer``) declares them in
+``FamilySpec.config_keys`` with the common key whose limit applies, or its own (lowest, highest).
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from . import head_screen, locations, plugins
 from .compiler import DEFAULT_CHUNK, QUANT_MODES, Program, compile_graph
 from .errors import ConfigError, ModelNotFoundError, PromptError
 from .executor import Executor
-from .family import read_config
+from .family import read_config, resolve_context
 from .forward import Forward
 from .generate import GenerationStats, generate_ids, generate_text
 from .sequence import resolve_max_tokens
@@ -74,6 +74,8 @@ class Model:
         self._slot = None                  # the slot lone generations run in, made on first use
         self._last_prompt: list[int] = []  # the prompt whose state _slot holds (save_prompt_cache)
         self._prompt_cache = None
+        from .speculative import resolve
+        self.speculative = resolve()       # how generation guesses tokens (speculate())
         from functools import partial
         from .chat import apply_chat_template
         tokenizer.apply_chat_template = partial(apply_chat_template, self)   # transformers' call
@@ -109,9 +111,7 @@ class Model:
                    f"(e.g. {weights.ignored[0]}): only the text model runs")
         g = GraphBuilder()
         graph = family.build_graph(args, g)
-        ctx = int(n_ctx or min(DEFAULT_CTX, int(getattr(args, "max_position_embeddings", 0) or DEFAULT_CTX)))
-        if ctx <= 0:
-            raise ConfigError(f"n_ctx must be positive, got {ctx}")
+        ctx = resolve_context(family, args, n_ctx, DEFAULT_CTX)   # within the family's hard limit
         specs = list(registry.kernels) if plugin_kernels else []
         kernels = {k.name: k for k in specs}
         kernel_fns = {k: v.fn for k, v in kernels.items()}
@@ -169,6 +169,24 @@ class Model:
         if self._slot is None:
             self._slot = self.forward.new_slot()
         return self._slot
+
+    # ---- speculative decoding ---------------------------------------------------------------------
+    def speculate(self, mode: str | None = None, draft_model=None, draft_max: int | None = None) -> "Model":
+        """Set how generation guesses tokens to verify in one pass (cpullm.speculative):
+        ``mode`` "off", "lookup" (from the prompt and the text so far), "draft" (``draft_model``:
+        a smaller model with this tokenizer, a path, store name or loaded Model) or "auto" (the
+        default: lookup, then the draft model if given); at most ``draft_max`` guesses per pass
+        (1..32). Greedy output is the same in every mode."""
+        from .speculative import DraftModel, resolve
+        draft = None
+        if draft_model is not None:
+            dm = draft_model if isinstance(draft_model, Model) else Model.load(
+                draft_model, quant=self.quant if self.quant != "gguf" else None, threads=self.threads,
+                n_ctx=self.n_ctx)
+            DraftModel.check_pair(dm, self)
+            draft = DraftModel(dm)
+        self.speculative = resolve(mode, draft_max, draft)
+        return self
 
     # ---- prompt cache ---------------------------------------------------------------------------
     def use_prompt_cache(self, path) -> "Model":
@@ -228,7 +246,8 @@ class Model:
         self._last_prompt = list(ids)
         return generate_ids(self.forward, self.slot, ids, max_new_tokens, params, stop_ids, stats,
                             prompt_cache=self._prompt_cache, constraint=constraint,
-                            logits_processors=logits_processors, seq_out=seq_out)
+                            logits_processors=logits_processors, seq_out=seq_out,
+                            speculative=self.speculative)
 
     # ---- generation ----------------------------------------------------------------------------
     def _prompt_ids(self, prompt, chat: bool = False, system: str | None = None) -> list[int]:
@@ -537,6 +556,7 @@ class Model:
             "vocab": self.program.meta["vocab"],
             "cache": self.cache_status,
             "load_s": self.load_s,
+            "speculative": self.speculative.mode,
             "compile_s": self.compile_s,
             "prompt_cache": self.prompt_cache_status,
             "weight_formats": weight_format_bytes(self.program),

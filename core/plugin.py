@@ -20,20 +20,22 @@ from .ir import GraphBuilder, Op
 from .toolcalls import (WS, MalformedCall, ReasoningFormat, ToolCall, ToolFormat, json_rule, lark_string,
                         object_schema, parse_json_call)
 from .weightmap import ADD_ONE, Transform, W, WeightMap
+from .op_matrix import OpMatrix
+from .weightmap import TRANSPOSE
 
 __all__ = [
     # the hook marker (the hooks themselves are documented in cpullm.hookspecs)
     "hookimpl",
     # a family: its arguments, its weight map, its graph
     "Args", "FamilySpec", "require", "text_config", "RopeSpec",
-    "W", "WeightMap", "Transform", "ADD_ONE",
+    "W", "WeightMap", "Transform", "ADD_ONE", "TRANSPOSE",
     "GraphBuilder", "Op", "blocks", "standard_rules", "lm_head_rule",
     "decoder_stack", "glu_silu",
     # how the family's models write tool calls and thinking (FamilySpec.tool_formats / reasoning_formats)
     "ToolFormat", "ReasoningFormat", "ToolCall", "MalformedCall", "WS", "json_rule", "lark_string",
     "object_schema", "parse_json_call",
     # ops, kernels, RoPE scalings, GGUF architectures
-    "OpSpec", "KernelSpec", "RopeType", "GGUFArch", "DENSE_LAYER_NAMES", "QK_NORM_LAYER_NAMES",
+    "OpSpec", "OpMatrix", "KernelSpec", "RopeType", "GGUFArch", "DENSE_LAYER_NAMES", "QK_NORM_LAYER_NAMES",
     "meta_int", "limits",
     # the errors a plugin raises (each message names the fix)
     "ConfigError", "UnsupportedConfigError", "ConversionError",

@@ -12,7 +12,11 @@ a sequence running alone (``generate``) is a scheduler of one slot. Every :meth:
    prompt, taking those in turn, so a long prompt never holds the others up for more than a chunk;
    the chunk's last row gives the first token when the prompt is done;
 3. decodes one token of every sequence past its prompt in one pass over the weights
-   (:meth:`cpullm.forward.Forward.step`); finished sequences leave and free their slot.
+   (:meth:`cpullm.forward.Forward.step`); finished sequences leave and free their slot. With
+   speculation (``speculative``, :mod:`cpullm.speculative`) a sequence may bring guesses of its
+   next tokens: the pass then scores them too (:meth:`cpullm.forward.Forward.verify`, guesses and
+   plain rows of all sequences in one pass), each sequence keeps the guesses it would have
+   produced and its state is cut back to them.
 
 A sequence's tokens do not depend on the others (batch invariance): its prefill chunks are cut
 from its own prompt only (so the same chunks alone or not) and run on its own state; its decode
@@ -26,11 +30,14 @@ import threading
 import time
 from collections import deque
 
+import numpy as np
+
 from .errors import ConfigError, CpullmError
 from .forward import Forward, Slot
 from .kernels.warmup import compile_seconds
 from .prefix_cache import PrefixCache
 from .sequence import DECODE, PREFILL, WAITING, Sequence, start_masks
+from .speculative import SeqSpec, SpecConfig, SpecStats
 
 
 DEFAULT_PREFIX_BLOCK = 64
@@ -40,10 +47,13 @@ whole blocks, the rest of it prefilled; 64 tokens of Qwen2.5-0.5B's float32 KV a
 
 class Scheduler:
     def __init__(self, forward: Forward, slots: int | list[Slot], prefill_chunk: int | None = None,
-                 prefix_cache_bytes: int = 0, prefix_block: int | None = None, prompt_cache=None):
+                 prefix_cache_bytes: int = 0, prefix_block: int | None = None, prompt_cache=None,
+                 speculative: SpecConfig | None = None):
         """``slots``: how many to plan (one (slots, state_floats) table, allocated now), or the
         slots to use (of one table). ``prompt_cache``: a :class:`cpullm.prompt_cache.PromptCache`
-        to restore each prompt from and record it into (a scheduler of one slot: ``generate``)."""
+        to restore each prompt from and record it into (a scheduler of one slot: ``generate``).
+        ``speculative``: how sequences guess their next tokens (:class:`cpullm.speculative.SpecConfig`;
+        None or mode "off": they do not)."""
         fwd = forward
         n = slots if isinstance(slots, int) else len(slots)
         if n < 1:
@@ -73,6 +83,10 @@ class Scheduler:
         self._prefill_turn = 0
         self._lock = threading.Lock()
         self.steps = 0
+        self.spec = speculative if speculative is not None and speculative.on else None
+        self.spec_stats = SpecStats()       # every sequence's, summed (bench, /health)
+        if self.spec is not None and self.spec.draft is not None:
+            self.spec.draft.attach(self.n_slots)
 
     def warm_up(self) -> None:
         """Compile (or load from numba's cache) the batched decode's kernels now, with a 2-row step
@@ -161,6 +175,8 @@ class Scheduler:
     def _release(self, seq: Sequence):
         if seq in self.running:
             self.running.remove(seq)
+        if seq.spec is not None and self.spec is not None and self.spec.draft is not None:
+            self.spec.draft.give_back(seq.spec)
         slot = seq.leave_slot()
         if slot is not None:
             with self._lock:
@@ -214,12 +230,17 @@ class Scheduler:
         batch = [s for s in self.running if s.phase == DECODE and s.pending is not None]
         if not batch:
             return
+        drafts = self._drafts(batch) if self.spec is not None else None
+        if drafts is not None and any(drafts):
+            self._verify_all(batch, drafts, events)
+            return
         masks = start_masks(batch)        # constrained rows' next masks, beside the forward pass
         t0, c0 = time.perf_counter(), compile_seconds()
         # one pass over the weights for every row; a row that only needs its argmax (plain
-        # greedy) gets just the token (a lone one may read the lm_head through its screen)
+        # greedy, or a constrained greedy one whose mask allows it) gets just the token (a lone
+        # one may read the lm_head through its screen; its full logits only if the mask refuses)
         logits, tokens = self.forward.step([s.slot for s in batch], [s.pending for s in batch],
-                                           greedy=[s.greedy for s in batch])
+                                           greedy=[s.argmax_first for s in batch])
         compiled = compile_seconds() - c0
         dt = max(0.0, time.perf_counter() - t0 - compiled)
         masks.join()
@@ -227,18 +248,92 @@ class Scheduler:
             seq.stats.decode_s += dt
             seq.stats.decode_steps += 1
             seq.stats.compile_s += compiled
-            self._take(seq, events, logits=row, token=tok)
+            self._take(seq, events, logits=row, token=tok,
+                       full_logits=lambda s=seq.slot: self.forward.lone_logits(s))
 
-    def _take(self, seq: Sequence, events, **output) -> None:
+    # ---- speculation ---------------------------------------------------------------------------
+    def _drafts(self, batch: list[Sequence]) -> list[list[int]]:
+        """Each sequence's guesses of its next tokens (maybe none), within its pacing, its
+        remaining tokens and context, and the rows one pass can run."""
+        cfg = self.spec
+        rows_left = self.forward.max_chunk - len(batch)      # the rows one pass runs (BatchDecoder.max_rows)
+        want = []
+        for seq in batch:
+            if seq.spec is None:
+                seq.spec = SeqSpec(cfg)
+            room = min(seq.max_new_tokens - len(seq.generated) - 1, self.n_ctx - seq.slot.position - 1)
+            want.append(max(0, min(seq.spec.pacer.budget(), room)) if room > 0 else 0)
+        drafts = [seq.spec.lookup(seq.history, k) if k else [] for seq, k in zip(batch, want)]
+        draft = cfg.draft
+        if draft is not None and cfg.mode in ("draft", "auto"):
+            need = [i for i, (d, k) in enumerate(zip(drafts, want)) if k and not d]
+            for i in need:
+                draft.take_slot(batch[i].spec)
+            got = draft.propose([batch[i].spec for i in need], [batch[i].history for i in need],
+                                [want[i] for i in need])
+            for i, g in zip(need, got):
+                drafts[i] = g
+        out = []
+        for d in drafts:                  # the pass's rows: one per sequence, then the guesses
+            d = d[:max(0, rows_left)]
+            rows_left -= len(d)
+            out.append(d)
+        return out
+
+    def _verify_all(self, batch: list[Sequence], drafts: list[list[int]], events) -> None:
+        """One pass over the weights scoring every sequence's pending token and guesses; each
+        sequence takes its rows in order until its token differs from the next guess (or it
+        ends), and its state is cut back to the rows it took."""
+        masks = start_masks(batch)
+        t0, c0 = time.perf_counter(), compile_seconds()
+        inputs = [[s.pending] + d for s, d in zip(batch, drafts)]
+        slots = [s.slot for s in batch]
+        rows, snaps = self.forward.verify(slots, inputs)
+        compiled = compile_seconds() - c0
+        dt = max(0.0, time.perf_counter() - t0 - compiled)
+        masks.join()
+        kept_lists = []
+        for seq, logits, toks, guesses, (pos0, _) in zip(batch, rows, inputs, drafts, snaps):
+            kept = accepted = 0
+            for i in range(len(toks)):
+                seq.slot.position = pos0 + i + 1
+                if seq.greedy:
+                    tok = self._take(seq, events, token=int(np.argmax(logits[i])))
+                else:
+                    tok = self._take(seq, events, logits=logits[i])
+                kept = i + 1
+                hit = i < len(guesses) and tok == guesses[i]
+                accepted += hit
+                if seq.done or not hit:
+                    break
+            seq.slot.position = pos0 + len(toks)
+            kept_lists.append(toks if seq.done else toks[:kept])
+            seq.stats.decode_s += dt
+            seq.stats.decode_steps += kept
+            seq.stats.compile_s += compiled
+            if guesses:
+                seq.spec.pacer.record(len(guesses), accepted)
+                for st in (seq.spec.stats, self.spec_stats):
+                    st.verify_passes += 1
+                    st.drafted += len(guesses)
+                    st.accepted += accepted
+                seq.stats.spec_passes = seq.spec.stats.verify_passes
+                seq.stats.spec_drafted = seq.spec.stats.drafted
+                seq.stats.spec_accepted = seq.spec.stats.accepted
+        self.forward.rewind(slots, snaps, kept_lists)
+
+    def _take(self, seq: Sequence, events, **output) -> int | None:
         """Give ``seq`` its model output; a failure of its own (a SamplingError on non-finite
-        logits) ends it alone, with the error for its consumer, and never the batch."""
+        logits) ends it alone, with the error for its consumer, and never the batch. Returns the
+        token emitted (None: none)."""
         try:
             tok = seq.take(self.n_ctx, **output)
         except CpullmError as exc:
             seq.fail(exc)
-            return
+            return None
         if tok is not None:
             events.append((seq, tok))
+        return tok
 
     def run_until_idle(self, on_event=None) -> None:
         """Step until every sequence added so far has ended."""

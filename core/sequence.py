@@ -38,11 +38,15 @@ class GenerationStats:
     generated_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    decode_steps: int = 0           # one-token forward passes (the first token comes from prefill)
+    decode_steps: int = 0           # tokens from decode passes (one per one-token pass; a verify pass
+                                    # gives as many as it keeps); the first token comes from prefill
     reused_tokens: int = 0          # prompt tokens restored from a prompt cache
     compile_s: float = 0.0          # numba compiling kernels during this generation (cold cache only),
                                     # kept out of prefill_s and decode_s
     stop_reason: str = ""           # "eos" | "stop" | "length" | "cancelled" | "failed" (Sequence.error)
+    spec_passes: int = 0            # decode passes that scored guesses (cpullm.speculative)
+    spec_drafted: int = 0           # guessed tokens scored
+    spec_accepted: int = 0          # guessed tokens kept (each a token without a pass of its own)
 
     @property
     def prefill_tps(self) -> float:
@@ -95,6 +99,7 @@ class Sequence:
         self.phase = WAITING
         self.error: Exception | None = None   # why it failed, when only this sequence did (fail())
         self.cache_salt: str | None = None     # its tenant: shares cached prefixes only with the same salt
+        self.spec = None             # cpullm.speculative.SeqSpec while a speculating runner runs it
         self.stats.prompt_tokens = len(self.prompt)
         self.stats.stop_reason = "length"
 
@@ -106,6 +111,15 @@ class Sequence:
         anything reads or changes the logits: penalties, bias, processors, a constraint,
         log-probabilities."""
         return self.params.temperature == 0.0 and self.sampler.plain and self.constraint is None
+
+    @property
+    def argmax_first(self) -> bool:
+        """True when the argmax of the unprocessed logits is the next token unless a constraint
+        forbids it: plain greedy, or greedy under a constraint with nothing else reading the
+        logits (a runner may then compute the argmax alone, the lm_head screen's; :meth:`take`
+        asks for the full logits only when the mask refuses that token: the masked argmax of
+        the same logits, so the same tokens as always reading them)."""
+        return self.params.temperature == 0.0 and self.sampler.plain
 
     @property
     def position(self) -> int:
@@ -139,7 +153,8 @@ class Sequence:
                 f"load with a larger n_ctx (--ctx N)")
 
     # ---- what the runner reports ------------------------------------------------------------
-    def take(self, n_ctx: int, logits: np.ndarray | None = None, token: int | None = None) -> int | None:
+    def take(self, n_ctx: int, logits: np.ndarray | None = None, token: int | None = None,
+             full_logits=None) -> int | None:
         """The model's output after the last prompt token or the pending token: ``logits``
         (vocab,) to sample from, or a greedy ``token`` already chosen. Returns the new token if it
         is emitted (then the caller yields it), None when the sequence ends here (an EOS id: not
@@ -148,7 +163,16 @@ class Sequence:
         With ``logits`` the per-sequence pipeline runs (cpullm.sampling: processors, bias,
         penalties, then the constraint's mask), log-probabilities are recorded from its result,
         and the token is drawn from it. A constraint that is complete ends the sequence with
-        stop reason "stop" after its last token."""
+        stop reason "stop" after its last token.
+
+        A greedy ``token`` given for a constrained sequence (:attr:`argmax_first`) is the
+        unmasked argmax: kept when the mask allows it, else the masked argmax is taken from
+        ``logits`` or, without them, from ``full_logits()`` (the runner's full logits of the
+        same step)."""
+        if token is not None and self.constraint is not None and not self.constraint.allows(int(token)):
+            if logits is None:
+                logits = full_logits()
+            token = None
         if token is None:
             x = self.sampler.process(logits, self.history)
             tok = None

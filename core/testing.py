@@ -37,7 +37,17 @@ checks, each raising AssertionError with a message that says what failed:
   kernel applies to it, else (for the family's own plugin's kernels) on a small sample graph of
   the kernel's op;
 * every plugin op (:class:`cpullm.family.OpSpec`) the graph uses: its fast kernels give the same
-  logits as its numpy reference, in prefill and in decode.
+  logits as its numpy reference, in prefill and in decode;
+* batched decode (several sequences at different positions in one step, what the server's
+  scheduler runs) gives each sequence the logits it gets decoded alone;
+* a declared context limit (``FamilySpec.context_limit``) holds: the default context stays
+  within it, one more is refused at load with a ConfigError naming the fix, and the limit itself
+  loads and runs its last position.
+
+It also reports the share of the program's weight bytes that stay float32 under INT8 and 4-bit
+(:func:`float32_share`), with a note when it is over :data:`FLOAT32_SHARE_NOTE`: a matrix the
+compiler cannot quantize (a plugin op's weight not declared in ``OpSpec.matrices``, a stored
+layout no rule maps onto a LINEAR) decodes several times slower than it could.
 
 ``make_random_checkpoint`` writes a random checkpoint from the family's own weight map, for
 authors without a reference checkpoint at hand. Tests never assert a timing.
@@ -54,6 +64,7 @@ F32_TOLERANCE = 1e-3          # max |delta logit| <= F32_TOLERANCE * max |refere
 INT8_MIN_COSINE = 0.98
 INT8_MIN_TOP1 = 0.75
 GREEDY_TIE = 1e-4             # two logits this close (x max |logit|) may greedy-pick either token
+FLOAT32_SHARE_NOTE = 0.25     # float32 share of the weight bytes under INT8 / 4-bit worth a note
 
 
 class ConformanceWarning(UserWarning):
@@ -345,6 +356,9 @@ class _ArrayWeights:
     def source_of(self, name):
         return name
 
+    def identity(self, name):
+        return name, None, None
+
     def shape(self, name):
         return self.arrays[name].shape
 
@@ -374,6 +388,15 @@ def _sample_weights(graph, vocab: int, seed: int = 0) -> _ArrayWeights:
             shapes[w["weight"]] = (n.attr("group_size"),)
             if "bias" in w:
                 shapes[w["bias"]] = (n.attr("group_size"),)
+        elif n.op == Op.POS_EMBED:
+            shapes[w["table"]] = (n.attr("n_positions"), n.width)
+        elif n.op == Op.PLUGIN:
+            from . import plugins
+            spec = plugins.discover().op(n.attr("plugin_op"))
+            own = json.loads(json.dumps({k: v for k, v in n.attrs if k not in ("plugin_op", "op_version")},
+                                        default=str))                     # what the op's shape rule gets
+            roles = spec.weight_roles(tuple(width[i] for i in n.inputs), own)
+            shapes.update({w[role]: tuple(shape) for role, shape in roles.items()})
         elif n.op == Op.GATED_DELTA:
             nk, dk, nv, dv, ck = (n.attr(a) for a in ("n_k_heads", "k_head_dim", "n_v_heads",
                                                        "v_head_dim", "conv_kernel"))
@@ -491,6 +514,100 @@ def check_plugin_ops(model, ids, tol: float = F32_TOLERANCE) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# Weight bytes, batched decode, context limit
+# ---------------------------------------------------------------------------------------------
+
+
+def float32_share(program, largest: int = 5) -> dict:
+    """The program's weight bytes that are float32 (``wf``: norms, biases, position tables, and
+    matrices the compiler could not quantize) over all its weight bytes, and the ``largest``
+    float32 canonical tensors (``meta["weight_slots"]``) by bytes."""
+    a = program.arrays
+    f32 = int(a["wf"].size) * 4
+    total = f32 + int(a["wq"].size) + int(a["ws"].size) * 2
+    slots = [(name, int(size) * 4) for name, (kind, _, size, *_) in program.meta["weight_slots"].items()
+             if kind == "f32"]
+    slots.sort(key=lambda x: -x[1])
+    return {"share": f32 / max(total, 1), "float32_bytes": f32, "weight_bytes": total,
+            "largest_float32": slots[:largest]}
+
+
+def check_float32_share(model_dir, quants=("int8", "q4")) -> dict:
+    """:func:`float32_share` of programs compiled in each of ``quants`` (no head screen: the
+    model's own weights). Returns {quant: share, "details": {quant: float32_share(...)}}."""
+    from .compiler import compile_graph
+    from .ir import GraphBuilder
+    from .tensors import TensorStore
+
+    family, args = check_resolves(model_dir)
+    weights = family.weight_map(args).resolve(TensorStore(model_dir), args)
+    graph = family.build_graph(args, GraphBuilder())
+    out: dict = {"details": {}}
+    for quant in quants:
+        detail = float32_share(compile_graph(graph, weights, quant=quant, n_ctx=16, max_chunk=8))
+        out[quant] = detail["share"]
+        out["details"][quant] = detail
+    return out
+
+
+def check_batched_decode(model, ids, steps: int = 4, tol: float = F32_TOLERANCE) -> float:
+    """Three sequences at different positions decoded together, ``steps`` steps, equal to each
+    decoded alone (an op reading the step's position or state once for the whole batch, rather
+    than per sequence, fails here). Returns the largest relative difference."""
+    fwd = model.forward
+    ids = [int(i) for i in ids]
+    room = len(ids) - steps
+    assert room >= 3, f"check_batched_decode needs at least {steps + 3} ids"
+    lengths = sorted({max(1, room // 4), max(2, room // 2), room})
+    slots = fwd.slots(len(lengths))
+    for slot, k in zip(slots, lengths):
+        fwd.prefill(slot, ids[:k])
+    together = [[] for _ in lengths]
+    for j in range(steps):
+        rows, _ = fwd.step(slots, [ids[k + j] for k in lengths])
+        for b, row in enumerate(rows):
+            together[b].append(np.array(row, np.float32))
+    worst = 0.0
+    for b, k in enumerate(lengths):
+        alone = _cached_logits(fwd, ids[:k + steps], k)[-steps:]     # the steps after the prefix
+        err = _rel_err(np.stack(together[b]), alone)
+        assert err <= tol, (f"batched decode differs from decoding alone by {err:.2e} (relative, tolerance "
+                            f"{tol:.0e}) for the sequence at position {k}: an op reads one position or state "
+                            f"for the whole batch (cpullm.batch.PER_SEQUENCE_OPS)")
+        worst = max(worst, err)
+    return worst
+
+
+def check_context_limit(model_dir, run_limit: int = 4096) -> dict:
+    """A family's declared hard context limit (FamilySpec.context_limit): the default context is
+    within it, n_ctx = limit + 1 is refused at load with a one-line ConfigError naming n_ctx, and
+    n_ctx = limit loads and runs its last position (when the limit is at most ``run_limit``)."""
+    from .errors import ConfigError
+
+    family, args = check_resolves(model_dir)
+    limit = family.context_limit(args) if family.context_limit is not None else None
+    if not limit:
+        return {"limit": None}
+    limit = int(limit)
+    default = _load(model_dir).n_ctx
+    assert default <= limit, f"the default context {default} is over the family's limit {limit}"
+    try:
+        _load(model_dir, n_ctx=limit + 1)
+    except ConfigError as exc:
+        msg = str(exc)
+        assert "\n" not in msg and "n_ctx" in msg, f"the refusal of n_ctx {limit + 1} must be one line naming n_ctx: {msg!r}"
+    else:
+        raise AssertionError(f"n_ctx {limit + 1} loads although the family's context limit is {limit}")
+    ran = limit <= run_limit
+    if ran:
+        model = _load(model_dir, n_ctx=limit)
+        vocab = min(model.program.meta["vocab"], 256)
+        ids = [int(i) for i in np.random.default_rng(3).integers(0, vocab, limit)]
+        assert np.isfinite(model.logits(ids)[-1]).all(), f"non-finite logits at position {limit - 1}"
+    return {"limit": limit, "default_n_ctx": int(default), "ran_at_limit": ran}
+
+
+# ---------------------------------------------------------------------------------------------
 # Everything at once
 # ---------------------------------------------------------------------------------------------
 
@@ -526,6 +643,17 @@ def run_conformance(model_dir, ids, reference_logits=None, reference_tokens=None
         report["int8"] = check_int8(model_dir, ids, logits)
     report["plugin_kernels"] = check_plugin_kernels(model_dir, ids, tol)
     report["plugin_ops"] = check_plugin_ops(model, ids, tol)
+    report["batched_decode_err"] = check_batched_decode(model, ids, tol=tol)
+    report["context_limit"] = check_context_limit(model_dir)
+    shares = check_float32_share(model_dir, ("int8", "q4") if int8 else ())
+    report["float32_share"] = {q: v for q, v in shares.items() if q != "details"}
+    for quant, detail in shares["details"].items():
+        if detail["share"] > FLOAT32_SHARE_NOTE:
+            names = ", ".join(f"{n} ({b} bytes)" for n, b in detail["largest_float32"])
+            report["notes"].append(
+                f"{detail['share']:.0%} of the weight bytes stay float32 under {quant} (largest: {names}): map "
+                f"matrices onto LINEARs (Transform(shape=...) for a stored layout) or declare a plugin op's "
+                f"matrices in OpSpec.matrices so that they quantize")
     windows = sorted({n.attr("window") for n in model.graph.nodes
                       if n.op == Op.ATTENTION and (n.attr("window") or 0) > 0})
     if windows and len(ids) <= windows[-1]:

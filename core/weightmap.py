@@ -36,22 +36,43 @@ class Transform:
     """A named, pure function ``fn(stored, args) -> array``, applied once at load.
 
     ``stored`` is the checkpoint tensor as float32 (never modify it in place: it may be a view of
-    the file), ``args`` the family's Args. The result must keep the stored shape (reorder or
-    rescale values; taking rows is ``W.rows``, reshaping is the graph's business); the canonical
-    tensor is never transformed again. Two rules may read one stored tensor with different
-    transforms: each canonical tensor is then its own matrix in the compiled program, while rules
-    with the same source, transform and rows share one copy (tied embeddings). The ``name`` enters
-    the execution-cache key, so give each transform of a plugin its own name.
+    the file), ``args`` the family's Args. The canonical tensor is never transformed again. Two
+    rules may read one stored tensor with different transforms: each canonical tensor is then its
+    own matrix in the compiled program, while rules with the same source, transform and rows share
+    one copy (tied embeddings). The ``name`` enters the execution-cache key, so give each
+    transform of a plugin its own name.
+
+    Shape rule: without ``shape`` the result keeps the stored shape (reorder or rescale values).
+    A transform that changes it declares ``shape(stored_shape: tuple, args) -> tuple``, the
+    canonical shape, which must have as many elements: :data:`TRANSPOSE` turns a Conv1D matrix
+    stored (in, out) (GPT-2) into the (out, in) a LINEAR reads. ``W.shape`` stays the *stored*
+    shape (what the checkpoint is checked against); ``W.rows`` takes rows of the *canonical*
+    (transformed) tensor; the compiler sees only canonical shapes, so the result quantizes like
+    any LINEAR weight. A transformed tensor is computed whole once per matrix at build time.
     """
 
     name: str
     fn: Callable
+    shape: Callable | None = None     # (stored shape, args) -> canonical shape; None: unchanged
 
     def __call__(self, arr, args=None):
         return self.fn(arr, args)
 
+    def out_shape(self, stored_shape: tuple, args=None) -> tuple:
+        """The canonical shape of a stored tensor of ``stored_shape``."""
+        stored_shape = tuple(int(d) for d in stored_shape)
+        if self.shape is None:
+            return stored_shape
+        out = tuple(int(d) for d in self.shape(stored_shape, args))
+        if int(np.prod(out, dtype=np.int64)) != int(np.prod(stored_shape, dtype=np.int64)):
+            raise WeightMapError(f"transform {self.name} declares shape {out} for a stored {stored_shape}: "
+                                 f"a reshape keeps the number of values")
+        return out
+
 
 ADD_ONE = Transform("add_one", lambda w, args: w + np.float32(1.0))   # zero-centred RMSNorm weight
+TRANSPOSE = Transform("transpose", lambda w, args: w.T,                # Conv1D (in, out) -> (out, in)
+                      shape=lambda stored, args: tuple(reversed(stored)))
 
 
 @attrs.define(frozen=True)
@@ -124,9 +145,10 @@ class WeightMap:
                 continue
             if r.rows is not None:
                 r0, r1 = (int(v) for v in r.rows)
-                if not 0 <= r0 < r1 <= store.shape(stored)[0]:
+                n_rows = _canonical_shape(r.transform, store.shape(stored), args)[0]
+                if not 0 <= r0 < r1 <= n_rows:
                     bad_shape.append(f"{stored}: rows {tuple(r.rows)} for {r.canonical} are outside its "
-                                     f"{store.shape(stored)[0]} rows")
+                                     f"{n_rows} rows")
                     continue
                 row_ranges[r.canonical] = (r0, r1)
             found[r.canonical] = (stored, r.transform)
@@ -153,6 +175,11 @@ class WeightMap:
                 "sizes) and that the right family plugin is installed")
         return ResolvedWeights(store=store, found=found, ties=ties, ignored=ignored, args=args,
                                rows=row_ranges)
+
+
+def _canonical_shape(transform, stored_shape, args) -> tuple:
+    """The shape a stored tensor has once ``transform`` (or none) ran on it."""
+    return tuple(stored_shape) if transform is None else transform.out_shape(stored_shape, args)
 
 
 _LISTED = 40   # names shown per kind of problem: all of a real mismatch, not 20k of a hostile one
@@ -198,9 +225,10 @@ class ResolvedWeights:
         return stored, transform, self.rows.get(canonical)
 
     def shape(self, canonical: str) -> tuple:
-        """The canonical tensor's shape: the stored one (transforms keep it), or its rows."""
-        stored, _, rows = self.identity(canonical)
-        shape = tuple(self.store.shape(stored))
+        """The canonical tensor's shape: the stored one, or its transform's (``Transform.shape``),
+        or its rows of that."""
+        stored, transform, rows = self.identity(canonical)
+        shape = _canonical_shape(transform, self.store.shape(stored), self.args)
         return shape if rows is None else (rows[1] - rows[0], *shape[1:])
 
     def get(self, canonical: str, out: np.ndarray | None = None) -> np.ndarray:
@@ -211,10 +239,11 @@ class ResolvedWeights:
         arr = self.store.get(stored)
         if transform is not None:
             arr = np.ascontiguousarray(transform(arr, self.args), dtype=np.float32)
-            if arr.shape != self.store.shape(stored):
+            want = transform.out_shape(self.store.shape(stored), self.args)
+            if arr.shape != want:
                 raise WeightMapError(f"transform {transform.name} turned {stored} {self.store.shape(stored)} "
-                                     f"into {arr.shape}; a transform must keep the shape (take rows with "
-                                     f"W(rows=...), reshape in the graph)")
+                                     f"into {arr.shape}, not the {want} it declares; a transform keeps the "
+                                     f"stored shape unless it declares another (Transform(shape=...))")
         if rows is not None:
             arr = np.ascontiguousarray(arr[rows[0]: rows[1]])
         if out is not None:

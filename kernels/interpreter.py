@@ -23,6 +23,7 @@ from numba import njit
 from .attention import attention
 from .elementwise import binary_par, binary_rows, copy_rows, glu_par, glu_rows, unary_rows
 from .gated_delta import gated_delta
+from .pointwise import act_par, act_rows, pos_embed_rows
 from .norm import layernorm_par, layernorm_rows, rmsnorm_par, rmsnorm_rows
 from .kquant import matvec as matvec_blocks
 from .kquant import _ROW_BYTES, _ROW_WEIGHTS, quantize_act_q8
@@ -273,5 +274,16 @@ def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_s
                         I[r, P.GATED_DELTA_NV], I[r, P.GATED_DELTA_DV], I[r, P.GATED_DELTA_CONV_K],
                         I[r, P.GATED_DELTA_CONV_W_OFF], I[r, P.GATED_DELTA_DT_OFF], I[r, P.GATED_DELTA_ALOG_OFF],
                         I[r, P.GATED_DELTA_NORM_OFF], I[r, P.GATED_DELTA_STATE_OFF], F[r, P.F_GATED_DELTA_EPS], T)
+        elif op == P.OP_ACT:
+            if par:
+                act_par(arena, I[r, P.UNARY_X_OFF], I[r, P.UNARY_X_ST], I[r, P.UNARY_OUT_OFF], I[r, P.UNARY_OUT_ST],
+                        I[r, P.UNARY_WIDTH], I[r, P.ACT_KIND], T)
+            else:
+                act_rows(arena, I[r, P.UNARY_X_OFF], I[r, P.UNARY_X_ST], I[r, P.UNARY_OUT_OFF], I[r, P.UNARY_OUT_ST],
+                         I[r, P.UNARY_WIDTH], I[r, P.ACT_KIND], row0, T)
+        elif op == P.OP_POS_EMBED:
+            pos_embed_rows(arena, I[r, P.UNARY_X_OFF], I[r, P.UNARY_X_ST], I[r, P.UNARY_OUT_OFF], I[r, P.UNARY_OUT_ST],
+                           I[r, P.UNARY_WIDTH], wf, I[r, P.POS_TABLE_OFF], I[r, P.POS_ROWS],
+                           pos0 + I[r, P.POS_OFFSET], row0, T)
         else:
             raise ValueError("cpullm interpreter: unknown opcode")

@@ -80,6 +80,12 @@ Per op (``I`` columns 3.., ``F`` columns 0..):
                           18-21 GATED_DELTA_CONV_W_OFF, _DT_OFF, _ALOG_OFF, _NORM_OFF (in wf)
                           22   GATED_DELTA_STATE_OFF    its region in state
                           F0   F_GATED_DELTA_EPS        the output norm's epsilon
+    ACT                   3-7  as SOFTCAP's (UNARY_*)   input, output, width
+                          8    ACT_KIND                 kernels.pointwise.ACT_* (gelu, gelu_tanh, relu, silu)
+    POS_EMBED             3-7  as SOFTCAP's (UNARY_*)   input, output, width
+                          8    POS_TABLE_OFF            the position table (POS_ROWS, width) in wf
+                          9    POS_OFFSET               table row of position 0 (OPT: 2)
+                          10   POS_ROWS                 rows of the table
     PLUGIN                (none) COL_IMPL is IMPL_PLUGIN_OP; operands in meta["plugin_ops"][row]
     MOE                   3-6  MOE_X_OFF, _X_ST,        input and output (offset, row stride)
                                _OUT_OFF, _OUT_ST
@@ -108,6 +114,8 @@ OP_SELECT_ROWS = 11
 OP_GATED_DELTA = 12
 OP_SCALE = 13
 OP_LAYERNORM = 14
+OP_ACT = 20            # (16-19 left to other core ops)
+OP_POS_EMBED = 21
 OP_PLUGIN = 15         # a plugin's op: run by the executor from Python (meta["plugin_ops"]), never here
 OP_MOE = 16            # routed experts: run by the executor (kernels.moe, meta["moe"]), never by interpreter.run
 
@@ -222,6 +230,12 @@ UNARY_OUT_OFF = 5
 UNARY_OUT_ST = 6
 UNARY_WIDTH = 7
 F_UNARY_PARAM = 0
+
+# ---- ACT, POS_EMBED (their first columns are UNARY_*'s) ------------------------------------------
+ACT_KIND = 8
+POS_TABLE_OFF = 8
+POS_OFFSET = 9
+POS_ROWS = 10
 
 # ---- GATED_DELTA -------------------------------------------------------------------------------
 GATED_DELTA_QKV_OFF = 3

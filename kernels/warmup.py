@@ -135,8 +135,8 @@ def run_signature(flags: dict) -> tuple:
 
 def _kernels(unit: str) -> list:
     """[(dispatcher, signature)] of one unit, callees before callers where both are listed."""
-    from . import (attention, elementwise, gated_delta, interpreter, kquant_gemm, kquant_panels, moe, norm, q8_gemm,
-                   q8_panels, rope)
+    from . import (attention, elementwise, gated_delta, interpreter, kquant_gemm, kquant_panels, moe, norm,
+                   pointwise, q8_gemm, q8_panels, rope)
     if unit.startswith("run"):
         return [(interpreter.run, run_signature({f: True for f in unit.split("+")[1:]}))]
     f32_2, i16_2, wb2 = _arr(nt.float32, 2), _arr(nt.int16, 2), _arr(nt.uint8, 2, readonly=True)
@@ -154,6 +154,8 @@ def _kernels(unit: str) -> list:
         "binary": [(elementwise.binary_rows, (ARENA, *[i64] * 10)), (elementwise.binary_par, (ARENA, *[i64] * 9))],
         "unary": [(elementwise.unary_rows, (ARENA, *[i64] * 6, f64, i64, i64))],
         "copy": [(elementwise.copy_rows, (ARENA, *[i64] * 7))],
+        "act": [(pointwise.act_rows, (ARENA, *[i64] * 8)), (pointwise.act_par, (ARENA, *[i64] * 7))],
+        "pos_embed": [(pointwise.pos_embed_rows, (ARENA, *[i64] * 5, WF, *[i64] * 5))],
         "gated_delta": [(gated_delta.gated_delta, (ARENA, ARENA, WF, *[i64] * 20, f64, i64))],
         # prefill's batched q8 LINEARs (row-contiguous activations, as every LINEAR of the shared
         # blocks reads and writes whole buffers; the panel kernel itself is also what run links)
@@ -180,6 +182,9 @@ def _kernels(unit: str) -> list:
     return table[unit]
 
 
+# kernels.pointwise: compiled one by one on a loaded 2-core VM, act 3.0 s and pos_embed 0.85 s where glu
+# took 3.45 s; scaled to glu's 0.9 s of this table
+ACT_COST, POS_EMBED_COST = 0.8, 0.25
 UNITS = {
     # unit: (IR op names that need it, None: every program (interpreter.run links its kernels
     # whatever the ops), compile cost (seconds on a 2-core Zen 4, measured one by one), sharing
@@ -201,6 +206,8 @@ UNITS = {
     "binary": (None, 0.8, "binary", True),
     "unary": (None, 0.3, "unary", True),
     "copy": (None, 0.3, "copy", True),
+    "act": (None, ACT_COST, "pointwise", True),
+    "pos_embed": (None, POS_EMBED_COST, "pointwise", True),
     "gated_delta": (("GATED_DELTA",), 5.2, "gated_delta", True),
     "moe": (("MOE",), 8.0, "moe", False),
     "moe_blocks": (("MOE",), 8.0, "moe", False),

@@ -306,6 +306,52 @@ def test_greedy_generation_uses_the_screen_and_sampling_does_not(tiny_model, mon
     assert calls["argmax"] == len(greedy) - 1 and calls["decode"] > 0
 
 
+@pytest.mark.parametrize("regex,mask", [(r"(ab|ba){1,3}-[0-9]{2}", "refuses"), (r"[\s\S]{1,12}", "allows")])
+def test_constrained_greedy_reads_the_screen_and_keeps_the_unscreened_tokens(tiny_model, monkeypatch, regex, mask):
+    pytest.importorskip("llguidance", reason="llguidance (cpullm[structured]) is not installed")
+    from cpullm.sampling import SamplingParams
+    from cpullm.scheduler import Scheduler
+    from cpullm.sequence import Sequence
+    m = tiny_model
+    ex = m.executor
+    prompts = [[5, 17], [3, 99, 40, 7], [11]]
+
+    def decode(screened: bool, slots: int):
+        # unscreened: an identity logits processor makes every step read the full logits and
+        # take the masked argmax of them, the reference a constrained greedy row must match
+        procs = () if screened else (lambda ids, x: x,)
+        sch = Scheduler(m.forward, slots)
+        seqs = [sch.add(Sequence(p, 16, SamplingParams(), stop_ids=m.eos_token_ids,
+                                 constraint=m.constraint({"regex": regex}), logits_processors=procs))
+                for p in prompts]
+        sch.run_until_idle()
+        return [s.generated for s in seqs]
+
+    calls = {"argmax": 0, "full": 0}
+    real_argmax, real_full = ex.decode_argmax, ex.last_step_logits
+
+    def count(name, fn):
+        def wrapped(*args):
+            calls[name] += 1
+            return fn(*args)
+        return wrapped
+    monkeypatch.setattr(ex, "decode_argmax", count("argmax", real_argmax))
+    monkeypatch.setattr(ex, "last_step_logits", count("full", real_full))
+    want = decode(False, 1)
+    assert calls == {"argmax": 0, "full": 0}
+    for plain_faster in (False, True):              # the screen answering, then the plain head
+        slow, fast = [1.0] * 8, [0.0] * 8
+        ex.screen.t_screen.extend(slow if plain_faster else fast)
+        ex.screen.t_plain.extend(fast if plain_faster else slow)
+        assert decode(True, 1) == want
+    # steps whose argmax the mask forbids read the full logits too, the others only the argmax
+    if mask == "refuses":
+        assert calls["argmax"] >= calls["full"] > 0
+    else:
+        assert calls["full"] < calls["argmax"]      # some steps' argmax was allowed: no full logits
+    assert decode(True, 3) == want                  # batched rows: the same tokens
+
+
 def test_profile_times_greedy_steps_through_the_screen(tiny_model):
     from cpullm.bench import format_profile, profile_pass
     ex = tiny_model.executor

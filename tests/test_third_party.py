@@ -250,3 +250,29 @@ def test_plugins_with_their_own_op_and_rope_scaling(env):
             assert out["family"] == name and out["generated_tokens"] == 4
     finally:
         env.pip_uninstall(NEOX, PHI3)
+
+
+GPT2 = "cpullm-plugin-gpt2"
+
+
+def test_gpt2_plugin_installed_runs_and_enforces_its_context_limit(env):
+    """Installed as a user would: the GPT-2 plugin (Conv1D matrices through the TRANSPOSE shape
+    rule, learned positions) generates in a fresh process, and a context past its position table
+    is refused with one line naming the fix."""
+    env.pip_install(GPT2)
+    try:
+        fams = env.families()
+        assert fams["by_plugin"][GPT2]["error"] is None
+        d = env.root / "tiny_gpt2"
+        env.run("-c", "import json, sys; from cpullm.testing import make_random_checkpoint; "
+                      "from cpullm.plugins import discover; "
+                      "make_random_checkpoint(discover().family_for({'model_type': 'gpt2'}).tiny_config, "
+                      "sys.argv[1], std=0.3)", d)
+        out = json.loads(env.cpullm("run", d, "-p", "Hello", "-n", "4", "--json").stdout)
+        assert out["family"] == "gpt2" and out["generated_tokens"] == 4
+        proc = env.cpullm("run", d, "-p", "Hello", "-n", "2", "--ctx", "129", check=False)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr
+        assert proc.stderr.startswith("cpullm: error: n_ctx 129 is more than the 128 positions a gpt2 "
+                                      "checkpoint can address; load with n_ctx <= 128")
+    finally:
+        env.pip_uninstall(GPT2)

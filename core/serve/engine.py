@@ -199,7 +199,9 @@ class Engine:
                     "parallel": self.parallel, "kv_bytes_per_stream": sch.slot_bytes,
                     "kv_bytes_planned": sch.kv_bytes,
                     "kv_dtype": self.core.model.kv_dtype,
-                    "prefix_cache": self.core.prefix_stats()}
+                    "prefix_cache": self.core.prefix_stats(),
+                    "speculative": {"mode": sch.spec.mode if sch.spec is not None else "off",
+                                    **sch.spec_stats.as_dict()}}
 
     @property
     def closed(self) -> bool:

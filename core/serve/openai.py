@@ -526,7 +526,11 @@ class Api:
     @staticmethod
     def usage(stats: GenerationStats, spec: RequestSpec) -> dict:
         p, c = len(spec.ids), stats.generated_tokens
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        out = {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        if stats.spec_passes:            # speculative decoding: guesses kept per verify pass
+            out["speculative"] = {"verify_passes": stats.spec_passes, "drafted_tokens": stats.spec_drafted,
+                                  "accepted_tokens": stats.spec_accepted}
+        return out
 
     def answer(self, spec: RequestSpec, rid: str, created: int, answer, stats: GenerationStats) -> dict:
         """The response object of a non-streamed answer (``answer``: a

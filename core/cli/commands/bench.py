@@ -9,7 +9,7 @@ import tempfile
 from pathlib import Path
 
 from ...errors import MissingDependencyError, OutputPathError
-from .common import add_model_options, load_model, positive_int
+from .common import add_model_options, add_speculative_options, load_model, positive_int
 
 
 def add_parser(sub):
@@ -19,6 +19,7 @@ def add_parser(sub):
                                    "first token, load time with the execution cache MISS and HIT, "
                                    "numba compile time, memory. Definitions: cpullm.bench.")
     add_model_options(p)
+    add_speculative_options(p)
     p.add_argument("--prompt-tokens", type=positive_int, default=512, help="prompt length (default 512)")
     p.add_argument("--gen-tokens", type=positive_int, default=128, help="decode steps (default 128)")
     p.add_argument("--context-tokens", type=positive_int, default=512,
@@ -102,6 +103,8 @@ def run(args) -> int:
     say(f"loaded {model.model_dir} in {model.load_s:.2f} s (cache {model.cache_status})")
     if args.concurrency:
         return run_concurrency_bench(model, args, say)
+    if args.speculative not in (None, "off") or args.draft_model is not None:
+        return run_speculative_bench(model, args, say)
     result = run_bench(model, prompt_tokens=args.prompt_tokens, gen_tokens=args.gen_tokens,
                        repeat=args.repeat, profile=profile, context_tokens=args.context_tokens, load=not args.no_load_timing,
                        compile=not args.no_compile_timing, progress=say)
@@ -113,6 +116,24 @@ def run(args) -> int:
         print(format_report(result))
         if args.plot:
             print(f"\n  profile chart written to {result['plot']}")
+    return 0
+
+
+def run_speculative_bench(model, args, say) -> int:
+    """A copying workload (a standard-library module to repeat), greedy, plain and with the
+    chosen speculation: decode tokens/s of each and tokens accepted per verify pass."""
+    from cpullm.speculative import copy_prompt, measure
+    ids = copy_prompt(model.tokenizer, args.prompt_tokens)
+    say(f"speculative ({model.speculative.mode}, draft max {model.speculative.draft_max}): "
+        f"{len(ids)}-token copying prompt, {args.gen_tokens} tokens plain and speculative")
+    r = measure(model, ids, args.gen_tokens, model.speculative)
+    if args.json:
+        print(json.dumps({"speculative": r}, default=float))
+    else:
+        print(f"speculative {r['mode']} (draft max {r['draft_max']}): {r['gen_tokens']} tokens, decode "
+              f"{r['plain_decode_tps']:.2f} tok/s plain, {r['speculative_decode_tps']:.2f} tok/s speculative "
+              f"({r['speedup']:.2f}x); {r['accepted_per_pass']:.2f} tokens accepted per verify pass "
+              f"({r['verify_passes']} passes); output identical: {r['identical']}")
     return 0
 
 

@@ -14,7 +14,7 @@ import re
 import sys
 import threading
 
-from .common import add_model_options, add_sampling_options, load_model, positive_int
+from .common import add_model_options, add_speculative_options, add_sampling_options, load_model, positive_int
 
 HELP = ("commands: /reset (forget the conversation), /system TEXT (set the system message; "
         "/system alone clears it), /help, /exit (or Ctrl-D). Ctrl-C stops an answer.")
@@ -28,6 +28,7 @@ def add_parser(sub):
                                    "model) is refused: use `cpullm run` for plain completion, or add "
                                    "a chat_template.jinja to its directory.")
     add_model_options(p)
+    add_speculative_options(p)
     p.add_argument("--system", default=None, help="system message")
     p.add_argument("-n", "--max-tokens", "--n-predict", dest="max_tokens", type=positive_int, default=512,
                    help="longest answer in tokens (default 512)")

@@ -56,6 +56,19 @@ def add_sampling_options(p: argparse.ArgumentParser, temperature: float | None =
     p.add_argument("-s", "--seed", type=int, default=None)
 
 
+def add_speculative_options(p: argparse.ArgumentParser) -> None:
+    """``--speculative``, ``--draft-model``, ``--draft-max`` (docs/speculative.md)."""
+    from cpullm.speculative import DEFAULT_DRAFT_MAX, DEFAULT_MODE, MAX_DRAFT_MAX, MODES
+    p.add_argument("--speculative", "--spec", dest="speculative", choices=list(MODES), default=None,
+                   help=f"guess tokens and verify them in one pass, output unchanged: lookup (from the prompt "
+                        f"and text so far), draft (--draft-model), auto (lookup, then the draft model), off "
+                        f"(default {DEFAULT_MODE})")
+    p.add_argument("--draft-model", "-md", "--model-draft", dest="draft_model", default=None, metavar="MODEL",
+                   help="a smaller model with the same tokenizer that drafts guesses")
+    p.add_argument("--draft-max", "--draft", dest="draft_max", type=int, default=None,
+                   help=f"guesses per verify pass at most, 1..{MAX_DRAFT_MAX} (default {DEFAULT_DRAFT_MAX})")
+
+
 def settle_model_args(args, spare: str | None = None) -> None:
     """Merge ``-m/--model`` into ``args.model`` (the positional). With ``-m`` given, a positional
     that was taken as the model moves to ``args.<spare>`` (``cpullm run -m MODEL "prompt"``).
@@ -84,9 +97,16 @@ def load_model(args):
         from cpullm.store import ensure_default_model
         with progress_printer("default model") as progress:
             name = ensure_default_model(progress=progress)
-    return cpullm.load(name, quant=args.quant, threads=args.threads, n_ctx=args.ctx,
-                       cache_dir=args.cache_dir, use_cache=not args.no_cache, mlock=args.mlock,
-                       mmap=args.mmap, kv_dtype=getattr(args, "kv_dtype", None))
+    spec = getattr(args, "speculative", None), getattr(args, "draft_model", None), getattr(args, "draft_max", None)
+    if any(v is not None for v in spec):
+        from cpullm.speculative import resolve
+        resolve(spec[0] or ("draft" if spec[1] else None), spec[2], spec[1])   # bad flags fail before loading
+    model = cpullm.load(name, quant=args.quant, threads=args.threads, n_ctx=args.ctx,
+                        cache_dir=args.cache_dir, use_cache=not args.no_cache, mlock=args.mlock,
+                        mmap=args.mmap, kv_dtype=getattr(args, "kv_dtype", None))
+    if any(v is not None for v in spec):
+        model.speculate(*spec)
+    return model
 
 
 def progress_printer(label: str):

@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import sys
 
-from .common import add_model_options, add_sampling_options, load_model, progress_printer
+from .common import add_model_options, add_speculative_options, add_sampling_options, load_model, progress_printer
 
 
 def add_parser(sub):
     p = sub.add_parser("run", help="generate text from a prompt")
     add_model_options(p)
+    add_speculative_options(p)
     p.add_argument("prompt_text", nargs="?", default=None, metavar="PROMPT",
                    help="the prompt (or -p; none: read piped stdin, or chat on a terminal)")
     p.add_argument("-p", "--prompt", default=None, help="the prompt text")

@@ -5,7 +5,7 @@ import argparse
 import os
 import sys
 
-from .common import add_model_options, load_model, non_negative_int, positive_int
+from .common import add_model_options, add_speculative_options, load_model, non_negative_int, positive_int
 
 EPILOG = """\
 endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions (stream or not),
@@ -63,6 +63,7 @@ def add_parser(sub):
                        description="Serve one model over an OpenAI-compatible HTTP API.",
                        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_options(p)
+    add_speculative_options(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for all)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")

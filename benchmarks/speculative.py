@@ -1,0 +1,215 @@
+"""Speculative decoding (cpullm.speculative) against plain decode and llama.cpp's prompt lookup.
+
+Parts (``--parts``, default all that their inputs allow):
+
+* ``edit``: code editing. The prompt holds a module of this Python's standard library (default
+  ``colorsys``, 166 lines, written by someone else) and asks for the whole file back with one small
+  change; greedy, decode tokens/s from the first generated token to the last, plain decode vs
+  ``--speculative lookup``.
+* ``llama``: with ``--llama-gguf`` (the Q8_0 of the same weights), llama-cpp-python's plain
+  decode and its ``LlamaPromptLookupDecoding`` on the same token ids.
+* ``chat``: an open-ended chat request, plain vs lookup (what backing off costs).
+* ``verify``: the cost of a verify pass of k = 1, 2, 4, 8 guesses (k + 1 rows) relative to one
+  plain decode step (greedy, as decoding runs it), after a 256-token prompt, for the model and
+  for each ``--synth`` checkpoint (benchmarks/synth.py writes random weights in published shapes).
+* ``draft``: with ``--draft-model``: the measured cost of a draft step and of a verify pass of k
+  guesses on the target, and the speedup they imply at acceptance 0.6 / 0.7 / 0.8.
+
+    python benchmarks/speculative.py --model qwen2.5-coder-0.5b-instruct --threads 2 \\
+        --llama-gguf /tmp/qwen2.5-coder-0.5b-instruct-q8_0.gguf --out result.json
+
+The llama.cpp paths are arguments (nothing here assumes where llama.cpp lives). This is a
+benchmark, never a test: the numbers depend on the machine and its load.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import statistics
+import sys
+import time
+
+import numpy as np
+
+EDIT_INSTRUCTION = ("Return the whole file with one change: rename the function `{old}` to `{new}` "
+                    "everywhere. Write only the code, no explanation.")
+CHAT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def edit_prompt(model, module_name: str) -> tuple[list[int], str]:
+    mod = importlib.import_module(module_name)
+    src = inspect.getsource(mod)
+    funcs = [n for n, f in inspect.getmembers(mod, inspect.isfunction) if f.__module__ == module_name
+             and not n.startswith("_")]
+    old = funcs[0]
+    text = f"Here is the file {module_name}.py:\n\n```python\n{src}```\n\n" + EDIT_INSTRUCTION.format(
+        old=old, new=old + "_v2")
+    return chat_ids(model, text), f"{module_name}.py ({src.count(chr(10))} lines), rename {old}"
+
+
+def chat_ids(model, text: str) -> list[int]:
+    from cpullm.chat import render_chat
+    return model.tokenizer.encode(render_chat(model, [{"role": "user", "content": text}]))
+
+
+def run_cpullm(model, ids, gen_tokens: int, mode: str, draft_max: int) -> dict:
+    from cpullm.generate import generate_ids
+    from cpullm.sampling import SamplingParams
+    from cpullm.sequence import GenerationStats
+    from cpullm.speculative import resolve
+    cfg = resolve(mode, draft_max, model.speculative.draft if mode in ("draft", "auto") else None)
+    st = GenerationStats()
+    toks = list(generate_ids(model.forward, model.slot, ids, gen_tokens, SamplingParams(), model.eos_token_ids,
+                             st, speculative=cfg))
+    return {"tokens": toks, "n": len(toks), "decode_tps": (len(toks) - 1) / st.decode_s if st.decode_s else 0.0,
+            "prefill_s": st.prefill_s, "verify_passes": st.spec_passes, "accepted": st.spec_accepted,
+            "accepted_per_pass": st.spec_accepted / st.spec_passes if st.spec_passes else 0.0}
+
+
+def run_llama(path: str, ids, gen_tokens: int, threads: int, lookup: bool, n_ctx: int) -> dict:
+    from llama_cpp import Llama
+    kw = {}
+    if lookup:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+        kw["draft_model"] = LlamaPromptLookupDecoding()
+        kw["logits_all"] = True     # llama-cpp-python 0.3.36 sizes its logits buffer from this argument
+                                    # (not from the draft model), prompts over n_batch fail without it
+    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, verbose=False, **kw)
+    times, toks = [], []
+    for chunk in llm.create_completion(prompt=list(ids), max_tokens=gen_tokens, temperature=0.0, top_k=1,
+                                       stream=True):
+        times.append(time.perf_counter())
+        toks.append(chunk["choices"][0]["text"])
+    n = len(times)
+    return {"n": n, "decode_tps": (n - 1) / (times[-1] - times[0]) if n > 1 else 0.0, "text": "".join(toks)}
+
+
+def verify_costs(model, ks=(1, 2, 4, 8), reps: int = 7, prompt_len: int = 256) -> dict:
+    """Median seconds of a plain greedy decode step and of a verify pass of k guesses (k + 1 rows)
+    at position ``prompt_len``, and their ratios."""
+    fwd = model.forward
+    slot = fwd.new_slot()
+    fwd.prefill(slot, [(7 * i + 3) % 1000 + 10 for i in range(prompt_len)])
+    pos = slot.position
+
+    def timed(fn):
+        out = []
+        for _ in range(reps + 1):
+            slot.position = pos
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        slot.position = pos
+        return statistics.median(out[1:])
+    step = timed(lambda: fwd.step([slot], [42], greedy=[True]))
+    out = {"decode_step_s": step}
+    for k in ks:
+        t = timed(lambda: fwd.verify([slot], [[42] * (k + 1)]))
+        out[f"verify_k{k}_s"] = t
+        out[f"verify_k{k}_x"] = t / step
+    return out
+
+
+def implied_speedup(step_s: float, draft_s: float, verify_s: dict, k: int, alpha: float) -> float:
+    """Tokens per round (1 - a^(k+1)) / (1 - a) over the round's time (k draft steps + a verify
+    pass of k guesses), relative to plain decode (one token per step_s)."""
+    tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens * step_s / (k * draft_s + verify_s[k])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("--quant", default="int8")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--module", default="colorsys", help="standard-library module the edit prompt holds")
+    ap.add_argument("--gen-tokens", type=int, default=1200)
+    ap.add_argument("--chat-tokens", type=int, default=256)
+    ap.add_argument("--draft-max", type=int, default=8)
+    ap.add_argument("--llama-gguf", default=None, help="the Q8_0 GGUF of the same weights (llama-cpp-python)")
+    ap.add_argument("--synth", nargs="*", default=[], help="synthetic checkpoint dirs for the verify cost")
+    ap.add_argument("--draft-model", default=None, help="a draft model: draft-step cost and implied speedup")
+    ap.add_argument("--parts", default="edit,llama,chat,verify,draft")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    a = ap.parse_args(argv)
+    parts = set(a.parts.split(","))
+
+    import cpullm
+    model = cpullm.load(a.model, quant=a.quant, threads=a.threads, n_ctx=4096)
+    res = {"model": a.model, "quant": a.quant, "threads": a.threads, "argv": sys.argv}
+
+    def save(r):
+        if a.out:
+            import os
+            tmp = a.out + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(r, f, indent=1, default=float)
+            os.replace(tmp, a.out)
+
+    def say(*x):
+        print(*x, file=sys.stderr, flush=True)
+
+    if "edit" in parts or "llama" in parts:
+        ids, what = edit_prompt(model, a.module)
+        say(f"edit: {what}, {len(ids)} prompt tokens")
+        r = res["edit"] = {"workload": what, "prompt_tokens": len(ids)}
+    if "edit" in parts:
+        run_cpullm(model, ids[:64], 8, "off", a.draft_max)                 # warm every path
+        run_cpullm(model, ids[:64], 8, "lookup", a.draft_max)
+        plain = run_cpullm(model, ids, a.gen_tokens, "off", a.draft_max)
+        spec = run_cpullm(model, ids, a.gen_tokens, "lookup", a.draft_max)
+        r.update({"plain": _short(plain), "lookup": _short(spec),
+                  "speedup_vs_plain": spec["decode_tps"] / plain["decode_tps"],
+                  "identical": plain["tokens"] == spec["tokens"]})
+        say(json.dumps(r, default=float))
+        save(res)
+    if "llama" in parts and a.llama_gguf:     # (its lookup drafts past the last token: room in n_ctx)
+        lp = run_llama(a.llama_gguf, ids, a.gen_tokens, a.threads, False, len(ids) + a.gen_tokens + 256)
+        ll = run_llama(a.llama_gguf, ids, a.gen_tokens, a.threads, True, len(ids) + a.gen_tokens + 256)
+        r["llama_plain"] = {k: v for k, v in lp.items() if k != "text"}
+        r["llama_lookup"] = {k: v for k, v in ll.items() if k != "text"}
+        if "lookup" in r:
+            r["speedup_vs_llama_lookup"] = r["lookup"]["decode_tps"] / ll["decode_tps"]
+        say(json.dumps(r, default=float))
+        save(res)
+    if "chat" in parts:
+        ids = chat_ids(model, CHAT_PROMPT)
+        plain = run_cpullm(model, ids, a.chat_tokens, "off", a.draft_max)
+        spec = run_cpullm(model, ids, a.chat_tokens, "lookup", a.draft_max)
+        res["chat"] = {"plain": _short(plain), "lookup": _short(spec),
+                       "ratio": spec["decode_tps"] / plain["decode_tps"], "identical": plain["tokens"] == spec["tokens"]}
+        say(json.dumps(res["chat"], default=float))
+        save(res)
+    if "verify" in parts:
+        res["verify"] = {a.model: verify_costs(model)}
+        say(json.dumps(res["verify"], default=float))
+        for d in a.synth:
+            m = cpullm.load(d, quant=a.quant, threads=a.threads, n_ctx=1024)
+            res["verify"][d] = verify_costs(m)
+            say(d, json.dumps(res["verify"][d], default=float))
+            save(res)
+            del m
+    if "draft" in parts and a.draft_model:
+        dm = cpullm.load(a.draft_model, quant=a.quant, threads=a.threads, n_ctx=1024)
+        dc = verify_costs(dm, ks=())
+        tc = res.get("verify", {}).get(a.model) or verify_costs(model)
+        ver = {k: tc[f"verify_k{k}_s"] for k in (1, 2, 4, 8)}
+        res["draft"] = {"draft_model": a.draft_model, "draft_step_s": dc["decode_step_s"],
+                        "target_step_s": tc["decode_step_s"], "verify_s": ver,
+                        "implied_speedup": {f"k{k}_a{al}": implied_speedup(tc["decode_step_s"], dc["decode_step_s"],
+                                                                           ver, k, al)
+                                            for k in (2, 4, 8) for al in (0.6, 0.7, 0.8)}}
+        say(json.dumps(res["draft"], default=float))
+    save(res)
+    print(json.dumps(res, default=float))
+    return 0
+
+
+def _short(r: dict) -> dict:
+    return {k: v for k, v in r.items() if k != "tokens"}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
