@@ -249,12 +249,35 @@ def tensor_plan(config: dict, layout: dict) -> list[tuple[str, tuple]]:
         if name in tied and not layout.get("store_tied_lm_head"):
             continue
         plan.append((_rename(name, layout["renames"]), tuple(int(s) for s in t.shape)))
+    if layout.get("split_experts"):
+        plan = _split_experts(plan)
     for extra in layout.get("extras", []):
         plan += EXTRAS[extra](plan, config)
     names = [n for n, _ in plan]
     if len(set(names)) != len(names):
         raise SynthError(f"the plan of {layout['hub_repo']} names a tensor twice")
     return plan
+
+
+def _split_experts(plan: list) -> list:
+    """transformers 5 builds a MoE layer's experts as two stacked tensors, ``experts.gate_up_proj``
+    (E, 2I, H) and ``experts.down_proj`` (E, H, I); Qwen3-MoE Hub checkpoints store one tensor per
+    expert and projection (``experts.{e}.{gate,up,down}_proj.weight``), which transformers joins at
+    load: the plan lists them as the Hub does."""
+    out = []
+    for name, shape in plan:
+        if name.endswith("experts.gate_up_proj") and len(shape) == 3:
+            E, I2, H = shape
+            base = name[: -len("gate_up_proj")]
+            for e in range(E):
+                out += [(f"{base}{e}.gate_proj.weight", (I2 // 2, H)), (f"{base}{e}.up_proj.weight", (I2 // 2, H))]
+        elif name.endswith("experts.down_proj") and len(shape) == 3:
+            E, H, I = shape
+            base = name[: -len("down_proj")]
+            out += [(f"{base}{e}.down_proj.weight", (H, I)) for e in range(E)]
+        else:
+            out.append((name, shape))
+    return out
 
 
 def _rename(name: str, renames: list) -> str:

@@ -221,6 +221,8 @@ class BatchDecoder:
                 special = ("external", r)
             elif r in ex.plugin_ops:
                 special = ("plugin", r)
+            elif r in ex.moe:
+                special = ("moe", r)        # rows grouped by expert inside (kernels.moe): row-wise
             elif op == P.OP_LINEAR:
                 special = ("linear", r)
             elif op in PER_SEQUENCE_OPS:
@@ -309,6 +311,8 @@ class BatchDecoder:
                               numba.get_num_threads(), self.has_linear, True, ex.kv16)
             elif kind == "external":
                 self._external(seg[1], states, seqs)
+            elif kind == "moe":
+                ex.moe[seg[1]](ex, T)
             else:
                 self._plugin(seg[1], seqs)
 

@@ -7,6 +7,8 @@ the head, and the Gated DeltaNet mixer. Canonical weight names used here:
     [layers.{i}.{attn_norm,mlp_norm,post_attn_norm,post_mlp_norm}_bias]   (LayerNorm with bias)
     layers.{i}.attn.{q,k,v,o}_proj  [.{q,k,v}_bias]  [.q_norm .k_norm]
     layers.{i}.mlp.{gate,up,down}_proj
+    layers.{i}.moe.router  layers.{i}.moe.experts.{e}.{gate,up,down}_proj
+    [layers.{i}.moe.shared.{gate,up,down}_proj  [layers.{i}.moe.shared_gate]]    (routed experts)
     layers.{i}.linear_attn.{in_qkv,in_z,in_b,in_a,conv,dt_bias,A_log,norm,out_proj}
 """
 from __future__ import annotations
@@ -247,6 +249,26 @@ def glu_mlp(g: GraphBuilder, i: int, x: str, hidden: int, intermediate: int, act
     up = linear(g, f"{p}.up_proj", x, f"{p}.up_proj", intermediate, group="mlp_up")
     h = g.add(f"{p}.act", Op.GLU, [gate, up], group="mlp_act", act=act)
     return linear(g, f"{p}.down_proj", h, f"{p}.down_proj", hidden, group="mlp_down")
+
+
+def moe_mlp(g: GraphBuilder, i: int, x: str, *, hidden: int, n_experts: int, top_k: int, intermediate: int,
+            routing: str = "softmax_topk", norm_topk: bool = True, shared_intermediate: int = 0,
+            shared_gate: bool = True, act: str = "silu") -> str:
+    """Routed experts in place of the MLP (Op.MOE, cpullm.kernels.moe): the router's top_k of
+    n_experts gated MLPs (act(gate) * up -> down, width ``intermediate``) per token, weighted;
+    ``routing`` "softmax_topk" (softmax over all, then the k largest; ``norm_topk`` renormalizes
+    them) or "topk_softmax" (the k largest logits, softmax over them: Mixtral). A shared expert of
+    width ``shared_intermediate`` (> 0) runs on every token, scaled by sigmoid(x . shared_gate)
+    when ``shared_gate``. Weights ``layers.{i}.moe.*`` (module docstring); the router stays float32,
+    the expert matrices are quantized like LINEAR weights."""
+    from .ir import moe_weight_roles
+    if act != "silu":
+        raise UnsupportedConfigError(f"routed experts support the silu activation, not {act!r}")
+    p = f"layers.{i}.moe"
+    roles = moe_weight_roles(n_experts, shared_intermediate > 0, shared_gate)
+    return g.add(p, Op.MOE, [x], width=hidden, weights={r: f"{p}.{r}" for r in roles}, group="moe",
+                 n_experts=int(n_experts), top_k=int(top_k), intermediate=int(intermediate), routing=routing,
+                 norm_topk=bool(norm_topk), shared_intermediate=int(shared_intermediate), act=act)
 
 
 def attention(g: GraphBuilder, i: int, x: str, *, hidden: int, n_heads: int, n_kv_heads: int,

@@ -583,6 +583,8 @@ def check_program_bounds(arrays: dict, meta: dict) -> None:
             for c in (P.GATED_DELTA_CONV_W_OFF, P.GATED_DELTA_DT_OFF, P.GATED_DELTA_ALOG_OFF,
                       P.GATED_DELTA_NORM_OFF):
                 inside(r, row[c], 1, nf, "parameters")
+        elif op == P.OP_MOE:
+            _check_moe(r, row, meta, arena_ok, inside, fail, nq, ns, nf)
         elif op in (P.OP_ACT, P.OP_POS_EMBED):
             w = row[P.UNARY_WIDTH]
             arena_ok(r, row[P.UNARY_X_OFF], row[P.UNARY_X_ST], w, "input")
@@ -595,6 +597,51 @@ def check_program_bounds(arrays: dict, meta: dict) -> None:
                 inside(r, row[P.POS_TABLE_OFF], row[P.POS_ROWS] * w, nf, "position table")
         else:
             fail(r, f"unknown opcode {op}")
+
+
+def _check_moe(r, row, meta, arena_ok, inside, fail, nq, ns, nf) -> None:
+    """A MOE row and its ``meta["moe"]`` entry (kernels.moe): operands in the arena, every expert
+    matrix inside its blob as a LINEAR's would be, router and shared gate inside ``wf``."""
+    from .kernels import moe as M
+    from .kernels import program_table as P
+
+    call = (meta.get("moe") or {}).get(str(r))
+    prm = call.get("prm") if isinstance(call, dict) else None
+    table = call.get("table") if isinstance(call, dict) else None
+    if (not isinstance(prm, list) or len(prm) != M.NPRM or not all(type(v) is int for v in prm)
+            or not isinstance(table, list)):
+        fail(r, "routed experts entry")
+    H, E, k, inter, S = (prm[c] for c in (M.PRM_H, M.PRM_E, M.PRM_K, M.PRM_I, M.PRM_SHARED_I))
+    if (H != row[P.MOE_WIDTH] or not 0 < k <= E or inter <= 0 or S < 0 or len(table) != E + (S > 0)
+            or prm[M.PRM_ROUTING] not in M.ROUTINGS.values() or prm[M.PRM_ACT] != P.GLU_ACT_SILU
+            or (prm[M.PRM_X_OFF], prm[M.PRM_X_ST], prm[M.PRM_OUT_OFF], prm[M.PRM_OUT_ST])
+            != (row[P.MOE_X_OFF], row[P.MOE_X_ST], row[P.MOE_OUT_OFF], row[P.MOE_OUT_ST])):
+        fail(r, "routed experts sizes")
+    arena_ok(r, row[P.MOE_X_OFF], row[P.MOE_X_ST], H, "input")
+    arena_ok(r, row[P.MOE_OUT_OFF], row[P.MOE_OUT_ST], H, "output")
+    inside(r, prm[M.PRM_ROUTER_OFF], E * H, nf, "router")
+    if prm[M.PRM_SHARED_GATE_OFF] >= 0:
+        inside(r, prm[M.PRM_SHARED_GATE_OFF], H, nf, "shared expert gate")
+    for e, ex in enumerate(table):
+        if not isinstance(ex, list) or len(ex) != M.NTABLE or not all(type(v) is int for v in ex):
+            fail(r, "expert table")
+        width = inter if e < E else S
+        for c, N, K in ((M.TABLE_GATE, width, H), (M.TABLE_UP, width, H), (M.TABLE_DOWN, H, width)):
+            kind, w_off, s_off, Kp = ex[c: c + 4]
+            if kind == P.WEIGHT_F32:
+                inside(r, w_off, N * K, nf, "expert matrix")
+            elif kind == P.WEIGHT_Q8:
+                if not 0 < K <= Kp <= meta["max_k"] or Kp % 32:
+                    fail(r, "expert input width")
+                from .kernels.q8_panels import padded_rows
+                inside(r, w_off, padded_rows(N) * Kp, nq, "expert int8 matrix")
+                inside(r, s_off, padded_rows(N) * (Kp // 32), ns, "expert scales")
+            elif kind == P.WEIGHT_BLOCKS:
+                if not 0 < K <= Kp <= meta["max_k"]:
+                    fail(r, "expert input width")
+                inside(r, w_off, block_rows_bytes(s_off, N, Kp) or -1, nq, "expert block matrix")
+            else:
+                fail(r, "expert weight kind")
 
 
 def block_rows_bytes(fmt: int, rows: int, Kp: int) -> int | None:

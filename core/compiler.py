@@ -523,6 +523,7 @@ class _Emitter:
         self.rows_I, self.rows_F, self.names, self.groups = [], [], [], []
         self.external: dict[int, str] = {}       # row -> KernelSpec name replacing its kernel
         self.plugin_calls: dict[str, dict] = {}  # row -> how the executor calls a plugin op
+        self.moe_calls: dict[str, dict] = {}     # row -> a MOE's operands and expert table (kernels.moe)
         self.max_k, self.embed_rows = 32, 0
         self.position_limit = 0                  # POS_EMBED: positions its tables hold (0: none)
 
@@ -663,6 +664,38 @@ class _Emitter:
                    P.GATED_DELTA_NORM_OFF: f32_param(n.weight("norm")), P.GATED_DELTA_STATE_OFF: s_off})
         Fr[P.F_GATED_DELTA_EPS] = n.attr("eps")
 
+    def moe(self, phys, n, Ir, Fr, out_off, out_st):
+        """Routed experts: every expert matrix packed as a LINEAR's would be (its format chosen by
+        the block plan for a LINEAR of that group), the router and the shared gate float32; the
+        expert table and sizes go to ``meta["moe"][row]`` (cpullm.kernels.moe)."""
+        from .kernels import moe as M
+        x_off, x_st = self.layout.loc(n.inputs[0])
+        E, inter = n.attr("n_experts"), n.attr("intermediate")
+        shared_i = int(n.attr("shared_intermediate", 0) or 0)
+        table = []
+        for e in list(range(E)) + ([E] if shared_i else []):
+            prefix = f"experts.{e}" if e < E else "shared"
+            row = []
+            for part in ("gate_proj", "up_proj", "down_proj"):
+                canonical = n.weight(f"{prefix}.{part}")
+                kind, w_off, s_off, Kp, _ = self.packer.matrix([canonical], _expert_node(n, prefix, part, canonical))
+                row += [int(kind), int(w_off), int(s_off), int(Kp)]
+                self.max_k = max(self.max_k, Kp)
+            table.append(row)
+        shared_gate = n.weight("shared_gate")
+        prm = [-1] * M.NPRM
+        for col, value in ((M.PRM_X_OFF, x_off), (M.PRM_X_ST, x_st), (M.PRM_OUT_OFF, out_off),
+                           (M.PRM_OUT_ST, out_st), (M.PRM_T, 0), (M.PRM_H, n.width), (M.PRM_E, E),
+                           (M.PRM_K, n.attr("top_k")), (M.PRM_I, inter), (M.PRM_SHARED_I, shared_i),
+                           (M.PRM_ROUTING, M.ROUTINGS[n.attr("routing")]), (M.PRM_NORM_TOPK, int(bool(n.attr("norm_topk")))),
+                           (M.PRM_ROUTER_OFF, self.packer.f32_param(n.weight("router"))),
+                           (M.PRM_SHARED_GATE_OFF, self.packer.f32_param(shared_gate) if shared_gate else -1),
+                           (M.PRM_ACT, {"silu": P.GLU_ACT_SILU}[n.attr("act")])):
+            prm[col] = int(value)
+        self.moe_calls[str(len(self.rows_I))] = {"node": n.name, "prm": prm, "table": table}
+        _fill(Ir, {P.MOE_X_OFF: x_off, P.MOE_X_ST: x_st, P.MOE_OUT_OFF: out_off, P.MOE_OUT_ST: out_st,
+                   P.MOE_WIDTH: n.width})
+
     def plugin(self, phys, n, Ir, Fr, out_off, out_st):
         self.plugin_calls[str(len(self.rows_I))] = _plugin_call(
             n, self.layout.loc, self.layout.nodes_by_out, self.weights, self.packer.f32_param, (out_off, out_st),
@@ -675,9 +708,19 @@ _EMITTERS = {
     Op.LINEAR: "linear", Op.EMBED: "embed", Op.RMSNORM: "norm", Op.LAYERNORM: "norm", Op.ROPE: "rope",
     Op.ATTENTION: "attention", Op.GLU: "glu", Op.ADD: "binary", Op.SIGMOID_MUL: "binary",
     Op.SOFTCAP: "unary", Op.SCALE: "unary", Op.SELECT_ROWS: "unary", Op.GATED_DELTA: "gated_delta",
-    Op.PLUGIN: "plugin",
+    Op.PLUGIN: "plugin", Op.MOE: "moe",
 }
 _EMITTERS.update({Op.ACT: "act", Op.POS_EMBED: "pos_embed"})
+
+
+def _expert_node(n: Node, prefix: str, part: str, canonical: str) -> Node:
+    """One expert matrix of MOE node ``n`` as the LINEAR it is (for the block plan's choice of
+    format and the packer's precision): group mlp_down for the down projection, else mlp_up."""
+    name = f"{n.name}.{prefix}.{part}"
+    precision = n.attr("precision")
+    return Node(name=name, op=Op.LINEAR, inputs=n.inputs, output=name, width=1,
+                weights=(("weight", canonical),), attrs=(("precision", precision),) if precision else (),
+                section=n.section, group="mlp_down" if part == "down_proj" else "mlp_up")
 
 
 def _assemble(graph: Graph, layout: _Layout, packer: _WeightPacker, emitter: _Emitter, *, quant: str,
@@ -709,6 +752,7 @@ def _assemble(graph: Graph, layout: _Layout, packer: _WeightPacker, emitter: _Em
         "embed_rows": int(emitter.embed_rows),
         "weight_slots": packer.slots,
         "plugin_ops": emitter.plugin_calls,
+        "moe": emitter.moe_calls,
         "block_bytes": packer.block_bytes,
     }
     if emitter.position_limit:

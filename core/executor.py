@@ -61,6 +61,7 @@ class Executor:
                               "install the plugin again or clear the cache (`cpullm cache clear`)")
         self.plugin_ops = _plugin_calls(self, m.get("plugin_ops") or {}, ops, op_impl)
         self.linear_rows = np.nonzero(self.I[:, P.COL_OP] == P.OP_LINEAR)[0]
+        self.moe = {int(r): _MoeCall(self, call) for r, call in (m.get("moe") or {}).items()}
         # run()'s optional operands: each None unless the program has the instructions that read
         # it, and numba then compiles run() without their branch (kernels.warmup.run_flags)
         flags = run_flags(self.I)
@@ -104,6 +105,8 @@ class Executor:
                 special = ("external", r)
             elif r in self.plugin_ops:
                 special = ("plugin", r, batched)
+            elif r in self.moe:
+                special = ("moe", r)
             elif batched and self.I[r, P.COL_OP] == P.OP_LINEAR:
                 special = ("linear", r)
             if special:
@@ -133,6 +136,8 @@ class Executor:
                 self._interp(seg[1], seg[2], state)
             elif seg[0] == "linear":
                 self._linear_batched(seg[1])
+            elif seg[0] == "moe":
+                self.moe[seg[1]](self, self._rows(seg[1]))
             elif seg[0] == "plugin":
                 r = seg[1]
                 pos0 = int(self.rt[1] + (self.rt[2] if self.I[r, P.COL_SECTION] == P.SECTION_HEAD else 0))
@@ -365,6 +370,51 @@ def _rows_view(arena: np.ndarray, off: int, st: int, width: int, T: int) -> np.n
     if span.size != (T - 1) * st + width:
         raise RuntimeError("plugin op operand runs past the arena")      # a compiler bug
     return np.lib.stride_tricks.as_strided(span, shape=(T, width), strides=(st * 4, 4), writeable=True)
+
+
+class _MoeCall:
+    """One MOE instruction: its operands and expert table as arrays (cpullm.kernels.moe), and the
+    expert matrices' bytes, to count what each call reads (``bytes_read``)."""
+
+    def __init__(self, ex: Executor, call: dict):
+        from .kernels import moe as M
+        self.M = M
+        self.prm = np.asarray(call["prm"], np.int64)
+        self.table = _read_only(np.asarray(call["table"], np.int64))
+        E = int(self.prm[M.PRM_E])
+        self.counts = np.zeros(E + 1, np.int64)
+        blocks = bool(np.any(self.table[:, [M.TABLE_GATE, M.TABLE_UP, M.TABLE_DOWN]] == P.WEIGHT_BLOCKS))
+        self.wb = _read_only(ex.wq.view(np.uint8)) if blocks else None
+        H, inter, shared_i = (int(self.prm[c]) for c in (M.PRM_H, M.PRM_I, M.PRM_SHARED_I))
+        self.expert_bytes = np.array([_expert_bytes(row, H, inter if e < E else shared_i)
+                                      for e, row in enumerate(self.table)] + ([0] if not shared_i else []), np.int64)
+        self.bytes_read = 0             # expert matrix bytes read since the executor started
+
+    def __call__(self, ex: Executor, T: int, row0: int = 0) -> None:
+        """Rows [row0, row0 + T) of the operands."""
+        M, prm = self.M, self.prm.copy()
+        prm[M.PRM_T] = T
+        prm[M.PRM_X_OFF] += row0 * prm[M.PRM_X_ST]
+        prm[M.PRM_OUT_OFF] += row0 * prm[M.PRM_OUT_ST]
+        M.moe(ex.arena, prm, self.table, ex.wq, ex.ws, ex.wf, self.wb, self.counts, numba.get_num_threads())
+        self.bytes_read += int(self.expert_bytes[self.counts > 0].sum())
+
+
+def _expert_bytes(row, H: int, inter: int) -> int:
+    """Bytes of one expert's gate, up and down matrices as stored (q8: quants and scales of the
+    padded panels; raw blocks: their rows; f32: 4 a weight)."""
+    from .kernels.gguf_blocks import block_format
+    from .kernels.kquant_panels import PANELED
+    total = 0
+    for c, N in ((0, inter), (4, inter), (8, H)):
+        kind, s_off, Kp = int(row[c]), int(row[c + 2]), int(row[c + 3])
+        if kind == P.WEIGHT_Q8:
+            total += padded_rows(N) * (Kp + Kp // 16)
+        elif kind == P.WEIGHT_BLOCKS:
+            total += N * block_format(s_off % PANELED).row_bytes(Kp)
+        else:
+            total += 4 * N * Kp
+    return total
 
 
 class _PluginCall:

@@ -40,6 +40,10 @@ class Op(enum.IntEnum):
                      #                                  (n_positions, width); attrs: n_positions, offset
     PLUGIN = 15      # (inputs...)      -> (T, width)   a plugin's op (cpullm.family.OpSpec): attrs
                      #                                  plugin_op (its name), op_version, its own attrs
+    MOE = 16         # (x (T,H))        -> (T, H)       routed experts (cpullm.kernels.moe): weights router
+                     #                                  (E,H), experts.{e}.{gate,up,down}_proj, [shared.{gate,
+                     #                                  up,down}_proj, shared_gate (1,H)]; attrs n_experts,
+                     #                                  top_k, intermediate, routing, norm_topk, shared_intermediate, act
 
 
 # ``layer`` (ATTENTION, GATED_DELTA): the decoder layer's index. The node owns a state region (its
@@ -139,9 +143,43 @@ class Graph:
                 _check_pointwise(n, tuple(w))
             if n.op == Op.PLUGIN:
                 _check_plugin_node(n, tuple(w))
+            if n.op == Op.MOE:
+                _check_moe_node(n, tuple(w))
             defined[n.output] = n
         if self.output not in defined or self.hidden not in defined:
             raise GraphError("graph output or hidden value is not defined")
+
+
+MOE_ROUTINGS = ("softmax_topk", "topk_softmax")
+
+
+def moe_weight_roles(n_experts: int, shared: bool, shared_gate: bool) -> list[str]:
+    """The weight roles of a MOE node, in order: the router, each expert's gate, up and down
+    projections, then the shared expert's and its gate."""
+    roles = ["router"]
+    for e in range(n_experts):
+        roles += [f"experts.{e}.gate_proj", f"experts.{e}.up_proj", f"experts.{e}.down_proj"]
+    if shared:
+        roles += ["shared.gate_proj", "shared.up_proj", "shared.down_proj"]
+        if shared_gate:
+            roles.append("shared_gate")
+    return roles
+
+
+def _check_moe_node(n: Node, widths: tuple) -> None:
+    """A MOE node's attributes and weight roles agree (a bug in the family that built it)."""
+    E, k = n.attr("n_experts"), n.attr("top_k")
+    if not (isinstance(E, int) and isinstance(k, int) and 0 < k <= E):
+        raise GraphError(f"{n.name}: MOE needs 0 < top_k <= n_experts, got top_k={k!r}, n_experts={E!r}")
+    if n.attr("routing") not in MOE_ROUTINGS:
+        raise GraphError(f"{n.name}: MOE routing must be one of {MOE_ROUTINGS}, not {n.attr('routing')!r}")
+    if widths != (n.width,):
+        raise GraphError(f"{n.name}: MOE reads one value of its own width {n.width}, got widths {widths}")
+    shared = int(n.attr("shared_intermediate", 0) or 0) > 0
+    roles = moe_weight_roles(E, shared, n.weight("shared_gate") is not None)
+    if [r for r, _ in n.weights] != roles:
+        raise GraphError(f"{n.name}: MOE weight roles must be {roles[:4]}... ({len(roles)} roles), "
+                         f"got {len(n.weights)}")
 
 
 def _plugin_spec(op_name: str, where: str):

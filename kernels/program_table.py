@@ -87,6 +87,11 @@ Per op (``I`` columns 3.., ``F`` columns 0..):
                           9    POS_OFFSET               table row of position 0 (OPT: 2)
                           10   POS_ROWS                 rows of the table
     PLUGIN                (none) COL_IMPL is IMPL_PLUGIN_OP; operands in meta["plugin_ops"][row]
+    MOE                   3-6  MOE_X_OFF, _X_ST,        input and output (offset, row stride)
+                               _OUT_OFF, _OUT_ST
+                          7    MOE_WIDTH                hidden width H
+                               run by the executor (cpullm.kernels.moe.moe); its router, expert
+                               table and sizes in meta["moe"][row]
 
 ``I`` column 23 and ``F`` column 3 are spare.
 """
@@ -112,6 +117,7 @@ OP_LAYERNORM = 14
 OP_ACT = 20            # (16-19 left to other core ops)
 OP_POS_EMBED = 21
 OP_PLUGIN = 15         # a plugin's op: run by the executor from Python (meta["plugin_ops"]), never here
+OP_MOE = 16            # routed experts: run by the executor (kernels.moe, meta["moe"]), never by interpreter.run
 
 # ---- weight kinds: LINEAR_KIND / EMBED_KIND --------------------------------------------------------
 WEIGHT_F32 = 0
@@ -253,6 +259,13 @@ GATED_DELTA_ALOG_OFF = 20
 GATED_DELTA_NORM_OFF = 21
 GATED_DELTA_STATE_OFF = 22
 F_GATED_DELTA_EPS = 0
+
+# ---- MOE ---------------------------------------------------------------------------------------
+MOE_X_OFF = 3
+MOE_X_ST = 4
+MOE_OUT_OFF = 5
+MOE_OUT_ST = 6
+MOE_WIDTH = 7
 
 # The integer arguments of gated_delta (and of a plugin kernel replacing it, see
 # interpreter.EXTERNAL_SIGNATURES), in its argument order: after (arena, state, wf), before (eps, T).

@@ -135,8 +135,8 @@ def run_signature(flags: dict) -> tuple:
 
 def _kernels(unit: str) -> list:
     """[(dispatcher, signature)] of one unit, callees before callers where both are listed."""
-    from . import (attention, elementwise, gated_delta, interpreter, kquant_gemm, kquant_panels, norm, pointwise,
-                   q8_gemm, q8_panels, rope)
+    from . import (attention, elementwise, gated_delta, interpreter, kquant_gemm, kquant_panels, moe, norm,
+                   pointwise, q8_gemm, q8_panels, rope)
     if unit.startswith("run"):
         return [(interpreter.run, run_signature({f: True for f in unit.split("+")[1:]}))]
     f32_2, i16_2, wb2 = _arr(nt.float32, 2), _arr(nt.int16, 2), _arr(nt.uint8, 2, readonly=True)
@@ -175,6 +175,9 @@ def _kernels(unit: str) -> list:
         # the raw-block LINEAR and EMBED rows, as interpreter.run calls them (linked, not compiled, there)
         "blocks": [(interpreter._linear_blocks_rows, (PROG_I, i64, ARENA, WB, WF, XQ, ARENA, i64, nt.boolean, i64))],
         "embed_blocks": [(interpreter._embed_blocks, (PROG_I, i64, ARENA, WB, INTS, nt.float32, i64))],
+        # routed experts (kernels.moe), called by the executor: q8 / f32 experts, and raw blocks
+        "moe": [(moe.moe, (ARENA, INTS, PROG_I, WQ, WS, WF, nt.none, INTS, i64))],
+        "moe_blocks": [(moe.moe, (ARENA, INTS, PROG_I, WQ, WS, WF, WB, INTS, i64))],
     }
     return table[unit]
 
@@ -206,6 +209,8 @@ UNITS = {
     "act": (None, ACT_COST, "pointwise", True),
     "pos_embed": (None, POS_EMBED_COST, "pointwise", True),
     "gated_delta": (("GATED_DELTA",), 5.2, "gated_delta", True),
+    "moe": (("MOE",), 8.0, "moe", False),
+    "moe_blocks": (("MOE",), 8.0, "moe", False),
 }
 LOAD_GROUPS = ("q8", "blocks")
 """Groups whose helpers the loading process may compile itself while the child runs (the INT8
@@ -238,6 +243,8 @@ def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True,
         if unit == "gated_delta" and not linear_state:
             continue
         if unit == "gemm" and (quant == "f32" or (quant in BLOCK_QUANTS and not q8_prefill)):
+            continue
+        if unit == ("moe" if blocks else "moe_blocks"):       # one of the two specializations
             continue
         if unit in ("kquant_gemm", "blocks") and (not blocks or (unit == "kquant_gemm" and GEMM_ISA is None)):
             continue

@@ -7,10 +7,13 @@ from cpullm.plugin import hookimpl
 def cpullm_families():
     from .qwen2 import FAMILY as QWEN2
     from .qwen3 import FAMILY as QWEN3
+    from .qwen3_moe import FAMILY as QWEN3_MOE
     from .qwen3_5 import FAMILY as QWEN3_5
+    from .qwen3_5_moe import FAMILY as QWEN3_5_MOE
+    from .qwen3_5_moe import TEXT_FAMILY as QWEN3_5_MOE_TEXT
     from .qwen3_5_text import FAMILY as QWEN3_5_TEXT
 
-    return [QWEN2, QWEN3, QWEN3_5, QWEN3_5_TEXT]
+    return [QWEN2, QWEN3, QWEN3_MOE, QWEN3_5, QWEN3_5_TEXT, QWEN3_5_MOE, QWEN3_5_MOE_TEXT]
 
 
 @hookimpl

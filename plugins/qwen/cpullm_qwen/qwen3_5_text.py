@@ -123,22 +123,23 @@ def weight_map(a: Qwen35TextArgs) -> WeightMap:
                      ignore=MULTIMODAL_IGNORES + BUFFER_IGNORES)
 
 
+def mixer(a: Qwen35TextArgs, g: GraphBuilder, i: int, x: str, full: set) -> str:
+    """Layer i's token mixer: gated attention if i is in ``full``, else Gated DeltaNet."""
+    if i in full:
+        return blocks.attention(g, i, x, hidden=a.hidden_size, n_heads=a.num_attention_heads,
+                                n_kv_heads=a.num_key_value_heads, head_dim=a.head_dim,
+                                rope_spec=a.rope_spec, scale=a.head_dim ** -0.5,
+                                qkv_bias=a.attention_bias, o_bias=a.attention_bias,
+                                qk_norm_eps=a.rms_norm_eps, output_gate=True)
+    return blocks.gated_delta(g, i, x, hidden=a.hidden_size, n_k_heads=a.linear_num_key_heads,
+                              k_head_dim=a.linear_key_head_dim, n_v_heads=a.linear_num_value_heads,
+                              v_head_dim=a.linear_value_head_dim,
+                              conv_kernel=a.linear_conv_kernel_dim, norm_eps=a.rms_norm_eps)
+
+
 def build_graph(a: Qwen35TextArgs, g: GraphBuilder):
     full = set(a.full_layers)
-
-    def mixer(g, i, x):
-        if i in full:
-            return blocks.attention(g, i, x, hidden=a.hidden_size, n_heads=a.num_attention_heads,
-                                    n_kv_heads=a.num_key_value_heads, head_dim=a.head_dim,
-                                    rope_spec=a.rope_spec, scale=a.head_dim ** -0.5,
-                                    qkv_bias=a.attention_bias, o_bias=a.attention_bias,
-                                    qk_norm_eps=a.rms_norm_eps, output_gate=True)
-        return blocks.gated_delta(g, i, x, hidden=a.hidden_size, n_k_heads=a.linear_num_key_heads,
-                                  k_head_dim=a.linear_key_head_dim, n_v_heads=a.linear_num_value_heads,
-                                  v_head_dim=a.linear_value_head_dim,
-                                  conv_kernel=a.linear_conv_kernel_dim, norm_eps=a.rms_norm_eps)
-
-    return decoder_stack(g, a, mixer)
+    return decoder_stack(g, a, lambda g, i, x: mixer(a, g, i, x, full))
 
 
 FAMILY = FamilySpec(

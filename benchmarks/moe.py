@@ -1,0 +1,218 @@
+"""Mixture-of-experts decode at the real shapes: Qwen3-30B-A3B's exact published config
+(``benchmarks/moe_configs/qwen3-30b-a3b``) with synthetic weights (benchmarks/synth.py's
+statistics), cut to a few layers so that it fits this machine, measured at two depths and
+extrapolated to the full 48.
+
+For each depth and each quant mode (int8, q4):
+* bytes read per decode token, counted: every dense matrix the token reads (attention, the
+  routers, the lm_head) plus the expert matrices the MOE kernel read (``Executor.moe[r].bytes_read``),
+  against the bytes of the active weights (the dense ones plus top_k experts per layer);
+* decode tokens/s of one stream (``--gen`` greedy steps after a ``--prompt``-token prompt, the
+  prefill not timed), and of ``--streams`` streams decoded together (``Forward.step`` over all
+  their slots: one pass over the weights a step), both with ``--threads`` threads;
+* the program's resident bytes and the build's peak RSS;
+* with ``--llama-bench PATH``: llama.cpp's Q8_0 and Q4_K_M made from the same checkpoint by its
+  own converter and quantizer (benchmarks/compare), decode tok/s by ``llama-bench -n GEN -p 0
+  -t THREADS -r 1`` (one run).
+
+From two depths d1 < d2: per-layer cost = (x(d2) - x(d1)) / (d2 - d1), full = x(d1) + (48 - d1) *
+per-layer, for memory and for seconds per token.
+
+    python benchmarks/moe.py --depths 1 2 --work /root/moe-work [--llama-bench /path/llama-bench]
+
+Never a test (timings): results go to benchmarks/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+CONFIG_DIR = HERE / "moe_configs"
+
+
+def write_synthetic(name: str, depth: int, out: Path, seed: int = 0) -> Path:
+    """The checkpoint of ``moe_configs/<name>`` cut to its first ``depth`` layers (synth.py's
+    plan, statistics and tokenizer), written once."""
+    sys.path.insert(0, str(HERE))
+    import synth
+
+    if out.exists():
+        return out
+    config = json.loads((CONFIG_DIR / name / "config.json").read_text())
+    layout = json.loads((CONFIG_DIR / name / "layout.json").read_text())
+    config = synth.with_layers(config, depth)
+    plan = synth.tensor_plan(config, layout)
+    shards = synth.shard_plan(plan, "BF16", layout["max_shard_bytes"])
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    tmp.mkdir(parents=True)
+    total = sum(math.prod(s) for _, s in plan) * 2
+    prog = synth.Progress(f"synth {name} x{depth}", total, True)
+    stats = synth.WeightStats(config, seed)
+    if layout.get("store_tied_lm_head"):
+        stats.alias.update({"lm_head.weight": "model.embed_tokens.weight"})
+    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {}
+    for fname, shard in zip(files, shards):
+        synth._write_shard(tmp / fname, shard, "BF16", stats, prog)
+        weight_map.update({n: fname for n, _ in shard})
+    prog.close()
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    synth.write_tokenizer(tmp, config, layout)
+    os.replace(tmp, out)
+    return out
+
+
+def _dense_bytes(ex) -> int:
+    """Bytes of the LINEAR matrices one decode token reads (the lm_head in full)."""
+    from cpullm.kernels import program_table as P
+    from cpullm.kernels.gguf_blocks import block_format
+    from cpullm.kernels.kquant_panels import PANELED
+    from cpullm.kernels.q8_panels import padded_rows
+    total = 0
+    for r in ex.linear_rows:
+        lin = P.linear_operands(ex.I[r])
+        if lin.kind == P.WEIGHT_Q8:
+            total += padded_rows(lin.n) * (lin.kp + lin.kp // 16)
+        elif lin.kind == P.WEIGHT_BLOCKS:
+            total += lin.n * block_format(lin.s_off % PANELED).row_bytes(lin.kp)
+        else:
+            total += 4 * lin.n * lin.k
+    return total
+
+
+def measure(model_dir: Path, quant: str, threads: int, prompt: int, gen: int, streams: int) -> dict:
+    import numpy as np
+
+    import cpullm
+    from cpullm.kernels import moe as M
+
+    t0 = time.perf_counter()
+    model = cpullm.load(model_dir, quant=quant, threads=threads, use_cache=False, n_ctx=1024)
+    build_s = time.perf_counter() - t0
+    ex = model.forward.executor
+    calls = list(ex.moe.values())
+    router = sum(4 * int(c.prm[M.PRM_E]) * int(c.prm[M.PRM_H]) for c in calls)
+    dense = _dense_bytes(ex)
+    k = int(calls[0].prm[M.PRM_K])
+    active = dense + router + sum(k * int(c.expert_bytes[0]) for c in calls)
+    fwd = model.forward
+    rng = np.random.default_rng(0)
+    prompts = [[int(x) for x in rng.integers(1000, 100000, prompt)] for _ in range(streams)]
+
+    def decode(B: int, steps: int) -> tuple[float, float]:
+        """(seconds, expert bytes read) of ``steps`` greedy decode steps of B streams after
+        their prompts (prefill not timed)."""
+        slots = fwd.slots(B) if B > 1 else [fwd.new_slot()]
+        toks = []
+        for s, ids in zip(slots, prompts):
+            toks.append(int(np.argmax(fwd.prefill(s, ids))))
+        before = sum(c.bytes_read for c in calls)
+        t = time.perf_counter()
+        for _ in range(steps):
+            toks = fwd.step(slots, toks, greedy=[True] * B)[1]
+        return time.perf_counter() - t, sum(c.bytes_read for c in calls) - before
+
+    decode(1, 2)                                # warm-up: compiles, faults the pages in
+    decode(streams, 2)
+    one_s, one_read = decode(1, gen)
+    many_s, many_read = decode(streams, gen)
+    per_token_experts = one_read / gen
+    read = dense + router + per_token_experts
+
+    return {"quant": quant, "build_s": round(build_s, 1), "decode_tps": gen / one_s,
+            "streams": streams, "streams_tps": streams * gen / many_s, "streams_step_s": many_s / gen,
+            "streams_bytes_per_step": dense + router + many_read / gen,
+            "bytes_per_token": read, "active_bytes": active, "read_over_active": read / active,
+            "dense_bytes": dense, "router_bytes": router, "experts_per_token": per_token_experts,
+            "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "rss_mb": _rss_mb(), "program_bytes": sum(int(a.nbytes) for a in model.forward.executor.program.arrays.values())}
+
+
+def _rss_mb() -> float:
+    """Resident set size now (MB): the built program and the planned state, mapped and touched."""
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def llama_decode(model_dir: Path, work: Path, bench: str, threads: int, gen: int) -> dict:
+    """llama.cpp Q8_0 and Q4_K_M of the checkpoint (its converter and quantizer), decode tok/s."""
+    sys.path.insert(0, str(HERE))
+    from compare.llama_convert import ensure_ggufs
+    files = ensure_ggufs(model_dir, work, threads, ("Q8_0", "Q4_K_M"), llama_convert=True)
+    out = {}
+    for ftype, path in files.items():
+        cmd = [bench, "-m", str(path), "-t", str(threads), "-n", str(gen), "-p", "0", "-r", "1", "-o", "json"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        rows = json.loads(proc.stdout) if proc.returncode == 0 else []
+        out[ftype] = {"cmd": " ".join(cmd), "tps": rows[0]["avg_ts"] if rows else None,
+                      "bytes": Path(path).stat().st_size, "error": proc.stderr[-300:] if not rows else ""}
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(d.name for d in CONFIG_DIR.iterdir()))
+    p.add_argument("--depths", type=int, nargs=2, default=[1, 2])
+    p.add_argument("--quants", nargs="+", default=["int8", "q4"])
+    p.add_argument("--work", type=Path, required=True, help="where the synthetic checkpoints and GGUFs go")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompt", type=int, default=16)
+    p.add_argument("--gen", type=int, default=32)
+    p.add_argument("--streams", type=int, default=8)
+    p.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"), help="llama-bench binary (optional)")
+    p.add_argument("--json", type=Path, help="write the results here")
+    args = p.parse_args(argv)
+    full = json.loads((CONFIG_DIR / args.model / "config.json").read_text())["num_hidden_layers"]
+    results = {"model": args.model, "full_layers": full, "depths": {}}
+    for depth in args.depths:
+        d = write_synthetic(args.model, depth, args.work / f"{args.model}-x{depth}")
+        row = {}
+        for quant in args.quants:      # one process per build, so each peak RSS is its own
+            cmd = [sys.executable, __file__, "--one", str(d), quant, str(args.threads), str(args.prompt),
+                   str(args.gen), str(args.streams)]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise SystemExit(f"moe.py: {quant} at depth {depth} failed: {proc.stderr[-800:]}")
+            row[quant] = json.loads(proc.stdout.strip().splitlines()[-1])
+            print(f"depth {depth} {quant}: {json.dumps(row[quant])}", flush=True)
+        if args.llama_bench:
+            row["llama.cpp"] = llama_decode(d, args.work / "gguf", args.llama_bench, args.threads, args.gen)
+            print(f"depth {depth} llama.cpp: {json.dumps(row['llama.cpp'])}", flush=True)
+        results["depths"][depth] = row
+    d1, d2 = args.depths
+    for quant in args.quants:
+        a, b = results["depths"][d1][quant], results["depths"][d2][quant]
+        ext = {}
+        for key in ("bytes_per_token", "active_bytes", "maxrss_mb", "rss_mb", "program_bytes"):
+            per = (b[key] - a[key]) / (d2 - d1)
+            ext[key] = a[key] + (full - d1) * per
+        spt = (1 / b["decode_tps"] - 1 / a["decode_tps"]) / (d2 - d1)
+        ext["decode_tps"] = 1 / (1 / a["decode_tps"] + (full - d1) * spt)
+        results.setdefault("full_depth", {})[quant] = ext
+        print(f"full depth {full} {quant}: {json.dumps(ext)}", flush=True)
+    if args.json:
+        tmp = args.json.with_suffix(".tmp")
+        tmp.write_text(json.dumps(results, indent=2))
+        os.replace(tmp, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--one":
+        d, quant, threads, prompt, gen, streams = sys.argv[2:8]
+        print(json.dumps(measure(Path(d), quant, int(threads), int(prompt), int(gen), int(streams))))
+        raise SystemExit(0)
+    raise SystemExit(main())
