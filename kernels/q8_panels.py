@@ -32,6 +32,13 @@ batch row, so 8 batch rows of an lm_head cost about 1.1x one row (a row-major la
 converts and FMAs 8 lanes per (row, block, batch row), could not do that; benchmarks/ab/batch_linear.py). The weights stay int8 in memory and are widened in
 registers (an int16 copy would double the bytes a single stream reads).
 
+ISA variants (``ISA``): AVX-512 VNNI runs a panel as one zmm register (tiles of TILES, sums and
+float accumulators in registers); AVX2 and AVX-VNNI as two ymm halves of 8 rows (tiles of
+YMM_TILES, the int32 sums of a block in registers, the float accumulators in ``out``): without
+VNNI a multiply-add of 16 int16 pairs is ``vpmaddwd`` + ``vpaddd``, two instructions, and that
+bounds the AVX2 prefill LINEAR (67 GMAC/s on one core of this Sapphire-Rapids-class host, AVX-VNNI 91-95,
+AVX-512 VNNI 153: benchmarks/results/2026-12-05-isa.md).
+
 Kernels: ``pack_panels(w_q, w_s) -> (wp, sp)`` at compile time (``unpack_panels``, its inverse;
 ``dequantized_rows``, rows as numbers for the head screen's build), ``panels_matmul(wp, sp, N,
 x_q, x_s, out, nthreads)`` for B >= 1 rows of quantized activations (decode, batches),
