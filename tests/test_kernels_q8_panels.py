@@ -143,3 +143,20 @@ def test_every_isa_variant_gives_the_same_bits(tmp_path):
     for isa, res in results.items():
         assert all(ok for ok, _ in res.values()), (isa, res)
         assert res == results[qp.ISAS[0]], (isa, res, results[qp.ISAS[0]])
+
+
+def test_restricted_targets_drop_every_wider_extension():
+    """The lesser targets the variant tests and benchmarks/isa.py compile for: no AVX-512, AMX or
+    AVX10 feature on, AVX-VNNI only for "avxvnni", AVX2 / FMA / F16C kept."""
+    with pytest.raises(ValueError):
+        numba_setup.restricted_target_env("sse2")
+    for isa, name in numba_setup.RESTRICTED_TARGETS.items():
+        try:
+            env = numba_setup.restricted_target_env(isa)
+        except ValueError:
+            continue                         # this CPU cannot run that target
+        on = {f[1:] for f in env["NUMBA_CPU_FEATURES"].split(",") if f.startswith("+")}
+        assert env["NUMBA_CPU_NAME"] == name
+        assert {"avx2", "fma", "f16c"} <= on
+        assert not any(f.startswith(("avx512", "amx", "avx10")) for f in on), on
+        assert ("avxvnni" in on) == (isa == "avxvnni")
