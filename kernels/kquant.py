@@ -64,13 +64,16 @@ from .gguf_blocks import BY_TYPE, FORMATS, dequantize_ref
 from .q8 import (_HALF_IN_HARDWARE, PREFETCH_BYTES, _c64, _decl, _emit_counted_loop, _hsum_v8f32,
                  _ir_half_to_float, _ir_half_to_float_fresh, _quantize_blocks_ref, _quantize_row)
 
-ISA_GENERIC, ISA_AVX2, ISA_VNNI512 = 0, 1, 2
-ISA_NAMES = {ISA_GENERIC: "generic", ISA_AVX2: "avx2", ISA_VNNI512: "vnni512"}
+ISA_GENERIC, ISA_AVX2, ISA_VNNI512, ISA_AVXVNNI = 0, 1, 2, 3
+ISA_NAMES = {ISA_GENERIC: "generic", ISA_AVX2: "avx2", ISA_VNNI512: "vnni512", ISA_AVXVNNI: "avxvnni"}
 
 HAVE_AVX2 = numba_setup.HOST_IS_X86 and {"avx2", "fma"} <= numba_setup.HOST_FEATURES
+HAVE_AVXVNNI = HAVE_AVX2 and "avxvnni" in numba_setup.HOST_FEATURES
 HAVE_VNNI512 = numba_setup.HOST_IS_X86 and {"avx512f", "avx512bw", "avx512vl", "avx512vnni"} <= numba_setup.HOST_FEATURES
-ISAS = [ISA_GENERIC] + ([ISA_AVX2] if HAVE_AVX2 else []) + ([ISA_VNNI512] if HAVE_VNNI512 else [])
-"""The ISA variants this CPU runs (generic always)."""
+ISAS = ([ISA_GENERIC] + ([ISA_AVX2] if HAVE_AVX2 else []) + ([ISA_AVXVNNI] if HAVE_AVXVNNI else [])
+        + ([ISA_VNNI512] if HAVE_VNNI512 else []))
+"""The ISA variants this CPU runs (generic always), best last: AVX-VNNI's VEX ``vpdpbusd`` on ymm
+is the best on CPUs that have it and no AVX-512 (Intel's client CPUs)."""
 BEST_ISA = ISAS[-1]
 
 # ggml type numbers of the formats (gguf_blocks.FORMATS), as plain ints for jitted code
@@ -449,7 +452,7 @@ def _dot(b, module, q, x, isa, signed):
         maddubs = _decl(module, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), [v32i8, v32i8])
         maddwd = _decl(module, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [_vec(_I16, 16)] * 2)
         return b.call(maddwd, [b.call(maddubs, [q, x]), _splat_c(_I16, 16, 1)])
-    vi = _vec(_I32, n // 4)
+    vi = _vec(_I32, n // 4)     # AVX-VNNI (n = 32): LLVM selects the VEX form without AVX-512
     dpbusd = _decl(module, f"llvm.x86.avx512.vpdpbusd.{8 * n}", vi, [vi, vi, vi])
     return b.call(dpbusd, [ir.Constant(vi, [0] * (n // 4)), b.bitcast(q, vi), b.bitcast(x, vi)])
 
@@ -744,7 +747,31 @@ def matvec_vnni512(fmt, w, x_q, x_s, x_m, out):
             out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 7, 2)
 
 
-MATVECS = {ISA_GENERIC: matvec_generic, ISA_AVX2: matvec_avx2, ISA_VNNI512: matvec_vnni512}
+@njit(cache=True, parallel=True)
+def matvec_avxvnni(fmt, w, x_q, x_s, x_m, out):
+    """:func:`matvec` with the AVX-VNNI routine (the VEX ``vpdpbusd`` on ymm)."""
+    _check(fmt, w, x_q, x_s, x_m, out)
+    for n in prange(w.shape[0]):
+        if fmt == 12:
+            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 12, 3)
+        elif fmt == 14:
+            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 14, 3)
+        elif fmt == 8:
+            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 8, 3)
+        elif fmt == 2:
+            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 2, 3)
+        elif fmt == 13:
+            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 13, 3)
+        elif fmt == 3:
+            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 3, 3)
+        elif fmt == 6:
+            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 6, 3)
+        else:
+            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 7, 3)
+
+
+MATVECS = {ISA_GENERIC: matvec_generic, ISA_AVX2: matvec_avx2, ISA_VNNI512: matvec_vnni512,
+           ISA_AVXVNNI: matvec_avxvnni}
 matvec = MATVECS[BEST_ISA]
 matvec.__doc__ = """out[n] = sum_k W[n, k] x[k] over the raw GGUF blocks of W (decode hot path).
 

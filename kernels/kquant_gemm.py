@@ -4,7 +4,7 @@
 
 Paths, chosen by :func:`matmul`:
 
-* **Integer GEMM** (``q8_gemm.GEMM_ISA`` set: AVX-512 VNNI or AVX2; every format),
+* **Integer GEMM** (``q8_gemm.GEMM_ISA`` set: AVX-512 VNNI, AVX-VNNI or AVX2; every format),
   T >= MIN_ROWS. The register micro-kernel of ``q8_gemm`` (W8A16: int16 activations per block of
   32, ``vpdpwssd`` / ``vpmaddwd``) runs on the blocks' own quants: each panel of NR rows x
   KC_BLOCKS blocks is unpacked into int8 quants by the decode kernels' own IR

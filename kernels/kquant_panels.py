@@ -112,8 +112,10 @@ def block_bytes(fmt):
 
 HAVE_VNNI = (HAVE_AVX2 and numba_setup.HOST_IS_X86
              and {"avx512f", "avx512bw", "avx512vnni"} <= numba_setup.HOST_FEATURES)
-ISAS = ("vnni",) * HAVE_VNNI + ("avx2",) * HAVE_AVX2 + ("generic",)
-"""The variants this CPU runs, best first."""
+HAVE_AVXVNNI = HAVE_AVX2 and numba_setup.HOST_IS_X86 and "avxvnni" in numba_setup.HOST_FEATURES
+ISAS = ("vnni",) * HAVE_VNNI + ("avxvnni",) * HAVE_AVXVNNI + ("avx2",) * HAVE_AVX2 + ("generic",)
+"""The variants this CPU runs, best first (``avxvnni``: the VEX ``vpdpbusd`` on ymm, for CPUs with
+AVX-VNNI and no AVX-512)."""
 ISA = os.environ.get("CPULLM_KQ_PANELS_ISA") or ISAS[0]
 if ISA not in ISAS:
     raise ImportError(f"CPULLM_KQ_PANELS_ISA={ISA!r}: this CPU runs {', '.join(ISAS)}")
@@ -370,6 +372,27 @@ def _avx2_sums(b, module, fmt, vecs, xptrs):
     return out
 
 
+def _avxvnni_sums(b, module, vecs, xptrs):
+    """IR: :func:`_vnni_sums` by the VEX-encoded ``vpdpbusd`` (AVX-VNNI) on the two ymm halves
+    (rows 0-7, 8-15) of the panel: the 4 products of a lane summed straight into int32, exact
+    for any quants up to 8 bits (no int16 step, unlike :func:`_avx2_sums`)."""
+    v8i32 = ir.VectorType(_I32, 8)
+    dpbusd = _decl(module, "llvm.x86.avx512.vpdpbusd.256", v8i32, [v8i32] * 3)
+    halves = [[b.shuffle_vector(b.bitcast(v, _V16I32), b.bitcast(v, _V16I32),
+                                ir.Constant(v8i32, list(range(8 * h, 8 * h + 8)))) for v in vecs] for h in range(2)]
+    out = []
+    for xp in xptrs:
+        xs = [_splat(b, _load(b, xp, 4 * u, _I32), v8i32) for u in range(len(vecs))]
+        res = []
+        for h in range(2):
+            acc = ir.Constant(v8i32, [0] * 8)
+            for u in range(len(vecs)):
+                acc = b.call(dpbusd, [acc, halves[h][u], xs[u]])
+            res.append(acc)
+        out.append(b.shuffle_vector(res[0], res[1], ir.Constant(_V16I32, list(range(16)))))
+    return out
+
+
 def _generic_sums(b, vecs, xptrs):
     """IR: :func:`_vnni_sums` in portable IR (widen, multiply, add the 4 products of a lane)."""
     v64i32 = ir.VectorType(_I32, 64)
@@ -458,6 +481,8 @@ def _define_tile(module, fmt: int, isa: str, TR: int, V: int):
                     sums = _vnni_sums(bb, fmt, vecs, xp)
                 elif isa == "avx2":
                     sums = _avx2_sums(bb, module, fmt, vecs, xp)
+                elif isa == "avxvnni":
+                    sums = _avxvnni_sums(bb, module, vecs, xp)
                 else:
                     sums = _generic_sums(bb, vecs, xp)
                 if fmt == Q4_K:

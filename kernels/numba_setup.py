@@ -126,6 +126,34 @@ compiles for that feature set, and the kernels that pick instructions must agree
 HOST_IS_X86 = _llb.get_process_triple().split("-")[0] in ("x86_64", "i386", "i686")
 """True on x86 hosts (the feature names above are x86 ISA extensions there)."""
 
+RESTRICTED_TARGETS = {"avx2": "haswell", "avxvnni": "alderlake"}
+"""Lesser x86 targets this host can compile for and run (:func:`restricted_target_env`), with the
+LLVM CPU name each is tuned for: AVX2 (Zen 2/3, Haswell to Comet Lake) and AVX2 + AVX-VNNI
+(Intel's client CPUs from Alder Lake on, which have no AVX-512)."""
+
+
+def restricted_target_env(isa: str) -> dict:
+    """``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` for a child process that compiles every kernel
+    for the lesser target ``isa`` (a key of RESTRICTED_TARGETS): this host's features with every
+    AVX-512, AMX and AVX10 extension off, and AVX-VNNI off unless ``isa`` is "avxvnni". The
+    kernels then pick their instructions as on such a CPU (HOST_FEATURES follows the variable).
+    Raises ValueError when this host cannot run that target."""
+    if isa not in RESTRICTED_TARGETS:
+        raise ValueError(f"unknown target {isa!r}: one of {', '.join(RESTRICTED_TARGETS)}")
+    feats = _host_features().split(",")
+    have = {f[1:] for f in feats if f.startswith("+")}
+    need = {"avx2", "fma", "f16c"} | ({"avxvnni"} if isa == "avxvnni" else set())
+    if not HOST_IS_X86 or not need <= have:
+        raise ValueError(f"this CPU cannot run the {isa} target (needs {', '.join(sorted(need))})")
+    wide = ("avx512", "amx", "avx10", "avxvnni", "avxifma", "avxneconvert")
+
+    def keep(f):
+        name = f[1:]
+        if f.startswith("+") and name.startswith(wide) and not (isa == "avxvnni" and name == "avxvnni"):
+            return "-" + name
+        return f
+    return {"NUMBA_CPU_NAME": RESTRICTED_TARGETS[isa], "NUMBA_CPU_FEATURES": ",".join(keep(f) for f in feats)}
+
 _configured: int | None = None
 
 

@@ -513,6 +513,70 @@ def _vnni_block_sums(b, wptrs, xptrs, load: str, pair_bytes: int, chains: int = 
             for t in range(TR)]
 
 
+YMM_DOTS = ("avx2", "avxvnni")
+"""The 256-bit multiply-add variants of :func:`_ymm_block_sums`: ``vpmaddwd`` + ``vpaddd``
+(AVX2), or the VEX-encoded ``vpdpwssd`` (AVX-VNNI: Alder Lake and later client CPUs, which have
+no AVX-512)."""
+
+
+def _ymm_block_sums(b, wptrs, xptrs, load: str, pair_bytes: int, dot: str):
+    """IR: the int32 sums of one block of 32 values for a register tile of TR activation rows
+    (``xptrs``: pointers at each row's block, one int16 pair every 4 bytes) by H weight vectors of
+    8 int32 lanes (``wptrs``: i8* at each vector's first pair, the next pair ``pair_bytes`` on;
+    ``load``: "vpmovsxbw" widens 16 int8 values, "vmovdqu" loads 16 int16 ones), as one
+    inline-assembly routine on the 16 ymm registers. Returns sums[t][h] (<8 x i32>).
+
+    ``dot`` "avx2": per pair and (row, vector) ``vpmaddwd`` into a product register, then
+    ``vpaddd``; "avxvnni": one ``{vex} vpdpwssd`` (accumulating). Per pair, whichever of the
+    weight vectors (H) or the broadcast activation pairs (TR) are fewer stay live, so the tile
+    needs TR * H + min(TR, H) + 1 registers (+ 1 product for "avx2"); callers keep that <= 16.
+    Inline assembly, not IR: as IR, LLVM reorders the work accumulator by accumulator and spills
+    (measured: the q8 panels' AVX2 tile as IR spilled 1100 ymm registers per call site)."""
+    TR, H = len(xptrs), len(wptrs)
+    nacc = TR * H
+    weights_live = H <= TR
+    nlive = min(TR, H)
+    scratch = nlive + 1 + (dot == "avx2")
+    if nacc + scratch > 16:
+        raise ValueError(f"a {TR} x {H} ymm tile needs {nacc + scratch} registers")
+    reg = lambda i: f"${i}"  # noqa: E731
+    acc = lambda t, h: reg(t * H + h)  # noqa: E731
+    live = lambda i: reg(nacc + i)  # noqa: E731
+    one = reg(nacc + nlive)                    # the other operand: a broadcast or a weight vector
+    prod = reg(nacc + nlive + 1)
+    wptr = lambda h: reg(nacc + scratch + h)  # noqa: E731
+    xptr = lambda t: reg(nacc + scratch + H + t)  # noqa: E731
+
+    def madd(w, x, a):
+        if dot == "avx2":
+            return [f"vpmaddwd {w}, {x}, {prod}", f"vpaddd {prod}, {a}, {a}"]
+        return [f"{{vex}} vpdpwssd {w}, {x}, {a}"]
+
+    lines = [f"vpxor {acc(t, h)}, {acc(t, h)}, {acc(t, h)}" for t in range(TR) for h in range(H)]
+    for p in range(16):
+        if weights_live:
+            for h in range(H):
+                lines.append(f"{load} {pair_bytes * p}({wptr(h)}), {live(h)}")
+            for t in range(TR):
+                lines.append(f"vpbroadcastd {4 * p}({xptr(t)}), {one}")
+                for h in range(H):
+                    lines += madd(live(h), one, acc(t, h))
+        else:
+            for t in range(TR):
+                lines.append(f"vpbroadcastd {4 * p}({xptr(t)}), {live(t)}")
+            for h in range(H):
+                lines.append(f"{load} {pair_bytes * p}({wptr(h)}), {one}")
+                for t in range(TR):
+                    lines += madd(one, live(t), acc(t, h))
+    ret = ir.LiteralStructType([_V8I32] * (nacc + scratch))
+    ins = list(wptrs) + list(xptrs)
+    # "~{memory}": the routine reads memory LLVM cannot see through its pointer operands
+    asm = ir.InlineAsm(ir.FunctionType(ret, [x.type for x in ins]), "\n\t".join(lines),
+                       ",".join(["=&x"] * (nacc + scratch) + ["r"] * len(ins) + ["~{memory}"]))
+    r = b.call(asm, ins)
+    return [[b.extract_value(r, t * H + h) for h in range(H)] for t in range(TR)]
+
+
 def _emit_counted_loop(fn, b, start, end, step, accs, body, name):
     """IR: ``for i in range(start, end, step): accs = body(b, i, accs)``.
 

@@ -28,9 +28,11 @@ and the weights stay 1 byte each in memory. Two variants (``GEMM_ISA``), one cod
 * ``avx2`` (x86 with AVX2, FMA and F16C): ``vpmaddwd`` + ``vpaddd`` on ymm, tile 4 x 2 vectors of
   8 lanes with the float32 accumulators in an L1/L2-resident panel buffer (the 16 ymm registers
   hold the int32 block sums, two weight vectors, the broadcast and the product). A block's 16
-  steps are one inline-assembly routine (:func:`_avx2_block_dots`): written as IR, LLVM
+  steps are one inline-assembly routine (:func:`q8._ymm_block_sums`): written as IR, LLVM
   reassociates each accumulator's adds, keeps all 16 weight vectors live and spills (half the
   speed). With the routine it beats dequantize + sgemm by about 1.25x at T=512.
+* ``avxvnni`` (AVX2 + AVX-VNNI without AVX-512: Intel's client CPUs): the same with one VEX
+  ``vpdpwssd`` per multiply-add, tile 6 x 2.
 
 Structure (GotoBLAS-like, everything sized for one core's L1 / L2):
 
@@ -65,7 +67,7 @@ from numba.extending import intrinsic
 
 from . import numba_setup
 from .q8 import HAVE_AVX2 as q8_HAVE_AVX2
-from .q8 import (QBLOCK, _c64, _decl, _vnni_block_sums, activation_scratch, half_to_float, matvec_q8_ref, padded_k, quantize_act_q16,
+from .q8 import (QBLOCK, _c64, _decl, _vnni_block_sums, _ymm_block_sums, activation_scratch, half_to_float, matvec_q8_ref, padded_k, quantize_act_q16,
                  quantize_act_q16_ref)
 
 HAVE_VNNI512 = numba_setup.HOST_IS_X86 and {"avx512f", "avx512bw", "avx512vnni"} <= numba_setup.HOST_FEATURES
@@ -74,15 +76,22 @@ HAVE_VNNI512 = numba_setup.HOST_IS_X86 and {"avx512f", "avx512bw", "avx512vnni"}
 HAVE_AVX2 = q8_HAVE_AVX2 and "f16c" in numba_setup.HOST_FEATURES
 """True when this CPU runs at least the AVX2 variant (``vpmaddwd`` + ``vpaddd``)."""
 
-GEMM_ISA = "avx512vnni" if HAVE_VNNI512 else "avx2" if HAVE_AVX2 else None
+HAVE_AVXVNNI = HAVE_AVX2 and numba_setup.HOST_IS_X86 and "avxvnni" in numba_setup.HOST_FEATURES
+"""True when this CPU runs the AVX-VNNI variant (the VEX ``vpdpwssd`` on ymm)."""
+
+GEMM_ISA = "avx512vnni" if HAVE_VNNI512 else "avxvnni" if HAVE_AVXVNNI else "avx2" if HAVE_AVX2 else None
 """Which variant of the micro-kernel this process compiles, or None (no AVX2 + FMA + F16C:
 :func:`matmul_w8a16` raises, kquant_gemm's prefill uses dequantize + sgemm)."""
 
 # Register tiles (TR activation rows x V weight vectors of LANES int32 lanes): the largest tile
 # whose accumulators fit the register file without spilling (AVX-512's 32 zmm: 3x4 was the fastest
 # of 3x4, 4x3, 6x2, 8x1 and 4x4, which spills; AVX2's 16 ymm: 4x2, sums in the panel buffer).
+# AVX-VNNI: 6 x 2, so that 12 independent sums keep two vpdpwssd a cycle busy through the
+# instruction's 5-cycle latency (4 x 2 would wait on it).
 if GEMM_ISA == "avx512vnni":
     LANES, TR, V = 16, 3, 4
+elif GEMM_ISA == "avxvnni":
+    LANES, TR, V = 8, 6, 2
 else:
     LANES, TR, V = 8, 4, 2
 NR = LANES * V        # weight rows per panel (a multiple of the 16 rows _pack_rows16 packs)
@@ -110,45 +119,6 @@ _V16I32 = ir.VectorType(_I32, 16)   # 16 packed rows (_pack_rows16), whatever LA
 def _splat(b, scalar, vty):
     v = b.insert_element(ir.Constant(vty, ir.Undefined), scalar, ir.Constant(_I32, 0))
     return b.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, vty.count), [0] * vty.count))
-
-
-def _avx2_block_dots(b, wblk, xpairs):
-    """The int32 sums of one block for an AVX2 tile: TR x V <8 x i32>, each the sum over the
-    block's 16 pairs of ``vpmaddwd(broadcast x pair, weight vector)``.
-
-    One inline-assembly routine per block, not IR: as IR (intrinsic + add) LLVM reorders the
-    work accumulator by accumulator, which keeps all 16 weight vectors of a block live, and the 16
-    ymm registers spill (half the speed). The order here is the one a
-    register tile wants: per pair, V weight loads, then per row one broadcast and V multiply-adds.
-    """
-    n_acc = TR * V
-    scratch = V + 2                                  # V weights, the broadcast, the product
-    reg = lambda i: f"${i}"
-    acc = lambda t, v: reg(t * V + v)
-    wreg = lambda v: reg(n_acc + v)
-    breg, preg = reg(n_acc + V), reg(n_acc + V + 1)
-    first_in = n_acc + scratch + n_acc               # after the outputs and the tied inputs
-    wptr, xptr = reg(first_in), (lambda t: reg(first_in + 1 + t))
-    lines = []
-    for p in range(16):
-        for v in range(V):
-            lines.append(f"vmovdqu {(p * 2 * NR + 2 * LANES * v) * 2}({wptr}), {wreg(v)}")
-        for t in range(TR):
-            lines.append(f"vpbroadcastd {4 * p}({xptr(t)}), {breg}")
-            for v in range(V):
-                lines.append(f"vpmaddwd {wreg(v)}, {breg}, {preg}")
-                lines.append(f"vpaddd {preg}, {acc(t, v)}, {acc(t, v)}")
-    outs = ["=x"] * n_acc + ["=&x"] * scratch
-    ins = [str(i) for i in range(n_acc)] + ["r"] * (1 + TR)
-    # "~{memory}": the routine reads memory LLVM cannot see through its pointer operands; without
-    # the clobber LLVM would take it for a pure function of those pointers and could reuse one
-    # call's result for the next panel, whose packed weights sit at the same address
-    ret = ir.LiteralStructType([_VI32] * (n_acc + scratch))
-    asm = ir.InlineAsm(ir.FunctionType(ret, [_VI32] * n_acc + [wblk.type] + [x.type for x in xpairs]),
-                       "\n\t".join(lines), ",".join(outs + ins + ["~{memory}"]))
-    zero = ir.Constant(_VI32, [0] * LANES)
-    r = b.call(asm, [zero] * n_acc + [wblk] + list(xpairs))
-    return [[b.extract_value(r, t * V + v) for v in range(V)] for t in range(TR)]
 
 
 def _define_tile(module):
@@ -202,8 +172,10 @@ def _define_tile(module):
         w8 = b.bitcast(wblk, ir.IntType(8).as_pointer())
         sums = _vnni_block_sums(b, [b.gep(w8, [_c64(4 * LANES * v)]) for v in range(V)], xpairs, "vmovdqu64", 4 * NR)
         dots = [[sums[t][v][0] for v in range(V)] for t in range(TR)]
-    else:
-        dots = _avx2_block_dots(b, wblk, xpairs)
+    else:                               # V vectors of 8 rows' int16 pairs, the next pair 4 NR bytes on
+        w8 = b.bitcast(wblk, ir.IntType(8).as_pointer())
+        dots = _ymm_block_sums(b, [b.gep(w8, [_c64(4 * LANES * v)]) for v in range(V)], xpairs, "vmovdqu",
+                               4 * NR, GEMM_ISA)
     ws = [b.load(b.bitcast(b.gep(sp, [b.add(b.mul(blk, _c64(NR)), _c64(LANES * v))]), _VF32.as_pointer()), align=4)
           for v in range(V)]
     new = [[None] * V for _ in range(TR)]

@@ -32,6 +32,13 @@ batch row, so 8 batch rows of an lm_head cost about 1.1x one row (a row-major la
 converts and FMAs 8 lanes per (row, block, batch row), could not do that; benchmarks/ab/batch_linear.py). The weights stay int8 in memory and are widened in
 registers (an int16 copy would double the bytes a single stream reads).
 
+ISA variants (``ISA``): AVX-512 VNNI runs a panel as one zmm register (tiles of TILES, sums and
+float accumulators in registers); AVX2 and AVX-VNNI as two ymm halves of 8 rows (tiles of
+YMM_TILES, the int32 sums of a block in registers, the float accumulators in ``out``): without
+VNNI a multiply-add of 16 int16 pairs is ``vpmaddwd`` + ``vpaddd``, two instructions, and that
+bounds the AVX2 prefill LINEAR (67 GMAC/s on one core of this Sapphire-Rapids-class host, AVX-VNNI 91-95,
+AVX-512 VNNI 153: benchmarks/results/2026-12-05-isa.md).
+
 Kernels: ``pack_panels(w_q, w_s) -> (wp, sp)`` at compile time (``unpack_panels``, its inverse;
 ``dequantized_rows``, rows as numbers for the head screen's build), ``panels_matmul(wp, sp, N,
 x_q, x_s, out, nthreads)`` for B >= 1 rows of quantized activations (decode, batches),
@@ -51,7 +58,8 @@ from numba.extending import intrinsic
 
 from . import numba_setup  # code-generation settings first
 from .q8 import (_F32, _I8, _I16, _I32, _I64, _P8, QBLOCK, HAVE_AVX2, _c64, _decl, _halves_to_floats,
-                 _prefetch_ahead, _vnni_block_sums, activation_scratch, half_to_float, quantize_act_q16,
+                 YMM_DOTS, _prefetch_ahead, _vnni_block_sums, _ymm_block_sums,
+                 activation_scratch, half_to_float, quantize_act_q16,
                  scale_values)
 
 PANEL = 16
@@ -61,12 +69,16 @@ PANEL_BLOCK_BYTES = PANEL * QBLOCK
 
 HAVE_VNNI = (HAVE_AVX2 and numba_setup.HOST_IS_X86
              and {"avx512f", "avx512bw", "avx512vnni"} <= numba_setup.HOST_FEATURES)
-ISAS = ("vnni",) * HAVE_VNNI + ("avx2",) * HAVE_AVX2 + ("generic",)
+HAVE_AVXVNNI = HAVE_AVX2 and numba_setup.HOST_IS_X86 and "avxvnni" in numba_setup.HOST_FEATURES
+ISAS = ("vnni",) * HAVE_VNNI + ("avxvnni",) * HAVE_AVXVNNI + ("avx2",) * HAVE_AVX2 + ("generic",)
 """The variants this CPU runs, best first."""
 ISA = os.environ.get("CPULLM_Q8_PANELS_ISA") or ISAS[0]
-"""The variant this process compiles: ``vpdpwssd`` on zmm (AVX-512 VNNI), ``vpmaddwd`` + ``vpaddd``
-(AVX2), or portable IR. The environment variable picks a lesser one for tests (with a numba cache
-of its own: the on-disk cache does not tell variants apart)."""
+"""The variant this process compiles: ``vpdpwssd`` on zmm (AVX-512 VNNI), the VEX ``vpdpwssd`` on
+ymm (AVX-VNNI without AVX-512: Intel's client CPUs), ``vpmaddwd`` + ``vpaddd`` on ymm (AVX2), or
+portable IR. The environment variable picks a lesser one for tests (with a numba cache of its
+own: the on-disk cache does not tell variants apart)."""
+YMM = ISA in YMM_DOTS
+"""Whether this variant runs the 256-bit tiles (:func:`_define_tile_ymm`)."""
 if ISA not in ISAS:
     raise ImportError(f"CPULLM_Q8_PANELS_ISA={ISA!r}: this CPU runs {', '.join(ISAS)}")
 
@@ -247,6 +259,72 @@ def _define_tile(module, isa: str, TR: int, V: int, locality: int):
     return fn
 
 
+YMM_TILES = ((6, 1), (4, 1), (2, 2), (1, 4))
+"""The 256-bit variants' register tiles (batch rows TR, panels V): a panel is two vectors of 8
+rows, so a tile holds TR x 2V int32 sums; 6 x 1 is the largest that fits the 16 ymm registers
+beside its operands (:func:`q8._ymm_block_sums`), and its 12 independent sums keep two
+``vpdpwssd`` a cycle busy through the instruction's latency (an 8-row tile, as IR, spilled)."""
+
+
+def _define_tile_ymm(module, isa: str, TR: int, V: int, locality: int):
+    """As :func:`_define_tile` (same signature and result, bit for bit), for the 256-bit variants:
+    each panel as two halves of 8 rows, the block's int32 sums in registers (one inline-assembly
+    routine a block), the float32 accumulators in ``out`` itself (the tile's TR rows of 16 V
+    floats, in L1), loaded, stepped by one FMA and stored once a block: with 16 registers, sums
+    and accumulators together would spill."""
+    name = f"cpullm_q8_panel_tile_{isa}_{TR}x{V}_l{locality}"
+    fn = module.globals.get(name)
+    if fn is not None:
+        return fn
+    fnty = ir.FunctionType(ir.VoidType(), [_P8, _P8, _I64, _P8, _I64, _P8, _I64, _I64, _P8, _I64])
+    fn = ir.Function(module, fnty, name)
+    fn.linkage = "internal"
+    fn.attributes.add("nounwind")
+    wp, sp, pbytes, xq, xqst, xs, xsst, nb, out, ost = fn.args
+    v8f32 = ir.VectorType(_F32, 8)
+    v8i16 = ir.VectorType(_I16, 8)
+    fma = _decl(module, "llvm.fma.v8f32", v8f32, [v8f32, v8f32, v8f32])
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    sbytes = b.ashr(pbytes, _c64(4))
+    wpan = [b.gep(wp, [b.mul(pbytes, _c64(v))]) for v in range(V)]
+    span = [b.gep(sp, [b.mul(sbytes, _c64(v))]) for v in range(V)]
+    xrow = [b.gep(xq, [b.mul(xqst, _c64(t))]) for t in range(TR)]
+    xsrow = [b.bitcast(b.gep(xs, [b.mul(xsst, _c64(t))]), _F32.as_pointer()) for t in range(TR)]
+    oacc = [[b.bitcast(b.gep(out, [b.add(b.mul(ost, _c64(t)), _c64(32 * h))]), v8f32.as_pointer())
+             for h in range(2 * V)] for t in range(TR)]       # half h of the tile: 8 floats, 32 bytes
+    zero_f = ir.Constant(v8f32, [0.0] * 8)
+    for t in range(TR):
+        for h in range(2 * V):
+            b.store(zero_f, oacc[t][h], align=4)
+
+    def block(b, i, accs):
+        boff = b.shl(i, _c64(9))                    # 512 bytes a panel-block
+        for v in range(V):
+            for line in range(0, PANEL_BLOCK_BYTES, 64):
+                _prefetch_ahead(b, module, b.gep(wpan[v], [b.add(boff, _c64(line))]), locality)
+        xoff = b.shl(i, _c64(6))                    # 64 bytes of int16 activations a block
+        # half h = 2 v + e: rows 8 e .. 8 e + 7 of panel v, the low / high 16 bytes of each pair
+        sums = _ymm_block_sums(b, [b.gep(wpan[h // 2], [b.add(boff, _c64(16 * (h % 2)))]) for h in range(2 * V)],
+                               [b.gep(xrow[t], [xoff]) for t in range(TR)], "vpmovsxbw", 32, isa)
+        soff = b.shl(i, _c64(5))                    # 32 bytes of scales a panel-block
+        sc = [_halves_to_floats(b, b.load(b.bitcast(b.gep(span[h // 2], [b.add(soff, _c64(16 * (h % 2)))]),
+                                                    v8i16.as_pointer()), align=2))
+              for h in range(2 * V)]
+        for t in range(TR):
+            xsv = b.load(b.gep(xsrow[t], [i]), align=4)
+            xsv = b.shuffle_vector(b.insert_element(ir.Constant(v8f32, ir.Undefined), xsv, ir.Constant(_I32, 0)),
+                                   ir.Constant(v8f32, ir.Undefined), ir.Constant(_V8I32, [0] * 8))
+            for h in range(2 * V):
+                prev = b.load(oacc[t][h], align=4)
+                b.store(b.call(fma, [b.sitofp(sums[t][h], v8f32), b.fmul(sc[h], xsv), prev]), oacc[t][h], align=4)
+        return []
+
+    from .q8 import _emit_counted_loop
+    b, _ = _emit_counted_loop(fn, b, _c64(0), nb, 1, [], block, "blocks")
+    b.ret_void()
+    return fn
+
+
 def _make_tile(isa: str, TR: int, V: int):
     @intrinsic
     def tile(typingctx, wp, sp, g, x_q, x_s, t0, out, o_t, o_n):
@@ -271,12 +349,13 @@ def _make_tile(isa: str, TR: int, V: int):
             sxptr = builder.gep(p8(axs), [builder.mul(t0_, xsst)])
             optr = builder.gep(p8(aout), [builder.add(builder.mul(ot_, ost), builder.shl(on_, _c64(2)))])
             operands = [wptr, sptr, pbytes, xptr, xqst, sxptr, xsst, nb, optr, ost]
+            define = _define_tile_ymm if isa in YMM_DOTS else _define_tile
             long_rows = builder.icmp_signed(">=", nb, _c64(LONG_ROW_K // QBLOCK))
             with builder.if_else(long_rows) as (long_, short):
                 with long_:
-                    builder.call(_define_tile(builder.module, isa, TR, V, 2), operands)
+                    builder.call(define(builder.module, isa, TR, V, 2), operands)
                 with short:
-                    builder.call(_define_tile(builder.module, isa, TR, V, 3), operands)
+                    builder.call(define(builder.module, isa, TR, V, 3), operands)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -288,10 +367,32 @@ LONG_ROW_K = 4096
 a stream pulled into L1 4 KiB ahead evict each other."""
 
 _t8x1, _t4x2, _t2x4, _t1x4 = (_make_tile(ISA, TR, V) for TR, V in TILES)
+_y6x1, _y4x1, _y2x2, _y1x4 = (_make_tile(ISA, TR, V) for TR, V in YMM_TILES)
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _group(wp, sp, g, x_q, x_s, out, o_n):
+def _group_ymm(wp, sp, g, x_q, x_s, out, o_n):
+    """:func:`_group_zmm` with the 256-bit variants' tiles (YMM_TILES)."""
+    B = x_q.shape[0]
+    t0 = 0
+    while B - t0 >= 6:
+        for v in range(4):
+            _y6x1(wp, sp, g + v, x_q, x_s, t0, out, t0, o_n + 16 * v)
+        t0 += 6
+    if B - t0 >= 4:
+        for v in range(4):
+            _y4x1(wp, sp, g + v, x_q, x_s, t0, out, t0, o_n + 16 * v)
+        t0 += 4
+    if B - t0 >= 2:
+        for v in range(0, 4, 2):
+            _y2x2(wp, sp, g + v, x_q, x_s, t0, out, t0, o_n + 16 * v)
+        t0 += 2
+    if B - t0 >= 1:
+        _y1x4(wp, sp, g, x_q, x_s, t0, out, t0, o_n)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _group_zmm(wp, sp, g, x_q, x_s, out, o_n):
     """Every tile of panels g .. g + 3 (GROUP) against all B rows; results at out[:, o_n:]."""
     B = x_q.shape[0]
     t0 = 0
@@ -308,6 +409,9 @@ def _group(wp, sp, g, x_q, x_s, out, o_n):
         t0 += 2
     if B - t0 >= 1:
         _t1x4(wp, sp, g, x_q, x_s, t0, out, t0, o_n)
+
+
+_group = _group_ymm if YMM else _group_zmm
 
 
 @njit(cache=True, parallel=True)

@@ -179,6 +179,14 @@ def test_avx2_codegen_uses_byte_multiply_adds():
         assert insn in asm, f"{insn} missing: the AVX2 k-quant matvec lost its vector code"
 
 
+@pytest.mark.skipif(not kq.HAVE_AVXVNNI, reason="x86 AVX-VNNI host only")
+def test_avxvnni_codegen_uses_vpdpbusd_on_ymm():
+    asm = _fresh_asm(kq.matvec_avxvnni, *_args())
+    assert re.search(r"vpdpbusd\s+[^\n]*%ymm", asm), "the AVX-VNNI k-quant matvec lost its ymm vpdpbusd"
+    if not kq.HAVE_VNNI512:      # compiled for a target without AVX-512 (numba_setup.restricted_target_env)
+        assert "zmm" not in asm and "{evex}" not in asm, "the AVX-VNNI variant must not need AVX-512"
+
+
 @pytest.mark.skipif(not kq.HAVE_VNNI512, reason="AVX-512 VNNI host only")
 def test_vnni_codegen_uses_vpdpbusd_on_zmm():
     asm = _fresh_asm(kq.matvec_vnni512, *_args())

@@ -6,11 +6,15 @@ Shapes are deliberately awkward: N not a multiple of the 64- or 16-row panel (no
 a multiple of 32 and spanning several packed chunks (1024 values) plus a partial one, T
 not a multiple of the 3- or 4-row register tile.
 """
+import os
+import subprocess
+import sys
+
 import numba
 import numpy as np
 import pytest
 
-from cpullm.kernels import q8, q8_gemm, q8_panels
+from cpullm.kernels import numba_setup, q8, q8_gemm, q8_panels
 
 RNG = np.random.default_rng(20261201)
 VNNI = pytest.mark.skipif(q8_gemm.GEMM_ISA is None, reason="this CPU lacks AVX2+FMA+F16C (the kernel cannot run here)")
@@ -152,7 +156,49 @@ def test_w8a16_codegen_uses_the_integer_dot_instructions():
     x_q, x_s = np.zeros((Tp, 320), np.int16), np.zeros((Tp, 10), np.float32)
     fresh(x_q, x_s, w_q, w_s, 5, np.zeros((5, 70), np.float32), 2)
     asm = fresh.inspect_asm(fresh.signatures[0])
-    dot, reg = ("vpdpwssd", "zmm") if q8_gemm.GEMM_ISA == "avx512vnni" else ("vpmaddwd", "ymm")
+    dot, reg = {"avx512vnni": ("vpdpwssd", "zmm"), "avxvnni": ("vpdpwssd", "ymm")}.get(q8_gemm.GEMM_ISA,
+                                                                                   ("vpmaddwd", "ymm"))
     assert dot in asm and reg in asm, f"the W8A16 tile lost its {dot} code"
     assert asm.count(dot) >= 16 * q8_gemm.TR * q8_gemm.V, "the 16-step block loop is not unrolled"
     assert "vpermt2d" in asm or "vpermi2d" in asm or "vshufi" in asm or "vpunpck" in asm, "pack transpose scalarized"
+
+
+_VARIANT = """
+import sys
+import numpy as np
+from cpullm.kernels import q8, q8_gemm
+assert q8_gemm.GEMM_ISA == sys.argv[1], q8_gemm.GEMM_ISA
+rng = np.random.default_rng(7)
+outs = {}
+for T, N, K in ((13, 130, 1100), (37, 64, 2048)):
+    w_q, w_s = q8.quantize_weight_q8(rng.standard_normal((N, K)).astype(np.float32))
+    x = rng.standard_normal((T, K)).astype(np.float32)
+    o = np.zeros((T, N), np.float32)
+    q8_gemm.matmul_w8a16(x, w_q, w_s, o)
+    outs[f"o{T}"] = o
+np.savez(sys.argv[2], **outs)
+"""
+
+
+@pytest.mark.cold
+@VNNI
+@pytest.mark.parametrize("isa", sorted(numba_setup.RESTRICTED_TARGETS))
+def test_every_lesser_target_gives_the_same_bits(isa, tmp_path):
+    """The 256-bit variants (AVX2, AVX-VNNI), each compiled in a process of its own for a target
+    without AVX-512 (as on the CPUs that run them), equal this process's variant bit for bit."""
+    try:
+        target = numba_setup.restricted_target_env(isa)
+    except ValueError as e:
+        pytest.skip(str(e))
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), **target)
+    r = subprocess.run([sys.executable, "-c", _VARIANT, isa, str(tmp_path / "out.npz")], env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = np.load(tmp_path / "out.npz")
+    rng = np.random.default_rng(7)
+    for T, N, K in ((13, 130, 1100), (37, 64, 2048)):
+        w_q, w_s = q8.quantize_weight_q8(rng.standard_normal((N, K)).astype(np.float32))
+        x = rng.standard_normal((T, K)).astype(np.float32)
+        o = np.zeros((T, N), np.float32)
+        q8_gemm.matmul_w8a16(x, w_q, w_s, o)
+        assert np.array_equal(got[f"o{T}"], o), (isa, T)

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from cpullm.kernels import q8, q8_panels as qp
+from cpullm.kernels import numba_setup, q8, q8_panels as qp
 
 SHAPES = [(1, 32), (16, 64), (64, 96), (100, 200), (130, 4864), (257, 896)]
 
@@ -112,26 +112,30 @@ out = {}
 for N, K in ((130, 4864), (257, 896)):
     w_q, w_s = q8.quantize_weight_q8(rng.standard_normal((N, K)).astype(np.float32))
     wp, sp = qp.pack_panels(w_q, w_s)
-    x = rng.standard_normal((11, K)).astype(np.float32)
-    Kp = w_q.shape[1]
-    x_q, x_s = np.zeros((11, Kp), np.int16), np.zeros((11, Kp // 32), np.float32)
-    for t in range(11):
-        q8.quantize_act_q16(x[t], x_q[t], x_s[t])
-    o = np.zeros((11, N), np.float32)
-    qp.matmul_panels(x, wp, sp, N, o)
-    ok = bool(np.array_equal(o, qp.panels_matmul_ref(wp, sp, N, x_q, x_s)))
-    out[f"{N}x{K}"] = [ok, o.view(np.uint32).sum(dtype=np.uint64).item()]
+    for B in (11, 8):                   # every register tile of every variant
+        x = rng.standard_normal((B, K)).astype(np.float32)
+        Kp = w_q.shape[1]
+        x_q, x_s = np.zeros((B, Kp), np.int16), np.zeros((B, Kp // 32), np.float32)
+        for t in range(B):
+            q8.quantize_act_q16(x[t], x_q[t], x_s[t])
+        o = np.zeros((B, N), np.float32)
+        qp.matmul_panels(x, wp, sp, N, o)
+        ok = bool(np.array_equal(o, qp.panels_matmul_ref(wp, sp, N, x_q, x_s)))
+        out[f"{N}x{K}:{B}"] = [ok, o.view(np.uint32).sum(dtype=np.uint64).item()]
 print(json.dumps(out))
 """
 
 
 @pytest.mark.cold
 def test_every_isa_variant_gives_the_same_bits(tmp_path):
-    """Each variant this CPU runs, compiled in a process of its own (own numba cache), equals the
-    reference and the others bit for bit."""
+    """Each variant this CPU runs, compiled in a process of its own (own numba cache; the 256-bit
+    ones for a target without AVX-512, as on the CPUs that run them), equals the reference and the
+    others bit for bit."""
     results = {}
     for isa in qp.ISAS:
         env = dict(os.environ, CPULLM_Q8_PANELS_ISA=isa, NUMBA_CACHE_DIR=str(tmp_path / isa))
+        if isa in numba_setup.RESTRICTED_TARGETS:   # compiled as for a CPU without AVX-512
+            env.update(numba_setup.restricted_target_env(isa))
         r = subprocess.run([sys.executable, "-c", _VARIANT, isa], env=env, capture_output=True, text=True,
                            timeout=600)
         assert r.returncode == 0, r.stderr[-2000:]
@@ -139,3 +143,20 @@ def test_every_isa_variant_gives_the_same_bits(tmp_path):
     for isa, res in results.items():
         assert all(ok for ok, _ in res.values()), (isa, res)
         assert res == results[qp.ISAS[0]], (isa, res, results[qp.ISAS[0]])
+
+
+def test_restricted_targets_drop_every_wider_extension():
+    """The lesser targets the variant tests and benchmarks/isa.py compile for: no AVX-512, AMX or
+    AVX10 feature on, AVX-VNNI only for "avxvnni", AVX2 / FMA / F16C kept."""
+    with pytest.raises(ValueError):
+        numba_setup.restricted_target_env("sse2")
+    for isa, name in numba_setup.RESTRICTED_TARGETS.items():
+        try:
+            env = numba_setup.restricted_target_env(isa)
+        except ValueError:
+            continue                         # this CPU cannot run that target
+        on = {f[1:] for f in env["NUMBA_CPU_FEATURES"].split(",") if f.startswith("+")}
+        assert env["NUMBA_CPU_NAME"] == name
+        assert {"avx2", "fma", "f16c"} <= on
+        assert not any(f.startswith(("avx512", "amx", "avx10")) for f in on), on
+        assert ("avxvnni" in on) == (isa == "avxvnni")

@@ -1,0 +1,192 @@
+"""Decode and prefill against llama.cpp on every x86 ISA this machine can stand in for.
+
+    python -m benchmarks.isa --llama-bench avx512=/path/native/llama-bench \\
+        --llama-bench avx2=/path/avx2/llama-bench --llama-bench avxvnni=/path/avxvnni/llama-bench \\
+        [--models smollm2-135m-instruct,gemma-3-270m,qwen2.5-coder-0.5b-instruct,DIR ...] \\
+        [--formats int8,q4_k_m] [--threads 2] [--prompt-tokens 512] [--gen-tokens 64] \\
+        [--work-dir DIR] [--out FILE.md]
+
+Per ISA, both runtimes are restricted to it: cpullm by compiling every kernel for a lesser target
+(``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` from ``numba_setup.restricted_target_env``: AVX2 is
+Haswell's feature set, "avxvnni" adds AVX-VNNI as on Alder Lake; "avx512" is this host as it is),
+llama.cpp by the ``llama-bench`` built for that ISA (``GGML_NATIVE=OFF`` with ``GGML_AVX2``, plus
+``GGML_AVX_VNNI``), given per ISA with ``--llama-bench ISA=PATH``: this script builds nothing.
+
+Formats, equal bytes per weight: ``int8`` runs cpullm's INT8 on the checkpoint against a Q8_0
+GGUF of it; ``q4_k_m`` runs the same Q4_K_M GGUF in both (cpullm executes its blocks as they are).
+The GGUFs are written once into ``--work-dir`` (cpullm's F32 GGUF writer, then llama.cpp's own
+quantizer through the ``llama_cpp`` Python package). Models: store names or checkpoint
+directories (the synthetic Llama-3.2-1B / 4B shapes: ``python benchmarks/synth.py``).
+
+Each cell is one ``cpullm bench --json`` child (median of ``--repeat`` runs) and one
+``llama-bench -o json`` child (mean of ``--repeat`` runs) with the same prompt length, decode
+length and threads, run back to back. The table gives both rates and cpullm / llama.cpp. Numbers
+on a shared machine move with its load: the report records the load average of each cell.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ISAS = ("avx512", "avx2", "avxvnni")
+FORMATS = {"int8": "Q8_0", "q4_k_m": "Q4_K_M"}
+DEFAULT_MODELS = "smollm2-135m-instruct,gemma-3-270m,qwen2.5-coder-0.5b-instruct"
+
+
+def say(msg: str) -> None:
+    print(f"isa: {msg}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.isa", description=__doc__.split("\n\n")[0])
+    p.add_argument("--llama-bench", action="append", default=[], metavar="ISA=PATH",
+                   help=f"llama-bench built for ISA ({', '.join(ISAS)}); an ISA without one is skipped")
+    p.add_argument("--isas", default=",".join(ISAS), help="ISAs to measure, in this order")
+    p.add_argument("--models", default=DEFAULT_MODELS, help="comma-separated store names or checkpoint directories")
+    p.add_argument("--formats", default=",".join(FORMATS), help="comma-separated: " + ", ".join(FORMATS))
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--gen-tokens", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--work-dir", default=str(Path.home() / ".cache" / "cpullm-bench" / "isa"),
+                   help="where the GGUFs are written (kept for later runs)")
+    p.add_argument("--out", default=None, help="append the markdown table to this file")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per child")
+    args = p.parse_args(argv)
+    args.bench = {}
+    for item in args.llama_bench:
+        isa, sep, path = item.partition("=")
+        if not sep or isa not in ISAS:
+            p.error(f"--llama-bench takes ISA=PATH with ISA one of {', '.join(ISAS)}, got {item!r}")
+        if not os.access(path, os.X_OK):
+            p.error(f"--llama-bench {isa}: {path} is not an executable file")
+        args.bench[isa] = path
+    args.isas = [i for i in args.isas.split(",") if i]
+    bad = [i for i in args.isas if i not in ISAS]
+    args.formats = [f for f in args.formats.split(",") if f]
+    bad += [f for f in args.formats if f not in FORMATS]
+    if bad:
+        p.error(f"unknown ISA or format: {', '.join(bad)}")
+    return args
+
+
+def cpullm_env(isa: str) -> dict:
+    """The environment of a cpullm child compiling for ``isa`` (its own numba cache directory is
+    not needed: numba keys cached code on the CPU name and features)."""
+    from cpullm.kernels import numba_setup
+
+    env = dict(os.environ, CPULLM_QUIET="1")
+    for k in ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES"):
+        env.pop(k, None)
+    if isa != "avx512":
+        env.update(numba_setup.restricted_target_env(isa))
+    return env
+
+
+def model_dir(name: str) -> Path:
+    from cpullm.model import resolve_model_dir
+
+    return Path(resolve_model_dir(name)).resolve()
+
+
+def gguf_for(mdir: Path, ftype: str, work: Path, threads: int) -> Path:
+    """The checkpoint as a ``ftype`` GGUF (Q8_0, Q4_K_M) in ``work``, written once."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from compare.gguf import llama_quantize, write_f32_gguf
+
+    work.mkdir(parents=True, exist_ok=True)
+    out = work / f"{mdir.name}-{ftype}.gguf"
+    if out.is_file():
+        return out
+    f32 = work / f"{mdir.name}-F32.gguf"
+    if not f32.is_file():
+        say(f"writing {f32}")
+        tmp = f32.with_suffix(".tmp")
+        write_f32_gguf(mdir, tmp)
+        os.replace(tmp, f32)
+    say(f"quantizing {out.name}")
+    return llama_quantize(f32, out, threads, ftype)
+
+
+def run_cpullm(isa: str, model: str, quant: str, args) -> dict:
+    cmd = [sys.executable, "-c", "import sys; from cpullm.cli import main; sys.exit(main())", "bench", model, "--quant", quant, "-t", str(args.threads),
+           "--prompt-tokens", str(args.prompt_tokens), "--gen-tokens", str(args.gen_tokens),
+           "--repeat", str(args.repeat), "--no-load-timing", "--no-compile-timing", "--json"]
+    r = subprocess.run(cmd, env=cpullm_env(isa), capture_output=True, text=True, timeout=args.timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {r.stderr.strip()[-600:]}")
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    return {"prefill": res["prefill_tps"], "decode": res["decode_tps"], "cmd": cmd}
+
+
+def run_llama(isa: str, gguf: Path, args) -> dict:
+    cmd = [args.bench[isa], "-m", str(gguf), "-t", str(args.threads), "-p", str(args.prompt_tokens),
+           "-n", str(args.gen_tokens), "-r", str(args.repeat), "-o", "json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {r.stderr.strip()[-600:]}")
+    rows = json.loads(r.stdout)
+    out = {"cmd": cmd}
+    for row in rows:
+        out["prefill" if int(row.get("n_prompt", 0)) > 0 else "decode"] = float(row["avg_ts"])
+    return out
+
+
+def cell(isa: str, model: str, fmt: str, args) -> dict:
+    mdir = model_dir(model)
+    gguf = gguf_for(mdir, FORMATS[fmt], Path(args.work_dir), args.threads)
+    load = os.getloadavg()[0]
+    c = run_cpullm(isa, model if fmt == "int8" else str(gguf), "int8" if fmt == "int8" else "gguf", args)
+    ll = run_llama(isa, gguf, args)
+    return {"isa": isa, "model": mdir.name, "format": fmt, "cpullm": c, "llama": ll, "load": load}
+
+
+def table(cells: list) -> str:
+    lines = ["| model | weights | ISA | decode cpullm / llama.cpp tok/s | decode × | prefill cpullm / llama.cpp tok/s "
+             "| prefill × | load avg |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    for c in cells:
+        w = "INT8 vs Q8_0" if c["format"] == "int8" else "Q4_K_M GGUF"
+        d = c["cpullm"]["decode"] / c["llama"]["decode"]
+        p = c["cpullm"]["prefill"] / c["llama"]["prefill"]
+        lines.append(f"| {c['model']} | {w} | {c['isa']} | {c['cpullm']['decode']:.1f} / {c['llama']['decode']:.1f} "
+                     f"| {d:.2f}× | {c['cpullm']['prefill']:.1f} / {c['llama']['prefill']:.1f} | {p:.2f}× "
+                     f"| {c['load']:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    isas = [i for i in args.isas if i in args.bench]
+    for i in args.isas:
+        if i not in args.bench:
+            say(f"{i}: no --llama-bench {i}=PATH given, skipped")
+    cells = []
+    for model in [m for m in args.models.split(",") if m]:
+        for fmt in args.formats:
+            for isa in isas:
+                t0 = time.time()
+                try:
+                    c = cell(isa, model, fmt, args)
+                except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
+                    say(f"{model} {fmt} {isa}: {exc}")
+                    continue
+                cells.append(c)
+                say(f"{c['model']} {fmt} {isa}: decode {c['cpullm']['decode']:.1f} / {c['llama']['decode']:.1f}, "
+                    f"prefill {c['cpullm']['prefill']:.1f} / {c['llama']['prefill']:.1f} ({time.time() - t0:.0f} s)")
+    text = table(cells)
+    print(text)
+    if args.out:
+        with open(args.out, "a") as fh:
+            fh.write(f"\n`python -m benchmarks.isa {' '.join(argv if argv is not None else sys.argv[1:])}`"
+                     f" ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {args.threads} threads, "
+                     f"prompt {args.prompt_tokens}, decode {args.gen_tokens}, {args.repeat} runs a cell):\n\n{text}\n")
+    return 0 if cells else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
