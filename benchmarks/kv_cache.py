@@ -1,0 +1,158 @@
+"""KV cache formats at long context: quality (KL divergence of the next-token distribution against
+the float32 cache) and decode speed, on real text.
+
+    python benchmarks/kv_cache.py MODEL --ctx 4096 16384 --eval 32 [--cache-type f32 f16 q8_0]
+        [--emulate-blocks 32 64] [--threads N] [--json]
+
+For each context N of ``--ctx`` and each format of ``--cache-type`` (f32 first: the reference):
+a fresh sequence prefills N tokens of real text (this repository's documentation and sources,
+tokenized by the model's tokenizer; no repeats while they last), then ``--eval`` one-token decode
+steps feed the text's next tokens (teacher forcing) and keep each step's logits (the full
+lm_head) and wall time. Reported per format: mean and max KL(f32 || format) over the steps'
+next-token distributions, top-1 agreement with f32, the median decode step (tokens/s at
+context N) and the KV bytes held at N.
+
+``--emulate-blocks B``: what a finer scale would give. After the float32 run's prefill, every
+cached key and value is rounded as an int8 cache with one scale per B values of a head row would
+hold it (B = head_dim is the q8_0 cache's per-row scale), written back as float32, and the same
+decode steps run; its KL against float32 is reported as ``emu-q8/B``. The prefill itself ran on
+exact keys there (the real q8_0 run's prefill reads rounded ones), so compare emulations with each
+other, and the per-row emulation with the real q8_0 row.
+
+The formats of one context run back to back in one process; the host's load is printed with the
+results (a shared host moves absolute rates; the KL numbers do not depend on it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def text_ids(tokenizer, n: int) -> list[int]:
+    """``n`` token ids of real text: the repository's Markdown and Python files in sorted order
+    (repeated only if they run out)."""
+    files = sorted(REPO.glob("*.md")) + sorted((REPO / "docs").glob("*.md")) + sorted((REPO / "core").rglob("*.py")) \
+        + sorted((REPO / "kernels").glob("*.py"))
+    ids: list[int] = []
+    for f in files:
+        ids += tokenizer.encode(f.read_text(errors="replace"))
+        if len(ids) >= n:
+            return ids[:n]
+    if not ids:
+        raise SystemExit("no text found to tokenize")
+    return (ids * (n // len(ids) + 1))[:n]
+
+
+def q8_blocks_roundtrip(x: np.ndarray, block: int) -> np.ndarray:
+    """float32 rows (..., head_dim) as int8 with one max/127 scale per ``block`` values, scaled back."""
+    from cpullm.kernels.attention import q8_rows_ref
+    shape = x.shape
+    rows = x.reshape(*shape[:-1], shape[-1] // block, block)
+    q, sc = q8_rows_ref(rows)
+    return (q.astype(np.float32) * sc[..., None]).reshape(shape)
+
+
+def emulate(model, slot, block: int) -> None:
+    """Round every cached key and value of ``slot`` (a float32 cache) as int8 blocks of ``block``."""
+    for reg in model.program.meta["state_regions"]:
+        if reg["kind"] != "kv":
+            continue
+        n = min(slot.position, reg["cap"])
+        lo = slot.position - n
+        kv = slot.read_kv(reg, lo, slot.position)
+        slot.write_kv(reg, lo, q8_blocks_roundtrip(kv, min(block, reg["head_dim"])))
+
+
+def run(model, ids: list[int], n_ctx: int, n_eval: int, block: int | None = None) -> dict:
+    """Prefill ids[:n_ctx], then ``n_eval`` teacher-forced decode steps: (logits (n_eval + 1,
+    vocab) float32, step seconds, prefill seconds, KV bytes held)."""
+    from cpullm.memory import memory_report
+    fwd = model.forward
+    slot = model.slot
+    fwd.reset(slot)
+    t0 = time.perf_counter()
+    first = fwd.prefill(slot, ids[:n_ctx])
+    prefill_s = time.perf_counter() - t0
+    if block is not None:
+        emulate(model, slot, block)
+        fwd.set_position(slot, n_ctx - 1)          # the last prompt token again, on the rounded cache
+        (first,), _ = fwd.step([slot], [ids[n_ctx - 1]])
+    logits, steps = [np.array(first, np.float32)], []
+    kv_bytes = memory_report(model)["kv_bytes"]
+    for t in range(n_eval):
+        t1 = time.perf_counter()
+        (row,), _ = fwd.step([slot], [ids[n_ctx + t]])
+        steps.append(time.perf_counter() - t1)
+        logits.append(np.array(row, np.float32))
+    return {"logits": np.stack(logits), "steps": steps, "prefill_s": prefill_s, "kv_bytes": kv_bytes}
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def compare(ref: np.ndarray, got: np.ndarray) -> dict:
+    """KL(ref || got) per row (mean, max) and top-1 agreement."""
+    lp, lq = _log_softmax(ref), _log_softmax(got)
+    kl = (np.exp(lp) * (lp - lq)).sum(-1)
+    return {"kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
+            "top1": float(np.mean(ref.argmax(-1) == got.argmax(-1)))}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("model")
+    p.add_argument("--ctx", type=int, nargs="+", default=[4096, 16384])
+    p.add_argument("--eval", type=int, default=32, help="teacher-forced decode steps after the prefill")
+    p.add_argument("--cache-type", dest="kv_dtypes", nargs="+", default=["f32", "f16", "q8_0"])
+    p.add_argument("--emulate-blocks", type=int, nargs="*", default=[],
+                   help="also emulate int8 with a scale per this many values of a head row (float32 cache)")
+    p.add_argument("--quant", default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    import cpullm
+
+    kinds = ["f32"] + [k for k in a.kv_dtypes if k != "f32"]
+    out = {"model": a.model, "eval": a.eval, "contexts": {}}
+    for n in a.ctx:
+        res = {}
+        for kv in kinds:
+            m = cpullm.load(a.model, n_ctx=n + a.eval + 1, threads=a.threads, kv_dtype=kv, quant=a.quant)
+            ids = text_ids(m.tokenizer, n + a.eval)
+            res[kv] = run(m, ids, n, a.eval)
+            if kv == "f32":
+                for b in a.emulate_blocks:
+                    res[f"emu-q8/{b}"] = run(m, ids, n, a.eval, block=b)
+            out["threads"], out["quant"] = m.threads, m.quant
+            del m
+        ref = res["f32"]["logits"]
+        rows = {}
+        for kv, r in res.items():
+            rows[kv] = {**compare(ref, r["logits"]), "decode_tps": 1.0 / float(np.median(r["steps"])),
+                        "prefill_s": r["prefill_s"], "kv_bytes": r["kv_bytes"]}
+        out["contexts"][n] = rows
+        out.setdefault("loadavg", []).append(os.getloadavg())
+        if not a.json:
+            print(f"{a.model} ({out['quant']}, {out['threads']} threads), context {n}, {a.eval} teacher-forced "
+                  f"steps, load average {os.getloadavg()[0]:.1f}", flush=True)
+            for kv, r in rows.items():
+                print(f"  {kv:10s} KL mean {r['kl_mean']:.2e} max {r['kl_max']:.2e} top-1 {r['top1']:.3f}  "
+                      f"decode {r['decode_tps']:6.2f} tok/s  KV {r['kv_bytes'] / 1e6:7.1f} MB  "
+                      f"prefill {r['prefill_s']:.0f} s", flush=True)
+    if a.json:
+        print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
