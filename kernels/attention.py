@@ -887,27 +887,29 @@ def _ov_pv(stream, kv16, s, s_off, s_st, nq, v, v_off, n, acc, hd):
     return impl
 
 
-def _scale_keys(kv16, state, ks_base, scores, nq, width, t0, nt, ntiles_cap):
-    """int8 keys: multiply score column c (tile t0 + c // 16 mod the ring, lane c % 16) of each
-    of the nq rows of ``scores`` (row stride ``width``) by its key's scale; other formats: nothing."""
+def _scale_keys(kv16, state, ks_base, scores, nq, width, t0, cap):
+    """int8 keys: multiply score column c of each of the nq rows of ``scores`` (row stride
+    ``width``; column c is slot (16 t0 + c) mod cap) by its key's scale; other formats: nothing."""
     raise NotImplementedError("called from compiled code only")
 
 
 @overload(_scale_keys)
-def _ov_scale_keys(kv16, state, ks_base, scores, nq, width, t0, nt, ntiles_cap):
+def _ov_scale_keys(kv16, state, ks_base, scores, nq, width, t0, cap):
     if _kv_kind(kv16) != KV_Q8:
-        return lambda kv16, state, ks_base, scores, nq, width, t0, nt, ntiles_cap: None
+        return lambda kv16, state, ks_base, scores, nq, width, t0, cap: None
 
-    def impl(kv16, state, ks_base, scores, nq, width, t0, nt, ntiles_cap):
-        for c in range(nt):
-            tile = t0 + c
-            if tile >= ntiles_cap:
-                tile -= ntiles_cap
-            ks = state[ks_base + tile * TILE: ks_base + tile * TILE + TILE]
-            for j in range(nq):
-                row = scores[j * width + c * TILE: j * width + c * TILE + TILE]
-                for lane in range(TILE):
-                    row[lane] *= ks[lane]
+    def impl(kv16, state, ks_base, scores, nq, width, t0, cap):
+        s0 = t0 * TILE
+        first = min(width, cap - s0)             # columns before the ring wraps to slot 0
+        ks1 = state[ks_base + s0: ks_base + s0 + first]
+        ks2 = state[ks_base: ks_base + width - first]
+        for j in range(nq):                      # views, not offset indexing: the loops vectorize
+            row = scores[j * width: j * width + first]
+            for i in range(first):
+                row[i] *= ks1[i]
+            rest = scores[j * width + first: j * width + width]
+            for i in range(width - first):
+                rest[i] *= ks2[i]
     return impl
 
 
@@ -925,13 +927,15 @@ def _ov_scale_values(kv16, state, vs_base, scores, nq, width, c0, a, n, cap):
 
     def impl(kv16, state, vs_base, scores, nq, width, c0, a, n, cap):
         first = min(n, cap - a)
+        vs1 = state[vs_base + a: vs_base + a + first]
+        vs2 = state[vs_base: vs_base + n - first]
         for j in range(nq):
-            row = scores[j * width + c0: j * width + c0 + n]
-            vs = state[vs_base + a: vs_base + a + first]
+            row = scores[j * width + c0: j * width + c0 + first]
             for i in range(first):
-                row[i] *= vs[i]
-            for i in range(first, n):
-                row[i] *= state[vs_base + i - first]
+                row[i] *= vs1[i]
+            rest = scores[j * width + c0 + first: j * width + c0 + n]
+            for i in range(n - first):
+                rest[i] *= vs2[i]
     return impl
 
 
@@ -963,7 +967,7 @@ def _attend_part(arena, state, q0, nq, hd, k_base, v_base, ks_base, vs_base, cap
         if tile >= ntiles_cap:
             tile -= ntiles_cap
         _scores(stream, kv16, qbuf, nq, hd, state, k_base + tile * hd * TILE, scores, c * TILE, width)
-    _scale_keys(kv16, state, ks_base, scores, nq, width, t0, nt, ntiles_cap)
+    _scale_keys(kv16, state, ks_base, scores, nq, width, t0, cap)
     s2 = scores[: nq * width].reshape(nq, width)
     _softmax_rows(s2, nq, c0, c0 + n, softcap, mx, tot)
     _scale_values(kv16, state, vs_base, scores, nq, width, c0, a, n, cap)
