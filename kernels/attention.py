@@ -5,6 +5,10 @@ Cache region of one layer inside the flat ``state`` array, at ``c_off`` (cap a m
     K: (n_kv, cap // 16, head_dim, 16)   keys in tiles of 16 slots, transposed inside a tile
     V: (n_kv, cap, head_dim)             values, one row per slot
 
+(float32; a float16 cache the same in 2-byte elements; an 8-bit one the same in int8 bytes,
+then float32 scales KS (n_kv, cap) and VS (n_kv, cap), one per slot's key row and value row:
+:func:`kv_views_q8`, :func:`q8_row`.)
+
 Position p lives in slot ``p % cap`` (K: tile ``slot // 16``, lane ``slot % 16``). A full-attention
 layer has cap = n_ctx (rounded up to 16); a sliding-window layer has cap >= window + max_chunk, so
 a whole prefill chunk fits beside the window it looks back on. Query row t (position pos0 + t)
