@@ -51,6 +51,18 @@ def test_load_reports_the_format_and_rejects_a_bad_one(wide_dir, tmp_path):
     assert m8.cache_status == "MISS (changed: kv_dtype)" and m8.info()["kv_dtype"] == "q8_0"
     assert all(r["kv_dtype"] == "q8_0" and r["floats"] == r["n_kv_heads"] * r["cap"] * (r["head_dim"] + 4) // 2
                for r in m8.program.meta["state_regions"])
+    # the load-time bounds check accepts the 8-bit regions, refuses an unknown format code and a
+    # region too small for its format (the kernels do not bounds-check)
+    from cpullm.cache_format import check_program_bounds
+    from cpullm.kernels import program_table as P
+    arrays, meta = dict(m8.program.arrays), m8.program.meta
+    check_program_bounds(arrays, meta)
+    att = np.nonzero(arrays["I"][:, P.COL_OP] == P.OP_ATTENTION)[0][0]
+    for col, value in ((P.ATTENTION_KV_FORMAT, 7), (P.ATTENTION_CAP, int(arrays["I"][att, P.ATTENTION_CAP]) * 2)):
+        bad = arrays["I"].copy()
+        bad[att, col] = value
+        with pytest.raises(CacheError, match=f"instruction {att} reaches outside its arrays"):
+            check_program_bounds({**arrays, "I": bad}, meta)
     assert cpullm.load(wide_dir, n_ctx=256, cache_dir=tmp_path, quant="f32").info()["kv_dtype"] == "f32"
 
 
