@@ -21,6 +21,11 @@ other, and the per-row emulation with the real q8_0 row.
 
 The formats of one context run back to back in one process; the host's load is printed with the
 results (a shared host moves absolute rates; the KL numbers do not depend on it).
+
+``--kernel HEADS KV_HEADS HEAD_DIM`` (no MODEL needed): the decode attention kernel alone, no
+model: 8 layers' caches of each format filled with random keys and values up to each context of
+``--ctx``, then one-token attention over all 8 layers, the formats alternating step by step (31
+steps, the first untimed), so that the host's load falls on all alike; ms per layer, min and median.
 """
 from __future__ import annotations
 
@@ -94,6 +99,42 @@ def run(model, ids: list[int], n_ctx: int, n_eval: int, block: int | None = None
     return {"logits": np.stack(logits), "steps": steps, "prefill_s": prefill_s, "kv_bytes": kv_bytes}
 
 
+def kernel_times(nh: int, nkv: int, hd: int, n_ctx: int, threads: int | None, layers: int = 8,
+                 steps: int = 30) -> dict:
+    """{format: (min, median) ms per layer} of one decode step's attention at context n_ctx."""
+    import numba
+
+    from cpullm.kernels import attention as A
+    from cpullm.kvformat import format_code, region_floats
+    if threads:
+        numba.set_num_threads(threads)
+    nthreads = numba.get_num_threads()
+    rng = np.random.default_rng(0)
+    W = nh * hd + 2 * nkv * hd                         # one arena row: q, k, v
+    cap = A.padded_cap(n_ctx + 16)
+    cfg = {}
+    for name in ("f32", "f16", "q8_0"):
+        kv = A.kv_operand(format_code(name))
+        states = [np.zeros(region_floats(nkv, cap, hd, name), np.float32) for _ in range(layers)]
+        for st in states:
+            for p0 in range(0, n_ctx, 512):
+                T = min(512, n_ctx - p0)
+                rows = rng.standard_normal(T * W).astype(np.float32)
+                A.kv_write(rows, st, nh * hd, W, nh * hd + nkv * hd, W, nkv, hd, 0, cap, p0, T, kv)
+        cfg[name] = (states, kv)
+    arena = np.concatenate([rng.standard_normal(W).astype(np.float32), np.zeros(nh * hd, np.float32)])
+    times = {k: [] for k in cfg}
+    for i in range(steps + 1):
+        for name, (states, kv) in cfg.items():
+            t0 = time.perf_counter()
+            for st in states:
+                A.attention(arena, st, 0, W, nh * hd, W, nh * hd + nkv * hd, W, W, nh * hd, nh, nkv, hd, 0, cap,
+                            1.0 / np.sqrt(hd), 0.0, 0, n_ctx, 1, nthreads, kv)
+            if i:
+                times[name].append((time.perf_counter() - t0) / layers * 1e3)
+    return {k: (float(np.min(v)), float(np.median(v))) for k, v in times.items()}
+
+
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     x = x - x.max(-1, keepdims=True)
@@ -110,7 +151,7 @@ def compare(ref: np.ndarray, got: np.ndarray) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("model")
+    p.add_argument("model", nargs="?")
     p.add_argument("--ctx", type=int, nargs="+", default=[4096, 16384])
     p.add_argument("--eval", type=int, default=32, help="teacher-forced decode steps after the prefill")
     p.add_argument("--cache-type", dest="kv_dtypes", nargs="+", default=["f32", "f16", "q8_0"])
@@ -119,7 +160,21 @@ def main(argv=None) -> int:
     p.add_argument("--quant", default=None)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--kernel", type=int, nargs=3, metavar=("HEADS", "KV_HEADS", "HEAD_DIM"),
+                   help="time the decode attention kernel alone for this shape (no model)")
     a = p.parse_args(argv)
+    if a.kernel:
+        out = {n: kernel_times(*a.kernel, n, a.threads) for n in a.ctx}
+        if a.json:
+            print(json.dumps(out))
+            return 0
+        for n, r in out.items():
+            print(f"attention, heads {a.kernel[0]}/{a.kernel[1]}, head_dim {a.kernel[2]}, context {n}, load average "
+                  f"{os.getloadavg()[0]:.1f}: " + ", ".join(f"{k} {lo:.3f} ms (median {med:.3f})"
+                                                            for k, (lo, med) in r.items()), flush=True)
+        return 0
+    if a.model is None:
+        p.error("give MODEL (or --kernel)")
     import cpullm
 
     kinds = ["f32"] + [k for k in a.kv_dtypes if k != "f32"]
