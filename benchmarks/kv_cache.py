@@ -17,7 +17,9 @@ cached key and value is rounded as an int8 cache with one scale per B values of 
 hold it (B = head_dim is the q8_0 cache's per-row scale), written back as float32, and the same
 decode steps run; its KL against float32 is reported as ``emu-q8/B``. The prefill itself ran on
 exact keys there (the real q8_0 run's prefill reads rounded ones), so compare emulations with each
-other, and the per-row emulation with the real q8_0 row.
+other, and the per-row emulation with the real q8_0 row. ``--emulate-chunked``: the same
+rounding after every prefill chunk as well (later chunks then attend over rounded earlier keys
+and values, as the real cache's prefill does, except within a chunk), reported as ``emu-q8/B/chunked``.
 
 The formats of one context run back to back in one process; the host's load is printed with the
 results (a shared host moves absolute rates; the KL numbers do not depend on it).
@@ -75,7 +77,7 @@ def emulate(model, slot, block: int) -> None:
         slot.write_kv(reg, lo, q8_blocks_roundtrip(kv, min(block, reg["head_dim"])))
 
 
-def run(model, ids: list[int], n_ctx: int, n_eval: int, block: int | None = None) -> dict:
+def run(model, ids: list[int], n_ctx: int, n_eval: int, block: int | None = None, chunked: bool = False) -> dict:
     """Prefill ids[:n_ctx], then ``n_eval`` teacher-forced decode steps: (logits (n_eval + 1,
     vocab) float32, step seconds, prefill seconds, KV bytes held)."""
     from cpullm.memory import memory_report
@@ -83,7 +85,13 @@ def run(model, ids: list[int], n_ctx: int, n_eval: int, block: int | None = None
     slot = model.slot
     fwd.reset(slot)
     t0 = time.perf_counter()
-    first = fwd.prefill(slot, ids[:n_ctx])
+    if chunked:
+        for c0 in range(0, n_ctx, fwd.max_chunk):
+            first = fwd.prefill(slot, ids[c0: min(n_ctx, c0 + fwd.max_chunk)])
+            if c0 + fwd.max_chunk < n_ctx:
+                emulate(model, slot, block)
+    else:
+        first = fwd.prefill(slot, ids[:n_ctx])
     prefill_s = time.perf_counter() - t0
     if block is not None:
         emulate(model, slot, block)
@@ -157,6 +165,8 @@ def main(argv=None) -> int:
     p.add_argument("--cache-type", dest="kv_dtypes", nargs="+", default=["f32", "f16", "q8_0"])
     p.add_argument("--emulate-blocks", type=int, nargs="*", default=[],
                    help="also emulate int8 with a scale per this many values of a head row (float32 cache)")
+    p.add_argument("--emulate-chunked", action="store_true",
+                   help="round the emulated cache after every prefill chunk too")
     p.add_argument("--quant", default=None)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", action="store_true")
@@ -188,6 +198,8 @@ def main(argv=None) -> int:
             if kv == "f32":
                 for b in a.emulate_blocks:
                     res[f"emu-q8/{b}"] = run(m, ids, n, a.eval, block=b)
+                    if a.emulate_chunked:
+                        res[f"emu-q8/{b}/chunked"] = run(m, ids, n, a.eval, block=b, chunked=True)
             out["threads"], out["quant"] = m.threads, m.quant
             del m
         ref = res["f32"]["logits"]
@@ -201,7 +213,7 @@ def main(argv=None) -> int:
             print(f"{a.model} ({out['quant']}, {out['threads']} threads), context {n}, {a.eval} teacher-forced "
                   f"steps, load average {os.getloadavg()[0]:.1f}", flush=True)
             for kv, r in rows.items():
-                print(f"  {kv:10s} KL mean {r['kl_mean']:.2e} max {r['kl_max']:.2e} top-1 {r['top1']:.3f}  "
+                print(f"  {kv:18s} KL mean {r['kl_mean']:.2e} max {r['kl_max']:.2e} top-1 {r['top1']:.3f}  "
                       f"decode {r['decode_tps']:6.2f} tok/s  KV {r['kv_bytes'] / 1e6:7.1f} MB  "
                       f"prefill {r['prefill_s']:.0f} s", flush=True)
     if a.json:
