@@ -24,6 +24,11 @@ and values, as the real cache's prefill does, except within a chunk), reported a
 The formats of one context run back to back in one process; the host's load is printed with the
 results (a shared host moves absolute rates; the KL numbers do not depend on it).
 
+``--stepwise N``: the faithful emulation, at short context: N tokens of the text decoded one at a
+time (no prefill) in a float32-cache model, the whole cache rounded as ``--emulate-blocks``
+says after every step (so every position attends over rounded keys and values, as in the real
+cache, except its own), against the same steps in float32 and in each ``--cache-type``.
+
 ``--kernel HEADS KV_HEADS HEAD_DIM`` (no MODEL needed): the decode attention kernel alone, no
 model: 8 layers' caches of each format filled with random keys and values up to each context of
 ``--ctx``, then one-token attention over all 8 layers, the formats alternating step by step (31
@@ -143,6 +148,27 @@ def kernel_times(nh: int, nkv: int, hd: int, n_ctx: int, threads: int | None, la
     return {k: (float(np.min(v)), float(np.median(v))) for k, v in times.items()}
 
 
+def stepwise(name: str, n: int, kinds: list, blocks: list, threads: int | None, quant=None) -> dict:
+    """{label: compare(f32, label)} of n one-token steps (see ``--stepwise``)."""
+    import cpullm
+    out = {}
+    m32 = cpullm.load(name, n_ctx=n + 16, threads=threads, kv_dtype="f32", quant=quant)
+    ids = text_ids(m32.tokenizer, n)
+    runs = [("f32", m32, 0)] + [(f"emu-q8/{b}/stepwise", m32, b) for b in blocks]
+    runs += [(k, cpullm.load(name, n_ctx=n + 16, threads=threads, kv_dtype=k, quant=quant), 0) for k in kinds if k != "f32"]
+    for label, m, block in runs:
+        f, s = m.forward, m.slot
+        f.reset(s)
+        rows = []
+        for t in ids:
+            (row,), _ = f.step([s], [t])
+            rows.append(np.array(row, np.float32))
+            if block:
+                emulate(m, s, block)
+        out[label] = np.stack(rows)
+    return {k: compare(out["f32"], v) for k, v in out.items()}
+
+
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     x = x - x.max(-1, keepdims=True)
@@ -170,6 +196,8 @@ def main(argv=None) -> int:
     p.add_argument("--quant", default=None)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--stepwise", type=int, default=0, metavar="N",
+                   help="the faithful emulation: N one-token steps, the cache rounded after each")
     p.add_argument("--kernel", type=int, nargs=3, metavar=("HEADS", "KV_HEADS", "HEAD_DIM"),
                    help="time the decode attention kernel alone for this shape (no model)")
     a = p.parse_args(argv)
@@ -185,6 +213,15 @@ def main(argv=None) -> int:
         return 0
     if a.model is None:
         p.error("give MODEL (or --kernel)")
+    if a.stepwise:
+        res = stepwise(a.model, a.stepwise, a.kv_dtypes, a.emulate_blocks, a.threads, a.quant)
+        if a.json:
+            print(json.dumps(res))
+            return 0
+        print(f"{a.model}: {a.stepwise} one-token steps from position 0, KL against the float32 cache")
+        for k, r in res.items():
+            print(f"  {k:22s} KL mean {r['kl_mean']:.2e} max {r['kl_max']:.2e} top-1 {r['top1']:.3f}")
+        return 0
     import cpullm
 
     kinds = ["f32"] + [k for k in a.kv_dtypes if k != "f32"]
