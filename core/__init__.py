@@ -24,7 +24,7 @@ def load(path, quant: str | None = None, threads: int | None = None, **kwargs):
     ``"q4"`` (4-bit Q4_K blocks, cpullm.kernels.q4), ``"f32"`` (reference) or ``"gguf"`` (a GGUF
     file's default: its quantized tensors run in their own block formats, not requantized).
     ``threads`` defaults to the number of physical cores. Other keyword arguments are passed to
-    :meth:`cpullm.model.Model.load` (``n_ctx``, ``kv_dtype`` ("f16" or "f32": the KV cache's
+    :meth:`cpullm.model.Model.load` (``n_ctx``, ``kv_dtype`` ("f16", "f32" or "q8_0": the KV cache's
     format, as llama.cpp's --cache-type-k/-v; default f16, f32 for quant "f32"), ``cache_dir``,
     ``use_cache``, ``mlock``, ``mmap``). ``speculative`` ("off", "lookup", "draft", "auto"),
     ``draft_model`` and ``draft_max`` set speculative decoding (:meth:`cpullm.model.Model.speculate`).

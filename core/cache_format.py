@@ -550,7 +550,11 @@ def check_program_bounds(arrays: dict, meta: dict) -> None:
             arena_ok(r, row[P.ATTENTION_K_OFF], row[P.ATTENTION_K_ST], nkv * hd, "keys")
             arena_ok(r, row[P.ATTENTION_V_OFF], row[P.ATTENTION_V_ST], nkv * hd, "values")
             arena_ok(r, row[P.ATTENTION_OUT_OFF], row[P.ATTENTION_OUT_ST], nh * hd, "output")
-            need = 2 * nkv * cap * hd // (2 if row[P.ATTENTION_KV_FORMAT] == 1 else 1)
+            from .kvformat import format_name, region_floats
+            fmt = format_name(row[P.ATTENTION_KV_FORMAT])
+            if fmt is None or (fmt == "q8_0" and cap % 16):
+                fail(r, "KV cache format")
+            need = region_floats(nkv, cap, hd, fmt)
             if region_at.get(row[P.ATTENTION_CACHE_OFF], -1) < need:
                 fail(r, "KV cache region")
         elif op == P.OP_GLU:

@@ -584,8 +584,8 @@ class _Emitter:
         Fr[P.F_ROPE_SCALING] = scaling
 
     def attention(self, phys, n, Ir, Fr, out_off, out_st):
-        from .kernels.attention import KV_F16, KV_F32, padded_cap
-        from .kvformat import region_floats
+        from .kernels.attention import padded_cap
+        from .kvformat import format_code, region_floats
         (q_off, q_st), (k_off, k_st), (v_off, v_st) = (self.layout.loc(i) for i in n.inputs)
         nkv, hd, window = n.attr("n_kv_heads"), n.attr("head_dim"), n.attr("window")
         n_ctx = self.n_ctx
@@ -597,7 +597,7 @@ class _Emitter:
                    P.ATTENTION_OUT_OFF: out_off, P.ATTENTION_OUT_ST: out_st,
                    P.ATTENTION_N_HEADS: n.attr("n_heads"), P.ATTENTION_N_KV_HEADS: nkv,
                    P.ATTENTION_HEAD_DIM: hd, P.ATTENTION_CACHE_OFF: c_off, P.ATTENTION_CAP: cap,
-                   P.ATTENTION_KV_FORMAT: KV_F16 if self.kv_dtype == "f16" else KV_F32})
+                   P.ATTENTION_KV_FORMAT: format_code(self.kv_dtype)})
         _fill(Fr, {P.F_ATTENTION_SCALE: n.attr("scale"), P.F_ATTENTION_SOFTCAP: n.attr("softcap"),
                    P.F_ATTENTION_WINDOW: window})
 

@@ -18,7 +18,7 @@ import numpy as np
 from .compiler import Program
 from .errors import ContextOverflowError, PromptError
 from .kernels import interpreter as K
-from .kernels.attention import KV_F16, KV_F32, kv_operand
+from .kernels.attention import kv_operand
 from .kernels.warmup import run_flags
 from .head_screen import HeadScreen
 from .op_matrix import matmul_blocks
@@ -70,7 +70,7 @@ class Executor:
         self.wb_embed = wb if flags["embed_blocks"] else None      # an EMBED table of raw blocks
         self.wf_layernorm = self.wf if flags["layernorm"] else None
         self.has_linear_state = bool(flags["linear_state"])              # GATED_DELTA reads the state
-        self.kv16 = kv_operand(KV_F16 if flags["kv16"] else KV_F32)         # the KV caches' format
+        self.kv16 = kv_operand(flags["kv16"])         # the KV caches' format (code; False/0: float32)
         self._decode_segments = self._segments(0, self.n_instr, batched=False)
         self._body_segments = self._segments(0, self.first_head, batched=True)
         self._head_segments = self._segments(self.first_head, self.n_instr, batched=True)

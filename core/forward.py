@@ -25,8 +25,7 @@ import numpy as np
 from .errors import ContextOverflowError
 from .executor import Executor, lazy_zeros
 from .kernels import program_table as P
-from .kernels.attention import TILE, kv_views
-from .kvformat import region_is_f16
+from . import kvformat
 
 
 class Slot:
@@ -46,25 +45,17 @@ class Slot:
         """The flat float32 view (floats,) of one state region."""
         return self.state[reg["offset"]: reg["offset"] + reg["floats"]]
 
-    def _kv(self, reg: dict):
-        return kv_views(self.region(reg), reg["n_kv_heads"], reg["cap"], reg["head_dim"], region_is_f16(reg))
-
     def read_kv(self, reg: dict, lo: int, hi: int) -> np.ndarray:
         """A copy of the keys and values of positions [lo, hi): (2, n_kv_heads, hi - lo, head_dim),
-        in the region's format (float16 or float32: cpullm.kvformat). The caller makes sure the
-        region still holds them (hi - lo <= cap, hi <= position)."""
-        slots = np.arange(lo, hi) % reg["cap"]
-        k, v = self._kv(reg)
-        keys = k[:, slots // TILE, :, slots % TILE]          # (n, n_kv, head_dim)
-        return np.stack([keys.transpose(1, 0, 2), v[:, slots, :]])
+        in the region's format (float16 or float32; q8_0: int8 rows with their scales, see
+        cpullm.kvformat.read_positions). The caller makes sure the region still holds them
+        (hi - lo <= cap, hi <= position)."""
+        return kvformat.read_positions(self.region(reg), reg, lo, hi)
 
     def write_kv(self, reg: dict, lo: int, kv: np.ndarray) -> None:
-        """Put keys and values (2, n_kv_heads, n, head_dim) of positions [lo, lo + n) into their
-        ring slots (rounded to nearest even when the region stores float16)."""
-        slots = np.arange(lo, lo + kv.shape[2]) % reg["cap"]
-        k, v = self._kv(reg)
-        k[:, slots // TILE, :, slots % TILE] = kv[0].transpose(1, 0, 2)
-        v[:, slots, :] = kv[1]
+        """Put keys and values of positions [lo, lo + n), as :meth:`read_kv` returns them, into
+        their ring slots (rounded to nearest even when the region stores float16)."""
+        kvformat.write_positions(self.region(reg), reg, lo, kv)
 
 
 class Forward:

@@ -78,7 +78,7 @@ def memory_report(model) -> dict:
     program_bytes       instruction tables (I, F)
     kv_bytes            keys and values the lone sequence (generate) holds now (its positions,
                         capped by each ring)
-    kv_dtype            their storage format, "f16" or "f32" (cpullm.kvformat)
+    kv_dtype            their storage format, "f16", "f32" or "q8_0" (cpullm.kvformat)
     kv_bytes_max        keys and values at the full context (rings at their capacity)
     linear_state_bytes  fixed-size linear-attention states (conv history + recurrent state)
     state_bytes         the whole state array (KV caches + linear states + alignment)
@@ -86,7 +86,7 @@ def memory_report(model) -> dict:
     arena_bytes         activation arena (every intermediate of a prefill chunk)
     rss / peak_rss / locked bytes of the process
     """
-    from .kvformat import element_bytes
+    from .kvformat import position_bytes
     prog, ex = model.program, model.executor
     position = model.slot.position          # the lone sequence's (generate's) tokens held now
     a = prog.arrays
@@ -97,7 +97,7 @@ def memory_report(model) -> dict:
         nbytes = int(reg["floats"]) * 4
         if reg["kind"] == "kv":
             rows = min(position, reg["cap"])
-            now = 2 * reg["n_kv_heads"] * rows * reg["head_dim"] * element_bytes(reg)
+            now = rows * position_bytes(reg)
             kv_max += nbytes
             kv_now += now
         else:
@@ -198,6 +198,15 @@ def state_plan(meta: dict) -> dict:
             "state_bytes": int(meta["state_floats"]) * 4, "arena_bytes": int(meta["arena_floats"]) * 4}
 
 
+def _smaller_kv_hint(kv_dtype: str) -> str:
+    """The error's suggestion of a smaller KV format than ``kv_dtype`` (none for q8_0)."""
+    if kv_dtype == "f32":
+        return "; or halve the KV cache with float16 (--cache-type f16, kv_dtype='f16')"
+    if kv_dtype == "f16":
+        return "; or halve the KV cache again with 8 bits (--cache-type q8_0, kv_dtype='q8_0')"
+    return ""
+
+
 def check_plan_fits(meta: dict, available: int | None = None) -> dict:
     """The program's state plan (:func:`state_plan`); raise ContextMemoryError, naming a context
     that fits, when its KV cache, states and arena exceed the memory available now. They are
@@ -217,6 +226,5 @@ def check_plan_fits(meta: dict, available: int | None = None) -> dict:
             f"({_fmt(plan['kv_bytes_max'])} of KV), but only {_fmt(available)} of memory is available; "
             + (f"load with a smaller context (--ctx {ctx}, n_ctx={ctx})" if ctx else
                "free memory or use a machine with more RAM")
-            + ("; or halve the KV cache with float16 (--cache-type f16, kv_dtype='f16')"
-               if meta.get("kv_dtype", "f32") == "f32" and plan["kv_bytes_max"] else ""))
+            + (_smaller_kv_hint(meta.get("kv_dtype", "f32")) if plan["kv_bytes_max"] else ""))
     return plan

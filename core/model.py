@@ -86,10 +86,10 @@ class Model:
              cache_dir=None, use_cache: bool = True, max_chunk: int = DEFAULT_CHUNK,
              mlock: bool = False, mmap: bool = True, plugin_kernels: bool = True,
              kv_dtype: str | None = None) -> "Model":
-        """``kv_dtype``: the KV cache's format, "f16" or "f32" (llama.cpp's --cache-type-k/-v);
+        """``kv_dtype``: the KV cache's format, "f16", "f32" or "q8_0" (llama.cpp's --cache-type-k/-v);
         default f16 for quantized weights, f32 for quant "f32" (cpullm.kvformat)."""
         from .kernels.numba_setup import configure
-        from .kvformat import resolve_kv_dtype
+        from .kvformat import format_code, resolve_kv_dtype
 
         t0 = time.perf_counter()
         if quant is not None and quant not in QUANT_MODES:
@@ -117,7 +117,7 @@ class Model:
         kernel_fns = {k: v.fn for k, v in kernels.items()}
         # kernels this graph needs, compiled while the weights load (kernels/warmup.py)
         flags = BlockPlan(graph, weights, quant).warmup_flags(graph) if quant in BLOCK_QUANTS else {}
-        warm = warmup_for_graph(graph, quant, specs, kv16=kv_dtype == "f16", **flags)
+        warm = warmup_for_graph(graph, quant, specs, kv16=format_code(kv_dtype), **flags)
         try:
             tokenizer = gguf_tokenizer() if gguf_tokenizer else Tokenizer(model_dir)
 

@@ -36,8 +36,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .kernels.attention import TILE, kv_views
-from .kvformat import region_is_f16
+from . import kvformat
 
 
 def _positional(reg: dict) -> bool:
@@ -50,21 +49,14 @@ def _positional(reg: dict) -> bool:
 def read_positions(state: np.ndarray, reg: dict, lo: int, hi: int) -> np.ndarray:
     """Keys and values of positions [lo, hi) of a KV region of ``state`` (a slot), which must
     still hold them (hi - lo <= cap): (2, n_kv_heads, hi - lo, head_dim), a copy in the region's
-    format (float16 blocks take half the cache's memory)."""
-    k, v = kv_views(state[reg["offset"]: reg["offset"] + reg["floats"]], reg["n_kv_heads"], reg["cap"],
-                    reg["head_dim"], region_is_f16(reg))
-    rows = np.arange(lo, hi) % reg["cap"]
-    keys = k[:, rows // TILE, :, rows % TILE]            # (n, n_kv, head_dim)
-    return np.stack([keys.transpose(1, 0, 2), v[:, rows, :]])
+    format (float16 blocks take half the cache's memory, q8_0 ones about a quarter: int8 rows
+    with their scales, cpullm.kvformat.read_positions)."""
+    return kvformat.read_positions(state[reg["offset"]: reg["offset"] + reg["floats"]], reg, lo, hi)
 
 
 def write_positions(state: np.ndarray, reg: dict, lo: int, kv: np.ndarray) -> None:
-    """Put keys and values (2, n_kv_heads, n, head_dim) of positions [lo, lo + n) into ``state``."""
-    k, v = kv_views(state[reg["offset"]: reg["offset"] + reg["floats"]], reg["n_kv_heads"], reg["cap"],
-                    reg["head_dim"], region_is_f16(reg))
-    rows = np.arange(lo, lo + kv.shape[2]) % reg["cap"]
-    k[:, rows // TILE, :, rows % TILE] = kv[0].transpose(1, 0, 2)
-    v[:, rows, :] = kv[1]
+    """Put keys and values of positions [lo, lo + n) as :func:`read_positions` returns them into ``state``."""
+    kvformat.write_positions(state[reg["offset"]: reg["offset"] + reg["floats"]], reg, lo, kv)
 
 
 class _Block:

@@ -20,13 +20,14 @@ File layout (little endian; no pickle)::
 
     b"CPULLMPC"  u32 version  u32 0  u64 header length  | header JSON | pad to 64 |
     arrays (each at a 64-byte aligned offset from the data start; keys and values in the KV
-    cache's format, float16 or float32, other state float32)
+    cache's format, float16, float32 or q8_0 (int8 rows of head_dim values and the 4 bytes of
+    their float32 scale, cpullm.kvformat.read_positions), other state float32)
 
 The header names the model (family, config hash, weight files, quant) and the runtime (versions,
 KV format, graph hash, CPU), the prompt tokens, and per state region its node, kind, positions
-held, array dtype and checksum; a file saved with another KV format is stale (a miss, never
-converted); it carries a checksum of itself. A file for another model or quant is refused with
-a CacheError; a stale (other version), damaged or truncated one is ignored with a notice and
+held, array dtype and checksum; it carries a checksum of itself. A file for another model,
+quant or KV cache type (``--cache-type``: never converted, the numbers would differ) is refused
+with a CacheError naming the fix; a stale (other version), damaged or truncated one is ignored with a notice and
 rewritten on save. Writes go to a temporary file in the same directory, then ``os.replace``.
 """
 from __future__ import annotations
@@ -42,10 +43,11 @@ import numpy as np
 
 from . import limits
 from .errors import CacheError
-from .kvformat import region_is_f16
+from .kvformat import KV_DTYPES, region_format
 
 MAGIC = b"CPULLMPC"
 VERSION = 2      # 2: KV arrays stored in the model's KV format (entry "dtype"), kv_dtype in the identity
+# (q8_0 files need no new version: a reader without it finds their kv_dtype foreign, not stale)
 _PREFIX = struct.Struct("<8sIIQ")
 _ALIGN = 64
 _MAX_HEADER = 256 * 1024 * 1024
@@ -53,7 +55,7 @@ _MAX_HEADER = 256 * 1024 * 1024
 MODEL_KEYS = ("family", "model_type", "config_sha", "weight_files", "quant")
 
 
-_DTYPES = {"f16": np.float16, "f32": np.float32}
+_DTYPES = {"f16": np.float16, "f32": np.float32, "q8_0": np.int8}
 
 
 def _align(n: int) -> int:
@@ -79,7 +81,7 @@ def model_identity(model) -> dict:
         "config_sha": config_sha(model.config),
         "weight_files": sorted([f[0], f[1]] for f in files),
         "quant": model.quant,
-        "kv_dtype": getattr(model, "kv_dtype", "f32"),   # another format's file is stale: a miss
+        "kv_dtype": getattr(model, "kv_dtype", "f32"),   # another format's file is refused
         "weight_mtimes": sorted([f[0], f[2]] for f in files),
         "plugin": model.family.plugin,
         "plugin_version": model.family.plugin_version,
@@ -149,7 +151,7 @@ def _header_problem(h: dict) -> str | None:
             return f"region {limits.shown(r['node'])} has a bad offset or position range"
         if r["kind"] == "kv":
             if not all(_nat(r.get(k)) for k in ("n_kv_heads", "head_dim", "window")) or \
-                    shape != [2, r["n_kv_heads"], r["hi"] - r["lo"], r["head_dim"]]:
+                    shape != [2, r["n_kv_heads"], r["hi"] - r["lo"], r["head_dim"] + (4 if r["dtype"] == "q8_0" else 0)]:
                 return f"region {limits.shown(r['node'])}: shape does not hold its keys and values"
         elif not _nat(r.get("floats")) or shape != [r["floats"]]:
             return f"region {limits.shown(r['node'])}: shape does not match its floats"
@@ -160,7 +162,8 @@ def _compatible(reg: dict, saved: dict) -> bool:
     if reg["kind"] != saved.get("kind"):
         return False
     if reg["kind"] == "kv":
-        return all(reg[k] == saved.get(k) for k in ("n_kv_heads", "head_dim", "window"))
+        return all(reg[k] == saved.get(k) for k in ("n_kv_heads", "head_dim", "window")) and \
+            saved.get("dtype") == region_format(reg)
     return reg["floats"] == saved.get("floats")
 
 
@@ -237,6 +240,13 @@ class PromptCache:
                 f"{self.path} is a prompt cache for another model or quant (made for "
                 f"{header.get('model_dir')}, quant {saved_id.get('quant')}; differs in: "
                 f"{', '.join(differs)}); give another --prompt-cache file, or delete this one")
+        if saved_id.get("kv_dtype") != self.identity["kv_dtype"]:
+            kv = saved_id.get("kv_dtype")
+            kv = kv if kv in KV_DTYPES else limits.shown(kv)
+            raise CacheError(
+                f"{self.path} was saved with KV cache type {kv}, this model runs "
+                f"{self.identity['kv_dtype']}; load with --cache-type {kv} (kv_dtype={kv!r}), "
+                "or give another --prompt-cache file")
         changed = sorted(k for k in self.identity if saved_id.get(k) != self.identity[k])
         if changed:
             return self._stale(f"stale (changed: {', '.join(changed)})")
@@ -364,7 +374,7 @@ class PromptCache:
                 lo, hi, arr = 0, kv_len, slot.read_kv(reg, 0, kv_len)
             else:
                 lo, hi, arr = snap["regions"][reg["node"]]
-            dtype = "f16" if reg["kind"] == "kv" and region_is_f16(reg) else "f32"
+            dtype = region_format(reg) if reg["kind"] == "kv" else "f32"
             arr = np.ascontiguousarray(arr, dtype=_DTYPES[dtype])      # KV as the cache holds it
             entry = {"node": reg["node"], "kind": reg["kind"], "lo": int(lo), "hi": int(hi),
                      "shape": list(arr.shape), "dtype": dtype, "offset": off, "checksum": checksum(arr)}

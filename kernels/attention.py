@@ -5,6 +5,10 @@ Cache region of one layer inside the flat ``state`` array, at ``c_off`` (cap a m
     K: (n_kv, cap // 16, head_dim, 16)   keys in tiles of 16 slots, transposed inside a tile
     V: (n_kv, cap, head_dim)             values, one row per slot
 
+(float32; a float16 cache the same in 2-byte elements; an 8-bit one the same in int8 bytes,
+then float32 scales KS (n_kv, cap) and VS (n_kv, cap), one per slot's key row and value row:
+:func:`kv_views_q8`, :func:`q8_row`.)
+
 Position p lives in slot ``p % cap`` (K: tile ``slot // 16``, lane ``slot % 16``). A full-attention
 layer has cap = n_ctx (rounded up to 16); a sliding-window layer has cap >= window + max_chunk, so
 a whole prefill chunk fits beside the window it looks back on. Query row t (position pos0 + t)
@@ -33,7 +37,7 @@ import math
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 from .vmath import exp_f32, tanh_f32
 
@@ -45,26 +49,44 @@ _P8 = ir.IntType(8).as_pointer()
 _VF = ir.VectorType(_F32, TILE)
 _PF = _F32.as_pointer()
 _I16 = ir.IntType(16)
+_I8 = ir.IntType(8)
 _HALF = ir.HalfType()
 _VI16 = ir.VectorType(_I16, TILE)
+_VI8 = ir.VectorType(_I8, TILE)
 _VI32 = ir.VectorType(_I32, TILE)
 
-KV_F32, KV_F16 = 0, 1
+KV_F32, KV_F16, KV_Q8 = 0, 1, 2
 """KV storage formats as the instruction table codes them (cpullm.kvformat names them)."""
 
 
 def kv_operand(code: int):
     """The kernels' ``kv16`` operand for a KV format code: None for float32 caches, an int64 for
-    float16 ones. Its type, not its value, selects the format: numba compiles one specialization
-    per type and prunes the ``kv16 is None`` branches, so a cold start compiles only the format
-    the program uses (attention's cold compile: 22 s with both formats, 13-15 s with one)."""
-    return np.int64(1) if int(code) == KV_F16 else None
+    float16 ones, an int8 for 8-bit ones. Its type, not its value, selects the format: numba
+    compiles one specialization per type and keeps only that format's code (``is None`` branches
+    pruned, the helpers below overloaded on the type), so a cold start compiles only the format
+    the program uses (attention's cold compile: 22 s with both float formats, 13-15 s with one)."""
+    code = int(code)
+    if code == KV_F16:
+        return np.int64(KV_F16)
+    if code == KV_Q8:
+        return np.int8(KV_Q8)
+    return None
 
 
-WIDEN_F16C, WIDEN_GENERIC = 1, 2
-"""How the kernels widen float16 to float32: LLVM's ``fpext`` (vcvtph2ps on F16C / AVX-512
-hosts) or integer operations (any host: LLVM would otherwise call a runtime helper that a
-JIT-compiled function may not find)."""
+def _kv_kind(kv) -> int:
+    """The KV format code a ``kv16`` operand's numba type stands for (:func:`kv_operand`)."""
+    if kv is None or isinstance(kv, (types.NoneType, types.Omitted)):
+        return KV_F32
+    if isinstance(kv, types.Integer) and kv.bitwidth == 8:
+        return KV_Q8
+    return KV_F16
+
+
+WIDEN_F16C, WIDEN_GENERIC, WIDEN_I8 = 1, 2, 3
+"""How the kernels widen a cache element to float32: float16 by LLVM's ``fpext`` (vcvtph2ps on
+F16C / AVX-512 hosts) or by integer operations (any host: LLVM would otherwise call a runtime
+helper that a JIT-compiled function may not find); an 8-bit cache's int8 by ``sitofp``
+(vpmovsxbd + vcvtdq2ps), its per-row scale applied outside the dot products."""
 HEADS_PER_PASS = 4   # query heads sharing one tile / value-row load
 PREFETCH_BYTES = 8192
 """Software-prefetch distance in the key-tile and value-row streams of decode (see STREAM_ROWS)."""
@@ -131,10 +153,12 @@ def _widen_h16(b, h, widen):
 
 
 def _vload_kv(b, p, off, widen):
-    """16 consecutive cache values from ``p[off]`` as <16 x float>: ``p`` is float* (widen 0)
-    or i16* of float16 bit patterns (widen WIDEN_F16C / WIDEN_GENERIC)."""
+    """16 consecutive cache values from ``p[off]`` as <16 x float>: ``p`` is float* (widen 0),
+    i16* of float16 bit patterns (widen WIDEN_F16C / WIDEN_GENERIC) or i8* of int8 (WIDEN_I8)."""
     if not widen:
         return _vload(b, p, off)
+    if widen == WIDEN_I8:
+        return b.sitofp(b.load(b.bitcast(b.gep(p, [off]), _VI8.as_pointer()), align=1), _VF)
     h = b.load(b.bitcast(b.gep(p, [off]), _VI16.as_pointer()), align=2)
     return _widen_h16(b, h, widen)
 
@@ -186,6 +210,13 @@ def _remainder_pass(fn, b, nrest, emit, name):
     return ir.IRBuilder(end)
 
 
+def _elem(widen):
+    """(LLVM pointer type, bytes) of one cache element for a widen mode."""
+    if widen == WIDEN_I8:
+        return _I8.as_pointer(), 1
+    return (_I16.as_pointer(), 2) if widen else (_PF, 4)
+
+
 def _define_scores(module, nh: int, pf: int, widen: int = 0):
     """void @cpullm_att_scores_<nh>(f32* q, i64 hd, f32* tile, f32* out, i64 out_st):
     out[j * out_st + l] = sum_d q[j * hd + d] * tile[d * 16 + l] for j < nh, l < 16.
@@ -198,8 +229,7 @@ def _define_scores(module, nh: int, pf: int, widen: int = 0):
     fn = module.globals.get(name)
     if fn is not None:
         return fn
-    tile_ty = _I16.as_pointer() if widen else _PF
-    esize = 2 if widen else 4
+    tile_ty, esize = _elem(widen)
     fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [_PF, _I64, tile_ty, _PF, _I64]), name)
     fn.linkage = "internal"
     fn.attributes.add("alwaysinline")
@@ -266,8 +296,7 @@ def _define_pv(module, nh: int, nv: int, pf: int, widen: int = 0):
     fn = module.globals.get(name)
     if fn is not None:
         return fn
-    v_ty = _I16.as_pointer() if widen else _PF
-    esize = 2 if widen else 4
+    v_ty, esize = _elem(widen)
     fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [_PF, _I64, v_ty, _I64, _I64, _PF, _I64]), name)
     fn.linkage = "internal"
     fn.attributes.add("alwaysinline")
@@ -312,10 +341,15 @@ def _define_pv(module, nh: int, nv: int, pf: int, widen: int = 0):
     return fn
 
 
-def _ptr(context, builder, aty, arr, off, half=False):
-    """&arr[off]; with ``half`` the array's memory read as float16 (i16) elements, off counted in them."""
+def _ptr(context, builder, aty, arr, off, half=False, byte=False):
+    """&arr[off]; with ``half`` the array's memory read as float16 (i16) elements, with ``byte``
+    as int8 elements, off counted in them."""
     a = context.make_array(aty)(context, builder, arr)
-    data = builder.bitcast(a.data, _I16.as_pointer()) if half else a.data
+    data = a.data
+    if byte:
+        data = builder.bitcast(a.data, _I8.as_pointer())
+    elif half:
+        data = builder.bitcast(a.data, _I16.as_pointer())
     return builder.gep(data, [off])
 
 
@@ -338,7 +372,7 @@ def _scores_typer(q, q_off, nq, hd, kt, t_off, out, o_off, o_st, pf, widen=0):
         c = [context.cast(builder, args[i], sig.args[i], types.int64) if isinstance(sig.args[i], types.Integer)
              else None for i in range(9)]
         qp = _ptr(context, builder, sig.args[0], args[0], c[1])
-        tp = _ptr(context, builder, sig.args[4], args[4], c[5], half=bool(w_))
+        tp = _ptr(context, builder, sig.args[4], args[4], c[5], half=bool(w_), byte=w_ == WIDEN_I8)
         op = _ptr(context, builder, sig.args[6], args[6], c[7])
         nq_, hd_, o_st_ = c[2], c[3], c[8]
         fn_ = builder.function
@@ -390,7 +424,7 @@ def _pv_typer(s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd, pf, widen=0):
         c = [context.cast(builder, args[i], sig.args[i], types.int64) if isinstance(sig.args[i], types.Integer)
              else None for i in range(10)]
         sp = _ptr(context, builder, sig.args[0], args[0], c[1])
-        vp = _ptr(context, builder, sig.args[4], args[4], c[5], half=bool(w_))
+        vp = _ptr(context, builder, sig.args[4], args[4], c[5], half=bool(w_), byte=w_ == WIDEN_I8)
         ap = _ptr(context, builder, sig.args[8], args[8], _c64(0))
         s_st_, nq_, v_st_, n_, hd_ = c[2], c[3], c[6], c[7], c[9]
         fn_ = builder.function
@@ -462,6 +496,32 @@ def _pv_rows_stream_h(typingctx, s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd)
     return _pv_typer(s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd, None, None)
 
 
+@intrinsic
+def _scores_tiles_b(typingctx, q, q_off, nq, hd, kt, t_off, out, o_off, o_st):
+    """:func:`_scores_tiles` over int8 keys (t_off counted in bytes); the sums are of q times
+    the stored integers, the keys' scales applied afterwards (:func:`_scale_keys`)."""
+    return _scores_typer(q, q_off, nq, hd, kt, t_off, out, o_off, o_st, 0, WIDEN_I8)
+
+
+@intrinsic
+def _scores_tiles_stream_b(typingctx, q, q_off, nq, hd, kt, t_off, out, o_off, o_st):
+    """:func:`_scores_tiles_stream` over int8 keys."""
+    return _scores_typer(q, q_off, nq, hd, kt, t_off, out, o_off, o_st, None, WIDEN_I8)
+
+
+@intrinsic
+def _pv_rows_b(typingctx, s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd):
+    """:func:`_pv_rows` over int8 values (v_off, v_st counted in bytes); the weights ``s`` carry
+    the values' scales (:func:`_scale_values`)."""
+    return _pv_typer(s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd, 0, WIDEN_I8)
+
+
+@intrinsic
+def _pv_rows_stream_b(typingctx, s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd):
+    """:func:`_pv_rows_stream` over int8 values."""
+    return _pv_typer(s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd, None, WIDEN_I8)
+
+
 def _widen16_typer(src, s_off, out, o_off, widen):
     if not (isinstance(src, types.Array) and isinstance(out, types.Array) and out.dtype == types.float32
             and src.ndim == 1 and out.ndim == 1 and src.dtype in (types.float32, types.uint16)
@@ -506,6 +566,46 @@ def _load_h(typingctx, arr, idx):
         h = builder.load(p, align=2)
         vec = builder.insert_element(ir.Constant(_VI16, ir.Undefined), h, ir.Constant(_I32, 0))
         return builder.extract_element(_widen_h16(builder, vec, _widen_mode()), ir.Constant(_I32, 0))
+    return sig, codegen
+
+
+@intrinsic
+def _fdiv(typingctx, a, b):
+    """a / b for float32 operands as one IEEE division (no fast-math flags, which a caller
+    compiled with fastmath would otherwise pass on: x / 127 became x * (1 / 127))."""
+    if not (a == types.float32 and b == types.float32):
+        return None
+    sig = types.float32(a, b)
+
+    def codegen(context, builder, sig, args):
+        return builder.fdiv(args[0], args[1])
+    return sig, codegen
+
+
+@intrinsic
+def _load_b(typingctx, arr, idx):
+    """float32 value of the int8 element (byte) ``idx`` of ``arr``'s memory."""
+    if not (isinstance(arr, types.Array) and isinstance(idx, types.Integer)):
+        return None
+    sig = types.float32(arr, idx)
+
+    def codegen(context, builder, sig, args):
+        i = context.cast(builder, args[1], sig.args[1], types.int64)
+        return builder.sitofp(builder.load(_ptr(context, builder, sig.args[0], args[0], i, byte=True), align=1), _F32)
+    return sig, codegen
+
+
+@intrinsic
+def _store_b(typingctx, arr, idx, q):
+    """Store the integer ``q`` (-127 .. 127) as the int8 element (byte) ``idx`` of ``arr``'s memory."""
+    if not (isinstance(arr, types.Array) and isinstance(idx, types.Integer) and isinstance(q, types.Integer)):
+        return None
+    sig = types.void(arr, idx, q)
+
+    def codegen(context, builder, sig, args):
+        i = context.cast(builder, args[1], sig.args[1], types.int64)
+        builder.store(builder.trunc(args[2], _I8), _ptr(context, builder, sig.args[0], args[0], i, byte=True), align=1)
+        return context.get_dummy_value()
     return sig, codegen
 
 
@@ -574,15 +674,110 @@ def kv_write_h(values, out):
         out[i] = f16_bits(values[i])
 
 
+@njit(cache=True, nogil=True, error_model="numpy", fastmath=False)
+def q8_row(arena, src, state, dst, step, si, hd):
+    """Store the hd values arena[src:src + hd] as int8 bytes dst, dst + step, ... of ``state``'s
+    memory with one float32 scale, state[si] = max|x| / 127: q = rint(x * (127 / max|x|)),
+    within [-127, 127] (symmetric, as ggml's Q8_0). A row of zeros stores zeros and scale 0.
+    ``fastmath=False`` is explicit: a callee without it inherits the caller's (attention's), and
+    fastmath's reciprocal rewrites (x / 127 as x * (1 / 127)) changed scales in their last bit.
+    The divisions are single IEEE ones (:func:`_fdiv`) for the same reason."""
+    amax = np.float32(0.0)
+    for d in range(hd):
+        a = abs(arena[src + d])
+        amax = a if a > amax else amax
+    inv = np.float32(0.0)
+    if amax > 0:
+        inv = _fdiv(np.float32(127.0), amax)
+    for d in range(hd):
+        q = np.rint(arena[src + d] * inv)
+        q = min(max(q, np.float32(-127.0)), np.float32(127.0))
+        _store_b(state, dst + d * step, np.int64(q))
+    state[si] = _fdiv(amax, np.float32(127.0))
+
+
+def q8_rows_ref(x):
+    """numpy reference of :func:`q8_row` over the last axis: (int8 values, float32 scales)."""
+    x = np.asarray(x, np.float32)
+    amax = np.abs(x).max(-1)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127.0) / amax, np.float32(0.0)).astype(np.float32)
+    q = np.clip(np.rint(x * inv[..., None]), -127, 127).astype(np.int8)
+    return q, (amax / np.float32(127.0)).astype(np.float32)
+
+
+def _kv_base(kv16, c_off):
+    """The element offset of a cache region at float offset ``c_off``, in its format's elements
+    (float32: c_off; float16: 2 * c_off; int8: 4 * c_off)."""
+    raise NotImplementedError("called from compiled code only")
+
+
+@overload(_kv_base)
+def _ov_kv_base(kv16, c_off):
+    kind = _kv_kind(kv16)
+    if kind == KV_Q8:
+        return lambda kv16, c_off: 4 * c_off
+    if kind == KV_F16:
+        return lambda kv16, c_off: 2 * c_off
+    return lambda kv16, c_off: c_off
+
+
+def _write_row(kv16, arena, src, state, dst, step, si, hd):
+    """Store the hd values arena[src:] as cache elements dst, dst + step, ... in the format of
+    ``kv16`` (float32 as they are; float16 rounded to nearest even; int8 with their scale at
+    state[si], :func:`q8_row`)."""
+    raise NotImplementedError("called from compiled code only")
+
+
+@overload(_write_row)
+def _ov_write_row(kv16, arena, src, state, dst, step, si, hd):
+    kind = _kv_kind(kv16)
+    if kind == KV_Q8:
+        def impl(kv16, arena, src, state, dst, step, si, hd):
+            q8_row(arena, src, state, dst, step, si, hd)
+    elif kind == KV_F16:
+        def impl(kv16, arena, src, state, dst, step, si, hd):
+            for d in range(hd):
+                _store_h(state, dst + d * step, f16_bits(arena[src + d]))
+    else:
+        def impl(kv16, arena, src, state, dst, step, si, hd):
+            for d in range(hd):
+                state[dst + d * step] = arena[src + d]
+    return impl
+
+
+def _load_kv(kv16, state, idx):
+    """Cache element ``idx`` (counted in the format's elements) as float32."""
+    raise NotImplementedError("called from compiled code only")
+
+
+@overload(_load_kv)
+def _ov_load_kv(kv16, state, idx):
+    kind = _kv_kind(kv16)
+    if kind == KV_Q8:
+        return lambda kv16, state, idx: _load_b(state, idx)
+    if kind == KV_F16:
+        return lambda kv16, state, idx: _load_h(state, idx)
+    return lambda kv16, state, idx: state[idx]
+
+
+def q8_scales_offset(c_off, n_kv, cap, head_dim):
+    """Float offset, in ``state``, of an 8-bit region's scales: (n_kv, cap) float32 of the keys,
+    then (n_kv, cap) of the values, after the int8 keys and values (2 * n_kv * cap * head_dim
+    bytes from byte 4 * c_off)."""
+    return c_off + n_kv * cap * head_dim // 2
+
+
 @njit(cache=True, nogil=True)
 def kv_write(arena, state, k_off, k_st, v_off, v_st, n_kv, head_dim, c_off, cap, pos0, T, kv16):
-    """Copy the T new key/value rows into their cache slots (keys into their tile lane). With
-    ``kv16`` not None (:func:`kv_operand`) the region at float offset c_off holds float16 elements (from element 2 * c_off),
-    each rounded to nearest even (:func:`f16_bits`)."""
-    base = c_off
-    if kv16 is not None:
-        base = 2 * c_off
-    v_base = base + n_kv * cap * head_dim
+    """Copy the T new key/value rows into their cache slots (keys into their tile lane), in the
+    format ``kv16`` selects (:func:`kv_operand`): float32 as they are; float16 (from element
+    2 * c_off) each rounded to nearest even (:func:`f16_bits`); int8 (from byte 4 * c_off) with
+    one scale per (slot, KV head) row of keys and of values (:func:`q8_row`)."""
+    base = _kv_base(kv16, c_off)
+    size = n_kv * cap * head_dim
+    v_base = base + size
+    s_base = c_off + size // 2                   # int8 only: the scales (q8_scales_offset)
     for t in range(T):
         slot = (pos0 + t) % cap
         tile_base = (slot // TILE) * head_dim * TILE + slot % TILE
@@ -591,16 +786,8 @@ def kv_write(arena, state, k_off, k_st, v_off, v_st, n_kv, head_dim, c_off, cap,
             vdst = v_base + h * cap * head_dim + slot * head_dim
             src_k = k_off + t * k_st + h * head_dim
             src_v = v_off + t * v_st + h * head_dim
-            if kv16 is not None:
-                for d in range(head_dim):
-                    _store_h(state, kdst + d * TILE, f16_bits(arena[src_k + d]))
-                for d in range(head_dim):
-                    _store_h(state, vdst + d, f16_bits(arena[src_v + d]))
-            else:
-                for d in range(head_dim):
-                    state[kdst + d * TILE] = arena[src_k + d]
-                for d in range(head_dim):
-                    state[vdst + d] = arena[src_v + d]
+            _write_row(kv16, arena, src_k, state, kdst, TILE, s_base + h * cap + slot, head_dim)
+            _write_row(kv16, arena, src_v, state, vdst, 1, s_base + (n_kv + h) * cap + slot, head_dim)
 
 
 _NO_REASSOC = {"nnan", "ninf", "nsz", "arcp", "afn"}
@@ -643,41 +830,125 @@ def _softmax_rows(scores, nq, c0, c1, softcap, mx, tot):
         tot[j] = total
 
 
-@njit(cache=True, inline="always")
 def _scores(stream, kv16, q, nq, hd, kt, t_off, out, o_off, o_st):
-    """_scores_tiles (q from offset 0), with the key-stream prefetch when ``stream``; over float16
-    keys when ``kv16`` is not None."""
-    if kv16 is not None:
-        if stream:
-            _scores_tiles_stream_h(q, 0, nq, hd, kt, t_off, out, o_off, o_st)
-        else:
-            _scores_tiles_h(q, 0, nq, hd, kt, t_off, out, o_off, o_st)
-    elif stream:
-        _scores_tiles_stream(q, 0, nq, hd, kt, t_off, out, o_off, o_st)
+    """_scores_tiles (q from offset 0) over the cache format of ``kv16``, with the key-stream
+    prefetch when ``stream``. int8 keys: sums of q times the stored integers (:func:`_scale_keys`
+    applies their scales)."""
+    raise NotImplementedError("called from compiled code only")
+
+
+@overload(_scores)
+def _ov_scores(stream, kv16, q, nq, hd, kt, t_off, out, o_off, o_st):
+    kind = _kv_kind(kv16)
+    if kind == KV_Q8:
+        def impl(stream, kv16, q, nq, hd, kt, t_off, out, o_off, o_st):
+            if stream:
+                _scores_tiles_stream_b(q, 0, nq, hd, kt, t_off, out, o_off, o_st)
+            else:
+                _scores_tiles_b(q, 0, nq, hd, kt, t_off, out, o_off, o_st)
+    elif kind == KV_F16:
+        def impl(stream, kv16, q, nq, hd, kt, t_off, out, o_off, o_st):
+            if stream:
+                _scores_tiles_stream_h(q, 0, nq, hd, kt, t_off, out, o_off, o_st)
+            else:
+                _scores_tiles_h(q, 0, nq, hd, kt, t_off, out, o_off, o_st)
     else:
-        _scores_tiles(q, 0, nq, hd, kt, t_off, out, o_off, o_st)
+        def impl(stream, kv16, q, nq, hd, kt, t_off, out, o_off, o_st):
+            if stream:
+                _scores_tiles_stream(q, 0, nq, hd, kt, t_off, out, o_off, o_st)
+            else:
+                _scores_tiles(q, 0, nq, hd, kt, t_off, out, o_off, o_st)
+    return impl
 
 
-@njit(cache=True, inline="always")
 def _pv(stream, kv16, s, s_off, s_st, nq, v, v_off, n, acc, hd):
-    """_pv_rows over n consecutive value rows (row stride hd), with the prefetch when ``stream``;
-    over float16 values when ``kv16`` is not None."""
-    if kv16 is not None:
-        if stream:
-            _pv_rows_stream_h(s, s_off, s_st, nq, v, v_off, hd, n, acc, hd)
-        else:
-            _pv_rows_h(s, s_off, s_st, nq, v, v_off, hd, n, acc, hd)
-    elif stream:
-        _pv_rows_stream(s, s_off, s_st, nq, v, v_off, hd, n, acc, hd)
+    """_pv_rows over n consecutive value rows (row stride hd) in the cache format of ``kv16``,
+    with the prefetch when ``stream`` (int8 values: ``s`` carries their scales, :func:`_scale_values`)."""
+    raise NotImplementedError("called from compiled code only")
+
+
+@overload(_pv)
+def _ov_pv(stream, kv16, s, s_off, s_st, nq, v, v_off, n, acc, hd):
+    kind = _kv_kind(kv16)
+    if kind == KV_Q8:
+        def impl(stream, kv16, s, s_off, s_st, nq, v, v_off, n, acc, hd):
+            if stream:
+                _pv_rows_stream_b(s, s_off, s_st, nq, v, v_off, hd, n, acc, hd)
+            else:
+                _pv_rows_b(s, s_off, s_st, nq, v, v_off, hd, n, acc, hd)
+    elif kind == KV_F16:
+        def impl(stream, kv16, s, s_off, s_st, nq, v, v_off, n, acc, hd):
+            if stream:
+                _pv_rows_stream_h(s, s_off, s_st, nq, v, v_off, hd, n, acc, hd)
+            else:
+                _pv_rows_h(s, s_off, s_st, nq, v, v_off, hd, n, acc, hd)
     else:
-        _pv_rows(s, s_off, s_st, nq, v, v_off, hd, n, acc, hd)
+        def impl(stream, kv16, s, s_off, s_st, nq, v, v_off, n, acc, hd):
+            if stream:
+                _pv_rows_stream(s, s_off, s_st, nq, v, v_off, hd, n, acc, hd)
+            else:
+                _pv_rows(s, s_off, s_st, nq, v, v_off, hd, n, acc, hd)
+    return impl
+
+
+def _scale_keys(kv16, state, ks_base, scores, nq, width, t0, cap):
+    """int8 keys: multiply score column c of each of the nq rows of ``scores`` (row stride
+    ``width``; column c is slot (16 t0 + c) mod cap) by its key's scale; other formats: nothing."""
+    raise NotImplementedError("called from compiled code only")
+
+
+@overload(_scale_keys)
+def _ov_scale_keys(kv16, state, ks_base, scores, nq, width, t0, cap):
+    if _kv_kind(kv16) != KV_Q8:
+        return lambda kv16, state, ks_base, scores, nq, width, t0, cap: None
+
+    def impl(kv16, state, ks_base, scores, nq, width, t0, cap):
+        s0 = t0 * TILE
+        first = min(width, cap - s0)             # columns before the ring wraps to slot 0
+        ks1 = state[ks_base + s0: ks_base + s0 + first]
+        ks2 = state[ks_base: ks_base + width - first]
+        for j in range(nq):                      # views, not offset indexing: the loops vectorize
+            row = scores[j * width: j * width + first]
+            for i in range(first):
+                row[i] *= ks1[i]
+            rest = scores[j * width + first: j * width + width]
+            for i in range(width - first):
+                rest[i] *= ks2[i]
+    return impl
+
+
+def _scale_values(kv16, state, vs_base, scores, nq, width, c0, a, n, cap):
+    """int8 values: multiply the softmax weight of slot a + i (mod cap), column c0 + i of each
+    row of ``scores``, by that value row's scale, i < n (the sum of exponentials is already
+    taken); other formats: nothing."""
+    raise NotImplementedError("called from compiled code only")
+
+
+@overload(_scale_values)
+def _ov_scale_values(kv16, state, vs_base, scores, nq, width, c0, a, n, cap):
+    if _kv_kind(kv16) != KV_Q8:
+        return lambda kv16, state, vs_base, scores, nq, width, c0, a, n, cap: None
+
+    def impl(kv16, state, vs_base, scores, nq, width, c0, a, n, cap):
+        first = min(n, cap - a)
+        vs1 = state[vs_base + a: vs_base + a + first]
+        vs2 = state[vs_base: vs_base + n - first]
+        for j in range(nq):
+            row = scores[j * width + c0: j * width + c0 + first]
+            for i in range(first):
+                row[i] *= vs1[i]
+            rest = scores[j * width + c0 + first: j * width + c0 + n]
+            for i in range(n - first):
+                rest[i] *= vs2[i]
+    return impl
 
 
 @njit(cache=True, fastmath=_NO_REASSOC, error_model="numpy")
-def _attend_part(arena, state, q0, nq, hd, k_base, v_base, cap, lo, p, scale, softcap, qbuf, scores, acc, mx, tot,
-                 stream, kv16):
+def _attend_part(arena, state, q0, nq, hd, k_base, v_base, ks_base, vs_base, cap, lo, p, scale, softcap, qbuf,
+                 scores, acc, mx, tot, stream, kv16):
     """Query heads q0 .. q0 + nq - 1 (arena offsets q0 + j*hd) of one KV head (keys at k_base,
-    values at v_base in ``state``, counted in float16 elements when ``kv16`` is not None) over cached
+    values at v_base in ``state``, counted in the cache format's elements; an int8 cache's
+    per-slot scales of this head at float offsets ks_base and vs_base) over cached
     positions [lo, p] (p >= lo): acc[j*hd:] the
     unnormalized sum of exp(s - mx[j]) * value rows, tot[j] the sum of the exponentials.
 
@@ -700,8 +971,10 @@ def _attend_part(arena, state, q0, nq, hd, k_base, v_base, cap, lo, p, scale, so
         if tile >= ntiles_cap:
             tile -= ntiles_cap
         _scores(stream, kv16, qbuf, nq, hd, state, k_base + tile * hd * TILE, scores, c * TILE, width)
+    _scale_keys(kv16, state, ks_base, scores, nq, width, t0, cap)
     s2 = scores[: nq * width].reshape(nq, width)
     _softmax_rows(s2, nq, c0, c0 + n, softcap, mx, tot)
+    _scale_values(kv16, state, vs_base, scores, nq, width, c0, a, n, cap)
     for i in range(nq * hd):
         acc[i] = 0.0
     first = min(n, cap - a)                      # slots a .. a + first - 1, then 0 .. n - first - 1
@@ -718,12 +991,8 @@ def _attend_part(arena, state, q0, nq, hd, k_base, v_base, cap, lo, p, scale, so
             for j in range(nq):
                 w = s2[j, c0 + i]
                 aj = acc[j * hd: j * hd + hd]
-                if kv16 is not None:
-                    for d in range(hd):
-                        aj[d] += w * _load_h(state, r0 + d)
-                else:
-                    for d in range(hd):
-                        aj[d] += w * state[r0 + d]
+                for d in range(hd):
+                    aj[d] += w * _load_kv(kv16, state, r0 + d)
 
 
 @njit(cache=True, inline="always")
@@ -801,8 +1070,12 @@ pair's keys so that every thread gets the same number of equal jobs."""
 def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
               n_heads, n_kv, head_dim, c_off, cap, scale, softcap, window, pos0, T, nthreads, kv16):
     """Write the new K/V rows, then attend: one job per (query row, KV head, range of its keys).
-    ``kv16`` (:func:`kv_operand`): None for a float32 cache; not None, the cache region holds
-    float16 keys and values, widened to float32 as they are loaded; softmax and sums stay float32.
+    ``kv16`` (:func:`kv_operand`): None for a float32 cache; an int64, the cache region holds
+    float16 keys and values, widened to float32 as they are loaded; an int8, it holds int8 keys
+    and values with a float32 scale per (slot, KV head) row of each (:func:`q8_row`): a score is
+    the query's dot product with the stored integers times the key's scale, and each softmax
+    weight is multiplied by its value row's scale before the weighted sum. Softmax and sums stay
+    float32 in every format.
 
     All query heads sharing a KV head are one job, so each cached key tile and value row is
     loaded once per job. Prefill has a job per (row, KV head); with fewer (row, KV head) pairs
@@ -817,9 +1090,8 @@ def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
     kv_write(arena, state, k_off, k_st, v_off, v_st, n_kv, head_dim, c_off, cap, pos0, T, kv16)
     group = n_heads // n_kv
     size = n_kv * cap * head_dim
-    base = c_off                                    # in elements of the cache's format
-    if kv16 is not None:
-        base = 2 * c_off
+    base = _kv_base(kv16, c_off)                    # in elements of the cache's format
+    s_base = c_off + size // 2                      # int8 caches: their scales (q8_scales_offset)
     span = pos0 + T if window <= 0 else min(pos0 + T, window)
     pairs = T * n_kv
     splits = key_splits(pairs, nthreads, pos0)
@@ -846,7 +1118,8 @@ def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
             k1 = lo + n * (s + 1) // splits - 1
             q0 = q_off + t * q_st + kvh * group * hd
             _attend_part(arena, state, q0, group, hd, base + kvh * cap * hd, base + size + kvh * cap * hd,
-                         cap, k0, k1, scale, softcap, qbuf, scores, acc, mx, tot, T <= STREAM_ROWS, kv16)
+                         s_base + kvh * cap, s_base + (n_kv + kvh) * cap, cap, k0, k1, scale, softcap, qbuf,
+                         scores, acc, mx, tot, T <= STREAM_ROWS, kv16)
             if splits == 1:
                 _normalize_into(arena, o_off + t * o_st + kvh * group * hd, acc, tot, group, hd)
             else:
@@ -859,11 +1132,21 @@ def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
                            group, hd)
 
 
+def q8_dequantize_ref(x, head_dim):
+    """(L, n*head_dim) float32 rows as an 8-bit cache holds them: each head's row of head_dim
+    values quantized (:func:`q8_rows_ref`) and multiplied back by its scale."""
+    x = np.asarray(x, np.float32)
+    rows = x.reshape(x.shape[0], -1, head_dim)
+    q, sc = q8_rows_ref(rows)
+    return (q.astype(np.float32) * sc[..., None]).reshape(x.shape)
+
+
 def attention_ref(q, k, v, n_heads, n_kv, head_dim, scale, softcap=0.0, window=0, pos0=0,
-                  k_past=None, v_past=None, kv16=False):
+                  k_past=None, v_past=None, kv16=False, kv8=False):
     """q (T, nh*hd), k/v (T, nkv*hd) for positions pos0.., with optional past k/v (pos0, nkv*hd).
     Returns (T, nh*hd), computed as transformers' eager attention (scale, softcap, mask, softmax).
-    ``kv16``: keys and values rounded to float16 first, as a float16 KV cache stores them."""
+    ``kv16``: keys and values rounded to float16 first, as a float16 KV cache stores them;
+    ``kv8``: quantized to int8 per (position, head) row and scaled back, as an 8-bit cache."""
     T = q.shape[0]
     if k_past is not None:
         k = np.concatenate([k_past, k])
@@ -871,6 +1154,8 @@ def attention_ref(q, k, v, n_heads, n_kv, head_dim, scale, softcap=0.0, window=0
     if kv16:
         k = np.asarray(k, np.float32).astype(np.float16)
         v = np.asarray(v, np.float32).astype(np.float16)
+    if kv8:
+        k, v = q8_dequantize_ref(k, head_dim), q8_dequantize_ref(v, head_dim)
     L = k.shape[0]
     qh = q.reshape(T, n_heads, head_dim).transpose(1, 0, 2).astype(np.float64)
     kh = k.reshape(L, n_kv, head_dim).transpose(1, 0, 2).astype(np.float64)
@@ -903,3 +1188,14 @@ def kv_views(region: np.ndarray, n_kv: int, cap: int, head_dim: int, kv16: bool 
     size = n_kv * cap * head_dim
     return (region[:size].reshape(n_kv, cap // TILE, head_dim, TILE),
             region[size: 2 * size].reshape(n_kv, cap, head_dim))
+
+
+def kv_views_q8(region: np.ndarray, n_kv: int, cap: int, head_dim: int):
+    """An 8-bit region's (K tiles (n_kv, cap // 16, head_dim, 16) int8, V (n_kv, cap, head_dim)
+    int8, key scales (n_kv, cap) float32, value scales (n_kv, cap) float32), views of its flat
+    float32 memory (n_kv * cap * (head_dim + 4) / 2 floats; :func:`q8_scales_offset`)."""
+    size = n_kv * cap * head_dim
+    b = region[: size // 2].view(np.int8)
+    sc = region[size // 2: size // 2 + 2 * n_kv * cap]
+    return (b[:size].reshape(n_kv, cap // TILE, head_dim, TILE), b[size: 2 * size].reshape(n_kv, cap, head_dim),
+            sc[: n_kv * cap].reshape(n_kv, cap), sc[n_kv * cap:].reshape(n_kv, cap))

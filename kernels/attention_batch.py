@@ -14,20 +14,20 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .attention import (MAX_CHUNKS, STREAM_ROWS, TILE, _attend_part, _combine_parts, _keep_part,
+from .attention import (MAX_CHUNKS, STREAM_ROWS, TILE, _attend_part, _combine_parts, _keep_part, _kv_base,
                         _normalize_into, key_splits, kv_write)
 
 
 @njit(cache=True, parallel=True, fastmath=True, error_model="numpy")
 def attention_decode_batch(arena, states, slots, positions, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
                            n_heads, n_kv, head_dim, c_off, cap, scale, softcap, window, nthreads, kv16):
-    """``kv16``: None for float32 caches, an int64 for float16 ones (as attention(); kv_operand)."""
+    """``kv16``: None for float32 caches, an int64 for float16 ones, an int8 for 8-bit ones (as
+    attention(); kv_operand)."""
     B = slots.shape[0]
     group = n_heads // n_kv
     size = n_kv * cap * head_dim
-    base = c_off
-    if kv16 is not None:
-        base = 2 * c_off
+    base = _kv_base(kv16, c_off)
+    s_base = c_off + size // 2                         # int8 caches: their scales
     hd = head_dim
     splits = np.ones(B, np.int64)
     first_job = np.zeros(B + 1, np.int64)
@@ -69,8 +69,8 @@ def attention_decode_batch(arena, states, slots, positions, q_off, q_st, k_off, 
             k1 = lo + n * (r + 1) // sp - 1
             q0 = q_off + s * q_st + kvh * group * hd
             _attend_part(arena, states[slots[s]], q0, group, hd, base + kvh * cap * hd,
-                         base + size + kvh * cap * hd, cap, k0, k1, scale, softcap, qbuf, scores, acc, mx, tot,
-                         1 <= STREAM_ROWS, kv16)
+                         base + size + kvh * cap * hd, s_base + kvh * cap, s_base + (n_kv + kvh) * cap, cap, k0, k1,
+                         scale, softcap, qbuf, scores, acc, mx, tot, 1 <= STREAM_ROWS, kv16)
             if sp == 1:
                 _normalize_into(arena, o_off + s * o_st + kvh * group * hd, acc, tot, group, hd)
             else:

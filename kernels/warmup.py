@@ -103,32 +103,41 @@ RUN_FLAGS = ("linear_state", "blocks", "embed_blocks", "layernorm", "kv16")
 """interpreter.run's optional operands, in its argument order: each an array for a program with
 the instructions that read it (GATED_DELTA run by the interpreter; a LINEAR over raw ggml blocks;
 an EMBED table of raw blocks; LAYERNORM), None otherwise, and numba compiles one specialization
-of run per combination, without the kernels of the None ones. ``kv16``: an int64 for a program
-whose KV caches are float16 (attention.kv_operand), None for float32 ones."""
+of run per combination, without the kernels of the None ones. ``kv16``: the KV caches' format
+code (attention.KV_*; 0 or False: float32), whose operand (attention.kv_operand) is None for
+float32 caches, an int64 for float16 ones, an int8 for 8-bit ones."""
 
 
 def run_flags(I) -> dict:
     """Which of RUN_FLAGS a compiled program's instruction table ``I`` needs (the executor passes
     the operands accordingly)."""
     import numpy as np
-    from .attention import KV_F16
+    from .attention import KV_F32
     mine = I[:, P.COL_IMPL] == P.IMPL_INTERPRETER
     op = I[:, P.COL_OP]
     return {"linear_state": bool(np.any(mine & (op == P.OP_GATED_DELTA))),
             "blocks": bool(np.any(mine & (op == P.OP_LINEAR) & (I[:, P.LINEAR_KIND] == P.WEIGHT_BLOCKS))),
             "embed_blocks": bool(np.any(mine & (op == P.OP_EMBED) & (I[:, P.EMBED_KIND] == P.WEIGHT_BLOCKS))),
             "layernorm": bool(np.any(mine & (op == P.OP_LAYERNORM))),
-            "kv16": bool(np.any((op == P.OP_ATTENTION) & (I[:, P.ATTENTION_KV_FORMAT] == KV_F16)))}
+            "kv16": int(np.max(I[op == P.OP_ATTENTION, P.ATTENTION_KV_FORMAT], initial=KV_F32))}
 
 
 def run_unit(flags: dict) -> str:
     """The warm-up unit of interpreter.run with these RUN_FLAGS, e.g. ``run+blocks+layernorm``."""
-    return "run" + "".join(f"+{f}" for f in RUN_FLAGS if flags.get(f))
+    return "run" + "".join(f"+{_flag_name(f, flags[f])}" for f in RUN_FLAGS if flags.get(f))
+
+
+def _flag_name(flag: str, value) -> str:
+    """A RUN_FLAGS entry's part of a unit name (the 8-bit KV format's: ``kv8``)."""
+    from .attention import KV_Q8
+    return "kv8" if flag == "kv16" and value == KV_Q8 else flag
 
 
 def run_signature(flags: dict) -> tuple:
     """The signature of interpreter.run as the executor calls it with these RUN_FLAGS."""
-    optional = {"linear_state": ARENA, "blocks": WB, "embed_blocks": WB, "layernorm": WF, "kv16": i64}
+    from .attention import KV_Q8
+    optional = {"linear_state": ARENA, "blocks": WB, "embed_blocks": WB, "layernorm": WF,
+                "kv16": nt.int8 if flags.get("kv16") == KV_Q8 else i64}
     return (PROG_I, PROG_F, i64, i64, INTS, INTS, ARENA, ARENA, WQ, WS, WF, XQ, ARENA,
             *(optional[f] if flags.get(f) else nt.none for f in RUN_FLAGS))
 
@@ -138,7 +147,11 @@ def _kernels(unit: str) -> list:
     from . import (attention, elementwise, gated_delta, interpreter, kquant_gemm, kquant_panels, moe, norm,
                    pointwise, q8_gemm, q8_panels, rope)
     if unit.startswith("run"):
-        return [(interpreter.run, run_signature({f: True for f in unit.split("+")[1:]}))]
+        parts = unit.split("+")[1:]
+        flags = {f: True for f in parts if f != "kv8"}
+        if "kv8" in parts:
+            flags["kv16"] = attention.KV_Q8
+        return [(interpreter.run, run_signature(flags))]
     f32_2, i16_2, wb2 = _arr(nt.float32, 2), _arr(nt.int16, 2), _arr(nt.uint8, 2, readonly=True)
     table = {
         "linear": [(interpreter._linear_rows, (PROG_I, i64, ARENA, WQ, WS, WF, XQ, ARENA, i64, i64))],
@@ -150,6 +163,8 @@ def _kernels(unit: str) -> list:
                  (rope.rope_par, (ARENA, *[i64] * 7, WF, i64, f64, i64, i64))],
         "attention": [(attention.attention, (ARENA, ARENA, *[i64] * 13, f64, f64, i64, i64, i64, i64, nt.none))],
         "attention_f16": [(attention.attention, (ARENA, ARENA, *[i64] * 13, f64, f64, i64, i64, i64, i64, i64))],
+        "attention_q8": [(attention.attention, (ARENA, ARENA, *[i64] * 13, f64, f64, i64, i64, i64, i64,
+                                                nt.int8))],
         "glu": [(elementwise.glu_rows, (ARENA, *[i64] * 10)), (elementwise.glu_par, (ARENA, *[i64] * 9))],
         "binary": [(elementwise.binary_rows, (ARENA, *[i64] * 10)), (elementwise.binary_par, (ARENA, *[i64] * 9))],
         "unary": [(elementwise.unary_rows, (ARENA, *[i64] * 6, f64, i64, i64))],
@@ -202,6 +217,7 @@ UNITS = {
     "rope": (None, 1.3, "rope", True),
     "attention": (None, 11.6, "attention", True),         # float32 KV caches
     "attention_f16": (None, 11.6, "attention", True),     # float16 KV caches
+    "attention_q8": (None, 11.6, "attention", True),      # 8-bit KV caches
     "glu": (None, 0.9, "glu", True),
     "binary": (None, 0.8, "binary", True),
     "unary": (None, 0.3, "unary", True),
@@ -226,12 +242,13 @@ it compiles: the split gives the child that much more."""
 
 
 def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True, blocks: bool | None = None,
-              embed_blocks: bool | None = None, kv16: bool = False) -> list[str]:
+              embed_blocks: bool | None = None, kv16: int = 0) -> list[str]:
     """The units a graph with these op names needs, ``run`` last. ``linear_state``: it has
     GATED_DELTA ops the interpreter runs, not a plugin kernel; ``q8_prefill``: a body LINEAR of a
     GGUF run as it is has q8 weights (Q8_0), so prefill needs the q8 GEMM; ``blocks`` /
     ``embed_blocks``: a LINEAR / the EMBED reads raw ggml blocks (default: quant is a block mode);
-    ``kv16``: the KV caches are float16 (only that attention specialization is compiled)."""
+    ``kv16``: the KV caches' format code (attention.KV_*; True: float16; only that attention
+    specialization is compiled)."""
     from .q8_gemm import GEMM_ISA
     ops = set(op_names)
     if blocks is None:
@@ -250,7 +267,7 @@ def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True,
             continue
         if unit == "embed_blocks" and not embed_blocks:
             continue
-        if unit == ("attention" if kv16 else "attention_f16"):
+        if unit.startswith("attention") and unit != ("attention", "attention_f16", "attention_q8")[int(kv16)]:
             continue
         if needs is None or ops & set(needs):
             out.append(unit)
@@ -505,7 +522,7 @@ class Warmup:
 
 
 def warmup_for_graph(graph, quant: str, kernels=(), q8_prefill: bool = True, blocks: bool | None = None,
-                     embed_blocks: bool | None = None, kv16: bool = False) -> Warmup:
+                     embed_blocks: bool | None = None, kv16: int = 0) -> Warmup:
     """A started :class:`Warmup` for the units ``graph`` needs (``kernels``: plugin KernelSpecs,
     whose ops the interpreter does not run; the rest: see :func:`units_for`)."""
     ops, linear_state = set(), False
@@ -513,7 +530,7 @@ def warmup_for_graph(graph, quant: str, kernels=(), q8_prefill: bool = True, blo
         ops.add(n.op.name)
         if n.op.name == "GATED_DELTA" and not any(int(k.op) == int(n.op) and k.supports(n) for k in kernels):
             linear_state = True
-    kv16 = kv16 and "ATTENTION" in ops          # as run_flags reads it off the compiled program
+    kv16 = int(kv16) if "ATTENTION" in ops else 0      # as run_flags reads it off the compiled program
     return Warmup(units_for(ops, quant, linear_state, q8_prefill, blocks, embed_blocks, kv16)).start()
 
 

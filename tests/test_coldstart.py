@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import numba
 import pytest
 
 from cpullm.kernels import warmup
@@ -38,6 +39,9 @@ def test_units_follow_the_graph_ops():
     assert "attention" in units and "attention_f16" not in units
     f16 = warmup.units_for(LLAMA_OPS, "gguf", False, q8_prefill=False, blocks=True, embed_blocks=False, kv16=True)
     assert "attention_f16" in f16 and "attention" not in f16 and f16[-1] == "run+blocks+kv16"
+    q8 = warmup.units_for(LLAMA_OPS, "int8", False, kv16=2)                  # attention.KV_Q8
+    assert "attention_q8" in q8 and not {"attention", "attention_f16"} & set(q8) and q8[-1] == "run+kv8"
+    assert warmup._kernels("run+kv8")[0][1][-1] == warmup._kernels("attention_q8")[0][1][-1] == numba.types.int8
 
 
 def test_split_gives_each_unit_to_one_process_and_keeps_groups_together():

@@ -21,13 +21,14 @@ from test_cache_family import (HYBRID, WINDOW, _hybrid_registered, hybrid_dir,  
 IDS = [int(t) for t in np.random.default_rng(3).integers(0, 256, 20)]
 
 
-@pytest.mark.parametrize("max_chunk,kv_dtype", [(512, None), (8, "f32")])     # None: int8's default, f16
+@pytest.mark.parametrize("max_chunk,kv_dtype", [(512, None), (8, "f32"), (8, "q8_0")])   # None: int8's default, f16
 def test_memory_report_matches_the_arrays(hybrid_dir, tmp_path, max_chunk, kv_dtype):
     n_ctx = 64
     m = cpullm.load(hybrid_dir, n_ctx=n_ctx, max_chunk=max_chunk, cache_dir=tmp_path, kv_dtype=kv_dtype)
     ex, a = m.executor, m.program.arrays
     rep = m.info()["memory"]
-    eb = 4 if kv_dtype == "f32" else 2                 # bytes per stored key / value element
+    # bytes a position of one KV head takes (keys and values; q8_0: int8 with a float32 scale each)
+    row = {None: 2 * 2 * HYBRID["head_dim"], "f32": 2 * 4 * HYBRID["head_dim"], "q8_0": 2 * (HYBRID["head_dim"] + 4)}[kv_dtype]
     assert m.info()["kv_dtype"] == rep["kv_dtype"] == m.info()["context_plan"]["kv_dtype"] == (kv_dtype or "f16")
     assert rep["weights_bytes"] == a["wq"].nbytes + a["ws"].nbytes + a["wf"].nbytes
     assert rep["program_bytes"] == a["I"].nbytes + a["F"].nbytes
@@ -40,7 +41,7 @@ def test_memory_report_matches_the_arrays(hybrid_dir, tmp_path, max_chunk, kv_dt
     cap = {"full": padded_cap(n_ctx), "window": padded_cap(min(n_ctx, WINDOW + max_chunk))}   # whole key tiles
     lin = 4 * state_size(HYBRID["lin_k_heads"], HYBRID["lin_k_dim"], HYBRID["lin_v_heads"],
                          HYBRID["lin_v_dim"], HYBRID["conv_kernel"])
-    expect = [2 * nkv * cap[k] * hd * eb if k != "linear" else lin for k in kinds]
+    expect = [nkv * cap[k] * row if k != "linear" else lin for k in kinds]
     assert [x["bytes"] for x in rep["layers"]] == expect
     assert [x["kind"] for x in rep["layers"]] == ["full_attention", "sliding_window",
                                                   "linear_attention", "sliding_window"]
@@ -54,7 +55,7 @@ def test_memory_report_matches_the_arrays(hybrid_dir, tmp_path, max_chunk, kv_dt
     rep = m.info()["memory"]
     n = len(IDS) + 4                                   # the last sampled token is not run
     assert rep["n_past"] == m.slot.position == n
-    now = [2 * nkv * min(n, cap[k]) * hd * eb if k != "linear" else lin for k in kinds]
+    now = [nkv * min(n, cap[k]) * row if k != "linear" else lin for k in kinds]
     assert [x["bytes_now"] for x in rep["layers"]] == now
     assert rep["kv_bytes"] == sum(x for x, k in zip(now, kinds) if k != "linear")
     assert rep["total_bytes"] == (rep["weights_bytes"] + rep["program_bytes"] + rep["state_bytes"]

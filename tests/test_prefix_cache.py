@@ -39,9 +39,9 @@ def _run(model, prompts, slots, budget):
     return sch, [s.generated for s in seqs], [s.reused for s in seqs]
 
 
-@pytest.mark.parametrize("quant", ["int8", "f32"])
-def test_prefix_hits_give_the_same_greedy_tokens(family_dir, quant):
-    m = cpullm.load(family_dir, quant=quant, threads=2, n_ctx=128, max_chunk=CHUNK)
+@pytest.mark.parametrize("quant,kv_dtype", [("int8", None), ("f32", None), ("int8", "q8_0")])
+def test_prefix_hits_give_the_same_greedy_tokens(family_dir, quant, kv_dtype):
+    m = cpullm.load(family_dir, quant=quant, threads=2, n_ctx=128, max_chunk=CHUNK, kv_dtype=kv_dtype)
     prompts = _prompts()
     alone = [_run(m, [p], 1, 0)[1][0] for p in prompts]
 

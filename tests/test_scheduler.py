@@ -50,7 +50,8 @@ def _run(model, prompts, slots=4, n_new=N_NEW, params=None):
     return [s.generated for s in seqs]
 
 
-@pytest.mark.parametrize("quant,kv_dtype", [("int8", None), ("int8", "f32"), ("f32", None)])   # None: f16 / f32
+@pytest.mark.parametrize("quant,kv_dtype", [("int8", None), ("int8", "f32"), ("int8", "q8_0"),
+                                            ("f32", None)])   # None: f16 / f32
 def test_greedy_tokens_do_not_depend_on_the_batch(family_dir, quant, kv_dtype):
     name, d = family_dir
     m = cpullm.load(d, quant=quant, threads=2, n_ctx=128, max_chunk=16, kv_dtype=kv_dtype)

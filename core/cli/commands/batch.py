@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import non_negative_int, positive_int
+from .common import add_cache_type_options, non_negative_int, positive_int
 
 EPILOG = """\
 INPUT is OpenAI's batch input: one JSON object per line, {"custom_id": "...", "method": "POST",
@@ -38,8 +38,7 @@ def add_parser(sub):
     p.add_argument("--threads", type=positive_int, default=None,
                    help="threads per model (default: physical cores; with --ray, 1)")
     p.add_argument("--ctx", type=positive_int, default=None, help="context length (default: min(4096, model max))")
-    p.add_argument("--cache-type", dest="kv_dtype", choices=["f16", "f32"], default=None,
-                   help="KV cache format (default f16; f32 with --quant f32)")
+    add_cache_type_options(p)
     p.add_argument("--cache-dir", default=None, help="execution cache root (default ~/.cache/cpullm)")
     p.add_argument("--no-cache", action="store_true", help="compile without the execution cache")
     p.add_argument("--parallel", type=positive_int, default=None, metavar="N",

@@ -33,9 +33,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="context length (default: min(4096, model max))")
     p.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", dest="n_gpu_layers", type=non_negative_int,
                    default=None, metavar="N", help="accepted for llama.cpp scripts and ignored: cpullm runs on the CPU")
-    p.add_argument("--cache-type", "--kv-dtype", dest="kv_dtype", choices=["f16", "f32"], default=None,
-                   help="KV cache format, as llama.cpp's --cache-type-k/-v (default: f16; f32 with --quant f32). "
-                        "f16 halves the KV bytes a decode step reads at long context")
+    add_cache_type_options(p)
     p.add_argument("--cache-dir", default=None, help="execution cache root (default ~/.cache/cpullm, or $CPULLM_CACHE_DIR)")
     p.add_argument("--no-cache", action="store_true", help="compile without reading or writing the execution cache")
     p.add_argument("--mlock", action="store_true", help="keep the weights resident in RAM")
@@ -44,6 +42,36 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-mmap", dest="mmap", action="store_false",
                    help="read the cached program into private memory: decode may run faster, loading is "
                         "slower (new memory is slow to fault in)")
+
+
+def add_cache_type_options(p: argparse.ArgumentParser) -> None:
+    """``--cache-type`` and llama.cpp's ``-ctk/--cache-type-k``, ``-ctv/--cache-type-v``
+    (keys and values share one format here: :func:`settle_model_args` merges them)."""
+    from cpullm.kvformat import KV_DTYPES
+    p.add_argument("--cache-type", "--kv-dtype", dest="kv_dtype", choices=KV_DTYPES, default=None,
+                   help="KV cache format (default: f16; f32 with --quant f32). f16 halves the KV bytes a "
+                        "decode step reads at long context, q8_0 (int8, a scale per head row) about quarters them")
+    p.add_argument("-ctk", "--cache-type-k", dest="kv_dtype_k", choices=KV_DTYPES, default=None,
+                   help="llama.cpp's spelling of --cache-type for the keys (must equal -ctv if both are given)")
+    p.add_argument("-ctv", "--cache-type-v", dest="kv_dtype_v", choices=KV_DTYPES, default=None,
+                   help="llama.cpp's spelling of --cache-type for the values")
+
+
+def settle_cache_type(args) -> None:
+    """Merge ``-ctk``/``-ctv`` into ``args.kv_dtype``: one format for keys and values, so
+    differing values are an error naming the fix."""
+    from cpullm.errors import ConfigError
+
+    given = {flag: v for flag, v in (("--cache-type", getattr(args, "kv_dtype", None)),
+                                     ("-ctk", getattr(args, "kv_dtype_k", None)),
+                                     ("-ctv", getattr(args, "kv_dtype_v", None))) if v is not None}
+    if len(set(given.values())) > 1:
+        raise ConfigError("cpullm stores keys and values in one format, but "
+                          + ", ".join(f"{f} {v}" for f, v in given.items()) + " differ; give one type "
+                          "(e.g. -ctk q8_0 -ctv q8_0, or --cache-type q8_0)")
+    if hasattr(args, "kv_dtype_k") or hasattr(args, "kv_dtype_v"):
+        args.kv_dtype = next(iter(given.values()), None)
+        args.kv_dtype_k = args.kv_dtype_v = None
 
 
 def add_sampling_options(p: argparse.ArgumentParser, temperature: float | None = 0.0) -> None:
@@ -72,9 +100,10 @@ def add_speculative_options(p: argparse.ArgumentParser) -> None:
 def settle_model_args(args, spare: str | None = None) -> None:
     """Merge ``-m/--model`` into ``args.model`` (the positional). With ``-m`` given, a positional
     that was taken as the model moves to ``args.<spare>`` (``cpullm run -m MODEL "prompt"``).
-    ``-ngl`` prints its notice here, once."""
+    ``-ngl`` prints its notice here, once; ``-ctk``/``-ctv`` become ``args.kv_dtype``."""
     from cpullm.errors import ConfigError
 
+    settle_cache_type(args)
     flag = getattr(args, "model_flag", None)
     if flag is not None:
         if args.model is not None:
