@@ -38,7 +38,7 @@ HERE = Path(__file__).resolve().parent
 
 def _prompts(model_dir: str, n: int, prompt_tokens: int) -> list[list[int]]:
     from cpullm.bench import prompt_ids
-    from cpullm.tokenize import Tokenizer
+    from cpullm.loading.tokenize import Tokenizer
     base = prompt_ids(Tokenizer(Path(model_dir)), prompt_tokens + n, None)
     return [list(map(int, base[i: i + prompt_tokens])) for i in range(n)]
 

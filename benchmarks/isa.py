@@ -78,7 +78,7 @@ def parse_args(argv=None):
 def cpullm_env(isa: str) -> dict:
     """The environment of a cpullm child compiling for ``isa`` (its own numba cache directory is
     not needed: numba keys cached code on the CPU name and features)."""
-    from cpullm.kernels import numba_setup
+    from cpullm_kernels.setup import numba_setup
 
     env = dict(os.environ, CPULLM_QUIET="1")
     for k in ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES"):

@@ -64,7 +64,7 @@ def text_ids(tokenizer, n: int) -> list[int]:
 
 def q8_blocks_roundtrip(x: np.ndarray, block: int) -> np.ndarray:
     """float32 rows (..., head_dim) as int8 with one max/127 scale per ``block`` values, scaled back."""
-    from cpullm.kernels.attention import q8_rows_ref
+    from cpullm_kernels.attention.attention import q8_rows_ref
     shape = x.shape
     rows = x.reshape(*shape[:-1], shape[-1] // block, block)
     q, sc = q8_rows_ref(rows)
@@ -85,7 +85,7 @@ def emulate(model, slot, block: int) -> None:
 def run(model, ids: list[int], n_ctx: int, n_eval: int, block: int | None = None, chunked: bool = False) -> dict:
     """Prefill ids[:n_ctx], then ``n_eval`` teacher-forced decode steps: (logits (n_eval + 1,
     vocab) float32, step seconds, prefill seconds, KV bytes held)."""
-    from cpullm.memory import memory_report
+    from cpullm.run.memory import memory_report
     fwd = model.forward
     slot = model.slot
     fwd.reset(slot)
@@ -117,8 +117,8 @@ def kernel_times(nh: int, nkv: int, hd: int, n_ctx: int, threads: int | None, la
     """{format: (min, median) ms per layer} of one decode step's attention at context n_ctx."""
     import numba
 
-    from cpullm.kernels import attention as A
-    from cpullm.kvformat import format_code, region_floats
+    from cpullm_kernels.attention import attention as A
+    from cpullm.compile.kvformat import format_code, region_floats
     if threads:
         numba.set_num_threads(threads)
     nthreads = numba.get_num_threads()

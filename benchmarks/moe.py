@@ -74,10 +74,10 @@ def write_synthetic(name: str, depth: int, out: Path, seed: int = 0) -> Path:
 
 def _dense_bytes(ex) -> int:
     """Bytes of the LINEAR matrices one decode token reads (the lm_head in full)."""
-    from cpullm.kernels import program_table as P
-    from cpullm.kernels.gguf_blocks import block_format
-    from cpullm.kernels.kquant_panels import PANELED
-    from cpullm.kernels.q8_panels import padded_rows
+    from cpullm_kernels.program import program_table as P
+    from cpullm_kernels.rows.gguf_blocks import block_format
+    from cpullm_kernels.panels.kquant_panels import PANELED
+    from cpullm_kernels.panels.q8_panels import padded_rows
     total = 0
     for r in ex.linear_rows:
         lin = P.linear_operands(ex.I[r])
@@ -94,7 +94,7 @@ def measure(model_dir: Path, quant: str, threads: int, prompt: int, gen: int, st
     import numpy as np
 
     import cpullm
-    from cpullm.kernels import moe as M
+    from cpullm_kernels.program import moe as M
 
     t0 = time.perf_counter()
     model = cpullm.load(model_dir, quant=quant, threads=threads, use_cache=False, n_ctx=1024)

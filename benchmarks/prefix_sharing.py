@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 
 import cpullm
-from cpullm.sampling import SamplingParams
-from cpullm.scheduler import Scheduler
-from cpullm.sequence import Sequence
+from cpullm.generate.sampling import SamplingParams
+from cpullm.generate.scheduler import Scheduler
+from cpullm.generate.sequence import Sequence
 
 SYSTEM = ("You are a careful assistant for a software company. " * 30).strip()
 USERS = ["How do I reverse a list in Python?", "Write a haiku about autumn.", "What is 17 * 23?",

@@ -1,4 +1,4 @@
-"""Speculative decoding (cpullm.speculative) against plain decode and llama.cpp's prompt lookup.
+"""Speculative decoding (cpullm.generate.speculative) against plain decode and llama.cpp's prompt lookup.
 
 Parts (``--parts``, default all that their inputs allow):
 
@@ -50,15 +50,15 @@ def edit_prompt(model, module_name: str) -> tuple[list[int], str]:
 
 
 def chat_ids(model, text: str) -> list[int]:
-    from cpullm.chat import render_chat
+    from cpullm.generate.chat import render_chat
     return model.tokenizer.encode(render_chat(model, [{"role": "user", "content": text}]))
 
 
 def run_cpullm(model, ids, gen_tokens: int, mode: str, draft_max: int) -> dict:
-    from cpullm.generate import generate_ids
-    from cpullm.sampling import SamplingParams
-    from cpullm.sequence import GenerationStats
-    from cpullm.speculative import resolve
+    from cpullm.generate.generate import generate_ids
+    from cpullm.generate.sampling import SamplingParams
+    from cpullm.generate.sequence import GenerationStats
+    from cpullm.generate.speculative import resolve
     cfg = resolve(mode, draft_max, model.speculative.draft if mode in ("draft", "auto") else None)
     st = GenerationStats()
     toks = list(generate_ids(model.forward, model.slot, ids, gen_tokens, SamplingParams(), model.eos_token_ids,

@@ -36,9 +36,9 @@ TOPICS = ["fruits", "tools in a workshop", "cities in Europe", "programming lang
 
 
 def run(model, n: int, gen_tokens: int, schema: dict | None) -> dict:
-    from cpullm.sampling import SamplingParams
-    from cpullm.scheduler import Scheduler
-    from cpullm.sequence import DECODE, Sequence
+    from cpullm.generate.sampling import SamplingParams
+    from cpullm.generate.scheduler import Scheduler
+    from cpullm.generate.sequence import DECODE, Sequence
 
     sch = Scheduler(model.forward, n, prefix_cache_bytes=0)
     sch.warm_up()

@@ -20,9 +20,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 # Import name -> package folder. Before scripts/restage.py ran, core/ itself was the package
-# cpullm (and kernels/ cpullm.kernels): then there are no stage folders to read.
+# cpullm (and kernels/ cpullm_kernels): then there are no stage folders to read.
 PACKAGES = {"cpullm": ROOT / "core" / "cpullm", "cpullm_kernels": ROOT / "kernels" / "cpullm_kernels"}
-FLAT_PACKAGES = {"cpullm": ROOT / "core", "cpullm.kernels": ROOT / "kernels"}
+FLAT_PACKAGES = {"cpullm": ROOT / "core", "cpullm_kernels": ROOT / "kernels"}
 SHELL = "shell"
 
 

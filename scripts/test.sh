@@ -13,9 +13,4 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 &
 fi
 cpullm_env
 cpullm_install test -c constraints.txt -e ".[test]" -e plugins/llama -e plugins/qwen -e plugins/gemma
-# pytest's own entry point, not `python -m pytest`: the repository root must not be on sys.path,
-# where its kernels/ folder would hide the installed package of that name (tests/conftest.py
-# also drops it, for a plain `python -m pytest`).
-pytest=$(dirname "$CPULLM_PY")/pytest
-[ -x "$pytest" ] || pytest=$pytest.exe
-exec "$pytest" -q -ra "$@"
+exec "$CPULLM_PY" -m pytest -q -ra "$@"

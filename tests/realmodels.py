@@ -23,7 +23,7 @@ import pytest
 from cpullm import store
 from cpullm.convert import convert_gguf
 from cpullm.errors import NetworkUnavailableError
-from cpullm.locations import is_complete_model_dir
+from cpullm.loading.locations import is_complete_model_dir
 
 TEST_ENTRIES = "_tests"      # under the store root; skipped by `cpullm list` like _downloads
 

@@ -1,9 +1,9 @@
 """Tests' shorthand for one sequence run step by step on a model's forward path: a fresh slot of
-:class:`cpullm.forward.Forward`, with reset / prefill / decode (full logits) / decode_argmax."""
+:class:`cpullm.run.forward.Forward`, with reset / prefill / decode (full logits) / decode_argmax."""
 import numba
 
-from cpullm.executor import Executor
-from cpullm.forward import Forward
+from cpullm.run.executor import Executor
+from cpullm.run.forward import Forward
 
 
 class Steps:

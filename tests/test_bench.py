@@ -32,8 +32,8 @@ def _q8_decode_bytes(a: dict) -> int:
     """A Llama's matrices at q8 (int8 values + a 2-byte scale per 32, K padded to 32, rows to the
     panels' 64): q, k, v, o, gate, up, down per layer and the (tied) lm_head (too small for a head
     screen)."""
-    from cpullm.kernels.q8 import padded_k
-    from cpullm.kernels.q8_panels import padded_rows
+    from cpullm_kernels.rows.q8 import padded_k
+    from cpullm_kernels.panels.q8_panels import padded_rows
     h, f, hd = a["hidden_size"], a["intermediate_size"], a["head_dim"]
     q, kv = a["num_attention_heads"] * hd, a["num_key_value_heads"] * hd
     mats = [(q + 2 * kv, h), (h, q), (2 * f, h), (h, f)] * a["num_hidden_layers"] + [(a["vocab_size"], h)]

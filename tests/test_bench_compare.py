@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cpullm.gguf_file import permute_qk
+from cpullm.loading.gguf_file import permute_qk
 from cpullm.testing import make_random_checkpoint
 from cpullm_llama.tiny_configs import LLAMA
 from tiny_configs import LLAMA_UNTIED_BIAS
@@ -53,7 +53,7 @@ def f32_gguf(checkpoint, tmp_path_factory):
 def test_gguf_writer_layout(checkpoint, f32_gguf):
     import gguf
 
-    from cpullm.tensors import TensorStore
+    from cpullm.loading.tensors import TensorStore
 
     cfg = json.loads((checkpoint / "config.json").read_text())
     r = gguf.GGUFReader(str(f32_gguf))

@@ -13,10 +13,12 @@ torch = pytest.importorskip("torch", reason="torch is a test dependency (pip ins
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")
 
 import cpullm  # noqa: E402
-from cpullm import blocks, plugins, testing  # noqa: E402
-from cpullm.family import Args, FamilySpec  # noqa: E402
+from cpullm.graph import blocks  # noqa: E402
+from cpullm.loading import plugins  # noqa: E402
+from cpullm import testing  # noqa: E402
+from cpullm.loading.family import Args, FamilySpec  # noqa: E402
 from cpullm.hookspecs import hookimpl  # noqa: E402
-from cpullm.weightmap import W, WeightMap  # noqa: E402
+from cpullm.loading.weightmap import W, WeightMap  # noqa: E402
 from hf_reference import TINY_VOCAB, hf_greedy, hf_logits, hf_model, save_tiny  # noqa: E402
 
 
@@ -113,7 +115,7 @@ def olmo2(tmp_path_factory):
 
 def test_post_norm_layout_and_whole_projection_qk_norm_graph():
     a = Olmo2Args.from_config(dict(CONFIG))
-    from cpullm.ir import GraphBuilder, Op
+    from cpullm.graph.ir import GraphBuilder, Op
     graph = build_graph(a, GraphBuilder())
     norms = {n.name: n for n in graph.nodes if n.op == Op.RMSNORM}
     assert "layers.0.attn_norm" not in norms and "layers.0.post_attn_norm" in norms

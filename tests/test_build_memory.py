@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 
 import cpullm
-from cpullm import compiler, plugins
-from cpullm.ir import GraphBuilder
-from cpullm.tensors import TensorStore
+from cpullm.compile import compiler
+from cpullm.loading import plugins
+from cpullm.graph.ir import GraphBuilder
+from cpullm.loading.tensors import TensorStore
 from cpullm.testing import make_random_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,8 +33,10 @@ import json, sys
 spec = json.loads(sys.argv[1])
 import numpy, numba
 import cpullm
-from cpullm.kernels import interpreter, q8, head_screen    # imports before the baseline
-from cpullm.memory import current_rss_bytes, peak_rss_bytes
+from cpullm_kernels.program import interpreter    # imports before the baseline
+from cpullm_kernels.rows import q8    # imports before the baseline
+from cpullm_kernels.panels import head_screen    # imports before the baseline
+from cpullm.run.memory import current_rss_bytes, peak_rss_bytes
 with open("/proc/self/clear_refs", "w") as fh:              # reset VmHWM: the peak of the load alone
     fh.write("5")
 before = current_rss_bytes()
@@ -106,7 +109,7 @@ LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidd
 
 
 def _compile(model_dir, **kw):
-    from cpullm.family import read_config
+    from cpullm.loading.family import read_config
     config = read_config(model_dir)
     family = plugins.discover().family_for(config)
     args = family.args(config)
@@ -131,7 +134,7 @@ def test_row_blocks_into_files_give_the_in_memory_program(tmp_path, monkeypatch,
     streamed = _compile(d, workdir=work, quant=quant)
     if quant == "q4":               # the raw-block formats q4 stores here, each packed 7 rows at a time
         assert set(streamed.meta["block_bytes"]) == ({"Q4_K", "Q6_K"} if K % 256 == 0 else {"Q5_0", "Q8_0"})
-    from cpullm.filearrays import backing_path
+    from cpullm.compile.filearrays import backing_path
     for name in ("wq", "ws", "wf"):
         assert backing_path(streamed.arrays[name]) == str(work / f"{name}.bin")
         assert not streamed.arrays[name].flags.writeable
@@ -141,8 +144,8 @@ def test_row_blocks_into_files_give_the_in_memory_program(tmp_path, monkeypatch,
 
 
 def test_screen_appended_to_files_equals_concatenated(tmp_path, monkeypatch):
-    from cpullm import head_screen
-    from cpullm.kernels import head_screen as screen_kernels
+    from cpullm.compile import head_screen
+    from cpullm_kernels.panels import head_screen as screen_kernels
     monkeypatch.setattr(screen_kernels, "MIN_LM_HEAD_BYTES", 0)   # a screen for this tiny head
     d = make_random_checkpoint(LLAMA, tmp_path / "m", seed=4)
     work = tmp_path / "work"
@@ -172,7 +175,7 @@ def test_sweep_keeps_a_long_build_that_is_still_writing(tmp_path):
     import os
     import time
 
-    from cpullm import cache_format
+    from cpullm.compile import cache_format
     old = time.time() - 2 * 3600
     live = tmp_path / f".tmp.k1.otherhost.{os.getpid()}.aaaa"     # another host: liveness unknown
     stale = tmp_path / f".tmp.k2.otherhost.{os.getpid()}.bbbb"

@@ -1,4 +1,4 @@
-"""The execution cache (cpullm.cache_format): HIT/MISS, every key input, damage detection,
+"""The execution cache (cpullm.compile.cache_format): HIT/MISS, every key input, damage detection,
 atomic and concurrent writes, a writer killed mid-write, ``cpullm cache ls | clear``."""
 import json
 import os
@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import cpullm
-from cpullm import cache_format, plugins
+from cpullm.compile import cache_format
+from cpullm.loading import plugins
 from cpullm.cli import main
 from test_cache_family import LLAMA, llama_dir  # noqa: F401  (fixture)
 
@@ -75,13 +76,13 @@ def test_hit_does_no_quantization_and_no_compilation(model_dir, cache_dir, monke
     def boom(*a, **k):
         raise AssertionError("a HIT must not quantize, compile or read checkpoint tensors")
 
-    import cpullm.compiler
-    import cpullm.kernels.q8
+    import cpullm.compile.compiler
+    import cpullm_kernels.rows.q8
     import cpullm.model
-    from cpullm.weightmap import ResolvedWeights
+    from cpullm.loading.weightmap import ResolvedWeights
     monkeypatch.setattr(cpullm.model, "compile_graph", boom)
-    monkeypatch.setattr(cpullm.compiler, "compile_graph", boom)
-    monkeypatch.setattr(cpullm.kernels.q8, "quantize_weight_q8", boom)
+    monkeypatch.setattr(cpullm.compile.compiler, "compile_graph", boom)
+    monkeypatch.setattr(cpullm_kernels.rows.q8, "quantize_weight_q8", boom)
     monkeypatch.setattr(ResolvedWeights, "get", boom)
     m = load(model_dir, cache_dir)
     assert m.cache_status == "HIT"
@@ -127,8 +128,8 @@ def _change_format_version(model_dir, monkeypatch):
 
 
 def _change_kernels_version(model_dir, monkeypatch):
-    import cpullm.kernels
-    monkeypatch.setattr(cpullm.kernels, "KERNELS_VERSION", "99")
+    import cpullm_kernels
+    monkeypatch.setattr(cpullm_kernels, "KERNELS_VERSION", "99")
 
 
 def _change_numba_version(model_dir, monkeypatch):

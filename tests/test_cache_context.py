@@ -1,13 +1,13 @@
 """One execution-cache entry for every context length: a new --ctx is a cache HIT whose KV
-regions are sized at load (cpullm.compiler.with_context), and it computes what a program
+regions are sized at load (cpullm.compile.compiler.with_context), and it computes what a program
 compiled for that context computes."""
 from __future__ import annotations
 
 import numpy as np
 
 import cpullm
-from cpullm import cache_format
-from cpullm.compiler import with_context
+from cpullm.compile import cache_format
+from cpullm.compile.compiler import with_context
 
 from test_server_support import chat_model_dir  # noqa: E402
 
@@ -58,8 +58,8 @@ def test_with_context_is_identity_at_the_same_length():
 def test_a_context_dependent_rope_scaling_keeps_the_context_in_the_key():
     import attrs
 
-    from cpullm.compiler import context_free
-    from cpullm.ir import Op
+    from cpullm.compile.compiler import context_free
+    from cpullm.graph.ir import Op
 
     m = cpullm.load(chat_model_dir(), threads=1, n_ctx=64)
     assert context_free(m.graph)

@@ -11,11 +11,12 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from cpullm import blocks, plugins
-from cpullm.family import Args, FamilySpec
+from cpullm.graph import blocks
+from cpullm.loading import plugins
+from cpullm.loading.family import Args, FamilySpec
 from cpullm.hookspecs import hookimpl
 from cpullm.testing import make_random_checkpoint
-from cpullm.weightmap import W, WeightMap
+from cpullm.loading.weightmap import W, WeightMap
 
 MODEL_TYPE = "cpullm_test_hybrid"
 WINDOW = 4

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from cpullm.chat import (Conversation, check_messages, chat_prompt_ids, find_template, render_chat,
+from cpullm.generate.chat import (Conversation, check_messages, chat_prompt_ids, find_template, render_chat,
                          render_template, require_template)
 from cpullm.errors import ChatTemplateError, ContextOverflowError
 
@@ -406,7 +406,7 @@ def fake_model(tmp_path_factory):
     """A model object with a real byte-level tokenizer and ChatML template (no weights needed)."""
     from test_server_support import CHATML
     from cpullm.testing import _write_byte_tokenizer
-    from cpullm.tokenize import Tokenizer
+    from cpullm.loading.tokenize import Tokenizer
 
     d = tmp_path_factory.mktemp("fake_model")
     _write_byte_tokenizer(d)

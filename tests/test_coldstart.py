@@ -13,7 +13,7 @@ import sys
 import numba
 import pytest
 
-from cpullm.kernels import warmup
+from cpullm_kernels.setup import warmup
 from cpullm.testing import make_random_checkpoint
 from tiny_configs import LLAMA_UNTIED_BIAS, SMOLLM2_LIKE
 
@@ -89,7 +89,7 @@ def test_progress_line_only_on_a_terminal(monkeypatch):
 _SIGNATURES = r"""
 import json, sys
 import cpullm
-from cpullm.kernels import warmup
+from cpullm_kernels.setup import warmup
 m = cpullm.load(sys.argv[1], threads=1, n_ctx=128, cache_dir=sys.argv[2],
                 quant=sys.argv[3] if len(sys.argv) > 3 else None)
 fwd = m.forward
@@ -129,8 +129,8 @@ def test_the_executor_calls_each_kernel_with_the_warmed_signature_only(tiny, tmp
     kernel (absent op) not at all."""
     used = used_kernel_signatures(tiny, tmp_path / "cache", quant)
     # (kernels keyed by module and name)
-    assert used["cpullm.kernels.q8_panels.panels_matmul"] != []
-    assert used["cpullm.kernels.gated_delta.gated_delta"] == [] and used["cpullm.kernels.attention.attention"] != []
+    assert used["cpullm_kernels.panels.q8_panels.panels_matmul"] != []
+    assert used["cpullm_kernels.attention.gated_delta.gated_delta"] == [] and used["cpullm_kernels.attention.attention.attention"] != []
 
 
 # ---- compile time apart from prefill ------------------------------------------------------------------
@@ -138,7 +138,7 @@ def test_compile_time_is_not_prefill_time(tiny, monkeypatch):
     """A compilation during prefill (simulated through the compile clock) counts as compile_s,
     not as prefill time."""
     import cpullm
-    from cpullm import generate, scheduler
+    from cpullm.generate import generate, scheduler
 
     m = cpullm.load(tiny, threads=1, n_ctx=128)
     clock = {"t": 0.0}

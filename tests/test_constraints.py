@@ -1,6 +1,6 @@
-"""Constrained decoding (cpullm.constraints) and the per-sequence logits pipeline (cpullm.sampling):
+"""Constrained decoding (cpullm.generate.constraints) and the per-sequence logits pipeline (cpullm.generate.sampling):
 constraints on tiny tokenizers of each kind (byte-level BPE, SentencePiece-style with byte
-fallback, a GGUF SentencePiece vocabulary through cpullm.gguf_vocab), bad and oversized specs refused with a named error, the sampling surface (logit_bias,
+fallback, a GGUF SentencePiece vocabulary through cpullm.loading.gguf_vocab), bad and oversized specs refused with a named error, the sampling surface (logit_bias,
 presence/frequency penalties, logits processors, log-probabilities), and constrained generation
 on a tiny random model: the output matches, alone and batched with free sequences alike."""
 import json
@@ -13,13 +13,13 @@ import pytest
 pytest.importorskip("llguidance", reason="llguidance (cpullm[structured]) is not installed")
 
 import cpullm
-from cpullm import constraints as C
+from cpullm.generate import constraints as C
 from cpullm.errors import ConstraintError, MissingDependencyError, SamplingError
-from cpullm.sampling import Sampler, SamplingParams, top_logprobs
-from cpullm.scheduler import Scheduler
-from cpullm.sequence import Sequence
+from cpullm.generate.sampling import Sampler, SamplingParams, top_logprobs
+from cpullm.generate.scheduler import Scheduler
+from cpullm.generate.sequence import Sequence
 from cpullm.testing import make_random_checkpoint
-from cpullm.tokenize import Tokenizer
+from cpullm.loading.tokenize import Tokenizer
 from tiny_configs import SMOLLM2_LIKE
 
 
@@ -52,8 +52,8 @@ def _sentencepiece_like():
 
 
 def _gguf_vocabulary():
-    """A SentencePiece vocabulary as a GGUF's metadata holds it, through cpullm.gguf_vocab."""
-    from cpullm.gguf_vocab import build_tokenizer
+    """A SentencePiece vocabulary as a GGUF's metadata holds it, through cpullm.loading.gguf_vocab."""
+    from cpullm.loading.gguf_vocab import build_tokenizer
     toks = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + \
         ["▁yes", "▁no", "▁", "y", "e", "s", "n", "o", "{", "}", '"', ":", "1", "2"]
     meta = {"general.architecture": "llama", "tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": toks,
@@ -234,7 +234,7 @@ def test_constrained_generation_matches_alone_and_batched(tiny):
 
 
 def test_a_constraint_that_cannot_finish_ends_with_length(tiny):
-    stats = cpullm.generate.GenerationStats()
+    stats = cpullm.generate.generate.GenerationStats()
     text = "".join(tiny.generate([5, 6], 4, regex="[a-z]{10}", stats=stats))
     assert stats.stop_reason == "length" and re.fullmatch("[a-z]{4}", text)
 

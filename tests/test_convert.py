@@ -16,8 +16,8 @@ gguf = pytest.importorskip("gguf")
 
 from cpullm import convert as cv  # noqa: E402
 from cpullm.convert import directory as cv_directory  # noqa: E402
-from cpullm import gguf_file as gf  # noqa: E402
-from cpullm import gguf_vocab as gv  # noqa: E402
+from cpullm.loading import gguf_file as gf  # noqa: E402
+from cpullm.loading import gguf_vocab as gv  # noqa: E402
 from cpullm.errors import ConversionError  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
@@ -586,7 +586,7 @@ class _TinyArchPlugin:
     @staticmethod
     @__import__("cpullm.hookspecs", fromlist=["hookimpl"]).hookimpl
     def cpullm_gguf_architectures():
-        from cpullm.family import GGUFArch
+        from cpullm.loading.family import GGUFArch
 
         return [GGUFArch(
             name="tinyarch", model_type="llama", architectures=("LlamaForCausalLM",),
@@ -598,7 +598,7 @@ class _TinyArchPlugin:
 
 @pytest.fixture
 def tiny_arch_plugin():
-    from cpullm import plugins
+    from cpullm.loading import plugins
 
     plugins.register_for_tests(_TinyArchPlugin)
     plugins.discover(refresh=True)
@@ -627,7 +627,7 @@ def test_a_plugins_hook_is_what_makes_an_architecture_convertible(tmp_path, requ
 def test_a_plugin_redefining_an_architecture_is_reported_not_used(tiny_arch_plugin):
     import attrs
 
-    from cpullm import plugins
+    from cpullm.loading import plugins
     from cpullm.hookspecs import hookimpl
 
     taken = attrs.evolve(gf.arch_spec("tinyarch"), plugin=None)

@@ -5,12 +5,12 @@ import struct
 import numpy as np
 import pytest
 
-from cpullm import blocks
-from cpullm.compiler import compile_graph
+from cpullm.graph import blocks
+from cpullm.compile.compiler import compile_graph
 from cpullm.errors import CheckpointError, WeightMapError
-from cpullm.ir import GraphBuilder, GraphError, Op
-from cpullm.tensors import TensorStore
-from cpullm.weightmap import ADD_ONE, W, WeightMap
+from cpullm.graph.ir import GraphBuilder, GraphError, Op
+from cpullm.loading.tensors import TensorStore
+from cpullm.loading.weightmap import ADD_ONE, W, WeightMap
 
 
 def _write(path, tensors):
@@ -103,7 +103,7 @@ def test_weightmap_aliases_ignore_ties_and_transform_once():
 
 
 def test_weightmap_transform_must_keep_the_shape():
-    from cpullm.weightmap import Transform
+    from cpullm.loading.weightmap import Transform
 
     store = _Store({"model.w": np.ones((2, 3), np.float32)})
     flat = Transform("flatten", lambda w, args: w.reshape(-1))
@@ -199,7 +199,7 @@ def test_compiler_live_buffers_never_overlap():
     graph, w = _tiny_graph()
     prog = compile_graph(graph, w, quant="f32", n_ctx=64, max_chunk=8)
     assert prog.meta["arena_floats"] < sum(n.width for n in graph.nodes) * 8   # buffers are reused
-    from cpullm.executor import Executor
+    from cpullm.run.executor import Executor
     from steps import Steps
     ex = Steps(Executor(prog))
     ex.prefill([1, 2, 3, 4, 5])
@@ -253,10 +253,10 @@ def test_check_greedy_accepts_only_a_near_tie():
 def _tied_llama(tmp_path):
     import attrs as _attrs
 
-    from cpullm import plugins
-    from cpullm.family import read_config
+    from cpullm.loading import plugins
+    from cpullm.loading.family import read_config
     from cpullm.testing import make_random_checkpoint
-    from cpullm.weightmap import Transform
+    from cpullm.loading.weightmap import Transform
     from tiny_configs import SMOLLM2_LIKE
 
     cfg = dict(SMOLLM2_LIKE, model_type="llama", num_hidden_layers=2, tie_word_embeddings=True)
@@ -277,7 +277,7 @@ def _tied_llama(tmp_path):
 def test_lm_head_declared_as_twice_the_embedding_gives_twice_the_logits(tmp_path, quant):
     """The embedding and a lm_head read from the same stored tensor with another transform are two
     matrices: packing by source alone made the lm_head the embedding (logit ratio 1.000)."""
-    from cpullm.executor import Executor
+    from cpullm.run.executor import Executor
     from steps import Steps
 
     _, graph, tied, doubled = _tied_llama(tmp_path)
@@ -345,7 +345,7 @@ def test_weight_rows_take_a_range_of_a_stored_tensor():
 def test_args_ignore_a_config_key_that_names_a_derived_field():
     import attrs as _attrs
 
-    from cpullm.family import Args
+    from cpullm.loading.family import Args
 
     @_attrs.define
     class A(Args):

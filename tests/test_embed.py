@@ -129,7 +129,7 @@ def test_matryoshka_dimensions(qwen3_embedding, tmp_path):
 
 
 def test_unsupported_recipes_are_refused(qwen3_embedding, tmp_path):
-    from cpullm.embed import checkpoint_spec
+    from cpullm.generate.embed import checkpoint_spec
 
     d = tmp_path / "dense"
     d.mkdir()

@@ -64,7 +64,7 @@ def test_unknown_model_type_lists_families_and_names_plugin(tmp_path, good_dir, 
         cpullm.load(d)
     cfg["model_type"] = "qwen3_5"
     (d / "config.json").write_text(json.dumps(cfg))
-    from cpullm import plugins
+    from cpullm.loading import plugins
     if not any("qwen3_5" in f.model_types for f in plugins.discover().families):
         line = _cli_error(capsys, ["run", str(d), "-p", "hi"])
         assert "cpullm-plugin-qwen" in line
@@ -121,7 +121,7 @@ def test_unknown_dtype(tmp_path, good_dir):
 
 
 def _load_bf16(f):
-    from cpullm.tensors import TensorStore
+    from cpullm.loading.tensors import TensorStore
     st = TensorStore(f.parent)
     return {n: np.array(st.raw(n)) for n in st.names()}
 

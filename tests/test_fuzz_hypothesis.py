@@ -87,7 +87,7 @@ def gguf_seed(tmp_path_factory) -> bytes:
 
 
 def _read_gguf(path: Path) -> None:
-    from cpullm.gguf_file import hyperparameters, open_gguf, read_metadata
+    from cpullm.loading.gguf_file import hyperparameters, open_gguf, read_metadata
     reader = open_gguf(path)
     meta = read_metadata(reader)
     if meta.get("general.architecture") == "llama":
@@ -140,7 +140,7 @@ def safetensors_files(draw) -> bytes:
 
 
 def test_safetensors_header_parser(tmp_path):
-    from cpullm.tensors import _Shard
+    from cpullm.loading.tensors import _Shard
     path = tmp_path / "model.safetensors"
 
     @FUZZ
@@ -171,7 +171,7 @@ def tiny(tmp_path_factory):
 
 
 def test_prompt_cache_reader(tiny, tmp_path):
-    from cpullm import prompt_cache as pcm
+    from cpullm.run import prompt_cache as pcm
     model, _ = tiny
     path = tmp_path / "p.cache"
     pcm.PromptCache(model, path, load=False)
@@ -203,7 +203,7 @@ def test_prompt_cache_reader(tiny, tmp_path):
 
 
 def test_execution_cache_reader(tiny):
-    from cpullm import cache_format
+    from cpullm.compile import cache_format
     model, root = tiny
     entry = next((root / "exec").iterdir())
     manifest = json.loads((entry / "manifest.json").read_text())

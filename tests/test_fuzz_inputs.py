@@ -50,7 +50,7 @@ def make_gguf_seed(path: Path) -> tuple[bytes, int]:
     """(bytes of a tiny llama GGUF, length of its header: where tensor data starts)."""
     import test_convert
 
-    from cpullm.gguf_file import open_gguf
+    from cpullm.loading.gguf_file import open_gguf
 
     test_convert.write_tiny_gguf(path, "llama", layers=2)
     reader = open_gguf(path)
@@ -203,12 +203,12 @@ def _child(kind: str, root: Path) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
     import numpy  # noqa: F401  (imported before the audit hook: imports may write bytecode)
 
-    from cpullm import plugins
+    from cpullm.loading import plugins
     from cpullm.convert import convert_gguf
     from cpullm.errors import CpullmError
-    from cpullm.family import read_config
-    from cpullm.ir import GraphBuilder
-    from cpullm.tensors import TensorStore
+    from cpullm.loading.family import read_config
+    from cpullm.graph.ir import GraphBuilder
+    from cpullm.loading.tensors import TensorStore
 
     registry = plugins.discover()
     import tokenizers  # noqa: F401

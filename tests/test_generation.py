@@ -7,9 +7,9 @@ import pytest
 import cpullm
 from cpullm.cli import main
 from cpullm.errors import SamplingError
-from cpullm.sampling import Sampler, SamplingParams
+from cpullm.generate.sampling import Sampler, SamplingParams
 from cpullm.testing import make_random_checkpoint
-from cpullm.tokenize import IncrementalDecoder, Tokenizer
+from cpullm.loading.tokenize import IncrementalDecoder, Tokenizer
 
 TINY = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, vocab_size=300, rms_norm_eps=1e-5,

@@ -3,7 +3,7 @@ independent implementation), on random blocks and awkward shapes."""
 import numpy as np
 import pytest
 
-from cpullm.kernels import gguf_blocks as gb
+from cpullm_kernels.rows import gguf_blocks as gb
 
 gguf_quants = pytest.importorskip("gguf.quants", reason="the gguf package is the independent oracle")
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402

@@ -1,7 +1,7 @@
 """GGUF files run as they are (cpullm.load("FILE.gguf"), quant "gguf") and ``quant="q4"``.
 
 Tiny GGUFs are written with gguf.GGUFWriter, every matrix in one ggml block format; the run that
-executes the blocks (kernels/kquant.py, kquant_gemm.py) is compared with the f32 run of the same
+executes the blocks (kernels/cpullm_kernels/rows/kquant.py, kquant_gemm.py) is compared with the f32 run of the same
 file (every tensor dequantized, no quantized arithmetic): the only difference is the activations'
 rounding to int8 (decode) / int16 (prefill) per block of 32.
 """
@@ -17,8 +17,8 @@ from test_convert import write_tiny_gguf  # noqa: E402
 
 import cpullm  # noqa: E402
 from cpullm.errors import ConfigError  # noqa: E402
-from cpullm.kernels import q4  # noqa: E402
-from cpullm.kernels.gguf_blocks import FORMATS, random_blocks  # noqa: E402
+from cpullm_kernels.rows import q4  # noqa: E402
+from cpullm_kernels.rows.gguf_blocks import FORMATS, random_blocks  # noqa: E402
 from steps import Steps  # noqa: E402
 
 # K-quant super-blocks are 256 weights: rows of 256 (hidden) and 512 (ffn) for every format
@@ -229,14 +229,14 @@ def test_a_block_format_gguf_calls_each_kernel_with_the_warmed_signature_only(wr
     compiled."""
     from test_coldstart import used_kernel_signatures
     used = used_kernel_signatures(write("Q4_1"), tmp_path / "cache")
-    assert used["cpullm.kernels.interpreter._linear_blocks_rows"] != []
-    assert used["cpullm.kernels.q8_panels.panels_matmul"] == []
+    assert used["cpullm_kernels.program.interpreter._linear_blocks_rows"] != []
+    assert used["cpullm_kernels.panels.q8_panels.panels_matmul"] == []
 
 
 def test_gguf_as_is_gets_no_head_screen_but_q4_does(write, monkeypatch):
     """A GGUF run as it is keeps its resident weights at the file's tensor bytes: no lm_head screen,
-    even where a q4 program of the same file gets one (kernels/head_screen_blocks.py)."""
-    from cpullm.kernels import head_screen
+    even where a q4 program of the same file gets one (kernels/cpullm_kernels/panels/head_screen_blocks.py)."""
+    from cpullm_kernels.panels import head_screen
     monkeypatch.setattr(head_screen, "MIN_LM_HEAD_BYTES", 0)
     path = write("Q6_K")
     m = cpullm.load(path, use_cache=False)
@@ -248,15 +248,15 @@ def test_gguf_as_is_gets_no_head_screen_but_q4_does(write, monkeypatch):
 
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K", "Q5_0"])
 def test_panel_rows_do_not_depend_on_the_batch(write, fmt, monkeypatch):
-    """Q4_K / Q6_K matrices in panels of 16 rows (kernels/kquant_panels.py) serve the scheduler's
+    """Q4_K / Q6_K matrices in panels of 16 rows (kernels/cpullm_kernels/panels/kquant_panels.py) serve the scheduler's
     batched decode steps and a lone decode with one kernel (the 265-row head here stays row by
     row, through the decode's row routine on both paths): a request's logits are the same bit for
     bit alone, among others, and from the executor's one-token decode (which is why a lone
     request may take that path: Forward.lone_path_identical)."""
-    from cpullm.batch import BatchDecoder
-    from cpullm.sampling import SamplingParams
-    from cpullm.scheduler import Scheduler
-    from cpullm.sequence import Sequence
+    from cpullm.run.batch import BatchDecoder
+    from cpullm.generate.sampling import SamplingParams
+    from cpullm.generate.scheduler import Scheduler
+    from cpullm.generate.sequence import Sequence
 
     m = cpullm.load(write(fmt), use_cache=False, threads=2, n_ctx=128, max_chunk=16)
     paneled = any(s[0] == f"{fmt} panels" for s in m.program.meta["weight_slots"].values())

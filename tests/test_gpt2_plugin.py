@@ -19,7 +19,8 @@ torch = pytest.importorskip("torch", reason="torch is a test dependency (pip ins
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")
 
 import cpullm  # noqa: E402
-from cpullm import plugins, testing  # noqa: E402
+from cpullm.loading import plugins  # noqa: E402
+from cpullm import testing  # noqa: E402
 from cpullm.errors import ConfigError, WeightMapError  # noqa: E402
 
 PACKAGE = Path(__file__).parent / "third_party" / "cpullm-plugin-gpt2"
@@ -56,7 +57,7 @@ def checkpoint(gpt2, tmp_path_factory):
 
 
 def test_every_conv1d_matrix_is_an_int8_linear(gpt2, checkpoint):
-    from cpullm.ir import Op
+    from cpullm.graph.ir import Op
 
     model = cpullm.load(checkpoint, quant="int8", use_cache=False)
     slots = model.program.meta["weight_slots"]
@@ -78,7 +79,7 @@ def test_the_context_limit_is_refused_in_one_line_naming_the_fix(gpt2, checkpoin
 def test_a_cached_program_is_not_stretched_past_the_position_table(gpt2, checkpoint, tmp_path):
     """The execution cache reuses a program for another context (compiler.with_context): never
     past the learned position table."""
-    from cpullm.compiler import with_context
+    from cpullm.compile.compiler import with_context
 
     model = cpullm.load(checkpoint, quant="f32", n_ctx=32, use_cache=False)
     assert with_context(model.program, 64).meta["n_ctx"] == 64
@@ -99,7 +100,7 @@ def test_family_specific_config_keys_are_bounded(gpt2, checkpoint, tmp_path, key
 
 def test_a_transform_must_give_the_shape_it_declares(gpt2, checkpoint):
     from cpullm.plugin import Transform, W, WeightMap
-    from cpullm.tensors import TensorStore
+    from cpullm.loading.tensors import TensorStore
 
     store = TensorStore(checkpoint)
     H = gpt2.CONFIGS["gpt2"]["n_embd"]
@@ -115,10 +116,10 @@ def test_a_transform_must_give_the_shape_it_declares(gpt2, checkpoint):
 
 def test_precision_f32_keeps_one_linear_float32(gpt2, checkpoint, monkeypatch):
     """blocks.linear(..., precision="f32"): that matrix stays float32 under INT8, the rest is int8."""
-    from cpullm.compiler import compile_graph
-    from cpullm.ir import GraphBuilder
+    from cpullm.compile.compiler import compile_graph
+    from cpullm.graph.ir import GraphBuilder
     from cpullm.plugin import blocks
-    from cpullm.tensors import TensorStore
+    from cpullm.loading.tensors import TensorStore
 
     family = plugins.discover().family_for(json.loads((checkpoint / "config.json").read_text()))
     args = family.args(json.loads((checkpoint / "config.json").read_text()))
@@ -145,8 +146,8 @@ def test_precision_f32_keeps_one_linear_float32(gpt2, checkpoint, monkeypatch):
 def test_the_kit_catches_a_batch_that_reads_one_position_for_every_sequence(gpt2, checkpoint, monkeypatch):
     """POS_EMBED reads the step's position: run once for the whole batch (as a row-wise op) every
     sequence would get the first one's positions; the kit's batched-decode check fails then."""
-    from cpullm import batch
-    from cpullm.kernels import program_table as P
+    from cpullm.run import batch
+    from cpullm_kernels.program import program_table as P
 
     model = cpullm.load(checkpoint, quant="f32", use_cache=False)
     ids = list(range(3, 30))

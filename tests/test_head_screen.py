@@ -1,4 +1,4 @@
-"""The lm_head screen of greedy decoding (cpullm.kernels.head_screen): its packing, its bound, its
+"""The lm_head screen of greedy decoding (cpullm_kernels.panels.head_screen): its packing, its bound, its
 kernels against their numpy references, and, above all, that the token it returns is always the
 argmax of the full q8 logits (lowest index on ties)."""
 import numba
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 import cpullm
-from cpullm.kernels import head_screen as H
-from cpullm.kernels import q8
-from cpullm.kernels import q8_panels as qp
+from cpullm_kernels.panels import head_screen as H
+from cpullm_kernels.rows import q8
+from cpullm_kernels.panels import q8_panels as qp
 from cpullm.testing import make_random_checkpoint
 from steps import Steps  # noqa: E402
 
@@ -309,9 +309,9 @@ def test_greedy_generation_uses_the_screen_and_sampling_does_not(tiny_model, mon
 @pytest.mark.parametrize("regex,mask", [(r"(ab|ba){1,3}-[0-9]{2}", "refuses"), (r"[\s\S]{1,12}", "allows")])
 def test_constrained_greedy_reads_the_screen_and_keeps_the_unscreened_tokens(tiny_model, monkeypatch, regex, mask):
     pytest.importorskip("llguidance", reason="llguidance (cpullm[structured]) is not installed")
-    from cpullm.sampling import SamplingParams
-    from cpullm.scheduler import Scheduler
-    from cpullm.sequence import Sequence
+    from cpullm.generate.sampling import SamplingParams
+    from cpullm.generate.scheduler import Scheduler
+    from cpullm.generate.sequence import Sequence
     m = tiny_model
     ex = m.executor
     prompts = [[5, 17], [3, 99, 40, 7], [11]]
@@ -402,7 +402,7 @@ def test_memory_bound_counts_the_head_each_step_read(tiny_model, monkeypatch):
     flat logits make it the faster one), or both where a screened step fell back."""
     from cpullm.bench import format_memory_bound
     from cpullm.bench.memory_bound import decode_weight_bytes, decode_weight_spans, memory_bound
-    from cpullm.kernels import program_table as P
+    from cpullm_kernels.program import program_table as P
     prog, sc = tiny_model.program, tiny_model.executor.screen
     size = {k: sum(v.nbytes for v in decode_weight_spans(prog, k)) for k in ("screen", "plain", "both")}
     lin = P.linear_operands(prog.I[prog.meta["head_screen"]["row"]])

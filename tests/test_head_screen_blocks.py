@@ -1,4 +1,4 @@
-"""The head screen over an lm_head of raw ggml blocks (cpullm.kernels.head_screen_blocks): its
+"""The head screen over an lm_head of raw ggml blocks (cpullm_kernels.panels.head_screen_blocks): its
 error norms, its bound against kquant.matvec's float32 logits, and above all that the token it
 returns is always the argmax of the full raw-block logits (lowest index on ties); then a q4
 model's greedy tokens with and without it."""
@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 import cpullm
-from cpullm.kernels import gguf_blocks as gb
-from cpullm.kernels import head_screen as H
-from cpullm.kernels import head_screen_blocks as HB
-from cpullm.kernels import kquant
+from cpullm_kernels.rows import gguf_blocks as gb
+from cpullm_kernels.panels import head_screen as H
+from cpullm_kernels.panels import head_screen_blocks as HB
+from cpullm_kernels.rows import kquant
 from cpullm.testing import make_random_checkpoint
 from steps import Steps  # noqa: E402
 
@@ -20,7 +20,7 @@ FORMATS = ["Q6_K", "Q4_K", "Q5_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"]
 
 def _q6_k(N, K, rng, outlier_cols=()):
     """A Q6_K matrix of Gaussian weights (cpullm's own quantizer, as --quant q4 stores a head)."""
-    from cpullm.kernels import q4
+    from cpullm_kernels.rows import q4
     w = rng.standard_normal((N, K)).astype(np.float32) * 0.05
     for c in outlier_cols:
         w[:, c] *= 8.0
@@ -82,7 +82,7 @@ def test_error_norms_bound_the_real_errors(fmt):
     parts = gb.dequantize_parts_ref(w, fmt, (N, K))
     exact = (parts[0] + parts[1])[:, s.perm]
     vals = np.concatenate([s.hq[:, :s.k_sel], H.unpack_nibbles(s.hq[:, s.k_sel:])], axis=1).astype(np.float64)
-    from cpullm.kernels.q8 import scale_values
+    from cpullm_kernels.rows.q8 import scale_values
     compact = (vals.reshape(N, -1, 32) * scale_values(s.hs[:, :K // 32])[..., None]).reshape(N, -1)
     err = exact - compact
     rounding = HB.exact_rounding(K) * np.linalg.norm(np.abs(parts[0]) + np.abs(parts[1]), axis=1)
@@ -158,7 +158,7 @@ def test_rows_past_k_padding_and_aligned_activations():
     N, K, Kp = 3000, 224, 256
     wf = rng.standard_normal((N, Kp)).astype(np.float32) * 0.05
     wf[:, K:] = 0.0
-    from cpullm.kernels import q4
+    from cpullm_kernels.rows import q4
     w = q4.quantize_q6_k(wf)
     s = _Screen(w, "Q6_K", Kp)
     x = (gb.dequantize_ref(w[1234:1235], "Q6_K", (1, Kp))[0, :K] * 50.0).astype(np.float32)
@@ -245,7 +245,7 @@ def q4_model_q8_0_head(tmp_path_factory):
 
 
 def test_q4_program_gets_a_raw_block_screen(q4_model):
-    from cpullm.kernels import program_table as P
+    from cpullm_kernels.program import program_table as P
     sc = q4_model.program.meta["head_screen"]
     lin = P.linear_operands(q4_model.program.I[sc["row"]])
     assert lin.kind == P.WEIGHT_BLOCKS and lin.s_off == gb.Q6_K.ggml_type
@@ -264,7 +264,7 @@ def test_q4_program_gets_a_raw_block_screen(q4_model):
 @pytest.mark.parametrize("which", ["q4_model", "q4_model_q8_0_head"])
 def test_q4_greedy_tokens_with_and_without_the_screen(which, request):
     model = request.getfixturevalue(which)
-    from cpullm.kernels import program_table as P
+    from cpullm_kernels.program import program_table as P
     head = P.linear_operands(model.program.I[model.executor.screen.row])
     assert head.kind == (P.WEIGHT_BLOCKS if which == "q4_model" else P.WEIGHT_Q8)
     ex = Steps(model)

@@ -22,8 +22,8 @@ import pytest
 
 from cpullm import errors
 from cpullm.cli import main
-from cpullm.family import read_config
-from cpullm.tensors import TensorStore
+from cpullm.loading.family import read_config
+from cpullm.loading.tensors import TensorStore
 from cpullm.testing import make_random_checkpoint
 
 TINY = dict(model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -145,7 +145,7 @@ def test_gguf_shape_metadata_is_checked(tmp_path, capsys, key, value, expect):
 
 
 def test_gguf_metadata_arrays_nested_deeply_are_refused(tmp_path):
-    from cpullm.gguf_file import open_gguf
+    from cpullm.loading.gguf_file import open_gguf
 
     value = b""
     for _ in range(200):                          # 200 arrays, each holding the next
@@ -157,7 +157,7 @@ def test_gguf_metadata_arrays_nested_deeply_are_refused(tmp_path):
 
 
 def test_gguf_tensor_whose_element_count_wraps_int64_is_refused(tmp_path):
-    from cpullm.gguf_file import open_gguf
+    from cpullm.loading.gguf_file import open_gguf
 
     # one F32 tensor of shape (2**32, 2**32): 2**64 elements, which int64 arithmetic makes 0
     info = _gguf_string("token_embd.weight") + struct.pack("<I", 2) + struct.pack("<QQ", 2 ** 32, 2 ** 32)
@@ -386,7 +386,7 @@ def test_fifo_manifest_does_not_hang_a_load(cached_model):
 
 
 def test_cache_array_that_is_a_symlink_is_not_mapped(cached_model, tmp_path):
-    from cpullm.cache_format import read_entry
+    from cpullm.compile.cache_format import read_entry
 
     _, _, entry, _ = cached_model
     moved = tmp_path / "wq-elsewhere.bin"
@@ -399,7 +399,7 @@ def test_cache_array_that_is_a_symlink_is_not_mapped(cached_model, tmp_path):
 def test_forged_manifest_with_an_overflowing_shape_is_refused(cached_model):
     """A manifest recomputed around a shape whose element count wraps int64 to 0 (so an empty
     file would pass a wrapped size check) is refused before anything is mapped or allocated."""
-    from cpullm import cache_format
+    from cpullm.compile import cache_format
 
     _, _, entry, _ = cached_model
     m = json.loads((entry / "manifest.json").read_text())

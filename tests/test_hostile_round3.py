@@ -19,7 +19,7 @@ gguf = pytest.importorskip("gguf")
 import test_convert as tc  # noqa: E402
 from test_convert import write_tiny_gguf  # noqa: E402
 
-from cpullm import gguf_file as gf  # noqa: E402
+from cpullm.loading import gguf_file as gf  # noqa: E402
 from cpullm.errors import ConversionError  # noqa: E402
 
 
@@ -59,7 +59,7 @@ def test_gguf_type_that_reads_into_the_next_tensor_is_refused(tmp_path):
 
 _TRUNCATE_CHILD = r"""
 import os, sys
-from cpullm.gguf_model import GGUFStore
+from cpullm.loading.gguf_model import GGUFStore
 from cpullm.errors import CpullmError
 path = sys.argv[1]
 store = GGUFStore(path)
@@ -88,7 +88,7 @@ def test_gguf_vocabulary_longer_than_the_embedding_is_refused_naming_both(tmp_pa
     tokens, _ = tc.byte_level_vocab()
     path = tmp_path / "long-vocab.gguf"
     write_tiny_gguf(path, "llama", weights=tc.tiny_hf_weights("llama", 2, len(tokens) - 9, 0, True))
-    from cpullm.gguf_model import GGUFStore
+    from cpullm.loading.gguf_model import GGUFStore
     with pytest.raises(ConversionError) as e:
         GGUFStore(path)
     assert f"{len(tokens)} tokens" in str(e.value) and f"{len(tokens) - 9} rows" in str(e.value)
@@ -137,7 +137,7 @@ def test_run_with_a_full_disk_under_the_execution_cache_builds_in_memory(tmp_pat
 
 
 def test_last_used_is_never_touched_through_a_symlink(tmp_path):
-    from cpullm.cache_format import touch_no_follow
+    from cpullm.compile.cache_format import touch_no_follow
 
     victim = tmp_path / "victim"
     victim.write_text("x")
@@ -168,7 +168,7 @@ def _saved_prompt_cache(model_dir, path: Path) -> Path:
 
 def _forge(path: Path, change) -> None:
     """Rewrite the file's header with ``change(header)`` applied and its checksum recomputed."""
-    from cpullm import prompt_cache as pcm
+    from cpullm.run import prompt_cache as pcm
     raw = path.read_bytes()
     magic, version, zero, hlen = pcm._PREFIX.unpack_from(raw)
     header = json.loads(raw[pcm._PREFIX.size: pcm._PREFIX.size + hlen])
@@ -215,7 +215,7 @@ def test_forged_prompt_cache_header_is_a_miss_not_a_traceback(llama_dir, tmp_pat
 
 def test_prompt_cache_nested_100000_deep_is_a_miss(llama_dir, tmp_path):  # noqa: F811
     import cpullm
-    from cpullm import prompt_cache as pcm
+    from cpullm.run import prompt_cache as pcm
     pc = tmp_path / "deep.cache"
     hb = b'{"regions": ' + b"[" * 100000 + b"]" * 100000 + b"}"
     pc.write_bytes(pcm._PREFIX.pack(pcm.MAGIC, pcm.VERSION, 0, len(hb)) + hb)
@@ -250,7 +250,7 @@ def cache_entry(tmp_path):
 
 
 def _reseal(entry: Path, change_meta=None, change_I=None):
-    from cpullm import cache_format
+    from cpullm.compile import cache_format
     m = json.loads((entry / "manifest.json").read_text())
     m.pop("manifest_sha")
     if change_meta:
@@ -266,7 +266,7 @@ def _reseal(entry: Path, change_meta=None, change_I=None):
 
 
 def _arena_column(I):
-    from cpullm.kernels import program_table as P
+    from cpullm_kernels.program import program_table as P
     r = int(np.nonzero(I[:, P.COL_OP] == P.OP_GLU)[0][0])
     return r, P.GLU_OUT_OFF
 
@@ -283,7 +283,7 @@ FORGED_ENTRIES = {
 @pytest.mark.parametrize("name", sorted(FORGED_ENTRIES))
 def test_forged_execution_cache_entry_is_refused_and_rebuilt(cache_entry, name, capfd):
     import cpullm
-    from cpullm import cache_format
+    from cpullm.compile import cache_format
     from cpullm.errors import CacheError
 
     d, root, entry = cache_entry
@@ -300,7 +300,7 @@ def test_programs_of_every_block_format_pass_the_bounds_check(write, fmt):
     """The load-time bounds check accepts what the compiler writes (GGUF blocks run as they are,
     panels included, and q4): no valid entry is ever rebuilt for it."""
     import cpullm
-    from cpullm.cache_format import check_program_bounds
+    from cpullm.compile.cache_format import check_program_bounds
 
     path = write(fmt)
     for quant in ("gguf", "q4"):

@@ -1,8 +1,9 @@
 """The repository's top-level folders never shadow an installed package, whatever starts pytest.
 
-The root holds kernels/ (installed as cpullm.kernels), and transformers 5 imports a PyPI package
+The root holds kernels/ (installed as cpullm_kernels), and transformers 5 imports a PyPI package
 named ``kernels``. ``python -m pytest`` from the root puts the root first on sys.path, where that
-folder would win; tests/conftest.py takes the root and the working directory off sys.path.
+folder would win if it were a package; none is (the packages are folders inside them:
+core/cpullm/, kernels/cpullm_kernels/), so an installed package of its name comes first.
 """
 from __future__ import annotations
 
@@ -55,8 +56,8 @@ def test_kernels_is_the_installed_package():
     import kernels
     assert kernels.SOURCE == "the installed package", kernels.__file__
     assert Path(kernels.__file__).resolve().is_relative_to(Path(site).resolve())
-    import cpullm.kernels  # the project's own folder, through its install
-    assert Path(cpullm.kernels.__file__).resolve().is_relative_to(REPO / "kernels")
+    import cpullm_kernels  # the project's own folder, through its install
+    assert Path(cpullm_kernels.__file__).resolve().is_relative_to(REPO / "kernels")
 
 
 def test_python_m_pytest_from_the_root_imports_the_installed_kernels(tmp_path):

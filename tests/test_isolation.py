@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import cpullm
-from cpullm import gguf_vocab as gv
+from cpullm.loading import gguf_vocab as gv
 from cpullm.errors import ConversionError, PromptError, SamplingError
-from cpullm.sampling import Sampler, SamplingParams
+from cpullm.generate.sampling import Sampler, SamplingParams
 from cpullm.testing import make_random_checkpoint
 from tiny_configs import SMOLLM2_LIKE
 

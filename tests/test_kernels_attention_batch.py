@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from cpullm.kernels.attention import KV_F16, KV_F32, attention, kv_operand, padded_cap
-from cpullm.kernels.attention_batch import attention_decode_batch
+from cpullm_kernels.attention.attention import KV_F16, KV_F32, attention, kv_operand, padded_cap
+from cpullm_kernels.attention.attention_batch import attention_decode_batch
 
 
 @pytest.mark.parametrize("kv16", [KV_F32, KV_F16])

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from cpullm.kernels import attention as A
+from cpullm_kernels.attention import attention as A
 
 rng = np.random.default_rng(16)
 

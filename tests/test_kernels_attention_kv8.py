@@ -6,8 +6,8 @@ lengths, key ranges split across threads); the batched decode is bit-identical t
 import numpy as np
 import pytest
 
-from cpullm.kernels import attention as A
-from cpullm.kernels.attention_batch import attention_decode_batch
+from cpullm_kernels.attention import attention as A
+from cpullm_kernels.attention.attention_batch import attention_decode_batch
 
 
 def _arena_with(*mats, extra=0):
@@ -24,7 +24,7 @@ def _arena_with(*mats, extra=0):
 
 
 def _floats(nkv, cap, hd):
-    from cpullm.kvformat import region_floats
+    from cpullm.compile.kvformat import region_floats
     return region_floats(nkv, cap, hd, "q8_0")
 
 

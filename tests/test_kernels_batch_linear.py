@@ -1,8 +1,8 @@
-"""The f32 decode-batch LINEAR (cpullm.kernels.batch_linear): its numpy reference, and a row's
+"""The f32 decode-batch LINEAR (cpullm_kernels.rows.batch_linear): its numpy reference, and a row's
 result independent of the other rows of the batch (batch invariance)."""
 import numpy as np
 
-from cpullm.kernels import batch_linear as bl
+from cpullm_kernels.rows import batch_linear as bl
 
 RNG = np.random.default_rng(28)
 

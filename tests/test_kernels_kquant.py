@@ -1,4 +1,4 @@
-"""Decode matvec over raw GGUF blocks (cpullm.kernels.kquant) vs its numpy reference, on every
+"""Decode matvec over raw GGUF blocks (cpullm_kernels.rows.kquant) vs its numpy reference, on every
 format, every ISA variant this CPU runs (generic always; AVX2 and AVX-512 VNNI where present),
 awkward shapes, extreme values, and a codegen guard."""
 import re
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from numba import njit
 
-from cpullm.kernels import gguf_blocks as gb
-from cpullm.kernels import kquant as kq
+from cpullm_kernels.rows import gguf_blocks as gb
+from cpullm_kernels.rows import kquant as kq
 
 RNG = np.random.default_rng(20261204)
 FORMATS = ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K", "Q4_1", "Q5_0", "Q5_1"]

@@ -1,13 +1,14 @@
-"""Prefill over raw GGUF blocks (cpullm.kernels.kquant_gemm): the numba dequantizer against the
+"""Prefill over raw GGUF blocks (cpullm_kernels.tiles.kquant_gemm): the numba dequantizer against the
 numpy reference (bit for bit), the GEMM against the float64 reference, the few-rows path against
 the decode kernel's reference, on every format and awkward shapes."""
 import numpy as np
 import pytest
 
-from cpullm.kernels import gguf_blocks as gb
-from cpullm.kernels import kquant as kq
-from cpullm.kernels import kquant_gemm as kg
-from cpullm.kernels import numba_setup, q8_gemm
+from cpullm_kernels.rows import gguf_blocks as gb
+from cpullm_kernels.rows import kquant as kq
+from cpullm_kernels.tiles import kquant_gemm as kg
+from cpullm_kernels.setup import numba_setup
+from cpullm_kernels.tiles import q8_gemm
 
 RNG = np.random.default_rng(20261205)
 FORMATS = ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K", "Q4_1", "Q5_0", "Q5_1"]

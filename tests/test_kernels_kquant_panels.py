@@ -1,4 +1,4 @@
-"""Q4_K / Q6_K in panels of 16 rows (cpullm.kernels.kquant_panels): the layout holds the file's
+"""Q4_K / Q6_K in panels of 16 rows (cpullm_kernels.panels.kquant_panels): the layout holds the file's
 numbers, the kernel equals its numpy reference bit for bit on every ISA variant this CPU runs,
 rows do not depend on the batch, and an EMBED row reads back as the file's dequantized row."""
 import json
@@ -9,9 +9,10 @@ import sys
 import numpy as np
 import pytest
 
-from cpullm.kernels import kquant_panels as KP, numba_setup
-from cpullm.kernels.gguf_blocks import dequantize_ref, random_blocks
-from cpullm.kernels.kquant import quantize_act_q8_ref
+from cpullm_kernels.panels import kquant_panels as KP
+from cpullm_kernels.setup import numba_setup
+from cpullm_kernels.rows.gguf_blocks import dequantize_ref, random_blocks
+from cpullm_kernels.rows.kquant import quantize_act_q8_ref
 
 FORMATS = [KP.Q4_K, KP.Q6_K]
 SHAPES = [(16, 256), (48, 512), (80, 1024), (64, 2304)]
@@ -95,9 +96,9 @@ def test_shapes_and_formats_are_checked():
 _VARIANT = """
 import json, sys
 import numpy as np
-from cpullm.kernels import kquant_panels as KP
-from cpullm.kernels.gguf_blocks import random_blocks
-from cpullm.kernels.kquant import quantize_act_q8_ref
+from cpullm_kernels.panels import kquant_panels as KP
+from cpullm_kernels.rows.gguf_blocks import random_blocks
+from cpullm_kernels.rows.kquant import quantize_act_q8_ref
 assert KP.ISA == sys.argv[1], KP.ISA
 rng = np.random.default_rng(5)
 out = {}

@@ -2,13 +2,13 @@
 import numpy as np
 import pytest
 
-from cpullm.ir import Op
-from cpullm.kernels import attention as A
-from cpullm.kernels import elementwise as E
-from cpullm.kernels import gated_delta as G
-from cpullm.kernels import interpreter as K
-from cpullm.kernels import norm as N
-from cpullm.kernels import rope as R
+from cpullm.graph.ir import Op
+from cpullm_kernels.attention import attention as A
+from cpullm_kernels.ops import elementwise as E
+from cpullm_kernels.attention import gated_delta as G
+from cpullm_kernels.program import interpreter as K
+from cpullm_kernels.ops import norm as N
+from cpullm_kernels.ops import rope as R
 
 rng = np.random.default_rng(0)
 
@@ -78,10 +78,10 @@ def test_layernorm_against_numpy_and_torch(T, width, group, parallel, bias):
 @pytest.mark.parametrize("bias", [False, True])
 def test_layernorm_node_in_a_program_prefill_and_decode(bias):
     """blocks.layernorm compiled and run by the interpreter: batched prefill and one-row decode."""
-    from cpullm import blocks
-    from cpullm.compiler import compile_graph
-    from cpullm.executor import Executor
-    from cpullm.ir import GraphBuilder
+    from cpullm.graph import blocks
+    from cpullm.compile.compiler import compile_graph
+    from cpullm.run.executor import Executor
+    from cpullm.graph.ir import GraphBuilder
 
     H, V = 40, 24
     g = GraphBuilder()
@@ -218,13 +218,13 @@ def test_gated_delta_prefill_then_decode_matches_reference():
 @pytest.mark.parametrize("n", [0, 1, 7, 4096, 100_003])
 @pytest.mark.parametrize("nchunks", [1, 2, 5])
 def test_read_sum_u32_matches_numpy_wrapping_sum(n, nchunks):
-    from cpullm.kernels import bandwidth as B
+    from cpullm_kernels.setup import bandwidth as B
     a = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
     assert B.read_sum_u32(a, nchunks) == B.read_sum_u32_ref(a)
 
 
 def test_as_words_views_whole_words_and_read_rate_counts_them():
-    from cpullm.kernels import bandwidth as B
+    from cpullm_kernels.setup import bandwidth as B
     q = rng.integers(-127, 128, 4099, dtype=np.int64).astype(np.int8)     # 4099 bytes: 1024 words
     s = rng.integers(0, 2**16, 10, dtype=np.int64).astype(np.uint16)       # 20 bytes: 5 words
     w = B.as_words(q)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from numba import njit
 
-from cpullm.kernels import q8
+from cpullm_kernels.rows import q8
 
 RNG = np.random.default_rng(20240601)
 
@@ -198,7 +198,7 @@ def test_quantize_and_f32_codegen_is_vectorized():
 
 
 def test_numba_setup_applied():
-    from cpullm.kernels import numba_setup
+    from cpullm_kernels.setup import numba_setup
 
     assert numba_setup.configured_threads() >= 1
     assert numba.get_num_threads() >= 1

@@ -1,4 +1,4 @@
-"""The W8A16 GEMM (cpullm.kernels.q8_gemm, whose micro-kernel kquant_gemm runs) on q8 weights:
+"""The W8A16 GEMM (cpullm_kernels.tiles.q8_gemm, whose micro-kernel kquant_gemm runs) on q8 weights:
 matmul_w8a16 vs its numpy reference, its agreement with the q8 LINEAR (q8_panels), the packed
 layout, and a codegen guard.
 
@@ -14,7 +14,10 @@ import numba
 import numpy as np
 import pytest
 
-from cpullm.kernels import numba_setup, q8, q8_gemm, q8_panels
+from cpullm_kernels.setup import numba_setup
+from cpullm_kernels.rows import q8
+from cpullm_kernels.tiles import q8_gemm
+from cpullm_kernels.panels import q8_panels
 
 RNG = np.random.default_rng(20261201)
 VNNI = pytest.mark.skipif(q8_gemm.GEMM_ISA is None, reason="this CPU lacks AVX2+FMA+F16C (the kernel cannot run here)")
@@ -166,7 +169,8 @@ def test_w8a16_codegen_uses_the_integer_dot_instructions():
 _VARIANT = """
 import sys
 import numpy as np
-from cpullm.kernels import q8, q8_gemm
+from cpullm_kernels.rows import q8
+from cpullm_kernels.tiles import q8_gemm
 assert q8_gemm.GEMM_ISA == sys.argv[1], q8_gemm.GEMM_ISA
 rng = np.random.default_rng(7)
 outs = {}

@@ -1,4 +1,4 @@
-"""The q8 panel kernels (cpullm.kernels.q8_panels): layout, the numpy reference bit for bit, batch
+"""The q8 panel kernels (cpullm_kernels.panels.q8_panels): layout, the numpy reference bit for bit, batch
 invariance, and every ISA variant this CPU runs."""
 import json
 import os
@@ -8,7 +8,9 @@ import sys
 import numpy as np
 import pytest
 
-from cpullm.kernels import numba_setup, q8, q8_panels as qp
+from cpullm_kernels.setup import numba_setup
+from cpullm_kernels.rows import q8
+from cpullm_kernels.panels import q8_panels as qp
 
 SHAPES = [(1, 32), (16, 64), (64, 96), (100, 200), (130, 4864), (257, 896)]
 
@@ -105,7 +107,8 @@ def test_bad_shapes_are_refused():
 _VARIANT = """
 import json, sys
 import numpy as np
-from cpullm.kernels import q8, q8_panels as qp
+from cpullm_kernels.rows import q8
+from cpullm_kernels.panels import q8_panels as qp
 assert qp.ISA == sys.argv[1], qp.ISA
 rng = np.random.default_rng(5)
 out = {}

@@ -1,4 +1,4 @@
-"""The KV cache format option (cpullm.kvformat): defaults by quant, a clear error for a bad value,
+"""The KV cache format option (cpullm.compile.kvformat): defaults by quant, a clear error for a bad value,
 its place in the execution-cache key and the prompt cache (a file of another format refused),
 llama.cpp's -ctk/-ctv spellings, and INT8 with float16 or 8-bit KV staying close to float32 KV
 on a small random model (top-1 agreement, not identical tokens)."""
@@ -10,7 +10,7 @@ import pytest
 import cpullm
 from cpullm.cli import main
 from cpullm.errors import CacheError, ConfigError
-from cpullm.kvformat import read_positions, region_floats, resolve_kv_dtype, write_positions
+from cpullm.compile.kvformat import read_positions, region_floats, resolve_kv_dtype, write_positions
 from cpullm.testing import make_random_checkpoint
 from steps import Steps  # noqa: E402
 
@@ -53,8 +53,8 @@ def test_load_reports_the_format_and_rejects_a_bad_one(wide_dir, tmp_path):
                for r in m8.program.meta["state_regions"])
     # the load-time bounds check accepts the 8-bit regions, refuses an unknown format code and a
     # region too small for its format (the kernels do not bounds-check)
-    from cpullm.cache_format import check_program_bounds
-    from cpullm.kernels import program_table as P
+    from cpullm.compile.cache_format import check_program_bounds
+    from cpullm_kernels.program import program_table as P
     arrays, meta = dict(m8.program.arrays), m8.program.meta
     check_program_bounds(arrays, meta)
     att = np.nonzero(arrays["I"][:, P.COL_OP] == P.OP_ATTENTION)[0][0]

@@ -9,8 +9,8 @@ import pytest
 
 import cpullm
 from cpullm.errors import ContextMemoryError
-from cpullm.kernels.attention import padded_cap
-from cpullm.memory import check_plan_fits, state_plan
+from cpullm_kernels.attention.attention import padded_cap
+from cpullm.run.memory import check_plan_fits, state_plan
 from cpullm.testing import make_random_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +72,7 @@ def test_plan_is_checked_against_available_memory(tmp_path, monkeypatch):
     with pytest.raises(ContextMemoryError, match=r"--ctx 8192\b") as err:
         check_plan_fits(m16.program.meta, available=need // 3)
     assert "--cache-type" not in str(err.value)
-    from cpullm import memory
+    from cpullm.run import memory
     monkeypatch.setattr(memory, "available_bytes", lambda: need // 3)
     with pytest.raises(ContextMemoryError):
         cpullm.load(d, n_ctx=32768, use_cache=False, kv_dtype="f32")
@@ -86,8 +86,8 @@ def test_kv_cache_is_resident_only_where_written(tmp_path):
     of a synthetic Qwen3-1.7B at n_ctx 4096 on an 8-token prompt)."""
     import mmap
 
-    from cpullm.executor import lazy_zeros
-    from cpullm.memory import _status_kib
+    from cpullm.run.executor import lazy_zeros
+    from cpullm.run.memory import _status_kib
     d = make_random_checkpoint(LLAMA, tmp_path / "m", seed=3)
     m = cpullm.load(d, n_ctx=131072, use_cache=False)
     st = m.slot.state.base                              # the slot's (1, state_floats) table

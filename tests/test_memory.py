@@ -13,8 +13,8 @@ import pytest
 
 import cpullm
 from cpullm.cli import main
-from cpullm.kernels.attention import padded_cap
-from cpullm.kernels.gated_delta import state_size
+from cpullm_kernels.attention.attention import padded_cap
+from cpullm_kernels.attention.gated_delta import state_size
 from test_cache_family import (HYBRID, WINDOW, _hybrid_registered, hybrid_dir,  # noqa: F401
                                llama_dir)
 

@@ -1,4 +1,4 @@
-"""Routed experts (Op.MOE, cpullm.kernels.moe): the compiled op against the numpy reference in
+"""Routed experts (Op.MOE, cpullm_kernels.program.moe): the compiled op against the numpy reference in
 f32, the quantized expert formats (q8 panels, raw k-quant blocks) against their dequantized f32,
 batched decode bit-identical to decode alone, prefill equal to decode, and only chosen experts read."""
 import attrs
@@ -6,13 +6,13 @@ import numba
 import numpy as np
 import pytest
 
-from cpullm import blocks
-from cpullm.compiler import compile_graph
-from cpullm.executor import Executor
-from cpullm.forward import Forward
-from cpullm.ir import GraphBuilder, GraphError, Op
-from cpullm.kernels import moe as M
-from cpullm.kernels.norm import rmsnorm_ref
+from cpullm.graph import blocks
+from cpullm.compile.compiler import compile_graph
+from cpullm.run.executor import Executor
+from cpullm.run.forward import Forward
+from cpullm.graph.ir import GraphBuilder, GraphError, Op
+from cpullm_kernels.program import moe as M
+from cpullm_kernels.ops.norm import rmsnorm_ref
 from cpullm.testing import _ArrayWeights as _Plain
 
 
@@ -109,7 +109,7 @@ def test_quantized_experts_batch_invariant_and_close_to_f32(quant):
     program = compile_graph(graph, _ArrayWeights(a), quant=quant, n_ctx=32, max_chunk=8)
     kinds = {tuple(row[c] for c in (M.TABLE_GATE, M.TABLE_UP, M.TABLE_DOWN))
              for call in program.meta["moe"].values() for row in call["table"][:E]}     # the routed ones
-    from cpullm.kernels import program_table as P
+    from cpullm_kernels.program import program_table as P
     want_kind = P.WEIGHT_Q8 if quant == "int8" else P.WEIGHT_BLOCKS
     assert all(set(k3) == {want_kind} for k3 in kinds)
     if quant == "q4":
@@ -136,8 +136,8 @@ def test_quantized_experts_batch_invariant_and_close_to_f32(quant):
 
 def _as_q4(name, w):
     """An expert matrix as q4 mode stores it, dequantized (others unchanged)."""
-    from cpullm.kernels.gguf_blocks import dequantize_ref
-    from cpullm.quant_blocks import quantize_q4_rows
+    from cpullm_kernels.rows.gguf_blocks import dequantize_ref
+    from cpullm.compile.quant_blocks import quantize_q4_rows
     if ".experts." not in name and ".shared." not in name:
         return w
     fmt = ("Q8_0" if ".shared." in name else "Q6_K") if "down" in name else "Q4_K"
@@ -191,7 +191,7 @@ def test_route_matches_reference_order_and_weights():
 
 
 def test_executor_calls_the_kernel_with_a_warmed_signature():
-    from cpullm.kernels import warmup
+    from cpullm_kernels.setup import warmup
     H, V, E, k, inter = 256, 24, 4, 2, 256
     a = _arrays(H, V, E, inter, 0, False)
     for quant in ("int8", "q4"):

@@ -1,6 +1,6 @@
 """Two processes compiling different signatures of one cached numba function into one cache
 directory at the same time (what a cold start's two compile processes do) leave a cache whose
-every entry loads the right machine code (cpullm.kernels.numba_cache_lock)."""
+every entry loads the right machine code (cpullm_kernels.setup.numba_cache_lock)."""
 from __future__ import annotations
 
 import json
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from cpullm.kernels import numba_cache_lock
+from cpullm_kernels.setup import numba_cache_lock
 
 MODULE = textwrap.dedent('''
     from numba import njit
@@ -24,7 +24,7 @@ MODULE = textwrap.dedent('''
 
 COMPILE = textwrap.dedent('''
     import json, sys, time
-    import cpullm.kernels                  # installs the cache lock
+    import cpullm_kernels                  # installs the cache lock
     import numpy as np
     from numba import types
     sys.path.insert(0, sys.argv[1])
@@ -48,7 +48,7 @@ COMPILE = textwrap.dedent('''
 
 LOAD = textwrap.dedent('''
     import json, sys
-    import cpullm.kernels
+    import cpullm_kernels
     import numpy as np
     sys.path.insert(0, sys.argv[1])
     import shared_kernel

@@ -8,13 +8,15 @@ import numpy as np
 import pytest
 from numba import njit
 
-from cpullm import blocks, plugins, testing
-from cpullm.compiler import compile_graph
-from cpullm.family import OpSpec
+from cpullm.graph import blocks
+from cpullm.loading import plugins
+from cpullm import testing
+from cpullm.compile.compiler import compile_graph
+from cpullm.loading.family import OpSpec
 from cpullm.hookspecs import hookimpl
-from cpullm.ir import GraphBuilder
-from cpullm.kernels.pointwise import ACT_GELU_TANH, act_ref
-from cpullm.op_matrix import OpMatrix
+from cpullm.graph.ir import GraphBuilder
+from cpullm_kernels.ops.pointwise import ACT_GELU_TANH, act_ref
+from cpullm.run.op_matrix import OpMatrix
 
 H, I, V = 64, 96, 80
 

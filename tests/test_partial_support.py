@@ -14,7 +14,8 @@ import pytest
 from safetensors.numpy import save_file
 
 import cpullm
-from cpullm import errors, plugins
+from cpullm import errors
+from cpullm.loading import plugins
 from cpullm.cli import main as cli_main
 from cpullm.testing import make_random_checkpoint
 from tiny_configs import SMOLLM2_LIKE

@@ -22,7 +22,8 @@ torch = pytest.importorskip("torch", reason="torch is a test dependency (pip ins
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")
 
 import cpullm  # noqa: E402
-from cpullm import plugins, testing  # noqa: E402
+from cpullm.loading import plugins  # noqa: E402
+from cpullm import testing  # noqa: E402
 from cpullm.errors import PluginError  # noqa: E402
 
 THIRD_PARTY = Path(__file__).parent / "third_party"
@@ -77,8 +78,8 @@ def neox_checkpoint(neox, tmp_path_factory):
 
 def test_the_op_is_in_the_graph_the_cache_key_and_the_profile(neox, neox_checkpoint, monkeypatch):
     from cpullm import bench
-    from cpullm.compiler import graph_hash
-    from cpullm.ir import GraphBuilder, Op
+    from cpullm.compile.compiler import graph_hash
+    from cpullm.graph.ir import GraphBuilder, Op
 
     model = cpullm.load(neox_checkpoint, quant="int8", use_cache=False)
     nodes = [n for n in model.graph.nodes if n.op == Op.PLUGIN]
@@ -96,7 +97,7 @@ def test_the_op_is_in_the_graph_the_cache_key_and_the_profile(neox, neox_checkpo
 
 
 def test_a_program_with_an_op_that_is_not_installed_is_refused(neox, neox_checkpoint):
-    from cpullm.executor import Executor
+    from cpullm.run.executor import Executor
 
     model = cpullm.load(neox_checkpoint, quant="f32", use_cache=False)
     with pytest.raises(PluginError, match=r"plugin ops that are not installed: \['neox.gelu_erf'\]"):
@@ -142,10 +143,10 @@ def test_phi3_longrope_short_and_long(phi3, name, tmp_path):
 
 
 def test_rope_scaling_is_in_the_cache_key_and_refused_when_missing(phi3, tmp_path, monkeypatch):
-    from cpullm.compiler import graph_hash
+    from cpullm.compile.compiler import graph_hash
     from cpullm.errors import UnsupportedConfigError
-    from cpullm.family import read_config
-    from cpullm.ir import GraphBuilder
+    from cpullm.loading.family import read_config
+    from cpullm.graph.ir import GraphBuilder
 
     phi3._save(phi3.CONFIGS["longrope"], tmp_path)
     fam = plugins.discover().family_for(read_config(tmp_path))
@@ -161,9 +162,9 @@ def test_rope_scaling_is_in_the_cache_key_and_refused_when_missing(phi3, tmp_pat
 def test_a_plugin_op_runs_per_sequence_in_the_scheduler(neox, neox_checkpoint):
     """Continuous batching with a plugin op (and LayerNorm, partial RoPE): each request's greedy
     tokens are the same alone, mixed with others, and from generate()."""
-    from cpullm.sampling import SamplingParams
-    from cpullm.scheduler import Scheduler
-    from cpullm.sequence import Sequence
+    from cpullm.generate.sampling import SamplingParams
+    from cpullm.generate.scheduler import Scheduler
+    from cpullm.generate.sequence import Sequence
 
     model = cpullm.load(neox_checkpoint, quant="int8", use_cache=False, n_ctx=128, max_chunk=16)
     prompts = [list(range(3, 3 + n)) for n in (4, 37, 1, 20)]

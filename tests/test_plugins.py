@@ -15,11 +15,12 @@ import numpy as np
 import pytest
 
 import cpullm
-from cpullm import errors, plugins
+from cpullm import errors
+from cpullm.loading import plugins
 from cpullm.cli import main as cli_main
-from cpullm.family import KernelSpec
+from cpullm.loading.family import KernelSpec
 from cpullm.hookspecs import hookimpl
-from cpullm.ir import Op
+from cpullm.graph.ir import Op
 from cpullm.testing import make_random_checkpoint
 from tiny_configs import SMOLLM2_LIKE
 
@@ -198,7 +199,7 @@ def _bad_spec_plugin(name, **changes):
     (_bad_spec_plugin("string_types", model_types="llama"),
      "PluginError: FamilySpec 'bad': model_types must be a tuple of strings, not 'llama'"),
     (_bad_spec_plugin("no_args", args_class=dict),
-     "PluginError: FamilySpec 'bad': args_class must subclass cpullm.family.Args"),
+     "PluginError: FamilySpec 'bad': args_class must subclass cpullm.loading.family.Args"),
     (_plugin("bad_kernel_op", kernels=[KernelSpec(name="k", op=Op.LINEAR, fn=lambda *a: None)]),
      "PluginError: KernelSpec 'k': op LINEAR cannot be replaced by a plugin kernel (replaceable: GATED_DELTA)"),
 ], ids=["misspelled", "unmarked", "not_a_family", "model_types_str", "args_class", "kernel_op"])
@@ -212,7 +213,7 @@ def test_malformed_plugin_is_reported_not_fatal(registry, plugin, message):
 
 
 def test_duplicate_kernel_name_is_an_error_of_the_second_plugin(registry):
-    from cpullm.kernels.gated_delta import gated_delta
+    from cpullm_kernels.attention.gated_delta import gated_delta
 
     k = KernelSpec(name="same.name", op=Op.GATED_DELTA, fn=gated_delta)
     reg = registry(_plugin("aaa_kernels", kernels=[k]), _plugin("bbb_kernels", kernels=[attrs.evolve(k)]))
@@ -248,13 +249,13 @@ def _op_plugin(plugin_name: str, *ops, rope_types=()):
 
 
 def _square_op(name="p.square"):
-    from cpullm.family import OpSpec
+    from cpullm.loading.family import OpSpec
     return OpSpec(name=name, width=lambda widths, attrs: widths[0],
                   reference=lambda inputs, weights, attrs, pos0: inputs[0] * inputs[0])
 
 
 def test_duplicate_op_and_rope_type_names_are_errors_of_the_second_plugin(registry):
-    from cpullm.family import RopeType
+    from cpullm.loading.family import RopeType
 
     rt = RopeType(name="p.rope", inv_freq=lambda params, rotary_dim, n_ctx: (np.ones(rotary_dim // 2), 1.0))
     reg = registry(_op_plugin("aaa_ops", _square_op(), rope_types=[rt]),
@@ -281,7 +282,7 @@ def test_malformed_op_is_reported_not_fatal(registry, spec, message):
 
 
 def test_a_plugin_cannot_replace_a_core_rope_type(registry):
-    from cpullm.family import RopeType
+    from cpullm.loading.family import RopeType
 
     reg = registry(_op_plugin("rope_ops", rope_types=[RopeType(name="llama3", inv_freq=lambda *a: None)]))
     info = next(p for p in reg.plugins if p.name == "rope_ops")
@@ -289,7 +290,7 @@ def test_a_plugin_cannot_replace_a_core_rope_type(registry):
 
 
 def test_graph_refuses_an_op_no_plugin_provides():
-    from cpullm.ir import GraphBuilder, GraphError
+    from cpullm.graph.ir import GraphBuilder, GraphError
 
     g = GraphBuilder()
     x = g.add("embed", Op.EMBED, [], width=8, weights={"table": "embed"})

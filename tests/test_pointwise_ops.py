@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from cpullm.kernels import pointwise as K
+from cpullm_kernels.ops import pointwise as K
 
 
 def _arena(x: np.ndarray, stride: int):
@@ -65,8 +65,8 @@ def test_position_embedding_kernel_matches_the_reference():
 
 
 def _graph(act: str, n_positions: int = 40, offset: int = 2):
-    from cpullm import blocks
-    from cpullm.ir import GraphBuilder
+    from cpullm.graph import blocks
+    from cpullm.graph.ir import GraphBuilder
 
     H, V = 32, 64
     g = GraphBuilder()
@@ -86,7 +86,7 @@ def _graph(act: str, n_positions: int = 40, offset: int = 2):
 
 def _numpy_forward(graph, weights, ids):
     """The graph's logits by numpy alone, from the references (attention causal, full)."""
-    from cpullm.ir import Op
+    from cpullm.graph.ir import Op
 
     vals, T = {}, len(ids)
     for n in graph.nodes:
@@ -121,7 +121,7 @@ def _numpy_forward(graph, weights, ids):
 
 @pytest.mark.parametrize("act", ["gelu", "relu"])
 def test_the_ops_through_the_interpreter_prefill_decode_and_batch(act):
-    from cpullm.compiler import compile_graph
+    from cpullm.compile.compiler import compile_graph
     from cpullm.testing import _forward, _sample_weights, _rel_err, _cached_logits
 
     graph, V = _graph(act)
@@ -140,7 +140,7 @@ def test_the_ops_through_the_interpreter_prefill_decode_and_batch(act):
 
 
 def test_a_context_past_the_position_table_is_refused_at_compile():
-    from cpullm.compiler import compile_graph
+    from cpullm.compile.compiler import compile_graph
     from cpullm.errors import ConfigError
     from cpullm.testing import _sample_weights
 
@@ -152,7 +152,7 @@ def test_a_context_past_the_position_table_is_refused_at_compile():
 
 
 def test_graph_validation_names_the_activation():
-    from cpullm.ir import GraphBuilder, GraphError, Op
+    from cpullm.graph.ir import GraphBuilder, GraphError, Op
 
     g = GraphBuilder()
     x = g.add("embed", Op.EMBED, [], width=8, weights={"table": "embed"})

@@ -1,4 +1,4 @@
-"""Prefix sharing in the scheduler (cpullm.prefix_cache): requests that start with the same whole
+"""Prefix sharing in the scheduler (cpullm.run.prefix_cache): requests that start with the same whole
 prefill chunks restore that state instead of prefilling it, and their greedy tokens are the
 same as without the cache, in f32 and int8, for full attention (Llama), sliding-window layers
 (Qwen2) and linear-attention layers with a recurrent state (Qwen3.5)."""
@@ -7,10 +7,10 @@ import pytest
 
 import cpullm
 from cpullm.errors import ConfigError
-from cpullm.prefix_cache import PrefixCache
-from cpullm.sampling import SamplingParams
-from cpullm.scheduler import Scheduler
-from cpullm.sequence import Sequence
+from cpullm.run.prefix_cache import PrefixCache
+from cpullm.generate.sampling import SamplingParams
+from cpullm.generate.scheduler import Scheduler
+from cpullm.generate.sequence import Sequence
 from cpullm.testing import make_random_checkpoint
 from test_scheduler import FAMILIES
 

@@ -1,11 +1,11 @@
-"""The instruction table's contract (cpullm.kernels.program_table): each op's column names take
+"""The instruction table's contract (cpullm_kernels.program.program_table): each op's column names take
 distinct columns inside the tables, and no other source indexes the tables by bare number."""
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-from cpullm.kernels import program_table as P
+from cpullm_kernels.program import program_table as P
 
 REPO = Path(__file__).resolve().parent.parent
 LAYOUTS = ("LINEAR", "EMBED", "NORM", "ROPE", "ATTENTION", "GLU", "BINARY", "UNARY", "GATED_DELTA")
@@ -40,4 +40,4 @@ def test_no_source_indexes_the_tables_by_number():
             for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
                 if BARE_COLUMN.search(line):
                     hits.append(f"{path.relative_to(REPO)}:{i}: {line.strip()}")
-    assert hits == [], "index I/F by the names in cpullm.kernels.program_table:\n" + "\n".join(hits)
+    assert hits == [], "index I/F by the names in cpullm_kernels.program.program_table:\n" + "\n".join(hits)

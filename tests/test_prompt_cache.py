@@ -1,4 +1,4 @@
-"""The prompt cache (cpullm.prompt_cache): identical greedy tokens and logits with and without it,
+"""The prompt cache (cpullm.run.prompt_cache): identical greedy tokens and logits with and without it,
 for full-attention, sliding-window (ring, also wrapped) and linear-attention layers; foreign,
 stale, damaged and non-cache files; atomic writes; ``cpullm run --prompt-cache``."""
 import json

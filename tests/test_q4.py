@@ -6,9 +6,9 @@ import os
 import numpy as np
 import pytest
 
-from cpullm.kernels import gguf_blocks as gb
-from cpullm.kernels import kquant as kq
-from cpullm.kernels import q4
+from cpullm_kernels.rows import gguf_blocks as gb
+from cpullm_kernels.rows import kquant as kq
+from cpullm_kernels.rows import q4
 
 _KINDS = ("normal", "student_t3", "skewed")
 

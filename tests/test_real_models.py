@@ -99,7 +99,7 @@ def test_int8_greedy_through_the_head_screen_equals_the_full_logits(real):
     argmax of the full q8 logits, while teacher-forced through the same tokens."""
     name, _, int8, _ = real
     if int8.executor.screen is None:                 # SmolLM2's lm_head is below the size for one
-        from cpullm.kernels import head_screen
+        from cpullm_kernels.panels import head_screen
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(head_screen, "MIN_LM_HEAD_BYTES", 0)
             int8 = cpullm.load(int8.model_dir, quant="int8", use_cache=False)

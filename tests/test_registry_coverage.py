@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from cpullm import plugins, testing
-from cpullm.family import FamilySpec
+from cpullm.loading import plugins
+from cpullm import testing
+from cpullm.loading.family import FamilySpec
 from cpullm.hookspecs import hookimpl
 
 INSTALLED = sorted(f.name for f in plugins.discover().families)
@@ -15,7 +16,7 @@ def test_every_installed_family_ships_a_tiny_config():
     assert INSTALLED, "no family plugin is installed"
     missing = testing.families_without_tiny_config()
     assert not missing, (f"families without FamilySpec.tiny_config: {', '.join(missing)}; "
-                         "ship a tiny config.json of each family (cpullm.family.FamilySpec)")
+                         "ship a tiny config.json of each family (cpullm.loading.family.FamilySpec)")
 
 
 @pytest.mark.filterwarnings("ignore:no reference_logits:cpullm.testing.ConformanceWarning")

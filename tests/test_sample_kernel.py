@@ -1,10 +1,10 @@
-"""cpullm.kernels.sample against the sampler's definition in numpy (a full sort of the vocabulary):
+"""cpullm_kernels.ops.sample against the sampler's definition in numpy (a full sort of the vocabulary):
 the same tokens kept by top-k, top-p and min-p, each drawn for the same share of [0, 1)."""
 import numpy as np
 import pytest
 
-from cpullm.kernels.sample import LEVELS, sample_logits
-from cpullm.sampling import Sampler, SamplingParams
+from cpullm_kernels.ops.sample import LEVELS, sample_logits
+from cpullm.generate.sampling import Sampler, SamplingParams
 
 
 def reference_cdf(x, t, top_k, top_p, min_p):

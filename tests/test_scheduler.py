@@ -11,9 +11,9 @@ import pytest
 
 import cpullm
 from cpullm.errors import ConfigError, ContextOverflowError
-from cpullm.sampling import SamplingParams
-from cpullm.scheduler import Scheduler
-from cpullm.sequence import Sequence
+from cpullm.generate.sampling import SamplingParams
+from cpullm.generate.scheduler import Scheduler
+from cpullm.generate.sequence import Sequence
 from cpullm.testing import make_random_checkpoint
 from cpullm_gemma.tiny_configs import GEMMA2_2B_LIKE, GEMMA3_270M_LIKE
 from cpullm_qwen.tiny_configs import QWEN2_SLIDING_UNTIED, QWEN35_TEXT_ONLY
@@ -182,7 +182,7 @@ def test_engine_serves_threads_with_cancel(llama):
         assert [got[i] for i in range(len(prompts))] == alone
         # a cancel takes effect within a few passes; a pass may keep up to DEFAULT_DRAFT_MAX
         # guessed tokens plus its own (speculation is on by default)
-        from cpullm.speculative import DEFAULT_DRAFT_MAX
+        from cpullm.generate.speculative import DEFAULT_DRAFT_MAX
         assert victim.stats.stop_reason == "cancelled"
         assert len(victim.seq.generated) < 2 + 3 * (DEFAULT_DRAFT_MAX + 1) < 200
         assert eng.counts()["running"] == 0 and eng.counts()["free_slots"] == 3
@@ -212,7 +212,7 @@ def test_a_request_submitted_mid_stream_joins_the_running_decode(llama):
 
 
 def test_parallel_is_planned_against_available_memory(llama, monkeypatch):
-    from cpullm import engine
+    from cpullm.generate import engine
     slot = llama.forward.state_floats * 4
     monkeypatch.setattr(engine, "available_memory_bytes", lambda: 10 * slot)
     assert engine.default_parallel(llama) == min(engine.MAX_DEFAULT_PARALLEL, 4 * llama.threads, 5)

@@ -40,7 +40,7 @@ def local():
 
 
 def _greedy_chat(local, messages, n):
-    from cpullm.chat import chat_prompt_ids
+    from cpullm.generate.chat import chat_prompt_ids
     ids = chat_prompt_ids(local, messages)
     return ids, "".join(local.generate(ids, max_new_tokens=n, temperature=0.0))
 

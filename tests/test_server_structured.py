@@ -147,7 +147,7 @@ def test_completion_logprobs_and_constrained_logprobs(url):
 
 
 def test_logit_bias_and_penalties_change_the_answer(url):
-    from cpullm.tokenize import Tokenizer
+    from cpullm.loading.tokenize import Tokenizer
     from test_server_support import chat_model_dir
     tid = Tokenizer(chat_model_dir()).encode("x", add_special_tokens=False)[0]
     r = _post(url, COMP, {"prompt": "abc", "max_tokens": 5, "logit_bias": {str(tid): 100}}).json()

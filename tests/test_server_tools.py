@@ -141,7 +141,7 @@ QWEN3_LIKE = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + (m.
 
 
 def _fake_model(tmp_path, family_name, template):
-    from cpullm import plugins
+    from cpullm.loading import plugins
     fam = next(f for f in plugins.discover().families if f.name == family_name)
     (tmp_path / "chat_template.jinja").write_text(template)
     return SimpleNamespace(family=fam, model_dir=tmp_path, tokenizer=SimpleNamespace(config={}))

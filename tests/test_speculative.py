@@ -1,4 +1,4 @@
-"""Exact speculative decoding (cpullm.speculative): the verify pass gives the logits of one-token
+"""Exact speculative decoding (cpullm.generate.speculative): the verify pass gives the logits of one-token
 steps bit for bit, in f32, int8, q4 and a GGUF run as it is, for every family structure (plain
 GQA, sliding-window layers, Qwen3.5's linear attention, Gemma's soft-capping and local/global
 layers); a rejection at every position of a draft rolls the state back exactly (KV by position,
@@ -9,10 +9,10 @@ import pytest
 
 import cpullm
 from cpullm.errors import ConfigError
-from cpullm.sampling import SamplingParams
-from cpullm.scheduler import Scheduler
-from cpullm.sequence import Sequence
-from cpullm.speculative import LookupIndex, Pacer, SeqSpec, resolve
+from cpullm.generate.sampling import SamplingParams
+from cpullm.generate.scheduler import Scheduler
+from cpullm.generate.sequence import Sequence
+from cpullm.generate.speculative import LookupIndex, Pacer, SeqSpec, resolve
 from cpullm.testing import make_random_checkpoint
 from cpullm_gemma.tiny_configs import GEMMA2_2B_LIKE, GEMMA3_270M_LIKE
 from cpullm_qwen.tiny_configs import QWEN2_SLIDING_UNTIED, QWEN35_TEXT_ONLY

@@ -27,9 +27,9 @@ def test_lookup_on_a_copy_is_exact_and_accepts(qwen):
     qwen.speculate("off")
     plain = list(qwen.generate_ids(ids, 64))
     qwen.speculate("lookup", draft_max=8)
-    stats = cpullm.generate.GenerationStats()
-    from cpullm.generate import generate_ids
-    from cpullm.sampling import SamplingParams
+    stats = cpullm.generate.generate.GenerationStats()
+    from cpullm.generate.generate import generate_ids
+    from cpullm.generate.sampling import SamplingParams
     spec = list(generate_ids(qwen.forward, qwen.slot, ids, 64, SamplingParams(), qwen.eos_token_ids, stats,
                              speculative=qwen.speculative))
     assert spec == plain

@@ -13,7 +13,8 @@ import pytest
 
 pytest.importorskip("gguf")
 
-from cpullm import cache_format, store  # noqa: E402
+from cpullm.compile import cache_format  # noqa: E402
+from cpullm import store  # noqa: E402
 from cpullm.cli import main  # noqa: E402
 from cpullm.errors import StoreError  # noqa: E402
 from cpullm.serve import running  # noqa: E402

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.reference   # needs torch and transformers
 
 import cpullm
 from cpullm import testing
-from cpullm.chat import render_chat
-from cpullm.tensors import TensorStore
+from cpullm.generate.chat import render_chat
+from cpullm.loading.tensors import TensorStore
 
 torch = pytest.importorskip("torch", reason="torch is a test dependency (pip install -e '.[test]')")
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")
@@ -155,7 +155,7 @@ def test_full_size_plan_matches_the_hubs_parameter_count_and_cpullms_weight_map(
         # the Hub shows the safetensors parameter count rounded to 3 significant digits
         assert f"{params / 1e9:.3g}B" == layout["hub_params"], params
     # every tensor cpullm's family asks for is in the plan, with its shape
-    from cpullm import plugins
+    from cpullm.loading import plugins
     fam = plugins.discover().family_for(config)
     args = fam.args(config)
     names = dict(plan)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from cpullm import chat
-from cpullm.chat import RenderCancelled, render_template
+from cpullm.generate import chat
+from cpullm.generate.chat import RenderCancelled, render_template
 from cpullm.errors import ChatTemplateError, TemplateLimitError
 
 HI = [{"role": "user", "content": "Hi"}]

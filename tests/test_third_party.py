@@ -265,7 +265,7 @@ def test_gpt2_plugin_installed_runs_and_enforces_its_context_limit(env):
         assert fams["by_plugin"][GPT2]["error"] is None
         d = env.root / "tiny_gpt2"
         env.run("-c", "import json, sys; from cpullm.testing import make_random_checkpoint; "
-                      "from cpullm.plugins import discover; "
+                      "from cpullm.loading.plugins import discover; "
                       "make_random_checkpoint(discover().family_for({'model_type': 'gpt2'}).tiny_config, "
                       "sys.argv[1], std=0.3)", d)
         out = json.loads(env.cpullm("run", d, "-p", "Hello", "-n", "4", "--json").stdout)

@@ -10,8 +10,8 @@ import numba
 import pytest
 
 import cpullm
-from cpullm.batch import BatchDecoder
-from cpullm.executor import Executor
+from cpullm.run.batch import BatchDecoder
+from cpullm.run.executor import Executor
 from cpullm.testing import make_random_checkpoint
 from tiny_configs import SMOLLM2_LIKE
 

@@ -1,7 +1,7 @@
 """A checkpoint whose config ties the embeddings but which also stores an ``lm_head.weight`` that
 differs: transformers 5 does not tie the two (``PreTrainedModel.tie_weights``: both present and
 unequal -> keep both) and its logits come from the stored head; so do cpullm's, through the one
-rule every family uses (``cpullm.decoder.lm_head_rule``)."""
+rule every family uses (``cpullm.graph.decoder.lm_head_rule``)."""
 import numpy as np
 import pytest
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from cpullm import plugins
-from cpullm.family import FamilySpec
+from cpullm.loading import plugins
+from cpullm.loading.family import FamilySpec
 from cpullm.toolcalls import (Answer, AnswerParser, ReasoningFormat, ToolCall, call_grammar, collect,
                               messages_for_template, opens_thinking, select, with_thinking)
 from cpullm_gemma.chat_formats import TOOL_CALL_JSON

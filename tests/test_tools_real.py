@@ -27,9 +27,9 @@ def _constraints_missing() -> str | None:
     """Why constrained decoding cannot run here (None when it can)."""
     try:
         import llguidance  # noqa: F401
-        from cpullm import constraints  # noqa: F401
+        from cpullm.generate import constraints  # noqa: F401
     except ImportError as exc:
-        return f"constrained decoding (cpullm[structured]: llguidance, cpullm.constraints) is not installed: {exc}"
+        return f"constrained decoding (cpullm[structured]: llguidance, cpullm.generate.constraints) is not installed: {exc}"
     return None
 
 

@@ -1,11 +1,12 @@
-"""exp_f32 / tanh_f32 (cpullm.kernels.vmath) against numpy in float64, and their codegen."""
+"""exp_f32 / tanh_f32 (cpullm_kernels.ops.vmath) against numpy in float64, and their codegen."""
 import re
 
 import numba
 import numpy as np
 import pytest
 
-from cpullm.kernels import q8, vmath
+from cpullm_kernels.rows import q8
+from cpullm_kernels.ops import vmath
 
 
 def test_exp_f32_relative_error_over_the_whole_range():

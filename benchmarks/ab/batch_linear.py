@@ -1,4 +1,4 @@
-"""Micro-benchmark of the decode-batch q8 LINEAR (cpullm.kernels.q8_panels.panels_matmul) at each
+"""Micro-benchmark of the decode-batch q8 LINEAR (cpullm_kernels.panels.q8_panels.panels_matmul) at each
 batch size B, interleaved, on one ~65 MB matrix (streamed from DRAM on every call where that
 exceeds the L3 cache; ``--n`` sets the size).
 
@@ -18,12 +18,13 @@ import argparse
 import random
 import time
 
-import cpullm.kernels  # noqa: F401  (numba_setup first)
+import cpullm_kernels  # noqa: F401  (numba_setup first)
 import numba
 import numpy as np
 
-from cpullm.kernels import q8, q8_panels
-from cpullm.kernels.numba_setup import configure
+from cpullm_kernels.rows import q8
+from cpullm_kernels.panels import q8_panels
+from cpullm_kernels.setup.numba_setup import configure
 
 CHECK_ROWS = 256
 """Weight rows checked against the numpy reference (all of them would take minutes)."""
@@ -113,7 +114,7 @@ def main() -> None:
     _check(w_q, w_s, x_q, x_s, outs, rows)
     names = ["panels"]
     if a.gemm:
-        from cpullm.kernels.q8_gemm import GEMM_ISA, matmul_w8a16
+        from cpullm_kernels.tiles.q8_gemm import GEMM_ISA, matmul_w8a16
         if GEMM_ISA is None:
             raise SystemExit("--gemm: the W8A16 GEMM needs x86 with AVX2 (or AVX-512 VNNI)")
         gemm_out = {B: np.zeros((B, a.n), np.float32) for B in rows}

@@ -37,8 +37,8 @@ def main(argv=None) -> int:
 
     import cpullm
     from cpullm.bench.harness import prompt_ids
-    from cpullm.head_screen import _row_bytes
-    from cpullm.kernels import program_table as P
+    from cpullm.compile.head_screen import _row_bytes
+    from cpullm_kernels.program import program_table as P
     m = cpullm.load(a.model, quant=a.quant, threads=a.threads)
     ex = m.executor
     sc = ex.screen

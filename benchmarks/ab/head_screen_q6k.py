@@ -35,10 +35,10 @@ def main(argv=None) -> int:
 
     import cpullm
     from cpullm.bench.harness import prompt_ids
-    from cpullm.kernels import head_screen as H
-    from cpullm.kernels import head_screen_blocks as HB
-    from cpullm.kernels import kquant, q4
-    from cpullm.tensors import TensorStore
+    from cpullm_kernels.panels import head_screen as H
+    from cpullm_kernels.panels import head_screen_blocks as HB
+    from cpullm_kernels.rows import kquant, q4
+    from cpullm.loading.tensors import TensorStore
 
     m = cpullm.load(a.model, quant="q4", threads=a.threads)
     ex = m.executor
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     slot = m.forward.new_slot()
     tok = int(np.argmax(m.forward.prefill(slot, ids)))
     r = ex.n_instr - 1
-    from cpullm.kernels import program_table as P
+    from cpullm_kernels.program import program_table as P
     lin = P.linear_operands(ex.I[r])
     xs = []
     for _ in range(a.steps):

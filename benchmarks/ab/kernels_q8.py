@@ -1,10 +1,10 @@
-"""Microbenchmark of the INT8 LINEAR (cpullm.kernels.q8_panels) and the f32 kernels on real model shapes.
+"""Microbenchmark of the INT8 LINEAR (cpullm_kernels.panels.q8_panels) and the f32 kernels on real model shapes.
 
     python benchmarks/ab/kernels_q8.py [--threads 2,1] [--models qwen05,smol135] [--quick]
                                         [--wait-idle SECONDS] [--skip matmul]
 
 Prints, per thread count:
-  * the DRAM read ceiling (cpullm.kernels.bandwidth.read_rate over 1 GiB: the read `cpullm bench`
+  * the DRAM read ceiling (cpullm_kernels.setup.bandwidth.read_rate over 1 GiB: the read `cpullm bench`
     measures decode against);
   * the one-token q8 LINEAR (q8_panels.panels_matmul, B = 1) and q8.matvec_f32: GB/s of weight
     bytes (int8 + binary16 scales, panels padded to 64 rows / float32), per shape, cycling through
@@ -28,15 +28,17 @@ import os
 import sys
 import time
 
-import cpullm.kernels  # noqa: F401  (numba_setup first)
+import cpullm_kernels  # noqa: F401  (numba_setup first)
 import numba
 import numpy as np
 from numba import njit
 
 from cpullm.bench import cpu_busy as bench_cpu_busy
-from cpullm.kernels import q8, q8_gemm, q8_panels
-from cpullm.kernels.bandwidth import read_rate
-from cpullm.kernels.numba_setup import configure
+from cpullm_kernels.rows import q8
+from cpullm_kernels.tiles import q8_gemm
+from cpullm_kernels.panels import q8_panels
+from cpullm_kernels.setup.bandwidth import read_rate
+from cpullm_kernels.setup.numba_setup import configure
 
 
 MODELS = {

@@ -1,10 +1,10 @@
-"""Old vs new GGUF block matvec (cpullm.kernels.kquant), interleaved, against a plain read.
+"""Old vs new GGUF block matvec (cpullm_kernels.rows.kquant), interleaved, against a plain read.
 
-    python benchmarks/ab/kquant_ab.py [--old-rev HEAD] [--old-path kernels/kquant.py] [--threads 1]
+    python benchmarks/ab/kquant_ab.py [--old-rev HEAD] [--old-path kernels/cpullm_kernels/rows/kquant.py] [--threads 1]
                                       [--shape 2048x8192] [--formats Q4_1,Q4_K] [--rounds 11] [--mb 64]
 
 The baseline ("old") is ``git show REV:PATH`` of this repository, written into a temporary
-directory and imported from there as a module of cpullm.kernels (its relative imports find the
+directory and imported from there as a module of cpullm_kernels (its relative imports find the
 working tree's helpers); nothing is written into the package folder.
 
 Each round runs one pass of the old kernel, one of the new and one plain parallel read
@@ -24,27 +24,27 @@ import tempfile
 import time
 from pathlib import Path
 
-import cpullm.kernels  # noqa: F401  (numba_setup first)
+import cpullm_kernels  # noqa: F401  (numba_setup first)
 import numpy as np
 
-from cpullm.kernels import gguf_blocks as gb
-from cpullm.kernels import kquant as new
-from cpullm.kernels.bandwidth import as_words, read_sum_u32
-from cpullm.kernels.numba_setup import configure
+from cpullm_kernels.rows import gguf_blocks as gb
+from cpullm_kernels.rows import kquant as new
+from cpullm_kernels.setup.bandwidth import as_words, read_sum_u32
+from cpullm_kernels.setup.numba_setup import configure
 
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def load_baseline(rev: str, path: str, tmp: Path):
-    """``git show REV:PATH`` of this repository as the module cpullm.kernels.kquant_baseline, its
+    """``git show REV:PATH`` of this repository as the module cpullm_kernels.kquant_baseline, its
     source kept in ``tmp``."""
     proc = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{path}"], capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"kquant_ab: git show {rev}:{path} failed: {proc.stderr.strip()}")
     src = tmp / "kquant_baseline.py"
     src.write_text(proc.stdout)
-    spec = importlib.util.spec_from_file_location("cpullm.kernels.kquant_baseline", src)
+    spec = importlib.util.spec_from_file_location("cpullm_kernels.kquant_baseline", src)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--mb", type=int, default=64)
     ap.add_argument("--old-rev", default="HEAD", help="git revision of the baseline kernel (default HEAD)")
-    ap.add_argument("--old-path", default="kernels/kquant.py", help="the kernel's file at that revision")
+    ap.add_argument("--old-path", default="kernels/cpullm_kernels/rows/kquant.py", help="the kernel's file at that revision")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="cpullm-kquant-ab-") as tmp:
         return run(args, load_baseline(args.old_rev, args.old_path, Path(tmp)))

@@ -1,4 +1,4 @@
-"""Read rate of the GGUF block matvec (cpullm.kernels.kquant) against a plain read of the same bytes.
+"""Read rate of the GGUF block matvec (cpullm_kernels.rows.kquant) against a plain read of the same bytes.
 
     python benchmarks/ab/kquant_matvec.py [--threads 2] [--shape 2048x8192] [--mb 256] [--rounds 7]
                                           [--formats Q4_K,Q6_K,...] [--isa all|best] [--json]
@@ -18,14 +18,14 @@ import argparse
 import json
 import time
 
-import cpullm.kernels  # noqa: F401  (numba_setup first)
+import cpullm_kernels  # noqa: F401  (numba_setup first)
 import numba
 import numpy as np
 
-from cpullm.kernels import gguf_blocks as gb
-from cpullm.kernels import kquant as kq
-from cpullm.kernels.bandwidth import as_words, read_sum_u32
-from cpullm.kernels.numba_setup import configure
+from cpullm_kernels.rows import gguf_blocks as gb
+from cpullm_kernels.rows import kquant as kq
+from cpullm_kernels.setup.bandwidth import as_words, read_sum_u32
+from cpullm_kernels.setup.numba_setup import configure
 
 ORDER = ["Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K", "Q4_1", "Q5_0", "Q5_1"]
 

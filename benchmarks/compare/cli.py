@@ -146,9 +146,9 @@ def run_spec(args) -> tuple[Path, dict]:
     """The checkpoint directory and what every worker is given: the prompt's token ids (and the
     context prefill's), the lengths, the threads and cpullm's settings."""
     from cpullm.bench import prompt_ids
-    from cpullm.kernels.numba_setup import physical_cores
+    from cpullm_kernels.setup.numba_setup import physical_cores
     from cpullm.model import resolve_model_dir
-    from cpullm.tokenize import Tokenizer
+    from cpullm.loading.tokenize import Tokenizer
 
     model_dir = resolve_model_dir(args.model).resolve()
     if not (model_dir / "config.json").is_file():      # a GGUF file, or a store entry kept as GGUF

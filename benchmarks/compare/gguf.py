@@ -231,7 +231,7 @@ def _vocab_fields(model_dir: Path, config: dict, cfg: dict):
 def _text_tensors(model_dir: Path, n_vocab: int):
     """(transformers name of the text model, float32 array), multimodal prefixes removed, the
     embedding cut to the vocabulary."""
-    from cpullm.tensors import TensorStore
+    from cpullm.loading.tensors import TensorStore
 
     store = TensorStore(model_dir)
     for name in store.names():

@@ -144,7 +144,7 @@ def llama_cpp_converter(work_dir: Path, say=print) -> Path:
 def _converter_outtype(model_dir: Path) -> str:
     """"bf16" when every matrix of the checkpoint is bf16 (exact), else "f32" (exact for f32 and
     f16 checkpoints; vectors stay F32 either way)."""
-    from cpullm.tensors import TensorStore
+    from cpullm.loading.tensors import TensorStore
 
     store = TensorStore(model_dir)
     dtypes = {store.dtype(n) for n in store.names() if len(store.shape(n)) >= 2}

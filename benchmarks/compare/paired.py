@@ -60,7 +60,7 @@ def _read_rate_probe(runner):
     import numba
 
     from cpullm.bench import decode_weight_spans
-    from cpullm.kernels.bandwidth import as_words, read_sum_u32
+    from cpullm_kernels.setup.bandwidth import as_words, read_sum_u32
 
     words = [as_words(v) for v in decode_weight_spans(runner.model.program)]
     nbytes, nth = sum(w.nbytes for w in words), numba.get_num_threads()

@@ -69,7 +69,7 @@ def machine_info() -> dict:
     except OSError:
         pass
     try:
-        from cpullm.kernels import q8_panels
+        from cpullm_kernels.panels import q8_panels
         prefill = {"vnni": "W8A16 q8 panels (AVX-512 VNNI)", "avx2": "W8A16 q8 panels (AVX2)"}.get(
             q8_panels.ISA, "W8A16 q8 panels (portable IR)")
     except Exception:  # noqa: BLE001 - the report still says what it can

@@ -1,5 +1,5 @@
 """What the Gemma model types share: activation and layer-pattern rules, the weight map as data,
-and the decoder graph built from :mod:`cpullm.blocks`.
+and the decoder graph built from :mod:`cpullm.graph.blocks`.
 
 Conventions (as transformers 5.24's Gemma models compute):
 
@@ -32,7 +32,7 @@ LAYER_TYPES = (SLIDING, FULL)
 # transformers (ACT2FN): gelu_pytorch_tanh and gelu_new compute the same formula.
 GELU_TANH_NAMES = ("gelu_pytorch_tanh", "gelu_new")
 
-# Checkpoint norm names per canonical norm (canonical names: cpullm.blocks docstring).
+# Checkpoint norm names per canonical norm (canonical names: cpullm.graph.blocks docstring).
 PRE_NORM_NAMES = {                       # Gemma 1: pre-norm only
     "attn_norm": "input_layernorm",
     "mlp_norm": "post_attention_layernorm",       # despite its name, the norm before the MLP

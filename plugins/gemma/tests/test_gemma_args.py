@@ -5,9 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from cpullm import blocks, plugins
+from cpullm.graph import blocks
+from cpullm.loading import plugins
 from cpullm.errors import ConfigError, UnsupportedConfigError, WeightMapError
-from cpullm.weightmap import ADD_ONE
+from cpullm.loading.weightmap import ADD_ONE
 
 # The real google/gemma-3-4b-it config.json: only non-default text keys.
 GEMMA3_4B_IT = {

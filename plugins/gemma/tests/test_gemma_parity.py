@@ -28,7 +28,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is a tes
 
 import cpullm  # noqa: E402
 from cpullm import testing  # noqa: E402
-from cpullm.kernels.attention import padded_cap  # noqa: E402
+from cpullm_kernels.attention.attention import padded_cap  # noqa: E402
 from cpullm_gemma.tiny_configs import GEMMA2_2B_LIKE, GEMMA3_270M_LIKE  # noqa: E402
 from hf_reference import TINY_VOCAB, hf_greedy, hf_logits, hf_model, save_tiny  # noqa: E402
 
@@ -186,10 +186,10 @@ def test_legacy_layout(legacy_checkpoint, tmp_path_factory):
     matches cpullm's at every position and over 32 greedy tokens, and cpullm builds exactly the
     model of the transformers 5 layout (same graph, same canonical tensors), so everything else
     the kit checks on that layout holds for this one."""
-    from cpullm import plugins
-    from cpullm.family import read_config
-    from cpullm.ir import GraphBuilder
-    from cpullm.tensors import TensorStore
+    from cpullm.loading import plugins
+    from cpullm.loading.family import read_config
+    from cpullm.graph.ir import GraphBuilder
+    from cpullm.loading.tensors import TensorStore
 
     name, d, ref_logits, ref_tokens = legacy_checkpoint
     testing.check_weight_map(d)

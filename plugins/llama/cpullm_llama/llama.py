@@ -29,7 +29,7 @@ class LlamaArgs(Args):
     attention_bias: bool = False
     mlp_bias: bool = False
     hidden_act: str = "silu"
-    rope: object = None                 # derived: cpullm.family.RopeSpec
+    rope: object = None                 # derived: cpullm.loading.family.RopeSpec
 
     def derive(self, config: dict) -> None:
         if self.num_key_value_heads is None:

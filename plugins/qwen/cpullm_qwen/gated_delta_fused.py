@@ -10,7 +10,7 @@ twice, the first sweep read-only (the reference writes the decayed state back in
     delta = beta * (v - u)
     S     = exp(g) * S + k (x) delta ;  o = S^T q      one read-modify-write sweep
 
-Same math and state layout as cpullm.kernels.gated_delta (the reference); the conv output is
+Same math and state layout as cpullm_kernels.attention.gated_delta (the reference); the conv output is
 kept in registers instead of being written back over the qkv input, and the state is addressed
 through array views (flat signed offsets keep LLVM from vectorizing the sweeps). Measured at
 Qwen3.5-4B layer sizes on one thread: ~0.85 ms per decode step vs ~4.1 ms for the reference.

@@ -1,7 +1,7 @@
 """The plugin's fused kernel registration (light: numba is imported on the first call only).
 
 ``gated_delta_fused`` replaces the core's reference GATED_DELTA kernel
-(``cpullm.kernels.gated_delta.gated_delta``) with the same arguments and the same state layout
+(``cpullm_kernels.attention.gated_delta.gated_delta``) with the same arguments and the same state layout
 (conv history (conv_dim, K-1) then S (nv, dk, dv) at ``s_off``), so either can continue a
 sequence the other started.
 """

@@ -7,7 +7,7 @@ the multimodal wrapper (see qwen3_5.py). Hybrid decoder, exactly as transformers
                  [query | gate]); zero-centred q/k norm; partial RoPE (partial_rotary_factor,
                  default 0.25; text-only M-RoPE == 1-D RoPE); out = o_proj(attn * sigmoid(gate))
     linear layer: in_proj_qkv -> causal depthwise conv + SiLU -> Gated DeltaNet recurrence ->
-                 gated RMSNorm (plain w) * silu(in_proj_z) -> out_proj  (cpullm.blocks.gated_delta)
+                 gated RMSNorm (plain w) * silu(in_proj_z) -> out_proj  (cpullm.graph.blocks.gated_delta)
     norms:       input/post-attention/final/q/k norms are (1 + w): folded once by ADD_ONE;
                  linear_attn.norm is plain w
 """

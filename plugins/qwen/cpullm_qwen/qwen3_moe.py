@@ -10,7 +10,7 @@ exactly as transformers 5 computes it:
 
 Checkpoints store each expert's projections as their own tensors
 (``mlp.experts.{e}.{gate,up,down}_proj.weight``) and the router as ``mlp.gate.weight``; the core's
-MOE op (:func:`cpullm.blocks.moe_mlp`) reads them as canonical ``layers.{i}.moe.*``.
+MOE op (:func:`cpullm.graph.blocks.moe_mlp`) reads them as canonical ``layers.{i}.moe.*``.
 """
 from __future__ import annotations
 

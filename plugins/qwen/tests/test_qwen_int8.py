@@ -15,13 +15,14 @@ pytestmark = pytest.mark.reference   # needs torch and transformers
 pytest.importorskip("torch", reason="torch is a test dependency (pip install -e '.[test]')")
 pytest.importorskip("transformers", reason="transformers is a test dependency")
 
-from cpullm import plugins, testing  # noqa: E402
-from cpullm.compiler import compile_graph  # noqa: E402
-from cpullm.executor import Executor  # noqa: E402
-from cpullm.family import read_config  # noqa: E402
-from cpullm.ir import Graph, GraphBuilder, GraphError, Op  # noqa: E402
-from cpullm.kernels import program_table as P  # noqa: E402
-from cpullm.tensors import TensorStore  # noqa: E402
+from cpullm.loading import plugins  # noqa: E402
+from cpullm import testing  # noqa: E402
+from cpullm.compile.compiler import compile_graph  # noqa: E402
+from cpullm.run.executor import Executor  # noqa: E402
+from cpullm.loading.family import read_config  # noqa: E402
+from cpullm.graph.ir import Graph, GraphBuilder, GraphError, Op  # noqa: E402
+from cpullm_kernels.program import program_table as P  # noqa: E402
+from cpullm.loading.tensors import TensorStore  # noqa: E402
 from test_qwen_parity import IDS, make_checkpoint  # noqa: E402
 from steps import Steps  # noqa: E402
 

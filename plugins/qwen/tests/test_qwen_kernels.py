@@ -7,9 +7,9 @@ import re
 import numpy as np
 import pytest
 
-from cpullm.ir import Op
-from cpullm.kernels import gated_delta as G
-from cpullm.kernels import interpreter as K
+from cpullm.graph.ir import Op
+from cpullm_kernels.attention import gated_delta as G
+from cpullm_kernels.program import interpreter as K
 from cpullm_qwen import kernels as QK
 from cpullm_qwen.gated_delta_fused import gated_delta_fused
 
@@ -97,8 +97,8 @@ def test_kernels_continue_each_others_state():
 
 
 def test_kernel_supports():
-    from cpullm import blocks
-    from cpullm.ir import GraphBuilder
+    from cpullm.graph import blocks
+    from cpullm.graph.ir import GraphBuilder
     g = GraphBuilder()
     x = blocks.embed(g, 32)
     blocks.gated_delta(g, 0, x, hidden=32, n_k_heads=2, k_head_dim=8, n_v_heads=4, v_head_dim=8,

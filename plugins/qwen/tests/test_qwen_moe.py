@@ -76,12 +76,12 @@ def test_int8_experts_alone(checkpoint):
     from pathlib import Path
 
     import attrs
-    from cpullm import plugins
-    from cpullm.compiler import compile_graph
-    from cpullm.executor import Executor
-    from cpullm.family import read_config
-    from cpullm.ir import Graph, GraphBuilder, Op
-    from cpullm.tensors import TensorStore
+    from cpullm.loading import plugins
+    from cpullm.compile.compiler import compile_graph
+    from cpullm.run.executor import Executor
+    from cpullm.loading.family import read_config
+    from cpullm.graph.ir import Graph, GraphBuilder, Op
+    from cpullm.loading.tensors import TensorStore
     from steps import Steps
 
     d = checkpoint[0]
@@ -122,7 +122,7 @@ def test_int8_batched_decode_equals_alone(checkpoint):
 
 
 def _args(config):
-    from cpullm import plugins
+    from cpullm.loading import plugins
     return plugins.discover().family_for(config).args(config)
 
 

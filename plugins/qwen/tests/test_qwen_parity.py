@@ -196,7 +196,7 @@ def test_legacy_multimodal_prefix_and_text_only_class_give_same_logits(wrapper_v
 
 
 def _args(config):
-    from cpullm import plugins
+    from cpullm.loading import plugins
     return plugins.discover().family_for(config).args(config)
 
 

@@ -1,7 +1,7 @@
 """``neox.gelu_erf``: the exact GELU, ``x * (1 + erf(x / sqrt 2)) / 2``, which the core does not
 have (its GLU MLPs use SiLU or the tanh approximation). An op is its name, a shape rule, a numpy
 reference and, optionally, fast kernels for prefill (T rows) and decode (one row); see
-cpullm.family.OpSpec. The kernels live in kernels.py and compile on their first call."""
+cpullm.loading.family.OpSpec. The kernels live in kernels.py and compile on their first call."""
 from __future__ import annotations
 
 import math

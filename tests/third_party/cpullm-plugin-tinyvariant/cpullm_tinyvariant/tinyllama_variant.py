@@ -40,7 +40,7 @@ class VariantArgs(Args):
     tie_word_embeddings: bool = True
     sliding_window: int | None = None
     layer_types: list | None = None
-    rope: object = None                 # derived: cpullm.family.RopeSpec
+    rope: object = None                 # derived: cpullm.loading.family.RopeSpec
     windows: tuple = ()                 # derived: attention window of each layer (0 = full)
 
     def derive(self, config: dict) -> None:

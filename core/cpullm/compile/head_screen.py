@@ -1,0 +1,210 @@
+"""Greedy decoding's lm_head screen, as one stage after compiling: whether a program gets one
+(:func:`head_screen_row`), packing it into the program (:func:`attach`, its kept columns chosen from
+the lm_head inputs of :data:`HEAD_CALIBRATION_TEXT`), and the executor's runtime view of it
+(:class:`HeadScreen`: which head each greedy step reads). The kernels are
+:mod:`cpullm_kernels.panels.head_screen`'s (a q8 lm_head) and :mod:`cpullm_kernels.panels.head_screen_blocks`'s
+(an lm_head of raw ggml blocks: ``quant="q4"``'s Q6_K). Which programs get one is the caller's
+choice (core/cpullm/model.py): int8 and q4 programs, not a GGUF file run as it is (its resident weights
+stay within 5 % of the file's tensor bytes; a screen adds 56-78 % of the head's).
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import numba
+import numpy as np
+
+from .compiler import Program, align_up
+from cpullm_kernels.program import program_table as P
+from cpullm_kernels.panels.head_screen import padded_blocks, screen_argmax
+from cpullm_kernels.panels.q8_panels import padded_rows
+
+HEAD_CALIBRATION_TEXT = (
+    "The history of computing is a story of ideas that became machines. Early calculators could "
+    "add and subtract; later designs stored programs in memory, and compilers turned readable "
+    "instructions into code. Today a small language model runs on an ordinary laptop.\n\n"
+    "Question: What is the capital of France, and why is it famous?\nAnswer: Paris is the capital "
+    "of France. It is known for the Eiffel Tower, the Louvre, its cafés and its long history.\n\n"
+    "def fibonacci(n: int) -> list[int]:\n    \"\"\"Return the first n Fibonacci numbers.\"\"\"\n"
+    "    out, a, b = [], 0, 1\n    for _ in range(n):\n        out.append(a)\n        a, b = b, a + b\n"
+    "    return out\n\nprint(fibonacci(10))  # [0, 1, 1, 2, 3, 5, 8, 13, 21, 34]\n\n"
+    "Once upon a time, in a village by the sea, there lived an old fisherman and his cat. Every "
+    "morning they walked to the harbour together, and every evening they came home with a story."
+)
+"""Text whose lm_head inputs choose the columns the head screen keeps at 8 bits (compile time only;
+it changes how many rows greedy steps recompute exactly, never which token they return)."""
+
+
+def head_screen_row(program: Program) -> int | None:
+    """The instruction a head screen replaces in greedy decoding: the program's last one, if it is
+    a LINEAR of the head over q8 weights or raw ggml blocks of a format in
+    ``head_screen_blocks.SCREEN_FORMATS`` (Q6_K), without bias or plugin kernel (its output is then
+    the logits), of at least ``head_screen.MIN_LM_HEAD_BYTES``; else None."""
+    from cpullm_kernels.panels import head_screen
+    I = program.I
+    r = len(I) - 1
+    if (I[r, P.COL_OP] != P.OP_LINEAR or I[r, P.COL_IMPL] != P.IMPL_INTERPRETER
+            or I[r, P.COL_SECTION] != P.SECTION_HEAD):
+        return None
+    lin = P.linear_operands(I[r])
+    if (lin.kind not in (P.WEIGHT_Q8, P.WEIGHT_BLOCKS) or lin.bias_off >= 0
+            or lin.kp > 32 * head_screen.MAX_BLOCKS or lin.kp < 64):
+        return None
+    if lin.kind == P.WEIGHT_BLOCKS:
+        from cpullm_kernels.panels.head_screen_blocks import SCREEN_FORMATS
+        if lin.s_off not in SCREEN_FORMATS:
+            return None
+    if lin.n * _row_bytes(lin) < head_screen.MIN_LM_HEAD_BYTES:
+        return None
+    return r
+
+
+def _row_bytes(lin) -> int:
+    """Bytes of one row of a LINEAR's matrix: q8 (quants + binary16 scales) or raw ggml blocks
+    (LINEAR_S_OFF holds the ggml type)."""
+    if lin.kind == P.WEIGHT_BLOCKS:
+        from cpullm_kernels.rows.gguf_blocks import block_format
+        return block_format(lin.s_off).row_bytes(lin.kp)
+    return lin.kp + lin.kp // 16
+
+
+def attach(program: Program, calibration=None) -> Program:
+    """Pack greedy decoding's lm_head screen (cpullm_kernels.panels.head_screen) into ``program`` (its
+    arrays grow; ``meta["head_screen"]`` says where) when :func:`head_screen_row` allows one.
+
+    ``calibration(program)`` returns lm_head inputs (T, K) of some real text, or None: the columns
+    kept at 8 bits are where those carry the most energy, which decides how many rows the screen
+    leaves to compute exactly (never which token it returns). Without it, where the final norm's
+    weights are largest."""
+    from cpullm_kernels.panels.head_screen import build_screen_rows, screen_columns, sel_columns
+    r = head_screen_row(program)
+    if r is None:
+        return program
+    a, I = program.arrays, program.I
+    lin = P.linear_operands(I[r])
+    Kdim, N, w_off, s_off, Kp, x_off = lin.k, lin.n, lin.w_off, lin.s_off, lin.kp, lin.x_off
+    x = calibration(program) if calibration is not None else None
+    if x is not None and len(x):
+        importance = np.sqrt((np.asarray(x, np.float64)[:, :Kdim] ** 2).mean(0))
+        source = f"calibration ({len(x)} rows)"
+    else:
+        prev = r - 1
+        if (prev >= 0 and I[prev, P.COL_OP] == P.OP_RMSNORM and int(I[prev, P.NORM_OUT_OFF]) == x_off
+                and int(I[prev, P.NORM_WIDTH]) == Kdim):
+            norm_w = int(I[prev, P.NORM_W_OFF])
+            importance = np.abs(a["wf"][norm_w: norm_w + Kdim])
+            source = "final norm weights"
+        else:
+            importance = np.ones(Kdim)
+            source = "none"
+    k_sel = sel_columns(Kp)
+    perm = screen_columns(importance, Kp, k_sel)
+    if lin.kind == P.WEIGHT_BLOCKS:                 # s_off: the ggml type; w_off counts bytes
+        from cpullm_kernels.panels.head_screen_blocks import build_screen_blocks
+        rb = _row_bytes(lin)
+        w = a["wq"].view(np.uint8)[w_off: w_off + N * rb].reshape(N, rb)
+        hq, hs, hb = build_screen_blocks(w, s_off, Kp, perm, k_sel)
+    else:                                           # q8 panels
+        from cpullm_kernels.panels.q8_panels import dequantized_rows
+        Np = padded_rows(N)
+        w_p = a["wq"][w_off: w_off + Np * Kp]
+        s_p = a["ws"][s_off: s_off + Np * (Kp // 32)]
+        hq, hs, hb = build_screen_rows(lambda n0, n1: (dequantized_rows(w_p, s_p, Kp, n0, n1), None),
+                                       N, Kp, perm, k_sel)
+    meta = dict(program.meta)
+    arrays = dict(a)
+    offs = {}
+    for name, arr in (("wq", hq), ("ws", hs), ("wf", hb)):
+        arrays[name], offs[name] = _append_array(arrays[name], arr, 64)
+    meta["head_screen"] = {"row": r, "k_sel": int(k_sel), "perm": [int(v) for v in perm],
+                           "columns_from": source, "q_off": offs["wq"], "q_cols": int(hq.shape[1]),
+                           "s_off": offs["ws"], "s_cols": int(hs.shape[1]), "b_off": offs["wf"]}
+    return Program(arrays=arrays, meta=meta)
+
+
+def _append_array(base: np.ndarray, arr: np.ndarray, align: int) -> tuple[np.ndarray, int]:
+    """(``base`` + zeros to a multiple of ``align`` + ``arr``, offset of ``arr``): appended to
+    its file when ``base`` was built into one (compile_graph's ``workdir``), else concatenated."""
+    from .filearrays import append_mapped, backing_path
+    if backing_path(base) is not None:
+        return append_mapped(base, arr, align)
+    start = align_up(base.size, align)
+    return np.concatenate([base, np.zeros(start - base.size, base.dtype), arr.reshape(-1)]), start
+
+
+class HeadScreen:
+    """The executor's views of a head screen (cpullm_kernels.panels.head_screen, or head_screen_blocks for
+    an lm_head of raw ggml blocks) and its scratch."""
+
+    def __init__(self, ex, sc: dict):
+        self.row = int(sc["row"])
+        lin = P.linear_operands(ex.I[self.row])
+        x_off, Kd, N, w_off, s_off, Kp = lin.x_off, lin.k, lin.n, lin.w_off, lin.s_off, lin.kp
+        nb = Kp // 32
+        self.segments = ex._segments(0, self.row, batched=False)
+        self.blocks = lin.kind == P.WEIGHT_BLOCKS
+        screen = (
+            ex.arena[x_off: x_off + Kd],                                    # x: the lm_head's input row
+            np.asarray(sc["perm"], np.int64), int(sc["k_sel"]) // 32,
+            ex.wq[sc["q_off"]: sc["q_off"] + N * sc["q_cols"]].reshape(N, sc["q_cols"]),
+            ex.ws[sc["s_off"]: sc["s_off"] + N * sc["s_cols"]].reshape(N, sc["s_cols"]),
+            ex.wf[sc["b_off"]: sc["b_off"] + 3 * N].reshape(N, 3),
+        )
+        results = (np.zeros(N, np.float32), np.zeros(N, np.int64), np.zeros(N, np.float32))
+        permuted = (np.zeros(Kp, np.int16), np.zeros(padded_blocks(Kp), np.float32))  # permuted activations
+        if self.blocks:                                                     # raw ggml blocks (q4's Q6_K)
+            rb = _row_bytes(lin)
+            exact = (ex.wq.view(np.uint8)[w_off: w_off + N * rb].reshape(N, rb), s_off,
+                     np.zeros(Kp, np.int8), np.zeros(nb, np.float32), np.zeros(Kp // 16, np.float32))
+            self.args = screen + exact + permuted + (np.zeros(Kp, np.float32),) + results
+        else:
+            Np = padded_rows(N)                                             # q8 panels
+            exact = (ex.wq[w_off: w_off + Np * Kp], ex.ws[s_off: s_off + Np * nb],
+                     np.zeros(Kp, np.int16), np.zeros(nb, np.float32))
+            self.args = screen + exact + permuted + (np.zeros(Kp, np.float32), np.zeros(Kp, np.float32)) + results
+        self.rows, self.steps = N, 0
+        self.t_screen: deque = deque(maxlen=self.WINDOW)     # the head's last times per step
+        self.t_plain: deque = deque(maxlen=self.WINDOW)
+        threads = max(1, numba.config.NUMBA_NUM_THREADS)
+        self.lower_max = np.zeros(threads, np.float32)
+        self.counts = np.zeros(threads, np.int64)
+
+    # Which head a greedy step uses. The screen pays where its bounds leave few rows to compute
+    # exactly (out of order, ~0.3 us a row on 2 threads) and the lm_head is large next to the
+    # caches: it depends on the model, the machine and the text. Each step's head is timed; the
+    # one with the lower median over its last WINDOW steps is used, the other one every
+    # EXPLORE-th step, so the choice follows the text (medians: a shared host's stalls do not
+    # flip it). A screened step that leaves more than MAX_ROWS_FRACTION of the rows runs the
+    # plain head instead of computing them.
+    MAX_ROWS_FRACTION, EXPLORE, WINDOW = 1 / 16, 16, 8
+
+    def choose(self) -> bool:
+        """True: read the lm_head through the screen this step."""
+        self.steps += 1
+        if len(self.t_screen) < 2 or len(self.t_plain) < 2:     # a first look at both
+            return len(self.t_screen) <= len(self.t_plain)
+        faster = _median(self.t_screen) <= _median(self.t_plain)
+        return faster if self.steps % self.EXPLORE else not faster
+
+    def record(self, screened: bool, seconds: float) -> None:
+        (self.t_screen if screened else self.t_plain).append(seconds)
+
+    def _kernel(self):
+        if self.blocks:
+            from cpullm_kernels.panels.head_screen_blocks import screen_argmax_blocks
+            return screen_argmax_blocks
+        return screen_argmax
+
+    def compile_kernel(self) -> None:
+        """Compile (or load from numba's cache) the screen's kernel for these argument types now."""
+        self._kernel().compile(tuple(numba.typeof(a) for a in (*self.args, self.lower_max, self.counts, 1, 1)))
+
+    def argmax(self, nthreads: int) -> tuple[int, int]:
+        tok, survivors = self._kernel()(*self.args, self.lower_max, self.counts, nthreads,
+                                        int(self.MAX_ROWS_FRACTION * self.rows))
+        return int(tok), int(survivors)
+
+
+def _median(xs) -> float:
+    v = sorted(xs)
+    return v[len(v) // 2]

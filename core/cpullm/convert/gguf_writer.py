@@ -1,0 +1,132 @@
+"""Write a GGUF file laid out as llama.cpp's ``convert_hf_to_gguf.py`` lays it out, from tensors
+under transformers' names: the one writer behind the test suite's tiny GGUFs and the F32 GGUF
+that ``benchmarks/compare/`` hands to llama.cpp.
+
+    from cpullm.gguf_writer import write_gguf
+    write_gguf("tiny.gguf", "llama", {"block_count": 2, "head_count": 4, "head_count_kv": 2, ...},
+               {"model.embed_tokens.weight": emb, ...})
+
+Built on the ``gguf`` package's GGUFWriter. The architecture's :class:`cpullm.loading.family.GGUFArch`
+(from the installed plugins: the same table ``cpullm convert`` reads) names the tensors and says
+which of llama.cpp's layout changes to apply (q/k row permutation, ``1 + w`` norms), so writing a
+checkpoint and converting the file back gives the checkpoint again.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
+
+import numpy as np
+
+from ..loading.gguf_file import GLOBAL_TENSOR_NAMES, import_gguf, arch_spec, gguf_architectures, permute_qk
+from ..errors import ConversionError
+from ..loading.family import GGUFArch
+
+
+def gguf_arch_for_model_type(model_type: str) -> GGUFArch:
+    """The installed GGUFArch whose converted checkpoints have ``model_type``."""
+    for arch in gguf_architectures().values():
+        if arch.model_type == model_type:
+            return arch
+    known = sorted(a.model_type for a in gguf_architectures().values())
+    raise ConversionError(f"no installed plugin writes model_type {model_type!r} as GGUF (they write: "
+                          f"{', '.join(known) or 'none'}); install its family's cpullm plugin")
+
+
+def gguf_tensor_name(hf_name: str, layout: GGUFArch) -> str | None:
+    """The GGUF name of a transformers tensor (the inverse of ``cpullm.loading.gguf_file.hf_tensor_name``),
+    or None when the table has no entry: ``model.layers.3.self_attn.q_proj.weight`` ->
+    ``blk.3.attn_q.weight``."""
+    for gguf_base, hf_base in GLOBAL_TENSOR_NAMES.items():
+        if hf_name.startswith(hf_base + ".") and hf_name.count(".") == hf_base.count(".") + 1:
+            return gguf_base + hf_name[len(hf_base):]
+    parts = hf_name.split(".")
+    if len(parts) < 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+        return None
+    leaf, kind = ".".join(parts[3:-1]), parts[-1]
+    inverse = {hf: g for g, hf in layout.layer_names.items()}
+    return f"blk.{parts[2]}.{inverse[leaf]}.{kind}" if leaf in inverse else None
+
+
+def to_gguf_layout(gguf_name: str, w: np.ndarray, layout: GGUFArch, n_head: int, n_head_kv: int) -> np.ndarray:
+    """One float32 tensor in llama.cpp's layout: q/k rows permuted, norms stored as ``1 + w``."""
+    if layout.permute_qk and ".attn_q." in gguf_name:
+        w = permute_qk(w, n_head)
+    elif layout.permute_qk and ".attn_k." in gguf_name:
+        w = permute_qk(w, n_head_kv)
+    if layout.norm_offset and gguf_name.endswith("norm.weight"):
+        w = w + np.float32(1.0)
+    return np.ascontiguousarray(w, dtype=np.float32)
+
+
+def _add_metadata(writer, key: str, value) -> None:
+    if isinstance(value, str):
+        writer.add_string(key, value)
+    elif isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, list):
+        writer.add_array(key, value)
+    else:
+        writer.add_uint32(key, value)
+
+
+def write_gguf(path: str | os.PathLike, arch: str, fields: Mapping[str, object],
+               tensors: Mapping[str, np.ndarray] | Iterable[tuple[str, np.ndarray]], *,
+               layout: GGUFArch | None = None, qtype: str = "F32", metadata: Mapping | None = None,
+               extra_tensors: Mapping[str, np.ndarray] | None = None, skip: tuple[str, ...] = (),
+               add_metadata: Callable | None = None) -> Path:
+    """Write ``tensors`` (transformers names -> float32 arrays) as the GGUF file ``path``.
+
+    arch        the file's ``general.architecture``
+    fields      GGUFWriter adders by name without ``add_`` -> value, written in order
+                (``{"block_count": 2, "token_list": tokens, "add_bos_token": False}``);
+                ``head_count`` and ``head_count_kv`` also size the q/k permutation
+    layout      the GGUFArch naming the tensors (default: the installed one named ``arch``)
+    qtype       ggml type of 2-D tensors ("F32" keeps float32; "Q8_0" etc. quantize with gguf)
+    metadata    {full key: value} written with its Python type (str, bool, float as float32,
+                list as an array, int as uint32)
+    extra_tensors  {GGUF name: array} written as given (rope_freqs, or tensors no table names)
+    skip        GGUF tensor names left out
+    add_metadata   called with the GGUFWriter after ``fields`` (``gguf.SpecialVocab.add_to_gguf``)
+
+    A tensor the table has no GGUF name for is a ConversionError naming it.
+    """
+    gguf = import_gguf()
+    layout = layout or arch_spec(arch)
+    n_head = int(fields["head_count"])
+    n_head_kv = int(fields.get("head_count_kv", n_head))
+    writer = gguf.GGUFWriter(str(path), arch)   # looked up at call time: tests may subclass it
+    for name, value in fields.items():
+        getattr(writer, f"add_{name}")(value)
+    for key, value in (metadata or {}).items():
+        _add_metadata(writer, key, value)
+    if add_metadata is not None:
+        add_metadata(writer)
+    unnamed = []
+    for hf_name, w in (tensors.items() if isinstance(tensors, Mapping) else tensors):
+        g = gguf_tensor_name(hf_name, layout)
+        if g is None:
+            unnamed.append(hf_name)
+            continue
+        if g in skip:
+            continue
+        w = to_gguf_layout(g, np.asarray(w), layout, n_head, n_head_kv)
+        if w.ndim == 2 and qtype != "F32":
+            t = gguf.GGMLQuantizationType[qtype]
+            writer.add_tensor(g, gguf.quants.quantize(w, t), raw_dtype=t)
+        else:
+            writer.add_tensor(g, w)
+    if unnamed:
+        writer.close()
+        raise ConversionError(f"no GGUF name for {len(unnamed)} tensors of architecture {arch!r}, e.g. "
+                              f"{unnamed[:3]}; the {layout.name} table of its plugin does not list them")
+    for g, w in (extra_tensors or {}).items():
+        writer.add_tensor(g, w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path)

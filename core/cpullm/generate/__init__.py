@@ -1,0 +1,1 @@
+"""Generate: sampling, sequences, the scheduler and engine, chat templates, constraints."""

@@ -1,0 +1,1 @@
+"""Load: find a model, read its config, family, tensors (safetensors or GGUF), weight map and tokenizer."""

@@ -1,0 +1,362 @@
+"""One decode step for many sequences: B rows (one token of each), one pass over the weights.
+
+The rows share the executor's arena (row b is sequence b's token); each sequence keeps its own
+state (KV caches, linear-attention state) as one row of a (slots, state_floats) array laid out
+like the executor's own ``state``. The program is cut into segments:
+
+* ``rows``: instructions that treat rows independently (norms, GLU, residuals, embedding, the
+  head's row selection), run by the interpreter over all B rows at once;
+* ``linear``: a LINEAR over the B rows, the weights read once for all of them (q8:
+  :mod:`cpullm_kernels.panels.q8_panels`, the kernel a one-token decode runs with one row, whose every
+  output is the same float arithmetic whatever the batch; f32: :mod:`cpullm_kernels.rows.batch_linear`);
+* ``seq``: ops with a position or a state (ROPE, ATTENTION, GATED_DELTA), run once per sequence
+  on its row, with its position and its state (:func:`_per_sequence`), exactly as a one-token
+  decode of that sequence alone runs them;
+* ``external`` / ``plugin``: plugin kernels and plugin ops, called per sequence.
+
+So a row's result does not depend on the other rows: batch invariance by construction, checked
+by tests/test_scheduler.py. The core names no family: what makes an op per-sequence is its
+opcode (it reads a position or a state), not a model.
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit
+
+from .executor import Executor
+from cpullm_kernels.program import interpreter as K
+from cpullm_kernels.program import program_table as P
+from cpullm_kernels.attention.attention import attention
+from cpullm_kernels.attention.attention_batch import attention_decode_batch
+from cpullm_kernels.rows.batch_linear import linear_rows_f32
+from cpullm_kernels.rows.kquant import quantize_act_q8
+from cpullm_kernels.panels.kquant_panels import PANELED
+from cpullm_kernels.panels.kquant_panels import block_bytes as kpanel_block_bytes
+from cpullm_kernels.panels.kquant_panels import matmul as matmul_kpanels
+from cpullm_kernels.panels.q8_panels import _quantize_rows, matmul_panels, padded_rows, panels_matmul
+from cpullm_kernels.ops.elementwise import binary_rows, glu_rows
+from cpullm_kernels.ops.norm import layernorm_rows, rmsnorm_rows
+from cpullm_kernels.attention.gated_delta import gated_delta
+from cpullm_kernels.ops.rope import rope_rows
+from cpullm_kernels.ops.pointwise import pos_embed_rows
+
+PER_SEQUENCE_OPS = (P.OP_ROPE, P.OP_ATTENTION, P.OP_GATED_DELTA, P.OP_POS_EMBED)
+# Row-wise ops the interpreter runs as a parallel loop over rows when T > 1. A decode batch has a
+# few rows, each op microseconds of work: a parallel region per op costs more than it saves (on a
+# loaded 2-core host, 2.6 ms of such ops per step at B = 1 became 190 ms at B = 2), so the
+# batch runs them serially with the same row kernels (the parallel versions call them per row:
+# the same numbers).
+SERIAL_ROW_OPS = (P.OP_RMSNORM, P.OP_LAYERNORM, P.OP_GLU, P.OP_ADD, P.OP_SIGMOID_MUL)
+
+
+@njit(cache=True)
+def _serial_rows(I, F, a, b, arena, wf, T):
+    """Instructions [a, b) (all in SERIAL_ROW_OPS) over rows [0, T), one thread."""
+    r0 = np.int64(0)
+    for r in range(a, b):
+        op = I[r, P.COL_OP]
+        if op == P.OP_RMSNORM:
+            rmsnorm_rows(arena, I[r, P.NORM_X_OFF], I[r, P.NORM_X_ST], I[r, P.NORM_OUT_OFF], I[r, P.NORM_OUT_ST],
+                         I[r, P.NORM_WIDTH], I[r, P.NORM_GROUP], wf, I[r, P.NORM_W_OFF], F[r, P.F_NORM_EPS], r0, T)
+        elif op == P.OP_LAYERNORM:
+            layernorm_rows(arena, I[r, P.NORM_X_OFF], I[r, P.NORM_X_ST], I[r, P.NORM_OUT_OFF], I[r, P.NORM_OUT_ST],
+                           I[r, P.NORM_WIDTH], I[r, P.NORM_GROUP], wf, I[r, P.NORM_W_OFF], I[r, P.NORM_BIAS_OFF],
+                           F[r, P.F_NORM_EPS], r0, T)
+        elif op == P.OP_GLU:
+            glu_rows(arena, I[r, P.GLU_GATE_OFF], I[r, P.GLU_GATE_ST], I[r, P.GLU_UP_OFF], I[r, P.GLU_UP_ST],
+                     I[r, P.GLU_OUT_OFF], I[r, P.GLU_OUT_ST], I[r, P.GLU_WIDTH], I[r, P.GLU_ACT], r0, T)
+        elif op == P.OP_ADD or op == P.OP_SIGMOID_MUL:
+            binary_rows(arena, I[r, P.BINARY_A_OFF], I[r, P.BINARY_A_ST], I[r, P.BINARY_B_OFF], I[r, P.BINARY_B_ST],
+                        I[r, P.BINARY_OUT_OFF], I[r, P.BINARY_OUT_ST], I[r, P.BINARY_WIDTH],
+                        0 if op == P.OP_ADD else 1, r0, T)
+        else:
+            raise ValueError("cpullm batch: not a serial row op")
+
+
+@njit(cache=True)
+def _per_sequence(I, F, a, b, arena, states, slots, rows0, nrows, positions, wf, nthreads, has_linear, decode,
+                  kv16):
+    """Instructions [a, b) (ROPE / ATTENTION / GATED_DELTA) for each sequence s: rows
+    [rows0[s], rows0[s] + nrows[s]) of the arena, positions from positions[s], state
+    states[slots[s]]. The operands' offsets are moved to the sequence's first row, so each kernel
+    sees what a decode of that sequence alone gives it (row 0, T = nrows[s]). ``decode`` (row s
+    is sequence s's one token): ATTENTION runs for all of them in one parallel region, with the
+    same numbers (kernels.attention_batch)."""
+    for r in range(a, b):
+        op = I[r, P.COL_OP]
+        if decode and op == P.OP_ATTENTION:
+            attention_decode_batch(arena, states, slots, positions, I[r, P.ATTENTION_Q_OFF], I[r, P.ATTENTION_Q_ST],
+                                   I[r, P.ATTENTION_K_OFF], I[r, P.ATTENTION_K_ST], I[r, P.ATTENTION_V_OFF],
+                                   I[r, P.ATTENTION_V_ST], I[r, P.ATTENTION_OUT_OFF], I[r, P.ATTENTION_OUT_ST],
+                                   I[r, P.ATTENTION_N_HEADS], I[r, P.ATTENTION_N_KV_HEADS], I[r, P.ATTENTION_HEAD_DIM],
+                                   I[r, P.ATTENTION_CACHE_OFF], I[r, P.ATTENTION_CAP], F[r, P.F_ATTENTION_SCALE],
+                                   F[r, P.F_ATTENTION_SOFTCAP], np.int64(F[r, P.F_ATTENTION_WINDOW]), nthreads,
+                                   kv16)
+            continue
+        for s in range(slots.shape[0]):
+            state = states[slots[s]]
+            row0, T, pos0 = rows0[s], nrows[s], positions[s]
+            if op == P.OP_ROPE:
+                # rope_rows takes absolute rows: position pos0 + t for row t, so shift pos0 by row0
+                rope_rows(arena, I[r, P.ROPE_X_OFF], I[r, P.ROPE_X_ST], I[r, P.ROPE_OUT_OFF], I[r, P.ROPE_OUT_ST],
+                          I[r, P.ROPE_N_HEADS], I[r, P.ROPE_HEAD_DIM], I[r, P.ROPE_ROTARY_DIM], wf,
+                          I[r, P.ROPE_FREQ_OFF], F[r, P.F_ROPE_SCALING], pos0 - row0, row0, row0 + T)
+            elif op == P.OP_ATTENTION:
+                q_st, k_st = I[r, P.ATTENTION_Q_ST], I[r, P.ATTENTION_K_ST]
+                v_st, o_st = I[r, P.ATTENTION_V_ST], I[r, P.ATTENTION_OUT_ST]
+                attention(arena, state, I[r, P.ATTENTION_Q_OFF] + row0 * q_st, q_st,
+                          I[r, P.ATTENTION_K_OFF] + row0 * k_st, k_st, I[r, P.ATTENTION_V_OFF] + row0 * v_st, v_st,
+                          I[r, P.ATTENTION_OUT_OFF] + row0 * o_st, o_st, I[r, P.ATTENTION_N_HEADS],
+                          I[r, P.ATTENTION_N_KV_HEADS], I[r, P.ATTENTION_HEAD_DIM], I[r, P.ATTENTION_CACHE_OFF],
+                          I[r, P.ATTENTION_CAP], F[r, P.F_ATTENTION_SCALE], F[r, P.F_ATTENTION_SOFTCAP],
+                          np.int64(F[r, P.F_ATTENTION_WINDOW]), pos0, T, nthreads, kv16)
+            elif op == P.OP_GATED_DELTA:
+                if has_linear:
+                    qkv_st, z_st, b_st = I[r, P.GATED_DELTA_QKV_ST], I[r, P.GATED_DELTA_Z_ST], I[r, P.GATED_DELTA_B_ST]
+                    a_st, out_st = I[r, P.GATED_DELTA_A_ST], I[r, P.GATED_DELTA_OUT_ST]
+                    gated_delta(arena, state, wf, I[r, P.GATED_DELTA_QKV_OFF] + row0 * qkv_st, qkv_st,
+                                I[r, P.GATED_DELTA_Z_OFF] + row0 * z_st, z_st,
+                                I[r, P.GATED_DELTA_B_OFF] + row0 * b_st, b_st,
+                                I[r, P.GATED_DELTA_A_OFF] + row0 * a_st, a_st,
+                                I[r, P.GATED_DELTA_OUT_OFF] + row0 * out_st, out_st,
+                                I[r, P.GATED_DELTA_NK], I[r, P.GATED_DELTA_DK], I[r, P.GATED_DELTA_NV],
+                                I[r, P.GATED_DELTA_DV], I[r, P.GATED_DELTA_CONV_K], I[r, P.GATED_DELTA_CONV_W_OFF],
+                                I[r, P.GATED_DELTA_DT_OFF], I[r, P.GATED_DELTA_ALOG_OFF],
+                                I[r, P.GATED_DELTA_NORM_OFF], I[r, P.GATED_DELTA_STATE_OFF],
+                                F[r, P.F_GATED_DELTA_EPS], T)
+            elif op == P.OP_POS_EMBED:
+                # absolute rows, as rope_rows: row t of the sequence is at position pos0 - row0 + t
+                pos_embed_rows(arena, I[r, P.UNARY_X_OFF], I[r, P.UNARY_X_ST], I[r, P.UNARY_OUT_OFF],
+                               I[r, P.UNARY_OUT_ST], I[r, P.UNARY_WIDTH], wf, I[r, P.POS_TABLE_OFF],
+                               I[r, P.POS_ROWS], pos0 - row0 + I[r, P.POS_OFFSET], row0, row0 + T)
+            else:
+                raise ValueError("cpullm batch: not a per-sequence opcode")
+
+
+@njit(cache=True)
+def _linear_batch(I, r, arena, wq, ws, wf, xq, xs, T, nthreads):
+    """LINEAR r over rows [0, T) (q8, Q4_K / Q6_K panels or f32 weights): one pass over the weights
+    for all rows (q8: kernels.q8_panels, k-quants: kernels.kquant_panels, whose every row equals a
+    lone decode's bit for bit), then the bias."""
+    x_off, x_st, o_off, o_st = I[r, P.LINEAR_X_OFF], I[r, P.LINEAR_X_ST], I[r, P.LINEAR_OUT_OFF], I[r, P.LINEAR_OUT_ST]
+    Kd, N, kind = I[r, P.LINEAR_K], I[r, P.LINEAR_N], I[r, P.LINEAR_KIND]
+    w_off, s_off, Kp, b_off = I[r, P.LINEAR_W_OFF], I[r, P.LINEAR_S_OFF], I[r, P.LINEAR_KP], I[r, P.LINEAR_BIAS_OFF]
+    x = arena[x_off: x_off + T * x_st].reshape((T, x_st))[:, :Kd]
+    out = arena[o_off: o_off + T * o_st].reshape((T, o_st))[:, :N]
+    if kind == P.WEIGHT_Q8:         # C-contiguous operands: the kernel's one specialization
+        Np = padded_rows(N)
+        x_q = xq.reshape(-1)[:T * Kp].reshape((T, Kp))
+        x_s = xs.reshape(-1)[:T * (Kp // 32)].reshape((T, Kp // 32))
+        _quantize_rows(x, x_q, x_s)
+        panels_matmul(wq[w_off: w_off + Np * Kp], ws[s_off: s_off + Np * (Kp // 32)], N, x_q, x_s,
+                      arena[o_off: o_off + T * o_st].reshape((T, o_st)), nthreads)
+    elif kind == P.WEIGHT_BLOCKS:   # Q4_K / Q6_K panels (_fused_segments fuses no other blocks); K == Kp
+        fmt = s_off % PANELED
+        rb = Kp // 256 * kpanel_block_bytes(fmt)
+        nb = Kp // 32
+        x_q = xq.reshape(-1).view(np.int8)[:T * Kp].reshape((T, Kp))       # int8 in the int16 scratch
+        flat = xs.reshape(-1)
+        x_s = flat[:T * nb].reshape((T, nb))
+        x_m = flat[T * nb: T * nb + T * 2 * nb].reshape((T, 2 * nb))
+        for t in range(T):
+            quantize_act_q8(x[t], x_q[t], x_s[t], x_m[t])
+        matmul_kpanels(fmt, wq.view(np.uint8)[w_off: w_off + N * rb], x_q, x_s, x_m,
+                       arena[o_off: o_off + T * o_st].reshape((T, o_st)), nthreads)
+    else:
+        linear_rows_f32(x, wf[w_off: w_off + N * Kd].reshape((N, Kd)), out)
+    if b_off >= 0:
+        for t in range(T):
+            for n in range(N):
+                out[t, n] += wf[b_off + n]
+
+
+@njit(cache=True)
+def _fused(I, F, a, b, arena, states, slots, rows0, nrows, positions, wq, ws, wf, xq, xs, T, nthreads,
+           has_linear, decode, kv16):
+    """Instructions [a, b) of a batch in one compiled call: LINEARs (_fusable), SERIAL_ROW_OPS and
+    PER_SEQUENCE_OPS, as the separate segments run them (no Python between ops)."""
+    for r in range(a, b):
+        op = I[r, P.COL_OP]
+        if op == P.OP_LINEAR:
+            _linear_batch(I, r, arena, wq, ws, wf, xq, xs, T, nthreads)
+        elif op == P.OP_ROPE or op == P.OP_ATTENTION or op == P.OP_GATED_DELTA or op == P.OP_POS_EMBED:
+            _per_sequence(I, F, r, r + 1, arena, states, slots, rows0, nrows, positions, wf, nthreads, has_linear,
+                          decode, kv16)
+        else:
+            _serial_rows(I, F, r, r + 1, arena, wf, T)
+
+
+def _fusable(row) -> bool:
+    """A LINEAR _linear_batch runs: q8, f32, or Q4_K / Q6_K in panels."""
+    kind = int(row[P.LINEAR_KIND])
+    return kind in (P.WEIGHT_Q8, P.WEIGHT_F32) or (kind == P.WEIGHT_BLOCKS and int(row[P.LINEAR_S_OFF]) >= PANELED)
+
+
+class BatchDecoder:
+    """Decode steps of many sequences on one executor's program (its arena and weights; each
+    sequence's state is its own)."""
+
+    def __init__(self, ex: Executor):
+        self.ex = ex
+        self.has_linear = ex.has_linear_state
+        self.body = self._fused_segments(self._segments(0, ex.first_head))
+        self.head = self._fused_segments(self._segments(ex.first_head, ex.n_instr))
+        rows = ex.max_chunk
+        self.xq = np.zeros((rows, ex.xq.size), np.int16)         # batch rows' int16 activations
+        self.xs = np.zeros((rows, ex.xs.size), np.float32)
+        self.rt = np.zeros(5, np.int64)
+
+    @property
+    def max_rows(self) -> int:
+        """Sequences one step can decode (the arena's body rows)."""
+        return self.ex.max_chunk
+
+    def _segments(self, start: int, end: int) -> list:
+        ex, out, a = self.ex, [], start
+        I = ex.I
+        for r in range(start, end):
+            op = int(I[r, P.COL_OP])
+            if r in ex.external:
+                special = ("external", r)
+            elif r in ex.plugin_ops:
+                special = ("plugin", r)
+            elif r in ex.moe:
+                special = ("moe", r)        # rows grouped by expert inside (kernels.moe): row-wise
+            elif op == P.OP_LINEAR:
+                special = ("linear", r)
+            elif op in PER_SEQUENCE_OPS:
+                if out and out[-1][0] == "seq" and out[-1][2] == r and a == r:
+                    out[-1] = ("seq", out[-1][1], r + 1)
+                    a = r + 1
+                    continue
+                special = ("seq", r, r + 1)
+            else:
+                continue
+            if a < r:
+                out.extend(self._row_segments(a, r))
+            out.append(special)
+            a = r + 1
+        if a < end:
+            out.extend(self._row_segments(a, end))
+        return out
+
+    def _fused_segments(self, segments: list) -> list:
+        """Runs of "serial", "seq" and _fusable "linear" segments become one "fused" segment,
+        executed by one compiled call (:func:`_fused`)."""
+        out = []
+        for seg in segments:
+            a, b = (seg[1], seg[1] + 1) if seg[0] == "linear" else (seg[1], seg[2]) if len(seg) == 3 else (None, None)
+            ok = seg[0] in ("serial", "seq") or (seg[0] == "linear" and _fusable(self.ex.I[seg[1]]))
+            if ok and out and out[-1][0] == "fused" and out[-1][2] == a:
+                out[-1] = ("fused", out[-1][1], b)
+            elif ok:
+                out.append(("fused", a, b))
+            else:
+                out.append(seg)
+        return out
+
+    def _row_segments(self, a: int, b: int) -> list:
+        """[a, b) as runs of SERIAL_ROW_OPS ("serial") and of other row-wise ops ("rows")."""
+        out = []
+        for r in range(a, b):
+            kind = "serial" if int(self.ex.I[r, P.COL_OP]) in SERIAL_ROW_OPS else "rows"
+            if out and out[-1][0] == kind:
+                out[-1] = (kind, out[-1][1], r + 1)
+            else:
+                out.append((kind, r, r + 1))
+        return out
+
+    def decode(self, states: np.ndarray, slots, positions, tokens) -> np.ndarray:
+        """One token for each of B sequences: ``tokens[b]`` at position ``positions[b]`` of the
+        sequence whose state is ``states[slots[b]]``. Returns float32 logits (B, vocab) (a copy)."""
+        ex = self.ex
+        B = len(tokens)
+        if not 0 < B <= self.max_rows:
+            raise ValueError(f"a decode step takes 1..{self.max_rows} sequences, got {B}")
+        slots = np.asarray(slots, np.int64)
+        positions = np.asarray(positions, np.int64)
+        if np.any(positions >= ex.n_ctx):
+            raise ValueError("a sequence is at the end of its context")
+        ex.tokens[:B] = tokens
+        seqs = (slots, np.arange(B, dtype=np.int64), np.ones(B, np.int64), positions)
+        self.rt[:4] = (B, 0, 0, 0)
+        self._run(self.body, B, states, seqs)
+        out = np.empty((B, ex.vocab), np.float32)
+        lo = ex.program.meta["logits_offset"]
+        for g0 in range(0, B, ex.head_rows):
+            n = min(ex.head_rows, B - g0)
+            self.rt[2], self.rt[3] = g0, n
+            self._run(self.head, n, states, seqs)
+            out[g0: g0 + n] = ex.arena[lo: lo + n * ex.vocab].reshape(n, ex.vocab)
+        return out
+
+    def _run(self, segments, T: int, states, seqs):
+        ex = self.ex
+        for seg in segments:
+            kind = seg[0]
+            if kind == "rows":
+                self.rt[4] = numba.get_num_threads()
+                K.run(ex.I, ex.F, seg[1], seg[2], ex.tokens, self.rt, ex.arena, states[0], ex.wq, ex.ws, ex.wf,
+                      ex.xq, ex.xs, *ex.optional_operands(states[0]))     # (row ops: no state read)
+            elif kind == "fused":
+                _fused(ex.I, ex.F, seg[1], seg[2], ex.arena, states, *seqs, ex.wq, ex.ws, ex.wf, self.xq, self.xs,
+                       np.int64(T), numba.get_num_threads(), self.has_linear, True, ex.kv16)
+            elif kind == "serial":
+                _serial_rows(ex.I, ex.F, seg[1], seg[2], ex.arena, ex.wf, np.int64(T))
+            elif kind == "linear":
+                self._linear(seg[1], T)
+            elif kind == "seq":
+                _per_sequence(ex.I, ex.F, seg[1], seg[2], ex.arena, states, *seqs, ex.wf,
+                              numba.get_num_threads(), self.has_linear, True, ex.kv16)
+            elif kind == "external":
+                self._external(seg[1], states, seqs)
+            elif kind == "moe":
+                ex.moe[seg[1]](ex, T)
+            else:
+                self._plugin(seg[1], seqs)
+
+    def _linear(self, r: int, T: int):
+        ex = self.ex
+        x_off, x_st, o_off, o_st, Kd, N, kind, w_off, s_off, Kp, b_off = P.linear_operands(ex.I[r])
+        x = ex.arena[x_off: x_off + T * x_st].reshape(T, x_st)[:, :Kd]
+        out = ex.arena[o_off: o_off + T * o_st].reshape(T, o_st)[:, :N]
+        if kind == P.WEIGHT_Q8:
+            Np = padded_rows(N)
+            matmul_panels(x, ex.wq[w_off: w_off + Np * Kp], ex.ws[s_off: s_off + Np * (Kp // 32)], N,
+                          ex.arena[o_off: o_off + T * o_st].reshape(T, o_st))
+        elif kind == P.WEIGHT_F32:
+            linear_rows_f32(x, ex.wf[w_off: w_off + N * Kd].reshape(N, Kd), out)
+        elif kind == P.WEIGHT_BLOCKS:
+            # raw ggml blocks: each row through the one-token decode's own matvec (int8
+            # activations per 32, one pass), so every row equals a lone decode bit for bit; the
+            # weights are read once per row (no shared pass over them yet)
+            K._linear_blocks_rows(ex.I, np.int64(r), ex.arena, ex.wb, ex.wf, ex.xq, ex.xs, np.int64(T), False,
+                                  np.int64(numba.get_num_threads()))
+            return
+        else:
+            # a weight format this module does not know yet: the executor's batched matmul (right
+            # numbers; its row independence is that kernel's)
+            ex.rt[:] = self.rt
+            ex._linear_batched(r)
+            return
+        if b_off >= 0:
+            out += ex.wf[b_off: b_off + N]
+
+    def _external(self, r: int, states, seqs):
+        ex = self.ex
+        fn = ex.external[r]
+        I, F = ex.I[r], ex.F[r]
+        slots, rows0, nrows, _ = seqs
+        for s in range(len(slots)):
+            cols = {c: int(I[c]) for c in P.GATED_DELTA_KERNEL_COLUMNS}     # in the kernel's argument order
+            for off_col, st_col in P.GATED_DELTA_ROW_OPERANDS:              # moved to the sequence's first row
+                cols[off_col] += int(rows0[s]) * cols[st_col]
+            fn(ex.arena, states[slots[s]], ex.wf, *cols.values(), float(F[P.F_GATED_DELTA_EPS]), int(nrows[s]))
+
+    def _plugin(self, r: int, seqs):
+        ex = self.ex
+        call = ex.plugin_ops[r]
+        slots, rows0, nrows, positions = seqs
+        for s in range(len(slots)):
+            call(ex.arena, int(nrows[s]), int(positions[s]), False, row0=int(rows0[s]))

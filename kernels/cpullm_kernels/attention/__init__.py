@@ -1,0 +1,1 @@
+"""Attention over the KV cache, batched decode attention, the linear-attention state."""

@@ -1,0 +1,1 @@
+"""Row-wise ops: elementwise, norms, RoPE, vectorised exp/tanh."""

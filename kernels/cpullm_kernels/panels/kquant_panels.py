@@ -1,0 +1,666 @@
+"""Q4_K and Q6_K LINEAR over blocks rearranged in panels of 16 rows: decode, batches and prefill.
+
+    out (B, N) = x (B, K) @ W.T,   W a ggml Q4_K or Q6_K matrix, N a multiple of 16
+
+Why a layout of its own: decode of a 1.24B model at 4.5-6.6 bits reads ~800 MB a token, and a
+kernel that walks one row at a time (kernels/cpullm_kernels/rows/kquant.py) spends per 32 weights of every row an
+unpack of its scales, a horizontal sum and a float step: its Q4_K rows streamed at about half
+the machine's read rate, so decode was bound by that work, not by the bytes. Here the 16 rows of a panel sit side by side, one int32 lane a row: one
+``vpdpbusd`` multiplies 4 quants of each of 16 rows by 4 broadcast activation bytes, the sums of a
+sub-block form in their lanes with no horizontal reduction, and one scale step a sub-block
+serves 16 rows. The bytes are the file's, only in another order: a panel holds exactly its 16
+rows' blocks (Q4_K 144, Q6_K 210 bytes a row and super-block of 256 weights), so resident
+weights equal the file's tensor bytes.
+
+Layout, for panel g (rows 16 g .. 16 g + 15) and super-block s (weights 256 s .. 256 s + 255),
+lane l = row 16 g + l, one region of 16 * block bytes at (g * nsb + s) * 16 * block bytes:
+
+Q4_K (2304 bytes; w = d sc_j q - dmin mn_j in sub-block j of 32, q 0..15, sc / mn 6 bits):
+
+    [0, 32)       d     binary16, one a lane
+    [32, 64)      dmin  binary16, one a lane
+    [64, 256)     the 12 bytes of the row's packed sc / mn as 3 words: word w of lane l at 64 + 64 w + 4 l
+    [256, 2304)   quants: sub-block j, group t (weights 32 j + 8 t .. + 7) at 256 + 64 (4 j + t):
+                  byte 4 l + e = q[32 j + 8 t + e] | q[32 j + 8 t + 4 + e] << 4
+
+Q6_K (3360 bytes; w = d sc_j (q - 32) in sub-block j of 16, q 0..63, sc int8):
+
+    [0, 32)       d     binary16, one a lane
+    [32, 288)     sc_j  int8 at 32 + 16 j + l
+    [288, 3360)   sub-block j at 288 + 192 j: three 64-byte vectors, byte 4 l + e of each
+                  L0 = lo4(q[16 j + e])     | lo4(q[16 j + 4 + e]) << 4
+                  L1 = lo4(q[16 j + 8 + e]) | lo4(q[16 j + 12 + e]) << 4
+                  H  = hi2(q[16 j + e]) | hi2(q[16 j + 4 + e]) << 2 | hi2(q[16 j + 8 + e]) << 4
+                       | hi2(q[16 j + 12 + e]) << 6
+
+So every 64-byte vector of quants unpacks (a mask and a shift; Q6_K an OR of the high bits) into
+vectors whose lane l holds 4 consecutive quants of row l, vector u of a sub-block (u = 0 .. 7 for
+Q4_K, 0 .. 3 for Q6_K) pairing with activations 4 u .. 4 u + 3 of the sub-block.
+
+Activations: int8 per block of 32 (``kquant.quantize_act_q8``: x_q, x_s = max|v| / 127, x_m[i] =
+x_s[i // 2] * the integer sum of x_q[16 i .. 16 i + 15]), as the row kernels use.
+
+Numerics (the same for every B, tile, thread count and ISA: the integer sums are exact and the
+float steps are one fixed sequence a lane): per super-block, with S_j the exact int32 sum of
+q x_q over sub-block j and f_j = d * float(sc_j) (exact: an 11-bit by 8-bit product),
+
+    Q4_K  for j in 0..7:   acc = fma(float(S_j), f_j * x_s[b_j], acc)
+                           ms  = fma(float(mn_j), x_m[2 b_j] + x_m[2 b_j + 1], ms)      (ms from 0)
+          acc = fma(-dmin, ms, acc)
+    Q6_K  for j in 0..15:  acc = fma(float(S_j), f_j * x_s[b_j], acc)
+                           ms  = fma(float(sc_j), x_m[16 s + j], ms)                     (ms from 0)
+          acc = fma(-32 d, ms, acc)
+
+(b_j the activation block of sub-block j), acc from 0 at the row's start. A row's value therefore
+does not depend on the batch it is computed in, and a prefill row equals a decode of the same
+activations. The numpy reference :func:`matmul_ref` follows the same steps
+(tests/test_kernels_kquant_panels.py holds every ISA to it bit for bit).
+
+ISA variants (``ISAS``; ``CPULLM_KQ_PANELS_ISA`` picks a lesser one, with a numba cache of its
+own): ``vnni`` (AVX-512 VNNI: ``vpdpbusd`` on zmm, by inline assembly as in q8._vnni_block_sums,
+since LLVM's tuning for some Intel hosts rewrites the instruction), ``avx2`` (``vpmaddubsw`` +
+``vpmaddwd``, two ymm halves of a panel) and ``generic`` (portable IR).
+
+Streaming: a register tile is 1, 2, 4 or 8 activation rows by one panel, or, for a lone row
+(decode), by GROUP = 4 panels at once (4 weight streams); every 64-byte line of a panel's
+super-block is prefetched into L2 ``q8.PREFETCH_BYTES`` (4 KiB) ahead, the fastest of the
+distances and levels tried (25-28 GB/s streaming 1B-sized matrices against 20-21 with no prefetch).
+
+Entry points:
+
+    pack(fmt, raw uint8 (N, row bytes)) -> uint8 (N * row bytes,)           at compile time, numpy
+    fields_ref(fmt, packed, N, K) -> the rows' numbers (d, dmin, sc, mn, q)   numpy
+    dequantize_ref(fmt, packed, N, K) -> float32 (N, K)                       numpy
+    matmul(fmt, w, x_q (B, Kp), x_s, x_m, out (B, >= N), nthreads)            @njit, parallel
+    matmul_float(fmt, x float32 (T, K), w, N, out)                            prefill (quantizes x)
+    scaled_row_into(fmt, w, Kp, n, scale, out)                                @njit, an EMBED row
+    matmul_ref(fmt, packed, N, x_q, x_s, x_m) -> float32 (B, N)               numpy
+"""
+from __future__ import annotations
+
+import os
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+from ..setup import numba_setup  # code-generation settings first
+from ..rows.gguf_blocks import Q4_K as _Q4_K_FMT
+from ..rows.gguf_blocks import Q6_K as _Q6_K_FMT
+from ..rows.gguf_blocks import _k_low4, k_scales_mins, q6_k_quants
+from ..rows.kquant import quantize_act_q8
+from ..rows.q8 import (_F32, _I8, _I16, _I32, _I64, _P8, HAVE_AVX2, _c64, _decl, _emit_counted_loop,
+                 _halves_to_floats, _prefetch_ahead, half_to_float)
+
+Q4_K, Q6_K = _Q4_K_FMT.ggml_type, _Q6_K_FMT.ggml_type
+FORMATS = (Q4_K, Q6_K)
+"""ggml types with a panel layout (what Q4_K_M files and ``--quant q4`` are made of)."""
+PANEL = 16
+"""Rows per panel: the int32 lanes of one 512-bit register."""
+SUPER = 256
+SB_BYTES = {Q4_K: PANEL * _Q4_K_FMT.block_bytes, Q6_K: PANEL * _Q6_K_FMT.block_bytes}
+"""Bytes of one super-block of one panel."""
+_Q4_K_BLOCK, _Q6_K_BLOCK = _Q4_K_FMT.block_bytes, _Q6_K_FMT.block_bytes
+
+
+@njit(cache=True, inline="always")
+def block_bytes(fmt):
+    """Bytes of one row's super-block of 256 weights, Q4_K else Q6_K (callable from @njit code)."""
+    return _Q4_K_BLOCK if fmt == Q4_K else _Q6_K_BLOCK
+
+HAVE_VNNI = (HAVE_AVX2 and numba_setup.HOST_IS_X86
+             and {"avx512f", "avx512bw", "avx512vnni"} <= numba_setup.HOST_FEATURES)
+HAVE_AVXVNNI = HAVE_AVX2 and numba_setup.HOST_IS_X86 and "avxvnni" in numba_setup.HOST_FEATURES
+ISAS = ("vnni",) * HAVE_VNNI + ("avxvnni",) * HAVE_AVXVNNI + ("avx2",) * HAVE_AVX2 + ("generic",)
+"""The variants this CPU runs, best first (``avxvnni``: the VEX ``vpdpbusd`` on ymm, for CPUs with
+AVX-VNNI and no AVX-512)."""
+ISA = os.environ.get("CPULLM_KQ_PANELS_ISA") or ISAS[0]
+if ISA not in ISAS:
+    raise ImportError(f"CPULLM_KQ_PANELS_ISA={ISA!r}: this CPU runs {', '.join(ISAS)}")
+
+TILES = (8, 4, 2, 1)
+"""Batch rows a register tile takes: B is cut into tiles of 8, 4, 2 and 1 rows, each reading the
+panel's quants once and unpacking them once for all its rows."""
+
+
+PANELED = 256
+"""Added to the ggml type in a program's LINEAR_S_OFF / EMBED_S_OFF (kind WEIGHT_BLOCKS) when the
+matrix is stored in this layout (ggml types are below 64)."""
+
+
+def can_pack(fmt, N: int) -> bool:
+    """Whether an (N, K) matrix of ggml type ``fmt`` goes into panels."""
+    return int(fmt) in FORMATS and int(N) > 0 and int(N) % PANEL == 0
+
+
+# ================================================================================================
+# layout (numpy)
+# ================================================================================================
+
+def _lanes(a, G: int, nsb: int, *inner):
+    """(N, nsb, *inner) per row -> (G, nsb, 16, *inner): the 16 lanes of a panel side by side."""
+    return np.ascontiguousarray(a.reshape(G, PANEL, nsb, *inner).swapaxes(1, 2))
+
+
+def pack(fmt, raw) -> np.ndarray:
+    """The file's row-major blocks uint8 (N, row bytes) -> the panel layout, uint8 (N * row bytes,)."""
+    fmt = int(fmt)
+    raw = np.ascontiguousarray(raw, np.uint8)
+    N = raw.shape[0]
+    if not can_pack(fmt, N):
+        raise ValueError(f"kquant_panels.pack: type {fmt} with {N} rows has no panel layout")
+    G = N // PANEL
+    if fmt == Q4_K:
+        nsb = raw.shape[1] // 144
+        b = raw.reshape(N, nsb, 144)
+        q = _k_low4(b[..., 16:144].reshape(-1, 128)).reshape(N, nsb, 8, 4, 2, 4)    # (n, s, j, t, h, e)
+        qb = (q[..., 0, :] | (q[..., 1, :] << 4)).astype(np.uint8)                 # (n, s, j, t, e)
+        parts = [_lanes(b[..., 0:2], G, nsb, 2).reshape(G, nsb, 32),
+                 _lanes(b[..., 2:4], G, nsb, 2).reshape(G, nsb, 32),
+                 _lanes(b[..., 4:16].reshape(N, nsb, 3, 4), G, nsb, 3, 4).swapaxes(2, 3).reshape(G, nsb, 192),
+                 _lanes(qb, G, nsb, 8, 4, 4).transpose(0, 1, 3, 4, 2, 5).reshape(G, nsb, 2048)]
+    else:
+        nsb = raw.shape[1] // 210
+        b = raw.reshape(N, nsb, 210)
+        q = q6_k_quants(b.reshape(-1, 210)).reshape(N, nsb, 16, 4, 4)              # (n, s, j, u, e)
+        lo, hi = q & 15, q >> 4
+        L0 = lo[..., 0, :] | (lo[..., 1, :] << 4)
+        L1 = lo[..., 2, :] | (lo[..., 3, :] << 4)
+        H = hi[..., 0, :] | (hi[..., 1, :] << 2) | (hi[..., 2, :] << 4) | (hi[..., 3, :] << 6)
+        v = np.stack([L0, L1, H], axis=3).astype(np.uint8)                         # (n, s, j, 3, e)
+        parts = [_lanes(b[..., 208:210], G, nsb, 2).reshape(G, nsb, 32),
+                 _lanes(b[..., 192:208], G, nsb, 16).swapaxes(2, 3).reshape(G, nsb, 256),
+                 _lanes(v, G, nsb, 16, 3, 4).transpose(0, 1, 3, 4, 2, 5).reshape(G, nsb, 3072)]
+    return np.concatenate(parts, axis=2).reshape(-1)
+
+
+def fields_ref(fmt, packed, N: int, K: int) -> dict:
+    """The numbers of every row, read back from the panel layout (K a multiple of 256):
+    Q4_K {"d", "dmin": float32 (N, nsb), "sc", "mn": int32 (N, nsb, 8), "q": int32 (N, K)};
+    Q6_K {"d": float32 (N, nsb), "sc": int32 (N, nsb, 16), "q": int32 (N, K) (0..63)}."""
+    fmt = int(fmt)
+    G, nsb = N // PANEL, K // SUPER
+    p = np.asarray(packed, np.uint8).reshape(G, nsb, SB_BYTES[fmt])
+
+    def rows(a):                                    # (G, nsb, 16, ...) -> (N, nsb, ...)
+        return np.ascontiguousarray(a.swapaxes(1, 2)).reshape(N, nsb, *a.shape[3:])
+
+    def halves(a):
+        return rows(np.ascontiguousarray(a).view(np.float16).astype(np.float32).reshape(G, nsb, PANEL))
+
+    if fmt == Q4_K:
+        words = p[..., 64:256].reshape(G, nsb, 3, PANEL, 4).transpose(0, 1, 3, 2, 4)
+        sc, mn = k_scales_mins(rows(words).reshape(-1, 12))
+        qb = rows(p[..., 256:].reshape(G, nsb, 8, 4, PANEL, 4).transpose(0, 1, 4, 2, 3, 5))   # (N, s, j, t, e)
+        q = np.stack([qb & 15, qb >> 4], axis=4).reshape(N, K)                      # (n, s, j, t, h, e)
+        return {"d": halves(p[..., 0:32]), "dmin": halves(p[..., 32:64]),
+                "sc": sc.reshape(N, nsb, 8).astype(np.int32), "mn": mn.reshape(N, nsb, 8).astype(np.int32),
+                "q": q.astype(np.int32)}
+    sc = rows(p[..., 32:288].reshape(G, nsb, 16, PANEL).swapaxes(2, 3)).view(np.int8)
+    v = rows(p[..., 288:].reshape(G, nsb, 16, 3, PANEL, 4).transpose(0, 1, 4, 2, 3, 5))     # (N, s, j, 3, e)
+    L0, L1, H = v[..., 0, :], v[..., 1, :], v[..., 2, :]
+    lo = np.stack([L0 & 15, L0 >> 4, L1 & 15, L1 >> 4], axis=3)
+    hi = np.stack([H & 3, (H >> 2) & 3, (H >> 4) & 3, H >> 6], axis=3)
+    q = (lo | (hi << 4)).reshape(N, K)
+    return {"d": halves(p[..., 0:32]), "sc": sc.astype(np.int32), "q": q.astype(np.int32)}
+
+
+def dequantize_ref(fmt, packed, N: int, K: int) -> np.ndarray:
+    """float32 (N, K): the weights as gguf_blocks.dequantize_ref computes them from the file."""
+    fmt = int(fmt)
+    f = fields_ref(fmt, packed, N, K)
+    nsb = K // SUPER
+    if fmt == Q4_K:
+        d1 = f["d"][..., None] * f["sc"].astype(np.float32)                        # (N, nsb, 8)
+        m1 = f["dmin"][..., None] * f["mn"].astype(np.float32)
+        q = f["q"].reshape(N, nsb, 8, 32).astype(np.float32)
+        return (d1[..., None] * q - m1[..., None]).reshape(N, K)
+    dsc = f["d"][..., None] * f["sc"].astype(np.float32)                           # (N, nsb, 16)
+    q = f["q"].reshape(N, nsb, 16, 16).astype(np.float32) - np.float32(32)
+    return (dsc[..., None] * q).reshape(N, K)
+
+
+def _fma(a, b, c):
+    """float32 a * b + c with one rounding, elementwise (exact product in float64, then rounded
+    once to float64 and to float32: equal to a true fma except in double-rounding ties)."""
+    return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(np.float32)
+
+
+def matmul_ref(fmt, packed, N: int, x_q, x_s, x_m) -> np.ndarray:
+    """numpy reference: float32 (B, N) by the module's float steps, in their order."""
+    fmt = int(fmt)
+    x_q, x_s, x_m = np.atleast_2d(x_q), np.atleast_2d(x_s).astype(np.float32), np.atleast_2d(x_m).astype(np.float32)
+    B, Kp = x_q.shape
+    nsb = Kp // SUPER
+    f = fields_ref(fmt, packed, N, Kp)
+    sub = 32 if fmt == Q4_K else 16
+    nsub = SUPER // sub
+    S = np.einsum("nsjk,tsjk->tnsj", f["q"].reshape(N, nsb, nsub, sub).astype(np.int64),
+                  x_q.reshape(B, nsb, nsub, sub).astype(np.int64)).astype(np.float32)        # exact
+    acc = np.zeros((B, N), np.float32)
+    d = f["d"]
+    for s in range(nsb):
+        ms = np.zeros((B, N), np.float32)
+        for j in range(nsub):
+            blk = (s * SUPER + j * sub) // 32
+            fj = d[:, s] * f["sc"][:, s, j].astype(np.float32)                     # exact
+            acc = _fma(S[:, :, s, j], fj[None, :] * x_s[:, blk:blk + 1], acc)
+            if fmt == Q4_K:
+                xm = x_m[:, 2 * blk] + x_m[:, 2 * blk + 1]
+                ms = _fma(np.broadcast_to(f["mn"][:, s, j].astype(np.float32), (B, N)), xm[:, None], ms)
+            else:
+                ms = _fma(np.broadcast_to(f["sc"][:, s, j].astype(np.float32), (B, N)),
+                          x_m[:, 16 * s + j: 16 * s + j + 1], ms)
+        off = -f["dmin"][:, s] if fmt == Q4_K else np.float32(-32) * d[:, s]
+        acc = _fma(np.broadcast_to(off, (B, N)), ms, acc)
+    return acc
+
+
+# ================================================================================================
+# the register tile (LLVM IR)
+# ================================================================================================
+
+_V16I32 = ir.VectorType(_I32, 16)
+_V16F32 = ir.VectorType(_F32, 16)
+_V64I8 = ir.VectorType(_I8, 64)
+_V16I16 = ir.VectorType(_I16, 16)
+_V32I8 = ir.VectorType(_I8, 32)
+_V8I32 = ir.VectorType(_I32, 8)
+
+
+def _splat_i8(b, v):
+    return ir.Constant(_V64I8, [v] * 64)
+
+
+def _splat(b, scalar, vty):
+    v = b.insert_element(ir.Constant(vty, ir.Undefined), scalar, ir.Constant(_I32, 0))
+    return b.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, vty.count), [0] * vty.count))
+
+
+def _fsplat(b, v):
+    """IR: float v in every lane of a <16 x float>."""
+    return b.shuffle_vector(b.insert_element(ir.Constant(_V16F32, ir.Undefined), v, ir.Constant(_I32, 0)),
+                            ir.Constant(_V16F32, ir.Undefined), ir.Constant(_V16I32, [0] * 16))
+
+
+def _load(b, p, off, ty, align=1):
+    return b.load(b.bitcast(b.gep(p, [off if isinstance(off, ir.Value) else _c64(off)]), ty.as_pointer()),
+                  align=align)
+
+
+def _unpacked(b, fmt, sbp, j, high_in_place=False):
+    """IR: the quant vectors of sub-block j of a panel super-block at sbp (i8*), <64 x i8> each,
+    vector u pairing with activations 4 u .. 4 u + 3 of the sub-block. ``high_in_place``: Q4_K's
+    high nibbles are left at bits 4-7 (16 q: a mask instead of a shift, whose port the dot
+    products need; the caller divides their sum by 16)."""
+    m15 = _splat_i8(b, 15)
+    if fmt == Q4_K:
+        out = []
+        for t in range(4):
+            w = _load(b, sbp, 256 + 64 * (4 * j + t), _V64I8)
+            out += [b.and_(w, m15), b.and_(w, _splat_i8(b, 0xF0)) if high_in_place else b.lshr(w, _splat_i8(b, 4))]
+        return out
+    base = 288 + 192 * j
+    L0, L1, H = (_load(b, sbp, base + 64 * i, _V64I8) for i in range(3))
+    m48 = _splat_i8(b, 0x30)
+    return [b.or_(b.and_(L0, m15), b.and_(b.shl(H, _splat_i8(b, 4)), m48)),
+            b.or_(b.lshr(L0, _splat_i8(b, 4)), b.and_(b.shl(H, _splat_i8(b, 2)), m48)),
+            b.or_(b.and_(L1, m15), b.and_(H, m48)),
+            b.or_(b.lshr(L1, _splat_i8(b, 4)), b.and_(b.lshr(H, _splat_i8(b, 2)), m48))]
+
+
+def _vnni_sums(b, fmt, vecs, xptrs):
+    """IR: per activation row t, the <16 x i32> sum over u of vecs[u] (u8 quants, lane = row of
+    the panel) times the 4 int8 activations at xptrs[t] + 4 u broadcast: ``vpdpbusd`` by inline
+    assembly (see the module docstring). Q4_K: vecs from ``_unpacked(..., high_in_place=True)``,
+    the odd vectors (16 q) summed in a chain of their own, divided by 16 exactly (an arithmetic
+    shift of a multiple of 16); Q6_K: two chains a row when the tile has one or two rows."""
+    TR, U = len(xptrs), len(vecs)
+    chains = 2 if (TR <= 2 or fmt == Q4_K) else 1
+    nacc = TR * chains
+    reg = lambda i: f"${i}"  # noqa: E731
+    acc = lambda t, c: reg(t * chains + c)  # noqa: E731
+    vreg = lambda u: reg(nacc + u)  # noqa: E731
+    xreg = lambda t: reg(nacc + U + t)  # noqa: E731
+    lines = [f"vpxord {acc(t, c)}, {acc(t, c)}, {acc(t, c)}" for t in range(TR) for c in range(chains)]
+    for u in range(U):
+        for t in range(TR):
+            lines.append(f"vpdpbusd {4 * u}({xreg(t)}){{1to16}}, {vreg(u)}, {acc(t, u % chains)}")
+    ret = ir.LiteralStructType([_V16I32] * nacc)
+    ins = [b.bitcast(v, _V16I32) for v in vecs] + list(xptrs)
+    asm = ir.InlineAsm(ir.FunctionType(ret, [x.type for x in ins]), "\n\t".join(lines),
+                       ",".join(["=&v"] * nacc + ["v"] * U + ["r"] * TR))
+    r = b.call(asm, ins)
+    out = []
+    for t in range(TR):
+        s = b.extract_value(r, t * chains)
+        for c in range(1, chains):
+            part = b.extract_value(r, t * chains + c)
+            s = b.add(s, b.ashr(part, ir.Constant(_V16I32, [4] * 16)) if fmt == Q4_K else part)
+        out.append(s)
+    return out
+
+
+def _avx2_sums(b, module, fmt, vecs, xptrs):
+    """IR: :func:`_vnni_sums` by ``vpmaddubsw`` (int16 sums of pairs) + ``vpmaddwd`` by ones, on
+    the two ymm halves (rows 0-7, 8-15) of the panel. int16 partial sums stay below 2^15: Q4_K's
+    8 products of a lane pair at most 8 * 2 * 15 * 127 = 30480; Q6_K's quants reach 63, so its
+    pairs of products (32004) go to int32 two at a time."""
+    maddubs = _decl(module, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [_V32I8, _V32I8])
+    maddwd = _decl(module, "llvm.x86.avx2.pmadd.wd", _V8I32, [_V16I16, _V16I16])
+    ones = ir.Constant(_V16I16, [1] * 16)
+    per = 8 if fmt == Q4_K else 2
+    halves = [[b.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 32), list(range(32 * h, 32 * h + 32)))) for v in vecs]
+              for h in range(2)]
+    out = []
+    for xp in xptrs:
+        xs = [b.bitcast(_splat(b, _load(b, xp, 4 * u, _I32), _V8I32), _V32I8) for u in range(len(vecs))]
+        res = []
+        for h in range(2):
+            s32 = None
+            for u0 in range(0, len(vecs), per):
+                s16 = None
+                for u in range(u0, u0 + per):
+                    p = b.call(maddubs, [halves[h][u], xs[u]])
+                    s16 = p if s16 is None else b.add(s16, p)
+                w = b.call(maddwd, [s16, ones])
+                s32 = w if s32 is None else b.add(s32, w)
+            res.append(s32)
+        out.append(b.shuffle_vector(res[0], res[1], ir.Constant(_V16I32, list(range(16)))))
+    return out
+
+
+def _avxvnni_sums(b, module, vecs, xptrs):
+    """IR: :func:`_vnni_sums` by the VEX-encoded ``vpdpbusd`` (AVX-VNNI) on the two ymm halves
+    (rows 0-7, 8-15) of the panel: the 4 products of a lane summed straight into int32, exact
+    for any quants up to 8 bits (no int16 step, unlike :func:`_avx2_sums`)."""
+    v8i32 = ir.VectorType(_I32, 8)
+    dpbusd = _decl(module, "llvm.x86.avx512.vpdpbusd.256", v8i32, [v8i32] * 3)
+    halves = [[b.shuffle_vector(b.bitcast(v, _V16I32), b.bitcast(v, _V16I32),
+                                ir.Constant(v8i32, list(range(8 * h, 8 * h + 8)))) for v in vecs] for h in range(2)]
+    out = []
+    for xp in xptrs:
+        xs = [_splat(b, _load(b, xp, 4 * u, _I32), v8i32) for u in range(len(vecs))]
+        res = []
+        for h in range(2):
+            acc = ir.Constant(v8i32, [0] * 8)
+            for u in range(len(vecs)):
+                acc = b.call(dpbusd, [acc, halves[h][u], xs[u]])
+            res.append(acc)
+        out.append(b.shuffle_vector(res[0], res[1], ir.Constant(_V16I32, list(range(16)))))
+    return out
+
+
+def _generic_sums(b, vecs, xptrs):
+    """IR: :func:`_vnni_sums` in portable IR (widen, multiply, add the 4 products of a lane)."""
+    v64i32 = ir.VectorType(_I32, 64)
+    wide = [b.zext(v, v64i32) for v in vecs]
+    out = []
+    for xp in xptrs:
+        s = None
+        for u, w in enumerate(wide):
+            x4 = b.bitcast(_splat(b, _load(b, xp, 4 * u, _I32), _V16I32), _V64I8)
+            p = b.mul(w, b.sext(x4, v64i32))
+            s = p if s is None else b.add(s, p)
+        q = [b.shuffle_vector(s, s, ir.Constant(_V16I32, list(range(e, 64, 4)))) for e in range(4)]
+        out.append(b.add(b.add(q[0], q[1]), b.add(q[2], q[3])))
+    return out
+
+
+def _code_words(b, sbp):
+    """IR: Q4_K's 6-bit scale and min codes of a panel super-block (ggml's packing: j < 4 in
+    bytes j, j + 4; else 4 bits in byte j + 4 and the top 2 of bytes j - 4, j) as four
+    <16 x i32> words per lane, byte i of each one code: (sc_0..3, mn_0..3, sc_4..7, mn_4..7)."""
+    W0, W1, W2 = (_load(b, sbp, 64 + 64 * w, _V16I32) for w in range(3))
+    c = lambda v: ir.Constant(_V16I32, [v] * 16)  # noqa: E731
+    top = lambda w: b.lshr(b.and_(w, c(0xC0C0C0C0)), c(2))  # noqa: E731
+    return (b.and_(W0, c(0x3F3F3F3F)), b.and_(W1, c(0x3F3F3F3F)),
+            b.or_(b.and_(W2, c(0x0F0F0F0F)), top(W0)), b.or_(b.and_(b.lshr(W2, c(4)), c(0x0F0F0F0F)), top(W1)))
+
+
+def _code(b, word, i):
+    """IR: byte i of each lane's word as <16 x i32> (one byte shuffle)."""
+    zero = ir.Constant(_V64I8, [0] * 64)
+    mask = [x for lane in range(16) for x in (4 * lane + i, 64, 64, 64)]
+    return b.bitcast(b.shuffle_vector(b.bitcast(word, _V64I8), zero, ir.Constant(ir.VectorType(_I32, 64), mask)),
+                     _V16I32)
+
+
+def _define_tile(module, fmt: int, isa: str, TR: int, V: int):
+    """void @tile(i8* w, i64 nsb, i8* xq, i64 xq_stride, i8* xs, i64 xs_stride, i8* xm,
+    i64 xm_stride, i8* out, i64 out_stride): out[t, 16 v .. 16 v + 15] for t < TR, v < V = the
+    16 rows of panel v (the panels at w, each nsb super-blocks) against activation row t. Strides
+    in bytes."""
+    name = f"cpullm_kq_panel_tile_{fmt}_{isa}_{TR}x{V}"
+    fn = module.globals.get(name)
+    if fn is not None:
+        return fn
+    fnty = ir.FunctionType(ir.VoidType(), [_P8, _I64, _P8, _I64, _P8, _I64, _P8, _I64, _P8, _I64])
+    fn = ir.Function(module, fnty, name)
+    fn.linkage = "internal"
+    fn.attributes.add("nounwind")
+    wp, nsb, xq, xqst, xs, xsst, xm, xmst, out, ost = fn.args
+    fma = _decl(module, "llvm.fma.v16f32", _V16F32, [_V16F32, _V16F32, _V16F32])
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    sbytes = SB_BYTES[fmt]
+    pbytes = b.mul(nsb, _c64(sbytes))
+    wpan = [b.gep(wp, [b.mul(pbytes, _c64(v))]) for v in range(V)]
+    xrow = [b.gep(xq, [b.mul(xqst, _c64(t))]) for t in range(TR)]
+    xsrow = [b.bitcast(b.gep(xs, [b.mul(xsst, _c64(t))]), _F32.as_pointer()) for t in range(TR)]
+    xmrow = [b.bitcast(b.gep(xm, [b.mul(xmst, _c64(t))]), _F32.as_pointer()) for t in range(TR)]
+    nsub, sub = (8, 32) if fmt == Q4_K else (16, 16)
+    zero = ir.Constant(_V16F32, [0.0] * 16)
+
+    def superblock(bb, s, accs):
+        fsplat = lambda v: _fsplat(bb, v)  # noqa: E731
+        sbps = [bb.gep(wpan[v], [bb.mul(s, _c64(sbytes))]) for v in range(V)]
+        for sbp in sbps:
+            for line in range(0, sbytes, 64):
+                _prefetch_ahead(bb, module, bb.gep(sbp, [_c64(line)]), 2)
+        ds = [_halves_to_floats(bb, _load(bb, sbp, 0, _V16I16, 2)) for sbp in sbps]
+        words = [_code_words(bb, sbp) for sbp in sbps] if fmt == Q4_K else None
+        ms = [zero] * (TR * V)
+        accs = list(accs)
+        for j in range(nsub):
+            k0 = bb.add(bb.mul(s, _c64(SUPER)), _c64(j * sub))          # first activation of the sub-block
+            xp = [bb.gep(xrow[t], [k0]) for t in range(TR)]
+            blk = bb.add(bb.mul(s, _c64(SUPER // 32)), _c64(j * sub // 32))
+            xsv = [fsplat(bb.load(bb.gep(xsrow[t], [blk]), align=4)) for t in range(TR)]
+            if fmt == Q4_K:
+                i2 = bb.mul(blk, _c64(2))
+                xmv = [fsplat(bb.fadd(bb.load(bb.gep(xmrow[t], [i2]), align=4),
+                                      bb.load(bb.gep(xmrow[t], [bb.add(i2, _c64(1))]), align=4))) for t in range(TR)]
+            else:
+                i16 = bb.add(bb.mul(s, _c64(16)), _c64(j))
+                xmv = [fsplat(bb.load(bb.gep(xmrow[t], [i16]), align=4)) for t in range(TR)]
+            for v, sbp in enumerate(sbps):
+                vecs = _unpacked(bb, fmt, sbp, j, high_in_place=isa == "vnni")
+                if isa == "vnni":
+                    sums = _vnni_sums(bb, fmt, vecs, xp)
+                elif isa == "avx2":
+                    sums = _avx2_sums(bb, module, fmt, vecs, xp)
+                elif isa == "avxvnni":
+                    sums = _avxvnni_sums(bb, module, vecs, xp)
+                else:
+                    sums = _generic_sums(bb, vecs, xp)
+                if fmt == Q4_K:
+                    sc = _code(bb, words[v][2 * (j // 4)], j % 4)
+                    mnf = bb.sitofp(_code(bb, words[v][2 * (j // 4) + 1], j % 4), _V16F32)
+                else:
+                    sc = bb.sext(_load(bb, sbp, 32 + 16 * j, ir.VectorType(_I8, 16)), _V16I32)
+                scf = bb.sitofp(sc, _V16F32)
+                fj = bb.fmul(ds[v], scf)
+                for t in range(TR):
+                    a = t * V + v
+                    accs[a] = bb.call(fma, [bb.sitofp(sums[t], _V16F32), bb.fmul(fj, xsv[t]), accs[a]])
+                    ms[a] = bb.call(fma, [mnf if fmt == Q4_K else scf, xmv[t], ms[a]])
+        offs = [bb.fneg(_halves_to_floats(bb, _load(bb, sbp, 32, _V16I16, 2))) if fmt == Q4_K
+                else bb.fmul(ds[v], ir.Constant(_V16F32, [-32.0] * 16)) for v, sbp in enumerate(sbps)]
+        return [bb.call(fma, [offs[a % V], ms[a], accs[a]]) for a in range(TR * V)]
+
+    b, accs = _emit_counted_loop(fn, b, _c64(0), nsb, 1, [zero] * (TR * V), superblock, "superblocks")
+    for t in range(TR):
+        for v in range(V):
+            b.store(accs[t * V + v], b.bitcast(b.gep(out, [b.add(b.mul(ost, _c64(t)), _c64(64 * v))]),
+                                               _V16F32.as_pointer()), align=4)
+    b.ret_void()
+    return fn
+
+
+def _make_tile(isa: str, TR: int, V: int):
+    @intrinsic
+    def tile(typingctx, fmt, w, g, x_q, x_s, x_m, t0, out, o_t):
+        """Register tile: out[o_t + t, 16 v .. 16 v + 15] for t < TR, v < V = panel g + v's rows
+        against activation row t0 + t (out must have those 16 V columns); fmt Q4_K, else Q6_K.
+        No bounds checks."""
+        sig = types.void(fmt, w, g, x_q, x_s, x_m, t0, out, o_t)
+
+        def codegen(context, builder, sig, args):
+            aw, axq, axs, axm, aout = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (1, 3, 4, 5, 7))
+            fmt_, g_, t0_, ot_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (0, 2, 6, 8))
+            st = lambda a: builder.extract_value(a.strides, 0)  # noqa: E731
+            p8 = lambda a: builder.bitcast(a.data, _P8)  # noqa: E731
+            nsb = builder.ashr(builder.extract_value(axq.shape, 1), _c64(8))
+            xs = [builder.gep(p8(axq), [builder.mul(t0_, st(axq))]), st(axq),
+                  builder.gep(p8(axs), [builder.mul(t0_, st(axs))]), st(axs),
+                  builder.gep(p8(axm), [builder.mul(t0_, st(axm))]), st(axm),
+                  builder.gep(p8(aout), [builder.mul(ot_, st(aout))]), st(aout)]
+            with builder.if_else(builder.icmp_signed("==", fmt_, _c64(Q4_K))) as (q4, q6):
+                for f, branch in ((Q4_K, q4), (Q6_K, q6)):
+                    with branch:
+                        wptr = builder.gep(p8(aw), [builder.mul(builder.mul(g_, nsb), _c64(SB_BYTES[f]))])
+                        builder.call(_define_tile(builder.module, f, isa, TR, V), [wptr, nsb] + xs)
+            return context.get_dummy_value()
+
+        return sig, codegen
+    return tile
+
+
+GROUP = 4
+"""Panels a thread's work is counted in: a lone activation row (decode) takes the 4 as one tile,
+4 weight streams at once (one stream a tile read a Q4_K matrix at 20 GB/s, four at 24)."""
+
+_tile8, _tile4, _tile2, _tile1 = (_make_tile(ISA, t, 1) for t in TILES)
+_tile1x4 = _make_tile(ISA, 1, GROUP)
+
+
+@njit(cache=True, nogil=True)
+def _panels(fmt, w, g, npanels, x_q, x_s, x_m, out):
+    """Panels g .. g + npanels - 1 against every row of x: out (B, 16 npanels). A lone last row
+    takes a group of GROUP panels as one tile."""
+    B = x_q.shape[0]
+    whole = npanels == GROUP
+    for v in range(npanels):
+        o = out[:, 16 * v:]
+        t0 = 0
+        while B - t0 >= 8:
+            _tile8(fmt, w, g + v, x_q, x_s, x_m, t0, o, t0)
+            t0 += 8
+        if B - t0 >= 4:
+            _tile4(fmt, w, g + v, x_q, x_s, x_m, t0, o, t0)
+            t0 += 4
+        if B - t0 >= 2:
+            _tile2(fmt, w, g + v, x_q, x_s, x_m, t0, o, t0)
+            t0 += 2
+        if B - t0 >= 1 and not whole:
+            _tile1(fmt, w, g + v, x_q, x_s, x_m, t0, o, t0)
+    if B % 2 == 1 and whole:
+        _tile1x4(fmt, w, g, x_q, x_s, x_m, B - 1, out, B - 1)
+
+
+@njit(cache=True, parallel=True)
+def matmul(fmt, w, x_q, x_s, x_m, out, nthreads):
+    """out[:, :N] = the panels' N rows (N = w.size / row bytes) against rows of (x_q int8 (B, Kp),
+    x_s float32 (B, Kp // 32), x_m float32 (B, Kp // 16)), Kp a multiple of 256; w uint8, flat
+    (:func:`pack`); out float32 (B, >= N). Groups of GROUP panels split over the threads in
+    contiguous ranges."""
+    B, Kp = x_q.shape
+    sbb = block_bytes(fmt) * PANEL
+    if fmt != Q4_K and fmt != Q6_K:
+        raise ValueError("kquant_panels.matmul: the format must be Q4_K or Q6_K")
+    nsb = Kp // SUPER
+    if Kp % SUPER != 0 or nsb == 0 or w.shape[0] % (nsb * sbb) != 0:
+        raise ValueError("kquant_panels.matmul: w must hold whole panels of Kp / 256 super-blocks")
+    npan = w.shape[0] // (nsb * sbb)
+    N = npan * PANEL
+    if (x_s.shape[0] != B or x_s.shape[1] * 32 != Kp or x_m.shape[0] != B or x_m.shape[1] * 16 != Kp
+            or out.shape[0] != B or out.shape[1] < N):
+        raise ValueError("kquant_panels.matmul: shapes must be x_q (B, Kp), x_s (B, Kp // 32), "
+                         "x_m (B, Kp // 16), out (B, >= N)")
+    if x_q.strides[1] != 1 or x_s.strides[1] != 4 or x_m.strides[1] != 4 or out.strides[1] != 4:
+        raise ValueError("kquant_panels.matmul: rows of x_q, x_s, x_m and out must be contiguous")
+    ngroups = (npan + GROUP - 1) // GROUP
+    nth = max(1, min(nthreads, ngroups))
+    for c in prange(nth):
+        for grp in range(c * ngroups // nth, (c + 1) * ngroups // nth):
+            g = grp * GROUP
+            _panels(fmt, w, g, min(GROUP, npan - g), x_q, x_s, x_m, out[:, g * PANEL:])
+
+
+@njit(cache=True, parallel=True)
+def _quantize_rows(x, x_q, x_s, x_m):
+    for t in prange(x.shape[0]):
+        quantize_act_q8(x[t], x_q[t], x_s[t], x_m[t])
+
+
+def quantize_rows(x, Kp: int):
+    """Rows of x float32 (T, K) -> (x_q int8 (T, Kp), x_s (T, Kp // 32), x_m (T, Kp // 16)),
+    zero past K (kquant.quantize_act_q8 on each row)."""
+    T, K = x.shape
+    xp = x if K == Kp else np.concatenate([x, np.zeros((T, Kp - K), np.float32)], axis=1)
+    x_q = np.empty((T, Kp), np.int8)
+    x_s = np.empty((T, Kp // 32), np.float32)
+    x_m = np.empty((T, Kp // 16), np.float32)
+    _quantize_rows(np.ascontiguousarray(xp, np.float32), x_q, x_s, x_m)
+    return x_q, x_s, x_m
+
+
+def matmul_float(fmt, x, w, N: int, out):
+    """out[:, :N] = x (T, K) @ W.T (prefill): x quantized per row, then :func:`matmul`."""
+    nsb_bytes = SB_BYTES[int(fmt)]
+    Kp = w.size // (N // PANEL) // nsb_bytes * SUPER
+    x_q, x_s, x_m = quantize_rows(np.asarray(x, np.float32), Kp)
+    matmul(int(fmt), w, x_q, x_s, x_m, out, numba.get_num_threads())
+
+
+@njit(cache=True, nogil=True)
+def scaled_row_into(fmt, w, Kp, n, scale, out):
+    """out[k] = w[n, k] * scale for k < out.size: row n as numbers (the values
+    gguf_blocks.dequantize_ref gives, then one product), for an EMBED table stored as panels."""
+    nsb = Kp // SUPER
+    g, lane = n // PANEL, n % PANEL
+    sbb = block_bytes(fmt) * PANEL
+    for k in range(out.shape[0]):
+        s, r = k // SUPER, k % SUPER
+        p = (g * nsb + s) * sbb
+        d = half_to_float(np.uint16(w[p + 2 * lane]) | (np.uint16(w[p + 2 * lane + 1]) << np.uint16(8)))
+        if fmt == Q4_K:
+            j, t, h, e = r // 32, (r % 32) // 8, (r % 8) // 4, r % 4
+            byte = w[p + 256 + 64 * (4 * j + t) + 4 * lane + e]
+            q = np.int32((byte >> np.uint8(4 * h)) & np.uint8(15))
+            sc, mn = _k_code(w, p, lane, j)
+            dmin = half_to_float(np.uint16(w[p + 32 + 2 * lane]) | (np.uint16(w[p + 33 + 2 * lane]) << np.uint16(8)))
+            v = (d * np.float32(sc)) * np.float32(q) - dmin * np.float32(mn)
+        else:
+            j, u, e = r // 16, (r % 16) // 4, r % 4
+            base = p + 288 + 192 * j + 4 * lane + e
+            lo = (w[base + 64 * (u // 2)] >> np.uint8(4 * (u % 2))) & np.uint8(15)
+            hi = (w[base + 128] >> np.uint8(2 * u)) & np.uint8(3)
+            sc = np.int8(w[p + 32 + 16 * j + lane])
+            v = (d * np.float32(sc)) * (np.float32(np.int32(lo | (hi << np.uint8(4)))) - np.float32(32))
+        out[k] = v * scale
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _k_code(w, p, lane, j):
+    """Q4_K's 6-bit (sc_j, mn_j) of a lane of the panel super-block at byte p."""
+    base = p + 64 + 4 * lane
+    jj = j % 4                                   # byte j of the 12 is byte j % 4 of word j // 4
+    b0 = np.int32(w[base + jj])                  # byte j % 4      (word 0)
+    b1 = np.int32(w[base + 64 + jj])             # byte 4 + j % 4  (word 1)
+    b2 = np.int32(w[base + 128 + jj])            # byte 8 + j % 4  (word 2)
+    if j < 4:
+        return b0 & 63, b1 & 63
+    return (b2 & 15) | ((b0 >> 6) << 4), (b2 >> 4) | ((b1 >> 6) << 4)

@@ -1,0 +1,1 @@
+"""The compiled program's instruction table and the interpreter that runs it."""

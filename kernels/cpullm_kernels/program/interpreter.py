@@ -1,0 +1,289 @@
+"""The execution-program interpreter: one compiled call runs a range of instructions.
+
+An ExecutionProgram (see cpullm.compile.compiler) is a table of instructions ``I`` (int64, NI columns)
+and ``F`` (float64, NF columns) over flat arrays:
+
+    arena  float32  activations, every value at (offset, row stride)
+    state  float32  KV caches and linear-attention states
+    wq     int8     quantized weights (q8 block-32), ws uint16 their scales (binary16 bits);
+                    also the raw bytes of GGUF-format blocks (kind WEIGHT_BLOCKS, read as ``wb``)
+    wf     float32  float weights (norms, biases, f32-mode matrices, RoPE frequencies, ...)
+
+Decode runs the whole token (every layer and the head) in a single call of :func:`run`; prefill
+runs the non-matmul ops through the same function between batched matmuls done by the executor.
+
+The columns of ``I`` and ``F`` are named in :mod:`cpullm_kernels.program.program_table` (every reader
+indexes them by those names). ``rt`` = [T, pos0, head_row0, head_rows, threads].
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ..attention.attention import attention
+from ..ops.elementwise import binary_par, binary_rows, copy_rows, glu_par, glu_rows, unary_rows
+from ..attention.gated_delta import gated_delta
+from ..ops.pointwise import act_par, act_rows, pos_embed_rows
+from ..ops.norm import layernorm_par, layernorm_rows, rmsnorm_par, rmsnorm_rows
+from ..rows.kquant import matvec as matvec_blocks
+from ..rows.kquant import _ROW_BYTES, _ROW_WEIGHTS, quantize_act_q8
+from ..tiles.kquant_gemm import dequantize_rows_into
+from ..panels.kquant_panels import PANELED
+from ..panels.kquant_panels import matmul as matmul_kpanels
+from ..panels.kquant_panels import scaled_row_into as scaled_kpanel_row_into
+from ..rows.q8 import matvec_f32, quantize_act_q16
+from ..panels.q8_panels import padded_rows, panels_matmul, scaled_row_into
+from ..ops.rope import rope_par, rope_rows
+from . import program_table as P
+from .program_table import (  # noqa: F401  (re-exported: the opcodes and weight kinds by their old home)
+    NF, NI, OP_ADD, OP_ATTENTION, OP_EMBED, OP_GATED_DELTA, OP_GLU, OP_LAYERNORM, OP_LINEAR, OP_PLUGIN,
+    OP_RMSNORM, OP_ROPE, OP_SCALE, OP_SELECT_ROWS, OP_SIGMOID_MUL, OP_SOFTCAP, WEIGHT_BLOCKS, WEIGHT_F32,
+    WEIGHT_Q8,
+)
+
+# Ops a plugin kernel may replace, and the arguments its function receives (the reference
+# kernel's signature). The executor calls the external function with exactly these: the integers
+# are the row's program_table.GATED_DELTA_KERNEL_COLUMNS, in that order.
+EXTERNAL_SIGNATURES = {
+    OP_GATED_DELTA: "gated_delta(arena, state, wf, qkv_off, qkv_st, z_off, z_st, b_off, b_st, "
+                    "a_off, a_st, o_off, o_st, nk, dk, nv, dv, conv_k, conv_w_off, dt_off, alog_off, "
+                    "norm_off, s_off, eps, T)",
+}
+
+
+@njit(cache=True)
+def _linear_rows(I, r, arena, wq, ws, wf, xq, xs, T, nthreads):
+    """LINEAR, row by row through the matrix-vector kernels (decode; T is 1 or small); q8
+    weights are panels (q8_panels), a lone row of activations the kernel's batch of one."""
+    x_off, x_st, o_off, o_st = I[r, P.LINEAR_X_OFF], I[r, P.LINEAR_X_ST], I[r, P.LINEAR_OUT_OFF], I[r, P.LINEAR_OUT_ST]
+    K, N, kind = I[r, P.LINEAR_K], I[r, P.LINEAR_N], I[r, P.LINEAR_KIND]
+    w_off, s_off, Kp, b_off = I[r, P.LINEAR_W_OFF], I[r, P.LINEAR_S_OFF], I[r, P.LINEAR_KP], I[r, P.LINEAR_BIAS_OFF]
+    for t in range(T):
+        x = arena[x_off + t * x_st: x_off + t * x_st + K]
+        out = arena[o_off + t * o_st: o_off + t * o_st + N]
+        if kind == WEIGHT_Q8:
+            quantize_act_q16(x, xq[:Kp], xs[:Kp // 32])
+            Np = padded_rows(N)
+            panels_matmul(wq[w_off: w_off + Np * Kp], ws[s_off: s_off + Np * (Kp // 32)], N,
+                          xq[:Kp].reshape((1, Kp)), xs[:Kp // 32].reshape((1, Kp // 32)), out.reshape((1, N)),
+                          nthreads)
+        else:
+            w = wf[w_off: w_off + N * K].reshape(N, K)
+            matvec_f32(w, x, out)
+        if b_off >= 0:
+            for n in range(N):
+                out[n] += wf[b_off + n]
+
+
+@njit(cache=True)
+def _linear_blocks_rows(I, r, arena, wb, wf, xq, xs, T, refine, nthreads):
+    """LINEAR over raw ggml blocks, row by row through kquant.matvec (decode; T is 1 or small).
+    LINEAR_W_OFF counts bytes into wb, LINEAR_S_OFF holds the ggml type (plus PANELED: Q4_K / Q6_K
+    in panels of 16 rows, kquant_panels.matmul), LINEAR_KP is K or K padded with zero weights to
+    whole blocks. Activations: int8 per block of 32
+    (kquant.quantize_act_q8) in xq's bytes, their scales and 16-sums in xs (the executor sizes xs
+    to max_k // 32 * 3); padding columns zero."""
+    x_off, x_st, o_off, o_st = I[r, P.LINEAR_X_OFF], I[r, P.LINEAR_X_ST], I[r, P.LINEAR_OUT_OFF], I[r, P.LINEAR_OUT_ST]
+    K, N, w_off, fmt = I[r, P.LINEAR_K], I[r, P.LINEAR_N], I[r, P.LINEAR_W_OFF], I[r, P.LINEAR_S_OFF]
+    Kp, b_off = I[r, P.LINEAR_KP], I[r, P.LINEAR_BIAS_OFF]
+    panels = fmt >= PANELED
+    base = fmt % PANELED
+    row_bytes = Kp // _ROW_WEIGHTS[base] * _ROW_BYTES[base]
+    x_q = xq.view(np.int8)[:Kp]
+    x_s = xs[:Kp // 32]
+    x_m = xs[Kp // 32: Kp // 32 + Kp // 16]
+    w = wb[w_off: w_off + N * row_bytes]
+    # ``refine``: a second pass on the activations' int8 rounding error (which leaves 1/254 of
+    # it), for the head after a prefill chunk, whose body ran with int16 activations: one pass
+    # flipped SmolLM2-135M Q4_1's first chat token after "What is the capital of France?" ("The"
+    # -> "L", top-2 logits 0.08 apart, moved by 0.24; llama.cpp, int8 activations too, says "L").
+    # Decode steps keep one pass: their body LINEARs' int8 rounding dominates there (mean KL to
+    # f32 0.006 over that prompt with or without it) and the lm_head would be read twice.
+    res = np.empty(K if refine else 0, np.float32)
+    extra = np.empty(N if refine else 0, np.float32)
+    for j in range(K, Kp):
+        x_q[j] = 0
+    for j in range(K // 32, Kp // 32):
+        x_s[j] = 0.0
+    for j in range(K // 16, Kp // 16):
+        x_m[j] = 0.0
+    for t in range(T):
+        x = arena[x_off + t * x_st: x_off + t * x_st + K]
+        out = arena[o_off + t * o_st: o_off + t * o_st + N]
+        quantize_act_q8(x, x_q[:K], x_s[:K // 32], x_m[:K // 16])
+        _blocks_matvec(panels, base, w, row_bytes, x_q, x_s, x_m, out, nthreads)
+        if refine:
+            for j in range(K):
+                res[j] = x[j] - np.float32(x_q[j]) * x_s[j // 32]
+            quantize_act_q8(res, x_q[:K], x_s[:K // 32], x_m[:K // 16])
+            _blocks_matvec(panels, base, w, row_bytes, x_q, x_s, x_m, extra, nthreads)
+            for n in range(N):
+                out[n] += extra[n]
+        if b_off >= 0:
+            for n in range(N):
+                out[n] += wf[b_off + n]
+
+
+@njit(cache=True)
+def _blocks_matvec(panels, fmt, w, row_bytes, x_q, x_s, x_m, out, nthreads):
+    """One activation row against a matrix of raw blocks w (flat bytes): kquant_panels.matmul for
+    panels, else kquant.matvec row by row."""
+    N = out.shape[0]
+    Kp = x_q.shape[0]
+    if panels:
+        matmul_kpanels(fmt, w, x_q.reshape((1, Kp)), x_s.reshape((1, Kp // 32)), x_m.reshape((1, Kp // 16)),
+                       out.reshape((1, N)), nthreads)
+    else:
+        matvec_blocks(fmt, w.reshape(N, row_bytes), x_q, x_s, x_m, out)
+
+
+@njit(cache=True)
+def _embed_blocks(I, r, arena, wb, tokens, scale, T):
+    """EMBED from raw ggml blocks: each token's row dequantized (kquant_gemm.dequantize_rows_into).
+    EMBED_W_OFF counts bytes into wb, EMBED_S_OFF holds the ggml type, EMBED_KP is H padded to
+    whole blocks."""
+    o_off, o_st, H = I[r, P.EMBED_OUT_OFF], I[r, P.EMBED_OUT_ST], I[r, P.EMBED_WIDTH]
+    w_off, fmt, Kp = I[r, P.EMBED_W_OFF], I[r, P.EMBED_S_OFF], I[r, P.EMBED_KP]
+    if fmt >= PANELED:                  # a table in panels (tied to a panel lm_head)
+        for t in range(T):
+            o = o_off + t * o_st
+            scaled_kpanel_row_into(fmt % PANELED, wb[w_off:], Kp, tokens[t], scale, arena[o: o + H])
+        return
+    row_bytes = Kp // _ROW_WEIGHTS[fmt] * _ROW_BYTES[fmt]
+    buf = np.empty((1, Kp), np.float32)
+    for t in range(T):
+        tok = tokens[t]
+        dequantize_rows_into(fmt, wb[w_off + tok * row_bytes: w_off + (tok + 1) * row_bytes].reshape(1, row_bytes),
+                             0, 1, buf)
+        o = o_off + t * o_st
+        for j in range(H):
+            arena[o + j] = buf[0, j] * scale
+
+
+@njit(cache=True)
+def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_state, wb, wb_embed, wf_layernorm,
+        kv16):
+    """Execute instructions [start, end) with runtime values ``rt`` = [T, pos0, head_row0,
+    head_rows, threads] (threads: numba's thread count for this call, which attention splits
+    its work by).
+
+    ``linear_state`` is ``state`` for a program with linear-attention (GATED_DELTA) instructions
+    and None for one without: numba then prunes that branch at compile time, so a model without
+    such layers never compiles the gated-delta kernels (about a seventh of a cold start).
+    ``wb`` is ``wq`` viewed as uint8 for a program whose LINEARs read raw-block (GGUF format)
+    weights, ``wb_embed`` the same for one whose EMBED table is raw blocks, ``wf_layernorm`` is
+    ``wf`` for one with LAYERNORM: each None otherwise, and the same pruning keeps the block
+    kernels out of an int8 program's compile, the block dequantizer (2 s of a cold start) out of a
+    GGUF whose table is Q8_0, the layer norm out of an RMSNorm model's. ``kv16`` is the attention
+    kernels' KV format operand (:func:`cpullm_kernels.attention.attention.kv_operand`: None for float32
+    caches), so only the program's own format is compiled."""
+    T_body, pos0, head_row0, head_rows, nthreads = rt[0], rt[1], rt[2], rt[3], rt[4]
+    row0 = np.int64(0)     # not the literal 0: the row kernels keep one (int64) specialization
+    for r in range(start, end):
+        op = I[r, P.COL_OP]
+        head = I[r, P.COL_SECTION] == P.SECTION_HEAD
+        T = head_rows if head else T_body
+        par = T > 1
+        if op == OP_LINEAR:
+            if I[r, P.LINEAR_KIND] == WEIGHT_BLOCKS:
+                if wb is None:
+                    raise ValueError("cpullm interpreter: a WEIGHT_BLOCKS LINEAR needs wb")
+                _linear_blocks_rows(I, r, arena, wb, wf, xq, xs, T, head and T_body > 1, nthreads)
+            else:
+                _linear_rows(I, r, arena, wq, ws, wf, xq, xs, T, nthreads)
+        elif op == OP_RMSNORM:
+            x_off, x_st, o_off, o_st = I[r, P.NORM_X_OFF], I[r, P.NORM_X_ST], I[r, P.NORM_OUT_OFF], I[r, P.NORM_OUT_ST]
+            width, group, w_off, eps = I[r, P.NORM_WIDTH], I[r, P.NORM_GROUP], I[r, P.NORM_W_OFF], F[r, P.F_NORM_EPS]
+            if par:
+                rmsnorm_par(arena, x_off, x_st, o_off, o_st, width, group, wf, w_off, eps, T)
+            else:
+                rmsnorm_rows(arena, x_off, x_st, o_off, o_st, width, group, wf, w_off, eps, row0, T)
+        elif op == OP_LAYERNORM:
+            if wf_layernorm is None:
+                raise ValueError("cpullm interpreter: a LAYERNORM instruction needs wf_layernorm")
+            x_off, x_st, o_off, o_st = I[r, P.NORM_X_OFF], I[r, P.NORM_X_ST], I[r, P.NORM_OUT_OFF], I[r, P.NORM_OUT_ST]
+            width, group, w_off, eps = I[r, P.NORM_WIDTH], I[r, P.NORM_GROUP], I[r, P.NORM_W_OFF], F[r, P.F_NORM_EPS]
+            b_off = I[r, P.NORM_BIAS_OFF]
+            if par:
+                layernorm_par(arena, x_off, x_st, o_off, o_st, width, group, wf_layernorm, w_off, b_off, eps, T)
+            else:
+                layernorm_rows(arena, x_off, x_st, o_off, o_st, width, group, wf_layernorm, w_off, b_off, eps, row0, T)
+        elif op == OP_ROPE:
+            x_off, x_st, o_off, o_st = I[r, P.ROPE_X_OFF], I[r, P.ROPE_X_ST], I[r, P.ROPE_OUT_OFF], I[r, P.ROPE_OUT_ST]
+            n_heads, head_dim, rotary_dim = I[r, P.ROPE_N_HEADS], I[r, P.ROPE_HEAD_DIM], I[r, P.ROPE_ROTARY_DIM]
+            freq_off, scaling = I[r, P.ROPE_FREQ_OFF], F[r, P.F_ROPE_SCALING]
+            if par:
+                rope_par(arena, x_off, x_st, o_off, o_st, n_heads, head_dim, rotary_dim, wf, freq_off, scaling, pos0, T)
+            else:
+                rope_rows(arena, x_off, x_st, o_off, o_st, n_heads, head_dim, rotary_dim, wf, freq_off, scaling,
+                          pos0, row0, T)
+        elif op == OP_ATTENTION:
+            attention(arena, state, I[r, P.ATTENTION_Q_OFF], I[r, P.ATTENTION_Q_ST], I[r, P.ATTENTION_K_OFF],
+                      I[r, P.ATTENTION_K_ST], I[r, P.ATTENTION_V_OFF], I[r, P.ATTENTION_V_ST],
+                      I[r, P.ATTENTION_OUT_OFF], I[r, P.ATTENTION_OUT_ST], I[r, P.ATTENTION_N_HEADS],
+                      I[r, P.ATTENTION_N_KV_HEADS], I[r, P.ATTENTION_HEAD_DIM], I[r, P.ATTENTION_CACHE_OFF],
+                      I[r, P.ATTENTION_CAP], F[r, P.F_ATTENTION_SCALE], F[r, P.F_ATTENTION_SOFTCAP],
+                      np.int64(F[r, P.F_ATTENTION_WINDOW]), pos0, T, nthreads, kv16)
+        elif op == OP_GLU:
+            g_off, g_st, u_off, u_st = I[r, P.GLU_GATE_OFF], I[r, P.GLU_GATE_ST], I[r, P.GLU_UP_OFF], I[r, P.GLU_UP_ST]
+            o_off, o_st, width, act = I[r, P.GLU_OUT_OFF], I[r, P.GLU_OUT_ST], I[r, P.GLU_WIDTH], I[r, P.GLU_ACT]
+            if par:
+                glu_par(arena, g_off, g_st, u_off, u_st, o_off, o_st, width, act, T)
+            else:
+                glu_rows(arena, g_off, g_st, u_off, u_st, o_off, o_st, width, act, row0, T)
+        elif op == OP_ADD or op == OP_SIGMOID_MUL:
+            a_off, a_st, b_off, b_st = I[r, P.BINARY_A_OFF], I[r, P.BINARY_A_ST], I[r, P.BINARY_B_OFF], I[r, P.BINARY_B_ST]
+            o_off, o_st, width = I[r, P.BINARY_OUT_OFF], I[r, P.BINARY_OUT_ST], I[r, P.BINARY_WIDTH]
+            kind = 0 if op == OP_ADD else 1
+            if par:
+                binary_par(arena, a_off, a_st, b_off, b_st, o_off, o_st, width, kind, T)
+            else:
+                binary_rows(arena, a_off, a_st, b_off, b_st, o_off, o_st, width, kind, row0, T)
+        elif op == OP_SOFTCAP or op == OP_SCALE:
+            kind = 0 if op == OP_SOFTCAP else 1
+            unary_rows(arena, I[r, P.UNARY_X_OFF], I[r, P.UNARY_X_ST], I[r, P.UNARY_OUT_OFF], I[r, P.UNARY_OUT_ST],
+                       I[r, P.UNARY_WIDTH], kind, F[r, P.F_UNARY_PARAM], row0, T)
+        elif op == OP_SELECT_ROWS:
+            copy_rows(arena, I[r, P.UNARY_X_OFF], I[r, P.UNARY_X_ST], I[r, P.UNARY_OUT_OFF], I[r, P.UNARY_OUT_ST],
+                      I[r, P.UNARY_WIDTH], head_row0, head_rows)
+        elif op == OP_EMBED:
+            o_off, o_st, H, kind = I[r, P.EMBED_OUT_OFF], I[r, P.EMBED_OUT_ST], I[r, P.EMBED_WIDTH], I[r, P.EMBED_KIND]
+            w_off, s_off, Kp = I[r, P.EMBED_W_OFF], I[r, P.EMBED_S_OFF], I[r, P.EMBED_KP]
+            sc = np.float32(F[r, P.F_EMBED_SCALE])
+            if kind == WEIGHT_BLOCKS:
+                if wb_embed is None:
+                    raise ValueError("cpullm interpreter: a WEIGHT_BLOCKS EMBED needs wb_embed")
+                _embed_blocks(I, r, arena, wb_embed, tokens, sc, T)
+                continue
+            for t in range(T):
+                tok = tokens[t]
+                o = o_off + t * o_st
+                if kind == WEIGHT_Q8:       # row tok of the panels
+                    scaled_row_into(wq[w_off:], ws[s_off:], Kp, tok, sc, arena[o: o + H])
+                else:
+                    for j in range(H):
+                        arena[o + j] = wf[w_off + tok * H + j] * sc
+        elif op == OP_GATED_DELTA:
+            if linear_state is None:
+                raise ValueError("cpullm interpreter: a GATED_DELTA instruction needs linear_state")
+            gated_delta(arena, linear_state, wf,
+                        I[r, P.GATED_DELTA_QKV_OFF], I[r, P.GATED_DELTA_QKV_ST], I[r, P.GATED_DELTA_Z_OFF],
+                        I[r, P.GATED_DELTA_Z_ST], I[r, P.GATED_DELTA_B_OFF], I[r, P.GATED_DELTA_B_ST],
+                        I[r, P.GATED_DELTA_A_OFF], I[r, P.GATED_DELTA_A_ST], I[r, P.GATED_DELTA_OUT_OFF],
+                        I[r, P.GATED_DELTA_OUT_ST], I[r, P.GATED_DELTA_NK], I[r, P.GATED_DELTA_DK],
+                        I[r, P.GATED_DELTA_NV], I[r, P.GATED_DELTA_DV], I[r, P.GATED_DELTA_CONV_K],
+                        I[r, P.GATED_DELTA_CONV_W_OFF], I[r, P.GATED_DELTA_DT_OFF], I[r, P.GATED_DELTA_ALOG_OFF],
+                        I[r, P.GATED_DELTA_NORM_OFF], I[r, P.GATED_DELTA_STATE_OFF], F[r, P.F_GATED_DELTA_EPS], T)
+        elif op == P.OP_ACT:
+            if par:
+                act_par(arena, I[r, P.UNARY_X_OFF], I[r, P.UNARY_X_ST], I[r, P.UNARY_OUT_OFF], I[r, P.UNARY_OUT_ST],
+                        I[r, P.UNARY_WIDTH], I[r, P.ACT_KIND], T)
+            else:
+                act_rows(arena, I[r, P.UNARY_X_OFF], I[r, P.UNARY_X_ST], I[r, P.UNARY_OUT_OFF], I[r, P.UNARY_OUT_ST],
+                         I[r, P.UNARY_WIDTH], I[r, P.ACT_KIND], row0, T)
+        elif op == P.OP_POS_EMBED:
+            pos_embed_rows(arena, I[r, P.UNARY_X_OFF], I[r, P.UNARY_X_ST], I[r, P.UNARY_OUT_OFF], I[r, P.UNARY_OUT_ST],
+                           I[r, P.UNARY_WIDTH], wf, I[r, P.POS_TABLE_OFF], I[r, P.POS_ROWS],
+                           pos0 + I[r, P.POS_OFFSET], row0, T)
+        else:
+            raise ValueError("cpullm interpreter: unknown opcode")

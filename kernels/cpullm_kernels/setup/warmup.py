@@ -1,0 +1,541 @@
+"""Compile the kernels a program needs before it runs: only those, once each, counted, and on a
+machine with two cores or more shared with a child process through numba's on-disk cache.
+
+Every kernel is ``@njit(cache=True)``: the first process compiles it (seconds each; a cold start
+of a small Llama spends almost all its time here) and later ones load it from the cache. Left to
+itself numba compiles lazily on the first call, so a cold start is silent and its time lands in
+whatever call came first (the first prefill). :class:`Warmup` instead compiles, up front:
+
+* only the kernel groups (:data:`UNITS`) the model needs: a model without linear attention never
+  compiles the gated-delta kernels (:func:`cpullm_kernels.program.interpreter.run` gets
+  ``linear_state=None`` and numba prunes that branch), an f32 model not the q8 GEMM;
+* each with the exact signature the executor calls it with (:func:`signature`; read-only program
+  arrays, int64 scalars), so nothing is compiled twice;
+* the groups balanced between this process and a child (numba writes each compiled kernel to
+  its cache, the parent then loads it; the child starts while the parent still reads the
+  weights); :func:`cpullm_kernels.program.interpreter.run`, which links them all, last and alone, so
+  every kernel it calls, used by the program's ops or not, is compiled before it.
+
+Units that call the same helpers form one group and go to one process (compiled in both they
+would cost twice). Two processes writing one numba cache are safe only with
+:mod:`cpullm_kernels.setup.numba_cache_lock`; without it the groups whose helpers the load itself
+compiles stay here. ``CPULLM_COMPILE_PROCESSES=1`` keeps everything in this process.
+
+Progress goes to stderr as one line rewritten in place, only when stderr is a terminal and only
+when something is compiled. :func:`compile_seconds` is the process's total numba compile time
+(top-level compilations, from numba's event stream), which the generation stats use to report
+compile time apart from prefill.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+from . import numba_setup  # noqa: F401  (code-generation settings first)
+from . import numba_cache_lock  # noqa: E402
+from ..program import program_table as P  # noqa: E402
+
+import numba  # noqa: E402
+from numba import types as nt  # noqa: E402
+from numba.core import event as _event  # noqa: E402
+
+# ---- the process's compile time ------------------------------------------------------------------
+
+
+class _CompileClock(_event.Listener):
+    """Sums the wall time of top-level numba compilations (nested callee compilations are inside
+    their caller's interval and not added again)."""
+
+    def __init__(self):
+        self.depth = 0
+        self.t0 = 0.0
+        self.total = 0.0
+        self.count = 0
+
+    def on_start(self, ev):
+        if self.depth == 0:
+            self.t0 = time.perf_counter()
+        self.depth += 1
+
+    def on_end(self, ev):
+        self.depth -= 1
+        self.count += 1
+        if self.depth == 0:
+            self.total += time.perf_counter() - self.t0
+
+
+_CLOCK = _CompileClock()
+_event.register("numba:compile", _CLOCK)
+
+
+def compile_seconds() -> float:
+    """Seconds this process has spent compiling numba functions so far (loads from the on-disk
+    cache are not compilations and do not count)."""
+    return _CLOCK.total
+
+
+# ---- the signatures the executor calls the kernels with --------------------------------------------
+
+
+def _arr(dtype, ndim: int = 1, readonly: bool = False):
+    return nt.Array(dtype, ndim, "C", readonly=readonly)
+
+
+ARENA = _arr(nt.float32)                 # arena, state, x_s scratch
+WF = _arr(nt.float32, readonly=True)     # program arrays are read-only (Executor makes them so)
+WQ = _arr(nt.int8, readonly=True)
+WS = _arr(nt.uint16, readonly=True)
+PROG_I = _arr(nt.int64, 2, readonly=True)
+PROG_F = _arr(nt.float64, 2, readonly=True)
+INTS = _arr(nt.int64)                    # tokens, rt
+XQ = _arr(nt.int16)
+i64, f64 = nt.int64, nt.float64
+
+
+WB = _arr(nt.uint8, readonly=True)       # wq's bytes, for raw-block (GGUF format) weights
+BLOCK_QUANTS = ("q4", "gguf")             # quant modes whose programs hold raw-block weights
+
+
+RUN_FLAGS = ("linear_state", "blocks", "embed_blocks", "layernorm", "kv16")
+"""interpreter.run's optional operands, in its argument order: each an array for a program with
+the instructions that read it (GATED_DELTA run by the interpreter; a LINEAR over raw ggml blocks;
+an EMBED table of raw blocks; LAYERNORM), None otherwise, and numba compiles one specialization
+of run per combination, without the kernels of the None ones. ``kv16``: the KV caches' format
+code (attention.KV_*; 0 or False: float32), whose operand (attention.kv_operand) is None for
+float32 caches, an int64 for float16 ones, an int8 for 8-bit ones."""
+
+
+def run_flags(I) -> dict:
+    """Which of RUN_FLAGS a compiled program's instruction table ``I`` needs (the executor passes
+    the operands accordingly)."""
+    import numpy as np
+    from ..attention.attention import KV_F32
+    mine = I[:, P.COL_IMPL] == P.IMPL_INTERPRETER
+    op = I[:, P.COL_OP]
+    return {"linear_state": bool(np.any(mine & (op == P.OP_GATED_DELTA))),
+            "blocks": bool(np.any(mine & (op == P.OP_LINEAR) & (I[:, P.LINEAR_KIND] == P.WEIGHT_BLOCKS))),
+            "embed_blocks": bool(np.any(mine & (op == P.OP_EMBED) & (I[:, P.EMBED_KIND] == P.WEIGHT_BLOCKS))),
+            "layernorm": bool(np.any(mine & (op == P.OP_LAYERNORM))),
+            "kv16": int(np.max(I[op == P.OP_ATTENTION, P.ATTENTION_KV_FORMAT], initial=KV_F32))}
+
+
+def run_unit(flags: dict) -> str:
+    """The warm-up unit of interpreter.run with these RUN_FLAGS, e.g. ``run+blocks+layernorm``."""
+    return "run" + "".join(f"+{_flag_name(f, flags[f])}" for f in RUN_FLAGS if flags.get(f))
+
+
+def _flag_name(flag: str, value) -> str:
+    """A RUN_FLAGS entry's part of a unit name (the 8-bit KV format's: ``kv8``)."""
+    from ..attention.attention import KV_Q8
+    return "kv8" if flag == "kv16" and value == KV_Q8 else flag
+
+
+def run_signature(flags: dict) -> tuple:
+    """The signature of interpreter.run as the executor calls it with these RUN_FLAGS."""
+    from ..attention.attention import KV_Q8
+    optional = {"linear_state": ARENA, "blocks": WB, "embed_blocks": WB, "layernorm": WF,
+                "kv16": nt.int8 if flags.get("kv16") == KV_Q8 else i64}
+    return (PROG_I, PROG_F, i64, i64, INTS, INTS, ARENA, ARENA, WQ, WS, WF, XQ, ARENA,
+            *(optional[f] if flags.get(f) else nt.none for f in RUN_FLAGS))
+
+
+def _kernels(unit: str) -> list:
+    """[(dispatcher, signature)] of one unit, callees before callers where both are listed."""
+    from ..attention import attention, gated_delta
+    from ..ops import elementwise, norm, pointwise, rope
+    from ..panels import kquant_panels, q8_panels
+    from ..program import interpreter, moe
+    from ..tiles import kquant_gemm, q8_gemm
+    if unit.startswith("run"):
+        parts = unit.split("+")[1:]
+        flags = {f: True for f in parts if f != "kv8"}
+        if "kv8" in parts:
+            flags["kv16"] = attention.KV_Q8
+        return [(interpreter.run, run_signature(flags))]
+    f32_2, i16_2, wb2 = _arr(nt.float32, 2), _arr(nt.int16, 2), _arr(nt.uint8, 2, readonly=True)
+    table = {
+        "linear": [(interpreter._linear_rows, (PROG_I, i64, ARENA, WQ, WS, WF, XQ, ARENA, i64, i64))],
+        "norm": [(norm.rmsnorm_rows, (ARENA, *[i64] * 6, WF, i64, f64, i64, i64)),
+                 (norm.rmsnorm_par, (ARENA, *[i64] * 6, WF, i64, f64, i64))],
+        "layernorm": [(norm.layernorm_rows, (ARENA, *[i64] * 6, WF, i64, i64, f64, i64, i64)),
+                      (norm.layernorm_par, (ARENA, *[i64] * 6, WF, i64, i64, f64, i64))],
+        "rope": [(rope.rope_rows, (ARENA, *[i64] * 7, WF, i64, f64, i64, i64, i64)),
+                 (rope.rope_par, (ARENA, *[i64] * 7, WF, i64, f64, i64, i64))],
+        "attention": [(attention.attention, (ARENA, ARENA, *[i64] * 13, f64, f64, i64, i64, i64, i64, nt.none))],
+        "attention_f16": [(attention.attention, (ARENA, ARENA, *[i64] * 13, f64, f64, i64, i64, i64, i64, i64))],
+        "attention_q8": [(attention.attention, (ARENA, ARENA, *[i64] * 13, f64, f64, i64, i64, i64, i64,
+                                                nt.int8))],
+        "glu": [(elementwise.glu_rows, (ARENA, *[i64] * 10)), (elementwise.glu_par, (ARENA, *[i64] * 9))],
+        "binary": [(elementwise.binary_rows, (ARENA, *[i64] * 10)), (elementwise.binary_par, (ARENA, *[i64] * 9))],
+        "unary": [(elementwise.unary_rows, (ARENA, *[i64] * 6, f64, i64, i64))],
+        "copy": [(elementwise.copy_rows, (ARENA, *[i64] * 7))],
+        "act": [(pointwise.act_rows, (ARENA, *[i64] * 8)), (pointwise.act_par, (ARENA, *[i64] * 7))],
+        "pos_embed": [(pointwise.pos_embed_rows, (ARENA, *[i64] * 5, WF, *[i64] * 5))],
+        "gated_delta": [(gated_delta.gated_delta, (ARENA, ARENA, WF, *[i64] * 20, f64, i64))],
+        # prefill's batched q8 LINEARs (row-contiguous activations, as every LINEAR of the shared
+        # blocks reads and writes whole buffers; the panel kernel itself is also what run links)
+        "gemm": [(q8_panels._quantize_rows_par, (f32_2, i16_2, f32_2)),
+                 (q8_panels.panels_matmul, (WQ, WS, i64, i16_2, f32_2, f32_2, i64))],
+        # prefill's batched raw-block LINEARs (kquant_gemm's integer GEMM, the k-quant panels) and short prompts
+        "kquant_gemm": [(q8_gemm._quantize_rows_q16, (f32_2, i16_2, f32_2)),
+                        (kquant_gemm._quantize_rows, (f32_2, i16_2, f32_2, i64)),
+                        (kquant_gemm._gemm_blocks, (i64, i16_2, f32_2, wb2, i64, f32_2, f32_2, i64)),
+                        (kquant_gemm._block_sums, (i16_2, f32_2, i64, f32_2)),
+                        (kquant_gemm._matvec_rows, (i64, f32_2, wb2, f32_2, _arr(nt.int8), ARENA, ARENA)),
+                        # Q4_K / Q6_K in panels: rows quantized, then the panel kernel into a
+                        # row-strided view of the arena
+                        (kquant_panels._quantize_rows, (f32_2, _arr(nt.int8, 2), f32_2, f32_2)),
+                        (kquant_panels.matmul, (i64, WB, _arr(nt.int8, 2), f32_2, f32_2,
+                                                nt.Array(nt.float32, 2, "A"), i64))],
+        # the raw-block LINEAR and EMBED rows, as interpreter.run calls them (linked, not compiled, there)
+        "blocks": [(interpreter._linear_blocks_rows, (PROG_I, i64, ARENA, WB, WF, XQ, ARENA, i64, nt.boolean, i64))],
+        "embed_blocks": [(interpreter._embed_blocks, (PROG_I, i64, ARENA, WB, INTS, nt.float32, i64))],
+        # routed experts (kernels.moe), called by the executor: q8 / f32 experts, and raw blocks
+        "moe": [(moe.moe, (ARENA, INTS, PROG_I, WQ, WS, WF, nt.none, INTS, i64))],
+        "moe_blocks": [(moe.moe, (ARENA, INTS, PROG_I, WQ, WS, WF, WB, INTS, i64))],
+    }
+    return table[unit]
+
+
+# kernels.pointwise: compiled one by one on a loaded 2-core VM, act 3.0 s and pos_embed 0.85 s where glu
+# took 3.45 s; scaled to glu's 0.9 s of this table
+ACT_COST, POS_EMBED_COST = 0.8, 0.25
+UNITS = {
+    # unit: (IR op names that need it, None: every program (interpreter.run links its kernels
+    # whatever the ops), compile cost (seconds on a 2-core Zen 4, measured one by one), sharing
+    # group, linked by interpreter.run). Units of one group call the same helpers (the q8
+    # activation quantizer and matvec; the block matvec and dequantizer), so they go to the same
+    # process: compiled twice they would cost twice. The prefill GEMMs are called by the executor,
+    # not by interpreter.run, so run can compile while they do.
+    "linear": (None, 2.9, "q8", True),
+    "gemm": (("LINEAR",), 4.2, "q8", False),
+    "blocks": (None, 3.6, "blocks", True),
+    "embed_blocks": (None, 2.2, "blocks", True),
+    "kquant_gemm": (("LINEAR",), 9.0, "blocks", False),
+    "norm": (None, 0.9, "norm", True),
+    "layernorm": (("LAYERNORM",), 1.8, "norm", True),
+    "rope": (None, 1.3, "rope", True),
+    "attention": (None, 11.6, "attention", True),         # float32 KV caches
+    "attention_f16": (None, 11.6, "attention", True),     # float16 KV caches
+    "attention_q8": (None, 11.6, "attention", True),      # 8-bit KV caches
+    "glu": (None, 0.9, "glu", True),
+    "binary": (None, 0.8, "binary", True),
+    "unary": (None, 0.3, "unary", True),
+    "copy": (None, 0.3, "copy", True),
+    "act": (None, ACT_COST, "pointwise", True),
+    "pos_embed": (None, POS_EMBED_COST, "pointwise", True),
+    "gated_delta": (("GATED_DELTA",), 5.2, "gated_delta", True),
+    "moe": (("MOE",), 8.0, "moe", False),
+    "moe_blocks": (("MOE",), 8.0, "moe", False),
+}
+LOAD_GROUPS = ("q8", "blocks")
+"""Groups whose helpers the loading process may compile itself while the child runs (the INT8
+and 4-bit weight quantizers, the head screen, the GGUF dequantizer). Without the cache lock
+(:mod:`cpullm_kernels.setup.numba_cache_lock`) they stay in this process: two processes must then never
+compile signatures of one function at the same time."""
+RUN_COST = 4.7
+"""interpreter.run itself (every callee already compiled: numba still generates machine code for
+the whole call tree it links)."""
+PARENT_HEAD_START = 2.0
+"""Seconds of other work (weights, checksums, the loader's own kernels) this process does before
+it compiles: the split gives the child that much more."""
+
+
+def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True, blocks: bool | None = None,
+              embed_blocks: bool | None = None, kv16: int = 0) -> list[str]:
+    """The units a graph with these op names needs, ``run`` last. ``linear_state``: it has
+    GATED_DELTA ops the interpreter runs, not a plugin kernel; ``q8_prefill``: a body LINEAR of a
+    GGUF run as it is has q8 weights (Q8_0), so prefill needs the q8 GEMM; ``blocks`` /
+    ``embed_blocks``: a LINEAR / the EMBED reads raw ggml blocks (default: quant is a block mode);
+    ``kv16``: the KV caches' format code (attention.KV_*; True: float16; only that attention
+    specialization is compiled)."""
+    from ..tiles.q8_gemm import GEMM_ISA
+    ops = set(op_names)
+    if blocks is None:
+        blocks = quant in BLOCK_QUANTS
+    if embed_blocks is None:
+        embed_blocks = quant in BLOCK_QUANTS
+    out = []
+    for unit, (needs, *_) in UNITS.items():
+        if unit == "gated_delta" and not linear_state:
+            continue
+        if unit == "gemm" and (quant == "f32" or (quant in BLOCK_QUANTS and not q8_prefill)):
+            continue
+        if unit == ("moe" if blocks else "moe_blocks"):       # one of the two specializations
+            continue
+        if unit in ("kquant_gemm", "blocks") and (not blocks or (unit == "kquant_gemm" and GEMM_ISA is None)):
+            continue
+        if unit == "embed_blocks" and not embed_blocks:
+            continue
+        if unit.startswith("attention") and unit != ("attention", "attention_f16", "attention_q8")[int(kv16)]:
+            continue
+        if needs is None or ops & set(needs):
+            out.append(unit)
+    out.append(run_unit({"linear_state": linear_state, "blocks": blocks, "embed_blocks": embed_blocks,
+                         "layernorm": "LAYERNORM" in ops, "kv16": kv16}))
+    return out
+
+
+def linked_by_run(unit: str) -> bool:
+    return UNITS[unit][3]
+
+
+def split(units: list[str], cache_locked: bool | None = None) -> tuple[list[str], list[str]]:
+    """(this process's units, the child's), whole groups each. With the cache lock the groups
+    holding a unit ``run`` does not link go to the child (this process compiles ``run`` meanwhile),
+    then the others, largest first, to the side with less work so far (this process starts with
+    PARENT_HEAD_START and RUN_COST). Without the lock the :data:`LOAD_GROUPS` stay here. The
+    child's list has the units ``run`` links first, so ``run`` can start before the child ends."""
+    if cache_locked is None:
+        cache_locked = numba_cache_lock.INSTALLED
+    groups: dict[str, list[str]] = {}
+    for u in units:
+        if u in UNITS:
+            groups.setdefault(UNITS[u][2], []).append(u)
+    cost = {g: sum(UNITS[u][1] for u in us) for g, us in groups.items()}
+    if cache_locked:
+        here, there = [], [g for g, us in groups.items() if not all(map(linked_by_run, us))]
+    else:
+        here, there = [g for g in groups if g in LOAD_GROUPS], []
+    load_here = PARENT_HEAD_START + RUN_COST + sum(cost[g] for g in here)
+    load_child = sum(cost[g] for g in there)
+    for g in sorted((g for g in groups if g not in here and g not in there), key=lambda g: -cost[g]):
+        if load_child < load_here:
+            there.append(g)
+            load_child += cost[g]
+        else:
+            here.append(g)
+            load_here += cost[g]
+    mine = [u for g in here for u in groups[g]]
+    child = [u for g in there for u in groups[g]]
+    return mine, sorted(child, key=lambda u: not linked_by_run(u))
+
+
+# ---- the cache ---------------------------------------------------------------------------------------
+
+
+def is_cached(dispatcher, sig) -> bool:
+    """True when ``dispatcher`` has ``sig`` compiled in this process or in numba's on-disk cache
+    (numba internals; False when they cannot tell, which only costs a progress line)."""
+    sig = tuple(sig)
+    try:
+        if sig in dispatcher.overloads:
+            return True
+        cache = dispatcher._cache
+        key = cache._index_key(sig, dispatcher.targetctx.codegen())
+        return key in cache._cache_file._load_index()
+    except Exception:  # noqa: BLE001 - numba internals moved: assume not cached
+        return False
+
+
+def unit_cached(unit: str) -> bool:
+    return all(is_cached(d, s) for d, s in _kernels(unit))
+
+
+def compile_unit(unit: str) -> None:
+    """Compile (or load from the cache) every kernel of ``unit``."""
+    for dispatcher, sig in _kernels(unit):
+        dispatcher.compile(sig)
+
+
+# ---- progress -------------------------------------------------------------------------------------------
+
+
+class _Progress:
+    """``cpullm: compiling kernels 7/12 (first run only; cached afterwards)`` on stderr, rewritten
+    in place; nothing unless stderr is a terminal."""
+
+    def __init__(self, total: int, stream=None):
+        self.stream = stream or sys.stderr
+        self.total, self.done = total, 0
+        self.lock = threading.Lock()
+        try:
+            self.live = self.stream.isatty() and os.environ.get("CPULLM_QUIET") != "1"
+        except (AttributeError, ValueError):
+            self.live = False
+        self.shown = False
+
+    def step(self, n: int = 1) -> None:
+        with self.lock:
+            self.done = min(self.total, self.done + n)
+            if self.live:
+                self.stream.write(f"\rcpullm: compiling kernels {self.done}/{self.total} "
+                                  "(first run only; cached afterwards)")
+                self.stream.flush()
+                self.shown = True
+
+    def close(self) -> None:
+        with self.lock:
+            if self.shown:
+                self.stream.write("\n")
+                self.stream.flush()
+                self.shown = False
+
+
+# ---- the child process ---------------------------------------------------------------------------------
+
+_CHILD = r"""
+import os, sys
+if sys.path and sys.path[0] in ("", os.getcwd()):
+    del sys.path[0]            # the working directory must not shadow the installed package
+from cpullm_kernels.setup import warmup
+for unit in sys.argv[1:]:
+    warmup.compile_unit(unit)
+    print(unit, flush=True)
+"""
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def use_child() -> bool:
+    """Compile in two processes: two CPUs or more, unless CPULLM_COMPILE_PROCESSES=1."""
+    return os.environ.get("CPULLM_COMPILE_PROCESSES", "2") != "1" and _cpus() >= 2
+
+
+class Warmup:
+    """Compile ``units`` (from :func:`units_for`): :meth:`start` hands the child its share right
+    away (nothing happens when every unit is cached); :meth:`finish` compiles the rest here, waits
+    for the child's units that ``run`` links, loads them, compiles ``run`` while the child still
+    compiles the prefill GEMMs, then waits for those. ``seconds`` is the compile time it spent
+    (0.0 when everything came from the cache)."""
+
+    def __init__(self, units: list[str], parallel: bool | None = None):
+        self.units = list(units)
+        self.parallel = use_child() if parallel is None else parallel
+        self.child: subprocess.Popen | None = None
+        self.child_units: list[str] = []
+        self.reader: threading.Thread | None = None
+        self.progress: _Progress | None = None
+        self.todo: list[str] = []
+        self.reported: set = set()
+        self.reported_change = threading.Condition()
+        self.compiled_before = 0.0
+        self.seconds = 0.0
+        self.finished = False
+
+    def start(self) -> "Warmup":
+        self.compiled_before = compile_seconds()
+        self.todo = [u for u in self.units if not unit_cached(u)]
+        if not self.todo:
+            return self
+        self.progress = _Progress(len(self.units))
+        self.progress.step(len(self.units) - len(self.todo))
+        mine, child = split(self.todo)
+        if self.parallel and child:
+            self._spawn(child)
+        return self
+
+    def _spawn(self, units: list[str]) -> None:
+        try:
+            self.child = subprocess.Popen([sys.executable, "-c", _CHILD, *units], stdout=subprocess.PIPE,
+                                          stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.child = None
+            return
+        self.child_units = list(units)
+
+        def read():
+            for line in self.child.stdout:
+                unit = line.strip()
+                if unit in units and unit not in self.reported:
+                    with self.reported_change:
+                        self.reported.add(unit)
+                        self.reported_change.notify_all()
+                    self.progress.step()
+            with self.reported_change:           # end of file: the child is gone
+                self.reported_change.notify_all()
+
+        self.reader = threading.Thread(target=read, name="cpullm-compile-progress", daemon=True)
+        self.reader.start()
+
+    def finish(self) -> float:
+        """Compile what is left. Returns the compile time of the warm-up: the time spent here
+        (compiling, or waiting for the child) plus what this process compiled since
+        :meth:`start` (the weight quantizer, say); 0.0 when every kernel came from the cache."""
+        if self.finished:
+            return self.seconds
+        self.finished = True
+        if not self.todo:
+            for u in self.units:           # load from the cache now, not on the first call
+                compile_unit(u)
+            return 0.0
+        t0 = time.perf_counter()
+        meanwhile = compile_seconds() - self.compiled_before
+        try:
+            runs = [u for u in self.todo if u.startswith("run")]
+            here = [u for u in self.todo if u not in self.child_units and u not in runs]
+            for u in here:
+                compile_unit(u)
+                self.progress.step()
+            linked = [u for u in self.child_units if linked_by_run(u)]
+            self._wait_for_child(linked)
+            for u in linked:               # loads what the child wrote (compiles what it did not)
+                compile_unit(u)
+                if u not in self.reported:
+                    self.progress.step()
+            for u in runs:
+                compile_unit(u)
+                self.progress.step()
+            self._wait_for_child(self.child_units)
+            for u in self.child_units:
+                if not linked_by_run(u):
+                    compile_unit(u)
+                    if u not in self.reported:
+                        self.progress.step()
+            for u in self.units:
+                if u not in self.todo:
+                    compile_unit(u)
+        finally:
+            if self.child is not None and self.child.poll() is None:
+                self.child.kill()
+                self.child.wait()
+            self.progress.close()
+        self.seconds = meanwhile + time.perf_counter() - t0
+        return self.seconds
+
+    def _wait_for_child(self, units: list[str]) -> None:
+        """Until the child reported every unit of ``units`` or ended."""
+        if self.child is None:
+            return
+        with self.reported_change:
+            while not set(units) <= self.reported and self.child.poll() is None:
+                self.reported_change.wait(timeout=0.5)
+        if not set(units) <= self.reported:
+            self.child.wait()
+            if self.reader is not None:
+                self.reader.join(timeout=5)
+
+    def cancel(self) -> None:
+        """Stop the child (the load failed): nothing it wrote is half-written (numba replaces
+        cache files whole)."""
+        self.finished = True
+        if self.child is not None and self.child.poll() is None:
+            self.child.kill()
+            self.child.wait()
+        if self.progress is not None:
+            self.progress.close()
+
+
+def warmup_for_graph(graph, quant: str, kernels=(), q8_prefill: bool = True, blocks: bool | None = None,
+                     embed_blocks: bool | None = None, kv16: int = 0) -> Warmup:
+    """A started :class:`Warmup` for the units ``graph`` needs (``kernels``: plugin KernelSpecs,
+    whose ops the interpreter does not run; the rest: see :func:`units_for`)."""
+    ops, linear_state = set(), False
+    for n in graph.nodes:
+        ops.add(n.op.name)
+        if n.op.name == "GATED_DELTA" and not any(int(k.op) == int(n.op) and k.supports(n) for k in kernels):
+            linear_state = True
+    kv16 = int(kv16) if "ATTENTION" in ops else 0      # as run_flags reads it off the compiled program
+    return Warmup(units_for(ops, quant, linear_state, q8_prefill, blocks, embed_blocks, kv16)).start()
+
+
+__all__ = ["Warmup", "compile_seconds", "compile_unit", "is_cached", "units_for", "split",
+           "warmup_for_graph"]

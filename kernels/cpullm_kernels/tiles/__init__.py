@@ -1,0 +1,1 @@
+"""Register-tiled GEMMs for prefill."""
