@@ -71,7 +71,7 @@ def test_plan_is_checked_against_available_memory(tmp_path, monkeypatch):
     assert plan16["kv_dtype"] == "f16" and plan16["kv_bytes_max"] == plan["kv_bytes_max"] // 2
     with pytest.raises(ContextMemoryError, match=r"--ctx 8192\b") as err:
         check_plan_fits(m16.program.meta, available=need // 3)
-    assert "--cache-type" not in str(err.value)
+    assert "--cache-type q8_0" in str(err.value)          # the next smaller cache it can suggest
     from cpullm.run import memory
     monkeypatch.setattr(memory, "available_bytes", lambda: need // 3)
     with pytest.raises(ContextMemoryError):

@@ -187,7 +187,8 @@ class Sampler:
             x = x.astype(np.float64)
         if self._scratch is None or self._scratch.size != x.size:
             self._scratch = np.empty(x.size, np.float32)
-        tok = sample_logits(x, 1.0 / p.temperature, int(p.top_k), float(p.top_p), float(p.min_p),
+        top_k = min(int(p.top_k), x.size)         # a client's top_k may exceed int64; past the vocab it is off
+        tok = sample_logits(x, 1.0 / p.temperature, top_k, float(p.top_p), float(p.min_p),
                             float(self.rng.random()), self._scratch)
         if tok < 0:
             raise SamplingError("no token can be drawn: every logit is -inf (the constraint, bias or "
