@@ -66,12 +66,17 @@ def check_verify_is_exact(model, prompt, tokens):
         assert np.array_equal(after, want), f"state wrong after keeping {keep} of {len(tokens)} rows"
 
 
-@pytest.mark.parametrize("quant", ["int8", "f32", "q4"])
+@pytest.mark.parametrize("quant", ["int8", "f32"])
 def test_verify_rows_are_one_token_steps_for_every_family(family_dir, quant):
     name, d = family_dir
-    if quant == "q4" and name not in ("llama", "qwen3_5_linear"):
-        pytest.skip("q4 is covered on two structures (kept short: the suite runs on 2 cores)")
     m = cpullm.load(d, quant=quant, threads=2, n_ctx=96, max_chunk=16)
+    check_verify_is_exact(m, _prompt(), _prompt(K + 1, seed=1))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_5_linear"])     # 4-bit on two structures: attention, linear attention
+def test_verify_rows_are_one_token_steps_in_4_bit(name, tmp_path):
+    d = make_random_checkpoint(FAMILIES[name], tmp_path / name, seed=0)
+    m = cpullm.load(d, quant="q4", threads=2, n_ctx=96, max_chunk=16)
     check_verify_is_exact(m, _prompt(), _prompt(K + 1, seed=1))
 
 
