@@ -229,7 +229,7 @@ def test_a_block_format_gguf_calls_each_kernel_with_the_warmed_signature_only(wr
     compiled."""
     from test_coldstart import used_kernel_signatures
     used = used_kernel_signatures(write("Q4_1"), tmp_path / "cache")
-    assert used["cpullm_kernels.program.interpreter._linear_blocks_rows"] != []
+    assert used["cpullm_kernels.program.interpreter.linear_rows"] != []
     assert used["cpullm_kernels.panels.q8_panels.panels_matmul"] == []
 
 

@@ -49,7 +49,7 @@ class _Screen:
                                        self.fmt, *self.scratch, nthreads, max_rows)
 
     def full_logits(self, x):
-        """kquant.matvec's logits, x quantized as interpreter._linear_blocks_rows does (zero past K)."""
+        """kquant.matvec's logits, x quantized as formats.matmul_rows does (zero past K)."""
         x_q, x_s, x_m = HB._exact_activations_ref(x, self.Kp)
         out = np.zeros(self.w.shape[0], np.float32)
         kquant.matvec(self.fmt, self.w, x_q, x_s, x_m, out)

@@ -37,7 +37,7 @@ def main(argv=None) -> int:
 
     import cpullm
     from cpullm.bench.harness import prompt_ids
-    from cpullm.compile.head_screen import _row_bytes
+    from cpullm.compile.head_screen import row_bytes
     from cpullm_kernels.program import program_table as P
     m = cpullm.load(a.model, quant=a.quant, threads=a.threads)
     ex = m.executor
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     meta = m.program.meta["head_screen"]
     lin = P.linear_operands(ex.I[sc.row])
     N = lin.n
-    head_bytes = N * _row_bytes(lin)
+    head_bytes = N * row_bytes(lin)
     screen_bytes = N * (meta["q_cols"] + 2 * meta["s_cols"] + 12)
     nth = numba.get_num_threads()
     lo = m.program.meta["logits_offset"]

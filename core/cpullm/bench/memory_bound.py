@@ -21,15 +21,15 @@ def head_read(ex) -> str:
 
 def decode_weight_spans(program, head: str = "screen") -> list:
     """What one decode token reads from the weights, as views of the program's packed buffers:
-    every LINEAR's matrix once (q8: int8 values and binary16 block scales; raw ggml blocks: their
-    bytes; f32: float32 values)
-    and biases, adjacent ranges merged (so the read below streams as decode does, in long runs).
+    every LINEAR's matrix once (its format's spans, cpullm_kernels.program.formats: q8: int8
+    values and binary16 block scales; raw ggml blocks: their bytes; f32: float32 values) and
+    biases, adjacent ranges merged (so the read below streams as decode does, in long runs).
     The embedding row and the norm vectors are left out (a few KB). With a head screen, ``head``
     says which lm_head the step read: "screen" (its compact copy, what a greedy step the screen
     answers reads; the few exact rows left out too), "plain" (the lm_head itself: sampling, or
     the executor found the plain head faster) or "both" (a screened step that fell back)."""
     from cpullm_kernels.program import program_table as P
-    from cpullm_kernels.panels.q8_panels import padded_rows
+    from cpullm_kernels.program.formats import weight_format
     if head not in HEAD_READS:
         raise ValueError(f"head must be one of {HEAD_READS}, got {head!r}")
     a = program.arrays
@@ -45,19 +45,10 @@ def decode_weight_spans(program, head: str = "screen") -> list:
         if screen and head == "screen" and r == screen["row"]:
             continue
         lin = P.linear_operands(I[r])
-        Kd, N, kind, w_off, s_off, Kp, b_off = lin.k, lin.n, lin.kind, lin.w_off, lin.s_off, lin.kp, lin.bias_off
-        if kind == P.WEIGHT_Q8:                     # panels: rows padded to ROW_ALIGN, all read
-            Np = padded_rows(N)
-            ranges["wq"].append((w_off, w_off + Np * Kp))
-            ranges["ws"].append((s_off, s_off + Np * (Kp // 32)))
-        elif kind == P.WEIGHT_BLOCKS:               # raw ggml blocks in wq's bytes; s_off: ggml type
-            from cpullm_kernels.rows.gguf_blocks import block_format
-            from cpullm_kernels.panels.kquant_panels import PANELED
-            ranges["wq"].append((w_off, w_off + N * block_format(s_off % PANELED).row_bytes(Kp)))
-        else:
-            ranges["wf"].append((w_off, w_off + N * Kd))
-        if b_off >= 0:
-            ranges["wf"].append((b_off, b_off + N))
+        for name, lo, n in weight_format(lin.kind).spans(lin.n, lin.k, lin.kp, lin.w_off, lin.s_off):
+            ranges[name].append((lo, lo + n))                   # q8 panels: padding rows too, all read
+        if lin.bias_off >= 0:
+            ranges["wf"].append((lin.bias_off, lin.bias_off + lin.n))
     views = []
     for name, rs in ranges.items():
         merged: list[list[int]] = []

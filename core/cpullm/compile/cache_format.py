@@ -458,6 +458,7 @@ def check_program_bounds(arrays: dict, meta: dict) -> None:
     arena, state = meta["arena_floats"], meta["state_floats"]
     body_rows, head_rows = max(1, meta["max_chunk"]), max(1, meta["head_rows"])
     nq, ns, nf = arrays["wq"].size, arrays["ws"].size, arrays["wf"].size
+    sizes = {"wq": nq, "ws": ns, "wf": nf}
     regions = meta["state_regions"]
     if not isinstance(regions, list) or not all(
             isinstance(g, dict) and limits.is_int(g.get("offset")) and limits.is_int(g.get("floats"))
@@ -490,41 +491,16 @@ def check_program_bounds(arrays: dict, meta: dict) -> None:
             K, N, kind, Kp = row[P.LINEAR_K], row[P.LINEAR_N], row[P.LINEAR_KIND], row[P.LINEAR_KP]
             arena_ok(r, row[P.LINEAR_X_OFF], row[P.LINEAR_X_ST], K, "input")
             arena_ok(r, row[P.LINEAR_OUT_OFF], row[P.LINEAR_OUT_ST], N, "output")
-            if kind == P.WEIGHT_F32:
-                inside(r, row[P.LINEAR_W_OFF], N * K, nf, "float32 matrix")
-            elif kind == P.WEIGHT_Q8:
-                if not 0 < K <= Kp <= meta["max_k"] or Kp % 32:
-                    fail(r, "input width")
-                inside(r, row[P.LINEAR_W_OFF], N * Kp, nq, "int8 matrix")
-                inside(r, row[P.LINEAR_S_OFF], N * (Kp // 32), ns, "scales")
-            elif kind == P.WEIGHT_BLOCKS:
-                if not 0 < K <= Kp <= meta["max_k"]:
-                    fail(r, "input width")
-                inside(r, row[P.LINEAR_W_OFF], block_rows_bytes(row[P.LINEAR_S_OFF], N, Kp) or -1, nq,
-                       "block matrix")
-            else:
-                fail(r, "weight kind")
+            _matrix_inside(r, kind, N, K, Kp, row[P.LINEAR_W_OFF], row[P.LINEAR_S_OFF], meta["max_k"], sizes,
+                           inside, fail, "matrix")
             if row[P.LINEAR_BIAS_OFF] >= 0:
                 inside(r, row[P.LINEAR_BIAS_OFF], N, nf, "bias")
         elif op == P.OP_EMBED:
             H = row[P.EMBED_WIDTH]
             arena_ok(r, row[P.EMBED_OUT_OFF], row[P.EMBED_OUT_ST], H, "output")
-            if row[P.EMBED_KIND] not in (P.WEIGHT_F32, P.WEIGHT_Q8, P.WEIGHT_BLOCKS):
-                fail(r, "weight kind")
             n_rows = int(meta.get("embed_rows") or meta["vocab"])
-            if row[P.EMBED_KIND] == P.WEIGHT_F32:
-                inside(r, row[P.EMBED_W_OFF], n_rows * H, nf, "embedding")
-            elif row[P.EMBED_KIND] == P.WEIGHT_BLOCKS:
-                need = block_rows_bytes(row[P.EMBED_S_OFF], n_rows, row[P.EMBED_KP])
-                if need is None or row[P.EMBED_KP] < H:
-                    fail(r, "embedding format")
-                inside(r, row[P.EMBED_W_OFF], need, nq, "embedding")
-            elif row[P.EMBED_KIND] == P.WEIGHT_Q8:
-                Kp = row[P.EMBED_KP]
-                if Kp < H or Kp % 32:
-                    fail(r, "embedding width")
-                inside(r, row[P.EMBED_W_OFF], n_rows * Kp, nq, "embedding")
-                inside(r, row[P.EMBED_S_OFF], n_rows * (Kp // 32), ns, "embedding scales")
+            _matrix_inside(r, row[P.EMBED_KIND], n_rows, H, row[P.EMBED_KP], row[P.EMBED_W_OFF], row[P.EMBED_S_OFF],
+                           None, sizes, inside, fail, "embedding")
         elif op in (P.OP_RMSNORM, P.OP_LAYERNORM):
             w = row[P.NORM_WIDTH]
             arena_ok(r, row[P.NORM_X_OFF], row[P.NORM_X_ST], w, "input")
@@ -632,36 +608,23 @@ def _check_moe(r, row, meta, arena_ok, inside, fail, nq, ns, nf) -> None:
         width = inter if e < E else S
         for c, N, K in ((M.TABLE_GATE, width, H), (M.TABLE_UP, width, H), (M.TABLE_DOWN, H, width)):
             kind, w_off, s_off, Kp = ex[c: c + 4]
-            if kind == P.WEIGHT_F32:
-                inside(r, w_off, N * K, nf, "expert matrix")
-            elif kind == P.WEIGHT_Q8:
-                if not 0 < K <= Kp <= meta["max_k"] or Kp % 32:
-                    fail(r, "expert input width")
-                from cpullm_kernels.panels.q8_panels import padded_rows
-                inside(r, w_off, padded_rows(N) * Kp, nq, "expert int8 matrix")
-                inside(r, s_off, padded_rows(N) * (Kp // 32), ns, "expert scales")
-            elif kind == P.WEIGHT_BLOCKS:
-                if not 0 < K <= Kp <= meta["max_k"]:
-                    fail(r, "expert input width")
-                inside(r, w_off, block_rows_bytes(s_off, N, Kp) or -1, nq, "expert block matrix")
-            else:
-                fail(r, "expert weight kind")
+            _matrix_inside(r, kind, N, K, Kp, w_off, s_off, meta["max_k"], {"wq": nq, "ws": ns, "wf": nf}, inside,
+                           fail, "expert matrix")
 
 
-def block_rows_bytes(fmt: int, rows: int, Kp: int) -> int | None:
-    """Bytes of ``rows`` rows of ``Kp`` weights in the ggml block type ``fmt`` (plus PANELED:
-    rows in panels of 16, the last one padded), or None when ``fmt`` or ``Kp`` cannot be one."""
-    from cpullm_kernels.rows.gguf_blocks import BY_TYPE
-    from cpullm_kernels.panels.kquant_panels import PANELED
-
-    if fmt < 0 or fmt >= 2 * PANELED:
-        return None
-    spec = BY_TYPE.get(fmt % PANELED)
-    if spec is None or Kp <= 0 or Kp % spec.block_weights:
-        return None
-    if fmt >= PANELED:
-        rows = -(-rows // 16) * 16
-    return rows * (Kp // spec.block_weights) * spec.block_bytes
+def _matrix_inside(r, kind, N, K, Kp, w_off, s_off, max_k, sizes, inside, fail, what) -> None:
+    """A stored matrix (N, K) of weight ``kind`` (cpullm_kernels.program.formats) is one its format
+    can hold, every span of it inside its array (``sizes``: array -> elements), its rows no longer
+    than the activations' scratch (``max_k``; None: an EMBED table, read by rows)."""
+    from cpullm_kernels.program.formats import FORMATS
+    fmt = FORMATS.get(kind)
+    if fmt is None:
+        fail(r, f"{what}: weight kind")
+    spans = fmt.spans(N, K, Kp, w_off, s_off)
+    if spans is None or (max_k is not None and Kp > max_k):
+        fail(r, f"{what}: width or format")
+    for name, off, n in spans:
+        inside(r, off, n, sizes[name], f"{what} ({name})")
 
 
 def touch_no_follow(path: Path) -> None:

@@ -36,6 +36,7 @@ import numpy as np
 from ..graph.blocks import PRECISIONS
 from ..graph.ir import Graph, GraphError, Node, Op, VIEW_OPS, _plain_attrs, _plugin_spec
 from cpullm_kernels.program import program_table as P
+from cpullm_kernels.program.formats import weight_format
 from .quant_blocks import BLOCK_QUANTS, BlockPlan, q8_0_as_q8, quantize_q4_rows, stored_blocks
 
 QUANT_MODES = ("int8", "f32", "q4", "gguf")     # q4 / gguf: raw ggml blocks (cpullm.compile.quant_blocks)
@@ -416,16 +417,11 @@ class _WeightPacker:
             if self.progress:
                 self.progress(canonicals[0])
         kind, w_off, s_off, Kp, _ = self.packed[key]
-        if kind == P.WEIGHT_BLOCKS:
-            _block_slots(self.slots, self.weights, canonicals, fmt, w_off, Kp, s_off)
-            return self.packed[key]
+        slot = weight_format(kind).slot
         r0 = 0
         for c in canonicals:                # member rows of a fused matrix, for the weight slots
-            n = self.weights.shape(c)[0]
-            if kind == P.WEIGHT_Q8:         # panels: the matrix's offsets and the member's first row
-                self.slots.setdefault(c, ["q8", w_off, n * Kp, Kp, s_off, r0])
-            else:
-                self.slots.setdefault(c, ["f32", w_off + r0 * Kp, n * Kp, Kp, -1])
+            n = int(self.weights.shape(c)[0])
+            self.slots.setdefault(c, slot(w_off, s_off, Kp, r0, n))
             r0 += n
         return self.packed[key]
 
@@ -890,20 +886,6 @@ def _op_matrix_format(weights, canonical: str, mode: str) -> str | None:
 def _block_plan(graph: Graph, weights, quant: str):
     """A quant_blocks.BlockPlan for the raw-block modes, else None."""
     return BlockPlan(graph, weights, quant) if quant in BLOCK_QUANTS else None
-
-
-def _block_slots(slots: dict, weights, canonicals: list[str], fmt: str, w_off: int, Kp: int, s_off: int) -> None:
-    """Weight slots of a raw-block matrix: [format name ("Q4_K panels" in panels of 16 rows: a
-    member's whole panels are still its own byte range), byte offset in wq, bytes, Kp, -1]."""
-    from cpullm_kernels.rows.gguf_blocks import block_format
-    from cpullm_kernels.panels.kquant_panels import PANELED
-    rb = block_format(fmt).row_bytes(Kp)
-    name = f"{fmt} panels" if s_off >= PANELED else fmt
-    r0 = 0
-    for c in canonicals:
-        n = weights.shape(c)[0]
-        slots.setdefault(c, [name, w_off + r0 * rb, n * rb, Kp, -1])
-        r0 += n
 
 
 def _precision(node: Node, quant: str) -> str:

@@ -16,6 +16,7 @@ import numpy as np
 
 from .compiler import Program, align_up
 from cpullm_kernels.program import program_table as P
+from cpullm_kernels.program.formats import FORMATS, weight_format
 from cpullm_kernels.panels.head_screen import padded_blocks, screen_argmax
 from cpullm_kernels.panels.q8_panels import padded_rows
 
@@ -47,25 +48,24 @@ def head_screen_row(program: Program) -> int | None:
             or I[r, P.COL_SECTION] != P.SECTION_HEAD):
         return None
     lin = P.linear_operands(I[r])
-    if (lin.kind not in (P.WEIGHT_Q8, P.WEIGHT_BLOCKS) or lin.bias_off >= 0
+    if (_screen(lin) is None or lin.bias_off >= 0
             or lin.kp > 32 * head_screen.MAX_BLOCKS or lin.kp < 64):
         return None
-    if lin.kind == P.WEIGHT_BLOCKS:
-        from cpullm_kernels.panels.head_screen_blocks import SCREEN_FORMATS
-        if lin.s_off not in SCREEN_FORMATS:
-            return None
-    if lin.n * _row_bytes(lin) < head_screen.MIN_LM_HEAD_BYTES:
+    if lin.n * row_bytes(lin) < head_screen.MIN_LM_HEAD_BYTES:
         return None
     return r
 
 
-def _row_bytes(lin) -> int:
-    """Bytes of one row of a LINEAR's matrix: q8 (quants + binary16 scales) or raw ggml blocks
-    (LINEAR_S_OFF holds the ggml type)."""
-    if lin.kind == P.WEIGHT_BLOCKS:
-        from cpullm_kernels.rows.gguf_blocks import block_format
-        return block_format(lin.s_off).row_bytes(lin.kp)
-    return lin.kp + lin.kp // 16
+def _screen(lin) -> str | None:
+    """Which screen reads this LINEAR's format: "q8", "blocks" (its ggml type in
+    head_screen_blocks.SCREEN_FORMATS) or None (formats.FORMATS' ``screen``)."""
+    fmt = FORMATS.get(lin.kind)
+    return fmt.screen(lin.s_off) if fmt is not None else None
+
+
+def row_bytes(lin) -> int:
+    """Bytes of one stored row of a LINEAR's matrix (formats.FORMATS' ``row_bytes``)."""
+    return weight_format(lin.kind).row_bytes(lin.kp, lin.s_off)
 
 
 def attach(program: Program, calibration=None) -> Program:
@@ -99,9 +99,9 @@ def attach(program: Program, calibration=None) -> Program:
             source = "none"
     k_sel = sel_columns(Kp)
     perm = screen_columns(importance, Kp, k_sel)
-    if lin.kind == P.WEIGHT_BLOCKS:                 # s_off: the ggml type; w_off counts bytes
+    if _screen(lin) == "blocks":                    # s_off: the ggml type; w_off counts bytes
         from cpullm_kernels.panels.head_screen_blocks import build_screen_blocks
-        rb = _row_bytes(lin)
+        rb = row_bytes(lin)
         w = a["wq"].view(np.uint8)[w_off: w_off + N * rb].reshape(N, rb)
         hq, hs, hb = build_screen_blocks(w, s_off, Kp, perm, k_sel)
     else:                                           # q8 panels
@@ -142,7 +142,7 @@ class HeadScreen:
         x_off, Kd, N, w_off, s_off, Kp = lin.x_off, lin.k, lin.n, lin.w_off, lin.s_off, lin.kp
         nb = Kp // 32
         self.segments = ex._segments(0, self.row, batched=False)
-        self.blocks = lin.kind == P.WEIGHT_BLOCKS
+        self.blocks = _screen(lin) == "blocks"
         screen = (
             ex.arena[x_off: x_off + Kd],                                    # x: the lm_head's input row
             np.asarray(sc["perm"], np.int64), int(sc["k_sel"]) // 32,
@@ -153,7 +153,7 @@ class HeadScreen:
         results = (np.zeros(N, np.float32), np.zeros(N, np.int64), np.zeros(N, np.float32))
         permuted = (np.zeros(Kp, np.int16), np.zeros(padded_blocks(Kp), np.float32))  # permuted activations
         if self.blocks:                                                     # raw ggml blocks (q4's Q6_K)
-            rb = _row_bytes(lin)
+            rb = row_bytes(lin)
             exact = (ex.wq.view(np.uint8)[w_off: w_off + N * rb].reshape(N, rb), s_off,
                      np.zeros(Kp, np.int8), np.zeros(nb, np.float32), np.zeros(Kp // 16, np.float32))
             self.args = screen + exact + permuted + (np.zeros(Kp, np.float32),) + results

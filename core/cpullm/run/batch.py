@@ -6,13 +6,16 @@ like the executor's own ``state``. The program is cut into segments:
 
 * ``rows``: instructions that treat rows independently (norms, GLU, residuals, embedding, the
   head's row selection), run by the interpreter over all B rows at once;
-* ``linear``: a LINEAR over the B rows, the weights read once for all of them (q8:
-  :mod:`cpullm_kernels.panels.q8_panels`, the kernel a one-token decode runs with one row, whose every
-  output is the same float arithmetic whatever the batch; f32: :mod:`cpullm_kernels.rows.batch_linear`);
+* ``linear``: a LINEAR over the B rows through :func:`cpullm_kernels.program.formats.matmul_rows`,
+  the kernel a one-token decode runs with one row (q8 and Q4_K / Q6_K panels: the weights read
+  once for all rows, every output the same float arithmetic whatever the batch; other raw blocks
+  row by row; f32: one pass by :mod:`cpullm_kernels.rows.batch_linear`);
 * ``seq``: ops with a position or a state (ROPE, ATTENTION, GATED_DELTA), run once per sequence
   on its row, with its position and its state (:func:`_per_sequence`), exactly as a one-token
   decode of that sequence alone runs them;
 * ``external`` / ``plugin``: plugin kernels and plugin ops, called per sequence.
+
+Runs of ``linear``, ``seq`` and serial row segments run as one compiled call (``fused``).
 
 So a row's result does not depend on the other rows: batch invariance by construction, checked
 by tests/test_scheduler.py. The core names no family: what makes an op per-sequence is its
@@ -29,12 +32,7 @@ from cpullm_kernels.program import interpreter as K
 from cpullm_kernels.program import program_table as P
 from cpullm_kernels.attention.attention import attention
 from cpullm_kernels.attention.attention_batch import attention_decode_batch
-from cpullm_kernels.rows.batch_linear import linear_rows_f32
-from cpullm_kernels.rows.kquant import quantize_act_q8
-from cpullm_kernels.panels.kquant_panels import PANELED
-from cpullm_kernels.panels.kquant_panels import block_bytes as kpanel_block_bytes
-from cpullm_kernels.panels.kquant_panels import matmul as matmul_kpanels
-from cpullm_kernels.panels.q8_panels import _quantize_rows, matmul_panels, padded_rows, panels_matmul
+from cpullm_kernels.program.formats import matmul_rows
 from cpullm_kernels.ops.elementwise import binary_rows, glu_rows
 from cpullm_kernels.ops.norm import layernorm_rows, rmsnorm_rows
 from cpullm_kernels.attention.gated_delta import gated_delta
@@ -135,62 +133,37 @@ def _per_sequence(I, F, a, b, arena, states, slots, rows0, nrows, positions, wf,
 
 
 @njit(cache=True)
-def _linear_batch(I, r, arena, wq, ws, wf, xq, xs, T, nthreads):
-    """LINEAR r over rows [0, T) (q8, Q4_K / Q6_K panels or f32 weights): one pass over the weights
-    for all rows (q8: kernels.q8_panels, k-quants: kernels.kquant_panels, whose every row equals a
-    lone decode's bit for bit), then the bias."""
+def _linear_batch(I, r, arena, wq, ws, wf, wb, xq, xs, T, nthreads):
+    """LINEAR r over rows [0, T) (formats.matmul_rows, every weight format): q8, Q4_K / Q6_K panels
+    and f32 in one pass over the weights for all rows, other raw blocks a row at a time; every q8
+    or block row equals a lone decode's bit for bit. Then the bias."""
     x_off, x_st, o_off, o_st = I[r, P.LINEAR_X_OFF], I[r, P.LINEAR_X_ST], I[r, P.LINEAR_OUT_OFF], I[r, P.LINEAR_OUT_ST]
-    Kd, N, kind = I[r, P.LINEAR_K], I[r, P.LINEAR_N], I[r, P.LINEAR_KIND]
-    w_off, s_off, Kp, b_off = I[r, P.LINEAR_W_OFF], I[r, P.LINEAR_S_OFF], I[r, P.LINEAR_KP], I[r, P.LINEAR_BIAS_OFF]
+    Kd, N = I[r, P.LINEAR_K], I[r, P.LINEAR_N]
+    b_off = I[r, P.LINEAR_BIAS_OFF]
     x = arena[x_off: x_off + T * x_st].reshape((T, x_st))[:, :Kd]
-    out = arena[o_off: o_off + T * o_st].reshape((T, o_st))[:, :N]
-    if kind == P.WEIGHT_Q8:         # C-contiguous operands: the kernel's one specialization
-        Np = padded_rows(N)
-        x_q = xq.reshape(-1)[:T * Kp].reshape((T, Kp))
-        x_s = xs.reshape(-1)[:T * (Kp // 32)].reshape((T, Kp // 32))
-        _quantize_rows(x, x_q, x_s)
-        panels_matmul(wq[w_off: w_off + Np * Kp], ws[s_off: s_off + Np * (Kp // 32)], N, x_q, x_s,
-                      arena[o_off: o_off + T * o_st].reshape((T, o_st)), nthreads)
-    elif kind == P.WEIGHT_BLOCKS:   # Q4_K / Q6_K panels (_fused_segments fuses no other blocks); K == Kp
-        fmt = s_off % PANELED
-        rb = Kp // 256 * kpanel_block_bytes(fmt)
-        nb = Kp // 32
-        x_q = xq.reshape(-1).view(np.int8)[:T * Kp].reshape((T, Kp))       # int8 in the int16 scratch
-        flat = xs.reshape(-1)
-        x_s = flat[:T * nb].reshape((T, nb))
-        x_m = flat[T * nb: T * nb + T * 2 * nb].reshape((T, 2 * nb))
-        for t in range(T):
-            quantize_act_q8(x[t], x_q[t], x_s[t], x_m[t])
-        matmul_kpanels(fmt, wq.view(np.uint8)[w_off: w_off + N * rb], x_q, x_s, x_m,
-                       arena[o_off: o_off + T * o_st].reshape((T, o_st)), nthreads)
-    else:
-        linear_rows_f32(x, wf[w_off: w_off + N * Kd].reshape((N, Kd)), out)
+    rows = arena[o_off: o_off + T * o_st].reshape((T, o_st))      # C-contiguous: the kernels' one specialization
+    matmul_rows(I[r, P.LINEAR_KIND], I[r, P.LINEAR_W_OFF], I[r, P.LINEAR_S_OFF], I[r, P.LINEAR_KP], N, wq, ws, wf,
+                wb, x, rows, xq.reshape(-1), xs.reshape(-1), False, nthreads)
     if b_off >= 0:
         for t in range(T):
             for n in range(N):
-                out[t, n] += wf[b_off + n]
+                rows[t, n] += wf[b_off + n]
 
 
 @njit(cache=True)
-def _fused(I, F, a, b, arena, states, slots, rows0, nrows, positions, wq, ws, wf, xq, xs, T, nthreads,
+def _fused(I, F, a, b, arena, states, slots, rows0, nrows, positions, wq, ws, wf, wb, xq, xs, T, nthreads,
            has_linear, decode, kv16):
-    """Instructions [a, b) of a batch in one compiled call: LINEARs (_fusable), SERIAL_ROW_OPS and
+    """Instructions [a, b) of a batch in one compiled call: LINEARs, SERIAL_ROW_OPS and
     PER_SEQUENCE_OPS, as the separate segments run them (no Python between ops)."""
     for r in range(a, b):
         op = I[r, P.COL_OP]
         if op == P.OP_LINEAR:
-            _linear_batch(I, r, arena, wq, ws, wf, xq, xs, T, nthreads)
+            _linear_batch(I, r, arena, wq, ws, wf, wb, xq, xs, T, nthreads)
         elif op == P.OP_ROPE or op == P.OP_ATTENTION or op == P.OP_GATED_DELTA or op == P.OP_POS_EMBED:
             _per_sequence(I, F, r, r + 1, arena, states, slots, rows0, nrows, positions, wf, nthreads, has_linear,
                           decode, kv16)
         else:
             _serial_rows(I, F, r, r + 1, arena, wf, T)
-
-
-def _fusable(row) -> bool:
-    """A LINEAR _linear_batch runs: q8, f32, or Q4_K / Q6_K in panels."""
-    kind = int(row[P.LINEAR_KIND])
-    return kind in (P.WEIGHT_Q8, P.WEIGHT_F32) or (kind == P.WEIGHT_BLOCKS and int(row[P.LINEAR_S_OFF]) >= PANELED)
 
 
 class BatchDecoder:
@@ -242,12 +215,12 @@ class BatchDecoder:
         return out
 
     def _fused_segments(self, segments: list) -> list:
-        """Runs of "serial", "seq" and _fusable "linear" segments become one "fused" segment,
-        executed by one compiled call (:func:`_fused`)."""
+        """Runs of "serial", "seq" and "linear" segments become one "fused" segment, executed by one
+        compiled call (:func:`_fused`)."""
         out = []
         for seg in segments:
             a, b = (seg[1], seg[1] + 1) if seg[0] == "linear" else (seg[1], seg[2]) if len(seg) == 3 else (None, None)
-            ok = seg[0] in ("serial", "seq") or (seg[0] == "linear" and _fusable(self.ex.I[seg[1]]))
+            ok = seg[0] in ("serial", "seq", "linear")
             if ok and out and out[-1][0] == "fused" and out[-1][2] == a:
                 out[-1] = ("fused", out[-1][1], b)
             elif ok:
@@ -300,12 +273,10 @@ class BatchDecoder:
                 K.run(ex.I, ex.F, seg[1], seg[2], ex.tokens, self.rt, ex.arena, states[0], ex.wq, ex.ws, ex.wf,
                       ex.xq, ex.xs, *ex.optional_operands(states[0]))     # (row ops: no state read)
             elif kind == "fused":
-                _fused(ex.I, ex.F, seg[1], seg[2], ex.arena, states, *seqs, ex.wq, ex.ws, ex.wf, self.xq, self.xs,
-                       np.int64(T), numba.get_num_threads(), self.has_linear, True, ex.kv16)
+                _fused(ex.I, ex.F, seg[1], seg[2], ex.arena, states, *seqs, ex.wq, ex.ws, ex.wf, ex.wb, self.xq,
+                       self.xs, np.int64(T), numba.get_num_threads(), self.has_linear, True, ex.kv16)
             elif kind == "serial":
                 _serial_rows(ex.I, ex.F, seg[1], seg[2], ex.arena, ex.wf, np.int64(T))
-            elif kind == "linear":
-                self._linear(seg[1], T)
             elif kind == "seq":
                 _per_sequence(ex.I, ex.F, seg[1], seg[2], ex.arena, states, *seqs, ex.wf,
                               numba.get_num_threads(), self.has_linear, True, ex.kv16)
@@ -315,33 +286,6 @@ class BatchDecoder:
                 ex.moe[seg[1]](ex, T)
             else:
                 self._plugin(seg[1], seqs)
-
-    def _linear(self, r: int, T: int):
-        ex = self.ex
-        x_off, x_st, o_off, o_st, Kd, N, kind, w_off, s_off, Kp, b_off = P.linear_operands(ex.I[r])
-        x = ex.arena[x_off: x_off + T * x_st].reshape(T, x_st)[:, :Kd]
-        out = ex.arena[o_off: o_off + T * o_st].reshape(T, o_st)[:, :N]
-        if kind == P.WEIGHT_Q8:
-            Np = padded_rows(N)
-            matmul_panels(x, ex.wq[w_off: w_off + Np * Kp], ex.ws[s_off: s_off + Np * (Kp // 32)], N,
-                          ex.arena[o_off: o_off + T * o_st].reshape(T, o_st))
-        elif kind == P.WEIGHT_F32:
-            linear_rows_f32(x, ex.wf[w_off: w_off + N * Kd].reshape(N, Kd), out)
-        elif kind == P.WEIGHT_BLOCKS:
-            # raw ggml blocks: each row through the one-token decode's own matvec (int8
-            # activations per 32, one pass), so every row equals a lone decode bit for bit; the
-            # weights are read once per row (no shared pass over them yet)
-            K._linear_blocks_rows(ex.I, np.int64(r), ex.arena, ex.wb, ex.wf, ex.xq, ex.xs, np.int64(T), False,
-                                  np.int64(numba.get_num_threads()))
-            return
-        else:
-            # a weight format this module does not know yet: the executor's batched matmul (right
-            # numbers; its row independence is that kernel's)
-            ex.rt[:] = self.rt
-            ex._linear_batched(r)
-            return
-        if b_off >= 0:
-            out += ex.wf[b_off: b_off + N]
 
     def _external(self, r: int, states, seqs):
         ex = self.ex

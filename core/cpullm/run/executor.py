@@ -21,10 +21,8 @@ from cpullm_kernels.program import interpreter as K
 from cpullm_kernels.attention.attention import kv_operand
 from cpullm_kernels.setup.warmup import run_flags
 from ..compile.head_screen import HeadScreen
-from .op_matrix import matmul_blocks
 from cpullm_kernels.program import program_table as P
-from cpullm_kernels.rows.q8 import matmul_f32
-from cpullm_kernels.panels.q8_panels import matmul_panels, padded_rows
+from cpullm_kernels.program.formats import matrix_bytes, weight_format
 
 
 class Executor:
@@ -166,18 +164,10 @@ class Executor:
         # row-strided views of the arena, written in place (the compiler never places an op's
         # output over its inputs): no (T, N) temporary, which for T = 512 costs page faults
         x = self.arena[x_off: x_off + T * x_st].reshape(T, x_st)[:, :Kd]
-        out = self.arena[o_off: o_off + T * o_st].reshape(T, o_st)[:, :N]
-        if kind == P.WEIGHT_BLOCKS:
-            matmul_blocks(self.wb, s_off, w_off, Kp, x, out)
-        elif kind == P.WEIGHT_Q8:               # the full rows of out: one kernel specialization
-            Np = padded_rows(N)
-            matmul_panels(x, self.wq[w_off: w_off + Np * Kp], self.ws[s_off: s_off + Np * (Kp // 32)], N,
-                          self.arena[o_off: o_off + T * o_st].reshape(T, o_st))
-        else:
-            w = self.wf[w_off: w_off + N * Kd].reshape(N, Kd)
-            matmul_f32(x, w, out)
+        rows = self.arena[o_off: o_off + T * o_st].reshape(T, o_st)    # the full rows: one kernel specialization
+        weight_format(kind).prefill(self.wq, self.ws, self.wf, w_off, s_off, Kp, N, x, rows)
         if b_off >= 0:
-            out += self.wf[b_off: b_off + N]
+            rows[:, :N] += self.wf[b_off: b_off + N]
 
     def _external(self, r: int, state: np.ndarray):
         fn = self.external[r]
@@ -383,7 +373,8 @@ class _MoeCall:
         self.table = _read_only(np.asarray(call["table"], np.int64))
         E = int(self.prm[M.PRM_E])
         self.counts = np.zeros(E + 1, np.int64)
-        blocks = bool(np.any(self.table[:, [M.TABLE_GATE, M.TABLE_UP, M.TABLE_DOWN]] == P.WEIGHT_BLOCKS))
+        kinds = np.unique(self.table[:, [M.TABLE_GATE, M.TABLE_UP, M.TABLE_DOWN]])
+        blocks = any(weight_format(k).run_flag == "blocks" for k in kinds)     # an expert reads wq's bytes
         self.wb = _read_only(ex.wq.view(np.uint8)) if blocks else None
         H, inter, shared_i = (int(self.prm[c]) for c in (M.PRM_H, M.PRM_I, M.PRM_SHARED_I))
         self.expert_bytes = np.array([_expert_bytes(row, H, inter if e < E else shared_i)
@@ -401,20 +392,9 @@ class _MoeCall:
 
 
 def _expert_bytes(row, H: int, inter: int) -> int:
-    """Bytes of one expert's gate, up and down matrices as stored (q8: quants and scales of the
-    padded panels; raw blocks: their rows; f32: 4 a weight)."""
-    from cpullm_kernels.rows.gguf_blocks import block_format
-    from cpullm_kernels.panels.kquant_panels import PANELED
-    total = 0
-    for c, N in ((0, inter), (4, inter), (8, H)):
-        kind, s_off, Kp = int(row[c]), int(row[c + 2]), int(row[c + 3])
-        if kind == P.WEIGHT_Q8:
-            total += padded_rows(N) * (Kp + Kp // 16)
-        elif kind == P.WEIGHT_BLOCKS:
-            total += N * block_format(s_off % PANELED).row_bytes(Kp)
-        else:
-            total += 4 * N * Kp
-    return total
+    """Bytes of one expert's gate, up and down matrices as stored (formats.matrix_bytes)."""
+    return sum(matrix_bytes(row[c], N, K, row[c + 3], row[c + 1], row[c + 2])
+               for c, N, K in ((0, inter, H), (4, inter, H), (8, H, inter)))
 
 
 class _PluginCall:

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import ContextOverflowError
 from .executor import Executor, lazy_zeros
-from cpullm_kernels.program import program_table as P
+from cpullm_kernels.program.formats import weight_format
 from ..compile import kvformat
 
 
@@ -73,9 +73,9 @@ class Forward:
                                if r["kind"] == "linear"]
         self._decoder = None
         # a lone row may take the executor's one-token decode (compiled as one call; greedy
-        # through the lm_head screen) when every LINEAR is q8 or raw ggml blocks, whose one
-        # kernel gives a batched row the same numbers; f32 matrices sum in another order
-        self.lone_path_identical = executor.linear_kinds() <= {P.WEIGHT_Q8, P.WEIGHT_BLOCKS}
+        # through the lm_head screen) when every LINEAR's format gives a batched row the same
+        # numbers (q8, raw ggml blocks: one kernel); f32 matrices sum in another order
+        self.lone_path_identical = all(weight_format(k).decode_exact for k in executor.linear_kinds())
 
     # ---- threads -----------------------------------------------------------------------------
     def use_threads(self) -> None:

@@ -6,7 +6,7 @@ Llama-3.2-1B-shaped model's ~700 a token, 191 of the ~980 MB of a Qwen2.5-1.5B s
 rest, binary16 block scales; (hq, hs, hb) as in kernels/cpullm_kernels/panels/head_screen.py) and the same bounds pass;
 what changes is the exact path it must reproduce, kquant.matvec, and so the bound.
 
-The exact path. ``_linear_blocks_rows`` quantizes the lm_head's input x (K,) with
+The exact path. ``formats.matmul_rows`` quantizes the lm_head's input x (K,) with
 ``kquant.quantize_act_q8``: x_q int8 (Kp,) (zero past K), x_s float32 per block of 32 (max|v| /
 127), x_m float32 per 16 (x_s times the exact integer sum); the logit of row n is
 ``_kq_row_dot(w, x_q, x_s, x_m, n, fmt, BEST_ISA)``, the row routine of ``kquant.matvec``. The
@@ -132,7 +132,7 @@ def build_screen_blocks(w, fmt, Kp: int, perm, k_sel: int, rows_per_chunk: int |
 # ================================================================================================
 
 def _exact_activations_ref(x, Kp):
-    """(x_q int8 (Kp,), x_s (Kp//32,), x_m (Kp//16,)) as _linear_blocks_rows builds them (zero past K)."""
+    """(x_q int8 (Kp,), x_s (Kp//32,), x_m (Kp//16,)) as formats.matmul_rows builds them (zero past K)."""
     K = x.size
     q, s, m = quantize_act_q8_ref(x)
     x_q, x_s, x_m = np.zeros(Kp, np.int8), np.zeros(Kp // 32, np.float32), np.zeros(Kp // 16, np.float32)
@@ -215,7 +215,7 @@ def _exact_rows_blocks(fmt, w, x_q, x_s, x_m, rows, vals, counts, nthreads):
 def screen_argmax_blocks(x, perm, sel_blocks, hq, hs, hb, w, fmt, x_q, x_s, x_m, p_q, p_s, xp,
                          upper, rows, vals, lower_max, counts, nthreads, max_rows):
     """(token, survivors): the argmax (lowest index on ties) of ``kquant.matvec(fmt, w, ...)`` on
-    the activations x as ``_linear_blocks_rows`` quantizes them, found through the screen; (-1, 0)
+    the activations x as ``formats.matmul_rows`` quantizes them, found through the screen; (-1, 0)
     when fmt is not one of SCREEN_FORMATS, the activations are not finite or their block scales
     out of range, or the bounds are not finite, (-2, survivors)
     when more than ``max_rows`` rows survive: the caller then runs the full lm_head.

@@ -25,15 +25,8 @@ from ..ops.elementwise import binary_par, binary_rows, copy_rows, glu_par, glu_r
 from ..attention.gated_delta import gated_delta
 from ..ops.pointwise import act_par, act_rows, pos_embed_rows
 from ..ops.norm import layernorm_par, layernorm_rows, rmsnorm_par, rmsnorm_rows
-from ..rows.kquant import matvec as matvec_blocks
-from ..rows.kquant import _ROW_BYTES, _ROW_WEIGHTS, quantize_act_q8
-from ..tiles.kquant_gemm import dequantize_rows_into
-from ..panels.kquant_panels import PANELED
-from ..panels.kquant_panels import matmul as matmul_kpanels
-from ..panels.kquant_panels import scaled_row_into as scaled_kpanel_row_into
-from ..rows.q8 import matvec_f32, quantize_act_q16
-from ..panels.q8_panels import padded_rows, panels_matmul, scaled_row_into
 from ..ops.rope import rope_par, rope_rows
+from .formats import embed_row_into, int8_activations, matmul_rows
 from . import program_table as P
 from .program_table import (  # noqa: F401  (re-exported: the opcodes and weight kinds by their old home)
     NF, NI, OP_ADD, OP_ATTENTION, OP_EMBED, OP_GATED_DELTA, OP_GLU, OP_LAYERNORM, OP_LINEAR, OP_PLUGIN,
@@ -52,112 +45,39 @@ EXTERNAL_SIGNATURES = {
 
 
 @njit(cache=True)
-def _linear_rows(I, r, arena, wq, ws, wf, xq, xs, T, nthreads):
-    """LINEAR, row by row through the matrix-vector kernels (decode; T is 1 or small); q8
-    weights are panels (q8_panels), a lone row of activations the kernel's batch of one."""
+def linear_rows(I, r, arena, wq, ws, wf, wb, xq, xs, T, refine, nthreads):
+    """LINEAR r one row of activations at a time (decode; T is 1 or the head's few rows), each row
+    through :func:`cpullm_kernels.program.formats.matmul_rows` as a batch of one, whatever the
+    weight format; then the bias. ``wb``: wq's bytes for a program with raw-block LINEARs, else
+    None (no block kernel compiled). ``xq`` / ``xs``: the executor's one-row scratch (xs sized
+    max_k // 32 * 3: raw blocks' scales and 16-sums)."""
     x_off, x_st, o_off, o_st = I[r, P.LINEAR_X_OFF], I[r, P.LINEAR_X_ST], I[r, P.LINEAR_OUT_OFF], I[r, P.LINEAR_OUT_ST]
     K, N, kind = I[r, P.LINEAR_K], I[r, P.LINEAR_N], I[r, P.LINEAR_KIND]
     w_off, s_off, Kp, b_off = I[r, P.LINEAR_W_OFF], I[r, P.LINEAR_S_OFF], I[r, P.LINEAR_KP], I[r, P.LINEAR_BIAS_OFF]
+    # ``refine``: a second pass on int8 activations' rounding error (which leaves 1/254 of it),
+    # for the head after a prefill chunk, whose body ran with int16 activations: one pass flipped
+    # SmolLM2-135M Q4_1's first chat token after "What is the capital of France?" ("The" -> "L",
+    # top-2 logits 0.08 apart, moved by 0.24; llama.cpp, int8 activations too, says "L"). Decode
+    # steps keep one pass: their body LINEARs' int8 rounding dominates there (mean KL to f32
+    # 0.006 over that prompt with or without it) and the lm_head would be read twice.
+    refine = refine and int8_activations(kind)
+    res = np.empty((1, K if refine else 0), np.float32)
+    extra = np.empty((1, N if refine else 0), np.float32)
+    x_q = xq.view(np.int8)
     for t in range(T):
         x = arena[x_off + t * x_st: x_off + t * x_st + K]
         out = arena[o_off + t * o_st: o_off + t * o_st + N]
-        if kind == WEIGHT_Q8:
-            quantize_act_q16(x, xq[:Kp], xs[:Kp // 32])
-            Np = padded_rows(N)
-            panels_matmul(wq[w_off: w_off + Np * Kp], ws[s_off: s_off + Np * (Kp // 32)], N,
-                          xq[:Kp].reshape((1, Kp)), xs[:Kp // 32].reshape((1, Kp // 32)), out.reshape((1, N)),
-                          nthreads)
-        else:
-            w = wf[w_off: w_off + N * K].reshape(N, K)
-            matvec_f32(w, x, out)
-        if b_off >= 0:
-            for n in range(N):
-                out[n] += wf[b_off + n]
-
-
-@njit(cache=True)
-def _linear_blocks_rows(I, r, arena, wb, wf, xq, xs, T, refine, nthreads):
-    """LINEAR over raw ggml blocks, row by row through kquant.matvec (decode; T is 1 or small).
-    LINEAR_W_OFF counts bytes into wb, LINEAR_S_OFF holds the ggml type (plus PANELED: Q4_K / Q6_K
-    in panels of 16 rows, kquant_panels.matmul), LINEAR_KP is K or K padded with zero weights to
-    whole blocks. Activations: int8 per block of 32
-    (kquant.quantize_act_q8) in xq's bytes, their scales and 16-sums in xs (the executor sizes xs
-    to max_k // 32 * 3); padding columns zero."""
-    x_off, x_st, o_off, o_st = I[r, P.LINEAR_X_OFF], I[r, P.LINEAR_X_ST], I[r, P.LINEAR_OUT_OFF], I[r, P.LINEAR_OUT_ST]
-    K, N, w_off, fmt = I[r, P.LINEAR_K], I[r, P.LINEAR_N], I[r, P.LINEAR_W_OFF], I[r, P.LINEAR_S_OFF]
-    Kp, b_off = I[r, P.LINEAR_KP], I[r, P.LINEAR_BIAS_OFF]
-    panels = fmt >= PANELED
-    base = fmt % PANELED
-    row_bytes = Kp // _ROW_WEIGHTS[base] * _ROW_BYTES[base]
-    x_q = xq.view(np.int8)[:Kp]
-    x_s = xs[:Kp // 32]
-    x_m = xs[Kp // 32: Kp // 32 + Kp // 16]
-    w = wb[w_off: w_off + N * row_bytes]
-    # ``refine``: a second pass on the activations' int8 rounding error (which leaves 1/254 of
-    # it), for the head after a prefill chunk, whose body ran with int16 activations: one pass
-    # flipped SmolLM2-135M Q4_1's first chat token after "What is the capital of France?" ("The"
-    # -> "L", top-2 logits 0.08 apart, moved by 0.24; llama.cpp, int8 activations too, says "L").
-    # Decode steps keep one pass: their body LINEARs' int8 rounding dominates there (mean KL to
-    # f32 0.006 over that prompt with or without it) and the lm_head would be read twice.
-    res = np.empty(K if refine else 0, np.float32)
-    extra = np.empty(N if refine else 0, np.float32)
-    for j in range(K, Kp):
-        x_q[j] = 0
-    for j in range(K // 32, Kp // 32):
-        x_s[j] = 0.0
-    for j in range(K // 16, Kp // 16):
-        x_m[j] = 0.0
-    for t in range(T):
-        x = arena[x_off + t * x_st: x_off + t * x_st + K]
-        out = arena[o_off + t * o_st: o_off + t * o_st + N]
-        quantize_act_q8(x, x_q[:K], x_s[:K // 32], x_m[:K // 16])
-        _blocks_matvec(panels, base, w, row_bytes, x_q, x_s, x_m, out, nthreads)
+        matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, x.reshape((1, K)), out.reshape((1, N)), xq, xs,
+                    True, nthreads)
         if refine:
             for j in range(K):
-                res[j] = x[j] - np.float32(x_q[j]) * x_s[j // 32]
-            quantize_act_q8(res, x_q[:K], x_s[:K // 32], x_m[:K // 16])
-            _blocks_matvec(panels, base, w, row_bytes, x_q, x_s, x_m, extra, nthreads)
+                res[0, j] = x[j] - np.float32(x_q[j]) * xs[j // 32]
+            matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, res, extra, xq, xs, True, nthreads)
             for n in range(N):
-                out[n] += extra[n]
+                out[n] += extra[0, n]
         if b_off >= 0:
             for n in range(N):
                 out[n] += wf[b_off + n]
-
-
-@njit(cache=True)
-def _blocks_matvec(panels, fmt, w, row_bytes, x_q, x_s, x_m, out, nthreads):
-    """One activation row against a matrix of raw blocks w (flat bytes): kquant_panels.matmul for
-    panels, else kquant.matvec row by row."""
-    N = out.shape[0]
-    Kp = x_q.shape[0]
-    if panels:
-        matmul_kpanels(fmt, w, x_q.reshape((1, Kp)), x_s.reshape((1, Kp // 32)), x_m.reshape((1, Kp // 16)),
-                       out.reshape((1, N)), nthreads)
-    else:
-        matvec_blocks(fmt, w.reshape(N, row_bytes), x_q, x_s, x_m, out)
-
-
-@njit(cache=True)
-def _embed_blocks(I, r, arena, wb, tokens, scale, T):
-    """EMBED from raw ggml blocks: each token's row dequantized (kquant_gemm.dequantize_rows_into).
-    EMBED_W_OFF counts bytes into wb, EMBED_S_OFF holds the ggml type, EMBED_KP is H padded to
-    whole blocks."""
-    o_off, o_st, H = I[r, P.EMBED_OUT_OFF], I[r, P.EMBED_OUT_ST], I[r, P.EMBED_WIDTH]
-    w_off, fmt, Kp = I[r, P.EMBED_W_OFF], I[r, P.EMBED_S_OFF], I[r, P.EMBED_KP]
-    if fmt >= PANELED:                  # a table in panels (tied to a panel lm_head)
-        for t in range(T):
-            o = o_off + t * o_st
-            scaled_kpanel_row_into(fmt % PANELED, wb[w_off:], Kp, tokens[t], scale, arena[o: o + H])
-        return
-    row_bytes = Kp // _ROW_WEIGHTS[fmt] * _ROW_BYTES[fmt]
-    buf = np.empty((1, Kp), np.float32)
-    for t in range(T):
-        tok = tokens[t]
-        dequantize_rows_into(fmt, wb[w_off + tok * row_bytes: w_off + (tok + 1) * row_bytes].reshape(1, row_bytes),
-                             0, 1, buf)
-        o = o_off + t * o_st
-        for j in range(H):
-            arena[o + j] = buf[0, j] * scale
 
 
 @njit(cache=True)
@@ -185,12 +105,7 @@ def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_s
         T = head_rows if head else T_body
         par = T > 1
         if op == OP_LINEAR:
-            if I[r, P.LINEAR_KIND] == WEIGHT_BLOCKS:
-                if wb is None:
-                    raise ValueError("cpullm interpreter: a WEIGHT_BLOCKS LINEAR needs wb")
-                _linear_blocks_rows(I, r, arena, wb, wf, xq, xs, T, head and T_body > 1, nthreads)
-            else:
-                _linear_rows(I, r, arena, wq, ws, wf, xq, xs, T, nthreads)
+            linear_rows(I, r, arena, wq, ws, wf, wb, xq, xs, T, head and T_body > 1, nthreads)
         elif op == OP_RMSNORM:
             x_off, x_st, o_off, o_st = I[r, P.NORM_X_OFF], I[r, P.NORM_X_ST], I[r, P.NORM_OUT_OFF], I[r, P.NORM_OUT_ST]
             width, group, w_off, eps = I[r, P.NORM_WIDTH], I[r, P.NORM_GROUP], I[r, P.NORM_W_OFF], F[r, P.F_NORM_EPS]
@@ -250,19 +165,9 @@ def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_s
             o_off, o_st, H, kind = I[r, P.EMBED_OUT_OFF], I[r, P.EMBED_OUT_ST], I[r, P.EMBED_WIDTH], I[r, P.EMBED_KIND]
             w_off, s_off, Kp = I[r, P.EMBED_W_OFF], I[r, P.EMBED_S_OFF], I[r, P.EMBED_KP]
             sc = np.float32(F[r, P.F_EMBED_SCALE])
-            if kind == WEIGHT_BLOCKS:
-                if wb_embed is None:
-                    raise ValueError("cpullm interpreter: a WEIGHT_BLOCKS EMBED needs wb_embed")
-                _embed_blocks(I, r, arena, wb_embed, tokens, sc, T)
-                continue
             for t in range(T):
-                tok = tokens[t]
                 o = o_off + t * o_st
-                if kind == WEIGHT_Q8:       # row tok of the panels
-                    scaled_row_into(wq[w_off:], ws[s_off:], Kp, tok, sc, arena[o: o + H])
-                else:
-                    for j in range(H):
-                        arena[o + j] = wf[w_off + tok * H + j] * sc
+                embed_row_into(kind, w_off, s_off, Kp, wq, ws, wf, wb_embed, tokens[t], sc, arena[o: o + H])
         elif op == OP_GATED_DELTA:
             if linear_state is None:
                 raise ValueError("cpullm interpreter: a GATED_DELTA instruction needs linear_state")

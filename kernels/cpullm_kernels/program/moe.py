@@ -27,13 +27,7 @@ import numpy as np
 from numba import njit, prange
 
 from ..ops.elementwise import ACT_SILU, _act
-from ..rows.kquant import _ROW_BYTES, _ROW_WEIGHTS, quantize_act_q8
-from ..rows.kquant import matvec as matvec_blocks
-from ..panels.kquant_panels import PANELED
-from ..panels.kquant_panels import matmul as matmul_kpanels
-from .program_table import WEIGHT_BLOCKS, WEIGHT_F32, WEIGHT_Q8
-from ..rows.q8 import matvec_f32, quantize_act_q16
-from ..panels.q8_panels import padded_rows, panels_matmul
+from .formats import matmul_rows
 
 ROUTE_SOFTMAX_TOPK = 0      # softmax over every expert, then the k largest (Qwen-MoE)
 ROUTE_TOPK_SOFTMAX = 1      # the k largest logits, then softmax over them (Mixtral)
@@ -61,38 +55,13 @@ NTABLE = 12
 
 @njit(cache=True)
 def _matmul(wq, ws, wf, wb, kind, w_off, s_off, Kp, N, x, out, nthreads):
-    """out (B, N) = x (B, K) @ W.T for one stored matrix (a LINEAR's weight kinds); each row's
-    activations quantized on its own, exactly as the one-token decode quantizes them."""
-    B, K = x.shape
-    if kind == WEIGHT_Q8:
-        xq = np.zeros((B, Kp), np.int16)
-        xs = np.zeros((B, Kp // 32), np.float32)
-        for b in range(B):
-            quantize_act_q16(x[b], xq[b], xs[b])
-        Np = padded_rows(N)
-        panels_matmul(wq[w_off: w_off + Np * Kp], ws[s_off: s_off + Np * (Kp // 32)], N, xq, xs, out, nthreads)
-    elif kind == WEIGHT_BLOCKS:
-        if wb is None:
-            raise ValueError("cpullm moe: an expert of raw ggml blocks needs wb")
-        panels = s_off >= PANELED
-        fmt = s_off % PANELED
-        row_bytes = Kp // _ROW_WEIGHTS[fmt] * _ROW_BYTES[fmt]
-        x_q = np.zeros((B, Kp), np.int8)
-        x_s = np.zeros((B, Kp // 32), np.float32)
-        x_m = np.zeros((B, Kp // 16), np.float32)
-        for b in range(B):
-            quantize_act_q8(x[b], x_q[b, :K], x_s[b, :K // 32], x_m[b, :K // 16])
-        w = wb[w_off: w_off + N * row_bytes]
-        if panels:
-            matmul_kpanels(fmt, w, x_q, x_s, x_m, out, nthreads)
-        else:
-            w2 = w.reshape(N, row_bytes)
-            for b in range(B):
-                matvec_blocks(fmt, w2, x_q[b], x_s[b], x_m[b], out[b])
-    else:
-        w = wf[w_off: w_off + N * K].reshape(N, K)
-        for b in range(B):
-            matvec_f32(w, x[b], out[b])
+    """out (B, N) = x (B, K) @ W.T for one stored matrix (any weight format:
+    formats.matmul_rows); each row's activations quantized on their own, exactly as the one-token
+    decode quantizes them."""
+    B = x.shape[0]
+    xq = np.zeros(B * Kp, np.int16)
+    xs = np.zeros(B * (Kp // 32) * 3, np.float32)
+    matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, x, out, xq, xs, True, nthreads)
 
 
 @njit(cache=True)

@@ -113,13 +113,18 @@ def run_flags(I) -> dict:
     the operands accordingly)."""
     import numpy as np
     from ..attention.attention import KV_F32
+    from ..program.formats import weight_format
     mine = I[:, P.COL_IMPL] == P.IMPL_INTERPRETER
     op = I[:, P.COL_OP]
-    return {"linear_state": bool(np.any(mine & (op == P.OP_GATED_DELTA))),
-            "blocks": bool(np.any(mine & (op == P.OP_LINEAR) & (I[:, P.LINEAR_KIND] == P.WEIGHT_BLOCKS))),
-            "embed_blocks": bool(np.any(mine & (op == P.OP_EMBED) & (I[:, P.EMBED_KIND] == P.WEIGHT_BLOCKS))),
-            "layernorm": bool(np.any(mine & (op == P.OP_LAYERNORM))),
-            "kv16": int(np.max(I[op == P.OP_ATTENTION, P.ATTENTION_KV_FORMAT], initial=KV_F32))}
+    flags = {"linear_state": bool(np.any(mine & (op == P.OP_GATED_DELTA))), "blocks": False,
+             "embed_blocks": False, "layernorm": bool(np.any(mine & (op == P.OP_LAYERNORM))),
+             "kv16": int(np.max(I[op == P.OP_ATTENTION, P.ATTENTION_KV_FORMAT], initial=KV_F32))}
+    for opcode, kind_col, flag in ((P.OP_LINEAR, P.LINEAR_KIND, "run_flag"), (P.OP_EMBED, P.EMBED_KIND, "embed_flag")):
+        for kind in np.unique(I[mine & (op == opcode), kind_col]):       # the operands its formats read
+            name = getattr(weight_format(kind), flag)
+            if name:
+                flags[name] = True
+    return flags
 
 
 def run_unit(flags: dict) -> str:
@@ -147,7 +152,7 @@ def _kernels(unit: str) -> list:
     from ..attention import attention, gated_delta
     from ..ops import elementwise, norm, pointwise, rope
     from ..panels import kquant_panels, q8_panels
-    from ..program import interpreter, moe
+    from ..program import formats, interpreter, moe
     from ..tiles import kquant_gemm, q8_gemm
     if unit.startswith("run"):
         parts = unit.split("+")[1:]
@@ -157,7 +162,9 @@ def _kernels(unit: str) -> list:
         return [(interpreter.run, run_signature(flags))]
     f32_2, i16_2, wb2 = _arr(nt.float32, 2), _arr(nt.int16, 2), _arr(nt.uint8, 2, readonly=True)
     table = {
-        "linear": [(interpreter._linear_rows, (PROG_I, i64, ARENA, WQ, WS, WF, XQ, ARENA, i64, i64))],
+        # LINEAR's decode driver, as interpreter.run calls it: without raw blocks, and (unit "blocks") with
+        "linear": [(interpreter.linear_rows, (PROG_I, i64, ARENA, WQ, WS, WF, nt.none, XQ, ARENA, i64, nt.boolean,
+                                              i64))],
         "norm": [(norm.rmsnorm_rows, (ARENA, *[i64] * 6, WF, i64, f64, i64, i64)),
                  (norm.rmsnorm_par, (ARENA, *[i64] * 6, WF, i64, f64, i64))],
         "layernorm": [(norm.layernorm_rows, (ARENA, *[i64] * 6, WF, i64, i64, f64, i64, i64)),
@@ -191,8 +198,8 @@ def _kernels(unit: str) -> list:
                         (kquant_panels.matmul, (i64, WB, _arr(nt.int8, 2), f32_2, f32_2,
                                                 nt.Array(nt.float32, 2, "A"), i64))],
         # the raw-block LINEAR and EMBED rows, as interpreter.run calls them (linked, not compiled, there)
-        "blocks": [(interpreter._linear_blocks_rows, (PROG_I, i64, ARENA, WB, WF, XQ, ARENA, i64, nt.boolean, i64))],
-        "embed_blocks": [(interpreter._embed_blocks, (PROG_I, i64, ARENA, WB, INTS, nt.float32, i64))],
+        "blocks": [(interpreter.linear_rows, (PROG_I, i64, ARENA, WQ, WS, WF, WB, XQ, ARENA, i64, nt.boolean, i64))],
+        "embed_blocks": [(formats.embed_row_into, (*[i64] * 4, WQ, WS, WF, WB, i64, nt.float32, ARENA))],
         # routed experts (kernels.moe), called by the executor: q8 / f32 experts, and raw blocks
         "moe": [(moe.moe, (ARENA, INTS, PROG_I, WQ, WS, WF, nt.none, INTS, i64))],
         "moe_blocks": [(moe.moe, (ARENA, INTS, PROG_I, WQ, WS, WF, WB, INTS, i64))],

@@ -1,0 +1,326 @@
+"""The weight formats a compiled program stores its matrices in, one row of :data:`FORMATS` each:
+how a matrix of that format lies in the program's arrays (its spans, so its bytes), how a prefill
+chunk multiplies by it, how its values are read back as numbers, whether greedy decoding's head
+screen reads it, whether a decode batch makes one pass over it, and which warm-up units and
+interpreter operands its kernels need. Every reader of a LINEAR's (or EMBED's, or an expert's)
+weight kind looks it up here instead of testing ``kind == WEIGHT_…``: the executor's prefill, the
+batch decoder, a plugin op's matrices, the execution cache's bounds check, the head screen, the
+bench's memory-bound count and the warm-up.
+
+    kind            name     lies in                            row of K weights
+    WEIGHT_F32      f32      wf, N * K float32                  4 K bytes
+    WEIGHT_Q8       q8       wq int8 + ws binary16 scales, in   Kp + Kp / 16 bytes (Kp: K to
+                             panels of 16 rows, N padded to 64  whole blocks of 32)
+    WEIGHT_BLOCKS   blocks   wq's bytes: raw ggml blocks, the   the ggml type's row bytes
+                             ggml type in s_off (+ PANELED:
+                             Q4_K / Q6_K in panels of 16 rows)
+
+(Q4_K / Q6_K panels, the file's own GGUF blocks and ``quant="q4"``'s 4-bit blocks are all
+WEIGHT_BLOCKS: their sub-format is the ggml type the kernels read from s_off; a GGUF's Q8_0 goes
+in as q8, the same values.)
+
+Why a table of Python rows plus integer codes in the compiled kernels: numba compiles a kernel per
+argument type, not per Python object, so a compiled driver cannot call a row's function. The
+kernels that run inside one compiled call (:mod:`cpullm_kernels.program.interpreter`'s decode, the
+batch decoder's fused segments, the routed experts) switch on the same integer ``kind`` the
+program stores, in one place each (:func:`matmul_rows` for a batch of rows), and
+tests/test_formats.py checks every kind of this table runs through each of them. Everything called
+from Python (prefill, plugin op matrices, bounds, bytes, screen, warm-up) takes the row's
+function from this table.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+from numba import njit
+
+from ..panels.kquant_panels import PANELED
+from ..panels.kquant_panels import matmul as matmul_kpanels
+from ..panels.kquant_panels import scaled_row_into as scaled_kpanel_row_into
+from ..panels.q8_panels import padded_rows, panels_matmul, scaled_row_into
+from ..rows.batch_linear import linear_rows_f32
+from ..rows.gguf_blocks import BY_TYPE
+from ..rows.kquant import matvec as matvec_blocks
+from ..rows.kquant import quantize_act_q8
+from ..rows.q8 import matvec_f32, quantize_act_q16
+from ..tiles.kquant_gemm import dequantize_rows_into
+from .program_table import WEIGHT_BLOCKS, WEIGHT_F32, WEIGHT_Q8
+
+ITEM_BYTES = {"wq": 1, "ws": 2, "wf": 4}
+"""Bytes per element of the program's weight arrays (wq int8 / raw block bytes, ws binary16, wf float32)."""
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """One stored weight format. The functions take a matrix's operands as the program stores them:
+    ``w_off``, ``s_off`` (scales' offset in ws, or the ggml type), ``Kp`` (weights per stored row),
+    the matrix's N rows and K columns."""
+
+    kind: int
+    """program_table.WEIGHT_*: the code LINEAR_KIND / EMBED_KIND / an expert's table holds."""
+    name: str
+    spans: Callable
+    """(N, K, Kp, w_off, s_off) -> ((array, first element, elements), ...): where the matrix lies
+    (padding rows included), or None when K, Kp or s_off cannot be this format's."""
+    row_bytes: Callable
+    """(Kp, s_off) -> bytes of one stored row (q8: its quants and binary16 scales)."""
+    slot: Callable
+    """(w_off, s_off, Kp, r0, n) -> where rows [r0, r0 + n) of the matrix lie, as the compiled
+    program's ``meta["weight_slots"]`` records a tensor: [label, first element, elements, Kp,
+    scale offset or -1] (q8: the whole matrix's offsets, the panels interleave rows, and a sixth
+    item, the first row; raw blocks: label the ggml type's name, "Q4_K panels" in panels, whose
+    member rows are whole panels and so still their own byte range)."""
+    prefill: Callable
+    """(wq, ws, wf, w_off, s_off, Kp, N, x, out): out[:, :N] = x (T, K) @ W.T, a prefill chunk's
+    product; ``out`` float32 (T, >= N), rows C-contiguous (the kernels' one specialization)."""
+    dense: Callable
+    """(wq, ws, wf, w_off, s_off, Kp, N, K) -> float32 (N, K): the values the program holds."""
+    screen: Callable
+    """(s_off) -> which head screen reads an lm_head of this format for greedy decoding: "q8"
+    (cpullm_kernels.panels.head_screen), "blocks" (head_screen_blocks: its SCREEN_FORMATS), or None."""
+    decode_exact: bool
+    """The batch decoder's rows equal a one-token decode bit for bit (f32's batch kernel is not
+    promised to: cpullm_kernels.rows.batch_linear)."""
+    run_flag: str | None
+    """interpreter.run's optional operand a LINEAR of this format needs (warmup.RUN_FLAGS)."""
+    embed_flag: str | None
+    """... an EMBED table of this format needs."""
+
+
+def _nbytes(spans) -> int:
+    return sum(n * ITEM_BYTES[a] for a, _, n in spans)
+
+
+# ---- float32 ------------------------------------------------------------------------------------
+
+def _f32_spans(N, K, Kp, w_off, s_off):
+    return (("wf", w_off, N * K),) if 0 < K and Kp == K else None
+
+
+def _f32_slot(w_off, s_off, Kp, r0, n):
+    return ["f32", w_off + r0 * Kp, n * Kp, Kp, -1]
+
+
+def _f32_prefill(wq, ws, wf, w_off, s_off, Kp, N, x, out):
+    from ..rows.q8 import matmul_f32
+    K = x.shape[1]
+    matmul_f32(x, wf[w_off: w_off + N * K].reshape(N, K), out[:, :N])
+
+
+def _f32_dense(wq, ws, wf, w_off, s_off, Kp, N, K):
+    return wf[w_off: w_off + N * K].reshape(N, K)
+
+
+# ---- q8: int8 panels ----------------------------------------------------------------------------
+
+def _q8_spans(N, K, Kp, w_off, s_off):
+    if not 0 < K <= Kp or Kp % 32:
+        return None
+    Np = padded_rows(N)
+    return ("wq", w_off, Np * Kp), ("ws", s_off, Np * (Kp // 32))
+
+
+def _q8_slot(w_off, s_off, Kp, r0, n):
+    return ["q8", w_off, n * Kp, Kp, s_off, r0]
+
+
+def _q8_prefill(wq, ws, wf, w_off, s_off, Kp, N, x, out):
+    from ..panels.q8_panels import matmul_panels
+    Np = padded_rows(N)
+    matmul_panels(x, wq[w_off: w_off + Np * Kp], ws[s_off: s_off + Np * (Kp // 32)], N, out)
+
+
+def _q8_dense(wq, ws, wf, w_off, s_off, Kp, N, K):
+    from ..panels.q8_panels import dequantized_rows
+    Np = padded_rows(N)
+    rows = dequantized_rows(wq[w_off: w_off + Np * Kp], ws[s_off: s_off + Np * (Kp // 32)], Kp, 0, N)
+    return np.ascontiguousarray(rows[:, :K], dtype=np.float32)
+
+
+# ---- raw ggml blocks ----------------------------------------------------------------------------
+
+def block_rows_bytes(s_off: int, rows: int, Kp: int) -> int | None:
+    """Bytes of ``rows`` rows of ``Kp`` weights in the ggml block type ``s_off`` (plus PANELED:
+    rows in panels of 16, the last one padded), or None when ``s_off`` or ``Kp`` cannot be one."""
+    if s_off < 0 or s_off >= 2 * PANELED:
+        return None
+    spec = BY_TYPE.get(s_off % PANELED)
+    if spec is None or Kp <= 0 or Kp % spec.block_weights:
+        return None
+    if s_off >= PANELED:
+        rows = -(-rows // 16) * 16
+    return rows * (Kp // spec.block_weights) * spec.block_bytes
+
+
+def _blocks_spans(N, K, Kp, w_off, s_off):
+    need = block_rows_bytes(s_off, N, Kp)
+    return (("wq", w_off, need),) if need is not None and 0 < K <= Kp else None
+
+
+def _blocks_slot(w_off, s_off, Kp, r0, n):
+    spec = BY_TYPE[s_off % PANELED]
+    rb = spec.row_bytes(Kp)
+    return [f"{spec.name} panels" if s_off >= PANELED else spec.name, w_off + r0 * rb, n * rb, Kp, -1]
+
+
+def _blocks_prefill(wq, ws, wf, w_off, s_off, Kp, N, x, out):
+    """kquant_gemm.matmul, or kquant_panels.matmul_float for Q4_K / Q6_K in panels; rows stored
+    padded to Kp weights (zero weights) get x padded with zeros."""
+    from ..panels.kquant_panels import matmul_float
+    from ..tiles.kquant_gemm import matmul
+    wb, fmt = wq.view(np.uint8), s_off % PANELED
+    rb = BY_TYPE[fmt].row_bytes(Kp)
+    out = out[:, :N]
+    if s_off >= PANELED:                   # Q4_K / Q6_K in panels of 16 rows
+        matmul_float(fmt, x, wb[w_off: w_off + N * rb], N, out)
+        return
+    w = wb[w_off: w_off + N * rb].reshape(N, rb)
+    if x.shape[1] != Kp:
+        xp = np.zeros((x.shape[0], Kp), np.float32)
+        xp[:, :x.shape[1]] = x
+        x = xp
+    matmul(fmt, x, w, out)
+
+
+def _blocks_dense(wq, ws, wf, w_off, s_off, Kp, N, K):
+    from ..panels.kquant_panels import dequantize_ref
+    from ..tiles.kquant_gemm import dequantize
+    fmt = s_off % PANELED
+    rb = BY_TYPE[fmt].row_bytes(Kp)
+    data = wq.view(np.uint8)[w_off: w_off + N * rb]
+    full = dequantize_ref(fmt, data, N, Kp) if s_off >= PANELED else dequantize(fmt, data.reshape(N, rb), Kp)
+    return np.ascontiguousarray(full[:, :K], dtype=np.float32)
+
+
+def _blocks_screen(s_off):
+    from ..panels.head_screen_blocks import SCREEN_FORMATS
+    return "blocks" if s_off in SCREEN_FORMATS else None
+
+
+FORMATS = {f.kind: f for f in (
+    WeightFormat(WEIGHT_F32, "f32", _f32_spans, lambda Kp, s_off: 4 * Kp, _f32_slot, _f32_prefill, _f32_dense,
+                 screen=lambda s_off: None, decode_exact=False, run_flag=None, embed_flag=None),
+    WeightFormat(WEIGHT_Q8, "q8", _q8_spans, lambda Kp, s_off: Kp + Kp // 16, _q8_slot, _q8_prefill, _q8_dense,
+                 screen=lambda s_off: "q8", decode_exact=True, run_flag=None, embed_flag=None),
+    WeightFormat(WEIGHT_BLOCKS, "blocks", _blocks_spans, lambda Kp, s_off: BY_TYPE[s_off % PANELED].row_bytes(Kp),
+                 _blocks_slot, _blocks_prefill, _blocks_dense, screen=_blocks_screen, decode_exact=True, run_flag="blocks",
+                 embed_flag="embed_blocks"),
+)}
+"""kind -> WeightFormat, every kind a program may store."""
+
+
+def weight_format(kind) -> WeightFormat:
+    """The row of ``kind``; ValueError for a kind no format has (a program from elsewhere)."""
+    found = FORMATS.get(int(kind))
+    if found is None:
+        raise ValueError(f"weight kind {kind} is none of the stored formats {sorted(FORMATS)}")
+    return found
+
+
+def matrix_bytes(kind, N: int, K: int, Kp: int, w_off: int, s_off: int) -> int:
+    """Bytes a stored matrix takes (what a pass over it reads), padding rows included."""
+    spans = weight_format(kind).spans(int(N), int(K), int(Kp), int(w_off), int(s_off))
+    if spans is None:
+        raise ValueError(f"a {weight_format(kind).name} matrix ({N}, {K}) cannot have Kp {Kp}, s_off {s_off}")
+    return _nbytes(spans)
+
+
+# ---- a batch of rows in one compiled call -----------------------------------------------------------
+
+@njit(cache=True)
+def matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, x, out, xq, xs, f32_lone, nthreads):
+    """out[:, :N] = x (T, K) @ W.T from inside a compiled call: the one-token decode (T = 1), a
+    decode batch's rows (the batch decoder's fused segments), the rows routed to an expert. Each
+    row's activations are quantized on their own, exactly as a lone decode quantizes them, and the
+    kernels compute every row as they would alone: q8 and Q4_K / Q6_K panels in one pass over the
+    weights for all rows, other raw blocks a row at a time (kquant.matvec), float32 one row at a
+    time through the decode's matvec (``f32_lone``) or in one pass (rows.batch_linear, which is
+    not promised to equal it bit for bit).
+
+    ``out`` (T, >= N) C-contiguous. Scratch, flat: ``xq`` int16 (>= T * Kp; raw blocks use its
+    bytes as int8), ``xs`` float32 (>= T * Kp // 32 * 3). ``wb``: wq's bytes, None when no matrix
+    of raw blocks can reach here (numba then compiles no block kernel). Leaves the last row's
+    quantized activations at the start of the scratch (the interpreter's refinement reads them)."""
+    T, K = x.shape
+    nb = Kp // 32
+    if kind == WEIGHT_Q8:
+        x_q = xq[:T * Kp].reshape((T, Kp))
+        x_s = xs[:T * nb].reshape((T, nb))
+        for t in range(T):
+            quantize_act_q16(x[t], x_q[t], x_s[t])
+        Np = padded_rows(N)
+        panels_matmul(wq[w_off: w_off + Np * Kp], ws[s_off: s_off + Np * nb], N, x_q, x_s, out, nthreads)
+    elif kind == WEIGHT_BLOCKS:
+        if wb is None:
+            raise ValueError("cpullm formats: a matrix of raw ggml blocks needs wb")
+        fmt = s_off % PANELED
+        row_bytes = Kp // _BLOCK_WEIGHTS[fmt] * _BLOCK_BYTES[fmt]
+        x_q = xq.view(np.int8)[:T * Kp].reshape((T, Kp))
+        x_s = xs[:T * nb].reshape((T, nb))
+        x_m = xs[T * nb: T * nb + T * 2 * nb].reshape((T, 2 * nb))
+        for t in range(T):
+            quantize_act_q8(x[t], x_q[t, :K], x_s[t, :K // 32], x_m[t, :K // 16])
+            for j in range(K, Kp):          # padding weights are zero: their activations too
+                x_q[t, j] = 0
+            for j in range(K // 32, nb):
+                x_s[t, j] = 0.0
+            for j in range(K // 16, 2 * nb):
+                x_m[t, j] = 0.0
+        w = wb[w_off: w_off + N * row_bytes]
+        if s_off >= PANELED:                # Q4_K / Q6_K in panels of 16 rows
+            matmul_kpanels(fmt, w, x_q, x_s, x_m, out, nthreads)
+        else:
+            w2 = w.reshape((N, row_bytes))
+            for t in range(T):
+                matvec_blocks(fmt, w2, x_q[t], x_s[t], x_m[t], out[t, :N])
+    elif kind == WEIGHT_F32:
+        w = wf[w_off: w_off + N * K].reshape((N, K))
+        if f32_lone:
+            for t in range(T):
+                matvec_f32(w, x[t], out[t, :N])
+        else:
+            linear_rows_f32(x, w, out[:, :N])
+    else:
+        raise ValueError("cpullm formats: unknown weight kind")
+
+
+@njit(cache=True, inline="always")
+def int8_activations(kind):
+    """Whether the kernels of ``kind`` multiply int8 activations (raw blocks; q8 reads int16):
+    the interpreter's head refines their rounding error with a second pass."""
+    return kind == WEIGHT_BLOCKS
+
+
+@njit(cache=True)
+def embed_row_into(kind, w_off, s_off, Kp, wq, ws, wf, wb, n, scale, out):
+    """out[j] = W[n, j] * scale for j < out.size: row n of a stored matrix as numbers (an EMBED
+    table's row; a table tied to the lm_head is stored as the lm_head is). ``wb``: wq's bytes, or
+    None for a program whose table is not raw blocks."""
+    H = out.shape[0]
+    if kind == WEIGHT_Q8:                   # row n of the panels
+        scaled_row_into(wq[w_off:], ws[s_off:], Kp, n, scale, out)
+    elif kind == WEIGHT_BLOCKS:
+        if wb is None:
+            raise ValueError("cpullm formats: a table of raw ggml blocks needs wb")
+        fmt = s_off % PANELED
+        if s_off >= PANELED:                # a table in panels (tied to a panel lm_head)
+            scaled_kpanel_row_into(fmt, wb[w_off:], Kp, n, scale, out)
+            return
+        row_bytes = Kp // _BLOCK_WEIGHTS[fmt] * _BLOCK_BYTES[fmt]
+        buf = np.empty((1, Kp), np.float32)
+        dequantize_rows_into(fmt, wb[w_off + n * row_bytes: w_off + (n + 1) * row_bytes].reshape((1, row_bytes)),
+                             0, 1, buf)
+        for j in range(H):
+            out[j] = buf[0, j] * scale
+    elif kind == WEIGHT_F32:
+        for j in range(H):
+            out[j] = wf[w_off + n * H + j] * scale
+    else:
+        raise ValueError("cpullm formats: unknown weight kind")
+
+
+_BLOCK_BYTES = np.array([BY_TYPE[t].block_bytes if t in BY_TYPE else 0 for t in range(max(BY_TYPE) + 1)], np.int64)
+_BLOCK_WEIGHTS = np.array([BY_TYPE[t].block_weights if t in BY_TYPE else 0 for t in range(max(BY_TYPE) + 1)],
+                          np.int64)
