@@ -34,7 +34,7 @@ import attrs
 import numpy as np
 
 from ..graph.blocks import PRECISIONS
-from ..graph.ir import Graph, GraphError, Node, Op, VIEW_OPS, _plain_attrs, _plugin_spec
+from ..graph.ir import Graph, GraphError, Node, Op, VIEW_OPS, plain_attrs, plugin_spec
 from cpullm_kernels.program import program_table as P
 from cpullm_kernels.program.formats import weight_format
 from .quant_blocks import BLOCK_QUANTS, BlockPlan, q8_0_as_q8, quantize_q4_rows, stored_blocks
@@ -835,9 +835,9 @@ def _plugin_call(n: Node, loc, nodes_by_out, weights, f32_param, out, packer=Non
     shape; a role of ``OpSpec.matrices``: role, -1, shape, [kind, w_off, s_off, Kp] as a LINEAR's
     matrix, packed by ``packer``), the float params of the fast kernels and the attributes of the
     reference."""
-    spec = _plugin_spec(n.attr("plugin_op"), n.name)
+    spec = plugin_spec(n.attr("plugin_op"), n.name)
     widths = tuple(nodes_by_out[i].width for i in n.inputs)
-    attributes = _plain_attrs(n)
+    attributes = plain_attrs(n)
     packed = []
     roles = spec.weight_roles(widths, attributes)
     if set(spec.matrices) - set(roles):

@@ -182,7 +182,7 @@ def _check_moe_node(n: Node, widths: tuple) -> None:
                          f"got {len(n.weights)}")
 
 
-def _plugin_spec(op_name: str, where: str):
+def plugin_spec(op_name: str, where: str):
     from ..errors import PluginError
     from ..loading.plugins import discover
     try:
@@ -193,11 +193,11 @@ def _plugin_spec(op_name: str, where: str):
 
 def _check_plugin_node(n: Node, widths: tuple) -> None:
     """A PLUGIN node agrees with its installed OpSpec: version, weight roles, width."""
-    spec = _plugin_spec(n.attr("plugin_op"), n.name)
+    spec = plugin_spec(n.attr("plugin_op"), n.name)
     if n.attr("op_version") != spec.version:
         raise GraphError(f"{n.name}: built for {spec.name} version {n.attr('op_version')!r}, "
                          f"installed {spec.version!r}")
-    attributes = _plain_attrs(n)
+    attributes = plain_attrs(n)
     roles = dict(spec.weight_roles(widths, attributes))
     if set(roles) != {r for r, _ in n.weights}:
         raise GraphError(f"{n.name}: {spec.name} reads weights {sorted(roles)}, the node gives "
@@ -207,7 +207,7 @@ def _check_plugin_node(n: Node, widths: tuple) -> None:
                          f"{spec.width(widths, attributes)}, the node has {n.width}")
 
 
-def _plain_attrs(n: Node) -> dict:
+def plain_attrs(n: Node) -> dict:
     """A node's attributes as JSON values (what an OpSpec's width, weight_roles and reference get)."""
     own = {k: v for k, v in n.attrs if k not in ("plugin_op", "op_version")}
     return json.loads(json.dumps(own, default=str))
@@ -256,7 +256,7 @@ class GraphBuilder:
            **attributes) -> str:
         """A node of the plugin op ``op_name`` (cpullm.loading.family.OpSpec, hook ``cpullm_ops``); its
         width comes from the op's shape rule, its version is recorded (``op_version``)."""
-        spec = _plugin_spec(op_name, name)
+        spec = plugin_spec(op_name, name)
         widths = tuple(self.widths[i] for i in inputs)
         plain = json.loads(json.dumps(attributes, default=str))
         try:
