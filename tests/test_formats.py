@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from cpullm_kernels.panels import kquant_panels
-from cpullm_kernels.panels.q8_panels import pack_panels
 from cpullm_kernels.program import formats as FM
 from cpullm_kernels.program import program_table as P
 from cpullm_kernels.rows import gguf_blocks as gb
@@ -19,23 +18,21 @@ def _stored(case: str, rng):
     """(kind, s_off, Kp, wq, ws, wf, w_off) of a random (N, K) matrix stored as ``case`` after some
     unrelated leading elements (offsets are not zero)."""
     lead = 32
+    arrays = {"wq": np.zeros(0, np.int8), "ws": np.zeros(0, np.uint16), "wf": np.zeros(0, np.float32)}
     if case == "f32":
-        w = rng.standard_normal((N, K)).astype(np.float32)
-        wf = np.concatenate([np.ones(lead, np.float32), w.reshape(-1)])
-        return P.WEIGHT_F32, -1, K, np.zeros(16, np.int8), np.zeros(16, np.uint16), wf, lead
+        kind, s_off, rows = P.WEIGHT_F32, -1, (rng.standard_normal((N, K)).astype(np.float32),)
+    elif case == "q8":
+        kind, s_off, rows = P.WEIGHT_Q8, lead, quantize_weight_q8(rng.standard_normal((N, K)).astype(np.float32))
+    else:
+        fmt = gb.block_format(case.split()[0])
+        kind, rows = P.WEIGHT_BLOCKS, (gb.random_blocks(fmt, N, K, rng),)
+        s_off = fmt.ggml_type + kquant_panels.PANELED * case.endswith("panels")
+    packed = FM.weight_format(kind).pack(s_off, *rows)
     if case == "q8":
-        q, s = quantize_weight_q8(rng.standard_normal((N, K)).astype(np.float32))
-        wp, sp = pack_panels(q, s)
-        wq = np.concatenate([np.ones(lead, np.int8), wp])
-        ws = np.concatenate([np.ones(lead, np.uint16), sp])
-        return P.WEIGHT_Q8, lead, K, wq, ws, np.zeros(16, np.float32), lead
-    fmt = gb.block_format(case.split()[0])
-    raw = gb.random_blocks(fmt, N, K, rng)
-    s_off = fmt.ggml_type
-    if case.endswith("panels"):
-        raw, s_off = kquant_panels.pack(fmt.ggml_type, raw), s_off + kquant_panels.PANELED
-    wq = np.concatenate([np.ones(lead, np.uint8), raw.reshape(-1)]).view(np.int8)
-    return P.WEIGHT_BLOCKS, s_off, K, wq, np.zeros(16, np.uint16), np.zeros(16, np.float32), lead
+        assert [v.size for v in packed.values()] == [64 * K, 64 * K // 32]      # 48 rows padded to 64
+    for name, values in packed.items():
+        arrays[name] = np.concatenate([np.ones(lead, arrays[name].dtype), values.reshape(-1)])
+    return kind, s_off, K, arrays["wq"], arrays["ws"], arrays["wf"], lead
 
 
 CASES = ["f32", "q8", "Q4_1", "Q6_K", "Q4_K panels"]
@@ -95,7 +92,8 @@ def test_a_format_s_spans_bytes_and_slots_describe_the_stored_matrix(case):
     first, second = fmt.slot(w_off, s_off, Kp, 0, 16), fmt.slot(w_off, s_off, Kp, 16, 32)
     assert first[3] == second[3] == Kp
     if kind != P.WEIGHT_Q8:                      # rows in order: the second member starts past the first
-        assert second[1] == first[1] + first[2] and first[2] == 16 * fmt.row_bytes(Kp, s_off) // arrays[spans[0][0]].itemsize
+        item = arrays[spans[0][0]].itemsize
+        assert second[1] == first[1] + first[2] and first[2] == 16 * fmt.row_bytes(Kp, s_off) // item
     else:                                        # panels interleave rows: the matrix's offsets, then the first row
         assert first[1:3] == [w_off, 16 * Kp] and second[4:] == [s_off, 16]
 

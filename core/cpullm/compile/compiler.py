@@ -171,11 +171,10 @@ class _PanelWriter:
             self._flush(self.waiting // ROW_ALIGN * ROW_ALIGN)
 
     def _flush(self, n: int) -> None:
-        from cpullm_kernels.panels.q8_panels import pack_panels
         q = self.q[0] if len(self.q) == 1 else np.concatenate(self.q)
         s = self.s[0] if len(self.s) == 1 else np.concatenate(self.s)
-        wp, sp = pack_panels(q[:n], s[:n])
-        wo, so = self.wq.extend(wp), self.ws.extend(sp)
+        packed = weight_format(P.WEIGHT_Q8).pack(-1, q[:n], s[:n])
+        wo, so = self.wq.extend(packed["wq"]), self.ws.extend(packed["ws"])
         self.w_off = wo if self.w_off is None else self.w_off
         self.s_off = so if self.s_off is None else self.s_off
         self.q, self.s = [q[n:]], [s[n:]]
@@ -466,9 +465,8 @@ class _WeightPacker:
             if kind == P.WEIGHT_Q8:
                 panels.add(*as_q8)
             else:
-                if paneled:
-                    data = kquant_panels.pack(ggml, data)
-                wo, so = self.wq.extend(data.view(np.int8)), ggml + kquant_panels.PANELED * paneled
+                so = ggml + kquant_panels.PANELED * paneled
+                wo = self.wq.extend(weight_format(P.WEIGHT_BLOCKS).pack(so, data)["wq"])
                 w_off = wo if w_off is None else w_off
                 s_off = so if s_off is None else s_off
         if kind == P.WEIGHT_Q8:             # Q8_0 as q8 panels: what they hold, padding rows included
@@ -488,7 +486,8 @@ class _WeightPacker:
             return P.WEIGHT_Q8, w_off, s_off, Kp, n
         mats = [self.weights.get(c) for c in canonicals]
         mat = mats[0] if len(mats) == 1 else np.concatenate(mats, axis=0)
-        return P.WEIGHT_F32, self.wf.add(mat), -1, mat.shape[1], mat.shape[0]
+        w_off = self.wf.add(weight_format(P.WEIGHT_F32).pack(-1, mat)["wf"])
+        return P.WEIGHT_F32, w_off, -1, mat.shape[1], mat.shape[0]
 
 
 class _StatePlan:

@@ -1,11 +1,12 @@
 """The weight formats a compiled program stores its matrices in, one row of :data:`FORMATS` each:
-how a matrix of that format lies in the program's arrays (its spans, so its bytes), how a prefill
-chunk multiplies by it, how its values are read back as numbers, whether greedy decoding's head
-screen reads it, whether a decode batch makes one pass over it, and which warm-up units and
-interpreter operands its kernels need. Every reader of a LINEAR's (or EMBED's, or an expert's)
-weight kind looks it up here instead of testing ``kind == WEIGHT_…``: the executor's prefill, the
-batch decoder, a plugin op's matrices, the execution cache's bounds check, the head screen, the
-bench's memory-bound count and the warm-up.
+how the compiler lays a block of its rows out (pack), how a matrix of that format lies in the
+program's arrays (its spans, so its bytes; a row's bytes; a member's weight slot), how a prefill
+chunk multiplies by it, how its values are read back as numbers, which head screen reads it for
+greedy decoding, whether a decode batch's rows equal a lone decode's, and which optional operand
+of the interpreter (so which warm-up specialization) its kernels need. Every reader of a LINEAR's (or EMBED's, or an expert's)
+weight kind looks it up here instead of testing ``kind == WEIGHT_…``: the compiler's packer, the
+executor's prefill, the batch decoder, a plugin op's matrices, the execution cache's bounds check,
+the head screen, the bench's memory-bound count and the warm-up.
 
     kind            name     lies in                            row of K weights
     WEIGHT_F32      f32      wf, N * K float32                  4 K bytes
@@ -23,10 +24,12 @@ Why a table of Python rows plus integer codes in the compiled kernels: numba com
 argument type, not per Python object, so a compiled driver cannot call a row's function. The
 kernels that run inside one compiled call (:mod:`cpullm_kernels.program.interpreter`'s decode, the
 batch decoder's fused segments, the routed experts) switch on the same integer ``kind`` the
-program stores, in one place each (:func:`matmul_rows` for a batch of rows), and
-tests/test_formats.py checks every kind of this table runs through each of them. Everything called
-from Python (prefill, plugin op matrices, bounds, bytes, screen, warm-up) takes the row's
-function from this table.
+program stores in two functions here, :func:`matmul_rows` (a batch of rows, each quantized alone)
+and :func:`embed_row_into` (an EMBED row), which those three call instead of keeping a driver per
+format each; numba prunes a branch whose operand is None (``wb``), so a program without raw blocks
+compiles no block kernel. tests/test_formats.py runs every kind of the table through both against
+the row's prefill and dense values. Everything called from Python (packing, prefill, plugin op
+matrices, bounds, bytes, screen, warm-up flags) takes the row's function from this table.
 """
 from __future__ import annotations
 
@@ -61,6 +64,11 @@ class WeightFormat:
     kind: int
     """program_table.WEIGHT_*: the code LINEAR_KIND / EMBED_KIND / an expert's table holds."""
     name: str
+    pack: Callable
+    """(s_off, *rows) -> {array: values}: a block of a matrix's rows in the layout this format
+    stores (f32: the float32 rows; q8: (int8 quants, binary16 scales) into panels of 16 rows,
+    padded to whole groups of 64; raw blocks: the file's block rows, regrouped into panels of 16
+    rows when s_off says PANELED), by the array it goes to. The compiler appends the values."""
     spans: Callable
     """(N, K, Kp, w_off, s_off) -> ((array, first element, elements), ...): where the matrix lies
     (padding rows included), or None when K, Kp or s_off cannot be this format's."""
@@ -95,6 +103,10 @@ def _nbytes(spans) -> int:
 
 # ---- float32 ------------------------------------------------------------------------------------
 
+def _f32_pack(s_off, rows):
+    return {"wf": rows}
+
+
 def _f32_spans(N, K, Kp, w_off, s_off):
     return (("wf", w_off, N * K),) if 0 < K and Kp == K else None
 
@@ -114,6 +126,12 @@ def _f32_dense(wq, ws, wf, w_off, s_off, Kp, N, K):
 
 
 # ---- q8: int8 panels ----------------------------------------------------------------------------
+
+def _q8_pack(s_off, q, scales):
+    from ..panels.q8_panels import pack_panels
+    wp, sp = pack_panels(q, scales)
+    return {"wq": wp, "ws": sp}
+
 
 def _q8_spans(N, K, Kp, w_off, s_off):
     if not 0 < K <= Kp or Kp % 32:
@@ -152,6 +170,13 @@ def block_rows_bytes(s_off: int, rows: int, Kp: int) -> int | None:
     if s_off >= PANELED:
         rows = -(-rows // 16) * 16
     return rows * (Kp // spec.block_weights) * spec.block_bytes
+
+
+def _blocks_pack(s_off, raw):
+    from ..panels import kquant_panels
+    if s_off >= PANELED:
+        raw = kquant_panels.pack(s_off % PANELED, raw)
+    return {"wq": raw.view(np.int8).reshape(-1)}
 
 
 def _blocks_spans(N, K, Kp, w_off, s_off):
@@ -200,13 +225,16 @@ def _blocks_screen(s_off):
 
 
 FORMATS = {f.kind: f for f in (
-    WeightFormat(WEIGHT_F32, "f32", _f32_spans, lambda Kp, s_off: 4 * Kp, _f32_slot, _f32_prefill, _f32_dense,
-                 screen=lambda s_off: None, decode_exact=False, run_flag=None, embed_flag=None),
-    WeightFormat(WEIGHT_Q8, "q8", _q8_spans, lambda Kp, s_off: Kp + Kp // 16, _q8_slot, _q8_prefill, _q8_dense,
-                 screen=lambda s_off: "q8", decode_exact=True, run_flag=None, embed_flag=None),
-    WeightFormat(WEIGHT_BLOCKS, "blocks", _blocks_spans, lambda Kp, s_off: BY_TYPE[s_off % PANELED].row_bytes(Kp),
-                 _blocks_slot, _blocks_prefill, _blocks_dense, screen=_blocks_screen, decode_exact=True, run_flag="blocks",
-                 embed_flag="embed_blocks"),
+    WeightFormat(WEIGHT_F32, "f32", pack=_f32_pack, spans=_f32_spans, row_bytes=lambda Kp, s_off: 4 * Kp,
+                 slot=_f32_slot, prefill=_f32_prefill, dense=_f32_dense, screen=lambda s_off: None,
+                 decode_exact=False, run_flag=None, embed_flag=None),
+    WeightFormat(WEIGHT_Q8, "q8", pack=_q8_pack, spans=_q8_spans, row_bytes=lambda Kp, s_off: Kp + Kp // 16,
+                 slot=_q8_slot, prefill=_q8_prefill, dense=_q8_dense, screen=lambda s_off: "q8",
+                 decode_exact=True, run_flag=None, embed_flag=None),
+    WeightFormat(WEIGHT_BLOCKS, "blocks", pack=_blocks_pack, spans=_blocks_spans,
+                 row_bytes=lambda Kp, s_off: BY_TYPE[s_off % PANELED].row_bytes(Kp), slot=_blocks_slot,
+                 prefill=_blocks_prefill, dense=_blocks_dense, screen=_blocks_screen, decode_exact=True,
+                 run_flag="blocks", embed_flag="embed_blocks"),
 )}
 """kind -> WeightFormat, every kind a program may store."""
 
