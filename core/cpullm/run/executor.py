@@ -94,8 +94,8 @@ class Executor:
     # ---- segmentation -------------------------------------------------------------------------
     def _segments(self, start: int, end: int, batched: bool) -> list:
         """[("interp", a, b) | ("linear", r) | ("external", r) | ("plugin", r, batched)] covering
-        [start, end). Batched segments run LINEARs as matrix products (matmul_panels / matmul_f32) and
-        plugin ops through their prefill kernel."""
+        [start, end). Batched segments run LINEARs as matrix products (their weight format's
+        ``prefill``, cpullm_kernels.program.formats) and plugin ops through their prefill kernel."""
         out, a = [], start
         for r in range(start, end):
             special = None
