@@ -42,6 +42,11 @@ def test_units_follow_the_graph_ops():
     q8 = warmup.units_for(LLAMA_OPS, "int8", False, kv16=2)                  # attention.KV_Q8
     assert "attention_q8" in q8 and not {"attention", "attention_f16"} & set(q8) and q8[-1] == "run+kv8"
     assert warmup._kernels("run+kv8")[0][1][-1] == warmup._kernels("attention_q8")[0][1][-1] == numba.types.int8
+    # the Q4_K / Q6_K panel GEMM only for a program that may hold such panels
+    assert "kpanels_gemm" in warmup.units_for(LLAMA_OPS, "q4", False)                      # default: as blocks
+    q4_1 = warmup.units_for(LLAMA_OPS, "gguf", False, q8_prefill=False, blocks=True, embed_blocks=False, panels=False)
+    assert "kpanels_gemm" not in q4_1 and "blocks" in q4_1
+    assert "kpanels_gemm" not in warmup.units_for(LLAMA_OPS, "int8", False, panels=True)  # no blocks at all
 
 
 def test_split_gives_each_unit_to_one_process_and_keeps_groups_together():
@@ -131,6 +136,10 @@ def test_the_executor_calls_each_kernel_with_the_warmed_signature_only(tiny, tmp
     # (kernels keyed by module and name)
     assert used["cpullm_kernels.panels.q8_panels.panels_matmul"] != []
     assert used["cpullm_kernels.attention.gated_delta.gated_delta"] == [] and used["cpullm_kernels.attention.attention.attention"] != []
+    # rows of 144 weights: q4 stores Q5_0 / Q8_0 blocks, never Q4_K / Q6_K panels, so the panel
+    # GEMM is neither warmed nor run
+    assert used["cpullm_kernels.panels.kquant_panels.matmul"] == []
+
 
 
 # ---- compile time apart from prefill ------------------------------------------------------------------
@@ -257,3 +266,71 @@ def test_cold_start_in_two_processes_then_nothing_to_compile(tiny, tmp_path):
     second = subprocess.run([sys.executable, "-c", code, str(tiny), str(tmp_path / "c")], env=env,
                             capture_output=True, text=True, timeout=600)
     assert json.loads(second.stdout.splitlines()[-1])["compile_s"] == 0.0
+
+
+# ---- what a first run compiles, and when ---------------------------------------------------------------
+_COMPILED_WHEN = r"""
+import json, sys
+import cpullm
+from numba.core import event
+
+compiled = []                                  # (phase, "module.qualname") of every numba compile
+
+
+class Names(event.Listener):
+    def on_start(self, ev):
+        pass
+
+    def on_end(self, ev):
+        f = getattr(ev.data["dispatcher"], "py_func", None)
+        compiled.append((phase, f"{f.__module__}.{f.__qualname__}" if f else "?"))
+
+
+phase = "load"
+event.register("numba:compile", Names())
+m = cpullm.load(sys.argv[1], threads=1, n_ctx=64, cache_dir=sys.argv[2])
+fwd = m.forward
+phase = "first token"                          # prefill, its head, one lone decode step
+slot = fwd.new_slot()
+token = int(fwd.prefill(slot, [1, 5, 9, 17, 33, 65, 100, 7]).argmax())
+fwd.step([slot], [token], greedy=[True])
+phase = "batch"                                # the batched step (scheduler, speculation's verify)
+a, b = fwd.slots(2)
+fwd.prefill(a, [1, 5])
+fwd.prefill(b, [9, 17, 33])
+fwd.step([a, b], [7, 8])
+print(json.dumps({"compiled": compiled, "units": m.kernel_units}))
+"""
+
+
+@pytest.mark.cold
+@pytest.mark.slow      # compiles every kernel of a tiny Q4_1 GGUF with an empty numba cache (minutes)
+def test_a_first_run_compiles_up_front_only_what_the_first_token_needs(tmp_path, monkeypatch):
+    """From an empty numba cache, in one process (the event API sees every compile): the load
+    compiles all the first token needs (nothing compiles during its prefill and decode step); the
+    Q4_K / Q6_K panel kernels, which a file of Q4_1 blocks never runs, are never compiled; the
+    batched decode step is compiled only when first used."""
+    pytest.importorskip("gguf")
+    import numpy as np
+    import test_convert as tc
+    from test_gguf_run import SHAPES
+    monkeypatch.setitem(tc.TINY_SHAPES, "llama", SHAPES["llama"])    # rows of whole blocks
+    weights = {k: v * np.float32(0.25) if v.ndim == 2 else v
+               for k, v in tc.tiny_hf_weights("llama", 2, len(tc.byte_level_vocab()[0]), 0, True).items()}
+    path = tmp_path / "tiny-Q4_1.gguf"
+    tc.write_tiny_gguf(path, "llama", qtype="Q4_1", tied=True, weights=weights)
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba"), CPULLM_COMPILE_PROCESSES="1", CPULLM_QUIET="1")
+    r = subprocess.run([sys.executable, "-c", _COMPILED_WHEN, str(path), str(tmp_path / "c")], env=env,
+                       capture_output=True, text=True, timeout=3600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.splitlines()[-1])
+    by_phase: dict = {}
+    for phase, name in out["compiled"]:
+        by_phase.setdefault(phase, set()).add(name)
+    assert "kpanels_gemm" not in out["units"] and "kquant_gemm" in out["units"]
+    assert "cpullm_kernels.program.interpreter.run" in by_phase["load"]
+    assert "cpullm_kernels.tiles.kquant_gemm._gemm_blocks" in by_phase["load"]
+    assert by_phase.get("first token", set()) == set()
+    everything = set().union(*by_phase.values())
+    assert "cpullm_kernels.panels.kquant_panels._quantize_rows" not in everything      # the panel GEMM's
+    assert "cpullm.run.batch._fused" in by_phase["batch"] and "cpullm.run.batch._fused" not in by_phase["load"]

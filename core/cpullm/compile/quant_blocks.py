@@ -66,11 +66,17 @@ class BlockPlan:
 
     def warmup_flags(self, graph: Graph) -> dict:
         """Which kernels the program will need (arguments of kernels.warmup.units_for): a LINEAR,
-        the EMBED, over raw blocks (Q8_0 runs as q8); the q8 prefill GEMM."""
+        the EMBED, over raw blocks (Q8_0 runs as q8); the q8 prefill GEMM; the panel GEMM of a
+        LINEAR the compiler may store in panels (a format kquant_panels reads)."""
+        from cpullm_kernels.panels.kquant_panels import FORMATS as PANEL_FORMATS
+        from cpullm_kernels.rows.gguf_blocks import block_format
+
         def on_blocks(op) -> bool:
             return any(n.op == op and self.fmt(n) not in (None, "Q8_0") for n in graph.nodes)
         return {"q8_prefill": self.body_has_q8(graph),
-                "blocks": on_blocks(Op.LINEAR), "embed_blocks": on_blocks(Op.EMBED)}
+                "blocks": on_blocks(Op.LINEAR), "embed_blocks": on_blocks(Op.EMBED),
+                "panels": any(n.op == Op.LINEAR and self.fmt(n) is not None
+                              and block_format(self.fmt(n)).ggml_type in PANEL_FORMATS for n in graph.nodes)}
 
     def _choose(self, node: Node) -> str | None:
         if node.op not in (Op.LINEAR, Op.EMBED) or node.attr("precision") is not None:

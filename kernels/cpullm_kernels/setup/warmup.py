@@ -191,12 +191,12 @@ def _kernels(unit: str) -> list:
                         (kquant_gemm._quantize_rows, (f32_2, i16_2, f32_2, i64)),
                         (kquant_gemm._gemm_blocks, (i64, i16_2, f32_2, wb2, i64, f32_2, f32_2, i64)),
                         (kquant_gemm._block_sums, (i16_2, f32_2, i64, f32_2)),
-                        (kquant_gemm._matvec_rows, (i64, f32_2, wb2, f32_2, _arr(nt.int8), ARENA, ARENA)),
-                        # Q4_K / Q6_K in panels: rows quantized, then the panel kernel into a
-                        # row-strided view of the arena
-                        (kquant_panels._quantize_rows, (f32_2, _arr(nt.int8, 2), f32_2, f32_2)),
-                        (kquant_panels.matmul, (i64, WB, _arr(nt.int8, 2), f32_2, f32_2,
-                                                nt.Array(nt.float32, 2, "A"), i64))],
+                        (kquant_gemm._matvec_rows, (i64, f32_2, wb2, f32_2, _arr(nt.int8), ARENA, ARENA))],
+        # prefill's Q4_K / Q6_K LINEARs in panels: rows quantized, then the panel kernel into a
+        # row-strided view of the arena (only a program with such panels)
+        "kpanels_gemm": [(kquant_panels._quantize_rows, (f32_2, _arr(nt.int8, 2), f32_2, f32_2)),
+                         (kquant_panels.matmul, (i64, WB, _arr(nt.int8, 2), f32_2, f32_2,
+                                                 nt.Array(nt.float32, 2, "A"), i64))],
         # the raw-block LINEAR and EMBED rows, as interpreter.run calls them (linked, not compiled, there)
         "blocks": [(interpreter.linear_rows, (PROG_I, i64, ARENA, WQ, WS, WF, WB, XQ, ARENA, i64, nt.boolean, i64))],
         "embed_blocks": [(formats.embed_row_into, (*[i64] * 4, WQ, WS, WF, WB, i64, nt.float32, ARENA))],
@@ -207,31 +207,32 @@ def _kernels(unit: str) -> list:
     return table[unit]
 
 
-# kernels.pointwise: compiled one by one on a loaded 2-core VM, act 3.0 s and pos_embed 0.85 s where glu
-# took 3.45 s; scaled to glu's 0.9 s of this table
-ACT_COST, POS_EMBED_COST = 0.8, 0.25
+# kernels.pointwise: CPU seconds as the table below (act_rows + act_par, pos_embed_rows)
+ACT_COST, POS_EMBED_COST = 0.9, 0.15
 UNITS = {
     # unit: (IR op names that need it, None: every program (interpreter.run links its kernels
-    # whatever the ops), compile cost (seconds on a 2-core Zen 4, measured one by one), sharing
-    # group, linked by interpreter.run). Units of one group call the same helpers (the q8
+    # whatever the ops), compile cost (CPU seconds of the compiling thread, measured one by one on
+    # the 2-core Xeon (AVX-512 VNNI) of benchmarks/results/2026-12-06-cold-start.md where given
+    # there, else on a 2-core Zen 4), sharing group, linked by interpreter.run). Units of one group call the same helpers (the q8
     # activation quantizer and matvec; the block matvec and dequantizer), so they go to the same
     # process: compiled twice they would cost twice. The prefill GEMMs are called by the executor,
     # not by interpreter.run, so run can compile while they do.
-    "linear": (None, 2.9, "q8", True),
+    "linear": (None, 4.9, "q8", True),
     "gemm": (("LINEAR",), 4.2, "q8", False),
-    "blocks": (None, 3.6, "blocks", True),
+    "blocks": (None, 12.0, "blocks", True),     # every block format's matvec
     "embed_blocks": (None, 2.2, "blocks", True),
-    "kquant_gemm": (("LINEAR",), 9.0, "blocks", False),
-    "norm": (None, 0.9, "norm", True),
+    "kquant_gemm": (("LINEAR",), 6.6, "blocks", False),
+    "kpanels_gemm": (("LINEAR",), 4.6, "blocks", False),
+    "norm": (None, 0.5, "norm", True),
     "layernorm": (("LAYERNORM",), 1.8, "norm", True),
-    "rope": (None, 1.3, "rope", True),
+    "rope": (None, 0.9, "rope", True),
     "attention": (None, 11.6, "attention", True),         # float32 KV caches
-    "attention_f16": (None, 11.6, "attention", True),     # float16 KV caches
+    "attention_f16": (None, 6.9, "attention", True),      # float16 KV caches
     "attention_q8": (None, 11.6, "attention", True),      # 8-bit KV caches
     "glu": (None, 0.9, "glu", True),
-    "binary": (None, 0.8, "binary", True),
+    "binary": (None, 0.7, "binary", True),
     "unary": (None, 0.3, "unary", True),
-    "copy": (None, 0.3, "copy", True),
+    "copy": (None, 0.1, "copy", True),
     "act": (None, ACT_COST, "pointwise", True),
     "pos_embed": (None, POS_EMBED_COST, "pointwise", True),
     "gated_delta": (("GATED_DELTA",), 5.2, "gated_delta", True),
@@ -243,7 +244,7 @@ LOAD_GROUPS = ("q8", "blocks")
 and 4-bit weight quantizers, the head screen, the GGUF dequantizer). Without the cache lock
 (:mod:`cpullm_kernels.setup.numba_cache_lock`) they stay in this process: two processes must then never
 compile signatures of one function at the same time."""
-RUN_COST = 4.7
+RUN_COST = 4.5
 """interpreter.run itself (every callee already compiled: numba still generates machine code for
 the whole call tree it links)."""
 PARENT_HEAD_START = 2.0
@@ -252,19 +253,23 @@ it compiles: the split gives the child that much more."""
 
 
 def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True, blocks: bool | None = None,
-              embed_blocks: bool | None = None, kv16: int = 0) -> list[str]:
+              embed_blocks: bool | None = None, kv16: int = 0, panels: bool | None = None) -> list[str]:
     """The units a graph with these op names needs, ``run`` last. ``linear_state``: it has
     GATED_DELTA ops the interpreter runs, not a plugin kernel; ``q8_prefill``: a body LINEAR of a
     GGUF run as it is has q8 weights (Q8_0), so prefill needs the q8 GEMM; ``blocks`` /
     ``embed_blocks``: a LINEAR / the EMBED reads raw ggml blocks (default: quant is a block mode);
     ``kv16``: the KV caches' format code (attention.KV_*; True: float16; only that attention
-    specialization is compiled)."""
+    specialization is compiled); ``panels``: a LINEAR may hold Q4_K / Q6_K blocks, which the
+    compiler stores in panels of 16 rows, so prefill needs the panel GEMM (default: as
+    ``blocks``; a file of Q4_0 / Q4_1 / Q5 blocks never runs it)."""
     from ..tiles.q8_gemm import GEMM_ISA
     ops = set(op_names)
     if blocks is None:
         blocks = quant in BLOCK_QUANTS
     if embed_blocks is None:
         embed_blocks = quant in BLOCK_QUANTS
+    if panels is None:
+        panels = blocks
     out = []
     for unit, (needs, *_) in UNITS.items():
         if unit == "gated_delta" and not linear_state:
@@ -274,6 +279,8 @@ def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True,
         if unit == ("moe" if blocks else "moe_blocks"):       # one of the two specializations
             continue
         if unit in ("kquant_gemm", "blocks") and (not blocks or (unit == "kquant_gemm" and GEMM_ISA is None)):
+            continue
+        if unit == "kpanels_gemm" and not (blocks and panels):
             continue
         if unit == "embed_blocks" and not embed_blocks:
             continue
@@ -532,7 +539,7 @@ class Warmup:
 
 
 def warmup_for_graph(graph, quant: str, kernels=(), q8_prefill: bool = True, blocks: bool | None = None,
-                     embed_blocks: bool | None = None, kv16: int = 0) -> Warmup:
+                     embed_blocks: bool | None = None, kv16: int = 0, panels: bool | None = None) -> Warmup:
     """A started :class:`Warmup` for the units ``graph`` needs (``kernels``: plugin KernelSpecs,
     whose ops the interpreter does not run; the rest: see :func:`units_for`)."""
     ops, linear_state = set(), False
@@ -541,7 +548,7 @@ def warmup_for_graph(graph, quant: str, kernels=(), q8_prefill: bool = True, blo
         if n.op.name == "GATED_DELTA" and not any(int(k.op) == int(n.op) and k.supports(n) for k in kernels):
             linear_state = True
     kv16 = int(kv16) if "ATTENTION" in ops else 0      # as run_flags reads it off the compiled program
-    return Warmup(units_for(ops, quant, linear_state, q8_prefill, blocks, embed_blocks, kv16)).start()
+    return Warmup(units_for(ops, quant, linear_state, q8_prefill, blocks, embed_blocks, kv16, panels)).start()
 
 
 __all__ = ["Warmup", "compile_seconds", "compile_unit", "is_cached", "units_for", "split",
