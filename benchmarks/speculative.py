@@ -13,8 +13,9 @@ Parts (``--parts``, default all that their inputs allow):
 * ``verify``: the cost of a verify pass of k = 1, 2, 4, 8 guesses (k + 1 rows) relative to one
   plain decode step (greedy, as decoding runs it), after a 256-token prompt, for the model and
   for each ``--synth`` checkpoint (benchmarks/synth.py writes random weights in published shapes).
-* ``draft``: with ``--draft-model``: the measured cost of a draft step and of a verify pass of k
-  guesses on the target, and the speedup they imply at acceptance 0.6 / 0.7 / 0.8.
+* ``draft``: with ``--draft-model``: the measured cost of a draft step and, for each target of the
+  ``verify`` part (the model and each ``--synth`` checkpoint), of a verify pass of k guesses, and
+  the speedup they imply at acceptance 0.6 / 0.7 / 0.8.
 
     python benchmarks/speculative.py --model qwen2.5-coder-0.5b-instruct --threads 2 \\
         --llama-gguf /tmp/qwen2.5-coder-0.5b-instruct-q8_0.gguf --out result.json
@@ -210,16 +211,17 @@ def main(argv=None) -> int:
             say(d, json.dumps(res["verify"][d], default=float))
             save(res)
             del m
-    if "draft" in parts and a.draft_model:
+    if "draft" in parts and a.draft_model:     # against every target measured above (the model, --synth)
         dm = cpullm.load(a.draft_model, quant=a.quant, threads=a.threads, n_ctx=1024)
         dc = verify_costs(dm, ks=())
-        tc = res.get("verify", {}).get(a.model) or verify_costs(model)
-        ver = {k: tc[f"verify_k{k}_s"] for k in (1, 2, 4, 8)}
-        res["draft"] = {"draft_model": a.draft_model, "draft_step_s": dc["decode_step_s"],
-                        "target_step_s": tc["decode_step_s"], "verify_s": ver,
-                        "implied_speedup": {f"k{k}_a{al}": implied_speedup(tc["decode_step_s"], dc["decode_step_s"],
-                                                                           ver, k, al)
-                                            for k in (2, 4, 8) for al in (0.6, 0.7, 0.8)}}
+        targets = res.get("verify") or {a.model: verify_costs(model)}
+        res["draft"] = {"draft_model": a.draft_model, "draft_step_s": dc["decode_step_s"], "targets": {}}
+        for name, tc in targets.items():
+            ver = {k: tc[f"verify_k{k}_s"] for k in (1, 2, 4, 8)}
+            res["draft"]["targets"][name] = {
+                "target_step_s": tc["decode_step_s"], "verify_s": ver,
+                "implied_speedup": {f"k{k}_a{al}": implied_speedup(tc["decode_step_s"], dc["decode_step_s"], ver, k, al)
+                                    for k in (2, 4, 8) for al in (0.6, 0.7, 0.8)}}
         say(json.dumps(res["draft"], default=float))
     save(res)
     print(json.dumps(res, default=float))

@@ -275,6 +275,14 @@ def test_pacer_backs_off_when_guesses_fail_and_grows_when_they_hold():
     assert waits == [1, 2, 4, 8, 16, 32, 32]
     p.record(p.k, p.k)
     assert p.cooldown == 1
+    # failures between passes that keep one guess still back off; two kept end the backoff
+    p.record(p.k, 0)
+    for want in (2, 4):
+        p.record(4, 1)
+        assert p.cooldown == want
+        p.record(p.k, 0)
+    p.record(4, 2)
+    assert p.cooldown == 1 and p.k == 3
 
 
 @pytest.mark.parametrize("bad", [0, 33, -1, 2.5, True])

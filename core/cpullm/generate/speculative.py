@@ -24,8 +24,9 @@ penalties and log-probabilities apply to every row as they would to a step.
 
 Adaptive length (:class:`Pacer`): the number of guesses follows each sequence's acceptance
 (doubling while every guess is kept, falling to what was kept plus one), and a sequence whose
-guesses keep failing (open-ended chat) waits 1, 2, 4, ... 32 steps before it guesses again, so
-its decode costs at most a few percent more than plain decode.
+guesses keep failing (open-ended chat) waits 1, 2, 4, ... 32 steps before it guesses again (a
+pass that kept a single guess does not shorten the wait: failures between such passes still back
+off), so its decode costs at most a few percent more than plain decode.
 """
 from __future__ import annotations
 
@@ -172,7 +173,8 @@ class Pacer:
             self.cooldown = min(MAX_COOLDOWN, self.cooldown * 2)
         else:
             self.k = max(1, min(self.max, accepted + 1))
-            self.cooldown = 1
+            if accepted >= 2:           # one kept guess barely pays a pass: the backoff stands
+                self.cooldown = 1
 
 
 class SeqSpec:
