@@ -8,12 +8,14 @@ Parts (``--parts``, default all that their inputs allow):
   ``--speculative lookup``.
 * ``llama``: with ``--llama-gguf`` (the Q8_0 of the same weights), llama-cpp-python's plain
   decode and its ``LlamaPromptLookupDecoding`` on the same token ids.
-* ``chat``: an open-ended chat request, plain vs lookup (what backing off costs).
+* ``chat``: open-ended chat requests (answers not copied from the prompt), plain vs the default
+  ``auto`` (what backing off costs).
 * ``verify``: the cost of a verify pass of k = 1, 2, 4, 8 guesses (k + 1 rows) relative to one
   plain decode step (greedy, as decoding runs it), after a 256-token prompt, for the model and
   for each ``--synth`` checkpoint (benchmarks/synth.py writes random weights in published shapes).
-* ``draft``: with ``--draft-model``: the measured cost of a draft step and of a verify pass of k
-  guesses on the target, and the speedup they imply at acceptance 0.6 / 0.7 / 0.8.
+* ``draft``: with ``--draft-model``: the measured cost of a draft step and, for each target of the
+  ``verify`` part (the model and each ``--synth`` checkpoint), of a verify pass of k guesses, and
+  the speedup they imply at acceptance 0.6 / 0.7 / 0.8.
 
     python benchmarks/speculative.py --model qwen2.5-coder-0.5b-instruct --threads 2 \\
         --llama-gguf /tmp/qwen2.5-coder-0.5b-instruct-q8_0.gguf --out result.json
@@ -35,7 +37,9 @@ import numpy as np
 
 EDIT_INSTRUCTION = ("Return the whole file with one change: rename the function `{old}` to `{new}` "
                     "everywhere. Write only the code, no explanation.")
-CHAT_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+CHAT_PROMPTS = ("Write a short story about a lighthouse keeper who finds a message in a bottle.",
+                "In three short paragraphs and in your own words, explain why the sky is blue and sunsets are red.")
+"""Open-ended requests: their answers are not copied from the prompt."""
 
 
 def edit_prompt(model, module_name: str) -> tuple[list[int], str]:
@@ -88,27 +92,39 @@ def run_llama(path: str, ids, gen_tokens: int, threads: int, lookup: bool, n_ctx
 
 def verify_costs(model, ks=(1, 2, 4, 8), reps: int = 7, prompt_len: int = 256) -> dict:
     """Median seconds of a plain greedy decode step and of a verify pass of k guesses (k + 1 rows)
-    at position ``prompt_len``, and their ratios."""
+    at position ``prompt_len``, and their ratios: the greedy verify pass as speculative decoding
+    runs it (``verify_argmax``: the lm_head through the multi-row head screen or whole, whichever
+    its timings found faster), and with the lm_head forced through the screen and whole
+    (``_screen`` / ``_full``, where the model has a screen), and the verify pass that returns
+    every row's logits (``_logits``: sampling)."""
     fwd = model.forward
     slot = fwd.new_slot()
     fwd.prefill(slot, [(7 * i + 3) % 1000 + 10 for i in range(prompt_len)])
     pos = slot.position
+    rs = fwd.decoder.rows_screen
 
-    def timed(fn):
+    def timed(fn, warm=1):
         out = []
-        for _ in range(reps + 1):
+        for _ in range(reps + warm):
             slot.position = pos
             t0 = time.perf_counter()
             fn()
             out.append(time.perf_counter() - t0)
         slot.position = pos
-        return statistics.median(out[1:])
-    step = timed(lambda: fwd.step([slot], [42], greedy=[True]))
-    out = {"decode_step_s": step}
+        return statistics.median(out[warm:])
+    step = timed(lambda: fwd.step([slot], [42], greedy=[True]), warm=6)     # (the screen's choice settles)
+    out = {"decode_step_s": step, "rows_screen": rs is not None}
     for k in ks:
-        t = timed(lambda: fwd.verify([slot], [[42] * (k + 1)]))
+        rows = [[42] * (k + 1)]
+        t = timed(lambda: fwd.verify_argmax([slot], rows), warm=6)
         out[f"verify_k{k}_s"] = t
         out[f"verify_k{k}_x"] = t / step
+        if rs is not None:
+            for name, forced in (("screen", True), ("full", False)):
+                rs.choose = lambda m, forced=forced: forced
+                out[f"verify_k{k}_{name}_x"] = timed(lambda: fwd.verify_argmax([slot], rows)) / step
+            del rs.choose
+        out[f"verify_k{k}_logits_x"] = timed(lambda: fwd.verify([slot], rows)) / step
     return out
 
 
@@ -174,14 +190,18 @@ def main(argv=None) -> int:
             r["speedup_vs_llama_lookup"] = r["lookup"]["decode_tps"] / ll["decode_tps"]
         say(json.dumps(r, default=float))
         save(res)
-    if "chat" in parts:
-        ids = chat_ids(model, CHAT_PROMPT)
-        plain = run_cpullm(model, ids, a.chat_tokens, "off", a.draft_max)
-        spec = run_cpullm(model, ids, a.chat_tokens, "lookup", a.draft_max)
-        res["chat"] = {"plain": _short(plain), "lookup": _short(spec),
-                       "ratio": spec["decode_tps"] / plain["decode_tps"], "identical": plain["tokens"] == spec["tokens"]}
-        say(json.dumps(res["chat"], default=float))
-        save(res)
+    if "chat" in parts:                     # plain vs the default mode (auto: lookup, backing off)
+        res["chat"] = []
+        for text in CHAT_PROMPTS:
+            ids = chat_ids(model, text)
+            run_cpullm(model, ids[:32], 8, "auto", a.draft_max)             # warm the paths
+            plain = run_cpullm(model, ids, a.chat_tokens, "off", a.draft_max)
+            spec = run_cpullm(model, ids, a.chat_tokens, "auto", a.draft_max)
+            res["chat"].append({"prompt": text, "plain": _short(plain), "auto": _short(spec),
+                                "ratio": spec["decode_tps"] / plain["decode_tps"],
+                                "identical": plain["tokens"] == spec["tokens"]})
+            say(json.dumps(res["chat"][-1], default=float))
+            save(res)
     if "verify" in parts:
         res["verify"] = {a.model: verify_costs(model)}
         say(json.dumps(res["verify"], default=float))
@@ -191,16 +211,17 @@ def main(argv=None) -> int:
             say(d, json.dumps(res["verify"][d], default=float))
             save(res)
             del m
-    if "draft" in parts and a.draft_model:
+    if "draft" in parts and a.draft_model:     # against every target measured above (the model, --synth)
         dm = cpullm.load(a.draft_model, quant=a.quant, threads=a.threads, n_ctx=1024)
         dc = verify_costs(dm, ks=())
-        tc = res.get("verify", {}).get(a.model) or verify_costs(model)
-        ver = {k: tc[f"verify_k{k}_s"] for k in (1, 2, 4, 8)}
-        res["draft"] = {"draft_model": a.draft_model, "draft_step_s": dc["decode_step_s"],
-                        "target_step_s": tc["decode_step_s"], "verify_s": ver,
-                        "implied_speedup": {f"k{k}_a{al}": implied_speedup(tc["decode_step_s"], dc["decode_step_s"],
-                                                                           ver, k, al)
-                                            for k in (2, 4, 8) for al in (0.6, 0.7, 0.8)}}
+        targets = res.get("verify") or {a.model: verify_costs(model)}
+        res["draft"] = {"draft_model": a.draft_model, "draft_step_s": dc["decode_step_s"], "targets": {}}
+        for name, tc in targets.items():
+            ver = {k: tc[f"verify_k{k}_s"] for k in (1, 2, 4, 8)}
+            res["draft"]["targets"][name] = {
+                "target_step_s": tc["decode_step_s"], "verify_s": ver,
+                "implied_speedup": {f"k{k}_a{al}": implied_speedup(tc["decode_step_s"], dc["decode_step_s"], ver, k, al)
+                                    for k in (2, 4, 8) for al in (0.6, 0.7, 0.8)}}
         say(json.dumps(res["draft"], default=float))
     save(res)
     print(json.dumps(res, default=float))

@@ -145,6 +145,40 @@ def test_greedy_output_is_the_plain_output_whatever_the_guesses(family_dir, quan
     assert out == [plain, want_other]
 
 
+def test_screened_verify_gives_the_tokens_of_plain_decoding(tmp_path, monkeypatch):
+    """With a q8 head screen, a greedy verify pass may read the lm_head through the multi-row
+    screen (BatchDecoder.decode_argmax): each row's token is the argmax of verify()'s logits,
+    whichever head the timings choose, and greedy lookup decoding through it is plain decoding."""
+    from cpullm_kernels.panels import head_screen as H
+    monkeypatch.setattr(H, "MIN_LM_HEAD_BYTES", 0)          # screens are for large lm_heads: allow this one
+    d = make_random_checkpoint(FAMILIES["llama"], tmp_path / "l", seed=8)
+    m = cpullm.load(d, quant="int8", threads=2, n_ctx=128, max_chunk=16, use_cache=False)
+    fwd = m.forward
+    rs = fwd.decoder.rows_screen
+    assert m.executor.screen is not None and rs is not None
+    monkeypatch.setattr(rs, "MAX_ROWS_FRACTION", 1.0)       # a tiny random head leaves many rows to compute
+    prompts, tokens = [_prompt(), _prompt(9, seed=3)], [_prompt(K + 1, seed=1), _prompt(3, seed=2)]
+
+    def run(method):
+        slots = fwd.slots(2)
+        for s, p in zip(slots, prompts):
+            fwd.prefill(s, p)
+        return method(slots, tokens)[0]
+    want = [r.argmax(1) for r in run(fwd.verify)]
+    for screened in (True, False):
+        monkeypatch.setattr(rs, "choose", lambda n, screened=screened: screened)
+        rs.survivors = 0
+        got = run(fwd.verify_argmax)
+        assert [list(g) for g in got] == [list(w) for w in want]
+        assert (rs.survivors > 0) == screened
+    monkeypatch.setattr(rs, "choose", lambda n: True)
+    prompt = _prompt(13, seed=5)
+    plain = list(m.generate_ids(prompt, 24, ignore_eos=True))
+    for wrong_at in (0, 2, K):
+        out, sch = _spec_run(m, [prompt], Oracle(prompt, plain, lambda done: wrong_at), monkeypatch=monkeypatch)
+        assert out == [plain] and sch.spec_stats.verify_passes > 0 and rs.survivors > 0
+
+
 def test_prompt_lookup_copies_and_is_exact(monkeypatch):
     d = make_random_checkpoint(FAMILIES["llama"], __import__("pathlib").Path(
         __import__("tempfile").mkdtemp()) / "l", seed=8)
@@ -241,6 +275,14 @@ def test_pacer_backs_off_when_guesses_fail_and_grows_when_they_hold():
     assert waits == [1, 2, 4, 8, 16, 32, 32]
     p.record(p.k, p.k)
     assert p.cooldown == 1
+    # failures between passes that keep one guess still back off; two kept end the backoff
+    p.record(p.k, 0)
+    for want in (2, 4):
+        p.record(4, 1)
+        assert p.cooldown == want
+        p.record(p.k, 0)
+    p.record(4, 2)
+    assert p.cooldown == 1 and p.k == 3
 
 
 @pytest.mark.parametrize("bad", [0, 33, -1, 2.5, True])
@@ -280,6 +322,23 @@ def test_draft_model_guesses_and_the_output_stays_exact(tmp_path):
                         quant="int8", threads=2, n_ctx=96, max_chunk=16)
     with pytest.raises(ConfigError, match="does not share the target's tokenizer"):
         target.speculate("draft", other)
+
+
+def test_auto_uses_a_draft_only_when_its_measured_costs_pay():
+    import types
+    from cpullm.generate.speculative import DraftModel, draft_pays, expected_tokens
+    assert expected_tokens(0.0, 4) == 1.0 and abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
+    # a draft step 0.4 of a plain step, a verify pass 1.3: 3.36 tokens at acceptance 0.8 (pays), 2.31 at 0.6
+    assert draft_pays(1.0, 0.4, 1.3, 4, 0.8) and not draft_pays(1.0, 0.4, 1.3, 4, 0.6)
+    dm = DraftModel(types.SimpleNamespace(forward=None))
+    assert not dm.pays(None, None, 4)                 # no plain pass measured yet: plain decode first
+    assert dm.pays(1.0, None, 4)                      # the draft not measured yet: tried
+    dm.step_s, dm.steps = 4.0, 10
+    assert dm.pays(1.0, 1.3, 4)                       # at the prior acceptance (0.8)
+    dm.drafted, dm.accepted = 100, 60
+    assert not dm.pays(1.0, 1.3, 4)                   # at the measured one
+    dm.step_s = 1.0                                   # a cheap draft pays at 0.6
+    assert dm.pays(1.0, 1.3, 4)
 
 
 def test_the_constraint_mask_applies_to_guessed_tokens(tmp_path, monkeypatch):

@@ -208,3 +208,70 @@ class HeadScreen:
 def _median(xs) -> float:
     v = sorted(xs)
     return v[len(v) // 2]
+
+
+class RowsScreen:
+    """A verify pass's greedy rows through a q8 head screen
+    (:func:`cpullm_kernels.panels.head_screen.screen_argmax_rows`): each row's exact argmax, the
+    compact head read once for all of them. Which head a pass of M rows reads follows the
+    timings, as :class:`HeadScreen`'s choice for one row, kept per M: scoring a tile of the
+    compact head against M rows costs M row routines, so past a few rows the full lm_head (read
+    once by the batched matmul) can be the cheaper one on a given machine."""
+
+    MAX_ROWS_FRACTION, EXPLORE, WINDOW = HeadScreen.MAX_ROWS_FRACTION, HeadScreen.EXPLORE, HeadScreen.WINDOW
+
+    def __init__(self, ex, sc: dict, max_rows: int):
+        self.row = int(sc["row"])
+        lin = P.linear_operands(ex.I[self.row])
+        N, Kp, nb = lin.n, lin.kp, lin.kp // 32
+        self.x_off, self.x_st, self.k = lin.x_off, lin.x_st, lin.k
+        self.n_rows, self.max_m = N, int(max_rows)
+        Np = padded_rows(N)
+        self.head = (np.asarray(sc["perm"], np.int64), int(sc["k_sel"]) // 32,
+                     ex.wq[sc["q_off"]: sc["q_off"] + N * sc["q_cols"]].reshape(N, sc["q_cols"]),
+                     ex.ws[sc["s_off"]: sc["s_off"] + N * sc["s_cols"]].reshape(N, sc["s_cols"]),
+                     ex.wf[sc["b_off"]: sc["b_off"] + 3 * N].reshape(N, 3),
+                     ex.wq[lin.w_off: lin.w_off + Np * Kp], ex.ws[lin.s_off: lin.s_off + Np * nb])
+        self.kp = Kp
+        self.X = self.scratch = None    # the lm_head inputs of a group and the kernel's scratch (first use)
+        self.tokens = np.zeros(self.max_m, np.int64)
+        self.times: dict[int, tuple[deque, deque]] = {}              # M -> (screened, plain) head times
+        self.passes: dict[int, int] = {}
+        self.survivors = 0              # rows the last screened group computed exactly
+
+    @staticmethod
+    def allowed(sc: dict, ex) -> bool:
+        """A multi-row screen exists for q8 lm_heads (a head of raw ggml blocks reads it whole)."""
+        return P.linear_operands(ex.I[int(sc["row"])]).kind == P.WEIGHT_Q8
+
+    def choose(self, m: int) -> bool:
+        """True: read the lm_head of a group of ``m`` rows through the screen."""
+        ts, tp = self._times(m)
+        self.passes[m] = n = self.passes.get(m, 0) + 1
+        if len(ts) < 2 or len(tp) < 2:
+            return len(ts) <= len(tp)
+        faster = _median(ts) <= _median(tp)
+        return faster if n % self.EXPLORE else not faster
+
+    def record(self, m: int, screened: bool, seconds: float) -> None:
+        self._times(m)[0 if screened else 1].append(seconds)
+
+    def _times(self, m: int) -> tuple[deque, deque]:
+        return self.times.setdefault(m, (deque(maxlen=self.WINDOW), deque(maxlen=self.WINDOW)))
+
+    def argmax(self, arena: np.ndarray, m: int, nthreads: int) -> np.ndarray | None:
+        """int64 (m,): the argmax of each of the ``m`` rows whose lm_head inputs the arena holds
+        (rows 0..m-1 of the head section), or None when the full lm_head must run (non-finite
+        bounds, or too many rows left to compute exactly)."""
+        from cpullm_kernels.panels.head_screen import rows_scratch, screen_argmax_rows
+        if self.scratch is None:
+            self.X = np.zeros((self.max_m, self.k), np.float32)
+            self.scratch = rows_scratch(self.max_m, self.n_rows, self.kp)
+        X = self.X[:m]
+        X[:] = arena[self.x_off: self.x_off + m * self.x_st].reshape(m, self.x_st)[:, :self.k]
+        got = screen_argmax_rows(self.X, m, *self.head, *self.scratch, self.tokens, nthreads,
+                                 int(self.MAX_ROWS_FRACTION * self.n_rows))
+        if got < 0:
+            return None
+        self.survivors = int(got)
+        return self.tokens[:m].copy()

@@ -85,6 +85,7 @@ class Scheduler:
         self.steps = 0
         self.spec = speculative if speculative is not None and speculative.on else None
         self.spec_stats = SpecStats()       # every sequence's, summed (bench, /health)
+        self.plain_pass_s = self.verify_pass_s = None   # recent decode passes' seconds (auto's draft choice)
         if self.spec is not None and self.spec.draft is not None:
             self.spec.draft.attach(self.n_slots)
 
@@ -243,6 +244,7 @@ class Scheduler:
                                            greedy=[s.argmax_first for s in batch])
         compiled = compile_seconds() - c0
         dt = max(0.0, time.perf_counter() - t0 - compiled)
+        self.plain_pass_s = _recent(self.plain_pass_s, dt)
         masks.join()
         for seq, row, tok in zip(batch, logits, tokens):
             seq.stats.decode_s += dt
@@ -265,14 +267,20 @@ class Scheduler:
             want.append(max(0, min(seq.spec.pacer.budget(), room)) if room > 0 else 0)
         drafts = [seq.spec.lookup(seq.history, k) if k else [] for seq, k in zip(batch, want)]
         draft = cfg.draft
+        for seq in batch:
+            seq.spec.from_draft = False
         if draft is not None and cfg.mode in ("draft", "auto"):
             need = [i for i, (d, k) in enumerate(zip(drafts, want)) if k and not d]
+            if cfg.mode == "auto" and need and not draft.pays(self.plain_pass_s, self.verify_pass_s,
+                                                              max(want[i] for i in need)):
+                need = []                 # auto: a draft that does not pay is not used
             for i in need:
                 draft.take_slot(batch[i].spec)
             got = draft.propose([batch[i].spec for i in need], [batch[i].history for i in need],
                                 [want[i] for i in need])
             for i, g in zip(need, got):
                 drafts[i] = g
+                batch[i].spec.from_draft = bool(g)
         out = []
         for d in drafts:                  # the pass's rows: one per sequence, then the guesses
             d = d[:max(0, rows_left)]
@@ -288,19 +296,24 @@ class Scheduler:
         t0, c0 = time.perf_counter(), compile_seconds()
         inputs = [[s.pending] + d for s, d in zip(batch, drafts)]
         slots = [s.slot for s in batch]
-        rows, snaps = self.forward.verify(slots, inputs)
+        # every row greedy: only the argmaxes (the lm_head maybe through the head screen)
+        argmax_only = all(s.greedy for s in batch)
+        rows, snaps = (self.forward.verify_argmax if argmax_only else self.forward.verify)(slots, inputs)
         compiled = compile_seconds() - c0
         dt = max(0.0, time.perf_counter() - t0 - compiled)
+        self.verify_pass_s = _recent(self.verify_pass_s, dt)
         masks.join()
         kept_lists = []
-        for seq, logits, toks, guesses, (pos0, _) in zip(batch, rows, inputs, drafts, snaps):
+        for seq, out, toks, guesses, (pos0, _) in zip(batch, rows, inputs, drafts, snaps):
             kept = accepted = 0
             for i in range(len(toks)):
                 seq.slot.position = pos0 + i + 1
-                if seq.greedy:
-                    tok = self._take(seq, events, token=int(np.argmax(logits[i])))
+                if argmax_only:
+                    tok = self._take(seq, events, token=int(out[i]))
+                elif seq.greedy:
+                    tok = self._take(seq, events, token=int(np.argmax(out[i])))
                 else:
-                    tok = self._take(seq, events, logits=logits[i])
+                    tok = self._take(seq, events, logits=out[i])
                 kept = i + 1
                 hit = i < len(guesses) and tok == guesses[i]
                 accepted += hit
@@ -313,6 +326,9 @@ class Scheduler:
             seq.stats.compile_s += compiled
             if guesses:
                 seq.spec.pacer.record(len(guesses), accepted)
+                if seq.spec.from_draft:
+                    self.spec.draft.drafted += len(guesses)
+                    self.spec.draft.accepted += accepted
                 for st in (seq.spec.stats, self.spec_stats):
                     st.verify_passes += 1
                     st.drafted += len(guesses)
@@ -342,3 +358,7 @@ class Scheduler:
                 if on_event is not None:
                     on_event(*ev)
 
+
+def _recent(avg: float | None, seconds: float, weight: float = 0.25) -> float:
+    """An exponential moving average of pass times (the last passes count most)."""
+    return seconds if avg is None else (1.0 - weight) * avg + weight * seconds

@@ -24,8 +24,9 @@ penalties and log-probabilities apply to every row as they would to a step.
 
 Adaptive length (:class:`Pacer`): the number of guesses follows each sequence's acceptance
 (doubling while every guess is kept, falling to what was kept plus one), and a sequence whose
-guesses keep failing (open-ended chat) waits 1, 2, 4, ... 32 steps before it guesses again, so
-its decode costs at most a few percent more than plain decode.
+guesses keep failing (open-ended chat) waits 1, 2, 4, ... 32 steps before it guesses again (a
+pass that kept a single guess does not shorten the wait: failures between such passes still back
+off), so its decode costs at most a few percent more than plain decode.
 """
 from __future__ import annotations
 
@@ -36,9 +37,10 @@ from ..errors import ConfigError
 
 MODES = ("off", "lookup", "draft", "auto")
 DEFAULT_MODE = "auto"
-"""``auto``: prompt lookup, and the draft model where one was given and lookup has no guess.
-Lookup costs nothing when it finds no earlier occurrence and backs off when its guesses fail, so
-it is on by default; greedy output is the same either way."""
+"""``auto``: prompt lookup, and the draft model where one was given, lookup has no guess and the
+draft pays on the measured costs (:func:`draft_pays`). Lookup costs nothing when it finds no
+earlier occurrence and backs off when its guesses fail, so it is on by default; greedy output is
+the same either way."""
 DEFAULT_DRAFT_MAX = 8
 MAX_DRAFT_MAX = 32
 LOOKUP_NGRAMS = (4, 3, 2)        # the longest earlier match first
@@ -95,6 +97,23 @@ def resolve(mode: str | None = None, draft_max: int | None = None, draft=None) -
         raise ConfigError("--speculative draft needs a draft model: give --draft-model MODEL "
                           "(or use --speculative lookup)")
     return SpecConfig(mode, int(draft_max), draft)
+
+
+PRIOR_ACCEPTANCE = 0.8           # a draft's acceptance before MIN_DRAFTED of its guesses were scored
+MIN_DRAFTED = 32
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a verify pass of k guesses yields when each guess holds with probability
+    ``acceptance`` independently: (1 - a^(k+1)) / (1 - a) (its own token included)."""
+    a = min(max(float(acceptance), 0.0), 0.999)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def draft_pays(step_s: float, draft_step_s: float, verify_s: float, k: int, acceptance: float) -> bool:
+    """Whether a round of ``k`` draft steps and a verify pass is expected to give more tokens per
+    second than plain decode steps of ``step_s``: expected_tokens * step_s > k draft steps + the pass."""
+    return expected_tokens(acceptance, k) * step_s > k * draft_step_s + verify_s
 
 
 class LookupIndex:
@@ -154,7 +173,8 @@ class Pacer:
             self.cooldown = min(MAX_COOLDOWN, self.cooldown * 2)
         else:
             self.k = max(1, min(self.max, accepted + 1))
-            self.cooldown = 1
+            if accepted >= 2:           # one kept guess barely pays a pass: the backoff stands
+                self.cooldown = 1
 
 
 class SeqSpec:
@@ -165,6 +185,7 @@ class SeqSpec:
         self.index = LookupIndex() if cfg.mode in ("lookup", "auto") else None
         self.pacer = Pacer(cfg.draft_max)
         self.stats = SpecStats()
+        self.from_draft = False         # the guesses being verified are the draft model's
         self.draft_slot = None          # a cpullm.run.forward.Slot of the draft model (DraftModel)
         self.draft_fed: list[int] = []  # the tokens whose state the draft slot holds
 
@@ -190,6 +211,25 @@ class DraftModel:
         self.free: list = []
         self.step_s = 0.0
         self.steps = 0
+        self.drafted = 0                # its guesses scored, and kept (its acceptance: auto's choice)
+        self.accepted = 0
+
+    @property
+    def acceptance(self) -> float:
+        """Its guesses' measured acceptance (PRIOR_ACCEPTANCE until MIN_DRAFTED were scored)."""
+        return self.accepted / self.drafted if self.drafted >= MIN_DRAFTED else PRIOR_ACCEPTANCE
+
+    def pays(self, step_s: float | None, verify_s: float | None, k: int) -> bool:
+        """``auto``'s choice: whether guessing ``k`` tokens with this draft beats plain steps of the
+        target (``step_s`` a plain pass, ``verify_s`` a verify pass, both measured by the
+        scheduler; None: not yet) at the acceptance measured so far. A draft step not measured
+        yet is tried once; before a plain step was measured, no."""
+        if step_s is None:
+            return False
+        if self.steps == 0:
+            return True
+        return draft_pays(step_s, self.step_s / self.steps, verify_s if verify_s is not None else step_s, k,
+                          self.acceptance)
 
     @staticmethod
     def check_pair(draft_model, target_model) -> None:

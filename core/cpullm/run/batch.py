@@ -23,10 +23,13 @@ opcode (it reads a position or a state), not a model.
 """
 from __future__ import annotations
 
+import time
+
 import numba
 import numpy as np
 from numba import njit
 
+from ..compile.head_screen import RowsScreen
 from .executor import Executor
 from cpullm_kernels.program import interpreter as K
 from cpullm_kernels.program import program_table as P
@@ -179,6 +182,13 @@ class BatchDecoder:
         self.xq = np.zeros((rows, ex.xq.size), np.int16)         # batch rows' int16 activations
         self.xs = np.zeros((rows, ex.xs.size), np.float32)
         self.rt = np.zeros(5, np.int64)
+        # greedy rows' lm_head through the executor's head screen (decode_argmax): the head cut at
+        # the screened LINEAR, the rest run only when the screen cannot answer
+        sc = ex.program.meta.get("head_screen")
+        self.rows_screen = RowsScreen(ex, sc, ex.head_rows) if sc and RowsScreen.allowed(sc, ex) else None
+        if self.rows_screen is not None:
+            self.head_pre = self._fused_segments(self._segments(ex.first_head, self.rows_screen.row))
+            self.head_lm = self._fused_segments(self._segments(self.rows_screen.row, ex.n_instr))
 
     @property
     def max_rows(self) -> int:
@@ -244,6 +254,45 @@ class BatchDecoder:
         """One token for each of B sequences: ``tokens[b]`` at position ``positions[b]`` of the
         sequence whose state is ``states[slots[b]]``. Returns float32 logits (B, vocab) (a copy)."""
         ex = self.ex
+        B, seqs = self._body(states, slots, positions, tokens)
+        out = np.empty((B, ex.vocab), np.float32)
+        lo = ex.program.meta["logits_offset"]
+        for g0 in range(0, B, ex.head_rows):
+            n = min(ex.head_rows, B - g0)
+            self.rt[2], self.rt[3] = g0, n
+            self._run(self.head, n, states, seqs)
+            out[g0: g0 + n] = ex.arena[lo: lo + n * ex.vocab].reshape(n, ex.vocab)
+        return out
+
+    def decode_argmax(self, states: np.ndarray, slots, positions, tokens) -> np.ndarray:
+        """As :meth:`decode`, returning only each row's argmax (lowest index on ties): int64 (B,).
+        With a q8 head screen a group of rows may read the lm_head through it
+        (:class:`cpullm.compile.head_screen.RowsScreen`, timed against the full head as it goes):
+        the same tokens as the argmax of :meth:`decode`'s logits."""
+        rs = self.rows_screen
+        if rs is None:
+            return self.decode(states, slots, positions, tokens).argmax(1)
+        ex = self.ex
+        B, seqs = self._body(states, slots, positions, tokens)
+        out = np.empty(B, np.int64)
+        lo = ex.program.meta["logits_offset"]
+        for g0 in range(0, B, ex.head_rows):
+            n = min(ex.head_rows, B - g0)
+            self.rt[2], self.rt[3] = g0, n
+            self._run(self.head_pre, n, states, seqs)
+            t0 = time.perf_counter()
+            screened = rs.choose(n)
+            toks = rs.argmax(ex.arena, n, numba.get_num_threads()) if screened else None
+            if toks is None:                    # the full lm_head
+                self._run(self.head_lm, n, states, seqs)
+                toks = ex.arena[lo: lo + n * ex.vocab].reshape(n, ex.vocab).argmax(1)
+            rs.record(n, screened, time.perf_counter() - t0)
+            out[g0: g0 + n] = toks
+        return out
+
+    def _body(self, states, slots, positions, tokens) -> tuple[int, tuple]:
+        """The body (every layer) of a step's B rows; returns (B, the per-sequence operands)."""
+        ex = self.ex
         B = len(tokens)
         if not 0 < B <= self.max_rows:
             raise ValueError(f"a decode step takes 1..{self.max_rows} sequences, got {B}")
@@ -255,14 +304,7 @@ class BatchDecoder:
         seqs = (slots, np.arange(B, dtype=np.int64), np.ones(B, np.int64), positions)
         self.rt[:4] = (B, 0, 0, 0)
         self._run(self.body, B, states, seqs)
-        out = np.empty((B, ex.vocab), np.float32)
-        lo = ex.program.meta["logits_offset"]
-        for g0 in range(0, B, ex.head_rows):
-            n = min(ex.head_rows, B - g0)
-            self.rt[2], self.rt[3] = g0, n
-            self._run(self.head, n, states, seqs)
-            out[g0: g0 + n] = ex.arena[lo: lo + n * ex.vocab].reshape(n, ex.vocab)
-        return out
+        return B, seqs
 
     def _run(self, segments, T: int, states, seqs):
         ex = self.ex

@@ -169,6 +169,15 @@ class Forward:
         recurrent (linear-attention) ops run row after row on the slot's state. The logits of
         token t are those of t one-token steps (the lone decode's where it is the batched
         row's: ``lone_path_identical``; f32 always decodes through the batch)."""
+        return self._verify(slots, token_lists, self.decoder.decode)
+
+    def verify_argmax(self, slots: list[Slot], token_lists) -> tuple[list[np.ndarray], list]:
+        """:meth:`verify` for greedy rows: per slot int64 (n_b,) the argmax of each row's logits
+        (lowest index on ties) instead of the logits, the lm_head maybe read through the head
+        screen (:meth:`cpullm.run.batch.BatchDecoder.decode_argmax`: the same tokens)."""
+        return self._verify(slots, token_lists, self.decoder.decode_argmax)
+
+    def _verify(self, slots: list[Slot], token_lists, run) -> tuple[list[np.ndarray], list]:
         self.use_threads()
         table = slots[0].table
         if any(s.table is not table for s in slots):
@@ -187,7 +196,7 @@ class Forward:
             rows_tok += [int(t) for t in toks]
         # the recurrent state before the pass: it cannot be cut back by position (rewind)
         snaps = [self._linear_snapshot(s) if n > 1 else None for s, n in zip(slots, counts)]
-        logits = self.decoder.decode(table, rows_slot, rows_pos, rows_tok)
+        logits = run(table, rows_slot, rows_pos, rows_tok)
         out, r = [], 0
         for s, n in zip(slots, counts):
             out.append(logits[r: r + n])
@@ -219,7 +228,7 @@ class Forward:
                 s.position = pos0
                 again.append((s, kept))
         if again:
-            self.verify([s for s, _ in again], [k for _, k in again])
+            self.verify_argmax([s for s, _ in again], [k for _, k in again])     # (the state is what counts)
 
     @property
     def decoder(self):

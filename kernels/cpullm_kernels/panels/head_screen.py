@@ -644,3 +644,108 @@ def screen_argmax(x, perm, sel_blocks, hq, hs, hb, w_q, w_s, x_q, x_s, p_q, p_s,
             if best < 0 or vals[i] > best_v:
                 best, best_v = rows[i], vals[i]
     return best, total
+
+
+# ================================================================================================
+# several rows: a verify pass's greedy rows (cpullm.generate.speculative)
+# ================================================================================================
+
+ROWS_TILE = 32
+"""Compact rows a multi-row bounds pass takes at a time (32 x ~600 bytes stay in L1): each tile is
+read from memory once and scored against every activation row from the cache."""
+
+
+def rows_scratch(M: int, N: int, Kp: int) -> tuple:
+    """The scratch of :func:`screen_argmax_rows` for up to M activation rows, an lm_head of N rows
+    and padded width Kp: (x_q, x_s, p_q, p_s, x8, corr, norms, xd, xp, upper, rows, vals,
+    lower_max (M, 64), counts (64,))."""
+    nb, npair = Kp // QBLOCK, (Kp // QBLOCK + 1) // 2
+    return (np.zeros((M, Kp), np.int16), np.zeros((M, nb), np.float32), np.zeros((M, Kp), np.int16),
+            np.zeros((M, padded_blocks(Kp)), np.float32), np.zeros((M, 64 * npair), np.int8),
+            np.zeros((M, 8 * npair), np.int32), np.zeros((M, 3), np.float32), np.zeros(Kp, np.float32),
+            np.zeros(Kp, np.float32), np.zeros((M, N), np.float32), np.zeros(N, np.int64),
+            np.zeros(N, np.float32), np.zeros((M, 64), np.float32), np.zeros(64, np.int64))
+
+
+@njit(cache=True, parallel=True)
+def _bounds_pass_rows(hq, hs, hb, p_q, x8, corr, p_s, sel_blocks, norms, M, upper, lower_max, nthreads):
+    """:func:`_bounds_pass` for M activation rows at once: upper[m, n] = approx + bound of compact
+    row n against activation row m, lower_max[m, t] = the largest approx - bound of thread t's
+    rows. Each thread goes through its contiguous rows ROWS_TILE at a time and scores a tile
+    against every activation row before the next (the compact head is read once)."""
+    N = hq.shape[0]
+    nblk = p_q.shape[1] // QBLOCK
+    margin = np.float32(_ROUNDING_MARGIN)
+    per = (N + nthreads - 1) // nthreads
+    for t in prange(nthreads):
+        lo = min(N, t * per)
+        hi = min(N, lo + per)
+        for m in range(M):
+            lower_max[m, t] = -np.inf
+        for n0 in range(lo, hi, ROWS_TILE):
+            n1 = min(hi, n0 + ROWS_TILE)
+            for m in range(M):
+                pq, xm, cm, ps = p_q[m], x8[m], corr[m], p_s[m]
+                n_sel, n_rest, extra = norms[m, 0], norms[m, 1], norms[m, 2]
+                best = lower_max[m, t]
+                for n in range(n0, n1):
+                    a = _screen_dot(hq, hs, pq, xm, cm, ps, n, sel_blocks, nblk)
+                    bd = (hb[n, 0] * n_sel + hb[n, 1] * n_rest + hb[n, 2] * extra) * margin
+                    upper[m, n] = a + bd
+                    if a - bd > best:
+                        best = a - bd
+                lower_max[m, t] = best
+
+
+@njit(cache=True)
+def screen_argmax_rows(X, M, perm, sel_blocks, hq, hs, hb, w_q, w_s, x_q, x_s, p_q, p_s, x8, corr, norms,
+                       xd, xp, upper, rows, vals, lower_max, counts, tokens, nthreads, max_rows):
+    """Each of M rows' greedy token through the screen, the compact head read once for all of
+    them: tokens[m] = the argmax (lowest index on ties) of the q8 logits ``w . X[m]``, as
+    :func:`screen_argmax` gives it for X[m] alone (the same bounds, the same exact rows). Returns
+    the rows computed exactly (all M rows' survivors), or -1 when some row's bounds are not
+    finite, -2 when some row leaves more than ``max_rows`` rows to compute: the caller then runs
+    the full lm_head for all of them.
+
+    X float32 (>= M, K) (C-contiguous); the rest as :func:`screen_argmax` and :func:`rows_scratch`
+    (per activation row m: x_q[m], x_s[m], p_q[m], p_s[m], x8[m], corr[m], norms[m], upper[m]);
+    tokens int64 (>= M,). nthreads <= 64."""
+    Kp = perm.size
+    for m in range(M):
+        quantize_act_q16(X[m], x_q[m], x_s[m])          # exactly what the matvec reads
+        for k in range(Kp):
+            xd[k] = np.float32(x_q[m, k]) * x_s[m, k // QBLOCK]
+        for k in range(Kp):
+            xp[k] = xd[perm[k]]
+        x8m, cm, s_sel, s_rest, delta = _permuted_activations(xp, p_q[m], p_s[m], sel_blocks)
+        x8[m, :x8m.size] = x8m
+        corr[m, :cm.size] = cm
+        norms[m, 0] = np.float32(np.sqrt(s_sel))
+        norms[m, 1] = np.float32(np.sqrt(s_rest))
+        norms[m, 2] = np.float32(delta + _rounding_term(Kp) * np.sqrt(s_sel + s_rest))
+    _bounds_pass_rows(hq, hs, hb, p_q, x8, corr, p_s, sel_blocks, norms, M, upper, lower_max, nthreads)
+    N = hq.shape[0]
+    per = (N + nthreads - 1) // nthreads
+    total = 0
+    for m in range(M):
+        lower = lower_max[m, 0]
+        for t in range(1, nthreads):
+            lower = max(lower, lower_max[m, t])
+        if not np.isfinite(lower):
+            return -1
+        _survivor_rows(upper[m], lower, rows, counts, nthreads)
+        found = 0
+        for t in range(nthreads):
+            found += counts[t]
+        if found > max_rows:
+            return -2
+        total += found
+        _exact_rows(w_q, w_s, x_q[m], x_s[m], rows, vals, counts, nthreads)
+        best, best_v = -1, np.float32(0.0)
+        for t in range(nthreads):                       # rows ascending: strict > keeps the lowest index
+            lo = min(N, t * per)
+            for i in range(lo, lo + counts[t]):
+                if best < 0 or vals[i] > best_v:
+                    best, best_v = rows[i], vals[i]
+        tokens[m] = best
+    return total
