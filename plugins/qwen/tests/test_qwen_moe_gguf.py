@@ -107,7 +107,6 @@ def test_q8_0_experts_run_as_they_are(checkpoint):
     f32 = cpullm.load(files["Q8_0"], quant="f32", use_cache=False).logits(IDS)   # Q8_0 dequantized
     assert _rel(m.logits(IDS), f32) < 0.03
     f = testing.fidelity(f32, ref_logits)
-    print(f)
     assert f["kl"] <= 0.01, f
 
 
@@ -162,3 +161,14 @@ def test_block_experts_run_as_they_are(qtype, tmp_path, monkeypatch):
     s = cpullm.load(path, use_cache=False)
     dec = np.stack([s.forward.step([slot], [t])[0][0].copy() for slot in [s.forward.new_slot()] for t in IDS])
     assert _rel(dec, ref) < 0.03
+
+
+def test_expert_tensor_that_is_not_3d_is_refused(checkpoint, tmp_path):
+    d, _, _, _ = checkpoint
+    store = TensorStore(d)
+    tensors = {n: store.get(n) for n in store.names()}
+    flat = np.zeros((CONFIG["moe_intermediate_size"] * CONFIG["num_experts"], CONFIG["hidden_size"]), np.float32)
+    path = write_gguf(tmp_path / "flat.gguf", "qwen3moe", _fields(CONFIG), tensors, skip=("blk.0.ffn_gate_exps.weight",),
+                      extra_tensors={"blk.0.ffn_gate_exps.weight": flat})
+    with pytest.raises(ConversionError, match=r"blk\.0\.ffn_gate_exps\.weight.*3-D"):
+        cpullm.load(path, quant="f32", use_cache=False)
