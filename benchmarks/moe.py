@@ -169,11 +169,58 @@ def _rss_mb() -> float:
     return 0.0
 
 
-def llama_decode(model_dir: Path, work: Path, bench: str, threads: int, gen: int) -> dict:
-    """llama.cpp Q8_0 and Q4_K_M of the checkpoint (its converter and quantizer), decode tok/s."""
+def truncated_gguf(src: Path, dst: Path, depth: int) -> Path:
+    """``src`` (a GGUF llama.cpp made) cut to its first ``depth`` layers: every metadata value and
+    tensor copied byte for byte but ``{arch}.block_count`` and the tensors of deeper layers. Where
+    the disk holds one checkpoint but not two, the shallower depth's files come from the deeper
+    one's this way (the same bytes llama.cpp's converter and quantizer wrote for those layers)."""
+    import re
+
+    import gguf
+
+    if dst.is_file():
+        return dst
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    tmp = dst.with_name(dst.name + ".tmp")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        if field.name == f"{arch}.block_count":
+            writer.add_uint32(field.name, depth)
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+    keep = [t for t in reader.tensors if not (m := re.match(r"blk\.(\d+)\.", t.name)) or int(m.group(1)) < depth]
+    for t in keep:
+        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in keep:
+        writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+    writer.close()
+    os.replace(tmp, dst)
+    return dst
+
+
+def llama_files(model_dir: Path, work: Path, threads: int, truncate_from: Path | None = None,
+                depth: int = 0) -> dict:
+    """{"Q8_0": path, "Q4_K_M": path}: llama.cpp's converter and quantizer run on the checkpoint,
+    or (``truncate_from``, the deeper checkpoint) that checkpoint's files cut to ``depth`` layers."""
     sys.path.insert(0, str(HERE))
     from compare.llama_convert import ensure_ggufs
-    files = ensure_ggufs(model_dir, work, threads, ("Q8_0", "Q4_K_M"), llama_convert=True)
+    if truncate_from is None:
+        return ensure_ggufs(model_dir, work, threads, ("Q8_0", "Q4_K_M"), llama_convert=True)
+    deep = ensure_ggufs(truncate_from, work, threads, ("Q8_0", "Q4_K_M"), llama_convert=True)
+    return {ft: truncated_gguf(p, p.with_name(p.name.replace(".gguf", f".first{depth}.gguf")), depth)
+            for ft, p in deep.items()}
+
+
+def llama_decode(files: dict, bench: str, threads: int, gen: int) -> dict:
+    """llama-bench decode tok/s of each file (one run)."""
     out = {}
     for ftype, path in files.items():
         cmd = [bench, "-m", str(path), "-t", str(threads), "-n", str(gen), "-p", "0", "-r", "1", "-o", "json"]
@@ -198,19 +245,24 @@ def main(argv=None) -> int:
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--cache-dir", default="", help="cpullm's program cache (default: no cache, build each time)")
     p.add_argument("--build-only", action="store_true", help="only build (and cache) the programs and GGUFs")
+    p.add_argument("--truncate", action="store_true",
+                   help="the shallower depths' llama.cpp files cut from the deepest's (truncated_gguf); their "
+                        "cpullm runs only the gguf modes")
     args = p.parse_args(argv)
     full = json.loads((CONFIG_DIR / args.model / "config.json").read_text())["num_hidden_layers"]
     results = {"model": args.model, "full_layers": full, "threads": args.threads, "gen": args.gen,
                "uptime": [_uptime()], "depths": {}}
     for depth in args.depths:
-        d = write_synthetic(args.model, depth, args.work / f"{args.model}-x{depth}")
+        deepest = args.work / f"{args.model}-x{max(args.depths)}"
+        truncate = args.truncate and depth < max(args.depths)
+        d = deepest if truncate else write_synthetic(args.model, depth, args.work / f"{args.model}-x{depth}")
         ggufs = {}
         if args.llama_bench or any(q.startswith("gguf:") for q in args.quants):
-            sys.path.insert(0, str(HERE))
-            from compare.llama_convert import ensure_ggufs
-            ggufs = ensure_ggufs(d, args.work / "gguf", args.threads, ("Q8_0", "Q4_K_M"), llama_convert=True)
+            ggufs = llama_files(d, args.work / "gguf", args.threads, deepest if truncate else None, depth)
         row = {}
         for quant in args.quants:      # one process per build, so each peak RSS is its own
+            if truncate and not quant.startswith("gguf:"):
+                continue                # no safetensors checkpoint of this depth
             src = ggufs[quant.partition(":")[2]] if quant.startswith("gguf:") else d
             cmd = [sys.executable, __file__, "--one", str(src), quant, str(args.threads), str(args.prompt),
                    str(args.gen), str(args.streams), args.cache_dir, "1" if args.build_only else "0"]
@@ -221,10 +273,10 @@ def main(argv=None) -> int:
             row[quant]["uptime"] = _uptime()
             print(f"depth {depth} {quant}: {json.dumps(row[quant])}", flush=True)
         if args.llama_bench and not args.build_only:
-            row["llama.cpp"] = llama_decode(d, args.work / "gguf", args.llama_bench, args.threads, args.gen)
+            row["llama.cpp"] = llama_decode(ggufs, args.llama_bench, args.threads, args.gen)
             row["llama.cpp"]["uptime"] = _uptime()
             print(f"depth {depth} llama.cpp: {json.dumps(row['llama.cpp'])}", flush=True)
-            for quant in args.quants:
+            for quant in row:
                 ft = {"int8": "Q8_0", "gguf:Q8_0": "Q8_0", "q4": "Q4_K_M", "gguf:Q4_K_M": "Q4_K_M"}.get(quant)
                 theirs = row["llama.cpp"].get(ft, {}).get("tps")
                 if ft and theirs:
@@ -235,6 +287,8 @@ def main(argv=None) -> int:
         return 0
     d1, d2 = args.depths
     for quant in args.quants:
+        if quant not in results["depths"][d1] or quant not in results["depths"][d2]:
+            continue
         a, b = results["depths"][d1][quant], results["depths"][d2][quant]
         ext = {}
         for key in ("bytes_per_token", "active_bytes", "streams_bytes_per_step", "maxrss_mb", "rss_mb",
