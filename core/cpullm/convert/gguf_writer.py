@@ -153,10 +153,12 @@ def write_gguf(path: str | os.PathLike, arch: str, fields: Mapping[str, object],
             add(g, w)
         else:                                   # llama.cpp's routed experts: one 3-D tensor
             stacks.setdefault(g, {})[e] = w
+    gaps = [g for g, parts in stacks.items() if sorted(parts) != list(range(len(parts)))]
+    if gaps:
+        writer.close()
+        raise ConversionError(f"the experts of {gaps[0]} are not numbered 0..E-1 (got "
+                              f"{sorted(stacks[gaps[0]])[:8]}...); give every expert's matrix, or none")
     for g, parts in stacks.items():
-        if sorted(parts) != list(range(len(parts))):
-            unnamed.append(f"{g} (experts {sorted(parts)[:8]}...: not 0..{len(parts) - 1})")
-            continue
         add(g, np.stack([parts[e] for e in range(len(parts))]))
     if unnamed:
         writer.close()
