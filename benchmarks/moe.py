@@ -11,14 +11,23 @@ For each depth and each quant mode (int8, q4):
   prefill not timed), and of ``--streams`` streams decoded together (``Forward.step`` over all
   their slots: one pass over the weights a step), both with ``--threads`` threads;
 * the program's resident bytes and the build's peak RSS;
+* quant modes: ``int8`` / ``q4`` are cpullm's own quantizations of the safetensors checkpoint;
+  ``gguf:Q8_0`` / ``gguf:Q4_K_M`` run llama.cpp's files of it as they are (the very bytes
+  llama.cpp runs: its 3-D expert tensors, one expert's slice read per choice);
 * with ``--llama-bench PATH``: llama.cpp's Q8_0 and Q4_K_M made from the same checkpoint by its
   own converter and quantizer (benchmarks/compare), decode tok/s by ``llama-bench -n GEN -p 0
-  -t THREADS -r 1`` (one run).
+  -t THREADS -r 1`` (one run), right after cpullm's runs of that depth.
+
+``--cache-dir DIR`` keeps the built programs (cpullm's cache): a first run without the bench lock
+builds them (``--build-only``), the timed run under the lock then loads them (HIT).
 
 From two depths d1 < d2: per-layer cost = (x(d2) - x(d1)) / (d2 - d1), full = x(d1) + (48 - d1) *
 per-layer, for memory and for seconds per token.
 
-    python benchmarks/moe.py --depths 1 2 --work /root/moe-work [--llama-bench /path/llama-bench]
+    python benchmarks/moe.py --depths 2 4 --work /root/moe-work --quants int8 gguf:Q4_K_M \
+        --cache-dir /root/moe-work/cache --build-only
+    flock /work/wt/bench.lock python benchmarks/moe.py --depths 2 4 --work /root/moe-work \
+        --quants int8 gguf:Q4_K_M --cache-dir /root/moe-work/cache --llama-bench /path/llama-bench
 
 Never a test (timings): results go to benchmarks/results/.
 """
@@ -90,15 +99,22 @@ def _dense_bytes(ex) -> int:
     return total
 
 
-def measure(model_dir: Path, quant: str, threads: int, prompt: int, gen: int, streams: int) -> dict:
+def measure(model_dir: Path, quant: str, threads: int, prompt: int, gen: int, streams: int,
+            cache_dir: str = "", build_only: bool = False) -> dict:
+    """One quant mode of one checkpoint (``model_dir``: a directory, or a GGUF file for the gguf
+    modes), in this process."""
     import numpy as np
 
     import cpullm
     from cpullm_kernels.program import moe as M
 
     t0 = time.perf_counter()
-    model = cpullm.load(model_dir, quant=quant, threads=threads, use_cache=False, n_ctx=1024)
+    cache = dict(cache_dir=cache_dir) if cache_dir else dict(use_cache=False)
+    model = cpullm.load(model_dir, quant=quant.partition(":")[0], threads=threads, n_ctx=1024, **cache)
     build_s = time.perf_counter() - t0
+    if build_only:
+        return {"quant": quant, "build_s": round(build_s, 1), "cache": model.cache_status,
+                "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
     ex = model.forward.executor
     calls = list(ex.moe.values())
     router = sum(4 * int(c.prm[M.PRM_E]) * int(c.prm[M.PRM_H]) for c in calls)
@@ -129,13 +145,19 @@ def measure(model_dir: Path, quant: str, threads: int, prompt: int, gen: int, st
     per_token_experts = one_read / gen
     read = dense + router + per_token_experts
 
-    return {"quant": quant, "build_s": round(build_s, 1), "decode_tps": gen / one_s,
+    return {"quant": quant, "weight_formats": model.info()["weight_formats"], "cache": model.cache_status,
+            "build_s": round(build_s, 1), "decode_tps": gen / one_s,
             "streams": streams, "streams_tps": streams * gen / many_s, "streams_step_s": many_s / gen,
             "streams_bytes_per_step": dense + router + many_read / gen,
             "bytes_per_token": read, "active_bytes": active, "read_over_active": read / active,
             "dense_bytes": dense, "router_bytes": router, "experts_per_token": per_token_experts,
             "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "rss_mb": _rss_mb(), "program_bytes": sum(int(a.nbytes) for a in model.forward.executor.program.arrays.values())}
+
+
+def _uptime() -> str:
+    """The load average now (the host is shared: every timing is reported with it)."""
+    return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
 def _rss_mb() -> float:
@@ -147,11 +169,58 @@ def _rss_mb() -> float:
     return 0.0
 
 
-def llama_decode(model_dir: Path, work: Path, bench: str, threads: int, gen: int) -> dict:
-    """llama.cpp Q8_0 and Q4_K_M of the checkpoint (its converter and quantizer), decode tok/s."""
+def truncated_gguf(src: Path, dst: Path, depth: int) -> Path:
+    """``src`` (a GGUF llama.cpp made) cut to its first ``depth`` layers: every metadata value and
+    tensor copied byte for byte but ``{arch}.block_count`` and the tensors of deeper layers. Where
+    the disk holds one checkpoint but not two, the shallower depth's files come from the deeper
+    one's this way (the same bytes llama.cpp's converter and quantizer wrote for those layers)."""
+    import re
+
+    import gguf
+
+    if dst.is_file():
+        return dst
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    tmp = dst.with_name(dst.name + ".tmp")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        if field.name == f"{arch}.block_count":
+            writer.add_uint32(field.name, depth)
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+    keep = [t for t in reader.tensors if not (m := re.match(r"blk\.(\d+)\.", t.name)) or int(m.group(1)) < depth]
+    for t in keep:
+        writer.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for t in keep:
+        writer.write_tensor_data(t.data, tensor_endianess=reader.endianess)
+    writer.close()
+    os.replace(tmp, dst)
+    return dst
+
+
+def llama_files(model_dir: Path, work: Path, threads: int, truncate_from: Path | None = None,
+                depth: int = 0) -> dict:
+    """{"Q8_0": path, "Q4_K_M": path}: llama.cpp's converter and quantizer run on the checkpoint,
+    or (``truncate_from``, the deeper checkpoint) that checkpoint's files cut to ``depth`` layers."""
     sys.path.insert(0, str(HERE))
     from compare.llama_convert import ensure_ggufs
-    files = ensure_ggufs(model_dir, work, threads, ("Q8_0", "Q4_K_M"), llama_convert=True)
+    if truncate_from is None:
+        return ensure_ggufs(model_dir, work, threads, ("Q8_0", "Q4_K_M"), llama_convert=True)
+    deep = ensure_ggufs(truncate_from, work, threads, ("Q8_0", "Q4_K_M"), llama_convert=True)
+    return {ft: truncated_gguf(p, p.with_name(p.name.replace(".gguf", f".first{depth}.gguf")), depth)
+            for ft, p in deep.items()}
+
+
+def llama_decode(files: dict, bench: str, threads: int, gen: int) -> dict:
+    """llama-bench decode tok/s of each file (one run)."""
     out = {}
     for ftype, path in files.items():
         cmd = [bench, "-m", str(path), "-t", str(threads), "-n", str(gen), "-p", "0", "-r", "1", "-o", "json"]
@@ -174,33 +243,62 @@ def main(argv=None) -> int:
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"), help="llama-bench binary (optional)")
     p.add_argument("--json", type=Path, help="write the results here")
+    p.add_argument("--cache-dir", default="", help="cpullm's program cache (default: no cache, build each time)")
+    p.add_argument("--build-only", action="store_true", help="only build (and cache) the programs and GGUFs")
+    p.add_argument("--truncate", action="store_true",
+                   help="the shallower depths' llama.cpp files cut from the deepest's (truncated_gguf); their "
+                        "cpullm runs only the gguf modes")
     args = p.parse_args(argv)
     full = json.loads((CONFIG_DIR / args.model / "config.json").read_text())["num_hidden_layers"]
-    results = {"model": args.model, "full_layers": full, "depths": {}}
+    results = {"model": args.model, "full_layers": full, "threads": args.threads, "gen": args.gen,
+               "uptime": [_uptime()], "depths": {}}
     for depth in args.depths:
-        d = write_synthetic(args.model, depth, args.work / f"{args.model}-x{depth}")
+        deepest = args.work / f"{args.model}-x{max(args.depths)}"
+        truncate = args.truncate and depth < max(args.depths)
+        d = deepest if truncate else write_synthetic(args.model, depth, args.work / f"{args.model}-x{depth}")
+        ggufs = {}
+        if args.llama_bench or any(q.startswith("gguf:") for q in args.quants):
+            ggufs = llama_files(d, args.work / "gguf", args.threads, deepest if truncate else None, depth)
         row = {}
         for quant in args.quants:      # one process per build, so each peak RSS is its own
-            cmd = [sys.executable, __file__, "--one", str(d), quant, str(args.threads), str(args.prompt),
-                   str(args.gen), str(args.streams)]
+            if truncate and not quant.startswith("gguf:"):
+                continue                # no safetensors checkpoint of this depth
+            src = ggufs[quant.partition(":")[2]] if quant.startswith("gguf:") else d
+            cmd = [sys.executable, __file__, "--one", str(src), quant, str(args.threads), str(args.prompt),
+                   str(args.gen), str(args.streams), args.cache_dir, "1" if args.build_only else "0"]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise SystemExit(f"moe.py: {quant} at depth {depth} failed: {proc.stderr[-800:]}")
             row[quant] = json.loads(proc.stdout.strip().splitlines()[-1])
+            row[quant]["uptime"] = _uptime()
             print(f"depth {depth} {quant}: {json.dumps(row[quant])}", flush=True)
-        if args.llama_bench:
-            row["llama.cpp"] = llama_decode(d, args.work / "gguf", args.llama_bench, args.threads, args.gen)
+        if args.llama_bench and not args.build_only:
+            row["llama.cpp"] = llama_decode(ggufs, args.llama_bench, args.threads, args.gen)
+            row["llama.cpp"]["uptime"] = _uptime()
             print(f"depth {depth} llama.cpp: {json.dumps(row['llama.cpp'])}", flush=True)
+            for quant in row:
+                ft = {"int8": "Q8_0", "gguf:Q8_0": "Q8_0", "q4": "Q4_K_M", "gguf:Q4_K_M": "Q4_K_M"}.get(quant)
+                theirs = row["llama.cpp"].get(ft, {}).get("tps")
+                if ft and theirs:
+                    row[quant][f"over_llama_{ft}"] = row[quant]["decode_tps"] / theirs
+                    print(f"depth {depth} {quant} / llama.cpp {ft}: {row[quant][f'over_llama_{ft}']:.3f}x", flush=True)
         results["depths"][depth] = row
+    if args.build_only:
+        return 0
     d1, d2 = args.depths
     for quant in args.quants:
+        if quant not in results["depths"][d1] or quant not in results["depths"][d2]:
+            continue
         a, b = results["depths"][d1][quant], results["depths"][d2][quant]
         ext = {}
-        for key in ("bytes_per_token", "active_bytes", "maxrss_mb", "rss_mb", "program_bytes"):
+        for key in ("bytes_per_token", "active_bytes", "streams_bytes_per_step", "maxrss_mb", "rss_mb",
+                    "program_bytes"):
             per = (b[key] - a[key]) / (d2 - d1)
             ext[key] = a[key] + (full - d1) * per
         spt = (1 / b["decode_tps"] - 1 / a["decode_tps"]) / (d2 - d1)
         ext["decode_tps"] = 1 / (1 / a["decode_tps"] + (full - d1) * spt)
+        step = (b["streams_step_s"] - a["streams_step_s"]) / (d2 - d1)
+        ext["streams_tps"] = a["streams"] / (a["streams_step_s"] + (full - d1) * step)
         results.setdefault("full_depth", {})[quant] = ext
         print(f"full depth {full} {quant}: {json.dumps(ext)}", flush=True)
     if args.json:
@@ -212,7 +310,8 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--one":
-        d, quant, threads, prompt, gen, streams = sys.argv[2:8]
-        print(json.dumps(measure(Path(d), quant, int(threads), int(prompt), int(gen), int(streams))))
+        d, quant, threads, prompt, gen, streams, cache_dir, build_only = sys.argv[2:10]
+        print(json.dumps(measure(Path(d), quant, int(threads), int(prompt), int(gen), int(streams), cache_dir,
+                                 build_only == "1")))
         raise SystemExit(0)
     raise SystemExit(main())

@@ -19,7 +19,8 @@ from typing import Callable, Iterable, Mapping
 
 import numpy as np
 
-from ..loading.gguf_file import GLOBAL_TENSOR_NAMES, import_gguf, arch_spec, gguf_architectures, permute_qk
+from ..loading.gguf_file import (EXPERT_INDEX, GLOBAL_TENSOR_NAMES, arch_spec, gguf_architectures, import_gguf,
+                                 permute_qk)
 from ..errors import ConversionError
 from ..loading.family import GGUFArch
 
@@ -46,7 +47,32 @@ def gguf_tensor_name(hf_name: str, layout: GGUFArch) -> str | None:
         return None
     leaf, kind = ".".join(parts[3:-1]), parts[-1]
     inverse = {hf: g for g, hf in layout.layer_names.items()}
-    return f"blk.{parts[2]}.{inverse[leaf]}.{kind}" if leaf in inverse else None
+    if leaf in inverse:
+        return f"blk.{parts[2]}.{inverse[leaf]}.{kind}"
+    stacked = _expert_leaf(leaf, layout)
+    return None if stacked is None else f"blk.{parts[2]}.{stacked[0]}.{kind}"
+
+
+def _expert_leaf(leaf: str, layout: GGUFArch) -> tuple[str, int] | None:
+    """(GGUF leaf, expert index) of one expert's matrix (``mlp.experts.5.gate_proj`` ->
+    ``("ffn_gate_exps", 5)``) when the table stacks that leaf's experts, else None."""
+    for g, hf in layout.layer_names.items():
+        if EXPERT_INDEX in hf:
+            head, tail = hf.split(EXPERT_INDEX)
+            index = leaf[len(head): len(leaf) - len(tail)]
+            if leaf.startswith(head) and leaf.endswith(tail) and index.isdigit():
+                return g, int(index)
+    return None
+
+
+def expert_index(hf_name: str, layout: GGUFArch) -> int | None:
+    """The expert a transformers tensor belongs to when the table stacks it into a 3-D GGUF
+    tensor (cpullm.loading.gguf_file.EXPERT_INDEX), else None."""
+    parts = hf_name.split(".")
+    if len(parts) < 5 or parts[:2] != ["model", "layers"]:
+        return None
+    stacked = _expert_leaf(".".join(parts[3:-1]), layout)
+    return None if stacked is None else stacked[1]
 
 
 def to_gguf_layout(gguf_name: str, w: np.ndarray, layout: GGUFArch, n_head: int, n_head_kv: int) -> np.ndarray:
@@ -105,7 +131,15 @@ def write_gguf(path: str | os.PathLike, arch: str, fields: Mapping[str, object],
         _add_metadata(writer, key, value)
     if add_metadata is not None:
         add_metadata(writer)
-    unnamed = []
+    def add(g: str, w: np.ndarray) -> None:
+        if w.ndim >= 2 and qtype != "F32":
+            t = gguf.GGMLQuantizationType[qtype]
+            q = gguf.quants.quantize(w.reshape(-1, w.shape[-1]), t)     # row by row, any leading dims
+            writer.add_tensor(g, q.reshape(*w.shape[:-1], q.shape[-1]), raw_dtype=t)
+        else:
+            writer.add_tensor(g, w)
+
+    unnamed, stacks = [], {}
     for hf_name, w in (tensors.items() if isinstance(tensors, Mapping) else tensors):
         g = gguf_tensor_name(hf_name, layout)
         if g is None:
@@ -114,11 +148,18 @@ def write_gguf(path: str | os.PathLike, arch: str, fields: Mapping[str, object],
         if g in skip:
             continue
         w = to_gguf_layout(g, np.asarray(w), layout, n_head, n_head_kv)
-        if w.ndim == 2 and qtype != "F32":
-            t = gguf.GGMLQuantizationType[qtype]
-            writer.add_tensor(g, gguf.quants.quantize(w, t), raw_dtype=t)
-        else:
-            writer.add_tensor(g, w)
+        e = expert_index(hf_name, layout)
+        if e is None:
+            add(g, w)
+        else:                                   # llama.cpp's routed experts: one 3-D tensor
+            stacks.setdefault(g, {})[e] = w
+    gaps = [g for g, parts in stacks.items() if sorted(parts) != list(range(len(parts)))]
+    if gaps:
+        writer.close()
+        raise ConversionError(f"the experts of {gaps[0]} are not numbered 0..E-1 (got "
+                              f"{sorted(stacks[gaps[0]])[:8]}...); give every expert's matrix, or none")
+    for g, parts in stacks.items():
+        add(g, np.stack([parts[e] for e in range(len(parts))]))
     if unnamed:
         writer.close()
         raise ConversionError(f"no GGUF name for {len(unnamed)} tensors of architecture {arch!r}, e.g. "

@@ -104,10 +104,18 @@ _LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
 _GLOBAL_TENSOR = re.compile(r"^([a-z0-9_]+)\.(weight|bias)$")
 
 
+EXPERT_INDEX = "{e}"
+"""In a GGUFArch's ``layer_names``, a transformers leaf holding ``{e}``
+(``"mlp.experts.{e}.gate_proj"``) names a 3-D tensor that stacks one matrix per expert, as
+llama.cpp stores routed experts (``blk.N.ffn_gate_exps.weight``, numpy shape (E, rows, cols)):
+each expert's slice is planned as the 2-D tensor of its own transformers name."""
+
+
 def hf_tensor_name(gguf_name: str, spec: ArchSpec) -> str | None:
     """The transformers name of a GGUF tensor, or None when the table has no entry.
 
-    ``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``
+    ``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; a stacked expert
+    tensor keeps ``{e}`` in its name (:data:`EXPERT_INDEX`).
     """
     m = _LAYER_TENSOR.match(gguf_name)
     if m:
@@ -466,6 +474,9 @@ def plan_tensors(reader, spec: ArchSpec, hp: dict) -> tuple[list[PlannedTensor],
             continue
         if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
             bad_types.append(f"{t.name} ({t.tensor_type.name})")
+        if EXPERT_INDEX in hf:
+            plan += _expert_slices(t, hf, len(plan))
+            continue
         p = PlannedTensor(hf, t, _hf_shape(t))
         if spec.permute_qk and re.search(r"\.attn_q\.", t.name):
             p.permute_heads = hp["num_attention_heads"]
@@ -489,6 +500,25 @@ def plan_tensors(reader, spec: ArchSpec, hp: dict) -> tuple[list[PlannedTensor],
         raise ConversionError("cannot convert this GGUF: " + "; ".join(parts)
                               + ". It is not a plain dense model of a supported architecture")
     return plan, tied
+
+
+def _expert_slices(t: "GGUFTensor", hf_pattern: str, planned: int) -> list[PlannedTensor]:
+    """The E matrices of a stacked expert tensor (ggml ne (cols, rows, E)), each planned as the
+    2-D tensor ``hf_pattern`` names with its index: a view of the expert's own bytes, so a matrix
+    stored in a block format runs as it is and only the chosen experts' bytes are read."""
+    if len(t.shape) != 3 or not all(t.shape):
+        raise ConversionError(f"tensor {limits.shown(t.name, 80)} has shape {list(t.shape)}; routed experts are "
+                              "stored as a 3-D tensor (columns, rows, experts); the file is damaged")
+    n_experts = int(t.shape[2])
+    if planned + n_experts > limits.MAX_TENSORS:
+        raise ConversionError(f"tensor {limits.shown(t.name, 80)} stacks {n_experts} experts: more than the "
+                              f"{limits.MAX_TENSORS} matrices cpullm reads from one file; the file is damaged")
+    step = t.n_bytes // n_experts          # ne[0] is whole blocks, so every expert is whole rows of blocks
+    return [PlannedTensor(hf_pattern.replace(EXPERT_INDEX, str(e)),
+                          GGUFTensor(f"{t.name}[{e}]", t.tensor_type, t.shape[:2], step, t.data_offset + e * step,
+                                     t._file),
+                          (int(t.shape[1]), int(t.shape[0])))
+            for e in range(n_experts)]
 
 
 def _missing_tensors(by_name: dict, spec: ArchSpec, n_layers: int) -> list[str]:

@@ -1,7 +1,10 @@
-"""How llama.cpp's ``qwen2`` and ``qwen3`` GGUF architectures convert to transformers checkpoints."""
+"""How llama.cpp's ``qwen2``, ``qwen3`` and ``qwen3moe`` GGUF architectures convert to transformers
+checkpoints."""
 from __future__ import annotations
 
-from cpullm.plugin import DENSE_LAYER_NAMES, QK_NORM_LAYER_NAMES, GGUFArch
+from cpullm.plugin import DENSE_LAYER_NAMES, QK_NORM_LAYER_NAMES, GGUFArch, meta_int
+
+from .qwen3_moe import MAX_EXPERTS
 
 # Pre-tokenizer split regexes per ``tokenizer.ggml.pre``, as transformers' GGUF converter uses them.
 QWEN2_SPLIT = (
@@ -46,6 +49,53 @@ QWEN3 = GGUFArch(
     layer_names={**DENSE_LAYER_NAMES, **QK_NORM_LAYER_NAMES},
     required_layer_leaves=DENSE_LEAVES[:5] + ("attn_q_norm", "attn_k_norm") + DENSE_LEAVES[5:],
     config_extras=config_extras,
+    pre_tokenizer_splits=PRE_TOKENIZER_SPLITS,
+    end_of_turn_tokens=END_OF_TURN_TOKENS,
+)
+
+
+# llama.cpp's qwen3moe: every layer's MLP is routed experts, stored as 3-D tensors (one matrix per
+# expert stacked, "{e}" below) beside the router ffn_gate_inp (E, H).
+MOE_LAYER_NAMES = {
+    **{k: v for k, v in DENSE_LAYER_NAMES.items() if not k.startswith(("ffn_gate", "ffn_up", "ffn_down"))},
+    **QK_NORM_LAYER_NAMES,
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{e}.up_proj",
+    "ffn_down_exps": "mlp.experts.{e}.down_proj",
+}
+MOE_LEAVES = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm",
+              "ffn_norm", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+SOFTMAX_GATING = 1          # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX (the one qwen3moe runs)
+
+
+def moe_config_extras(meta: dict, hp: dict, tensor_names: tuple) -> dict:
+    """Qwen3-MoE's config keys as llama.cpp runs the architecture: every layer sparse (no
+    ``mlp_only_layers``), softmax over all experts then the top ``expert_used_count``,
+    renormalized (llama.cpp's qwen3moe always renormalizes the chosen weights)."""
+    arch = hp["arch"]
+    n_experts = meta_int(meta, arch, "expert_count", 1, MAX_EXPERTS)
+    gating = meta.get(f"{arch}.expert_gating_func", SOFTMAX_GATING)
+    if gating != SOFTMAX_GATING:
+        from cpullm.errors import ConversionError
+        raise ConversionError(f"GGUF {arch}.expert_gating_func = {gating!r}: cpullm runs {arch} with llama.cpp's "
+                              f"softmax gating ({SOFTMAX_GATING}) only; the file is not a Qwen3-MoE model")
+    out = config_extras(meta, hp, tensor_names)
+    out.update(attention_bias=any(n.endswith("attn_q.bias") for n in tensor_names),
+               num_experts=n_experts,
+               num_experts_per_tok=meta_int(meta, arch, "expert_used_count", 1, n_experts),
+               moe_intermediate_size=meta_int(meta, arch, "expert_feed_forward_length", 1, 1 << 20),
+               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    return out
+
+
+QWEN3_MOE = GGUFArch(
+    name="qwen3moe",
+    model_type="qwen3_moe",
+    architectures=("Qwen3MoeForCausalLM",),
+    layer_names=MOE_LAYER_NAMES,
+    required_layer_leaves=MOE_LEAVES,
+    config_extras=moe_config_extras,
     pre_tokenizer_splits=PRE_TOKENIZER_SPLITS,
     end_of_turn_tokens=END_OF_TURN_TOKENS,
 )

@@ -25,6 +25,6 @@ def cpullm_kernels():
 
 @hookimpl
 def cpullm_gguf_architectures():
-    from .gguf_arch import QWEN2, QWEN3
+    from .gguf_arch import QWEN2, QWEN3, QWEN3_MOE
 
-    return [QWEN2, QWEN3]
+    return [QWEN2, QWEN3, QWEN3_MOE]
