@@ -242,7 +242,7 @@ class RowsScreen:
     @staticmethod
     def allowed(sc: dict, ex) -> bool:
         """A multi-row screen exists for q8 lm_heads (a head of raw ggml blocks reads it whole)."""
-        return P.linear_operands(ex.I[int(sc["row"])]).kind == P.WEIGHT_Q8
+        return _screen(P.linear_operands(ex.I[int(sc["row"])])) == "q8"
 
     def choose(self, m: int) -> bool:
         """True: read the lm_head of a group of ``m`` rows through the screen."""
