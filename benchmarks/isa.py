@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -94,8 +95,14 @@ def model_dir(name: str) -> Path:
     return Path(resolve_model_dir(name)).resolve()
 
 
-def gguf_for(mdir: Path, ftype: str, work: Path, threads: int) -> Path:
-    """The checkpoint as a ``ftype`` GGUF (Q8_0, Q4_K_M) in ``work``, written once."""
+def gguf_for(mdir: Path, ftype: str, work: Path, threads: int, ftypes=()) -> Path:
+    """The checkpoint as a ``ftype`` GGUF (Q8_0, Q4_K_M) in ``work``, written once. The F32 GGUF
+    it is quantized from is written for the occasion, quantized to every one of ``ftypes`` still
+    missing (the run's other formats) and deleted (a 4B checkpoint's is 16 GB); one already in
+    ``work`` is kept. Where the disk cannot hold the F32 file twice over, the Q8_0 file is written
+    directly (the ``gguf`` package's Q8_0, the same rounding as llama.cpp's) and the other formats
+    are llama.cpp's requantization of it (said on stderr: a 4-bit file made so differs in its
+    values from one quantized from F32, not in its format or speed)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from compare.gguf import llama_quantize, write_f32_gguf
 
@@ -103,14 +110,35 @@ def gguf_for(mdir: Path, ftype: str, work: Path, threads: int) -> Path:
     out = work / f"{mdir.name}-{ftype}.gguf"
     if out.is_file():
         return out
+    wanted = [ft for ft in dict.fromkeys([ftype, *ftypes]) if not (work / f"{mdir.name}-{ft}.gguf").is_file()]
     f32 = work / f"{mdir.name}-F32.gguf"
-    if not f32.is_file():
+    made = not f32.is_file()
+    f32_bytes = 2 * sum(p.stat().st_size for p in mdir.glob("*.safetensors"))     # bf16 checkpoints
+    if made and shutil.disk_usage(work).free < 2 * f32_bytes:
+        q8 = work / f"{mdir.name}-Q8_0.gguf"
+        if not q8.is_file():
+            say(f"{shutil.disk_usage(work).free / 1e9:.1f} GB free: writing {q8.name} directly")
+            tmp = q8.with_suffix(".tmp")
+            write_f32_gguf(mdir, tmp, qtype="Q8_0")
+            os.replace(tmp, q8)
+        for ft in wanted:
+            if ft != "Q8_0":
+                say(f"requantizing {q8.name} to {ft}")
+                llama_quantize(q8, work / f"{mdir.name}-{ft}.gguf", threads, ft, allow_requantize=True)
+        return out
+    if made:
         say(f"writing {f32}")
         tmp = f32.with_suffix(".tmp")
         write_f32_gguf(mdir, tmp)
         os.replace(tmp, f32)
-    say(f"quantizing {out.name}")
-    return llama_quantize(f32, out, threads, ftype)
+    try:
+        for ft in wanted:
+            say(f"quantizing {mdir.name}-{ft}.gguf")
+            llama_quantize(f32, work / f"{mdir.name}-{ft}.gguf", threads, ft)
+    finally:
+        if made:
+            f32.unlink(missing_ok=True)
+    return out
 
 
 def run_cpullm(isa: str, model: str, quant: str, args) -> dict:
@@ -139,7 +167,7 @@ def run_llama(isa: str, gguf: Path, args) -> dict:
 
 def cell(isa: str, model: str, fmt: str, args) -> dict:
     mdir = model_dir(model)
-    gguf = gguf_for(mdir, FORMATS[fmt], Path(args.work_dir), args.threads)
+    gguf = gguf_for(mdir, FORMATS[fmt], Path(args.work_dir), args.threads, [FORMATS[f] for f in args.formats])
     load = os.getloadavg()[0]
     c = run_cpullm(isa, model if fmt == "int8" else str(gguf), "int8" if fmt == "int8" else "gguf", args)
     ll = run_llama(isa, gguf, args)
