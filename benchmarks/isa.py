@@ -20,7 +20,8 @@ directories (the synthetic Llama-3.2-1B / 4B shapes: ``python benchmarks/synth.p
 
 Each cell is one ``cpullm bench --json`` child (median of ``--repeat`` runs) and one
 ``llama-bench -o json`` child (mean of ``--repeat`` runs) with the same prompt length, decode
-length and threads, run back to back. The table gives both rates and cpullm / llama.cpp. Numbers
+length and threads, run back to back; ``--rounds N`` alternates them N times and keeps each
+runtime's best rates. The table gives both rates and cpullm / llama.cpp. Numbers
 on a shared machine move with its load: the report records the load average of each cell.
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -53,6 +55,9 @@ def parse_args(argv=None):
     p.add_argument("--prompt-tokens", type=int, default=512)
     p.add_argument("--gen-tokens", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="alternate the two runtimes this many times a cell and keep each one's best rates "
+                        "(a loaded machine slows whichever runs during a burst of others' work)")
     p.add_argument("--work-dir", default=str(Path.home() / ".cache" / "cpullm-bench" / "isa"),
                    help="where the GGUFs are written (kept for later runs)")
     p.add_argument("--out", default=None, help="append the markdown table to this file")
@@ -94,8 +99,14 @@ def model_dir(name: str) -> Path:
     return Path(resolve_model_dir(name)).resolve()
 
 
-def gguf_for(mdir: Path, ftype: str, work: Path, threads: int) -> Path:
-    """The checkpoint as a ``ftype`` GGUF (Q8_0, Q4_K_M) in ``work``, written once."""
+def gguf_for(mdir: Path, ftype: str, work: Path, threads: int, ftypes=()) -> Path:
+    """The checkpoint as a ``ftype`` GGUF (Q8_0, Q4_K_M) in ``work``, written once. The F32 GGUF
+    it is quantized from is written for the occasion, quantized to every one of ``ftypes`` still
+    missing (the run's other formats) and deleted (a 4B checkpoint's is 16 GB); one already in
+    ``work`` is kept. Where the disk cannot hold the F32 file twice over, the Q8_0 file is written
+    directly (the ``gguf`` package's Q8_0, the same rounding as llama.cpp's) and the other formats
+    are llama.cpp's requantization of it (said on stderr: a 4-bit file made so differs in its
+    values from one quantized from F32, not in its format or speed)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from compare.gguf import llama_quantize, write_f32_gguf
 
@@ -103,14 +114,35 @@ def gguf_for(mdir: Path, ftype: str, work: Path, threads: int) -> Path:
     out = work / f"{mdir.name}-{ftype}.gguf"
     if out.is_file():
         return out
+    wanted = [ft for ft in dict.fromkeys([ftype, *ftypes]) if not (work / f"{mdir.name}-{ft}.gguf").is_file()]
     f32 = work / f"{mdir.name}-F32.gguf"
-    if not f32.is_file():
+    made = not f32.is_file()
+    f32_bytes = 2 * sum(p.stat().st_size for p in mdir.glob("*.safetensors"))     # bf16 checkpoints
+    if made and shutil.disk_usage(work).free < 2 * f32_bytes:
+        q8 = work / f"{mdir.name}-Q8_0.gguf"
+        if not q8.is_file():
+            say(f"{shutil.disk_usage(work).free / 1e9:.1f} GB free: writing {q8.name} directly")
+            tmp = q8.with_suffix(".tmp")
+            write_f32_gguf(mdir, tmp, qtype="Q8_0")
+            os.replace(tmp, q8)
+        for ft in wanted:
+            if ft != "Q8_0":
+                say(f"requantizing {q8.name} to {ft}")
+                llama_quantize(q8, work / f"{mdir.name}-{ft}.gguf", threads, ft, allow_requantize=True)
+        return out
+    if made:
         say(f"writing {f32}")
         tmp = f32.with_suffix(".tmp")
         write_f32_gguf(mdir, tmp)
         os.replace(tmp, f32)
-    say(f"quantizing {out.name}")
-    return llama_quantize(f32, out, threads, ftype)
+    try:
+        for ft in wanted:
+            say(f"quantizing {mdir.name}-{ft}.gguf")
+            llama_quantize(f32, work / f"{mdir.name}-{ft}.gguf", threads, ft)
+    finally:
+        if made:
+            f32.unlink(missing_ok=True)
+    return out
 
 
 def run_cpullm(isa: str, model: str, quant: str, args) -> dict:
@@ -139,11 +171,20 @@ def run_llama(isa: str, gguf: Path, args) -> dict:
 
 def cell(isa: str, model: str, fmt: str, args) -> dict:
     mdir = model_dir(model)
-    gguf = gguf_for(mdir, FORMATS[fmt], Path(args.work_dir), args.threads)
+    gguf = gguf_for(mdir, FORMATS[fmt], Path(args.work_dir), args.threads, [FORMATS[f] for f in args.formats])
     load = os.getloadavg()[0]
-    c = run_cpullm(isa, model if fmt == "int8" else str(gguf), "int8" if fmt == "int8" else "gguf", args)
-    ll = run_llama(isa, gguf, args)
+    c = ll = None
+    for _ in range(max(1, args.rounds)):
+        c = best(c, run_cpullm(isa, model if fmt == "int8" else str(gguf), "int8" if fmt == "int8" else "gguf", args))
+        ll = best(ll, run_llama(isa, gguf, args))
     return {"isa": isa, "model": mdir.name, "format": fmt, "cpullm": c, "llama": ll, "load": load}
+
+
+def best(prev, new: dict) -> dict:
+    """Each rate's best of two rounds of a runtime."""
+    if prev is None:
+        return new
+    return {**new, **{k: max(prev[k], new[k]) for k in ("prefill", "decode")}}
 
 
 def table(cells: list) -> str:
@@ -184,7 +225,8 @@ def main(argv=None) -> int:
         with open(args.out, "a") as fh:
             fh.write(f"\n`python -m benchmarks.isa {' '.join(argv if argv is not None else sys.argv[1:])}`"
                      f" ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {args.threads} threads, "
-                     f"prompt {args.prompt_tokens}, decode {args.gen_tokens}, {args.repeat} runs a cell):\n\n{text}\n")
+                     f"prompt {args.prompt_tokens}, decode {args.gen_tokens}, {args.repeat} runs a cell"
+                     f"{f', best of {args.rounds} alternating rounds' if args.rounds > 1 else ''}):\n\n{text}\n")
     return 0 if cells else 1
 
 

@@ -92,6 +92,23 @@ def test_strided_output_and_prefill_entry_point():
     assert np.array_equal(arena[:, :N], want) and not arena[:, N:].any()
 
 
+def test_prefill_chunks_of_rows_give_the_unchunked_values(monkeypatch):
+    """A prefill whose int16 rows exceed ACT_CHUNK_BYTES runs in chunks of rows: the same values
+    as one pass (rows are independent), the last chunk short, the output rows of a wider buffer."""
+    N, K = 130, 256
+    w_q, w_s = _weights(N, K)
+    wp, sp = qp.pack_panels(w_q, w_s)
+    x, x_q, x_s = _acts(29, K)
+    want = np.zeros((29, N), np.float32)
+    qp.panels_matmul(wp, sp, N, x_q, x_s, want, 2)
+    monkeypatch.setattr(qp, "ACT_CHUNK_BYTES", 12 * 2 * K)         # chunks of 12, 12 and 5 rows
+    assert qp.act_chunk_rows(K) == 12
+    arena = np.full((29, 192), 7.0, np.float32)
+    qp.matmul_panels(x, wp, sp, N, arena)
+    assert np.array_equal(arena[:, :N], want) and (arena[:, N:] == 7.0).all()
+    assert np.array_equal(want, qp.panels_matmul_ref(wp, sp, N, x_q, x_s))
+
+
 def test_bad_shapes_are_refused():
     w_q, w_s = _weights(64, 64)
     wp, sp = qp.pack_panels(w_q, w_s)

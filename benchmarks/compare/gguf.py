@@ -279,9 +279,10 @@ def write_f32_gguf(model_dir, out_path, qtype: str = "F32") -> Path:
 
 
 
-def llama_quantize(src, dst, threads: int, ftype: str = "Q8_0") -> Path:
+def llama_quantize(src, dst, threads: int, ftype: str = "Q8_0", allow_requantize: bool = False) -> Path:
     """llama.cpp's own quantizer (llama_model_quantize, the C API behind llama-quantize) to
-    ``LLAMA_FTYPE_MOSTLY_<ftype>`` (Q8_0, Q4_K_M, Q4_0, ...)."""
+    ``LLAMA_FTYPE_MOSTLY_<ftype>`` (Q8_0, Q4_K_M, Q4_0, ...); ``allow_requantize`` lets ``src`` be
+    quantized already (llama-quantize's --allow-requantize)."""
     import ctypes
 
     import llama_cpp
@@ -289,6 +290,7 @@ def llama_quantize(src, dst, threads: int, ftype: str = "Q8_0") -> Path:
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     params.nthread = int(threads)
+    params.allow_requantize = bool(allow_requantize)
     tmp = Path(str(dst) + ".tmp")
     with tempfile.TemporaryFile() as log:          # the C quantizer logs every tensor to fd 2
         sys.stderr.flush()

@@ -368,20 +368,32 @@ a stream pulled into L1 4 KiB ahead evict each other."""
 
 _t8x1, _t4x2, _t2x4, _t1x4 = (_make_tile(ISA, TR, V) for TR, V in TILES)
 _y6x1, _y4x1, _y2x2, _y1x4 = (_make_tile(ISA, TR, V) for TR, V in YMM_TILES)
+YMM_TILE_ROWS = YMM_TILES[0][0]
+"""Rows of the 256-bit variants' accumulator buffer (:func:`_group_ymm`)."""
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _group_ymm(wp, sp, g, x_q, x_s, out, o_n):
-    """:func:`_group_zmm` with the 256-bit variants' tiles (YMM_TILES)."""
+def _group_ymm(wp, sp, g, x_q, x_s, out, o_n, acc):
+    """:func:`_group_zmm` with the 256-bit variants' tiles (YMM_TILES). Tiles of 6 and 4 rows sum
+    into ``acc`` (a thread's (YMM_TILE_ROWS, 64) buffer: 1.5 KiB, contiguous, L1-resident) and
+    are copied to ``out`` after the group's 4 panels: their float accumulators live in memory (the
+    tile loads, steps and stores them once a block), and kept in ``out`` they are TR lines at a
+    stride of N floats, which from N ~ 2048 at T = 256 (out past the 2 MiB L2) halved the AVX2
+    prefill LINEAR (36.8 against 67.0 GMAC/s at K = 640; AVX-512, sums in registers, unaffected).
+    2 and 1 rows (decode, a batch's tail) write ``out`` directly."""
     B = x_q.shape[0]
     t0 = 0
     while B - t0 >= 6:
         for v in range(4):
-            _y6x1(wp, sp, g + v, x_q, x_s, t0, out, t0, o_n + 16 * v)
+            _y6x1(wp, sp, g + v, x_q, x_s, t0, acc, 0, 16 * v)
+        for t in range(6):
+            out[t0 + t, o_n:o_n + GROUP * PANEL] = acc[t]
         t0 += 6
     if B - t0 >= 4:
         for v in range(4):
-            _y4x1(wp, sp, g + v, x_q, x_s, t0, out, t0, o_n + 16 * v)
+            _y4x1(wp, sp, g + v, x_q, x_s, t0, acc, 0, 16 * v)
+        for t in range(4):
+            out[t0 + t, o_n:o_n + GROUP * PANEL] = acc[t]
         t0 += 4
     if B - t0 >= 2:
         for v in range(0, 4, 2):
@@ -392,8 +404,9 @@ def _group_ymm(wp, sp, g, x_q, x_s, out, o_n):
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _group_zmm(wp, sp, g, x_q, x_s, out, o_n):
-    """Every tile of panels g .. g + 3 (GROUP) against all B rows; results at out[:, o_n:]."""
+def _group_zmm(wp, sp, g, x_q, x_s, out, o_n, acc):
+    """Every tile of panels g .. g + 3 (GROUP) against all B rows; results at out[:, o_n:]
+    (``acc``: the 256-bit variants' buffer, unused here: the tiles' sums stay in registers)."""
     B = x_q.shape[0]
     t0 = 0
     while B - t0 >= 8:
@@ -436,11 +449,12 @@ def panels_matmul(wp, sp, N, x_q, x_s, out, nthreads):
     for c in prange(nth):
         lo = c * ngroups // nth
         hi = (c + 1) * ngroups // nth
+        acc = np.empty((YMM_TILE_ROWS if B >= 4 else 1, GROUP * PANEL), np.float32)
         for grp in range(lo, min(hi, nfull)):
-            _group(wp, sp, grp * GROUP, x_q, x_s, out, grp * GROUP * PANEL)
+            _group(wp, sp, grp * GROUP, x_q, x_s, out, grp * GROUP * PANEL, acc)
         if hi > nfull:                      # the last group holds rows past N: via a scratch tile
             edge = np.empty((B, GROUP * PANEL), np.float32)
-            _group(wp, sp, nfull * GROUP, x_q, x_s, edge, 0)
+            _group(wp, sp, nfull * GROUP, x_q, x_s, edge, 0, acc)
             for t in range(B):
                 for j in range(N - nfull * GROUP * PANEL):
                     out[t, nfull * GROUP * PANEL + j] = edge[t, j]
@@ -520,12 +534,36 @@ def _quantize_rows_par(x, x_q, x_s):
         quantize_act_q16(x[t], x_q[t], x_s[t])
 
 
+ACT_CHUNK_BYTES = 1 << 19
+"""Rows of int16 activations a prefill LINEAR passes over each group of weights at a time (512 KiB:
+a quarter of a 2 MiB L2). Every row passes every 64-row group, so all of them are re-read once a
+group; past L2 they come from L3 at every group (T = 256 rows of K = 4864, 2.4 MiB: 29 GMAC/s on
+one AVX2 core, against 65 for 64 of those rows). Cut into chunks, the weights are re-read once a
+chunk instead (from L3: a few MB per chunk of ~10 ms of arithmetic)."""
+
+
+def act_chunk_rows(Kp: int) -> int:
+    """Rows of Kp int16 activations in one chunk (ACT_CHUNK_BYTES; a multiple of the largest
+    register tile's 6 rows, at least 6)."""
+    rows = ACT_CHUNK_BYTES // (2 * Kp)
+    return max(6, rows // 6 * 6)
+
+
 def matmul_panels(x, wp, sp, N: int, out):
     """out[:, :N] = x (T, K) @ W.T for a prefill chunk: x float32 (T, K) (rows contiguous, any
     row stride) quantized once, then :func:`panels_matmul` (each 64-row group of W read from
-    memory once and kept in L2 while every row of x passes it); out C-contiguous (T, >= N)."""
+    memory once and kept in L2 while every row of x passes it), over chunks of
+    :func:`act_chunk_rows` rows when x's int16 rows would not stay in L2; out C-contiguous
+    (T, >= N). Rows are independent: the chunking changes no value."""
     T, K = x.shape
     Kp = (K + QBLOCK - 1) // QBLOCK * QBLOCK
     x_q, x_s = activation_scratch(T, Kp)
     _quantize_rows_par(x, x_q, x_s)
-    panels_matmul(wp, sp, N, x_q, x_s, out, numba.get_num_threads())
+    step = act_chunk_rows(Kp)
+    nthreads = numba.get_num_threads()
+    if T <= step:
+        panels_matmul(wp, sp, N, x_q, x_s, out, nthreads)
+        return
+    for r0 in range(0, T, step):
+        r1 = min(T, r0 + step)
+        panels_matmul(wp, sp, N, x_q[r0:r1], x_s[r0:r1], out[r0:r1], nthreads)
