@@ -211,3 +211,15 @@ def test_a_sampler_without_a_cut_or_with_penalties_reads_the_full_logits(tiny_mo
                                  presence_penalty=0.5))
     list(tiny_model.generate_ids([5, 17], max_new_tokens=6, temperature=0.8, top_p=0.9, seed=1, logprobs=2))
     assert calls == []
+
+
+def test_a_lone_draw_that_refuses_its_logits_fails_its_sequence_alone(tiny_model, monkeypatch):
+    from cpullm.errors import SamplingError
+    ex = tiny_model.executor
+    nan = np.full(ex.vocab, np.nan, np.float32)
+    monkeypatch.setattr(ex, "decode_sample", lambda state, pos, token, cuts, draw: draw(nan))
+    with pytest.raises(SamplingError, match="non-finite logits"):
+        list(tiny_model.generate_ids([5, 17], max_new_tokens=4, temperature=0.8, top_p=0.9, seed=1))
+    monkeypatch.undo()
+    assert len(list(tiny_model.generate_ids([5, 17], max_new_tokens=4, temperature=0.8, top_p=0.9, seed=1,
+                                            ignore_eos=True))) == 4

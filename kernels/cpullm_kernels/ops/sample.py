@@ -346,9 +346,8 @@ def sample_screened(rows, vals, count, upper, thr, inv_t, top_k, top_p, min_p, u
         if found < 0:
             return -1
         keep = found + 1
-    kept = np.sort(order[:keep])               # positions in rows/vals; rows ascending by id
-    kept_ids = rows[:count][kept]
-    by = np.argsort(kept_ids)
+    kept = order[:keep]                        # positions in rows/vals, drawn in id order
+    by = np.argsort(rows[:count][kept])
     return _draw_in_id_order(rows, ec, kept[by], keep, min_p, u)
 
 
