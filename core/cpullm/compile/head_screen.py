@@ -275,3 +275,92 @@ class RowsScreen:
             return None
         self.survivors = int(got)
         return self.tokens[:m].copy()
+
+
+class HeadTimes:
+    """Which lm_head a kind of step reads, by the same rule as :meth:`HeadScreen.choose` (the
+    lower median of the last WINDOW times, the other head every EXPLORE-th step), with times of
+    its own: a sampled step's screen computes more rows than a greedy one's."""
+
+    def __init__(self, window: int = HeadScreen.WINDOW, explore: int = HeadScreen.EXPLORE):
+        self.t_screen: deque = deque(maxlen=window)
+        self.t_plain: deque = deque(maxlen=window)
+        self.explore, self.steps = explore, 0
+
+    def choose(self) -> bool:
+        """True: read the lm_head through the screen this step."""
+        self.steps += 1
+        if len(self.t_screen) < 2 or len(self.t_plain) < 2:
+            return len(self.t_screen) <= len(self.t_plain)
+        faster = _median(self.t_screen) <= _median(self.t_plain)
+        return faster if self.steps % self.explore else not faster
+
+    def record(self, screened: bool, seconds: float) -> None:
+        (self.t_screen if screened else self.t_plain).append(seconds)
+
+
+SAMPLE_BUDGETS = (256, 1024, 4096)
+"""Rows a sampled step's screen computes exactly, tried in turn (then MAX_ROWS_FRACTION of the
+rows) until they prove the draw: the threshold is the lowest one, on a grid of half a
+temperature below the largest lower bound, holding at most so many rows. Past the last, the full
+head. The bounds are loose next to a temperature (on Qwen2.5-0.5B a row's upper bound is ~6
+above its logit, a factor e^(6/T) on its weight), so a flat distribution's draw is seldom proven
+within them; a peaked one's is within the first."""
+SAMPLE_GRID = 0.5, 128             # (step in temperatures, steps) of the thresholds tried
+
+
+def sample_through_screen(sc: HeadScreen, nthreads: int, inv_t: float, top_k: int, top_p: float,
+                          min_p: float, u: float) -> tuple[int, int]:
+    """The token ``cpullm_kernels.ops.sample.sample_logits`` would draw from this step's full
+    logits with these arguments, found through the head screen of a q8 lm_head (exactly that
+    token: cpullm_kernels.ops.sample.sample_screened), and how many rows it computed exactly;
+    token -1 when the screen cannot prove it within ``MAX_ROWS_FRACTION`` of the rows (or its
+    bounds are not finite): run the full head."""
+    from cpullm_kernels.ops.sample import band_rows, rows_above, sample_screened
+    from cpullm_kernels.panels.head_screen import exact_logits, screen_upper
+    if sc.blocks:
+        return -1, 0
+    (x, perm, sel_blocks, hq, hs, hb, w_q, w_s, x_q, x_s, p_q, p_s, xd, xp, upper, rows, vals) = sc.args
+    lower = float(screen_upper(x, perm, sel_blocks, hq, hs, hb, x_q, x_s, p_q, p_s, xd, xp, upper,
+                               sc.lower_max, nthreads))
+    if not np.isfinite(lower):
+        return -1, 0
+    t = 1.0 / inv_t
+    max_rows = int(sc.MAX_ROWS_FRACTION * sc.rows)
+    width, nbins = SAMPLE_GRID[0] * t, SAMPLE_GRID[1]
+    above = rows_above(upper, lower, width, nbins)
+    count, hi = 0, np.inf
+    for budget in (*SAMPLE_BUDGETS, max_rows):
+        k = int(np.searchsorted(above, min(budget, max_rows), side="right")) - 1   # last level within it
+        if k < 0:
+            continue
+        thr = float(np.float32(lower - width * (k + 1)))    # a float32 value: compared alike everywhere
+        if thr >= hi:
+            continue
+        start = count
+        count = int(band_rows(upper, thr, hi, rows, start))
+        if count < 0 or count > max_rows:
+            return -1, max(count, start)
+        exact_logits(w_q, w_s, x_q, x_s, rows, start, count, vals)
+        tok = int(sample_screened(rows, vals, count, upper, thr, inv_t, top_k, top_p, min_p, u,
+                                  np.empty(max(count, 1), np.float32)))
+        if tok >= 0:
+            return tok, count
+        hi = thr
+    return -1, count
+
+
+def compile_sample_kernels(sc: HeadScreen) -> None:
+    """Compile (or load from numba's cache) :func:`sample_through_screen`'s kernels for this
+    screen's argument types now, rather than in a server's first sampled step."""
+    from cpullm_kernels.ops.sample import band_rows, rows_above, sample_screened
+    from cpullm_kernels.panels.head_screen import exact_logits, screen_upper
+    if sc.blocks:
+        return
+    a = sc.args
+    typed = lambda *vs: tuple(numba.typeof(v) for v in vs)      # noqa: E731
+    screen_upper.compile(typed(*a[:6], *a[8:15], sc.lower_max, 1))
+    exact_logits.compile(typed(a[6], a[7], a[8], a[9], a[15], 1, 1, a[16]))
+    rows_above.compile(typed(a[14], 1.0, 1.0, 1))
+    band_rows.compile(typed(a[14], 1.0, 1.0, a[15], 1))
+    sample_screened.compile(typed(a[15], a[16], 1, a[14], 1.0, 1.0, 1, 1.0, 1.0, 1.0, a[16]))

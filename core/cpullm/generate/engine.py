@@ -163,6 +163,10 @@ class Engine:
             self.scheduler.warm_up()
             from cpullm_kernels.ops.sample import warm_up as warm_sampler
             warm_sampler()              # a server's first sampled step would compile it for the batch
+        screen = getattr(getattr(model.forward, "executor", None), "screen", None)
+        if screen is not None:          # ... and a lone sampled row's draw through the lm_head screen
+            from ..compile.head_screen import compile_sample_kernels
+            compile_sample_kernels(screen)
         self._requests: dict[int, Request] = {}
         self._wake = threading.Event()
         self._closed = False

@@ -175,9 +175,26 @@ class Sampler:
             x[ids] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
         return x
 
-    def draw(self, x: np.ndarray) -> int:
+    def screen_cuts(self, vocab: int) -> tuple | None:
+        """(1 / temperature, top_k, top_p, min_p, u) of the next draw when the logits need not be
+        read whole for it: a plain sampled draw with a cut that leaves tokens out (an lm_head
+        screen may then compute only the rows that can matter: cpullm.compile.head_screen's
+        sample_through_screen, the same token). ``u`` is this draw's uniform number, taken from
+        the sequence's generator now: a draw from the full logits instead must be given it
+        (:meth:`draw`'s ``u``). None otherwise (no number taken)."""
+        from cpullm_kernels.ops.sample import screen_can_sample
+        p = self.p
+        if p.temperature == 0.0 or not self.plain:
+            return None
+        top_k = min(int(p.top_k), vocab)
+        if not screen_can_sample(top_k, float(p.top_p), float(p.min_p), vocab):
+            return None
+        return 1.0 / p.temperature, top_k, float(p.top_p), float(p.min_p), float(self.rng.random())
+
+    def draw(self, x: np.ndarray, u: float | None = None) -> int:
         """The next token from processed logits ``x`` (vocab,): argmax when greedy, else
-        temperature, top-k, top-p, min-p and a seeded draw (cpullm_kernels.ops.sample)."""
+        temperature, top-k, top-p, min-p and a seeded draw (cpullm_kernels.ops.sample) with ``u``
+        (default: the next number of the sequence's generator)."""
         p = self.p
         if p.temperature == 0.0:
             return int(np.argmax(x))
@@ -189,7 +206,7 @@ class Sampler:
             self._scratch = np.empty(x.size, np.float32)
         top_k = min(int(p.top_k), x.size)         # a client's top_k may exceed int64; past the vocab it is off
         tok = sample_logits(x, 1.0 / p.temperature, top_k, float(p.top_p), float(p.min_p),
-                            float(self.rng.random()), self._scratch)
+                            float(self.rng.random()) if u is None else float(u), self._scratch)
         if tok < 0:
             raise SamplingError("no token can be drawn: every logit is -inf (the constraint, bias or "
                                 "processors banned them all)")

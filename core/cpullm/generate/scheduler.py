@@ -32,7 +32,7 @@ from collections import deque
 
 import numpy as np
 
-from ..errors import ConfigError, CpullmError
+from ..errors import ConfigError, CpullmError, SamplingError
 from ..run.forward import Forward, Slot
 from cpullm_kernels.setup.warmup import compile_seconds
 from ..run.prefix_cache import PrefixCache
@@ -240,8 +240,18 @@ class Scheduler:
         # one pass over the weights for every row; a row that only needs its argmax (plain
         # greedy, or a constrained greedy one whose mask allows it) gets just the token (a lone
         # one may read the lm_head through its screen; its full logits only if the mask refuses)
-        logits, tokens = self.forward.step([s.slot for s in batch], [s.pending for s in batch],
-                                           greedy=[s.argmax_first for s in batch])
+        # a lone plain sampled row may be drawn through the screen too (the same token)
+        draws = ([s.screen_draw(self.forward.vocab) for s in batch]
+                 if len(batch) == 1 and self.forward.lone_path_identical else None)
+        try:
+            logits, tokens = self.forward.step([s.slot for s in batch], [s.pending for s in batch],
+                                               greedy=[s.argmax_first for s in batch], draws=draws)
+        except SamplingError as exc:            # a lone row's draw refused its logits: it alone fails
+            if draws is None or draws[0] is None:
+                raise
+            batch[0].fail(exc)
+            masks.join()
+            return
         compiled = compile_seconds() - c0
         dt = max(0.0, time.perf_counter() - t0 - compiled)
         self.plain_pass_s = _recent(self.plain_pass_s, dt)

@@ -121,6 +121,19 @@ class Sequence:
         the same logits, so the same tokens as always reading them)."""
         return self.params.temperature == 0.0 and self.sampler.plain
 
+    def screen_draw(self, vocab: int):
+        """(cuts, draw) when the next token is a plain sampled draw an lm_head screen may make
+        (:meth:`cpullm.generate.sampling.Sampler.screen_cuts`; its uniform number is taken now),
+        ``draw(logits)`` the same draw from the full logits; None otherwise. The token either
+        gives goes to :meth:`take` as ``token``."""
+        if self.constraint is not None:
+            return None
+        cuts = self.sampler.screen_cuts(vocab)
+        if cuts is None:
+            return None
+        u = cuts[-1]
+        return cuts, lambda logits: self.sampler.draw(self.sampler.process(logits, self.history), u)
+
     @property
     def position(self) -> int:
         """Tokens whose state sits in the sequence's slot (before it got one: 0; after it gave

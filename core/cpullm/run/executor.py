@@ -79,6 +79,7 @@ class Executor:
         # which lm_head the last decode step read: (the screen's compact copy, the lm_head itself);
         # a screened step that fell back read both (cpullm.bench.memory_bound counts what was read)
         self.head_read = (False, True)
+        self.sample_times = None            # sampled steps' choice of head (HeadTimes), on first use
 
     def warm_up(self) -> float:
         """Compile (or load from numba's cache) the head screen's kernel for this program's
@@ -322,6 +323,34 @@ class Executor:
         if self.profile is not None:
             self.profile[sc.row] = self.profile.get(sc.row, 0.0) + dt
         return int(tok)
+
+    def decode_sample(self, state: np.ndarray, pos: int, token: int, cuts: tuple, draw) -> int:
+        """One token at position ``pos``, as :meth:`decode`, returning the sampled next token.
+        ``cuts`` = (1 / temperature, top_k, top_p, min_p, u): with a head screen of a q8 lm_head
+        the token may be drawn through it (cpullm.compile.head_screen.sample_through_screen:
+        exactly the token the full logits give for ``u``); else, or when the screen cannot prove
+        it, ``draw(logits)`` draws from the full logits (vocab,) (a view). Each way is timed,
+        draw included, and the faster one used (:class:`cpullm.compile.head_screen.HeadTimes`)."""
+        from ..compile.head_screen import HeadTimes, sample_through_screen
+        sc = self.screen
+        if sc is None or sc.blocks or sc.rows != self.vocab:
+            return int(draw(self.decode(state, pos, token)))
+        if self.sample_times is None:
+            self.sample_times = HeadTimes()
+        self._run_token(state, pos, token, sc.segments)
+        use_screen = self.sample_times.choose()
+        t0 = time.perf_counter()
+        tok = -1
+        if use_screen:
+            tok, self.screen_survivors = sample_through_screen(sc, numba.get_num_threads(), *cuts)
+        plain = tok < 0
+        if plain:
+            self._interp(sc.row, self.n_instr, state)
+            lo = self.program.meta["logits_offset"]
+            tok = int(draw(self.arena[lo: lo + self.vocab]))
+        self.sample_times.record(use_screen, time.perf_counter() - t0)
+        self.head_read = (use_screen, plain)
+        return tok
 
     def last_step_logits(self, state: np.ndarray) -> np.ndarray:
         """The full logits (vocab,) of the step :meth:`decode_argmax` just ran on ``state`` (a

@@ -127,12 +127,15 @@ class Forward:
         slot.position += int(ids.size)
         return out
 
-    def step(self, slots: list[Slot], tokens, greedy=None) -> tuple[list, list]:
+    def step(self, slots: list[Slot], tokens, greedy=None, draws=None) -> tuple[list, list]:
         """One token of every slot (``tokens[b]`` at ``slots[b].position``) in one pass over the
         weights; every position advances by one. ``greedy[b]`` True: row b's argmax is wanted
         (a lone greedy row may read the lm_head through its screen; :meth:`lone_logits` gives
-        its full logits after all if needed). Returns (logits, tokens): per row, float32 logits
-        (vocab,) (None for a lone greedy row), and the greedy token or None."""
+        its full logits after all if needed). ``draws[b]``: None, or (cuts, draw) for a row
+        sampled without anything else reading its logits: a lone one may be drawn through the
+        screen (:meth:`cpullm.run.executor.Executor.decode_sample`; ``draw(logits)`` otherwise).
+        Returns (logits, tokens): per row, float32 logits (vocab,) (None for a lone greedy or
+        drawn row), and the greedy or drawn token or None."""
         self.use_threads()
         B = len(slots)
         greedy = [False] * B if greedy is None else [bool(g) for g in greedy]
@@ -141,6 +144,9 @@ class Forward:
             s = slots[0]
             if greedy[0]:
                 rows = [None], [self.executor.decode_argmax(s.state, s.position, int(tokens[0]))]
+            elif draws is not None and draws[0] is not None:
+                cuts, draw = draws[0]
+                rows = [None], [self.executor.decode_sample(s.state, s.position, int(tokens[0]), cuts, draw)]
             else:
                 rows = [self.executor.decode(s.state, s.position, int(tokens[0])).copy()], [None]
         else:

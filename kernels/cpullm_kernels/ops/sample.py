@@ -192,3 +192,181 @@ def warm_up() -> None:
     for dtype in (np.float32, np.float64):
         x = np.zeros(4, dtype)
         sample_logits(x, 1.0, 2, 0.5, 0.0, 0.5, np.empty(4, np.float32))
+
+
+# ================================================================================================
+# a draw from a screened head: exact logits of some rows, upper bounds of the others
+# ================================================================================================
+#
+# With an lm_head screen (cpullm_kernels.panels.head_screen.screen_upper) a sampled step knows
+# every row's upper bound on its logit and computes exactly only the rows whose bound reaches a
+# threshold ``thr`` (the candidates, given by :func:`band_rows`). :func:`sample_screened` returns
+# the token :func:`sample_logits` would return on the full logits with the same ``u`` when the
+# candidates prove it, else -1 (the caller lowers ``thr`` or reads the full head):
+#
+# * every other row's logit is below ``thr``, so the candidates at or above ``thr`` (P) are the
+#   start of the vocabulary's order (likeliest first, lower id on ties), and the largest
+#   candidate is the largest logit m (the caller keeps ``thr`` at or below the largest lower
+#   bound);
+# * top-k: proven when P holds the k-th logit (its ties too: they are >= thr);
+# * top-p alone: the cut is the first j with acc_j >= p Z, Z the weight of the whole vocabulary.
+#   The candidates' weights give Z from below, plus the others' weights at their upper bounds
+#   from above; the cut is proven when one j lies in P with acc_(j-1) < p Z_lo and acc_j >= p Z_hi
+#   (both widened by far more than float64 summation can move Z: 1e-9 relative, and the upper
+#   weights by 1e-4 for float32 exp and the rounding of (x - m) / T);
+# * min-p alone: proven when a row at ``thr`` is below min_p times the likeliest (it and every
+#   other row are then cut).
+#
+# The weights, the kept tokens' order and the draw are computed by the same code on the same
+# float32 logits (the screen's exact rows are the lm_head kernel's numbers bit for bit), so the
+# token is the same, not merely as likely. Temperature alone (every token kept) cannot be screened.
+
+SCREEN_Z_SLACK = 1e-9
+SCREEN_W_SLACK = 1e-4
+
+
+@njit(cache=True)
+def band_rows(upper, lo, hi, rows, start):
+    """Append to rows[start:] the rows n with lo <= upper[n] < hi, ascending; returns the new
+    count, or -1 when an upper bound is NaN (the screen is of no use this step)."""
+    c = start
+    for n in range(upper.size):
+        u = upper[n]
+        if u != u:
+            return -1
+        if lo <= u < hi:
+            rows[c] = n
+            c += 1
+    return c
+
+
+@njit(cache=True)
+def rows_above(upper, top, width, nbins):
+    """counts (nbins,) int64: counts[k] = how many rows have upper >= top - width (k + 1) (a
+    cumulative histogram in one pass, from which a threshold holding about so many candidate
+    rows is picked; :func:`band_rows` then takes exactly the rows at or above it)."""
+    c = np.zeros(nbins, np.int64)
+    for n in range(upper.size):
+        d = (top - np.float64(upper[n])) / width
+        if d < nbins:
+            c[max(0, int(d))] += 1
+    for k in range(1, nbins):
+        c[k] += c[k - 1]
+    return c
+
+
+@njit(cache=True, fastmath=_FAST)
+def _others_weight(upper, thr, m, inv_t):
+    """Sum over the rows with upper < thr of exp((upper - m) / T): their weights' upper bound."""
+    mf = np.float32(m)
+    tf = np.float32(inv_t)
+    z = 0.0
+    for i in range(upper.size):
+        d = min((upper[i] - mf) * tf, np.float32(0.0))
+        w = exp_f32(d)
+        z += w if np.float64(upper[i]) < thr else np.float32(0.0)   # as band_rows compares
+    return z
+
+
+def screen_can_sample(top_k, top_p, min_p, vocab) -> bool:
+    """True when a draw with these cuts can come from a screened head (some cut leaves tokens out)."""
+    return 0 < top_k < vocab or top_p < 1.0 or min_p > 0.0
+
+
+@njit(cache=True)
+def sample_screened(rows, vals, count, upper, thr, inv_t, top_k, top_p, min_p, u, e):
+    """The token :func:`sample_logits` draws from the full logits with the same arguments, from the
+    exact logits vals[:count] of rows[:count] (every row with upper >= thr, none other) and the
+    upper bounds ``upper`` (vocab,) of all rows; -1 when these rows do not prove it. ``thr`` is at
+    or below the largest lower bound; ``e`` float32 scratch (>= count)."""
+    n = upper.size
+    if count == 0:
+        return -1
+    xc = vals[:count]
+    m = -np.inf
+    for j in range(count):
+        v = np.float64(xc[j])
+        if v != v:
+            return -1
+        m = max(m, v)
+    if m == -np.inf or m < thr:
+        return -1
+    ec = e[:count]
+    zc = _weights(xc, m, inv_t, ec)
+    # candidates in the vocabulary's order: by id, then likeliest first (stable: lower id on ties)
+    by_id = np.argsort(rows[:count])
+    neg = np.empty(count, np.float64)
+    for j in range(count):
+        neg[j] = -np.float64(xc[by_id[j]])
+    order = by_id[np.argsort(neg, kind="mergesort")]
+    hp = 0                                   # P: the candidates at or above thr
+    while hp < count and np.float64(xc[order[hp]]) >= thr:
+        hp += 1
+    cut_k = 0 < top_k < n
+    if not cut_k and top_p >= 1.0:
+        if not min_p > 0.0:
+            return -1
+        w_thr = np.exp(min((thr - m) * inv_t, 0.0)) * (1.0 + SCREEN_W_SLACK)
+        if w_thr >= min_p:
+            return -1
+        return _draw_in_id_order(rows, ec, by_id, count, min_p, u)
+    keep = hp
+    if cut_k:
+        if top_k > hp:
+            return -1
+        kth = xc[order[top_k - 1]]
+        keep = top_k
+        while keep < hp and xc[order[keep]] >= kth:
+            keep += 1
+        zk = 0.0
+        for j in range(keep):
+            zk += ec[order[j]]
+        if top_p < 1.0:
+            acc = 0.0
+            for j in range(keep):
+                acc += ec[order[j]]
+                if acc >= top_p * zk:
+                    keep = j + 1
+                    break
+    else:
+        z_lo = zc * (1.0 - SCREEN_Z_SLACK)
+        z_hi = (zc + _others_weight(upper, thr, m, inv_t) * (1.0 + SCREEN_W_SLACK)) * (1.0 + SCREEN_Z_SLACK)
+        acc = 0.0
+        found = -1
+        for j in range(hp):
+            prev = acc
+            acc += ec[order[j]]
+            if acc >= top_p * z_hi:
+                if prev >= top_p * z_lo and j > 0:
+                    return -1                  # the cut could be at an earlier token
+                found = j
+                break
+            if acc >= top_p * z_lo:
+                return -1                      # the cut could be here or later: not proven
+        if found < 0:
+            return -1
+        keep = found + 1
+    kept = order[:keep]                        # positions in rows/vals, drawn in id order
+    by = np.argsort(rows[:count][kept])
+    return _draw_in_id_order(rows, ec, kept[by], keep, min_p, u)
+
+
+@njit(cache=True)
+def _draw_in_id_order(rows, ec, idx, k, min_p, u):
+    """The draw of :func:`_sample` over the tokens rows[idx[:k]] (ascending ids) of weights ec[idx]."""
+    total = 0.0
+    for j in range(k):
+        w = ec[idx[j]]
+        if w >= min_p:
+            total += w
+    target = u * total
+    acc = 0.0
+    last = -1
+    for j in range(k):
+        w = ec[idx[j]]
+        if w >= min_p and w > 0.0:
+            acc += w
+            last = rows[idx[j]]
+            if acc > target:
+                return rows[idx[j]]
+    return last

@@ -749,3 +749,38 @@ def screen_argmax_rows(X, M, perm, sel_blocks, hq, hs, hb, w_q, w_s, x_q, x_s, p
                     best, best_v = rows[i], vals[i]
         tokens[m] = best
     return total
+
+
+# ================================================================================================
+# sampled decoding's entry points: every row's upper bound, then exact logits of chosen rows
+# ================================================================================================
+
+@njit(cache=True)
+def screen_upper(x, perm, sel_blocks, hq, hs, hb, x_q, x_s, p_q, p_s, xd, xp, upper, lower_max, nthreads):
+    """The bounds pass of :func:`screen_argmax` alone, for a sampled step (cpullm_kernels.ops.sample's
+    ``sample_screened`` decides which rows it needs exactly): fills upper (N,) with every row's
+    upper bound on its q8 logit and x_q/x_s with the activations the exact rows read
+    (:func:`exact_logits`); returns the largest lower bound (float32; not finite: the bounds
+    are of no use, run the full head). Arguments as :func:`screen_argmax`'s."""
+    Kp = perm.size
+    quantize_act_q16(x, x_q, x_s)
+    for k in range(Kp):
+        xd[k] = np.float32(x_q[k]) * x_s[k // QBLOCK]
+    for k in range(Kp):
+        xp[k] = xd[perm[k]]
+    x8, corr, s_sel, s_rest, delta = _permuted_activations(xp, p_q, p_s, sel_blocks)
+    extra = delta + _rounding_term(Kp) * np.sqrt(s_sel + s_rest)
+    _bounds_pass(hq, hs, hb, p_q, x8, corr, p_s, sel_blocks, np.float32(np.sqrt(s_sel)), np.float32(np.sqrt(s_rest)),
+                 np.float32(extra), upper, lower_max, nthreads)
+    lower = lower_max[0]
+    for t in range(1, nthreads):
+        lower = max(lower, lower_max[t])
+    return lower
+
+
+@njit(cache=True, parallel=True)
+def exact_logits(w_q, w_s, x_q, x_s, rows, start, stop, vals):
+    """vals[i] = the exact q8 logit of row rows[i] for start <= i < stop (``panel_row_dot``: what
+    the lm_head's kernel writes for it, bit for bit), after :func:`screen_upper` filled x_q/x_s."""
+    for i in prange(start, stop):
+        vals[i] = panel_row_dot(w_q, w_s, rows[i], x_q, x_s)
