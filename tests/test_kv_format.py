@@ -89,7 +89,7 @@ def test_int8_with_smaller_kv_stays_close_to_f32_kv(wide_dir, tmp_path, kv_dtype
     agree = np.mean(a.argmax(-1) == b.argmax(-1))
     rel = np.abs(a - b).max() / np.abs(a).max()
     # this random model's attention is far sharper than a trained one's (weights of std 0.3), so
-    # 8-bit keys move its logits more; real models: benchmarks/results/2026-12-05-kv-cache.md
+    # 8-bit keys move its logits more; real models: benchmarks/results/2026-12-06-kv-cache.md
     min_agree, max_rel = {"f16": (0.9, 0.02), "q8_0": (0.75, 0.2)}[kv_dtype]
     assert agree >= min_agree and rel < max_rel, (agree, rel)
     # the smaller format's own greedy tokens: mostly the same ones (a tie may flip one and diverge)
