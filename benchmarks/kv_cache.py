@@ -1,16 +1,30 @@
 """KV cache formats at long context: quality (KL divergence of the next-token distribution against
-the float32 cache) and decode speed, on real text.
+a reference cache, float32 or float16) and decode speed, on real text.
 
     python benchmarks/kv_cache.py MODEL --ctx 4096 16384 --eval 32 [--cache-type f32 f16 q8_0]
-        [--emulate-blocks 32 64] [--threads N] [--json]
+        [--emulate-blocks 32 64] [--threads N] [--logits-dir DIR] [--json]
+    python benchmarks/kv_cache.py MODEL --speed --ctx 4096 16384 [--cache-type f16 q8_0]
 
-For each context N of ``--ctx`` and each format of ``--cache-type`` (f32 first: the reference):
-a fresh sequence prefills N tokens of real text (this repository's documentation and sources,
-tokenized by the model's tokenizer; no repeats while they last), then ``--eval`` one-token decode
-steps feed the text's next tokens (teacher forcing) and keep each step's logits (the full
-lm_head) and wall time. Reported per format: mean and max KL(f32 || format) over the steps'
-next-token distributions, top-1 agreement with f32, the median decode step (tokens/s at
-context N) and the KV bytes held at N.
+For each context N of ``--ctx`` and each format of ``--cache-type`` (the first one listed is the
+reference; f32 by default): a fresh sequence prefills N tokens of real text (this repository's
+documentation and sources, tokenized by the model's tokenizer; no repeats while they last), then
+``--eval`` one-token decode steps feed the text's next tokens (teacher forcing) and keep each
+step's logits (the full lm_head) and wall time. Reported per format: mean and max KL(reference ||
+format) over the steps' next-token distributions, top-1 agreement with the reference, the median
+decode step (tokens/s at context N) and the KV bytes held at N.
+
+``--logits-dir DIR``: keep each run's logits there and reuse them, so that the formats of one
+comparison can run in separate processes (a 16k-token prefill of a 0.5B model takes many minutes
+on a loaded host). The text's token ids are saved with the first run and reused by the later ones
+(the repository's files change as it is edited). A float format's run is reused as saved; a q8_0
+run only if it was made by the same attention kernel source (its sha is saved with it).
+
+``--speed``: decode speed alone, no prefill and no KL: each format's cache is filled with random
+keys and values up to position N (:func:`cpullm.compile.kvformat.write_positions`), then
+``--eval`` decode steps run with the formats alternating step by step (the first step of each
+untimed), so that the host's load falls on all alike; tokens/s from the median step, and its
+ratio to the first format's. Attention's work does not depend on the values held, so this is the
+decode rate at context N without the minutes a real prefill takes.
 
 ``--emulate-blocks B``: what a finer scale would give. After the float32 run's prefill, every
 cached key and value is rounded as an int8 cache with one scale per B values of a head row would
@@ -64,11 +78,9 @@ def text_ids(tokenizer, n: int) -> list[int]:
 
 def q8_blocks_roundtrip(x: np.ndarray, block: int) -> np.ndarray:
     """float32 rows (..., head_dim) as int8 with one max/127 scale per ``block`` values, scaled back."""
-    from cpullm_kernels.attention.attention import q8_rows_ref
-    shape = x.shape
-    rows = x.reshape(*shape[:-1], shape[-1] // block, block)
-    q, sc = q8_rows_ref(rows)
-    return (q.astype(np.float32) * sc[..., None]).reshape(shape)
+    from cpullm_kernels.attention.attention import q8_quantize_ref
+    q, sc = q8_quantize_ref(x, block)
+    return (q.astype(np.float32).reshape(*x.shape[:-1], -1, block) * sc[..., None]).reshape(x.shape)
 
 
 def emulate(model, slot, block: int) -> None:
@@ -110,6 +122,90 @@ def run(model, ids: list[int], n_ctx: int, n_eval: int, block: int | None = None
         steps.append(time.perf_counter() - t1)
         logits.append(np.array(row, np.float32))
     return {"logits": np.stack(logits), "steps": steps, "prefill_s": prefill_s, "kv_bytes": kv_bytes}
+
+
+def kernel_sha() -> str:
+    """sha256 (first 16 hex digits) of the attention kernel's and the KV format's sources: what a
+    q8_0 run's numbers depend on beyond the model."""
+    import hashlib
+
+    import cpullm.compile.kvformat as kvformat
+    import cpullm_kernels.attention.attention as att
+    h = hashlib.sha256()
+    for mod in (att, kvformat):
+        h.update(Path(mod.__file__).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _stem(model: str, n: int, n_eval: int) -> str:
+    return f"{Path(str(model)).name}-{n}-{n_eval}"
+
+
+def saved_ids(logits_dir, model: str, n: int, n_eval: int, tokenizer) -> list[int]:
+    """The text's n + n_eval token ids: saved in ``logits_dir`` by the first run, reused after."""
+    if logits_dir is None:
+        return text_ids(tokenizer, n + n_eval)
+    f = Path(logits_dir) / f"{_stem(model, n, n_eval)}-ids.npy"
+    if f.exists():
+        return [int(t) for t in np.load(f)]
+    ids = text_ids(tokenizer, n + n_eval)
+    Path(logits_dir).mkdir(parents=True, exist_ok=True)
+    np.save(f, np.asarray(ids, np.int64))
+    return ids
+
+
+def saved_run(logits_dir, model: str, n: int, n_eval: int, kv: str, make) -> dict:
+    """``make()``'s result (:func:`run`), or the one saved in ``logits_dir`` (see --logits-dir)."""
+    if logits_dir is None:
+        return make()
+    f = Path(logits_dir) / f"{_stem(model, n, n_eval)}-{kv}.npz"
+    sha = kernel_sha() if kv.startswith("q8") else ""
+    if f.exists():
+        z = np.load(f)
+        if str(z["sha"]) == sha:
+            print(f"  {kv}: reusing {f}", flush=True)
+            return {"logits": z["logits"], "steps": list(z["steps"]), "prefill_s": float(z["prefill_s"]),
+                    "kv_bytes": int(z["kv_bytes"])}
+    r = make()
+    tmp = f.with_suffix(".tmp.npz")
+    np.savez(tmp, logits=r["logits"], steps=np.asarray(r["steps"]), prefill_s=r["prefill_s"],
+             kv_bytes=r["kv_bytes"], sha=sha)
+    os.replace(tmp, f)
+    return r
+
+
+def fill_random(model, slot, n: int, seed: int = 0) -> None:
+    """Keys and values of positions [0, n) of every KV region of ``slot``: random normal rows in the
+    region's format (what a decode step reads, without a prefill); the slot is then at position n."""
+    rng = np.random.default_rng(seed)
+    for reg in model.program.meta["state_regions"]:
+        if reg["kind"] != "kv":
+            continue
+        lo = max(0, n - reg["cap"])
+        for p0 in range(lo, n, 1024):
+            p1 = min(n, p0 + 1024)
+            kv = rng.standard_normal((2, reg["n_kv_heads"], p1 - p0, reg["head_dim"]), np.float32)
+            slot.write_kv(reg, p0, kv)
+    model.forward.set_position(slot, n)
+
+
+def speed(name: str, kinds: list, n_ctx: int, steps: int, threads, quant) -> dict:
+    """{format: tokens/s} of decode at context n_ctx, the formats alternating step by step."""
+    import cpullm
+    models = []
+    for kv in kinds:
+        m = cpullm.load(name, n_ctx=n_ctx + steps + 2, threads=threads, kv_dtype=kv, quant=quant)
+        m.forward.reset(m.slot)
+        fill_random(m, m.slot, n_ctx)
+        models.append(m)
+    times = {kv: [] for kv in kinds}
+    for i in range(steps + 1):
+        for kv, m in zip(kinds, models):
+            t0 = time.perf_counter()
+            m.forward.step([m.slot], [100 + i])
+            if i:
+                times[kv].append(time.perf_counter() - t0)
+    return {kv: 1.0 / float(np.median(t)) for kv, t in times.items()}
 
 
 def kernel_times(nh: int, nkv: int, hd: int, n_ctx: int, threads: int | None, layers: int = 8,
@@ -200,7 +296,18 @@ def main(argv=None) -> int:
                    help="the faithful emulation: N one-token steps, the cache rounded after each")
     p.add_argument("--kernel", type=int, nargs=3, metavar=("HEADS", "KV_HEADS", "HEAD_DIM"),
                    help="time the decode attention kernel alone for this shape (no model)")
+    p.add_argument("--logits-dir", default=None, help="keep and reuse each format's logits here")
+    p.add_argument("--speed", action="store_true", help="decode speed alone over a randomly filled cache")
     a = p.parse_args(argv)
+    if a.speed:
+        if a.model is None:
+            p.error("give MODEL")
+        for n in a.ctx:
+            r = speed(a.model, a.kv_dtypes, n, a.eval, a.threads, a.quant)
+            first = r[a.kv_dtypes[0]]
+            print(f"{a.model}: decode at context {n}, {a.eval} steps, load average {os.getloadavg()[0]:.1f}: "
+                  + ", ".join(f"{k} {v:.2f} tok/s ({v / first:.2f}x)" for k, v in r.items()), flush=True)
+        return 0
     if a.kernel:
         out = {n: kernel_times(*a.kernel, n, a.threads) for n in a.ctx}
         if a.json:
@@ -224,14 +331,14 @@ def main(argv=None) -> int:
         return 0
     import cpullm
 
-    kinds = ["f32"] + [k for k in a.kv_dtypes if k != "f32"]
-    out = {"model": a.model, "eval": a.eval, "contexts": {}}
+    kinds = list(dict.fromkeys(a.kv_dtypes))             # the first one is the reference
+    out = {"model": a.model, "eval": a.eval, "reference": kinds[0], "contexts": {}}
     for n in a.ctx:
         res = {}
         for kv in kinds:
             m = cpullm.load(a.model, n_ctx=n + a.eval + 1, threads=a.threads, kv_dtype=kv, quant=a.quant)
-            ids = text_ids(m.tokenizer, n + a.eval)
-            res[kv] = run(m, ids, n, a.eval)
+            ids = saved_ids(a.logits_dir, a.model, n, a.eval, m.tokenizer)
+            res[kv] = saved_run(a.logits_dir, a.model, n, a.eval, kv, lambda: run(m, ids, n, a.eval))
             if kv == "f32":
                 for b in a.emulate_blocks:
                     res[f"emu-q8/{b}"] = run(m, ids, n, a.eval, block=b)
@@ -239,7 +346,7 @@ def main(argv=None) -> int:
                         res[f"emu-q8/{b}/chunked"] = run(m, ids, n, a.eval, block=b, chunked=True)
             out["threads"], out["quant"] = m.threads, m.quant
             del m
-        ref = res["f32"]["logits"]
+        ref = res[kinds[0]]["logits"]
         rows = {}
         for kv, r in res.items():
             rows[kv] = {**compare(ref, r["logits"]), "decode_tps": 1.0 / float(np.median(r["steps"])),
@@ -248,7 +355,7 @@ def main(argv=None) -> int:
         out.setdefault("loadavg", []).append(os.getloadavg())
         if not a.json:
             print(f"{a.model} ({out['quant']}, {out['threads']} threads), context {n}, {a.eval} teacher-forced "
-                  f"steps, load average {os.getloadavg()[0]:.1f}", flush=True)
+                  f"steps, KL against the {kinds[0]} cache, load average {os.getloadavg()[0]:.1f}", flush=True)
             for kv, r in rows.items():
                 print(f"  {kv:18s} KL mean {r['kl_mean']:.2e} max {r['kl_max']:.2e} top-1 {r['top1']:.3f}  "
                       f"decode {r['decode_tps']:6.2f} tok/s  KV {r['kv_bytes'] / 1e6:7.1f} MB  "

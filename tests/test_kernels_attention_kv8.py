@@ -1,8 +1,9 @@
 """The 8-bit KV cache: kv_write stores each (position, KV head) row of keys and of values as int8
-with one float32 scale exactly as the numpy reference rounds it, the region's layout is what
-kv_views_q8 reads, and attention() over it equals the numpy reference over the dequantized keys
-and values on awkward shapes (head_dim 64/80/128/256 and 8, GQA, sliding windows, softcap, odd
-lengths, key ranges split across threads); the batched decode is bit-identical to attention()."""
+with a float32 scale per 32 values exactly as the numpy reference rounds it, the region's layout is
+what kv_views_q8 reads, and attention() over it equals the numpy reference over the dequantized keys
+and values on awkward shapes (head_dim 64/80/128/256 and 8, whose last block is short or the only
+one; GQA, sliding windows, softcap, odd lengths, key ranges split across threads); the batched
+decode is bit-identical to attention()."""
 import numpy as np
 import pytest
 
@@ -54,26 +55,50 @@ def _run(chunks, nh, nkv, hd, window, softcap, nthreads, seed=0, outlier=0.0):
 def test_operand_and_region_size():
     assert A.kv_operand(A.KV_Q8).dtype == np.int8 and A.kv_operand(A.KV_F16).dtype == np.int64
     assert A.kv_operand(A.KV_F32) is None
-    # int8 keys and values, then a float32 scale per (slot, head) of each: (hd + 4) / 2 floats a row
-    assert _floats(2, 32, 64) == 2 * 32 * (64 + 4) // 2
+    # int8 keys and values, then a float32 scale per 32 values of each: (hd + 4 * blocks) / 2 floats a row
+    assert A.Q8_BLOCK == 32 and [A.q8_blocks(h) for h in (8, 32, 64, 80, 128)] == [1, 1, 2, 3, 4]
+    assert _floats(2, 32, 64) == 2 * 32 * (64 + 4 * 2) // 2
+    assert _floats(3, 16, 80) == 3 * 16 * (80 + 4 * 3) // 2
 
 
-def test_quantized_rows_match_the_reference():
-    nkv, hd, T = 2, 32, 21
+def test_reference_rounds_each_block_on_its_own():
+    """A block's scale follows only its own values: a large channel in block 0 leaves block 1's
+    rounding as fine as without it (one scale per row would make it coarse)."""
+    r = np.random.default_rng(1)
+    x = r.standard_normal((5, 80)).astype(np.float32)
+    x[:, 3] = 400.0
+    q, sc = A.q8_rows_ref(x)
+    assert q.shape == (5, 80) and q.dtype == np.int8 and sc.shape == (5, 3)
+    for b, (lo, hi) in enumerate([(0, 32), (32, 64), (64, 80)]):
+        np.testing.assert_array_equal(sc[:, b], np.abs(x[:, lo:hi]).max(-1) / np.float32(127.0))
+        qb, sb = A.q8_quantize_ref(x[:, lo:hi], 32)
+        np.testing.assert_array_equal(q[:, lo:hi], qb)
+        np.testing.assert_array_equal(sc[:, b], sb[:, 0])
+    back = A.q8_dequantize_ref(x, 80)
+    assert np.abs(back - x)[:, 32:].max() < 0.05 < np.abs(A.q8_quantize_ref(x, 80)[1]).min()
+
+
+@pytest.mark.parametrize("hd", [32, 80])
+def test_quantized_rows_match_the_reference(hd):
+    nkv, T = 2, 21
     _, (_, k, v), region, cap = _run([T], 4, nkv, hd, 0, 0.0, 1, outlier=30.0)
     kt, vc, ks, vs = A.kv_views_q8(region, nkv, cap, hd)
+    nb = A.q8_blocks(hd)
     assert kt.dtype == np.int8 and vc.dtype == np.int8 and ks.dtype == np.float32
+    assert ks.shape == (nkv, cap // 16, nb, 16) and vs.shape == (nkv, cap, nb)
     kq, kscale = A.q8_rows_ref(k.reshape(T, nkv, hd))
     vq, vscale = A.q8_rows_ref(v.reshape(T, nkv, hd))
     for t in range(T):
         for h in range(nkv):
             np.testing.assert_array_equal(kt[h, t // 16, :, t % 16], kq[t, h])
             np.testing.assert_array_equal(vc[h, t], vq[t, h])
-            assert ks[h, t] == kscale[t, h] and vs[h, t] == vscale[t, h]
+            np.testing.assert_array_equal(ks[h, t // 16, :, t % 16], kscale[t, h])
+            np.testing.assert_array_equal(vs[h, t], vscale[t, h])
     assert np.abs(kq).max() == 127 and (kq[3] == 0).all() and (kscale[3] == 0).all()
-    # the round trip is within half a step of each row's scale
-    back = kq.astype(np.float32) * kscale[..., None]
-    assert (np.abs(back - k.reshape(T, nkv, hd)) <= kscale[..., None] * 0.5000001).all()
+    # the round trip is within half a step of each block's scale
+    back = kq.astype(np.float32) * np.repeat(kscale, 32, -1)[..., :hd]
+    assert (np.abs(back - k.reshape(T, nkv, hd)) <= np.repeat(kscale, 32, -1)[..., :hd] * 0.5000001).all()
+    np.testing.assert_array_equal(back.reshape(T, -1), A.q8_dequantize_ref(k, hd))
 
 
 @pytest.mark.parametrize("nh,nkv,hd", [(8, 2, 64), (6, 3, 80), (24, 8, 128), (4, 1, 256), (6, 2, 8)])

@@ -49,7 +49,9 @@ def test_load_reports_the_format_and_rejects_a_bad_one(wide_dir, tmp_path):
     assert cpullm.load(wide_dir, n_ctx=256, cache_dir=tmp_path).cache_status == "HIT"
     m8 = cpullm.load(wide_dir, n_ctx=256, cache_dir=tmp_path, kv_dtype="q8_0")
     assert m8.cache_status == "MISS (changed: kv_dtype)" and m8.info()["kv_dtype"] == "q8_0"
-    assert all(r["kv_dtype"] == "q8_0" and r["floats"] == r["n_kv_heads"] * r["cap"] * (r["head_dim"] + 4) // 2
+    # int8 keys and values with a float32 scale per 32 values: (head_dim + 4 * ceil(head_dim / 32)) bytes a row
+    assert all(r["kv_dtype"] == "q8_0" and
+               r["floats"] == r["n_kv_heads"] * r["cap"] * (r["head_dim"] + 4 * -(-r["head_dim"] // 32)) // 2
                for r in m8.program.meta["state_regions"])
     # the load-time bounds check accepts the 8-bit regions, refuses an unknown format code and a
     # region too small for its format (the kernels do not bounds-check)
@@ -87,7 +89,7 @@ def test_int8_with_smaller_kv_stays_close_to_f32_kv(wide_dir, tmp_path, kv_dtype
     agree = np.mean(a.argmax(-1) == b.argmax(-1))
     rel = np.abs(a - b).max() / np.abs(a).max()
     # this random model's attention is far sharper than a trained one's (weights of std 0.3), so
-    # 8-bit keys move its logits more; real models: benchmarks/results/2026-12-05-kv-cache.md
+    # 8-bit keys move its logits more; real models: benchmarks/results/2026-12-06-kv-cache.md
     min_agree, max_rel = {"f16": (0.9, 0.02), "q8_0": (0.75, 0.2)}[kv_dtype]
     assert agree >= min_agree and rel < max_rel, (agree, rel)
     # the smaller format's own greedy tokens: mostly the same ones (a tie may flip one and diverge)
@@ -126,27 +128,48 @@ def test_prompt_cache_q8_round_trip(wide_dir, tmp_path):
     raw = pc.read_bytes()
     header = json.loads(raw[24: 24 + int.from_bytes(raw[16:24], "little")])
     assert header["identity"]["kv_dtype"] == "q8_0" and {r["dtype"] for r in header["regions"]} == {"q8_0"}
-    assert all(r["shape"][-1] == r["head_dim"] + 4 for r in header["regions"])
+    assert all(r["shape"][-1] == r["head_dim"] + 4 * -(-r["head_dim"] // 32) for r in header["regions"])
     again = cpullm.load(wide_dir, n_ctx=256, cache_dir=tmp_path, kv_dtype="q8_0").use_prompt_cache(pc)
     assert list(again.generate_ids(IDS, 6, ignore_eos=True)) == want
     assert again.prompt_cache_status == f"HIT (reused {len(IDS) - 1} of {len(IDS)} prompt tokens)"
+    # a file of format version 2 (q8_0 rows with one scale each) is stale: not read, rewritten on save
+    old = bytearray(raw)
+    old[8:12] = (2).to_bytes(4, "little")
+    pc.write_bytes(bytes(old))
+    stale = cpullm.load(wide_dir, n_ctx=256, cache_dir=tmp_path, kv_dtype="q8_0").use_prompt_cache(pc)
+    assert stale.prompt_cache_status == "MISS (of format version 2, not 3)"
+    assert list(stale.generate_ids(IDS, 6, ignore_eos=True)) == want
+    stale.save_prompt_cache()
+    assert pc.read_bytes()[8:12] == (3).to_bytes(4, "little")
     with pytest.raises(CacheError, match="saved with KV cache type q8_0, this model runs f16"):
         cpullm.load(wide_dir, n_ctx=256, cache_dir=tmp_path).use_prompt_cache(pc)
 
 
 def test_q8_positions_round_trip_bit_for_bit():
     """read_positions / write_positions of an 8-bit region (the prefix and prompt caches' copy):
-    int8 rows and their scales come back exactly, in ring slots that wrap."""
+    int8 rows and their block scales come back exactly, in ring slots that wrap, and sit where the
+    kernels read them; float rows written into it are rounded as the kernels round them."""
+    from cpullm_kernels.attention.attention import kv_views_q8, q8_rows_ref
     r = np.random.default_rng(3)
     reg = {"n_kv_heads": 2, "cap": 32, "head_dim": 64, "kv_dtype": "q8_0"}
     region = np.zeros(region_floats(2, 32, 64, "q8_0"), np.float32)
-    kv = r.integers(-127, 128, (2, 2, 20, 68)).astype(np.int8)
-    kv[..., 64:] = r.random((2, 2, 20, 1)).astype(np.float32).view(np.int8)
+    kv = r.integers(-127, 128, (2, 2, 20, 72)).astype(np.int8)       # 64 values, 2 scales of 4 bytes
+    kv[..., 64:] = r.random((2, 2, 20, 2)).astype(np.float32).view(np.int8)
     write_positions(region, reg, 25, kv)                      # positions 25..44: slots 25..31, 0..12
     np.testing.assert_array_equal(read_positions(region, reg, 25, 45), kv)
     np.testing.assert_array_equal(read_positions(region, reg, 30, 40), kv[:, :, 5:15])
-    with pytest.raises(ValueError, match="q8_0 KV region takes int8 rows of 68 bytes"):
-        write_positions(region, reg, 0, np.zeros((2, 2, 1, 64), np.float16))
+    k, v, ks, vs = kv_views_q8(region, 2, 32, 64)
+    np.testing.assert_array_equal(ks[1, 0, :, 3], kv[0, 1, 10, 64:].view(np.float32))    # position 35: slot 3
+    np.testing.assert_array_equal(vs[1, 3], kv[1, 1, 10, 64:].view(np.float32))
+    np.testing.assert_array_equal(k[1, 0, :, 3], kv[0, 1, 10, :64])
+    with pytest.raises(ValueError, match="q8_0 KV region takes int8 rows of 72 bytes"):
+        write_positions(region, reg, 0, np.zeros((2, 2, 1, 68), np.int8))
+    x = r.standard_normal((2, 2, 3, 64)).astype(np.float32)
+    write_positions(region, reg, 0, x)
+    q, sc = q8_rows_ref(x)
+    got = read_positions(region, reg, 0, 3)
+    np.testing.assert_array_equal(got[..., :64], q)
+    np.testing.assert_array_equal(np.ascontiguousarray(got[..., 64:]).view(np.float32), sc)
 
 
 def test_cli_cache_type_flag(wide_dir, tmp_path, capsys):

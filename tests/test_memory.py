@@ -27,8 +27,9 @@ def test_memory_report_matches_the_arrays(hybrid_dir, tmp_path, max_chunk, kv_dt
     m = cpullm.load(hybrid_dir, n_ctx=n_ctx, max_chunk=max_chunk, cache_dir=tmp_path, kv_dtype=kv_dtype)
     ex, a = m.executor, m.program.arrays
     rep = m.info()["memory"]
-    # bytes a position of one KV head takes (keys and values; q8_0: int8 with a float32 scale each)
-    row = {None: 2 * 2 * HYBRID["head_dim"], "f32": 2 * 4 * HYBRID["head_dim"], "q8_0": 2 * (HYBRID["head_dim"] + 4)}[kv_dtype]
+    # bytes a position of one KV head takes (keys and values; q8_0: int8 with a float32 scale per 32 values)
+    row = {None: 2 * 2 * HYBRID["head_dim"], "f32": 2 * 4 * HYBRID["head_dim"],
+           "q8_0": 2 * (HYBRID["head_dim"] + 4 * -(-HYBRID["head_dim"] // 32))}[kv_dtype]
     assert m.info()["kv_dtype"] == rep["kv_dtype"] == m.info()["context_plan"]["kv_dtype"] == (kv_dtype or "f16")
     assert rep["weights_bytes"] == a["wq"].nbytes + a["ws"].nbytes + a["wf"].nbytes
     assert rep["program_bytes"] == a["I"].nbytes + a["F"].nbytes

@@ -192,6 +192,7 @@ def cache_key_inputs(*, config, family, graph, weights, store, quant, n_ctx, max
                      kv_dtype="f32") -> dict:
     """Everything that, when it changes, must give a new entry."""
     from .compiler import context_free, graph_hash
+    from .kvformat import cache_key_name
 
     v = versions()
     return {
@@ -207,7 +208,7 @@ def cache_key_inputs(*, config, family, graph, weights, store, quant, n_ctx, max
         "quant": quant,
         # one entry for every context length: the KV regions are sized at load (with_context)
         "n_ctx": "any" if context_free(graph) else n_ctx,
-        "kv_dtype": kv_dtype,          # the KV regions' sizes and the ATTENTION rows' format column
+        "kv_dtype": cache_key_name(kv_dtype),   # the KV regions' layout and the ATTENTION rows' format column
         "max_chunk": max_chunk,
         "kernels_version": v["kernels_version"],
         "plugin_kernels": sorted([k.name, k.version, k.plugin] for k in kernels),

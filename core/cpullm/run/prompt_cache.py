@@ -20,8 +20,9 @@ File layout (little endian; no pickle)::
 
     b"CPULLMPC"  u32 version  u32 0  u64 header length  | header JSON | pad to 64 |
     arrays (each at a 64-byte aligned offset from the data start; keys and values in the KV
-    cache's format, float16, float32 or q8_0 (int8 rows of head_dim values and the 4 bytes of
-    their float32 scale, cpullm.compile.kvformat.read_positions), other state float32)
+    cache's format, float16, float32 or q8_0 (int8 rows of head_dim values and the bytes of
+    their float32 scales, one per 32 values, cpullm.compile.kvformat.read_positions), other
+    state float32)
 
 The header names the model (family, config hash, weight files, quant) and the runtime (versions,
 KV format, graph hash, CPU), the prompt tokens, and per state region its node, kind, positions
@@ -43,11 +44,11 @@ import numpy as np
 
 from .. import limits
 from ..errors import CacheError
-from ..compile.kvformat import KV_DTYPES, region_format
+from ..compile.kvformat import KV_DTYPES, q8_row_bytes, region_format
 
 MAGIC = b"CPULLMPC"
-VERSION = 2      # 2: KV arrays stored in the model's KV format (entry "dtype"), kv_dtype in the identity
-# (q8_0 files need no new version: a reader without it finds their kv_dtype foreign, not stale)
+VERSION = 3      # 2: KV arrays stored in the model's KV format (entry "dtype"), kv_dtype in the identity;
+# 3: q8_0 rows carry a float32 scale per 32 values (version 2's had one per row: such a file is stale)
 _PREFIX = struct.Struct("<8sIIQ")
 _ALIGN = 64
 _MAX_HEADER = 256 * 1024 * 1024
@@ -151,7 +152,8 @@ def _header_problem(h: dict) -> str | None:
             return f"region {limits.shown(r['node'])} has a bad offset or position range"
         if r["kind"] == "kv":
             if not all(_nat(r.get(k)) for k in ("n_kv_heads", "head_dim", "window")) or \
-                    shape != [2, r["n_kv_heads"], r["hi"] - r["lo"], r["head_dim"] + (4 if r["dtype"] == "q8_0" else 0)]:
+                    shape != [2, r["n_kv_heads"], r["hi"] - r["lo"],
+                              q8_row_bytes(r["head_dim"]) if r["dtype"] == "q8_0" else r["head_dim"]]:
                 return f"region {limits.shown(r['node'])}: shape does not hold its keys and values"
         elif not _nat(r.get("floats")) or shape != [r["floats"]]:
             return f"region {limits.shown(r['node'])}: shape does not match its floats"

@@ -6,8 +6,9 @@ Cache region of one layer inside the flat ``state`` array, at ``c_off`` (cap a m
     V: (n_kv, cap, head_dim)             values, one row per slot
 
 (float32; a float16 cache the same in 2-byte elements; an 8-bit one the same in int8 bytes,
-then float32 scales KS (n_kv, cap) and VS (n_kv, cap), one per slot's key row and value row:
-:func:`kv_views_q8`, :func:`q8_row`.)
+then float32 scales, one per Q8_BLOCK (32) values of a row: the keys' KS (n_kv, cap // 16,
+n_blocks, 16), tiled as the keys are, and the values' VS (n_kv, cap, n_blocks), n_blocks =
+ceil(head_dim / 32): :func:`kv_views_q8`, :func:`q8_row`.)
 
 Position p lives in slot ``p % cap`` (K: tile ``slot // 16``, lane ``slot % 16``). A full-attention
 layer has cap = n_ctx (rounded up to 16); a sliding-window layer has cap >= window + max_chunk, so
@@ -58,6 +59,14 @@ _VI32 = ir.VectorType(_I32, TILE)
 KV_F32, KV_F16, KV_Q8 = 0, 1, 2
 """KV storage formats as the instruction table codes them (cpullm.compile.kvformat names them)."""
 
+Q8_BLOCK = 32
+"""Values per float32 scale in an 8-bit cache's rows (ggml's Q8_0 block): keys and values."""
+
+
+def q8_blocks(head_dim: int) -> int:
+    """Scales per (slot, KV head) row of an 8-bit cache: ceil(head_dim / Q8_BLOCK)."""
+    return (int(head_dim) + Q8_BLOCK - 1) // Q8_BLOCK
+
 
 def kv_operand(code: int):
     """The kernels' ``kv16`` operand for a KV format code: None for float32 caches, an int64 for
@@ -86,7 +95,8 @@ WIDEN_F16C, WIDEN_GENERIC, WIDEN_I8 = 1, 2, 3
 """How the kernels widen a cache element to float32: float16 by LLVM's ``fpext`` (vcvtph2ps on
 F16C / AVX-512 hosts) or by integer operations (any host: LLVM would otherwise call a runtime
 helper that a JIT-compiled function may not find); an 8-bit cache's int8 by ``sitofp``
-(vpmovsxbd + vcvtdq2ps), its per-row scale applied outside the dot products."""
+(vpmovsxbd + vcvtdq2ps), its block scales applied per block of sums (keys) or per loaded
+vector (values)."""
 HEADS_PER_PASS = 4   # query heads sharing one tile / value-row load
 PREFETCH_BYTES = 8192
 """Software-prefetch distance in the key-tile and value-row streams of decode (see STREAM_ROWS)."""
@@ -217,6 +227,73 @@ def _elem(widen):
     return (_I16.as_pointer(), 2) if widen else (_PF, 4)
 
 
+def _dims_loop(fn, b_pre, start, stop, step, accs_in, name, q, hd, tile, widen, pf, esize):
+    """for d in range(start, stop, step) as IR blocks after ``b_pre``: each head j's
+    accumulators accs_in[j] (P vectors, dimension d + k into accumulator k % P) take
+    q[j * hd + d] * tile[d * 16 : d * 16 + 16] by FMA (the keys widened as loaded, prefetched pf
+    bytes ahead when pf). Returns (builder after the loop, the accumulators there)."""
+    module = fn.module
+    fma = _decl(module, "llvm.fmuladd.v16f32", _VF, [_VF, _VF, _VF])
+    nh = len(accs_in)
+    pre_block = b_pre.block
+    head = fn.append_basic_block(name + "_head")
+    body = fn.append_basic_block(name + "_body")
+    end = fn.append_basic_block(name + "_end")
+    b_pre.branch(head)
+    bh = ir.IRBuilder(head)
+    d = bh.phi(_I64)
+    accs = [[bh.phi(_VF) for _ in range(len(accs_in[0]))] for _ in range(nh)]
+    d.add_incoming(start, pre_block)
+    for j in range(nh):
+        for k, a in enumerate(accs[j]):
+            a.add_incoming(accs_in[j][k], pre_block)
+    bh.cbranch(bh.icmp_signed("<", d, stop), body, end)
+    bb = ir.IRBuilder(body)
+    new = [list(a) for a in accs]
+    for k in range(step):
+        dk = bb.add(d, _c64(k))
+        kv = _vload_kv(bb, tile, bb.mul(dk, _c64(TILE)), widen)
+        if pf:
+            _prefetch(bb, tile, bb.add(bb.mul(dk, _c64(TILE)), _c64(pf // esize)))
+        for j in range(nh):
+            qj = bb.load(bb.gep(q, [bb.add(bb.mul(hd, _c64(j)), dk)]), align=4)
+            slot = k % len(new[j])
+            new[j][slot] = bb.call(fma, [_splat(bb, qj), kv, new[j][slot]])
+    d.add_incoming(bb.add(d, _c64(step)), body)
+    for j in range(nh):
+        for a, v in zip(accs[j], new[j]):
+            a.add_incoming(v, body)
+    bb.branch(head)
+    return ir.IRBuilder(end), accs
+
+
+def _pairwise(b, parts):
+    """The sum of a power-of-two list of vectors, added in pairs (a fixed order)."""
+    while len(parts) > 1:
+        parts = [b.fadd(parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
+def _dot_range(fn, b, start, stop, accs_in, name, q, hd, tile, widen, pf, esize):
+    """Dimensions [start, stop) of the score sums: P interleaved partial sums per head
+    (``accs_in``), added pairwise, then the dimensions past the last whole P one by one.
+    Returns (builder after, one sum vector per head)."""
+    P = len(accs_in[0])
+    dmain = b.add(start, b.mul(b.sdiv(b.sub(stop, start), _c64(P)), _c64(P)))
+    b2, accs = _dims_loop(fn, b, start, dmain, P, accs_in, name + "m", q, hd, tile, widen, pf, esize)
+    sums = [[_pairwise(b2, list(accs[j]))] for j in range(len(accs))]
+    b3, fin = _dims_loop(fn, b2, dmain, stop, 1, sums, name + "t", q, hd, tile, widen, pf, esize)
+    return b3, [f[0] for f in fin]
+
+
+def _new_function(module, name, args):
+    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), args), name)
+    fn.linkage = "internal"
+    fn.attributes.add("alwaysinline")
+    fn.attributes.add("nounwind")
+    return fn
+
+
 def _define_scores(module, nh: int, pf: int, widen: int = 0):
     """void @cpullm_att_scores_<nh>(f32* q, i64 hd, f32* tile, f32* out, i64 out_st):
     out[j * out_st + l] = sum_d q[j * hd + d] * tile[d * 16 + l] for j < nh, l < 16.
@@ -230,78 +307,83 @@ def _define_scores(module, nh: int, pf: int, widen: int = 0):
     if fn is not None:
         return fn
     tile_ty, esize = _elem(widen)
-    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [_PF, _I64, tile_ty, _PF, _I64]), name)
-    fn.linkage = "internal"
-    fn.attributes.add("alwaysinline")
-    fn.attributes.add("nounwind")
+    fn = _new_function(module, name, [_PF, _I64, tile_ty, _PF, _I64])
     q, hd, tile, out, out_st = fn.args
+    P = {1: 8, 2: 4, 3: 2, 4: 2}[nh]
+    zero = ir.Constant(_VF, [0.0] * TILE)
+    b = ir.IRBuilder(fn.append_basic_block("entry"))
+    b3, fin = _dot_range(fn, b, _c64(0), hd, [[zero] * P for _ in range(nh)], "d", q, hd, tile, widen, pf, esize)
+    for j in range(nh):
+        _vstore(b3, fin[j], out, b3.mul(out_st, _c64(j)))
+    b3.ret_void()
+    return fn
+
+
+def _define_scores_q8(module, nh: int, pf: int):
+    """void @cpullm_att_scores_q8_<nh>(f32* q, i64 hd, i8* tile, f32* sc, f32* out, i64 out_st):
+    out[j * out_st + l] = sum_b sc[b * 16 + l] * sum_{d in block b} q[j * hd + d] * tile[d * 16 + l]
+    for j < nh, l < 16: int8 keys with a float32 scale per Q8_BLOCK dimensions of each key (the
+    tile's scales ``sc``: (n_blocks, 16), a vector per block). Each block's sums run as
+    :func:`_define_scores`' (P partial sums, added pairwise), then one FMA per head adds the
+    block's sum times its 16 scales to the head's total; the last block may be shorter."""
+    name = f"cpullm_att_scores_q8_v1_{nh}_pf{pf}"
+    fn = module.globals.get(name)
+    if fn is not None:
+        return fn
+    fn = _new_function(module, name, [_PF, _I64, _P8, _PF, _PF, _I64])
+    q, hd, tile, sc, out, out_st = fn.args
     P = {1: 8, 2: 4, 3: 2, 4: 2}[nh]
     fma = _decl(module, "llvm.fmuladd.v16f32", _VF, [_VF, _VF, _VF])
     zero = ir.Constant(_VF, [0.0] * TILE)
     entry = fn.append_basic_block("entry")
     b = ir.IRBuilder(entry)
-    dmain = b.mul(b.sdiv(hd, _c64(P)), _c64(P))
-
-    def loop(b_pre, pre_block, start, stop, step, accs_in, name):
-        head = fn.append_basic_block(name + "_head")
-        body = fn.append_basic_block(name + "_body")
-        end = fn.append_basic_block(name + "_end")
-        b_pre.branch(head)
-        bh = ir.IRBuilder(head)
-        d = bh.phi(_I64)
-        accs = [[bh.phi(_VF) for _ in range(len(accs_in[0]))] for _ in range(nh)]
-        d.add_incoming(start, pre_block)
-        for j in range(nh):
-            for k, a in enumerate(accs[j]):
-                a.add_incoming(accs_in[j][k], pre_block)
-        bh.cbranch(bh.icmp_signed("<", d, stop), body, end)
-        bb = ir.IRBuilder(body)
-        new = [list(a) for a in accs]
-        for k in range(step):
-            dk = bb.add(d, _c64(k))
-            kv = _vload_kv(bb, tile, bb.mul(dk, _c64(TILE)), widen)
-            if pf:
-                _prefetch(bb, tile, bb.add(bb.mul(dk, _c64(TILE)), _c64(pf // esize)))
-            for j in range(nh):
-                qj = bb.load(bb.gep(q, [bb.add(bb.mul(hd, _c64(j)), dk)]), align=4)
-                slot = k % len(new[j])
-                new[j][slot] = bb.call(fma, [_splat(bb, qj), kv, new[j][slot]])
-        d.add_incoming(bb.add(d, _c64(step)), body)
-        for j in range(nh):
-            for a, v in zip(accs[j], new[j]):
-                a.add_incoming(v, body)
-        bb.branch(head)
-        return ir.IRBuilder(end), end, accs
-
-    b2, blk2, accs = loop(b, entry, _c64(0), dmain, P, [[zero] * P for _ in range(nh)], "dm")
-    sums = []
-    for j in range(nh):                       # pairwise sum of the partials
-        parts = list(accs[j])
-        while len(parts) > 1:
-            parts = [b2.fadd(parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
-        sums.append([parts[0]])
-    b3, _, fin = loop(b2, blk2, dmain, hd, 1, sums, "dt")
+    nb = b.sdiv(b.add(hd, _c64(Q8_BLOCK - 1)), _c64(Q8_BLOCK))
+    head = fn.append_basic_block("blk_head")
+    body = fn.append_basic_block("blk_body")
+    end = fn.append_basic_block("blk_end")
+    b.branch(head)
+    bh = ir.IRBuilder(head)
+    blk = bh.phi(_I64)
+    totals = [bh.phi(_VF) for _ in range(nh)]
+    blk.add_incoming(_c64(0), entry)
+    for t in totals:
+        t.add_incoming(zero, entry)
+    bh.cbranch(bh.icmp_signed("<", blk, nb), body, end)
+    bb = ir.IRBuilder(body)
+    d0 = bb.mul(blk, _c64(Q8_BLOCK))
+    d1 = bb.add(d0, _c64(Q8_BLOCK))
+    d1 = bb.select(bb.icmp_signed("<", d1, hd), d1, hd)
+    if pf:      # the scales are 4 * n_blocks bytes per 16 * head_dim of keys: ~pf / 8 ahead
+        _prefetch(bb, sc, bb.add(bb.mul(blk, _c64(TILE)), _c64(pf // 8 // 4)))
+    bl, sums = _dot_range(fn, bb, d0, d1, [[zero] * P for _ in range(nh)], "qd", q, hd, tile, WIDEN_I8, pf, 1)
+    svec = _vload(bl, sc, bl.mul(blk, _c64(TILE)))
     for j in range(nh):
-        _vstore(b3, fin[j][0], out, b3.mul(out_st, _c64(j)))
-    b3.ret_void()
+        totals[j].add_incoming(bl.call(fma, [sums[j], svec, totals[j]]), bl.block)
+    blk.add_incoming(bl.add(blk, _c64(1)), bl.block)
+    bl.branch(head)
+    be = ir.IRBuilder(end)
+    for j in range(nh):
+        _vstore(be, totals[j], out, be.mul(out_st, _c64(j)))
+    be.ret_void()
     return fn
 
 
-def _define_pv(module, nh: int, nv: int, pf: int, widen: int = 0):
+def _define_pv(module, nh: int, nv: int, pf: int, widen: int = 0, q8: bool = False):
     """void @cpullm_att_pv_<nh>_<nv>(f32* s, i64 s_st, f32* v, i64 v_st, i64 n, f32* acc, i64 acc_st):
     acc[j * acc_st + e] += sum_i s[j * s_st + i] * v[i * v_st + e] for j < nh, e < 16 nv; with
     pf > 0 a software prefetch of the value rows ~pf bytes ahead. ``widen`` > 0: v is i16* of
-    float16 values, widened to float32 as loaded."""
-    name = f"cpullm_att_pv_v3_{nh}_{nv}_pf{pf}_w{widen}"
+    float16 values, widened to float32 as loaded. ``q8``: v is i8* of int8 values and two more
+    arguments (f32* vs, i64 vs_st) give their scales: column e of row i is v[i * v_st + e] times
+    vs[i * vs_st + e // Q8_BLOCK] (v points at a multiple of Q8_BLOCK columns, or nv = 1 and its
+    16 columns are in one block), the widened vector multiplied by its block's scale as loaded."""
+    name = f"cpullm_att_pv_v3_{nh}_{nv}_pf{pf}_w{widen}" + ("_q8b" if q8 else "")
     fn = module.globals.get(name)
     if fn is not None:
         return fn
     v_ty, esize = _elem(widen)
-    fn = ir.Function(module, ir.FunctionType(ir.VoidType(), [_PF, _I64, v_ty, _I64, _I64, _PF, _I64]), name)
-    fn.linkage = "internal"
-    fn.attributes.add("alwaysinline")
-    fn.attributes.add("nounwind")
-    s, s_st, v, v_st, n, acc, acc_st = fn.args
+    fn = _new_function(module, name, [_PF, _I64, v_ty, _I64, _I64, _PF, _I64] + ([_PF, _I64] if q8 else []))
+    s, s_st, v, v_st, n, acc, acc_st = fn.args[:7]
+    vs, vs_st = fn.args[7:] if q8 else (None, None)
     fma = _decl(module, "llvm.fmuladd.v16f32", _VF, [_VF, _VF, _VF])
     entry = fn.append_basic_block("entry")
     b = ir.IRBuilder(entry)
@@ -322,6 +404,13 @@ def _define_pv(module, nh: int, nv: int, pf: int, widen: int = 0):
     bb = ir.IRBuilder(body)
     vrow = bb.mul(i, v_st)
     vv = [_vload_kv(bb, v, bb.add(vrow, _c64(16 * e)), widen) for e in range(nv)]
+    if q8:                   # each 16 columns times their block's scale
+        srow = bb.mul(i, vs_st)
+        scales = [_splat(bb, bb.load(bb.gep(vs, [bb.add(srow, _c64(k))]), align=4))
+                  for k in range((16 * nv + Q8_BLOCK - 1) // Q8_BLOCK)]
+        vv = [bb.fmul(vv[e], scales[16 * e // Q8_BLOCK]) for e in range(nv)]
+        if pf:
+            _prefetch(bb, vs, bb.add(srow, bb.mul(vs_st, pf_rows)))
     if pf:                   # the same columns, ~pf bytes ahead (at least one row)
         ahead = bb.add(vrow, bb.mul(v_st, pf_rows))
         for e in range(nv):
@@ -353,40 +442,48 @@ def _ptr(context, builder, aty, arr, off, half=False, byte=False):
     return builder.gep(data, [off])
 
 
-def _scores_typer(q, q_off, nq, hd, kt, t_off, out, o_off, o_st, pf, widen=0):
+def _scores_typer(q, q_off, nq, hd, kt, t_off, out, o_off, o_st, pf, widen=0, sc=None, sc_off=None):
     """out[o_off + j * o_st + l] = sum_d q[q_off + j * hd + d] * kt[t_off + d * 16 + l] for
     j < nq, l < 16 (one key tile against nq query heads). No bounds checks. pf: prefetch
     distance (bytes, 0 for none; None: PREFETCH_BYTES when the caller is compiled). widen: 0,
     kt holds float32 keys; else kt's memory holds float16 keys, t_off counted in them (None: the
-    target's conversion, :func:`_widen_mode`)."""
-    arrs = (q, kt, out)
-    ints = (q_off, nq, hd, t_off, o_off, o_st)
+    target's conversion, :func:`_widen_mode`); WIDEN_I8: int8 keys, t_off counted in bytes, with
+    the tile's block scales at float offset sc_off of ``sc`` (:func:`_define_scores_q8`)."""
+    q8 = widen == WIDEN_I8
+    arrs = (q, kt, out) + ((sc,) if q8 else ())
+    ints = (q_off, nq, hd, t_off, o_off, o_st) + ((sc_off,) if q8 else ())
     if not (all(isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 1 for a in arrs)
             and all(isinstance(i, types.Integer) for i in ints)):
         return None
-    sig = types.void(q, q_off, nq, hd, kt, t_off, out, o_off, o_st)
+    sig = types.void(q, q_off, nq, hd, kt, t_off, out, o_off, o_st, *((sc, sc_off) if q8 else ()))
 
     def codegen(context, builder, sig, args):
         pf_ = PREFETCH_BYTES if pf is None else pf
         w_ = _widen_mode() if widen is None else widen
         c = [context.cast(builder, args[i], sig.args[i], types.int64) if isinstance(sig.args[i], types.Integer)
-             else None for i in range(9)]
+             else None for i in range(len(args))]
         qp = _ptr(context, builder, sig.args[0], args[0], c[1])
         tp = _ptr(context, builder, sig.args[4], args[4], c[5], half=bool(w_), byte=w_ == WIDEN_I8)
         op = _ptr(context, builder, sig.args[6], args[6], c[7])
+        extra = [_ptr(context, builder, sig.args[9], args[9], c[10])] if q8 else []
         nq_, hd_, o_st_ = c[2], c[3], c[8]
         fn_ = builder.function
+
+        def define(nh):
+            if q8:
+                return _define_scores_q8(builder.module, nh, pf_)
+            return _define_scores(builder.module, nh, pf_, w_)
         # heads in passes of 4, then one pass of the remaining 1-3
         full = builder.sdiv(nq_, _c64(HEADS_PER_PASS))
         bb, k, after, close = _counted_loop(fn_, builder, full, "sc4")
         j0 = bb.mul(k, _c64(HEADS_PER_PASS))
-        bb.call(_define_scores(builder.module, HEADS_PER_PASS, pf_, w_),
-                [bb.gep(qp, [bb.mul(j0, hd_)]), hd_, tp, bb.gep(op, [bb.mul(j0, o_st_)]), o_st_])
+        bb.call(define(HEADS_PER_PASS),
+                [bb.gep(qp, [bb.mul(j0, hd_)]), hd_, tp, *extra, bb.gep(op, [bb.mul(j0, o_st_)]), o_st_])
         close(bb)
         rest0 = after.mul(full, _c64(HEADS_PER_PASS))
         after2 = _remainder_pass(fn_, after, after.sub(nq_, rest0), lambda br, nh: br.call(
-            _define_scores(builder.module, nh, pf_, w_),
-            [br.gep(qp, [br.mul(rest0, hd_)]), hd_, tp, br.gep(op, [br.mul(rest0, o_st_)]), o_st_]), "sc")
+            define(nh), [br.gep(qp, [br.mul(rest0, hd_)]), hd_, tp, *extra, br.gep(op, [br.mul(rest0, o_st_)]),
+                         o_st_]), "sc")
         builder.position_at_end(after2.block)
         return context.get_dummy_value()
 
@@ -406,23 +503,27 @@ def _scores_tiles_stream(typingctx, q, q_off, nq, hd, kt, t_off, out, o_off, o_s
     return _scores_typer(q, q_off, nq, hd, kt, t_off, out, o_off, o_st, None)
 
 
-def _pv_typer(s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd, pf, widen=0):
+def _pv_typer(s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd, pf, widen=0, vs=None, vs_off=None, vs_st=None):
     """acc[j * hd + e] += sum_{i < n} s[s_off + j * s_st + i] * v[v_off + i * v_st + e] for
     j < nq, e < hd (hd a multiple of 16). No bounds checks. pf: prefetch distance (bytes, 0 for
     none; None: PREFETCH_BYTES when the caller is compiled). widen: as :func:`_scores_typer`
-    (v_off, v_st counted in float16 elements when the values are float16)."""
-    arrs = (s, v, acc)
-    ints = (s_off, s_st, nq, v_off, v_st, n, hd)
+    (v_off, v_st counted in float16 elements when the values are float16); WIDEN_I8: int8 values
+    (v_off, v_st in bytes), value e of row i times vs[vs_off + i * vs_st + e // Q8_BLOCK]."""
+    q8 = widen == WIDEN_I8
+    arrs = (s, v, acc) + ((vs,) if q8 else ())
+    ints = (s_off, s_st, nq, v_off, v_st, n, hd) + ((vs_off, vs_st) if q8 else ())
     if not (all(isinstance(a, types.Array) and a.dtype == types.float32 and a.ndim == 1 for a in arrs)
             and all(isinstance(i, types.Integer) for i in ints)):
         return None
-    sig = types.void(s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd)
+    sig = types.void(s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd, *((vs, vs_off, vs_st) if q8 else ()))
 
     def codegen(context, builder, sig, args):
         pf_ = PREFETCH_BYTES if pf is None else pf
         w_ = _widen_mode() if widen is None else widen
         c = [context.cast(builder, args[i], sig.args[i], types.int64) if isinstance(sig.args[i], types.Integer)
-             else None for i in range(10)]
+             else None for i in range(len(args))]
+        vsp = _ptr(context, builder, sig.args[10], args[10], c[11]) if q8 else None
+        vs_st_ = c[12] if q8 else None
         sp = _ptr(context, builder, sig.args[0], args[0], c[1])
         vp = _ptr(context, builder, sig.args[4], args[4], c[5], half=bool(w_), byte=w_ == WIDEN_I8)
         ap = _ptr(context, builder, sig.args[8], args[8], _c64(0))
@@ -430,6 +531,9 @@ def _pv_typer(s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd, pf, widen=0):
         fn_ = builder.function
         module = builder.module
         b = builder
+        def scales(bc, e):          # q8: the scales of the block holding column e, and their row stride
+            return [bc.gep(vsp, [bc.sdiv(e, _c64(Q8_BLOCK))]), vs_st_] if q8 else []
+
         # head passes (4 heads, then one of the remaining 1-3) x column chunks (64 values, then 16)
         def columns(bh, nh, j0):
             s_j = bh.gep(sp, [bh.mul(j0, s_st_)])
@@ -437,14 +541,15 @@ def _pv_typer(s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd, pf, widen=0):
             wide = bh.sdiv(hd_, _c64(16 * PV_VECTORS))
             bc, m, after_c, close_c = _counted_loop(fn_, bh, wide, f"pvc{nh}")
             e0 = bc.mul(m, _c64(16 * PV_VECTORS))
-            bc.call(_define_pv(module, nh, PV_VECTORS, pf_, w_),
-                    [s_j, s_st_, bc.gep(vp, [e0]), v_st_, n_, bc.gep(a_j, [e0]), hd_])
+            bc.call(_define_pv(module, nh, PV_VECTORS, pf_, w_, q8),
+                    [s_j, s_st_, bc.gep(vp, [e0]), v_st_, n_, bc.gep(a_j, [e0]), hd_] + scales(bc, e0))
             close_c(bc)
             e_rest = after_c.mul(wide, _c64(16 * PV_VECTORS))
             nrest = after_c.sdiv(after_c.sub(hd_, e_rest), _c64(16))
             bd, m2, after_d, close_d = _counted_loop(fn_, after_c, nrest, f"pvd{nh}")
             e1 = bd.add(e_rest, bd.mul(m2, _c64(16)))
-            bd.call(_define_pv(module, nh, 1, pf_, w_), [s_j, s_st_, bd.gep(vp, [e1]), v_st_, n_, bd.gep(a_j, [e1]), hd_])
+            bd.call(_define_pv(module, nh, 1, pf_, w_, q8),
+                    [s_j, s_st_, bd.gep(vp, [e1]), v_st_, n_, bd.gep(a_j, [e1]), hd_] + scales(bd, e1))
             close_d(bd)
             return after_d
 
@@ -497,29 +602,29 @@ def _pv_rows_stream_h(typingctx, s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd)
 
 
 @intrinsic
-def _scores_tiles_b(typingctx, q, q_off, nq, hd, kt, t_off, out, o_off, o_st):
-    """:func:`_scores_tiles` over int8 keys (t_off counted in bytes); the sums are of q times
-    the stored integers, the keys' scales applied afterwards (:func:`_scale_keys`)."""
-    return _scores_typer(q, q_off, nq, hd, kt, t_off, out, o_off, o_st, 0, WIDEN_I8)
+def _scores_tiles_b(typingctx, q, q_off, nq, hd, kt, t_off, out, o_off, o_st, sc, sc_off):
+    """:func:`_scores_tiles` over int8 keys (t_off counted in bytes), each Q8_BLOCK dimensions'
+    sum times its keys' scales, the tile's (n_blocks, 16) float32 at sc[sc_off:]."""
+    return _scores_typer(q, q_off, nq, hd, kt, t_off, out, o_off, o_st, 0, WIDEN_I8, sc, sc_off)
 
 
 @intrinsic
-def _scores_tiles_stream_b(typingctx, q, q_off, nq, hd, kt, t_off, out, o_off, o_st):
-    """:func:`_scores_tiles_stream` over int8 keys."""
-    return _scores_typer(q, q_off, nq, hd, kt, t_off, out, o_off, o_st, None, WIDEN_I8)
+def _scores_tiles_stream_b(typingctx, q, q_off, nq, hd, kt, t_off, out, o_off, o_st, sc, sc_off):
+    """:func:`_scores_tiles_stream` over int8 keys (:func:`_scores_tiles_b`)."""
+    return _scores_typer(q, q_off, nq, hd, kt, t_off, out, o_off, o_st, None, WIDEN_I8, sc, sc_off)
 
 
 @intrinsic
-def _pv_rows_b(typingctx, s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd):
-    """:func:`_pv_rows` over int8 values (v_off, v_st counted in bytes); the weights ``s`` carry
-    the values' scales (:func:`_scale_values`)."""
-    return _pv_typer(s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd, 0, WIDEN_I8)
+def _pv_rows_b(typingctx, s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd, vs, vs_off, vs_st):
+    """:func:`_pv_rows` over int8 values (v_off, v_st counted in bytes), value e of row i times
+    its block's scale vs[vs_off + i * vs_st + e // Q8_BLOCK]."""
+    return _pv_typer(s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd, 0, WIDEN_I8, vs, vs_off, vs_st)
 
 
 @intrinsic
-def _pv_rows_stream_b(typingctx, s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd):
-    """:func:`_pv_rows_stream` over int8 values."""
-    return _pv_typer(s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd, None, WIDEN_I8)
+def _pv_rows_stream_b(typingctx, s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd, vs, vs_off, vs_st):
+    """:func:`_pv_rows_stream` over int8 values (:func:`_pv_rows_b`)."""
+    return _pv_typer(s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd, None, WIDEN_I8, vs, vs_off, vs_st)
 
 
 def _widen16_typer(src, s_off, out, o_off, widen):
@@ -675,35 +780,50 @@ def kv_write_h(values, out):
 
 
 @njit(cache=True, nogil=True, error_model="numpy", fastmath=False)
-def q8_row(arena, src, state, dst, step, si, hd):
+def q8_row(arena, src, state, dst, step, si, sstep, hd):
     """Store the hd values arena[src:src + hd] as int8 bytes dst, dst + step, ... of ``state``'s
-    memory with one float32 scale, state[si] = max|x| / 127: q = rint(x * (127 / max|x|)),
-    within [-127, 127] (symmetric, as ggml's Q8_0). A row of zeros stores zeros and scale 0.
+    memory with a float32 scale per Q8_BLOCK values (the last block may be shorter): block b's
+    scale state[si + b * sstep] = max|x| / 127 over its values, q = rint(x * (127 / max|x|)),
+    within [-127, 127] (symmetric, as ggml's Q8_0). A block of zeros stores zeros and scale 0.
     ``fastmath=False`` is explicit: a callee without it inherits the caller's (attention's), and
     fastmath's reciprocal rewrites (x / 127 as x * (1 / 127)) changed scales in their last bit.
     The divisions are single IEEE ones (:func:`_fdiv`) for the same reason."""
-    amax = np.float32(0.0)
-    for d in range(hd):
-        a = abs(arena[src + d])
-        amax = a if a > amax else amax
-    inv = np.float32(0.0)
-    if amax > 0:
-        inv = _fdiv(np.float32(127.0), amax)
-    for d in range(hd):
-        q = np.rint(arena[src + d] * inv)
-        q = min(max(q, np.float32(-127.0)), np.float32(127.0))
-        _store_b(state, dst + d * step, np.int64(q))
-    state[si] = _fdiv(amax, np.float32(127.0))
+    for b0 in range(0, hd, Q8_BLOCK):
+        b1 = min(b0 + Q8_BLOCK, hd)
+        amax = np.float32(0.0)
+        for d in range(b0, b1):
+            a = abs(arena[src + d])
+            amax = a if a > amax else amax
+        inv = np.float32(0.0)
+        if amax > 0:
+            inv = _fdiv(np.float32(127.0), amax)
+        for d in range(b0, b1):
+            q = np.rint(arena[src + d] * inv)
+            q = min(max(q, np.float32(-127.0)), np.float32(127.0))
+            _store_b(state, dst + d * step, np.int64(q))
+        state[si + (b0 // Q8_BLOCK) * sstep] = _fdiv(amax, np.float32(127.0))
+
+
+def q8_quantize_ref(x, block=Q8_BLOCK):
+    """numpy reference of :func:`q8_row` over the last axis (head_dim values) with a scale per
+    ``block`` values (the last block may be shorter): (int8 values (..., head_dim), float32
+    scales (..., ceil(head_dim / block)))."""
+    x = np.asarray(x, np.float32)
+    hd = x.shape[-1]
+    nb = (hd + block - 1) // block
+    pad = np.zeros(x.shape[:-1] + (nb * block,), np.float32)
+    pad[..., :hd] = x
+    blocks = pad.reshape(x.shape[:-1] + (nb, block))
+    amax = np.abs(blocks).max(-1)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127.0) / amax, np.float32(0.0)).astype(np.float32)
+    q = np.clip(np.rint(blocks * inv[..., None]), -127, 127).astype(np.int8)
+    return q.reshape(pad.shape)[..., :hd], (amax / np.float32(127.0)).astype(np.float32)
 
 
 def q8_rows_ref(x):
-    """numpy reference of :func:`q8_row` over the last axis: (int8 values, float32 scales)."""
-    x = np.asarray(x, np.float32)
-    amax = np.abs(x).max(-1)
-    with np.errstate(divide="ignore"):
-        inv = np.where(amax > 0, np.float32(127.0) / amax, np.float32(0.0)).astype(np.float32)
-    q = np.clip(np.rint(x * inv[..., None]), -127, 127).astype(np.int8)
-    return q, (amax / np.float32(127.0)).astype(np.float32)
+    """The 8-bit cache's rounding of rows (..., head_dim): :func:`q8_quantize_ref` in Q8_BLOCKs."""
+    return q8_quantize_ref(x, Q8_BLOCK)
 
 
 def _kv_base(kv16, c_off):
@@ -722,25 +842,25 @@ def _ov_kv_base(kv16, c_off):
     return lambda kv16, c_off: c_off
 
 
-def _write_row(kv16, arena, src, state, dst, step, si, hd):
+def _write_row(kv16, arena, src, state, dst, step, si, sstep, hd):
     """Store the hd values arena[src:] as cache elements dst, dst + step, ... in the format of
-    ``kv16`` (float32 as they are; float16 rounded to nearest even; int8 with their scale at
-    state[si], :func:`q8_row`)."""
+    ``kv16`` (float32 as they are; float16 rounded to nearest even; int8 with their block scales
+    at state[si], state[si + sstep], ..., :func:`q8_row`)."""
     raise NotImplementedError("called from compiled code only")
 
 
 @overload(_write_row)
-def _ov_write_row(kv16, arena, src, state, dst, step, si, hd):
+def _ov_write_row(kv16, arena, src, state, dst, step, si, sstep, hd):
     kind = _kv_kind(kv16)
     if kind == KV_Q8:
-        def impl(kv16, arena, src, state, dst, step, si, hd):
-            q8_row(arena, src, state, dst, step, si, hd)
+        def impl(kv16, arena, src, state, dst, step, si, sstep, hd):
+            q8_row(arena, src, state, dst, step, si, sstep, hd)
     elif kind == KV_F16:
-        def impl(kv16, arena, src, state, dst, step, si, hd):
+        def impl(kv16, arena, src, state, dst, step, si, sstep, hd):
             for d in range(hd):
                 _store_h(state, dst + d * step, f16_bits(arena[src + d]))
     else:
-        def impl(kv16, arena, src, state, dst, step, si, hd):
+        def impl(kv16, arena, src, state, dst, step, si, sstep, hd):
             for d in range(hd):
                 state[dst + d * step] = arena[src + d]
     return impl
@@ -762,10 +882,19 @@ def _ov_load_kv(kv16, state, idx):
 
 
 def q8_scales_offset(c_off, n_kv, cap, head_dim):
-    """Float offset, in ``state``, of an 8-bit region's scales: (n_kv, cap) float32 of the keys,
-    then (n_kv, cap) of the values, after the int8 keys and values (2 * n_kv * cap * head_dim
-    bytes from byte 4 * c_off)."""
+    """Float offset, in ``state``, of an 8-bit region's scales: the keys' (n_kv, cap // 16,
+    n_blocks, 16) float32, then the values' (n_kv, cap, n_blocks), after the int8 keys and values
+    (2 * n_kv * cap * head_dim bytes from byte 4 * c_off)."""
     return c_off + n_kv * cap * head_dim // 2
+
+
+@njit(cache=True, inline="always")
+def q8_head_scales(c_off, n_kv, cap, head_dim, h):
+    """(float offset of KV head h's key scales, of its value scales) in an 8-bit region at c_off
+    (:func:`q8_scales_offset`; other formats never read them)."""
+    nb = (head_dim + Q8_BLOCK - 1) // Q8_BLOCK
+    s_base = c_off + n_kv * cap * head_dim // 2
+    return s_base + h * cap * nb, s_base + (n_kv + h) * cap * nb
 
 
 @njit(cache=True, nogil=True)
@@ -773,21 +902,24 @@ def kv_write(arena, state, k_off, k_st, v_off, v_st, n_kv, head_dim, c_off, cap,
     """Copy the T new key/value rows into their cache slots (keys into their tile lane), in the
     format ``kv16`` selects (:func:`kv_operand`): float32 as they are; float16 (from element
     2 * c_off) each rounded to nearest even (:func:`f16_bits`); int8 (from byte 4 * c_off) with
-    one scale per (slot, KV head) row of keys and of values (:func:`q8_row`)."""
+    a scale per Q8_BLOCK values of each (slot, KV head) row of keys and of values (:func:`q8_row`;
+    the keys' scales tiled as the keys are)."""
     base = _kv_base(kv16, c_off)
     size = n_kv * cap * head_dim
     v_base = base + size
-    s_base = c_off + size // 2                   # int8 only: the scales (q8_scales_offset)
+    nb = (head_dim + Q8_BLOCK - 1) // Q8_BLOCK
     for t in range(T):
         slot = (pos0 + t) % cap
         tile_base = (slot // TILE) * head_dim * TILE + slot % TILE
         for h in range(n_kv):
+            ks, vs = q8_head_scales(c_off, n_kv, cap, head_dim, h)     # int8 only
             kdst = base + h * cap * head_dim + tile_base
             vdst = v_base + h * cap * head_dim + slot * head_dim
             src_k = k_off + t * k_st + h * head_dim
             src_v = v_off + t * v_st + h * head_dim
-            _write_row(kv16, arena, src_k, state, kdst, TILE, s_base + h * cap + slot, head_dim)
-            _write_row(kv16, arena, src_v, state, vdst, 1, s_base + (n_kv + h) * cap + slot, head_dim)
+            _write_row(kv16, arena, src_k, state, kdst, TILE, ks + (slot // TILE) * nb * TILE + slot % TILE, TILE,
+                       head_dim)
+            _write_row(kv16, arena, src_v, state, vdst, 1, vs + slot * nb, 1, head_dim)
 
 
 _NO_REASSOC = {"nnan", "ninf", "nsz", "arcp", "afn"}
@@ -830,30 +962,30 @@ def _softmax_rows(scores, nq, c0, c1, softcap, mx, tot):
         tot[j] = total
 
 
-def _scores(stream, kv16, q, nq, hd, kt, t_off, out, o_off, o_st):
+def _scores(stream, kv16, q, nq, hd, kt, t_off, out, o_off, o_st, sc_off):
     """_scores_tiles (q from offset 0) over the cache format of ``kv16``, with the key-stream
-    prefetch when ``stream``. int8 keys: sums of q times the stored integers (:func:`_scale_keys`
-    applies their scales)."""
+    prefetch when ``stream``. int8 keys: each block's sums times the tile's key scales at float
+    offset ``sc_off`` of ``kt`` (:func:`_scores_tiles_b`; other formats ignore sc_off)."""
     raise NotImplementedError("called from compiled code only")
 
 
 @overload(_scores)
-def _ov_scores(stream, kv16, q, nq, hd, kt, t_off, out, o_off, o_st):
+def _ov_scores(stream, kv16, q, nq, hd, kt, t_off, out, o_off, o_st, sc_off):
     kind = _kv_kind(kv16)
     if kind == KV_Q8:
-        def impl(stream, kv16, q, nq, hd, kt, t_off, out, o_off, o_st):
+        def impl(stream, kv16, q, nq, hd, kt, t_off, out, o_off, o_st, sc_off):
             if stream:
-                _scores_tiles_stream_b(q, 0, nq, hd, kt, t_off, out, o_off, o_st)
+                _scores_tiles_stream_b(q, 0, nq, hd, kt, t_off, out, o_off, o_st, kt, sc_off)
             else:
-                _scores_tiles_b(q, 0, nq, hd, kt, t_off, out, o_off, o_st)
+                _scores_tiles_b(q, 0, nq, hd, kt, t_off, out, o_off, o_st, kt, sc_off)
     elif kind == KV_F16:
-        def impl(stream, kv16, q, nq, hd, kt, t_off, out, o_off, o_st):
+        def impl(stream, kv16, q, nq, hd, kt, t_off, out, o_off, o_st, sc_off):
             if stream:
                 _scores_tiles_stream_h(q, 0, nq, hd, kt, t_off, out, o_off, o_st)
             else:
                 _scores_tiles_h(q, 0, nq, hd, kt, t_off, out, o_off, o_st)
     else:
-        def impl(stream, kv16, q, nq, hd, kt, t_off, out, o_off, o_st):
+        def impl(stream, kv16, q, nq, hd, kt, t_off, out, o_off, o_st, sc_off):
             if stream:
                 _scores_tiles_stream(q, 0, nq, hd, kt, t_off, out, o_off, o_st)
             else:
@@ -861,29 +993,31 @@ def _ov_scores(stream, kv16, q, nq, hd, kt, t_off, out, o_off, o_st):
     return impl
 
 
-def _pv(stream, kv16, s, s_off, s_st, nq, v, v_off, n, acc, hd):
+def _pv(stream, kv16, s, s_off, s_st, nq, v, v_off, n, acc, hd, vs_off):
     """_pv_rows over n consecutive value rows (row stride hd) in the cache format of ``kv16``,
-    with the prefetch when ``stream`` (int8 values: ``s`` carries their scales, :func:`_scale_values`)."""
+    with the prefetch when ``stream`` (int8 values: each times its block's scale, the rows'
+    scales at float offset ``vs_off`` of ``v``, n_blocks a row; other formats ignore vs_off)."""
     raise NotImplementedError("called from compiled code only")
 
 
 @overload(_pv)
-def _ov_pv(stream, kv16, s, s_off, s_st, nq, v, v_off, n, acc, hd):
+def _ov_pv(stream, kv16, s, s_off, s_st, nq, v, v_off, n, acc, hd, vs_off):
     kind = _kv_kind(kv16)
     if kind == KV_Q8:
-        def impl(stream, kv16, s, s_off, s_st, nq, v, v_off, n, acc, hd):
+        def impl(stream, kv16, s, s_off, s_st, nq, v, v_off, n, acc, hd, vs_off):
+            nb = (hd + Q8_BLOCK - 1) // Q8_BLOCK
             if stream:
-                _pv_rows_stream_b(s, s_off, s_st, nq, v, v_off, hd, n, acc, hd)
+                _pv_rows_stream_b(s, s_off, s_st, nq, v, v_off, hd, n, acc, hd, v, vs_off, nb)
             else:
-                _pv_rows_b(s, s_off, s_st, nq, v, v_off, hd, n, acc, hd)
+                _pv_rows_b(s, s_off, s_st, nq, v, v_off, hd, n, acc, hd, v, vs_off, nb)
     elif kind == KV_F16:
-        def impl(stream, kv16, s, s_off, s_st, nq, v, v_off, n, acc, hd):
+        def impl(stream, kv16, s, s_off, s_st, nq, v, v_off, n, acc, hd, vs_off):
             if stream:
                 _pv_rows_stream_h(s, s_off, s_st, nq, v, v_off, hd, n, acc, hd)
             else:
                 _pv_rows_h(s, s_off, s_st, nq, v, v_off, hd, n, acc, hd)
     else:
-        def impl(stream, kv16, s, s_off, s_st, nq, v, v_off, n, acc, hd):
+        def impl(stream, kv16, s, s_off, s_st, nq, v, v_off, n, acc, hd, vs_off):
             if stream:
                 _pv_rows_stream(s, s_off, s_st, nq, v, v_off, hd, n, acc, hd)
             else:
@@ -891,56 +1025,17 @@ def _ov_pv(stream, kv16, s, s_off, s_st, nq, v, v_off, n, acc, hd):
     return impl
 
 
-def _scale_keys(kv16, state, ks_base, scores, nq, width, t0, cap):
-    """int8 keys: multiply score column c of each of the nq rows of ``scores`` (row stride
-    ``width``; column c is slot (16 t0 + c) mod cap) by its key's scale; other formats: nothing."""
+def _value_scale(kv16, state, vs_row, d):
+    """int8 values: the scale of column d of the value row whose scales start at float offset
+    ``vs_row``; other formats: 1."""
     raise NotImplementedError("called from compiled code only")
 
 
-@overload(_scale_keys)
-def _ov_scale_keys(kv16, state, ks_base, scores, nq, width, t0, cap):
+@overload(_value_scale)
+def _ov_value_scale(kv16, state, vs_row, d):
     if _kv_kind(kv16) != KV_Q8:
-        return lambda kv16, state, ks_base, scores, nq, width, t0, cap: None
-
-    def impl(kv16, state, ks_base, scores, nq, width, t0, cap):
-        s0 = t0 * TILE
-        first = min(width, cap - s0)             # columns before the ring wraps to slot 0
-        ks1 = state[ks_base + s0: ks_base + s0 + first]
-        ks2 = state[ks_base: ks_base + width - first]
-        for j in range(nq):                      # views, not offset indexing: the loops vectorize
-            row = scores[j * width: j * width + first]
-            for i in range(first):
-                row[i] *= ks1[i]
-            rest = scores[j * width + first: j * width + width]
-            for i in range(width - first):
-                rest[i] *= ks2[i]
-    return impl
-
-
-def _scale_values(kv16, state, vs_base, scores, nq, width, c0, a, n, cap):
-    """int8 values: multiply the softmax weight of slot a + i (mod cap), column c0 + i of each
-    row of ``scores``, by that value row's scale, i < n (the sum of exponentials is already
-    taken); other formats: nothing."""
-    raise NotImplementedError("called from compiled code only")
-
-
-@overload(_scale_values)
-def _ov_scale_values(kv16, state, vs_base, scores, nq, width, c0, a, n, cap):
-    if _kv_kind(kv16) != KV_Q8:
-        return lambda kv16, state, vs_base, scores, nq, width, c0, a, n, cap: None
-
-    def impl(kv16, state, vs_base, scores, nq, width, c0, a, n, cap):
-        first = min(n, cap - a)
-        vs1 = state[vs_base + a: vs_base + a + first]
-        vs2 = state[vs_base: vs_base + n - first]
-        for j in range(nq):
-            row = scores[j * width + c0: j * width + c0 + first]
-            for i in range(first):
-                row[i] *= vs1[i]
-            rest = scores[j * width + c0 + first: j * width + c0 + n]
-            for i in range(n - first):
-                rest[i] *= vs2[i]
-    return impl
+        return lambda kv16, state, vs_row, d: np.float32(1.0)
+    return lambda kv16, state, vs_row, d: state[vs_row + d // Q8_BLOCK]
 
 
 @njit(cache=True, fastmath=_NO_REASSOC, error_model="numpy")
@@ -948,7 +1043,7 @@ def _attend_part(arena, state, q0, nq, hd, k_base, v_base, ks_base, vs_base, cap
                  scores, acc, mx, tot, stream, kv16):
     """Query heads q0 .. q0 + nq - 1 (arena offsets q0 + j*hd) of one KV head (keys at k_base,
     values at v_base in ``state``, counted in the cache format's elements; an int8 cache's
-    per-slot scales of this head at float offsets ks_base and vs_base) over cached
+    block scales of this head at float offsets ks_base and vs_base, :func:`q8_head_scales`) over cached
     positions [lo, p] (p >= lo): acc[j*hd:] the
     unnormalized sum of exp(s - mx[j]) * value rows, tot[j] the sum of the exponentials.
 
@@ -966,22 +1061,22 @@ def _attend_part(arena, state, q0, nq, hd, k_base, v_base, ks_base, vs_base, cap
     nt = (c0 + n + TILE - 1) // TILE
     width = nt * TILE
     t0 = a // TILE
+    nb = (hd + Q8_BLOCK - 1) // Q8_BLOCK           # int8 caches: scales per row
     for c in range(nt):
         tile = t0 + c
         if tile >= ntiles_cap:
             tile -= ntiles_cap
-        _scores(stream, kv16, qbuf, nq, hd, state, k_base + tile * hd * TILE, scores, c * TILE, width)
-    _scale_keys(kv16, state, ks_base, scores, nq, width, t0, cap)
+        _scores(stream, kv16, qbuf, nq, hd, state, k_base + tile * hd * TILE, scores, c * TILE, width,
+                ks_base + tile * nb * TILE)
     s2 = scores[: nq * width].reshape(nq, width)
     _softmax_rows(s2, nq, c0, c0 + n, softcap, mx, tot)
-    _scale_values(kv16, state, vs_base, scores, nq, width, c0, a, n, cap)
     for i in range(nq * hd):
         acc[i] = 0.0
     first = min(n, cap - a)                      # slots a .. a + first - 1, then 0 .. n - first - 1
     if hd % TILE == 0:
-        _pv(stream, kv16, scores, c0, width, nq, state, v_base + a * hd, first, acc, hd)
+        _pv(stream, kv16, scores, c0, width, nq, state, v_base + a * hd, first, acc, hd, vs_base + a * nb)
         if first < n:
-            _pv(stream, kv16, scores, c0 + first, width, nq, state, v_base, n - first, acc, hd)
+            _pv(stream, kv16, scores, c0 + first, width, nq, state, v_base, n - first, acc, hd, vs_base)
     else:                                        # head_dim not a multiple of 16: plain loops
         for i in range(n):
             slot = a + i
@@ -992,7 +1087,7 @@ def _attend_part(arena, state, q0, nq, hd, k_base, v_base, ks_base, vs_base, cap
                 w = s2[j, c0 + i]
                 aj = acc[j * hd: j * hd + hd]
                 for d in range(hd):
-                    aj[d] += w * _load_kv(kv16, state, r0 + d)
+                    aj[d] += w * (_load_kv(kv16, state, r0 + d) * _value_scale(kv16, state, vs_base + slot * nb, d))
 
 
 @njit(cache=True, inline="always")
@@ -1072,10 +1167,10 @@ def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
     """Write the new K/V rows, then attend: one job per (query row, KV head, range of its keys).
     ``kv16`` (:func:`kv_operand`): None for a float32 cache; an int64, the cache region holds
     float16 keys and values, widened to float32 as they are loaded; an int8, it holds int8 keys
-    and values with a float32 scale per (slot, KV head) row of each (:func:`q8_row`): a score is
-    the query's dot product with the stored integers times the key's scale, and each softmax
-    weight is multiplied by its value row's scale before the weighted sum. Softmax and sums stay
-    float32 in every format.
+    and values with a float32 scale per Q8_BLOCK values of each (slot, KV head) row (:func:`q8_row`):
+    a score is the sum over the key's blocks of the query's dot product with the block's stored
+    integers times its scale, and each value is multiplied by its block's scale as it is loaded
+    for the weighted sum. Softmax and sums stay float32 in every format.
 
     All query heads sharing a KV head are one job, so each cached key tile and value row is
     loaded once per job. Prefill has a job per (row, KV head); with fewer (row, KV head) pairs
@@ -1091,7 +1186,6 @@ def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
     group = n_heads // n_kv
     size = n_kv * cap * head_dim
     base = _kv_base(kv16, c_off)                    # in elements of the cache's format
-    s_base = c_off + size // 2                      # int8 caches: their scales (q8_scales_offset)
     span = pos0 + T if window <= 0 else min(pos0 + T, window)
     pairs = T * n_kv
     splits = key_splits(pairs, nthreads, pos0)
@@ -1117,8 +1211,9 @@ def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
             k0 = lo + n * s // splits                # this job's keys: [k0, k1]
             k1 = lo + n * (s + 1) // splits - 1
             q0 = q_off + t * q_st + kvh * group * hd
+            ks, vs = q8_head_scales(c_off, n_kv, cap, hd, kvh)
             _attend_part(arena, state, q0, group, hd, base + kvh * cap * hd, base + size + kvh * cap * hd,
-                         s_base + kvh * cap, s_base + (n_kv + kvh) * cap, cap, k0, k1, scale, softcap, qbuf,
+                         ks, vs, cap, k0, k1, scale, softcap, qbuf,
                          scores, acc, mx, tot, T <= STREAM_ROWS, kv16)
             if splits == 1:
                 _normalize_into(arena, o_off + t * o_st + kvh * group * hd, acc, tot, group, hd)
@@ -1134,11 +1229,12 @@ def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
 
 def q8_dequantize_ref(x, head_dim):
     """(L, n*head_dim) float32 rows as an 8-bit cache holds them: each head's row of head_dim
-    values quantized (:func:`q8_rows_ref`) and multiplied back by its scale."""
+    values quantized (:func:`q8_rows_ref`) and each value multiplied back by its block's scale."""
     x = np.asarray(x, np.float32)
     rows = x.reshape(x.shape[0], -1, head_dim)
     q, sc = q8_rows_ref(rows)
-    return (q.astype(np.float32) * sc[..., None]).reshape(x.shape)
+    per_value = np.repeat(sc, Q8_BLOCK, axis=-1)[..., :head_dim]
+    return (q.astype(np.float32) * per_value).reshape(x.shape)
 
 
 def attention_ref(q, k, v, n_heads, n_kv, head_dim, scale, softcap=0.0, window=0, pos0=0,
@@ -1146,7 +1242,8 @@ def attention_ref(q, k, v, n_heads, n_kv, head_dim, scale, softcap=0.0, window=0
     """q (T, nh*hd), k/v (T, nkv*hd) for positions pos0.., with optional past k/v (pos0, nkv*hd).
     Returns (T, nh*hd), computed as transformers' eager attention (scale, softcap, mask, softmax).
     ``kv16``: keys and values rounded to float16 first, as a float16 KV cache stores them;
-    ``kv8``: quantized to int8 per (position, head) row and scaled back, as an 8-bit cache."""
+    ``kv8``: quantized to int8 with a scale per Q8_BLOCK values of each (position, head) row and
+    scaled back, as an 8-bit cache."""
     T = q.shape[0]
     if k_past is not None:
         k = np.concatenate([k_past, k])
@@ -1192,10 +1289,13 @@ def kv_views(region: np.ndarray, n_kv: int, cap: int, head_dim: int, kv16: bool 
 
 def kv_views_q8(region: np.ndarray, n_kv: int, cap: int, head_dim: int):
     """An 8-bit region's (K tiles (n_kv, cap // 16, head_dim, 16) int8, V (n_kv, cap, head_dim)
-    int8, key scales (n_kv, cap) float32, value scales (n_kv, cap) float32), views of its flat
-    float32 memory (n_kv * cap * (head_dim + 4) / 2 floats; :func:`q8_scales_offset`)."""
+    int8, key scales (n_kv, cap // 16, n_blocks, 16) float32 (block b of the key in slot s at
+    [h, s // 16, b, s % 16]), value scales (n_kv, cap, n_blocks) float32), views of its flat
+    float32 memory (n_kv * cap * (head_dim / 2 + 2 * n_blocks) floats, n_blocks = ceil(head_dim /
+    Q8_BLOCK); :func:`q8_scales_offset`)."""
     size = n_kv * cap * head_dim
+    nb = q8_blocks(head_dim)
     b = region[: size // 2].view(np.int8)
-    sc = region[size // 2: size // 2 + 2 * n_kv * cap]
+    sc = region[size // 2: size // 2 + 2 * n_kv * cap * nb]
     return (b[:size].reshape(n_kv, cap // TILE, head_dim, TILE), b[size: 2 * size].reshape(n_kv, cap, head_dim),
-            sc[: n_kv * cap].reshape(n_kv, cap), sc[n_kv * cap:].reshape(n_kv, cap))
+            sc[: n_kv * cap * nb].reshape(n_kv, cap // TILE, nb, TILE), sc[n_kv * cap * nb:].reshape(n_kv, cap, nb))

@@ -15,7 +15,7 @@ import numpy as np
 from numba import njit, prange
 
 from .attention import (MAX_CHUNKS, STREAM_ROWS, TILE, _attend_part, _combine_parts, _keep_part, _kv_base,
-                        _normalize_into, key_splits, kv_write)
+                        _normalize_into, key_splits, kv_write, q8_head_scales)
 
 
 @njit(cache=True, parallel=True, fastmath=True, error_model="numpy")
@@ -27,7 +27,6 @@ def attention_decode_batch(arena, states, slots, positions, q_off, q_st, k_off, 
     group = n_heads // n_kv
     size = n_kv * cap * head_dim
     base = _kv_base(kv16, c_off)
-    s_base = c_off + size // 2                         # int8 caches: their scales
     hd = head_dim
     splits = np.ones(B, np.int64)
     first_job = np.zeros(B + 1, np.int64)
@@ -68,8 +67,9 @@ def attention_decode_batch(arena, states, slots, positions, q_off, q_st, k_off, 
             k0 = lo + n * r // sp
             k1 = lo + n * (r + 1) // sp - 1
             q0 = q_off + s * q_st + kvh * group * hd
+            ks, vs = q8_head_scales(c_off, n_kv, cap, hd, kvh)
             _attend_part(arena, states[slots[s]], q0, group, hd, base + kvh * cap * hd,
-                         base + size + kvh * cap * hd, s_base + kvh * cap, s_base + (n_kv + kvh) * cap, cap, k0, k1,
+                         base + size + kvh * cap * hd, ks, vs, cap, k0, k1,
                          scale, softcap, qbuf, scores, acc, mx, tot, 1 <= STREAM_ROWS, kv16)
             if sp == 1:
                 _normalize_into(arena, o_off + s * o_st + kvh * group * hd, acc, tot, group, hd)

@@ -50,7 +50,7 @@ def add_cache_type_options(p: argparse.ArgumentParser) -> None:
     from cpullm.compile.kvformat import KV_DTYPES
     p.add_argument("--cache-type", "--kv-dtype", dest="kv_dtype", choices=KV_DTYPES, default=None,
                    help="KV cache format (default: f16; f32 with --quant f32). f16 halves the KV bytes a "
-                        "decode step reads at long context, q8_0 (int8, a scale per head row) about quarters them")
+                        "decode step reads at long context, q8_0 (int8, a scale per 32 values) about quarters them")
     p.add_argument("-ctk", "--cache-type-k", dest="kv_dtype_k", choices=KV_DTYPES, default=None,
                    help="llama.cpp's spelling of --cache-type for the keys (must equal -ctv if both are given)")
     p.add_argument("-ctv", "--cache-type-v", dest="kv_dtype_v", choices=KV_DTYPES, default=None,
