@@ -383,7 +383,7 @@ def test_screen_row_codegen_is_vectorized():
     p_q = np.zeros(256, np.int16)
     p_s = np.zeros(H.padded_blocks(256), np.float32)
     npair = H.rest_pairs(256, s.k_sel)
-    asm = _fresh_asm(H._bounds_pass, s.hq, s.hs, s.hb, p_q, np.zeros(64 * npair, np.int8),
+    asm = _fresh_asm(H.bounds_pass, s.hq, s.hs, s.hb, p_q, np.zeros(64 * npair, np.int8),
                      np.zeros(8 * npair, np.int32), p_s, 2, np.float32(1), np.float32(1),
                      np.float32(1), np.zeros(64, np.float32), np.zeros(2, np.float32), 1)
     # int8 blocks: vpmaddwd; 4-bit blocks: unsigned nibbles times int8, two blocks per ymm

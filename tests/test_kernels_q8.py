@@ -10,6 +10,8 @@ from numba import njit
 
 from cpullm_kernels.rows import q8
 
+from cpullm_kernels.rows import llvm_ir
+
 RNG = np.random.default_rng(20240601)
 
 NK = [(1, 1), (3, 31), (5, 32), (37, 33), (64, 100), (101, 896), (257, 1000)]
@@ -87,8 +89,8 @@ def test_half_to_float_matches_numpy_for_every_finite_bit_pattern(monkeypatch):
     bits = bits[np.isfinite(bits.view(np.float16))]
     want = bits.view(np.float16).astype(np.float32)
     # the path this host uses, and the integer-IR path of hosts without F16C (chosen at codegen)
-    for hardware in (q8._HALF_IN_HARDWARE, not q8._HALF_IN_HARDWARE):
-        monkeypatch.setattr(q8, "_HALF_IN_HARDWARE", hardware)
+    for hardware in (llvm_ir.HALF_IN_HARDWARE, not llvm_ir.HALF_IN_HARDWARE):
+        monkeypatch.setattr(llvm_ir, "HALF_IN_HARDWARE", hardware)
 
         @njit(cache=False)
         def convert(b, out):

@@ -826,13 +826,13 @@ def q8_rows_ref(x):
     return q8_quantize_ref(x, Q8_BLOCK)
 
 
-def _kv_base(kv16, c_off):
+def kv_base(kv16, c_off):
     """The element offset of a cache region at float offset ``c_off``, in its format's elements
     (float32: c_off; float16: 2 * c_off; int8: 4 * c_off)."""
     raise NotImplementedError("called from compiled code only")
 
 
-@overload(_kv_base)
+@overload(kv_base)
 def _ov_kv_base(kv16, c_off):
     kind = _kv_kind(kv16)
     if kind == KV_Q8:
@@ -904,7 +904,7 @@ def kv_write(arena, state, k_off, k_st, v_off, v_st, n_kv, head_dim, c_off, cap,
     2 * c_off) each rounded to nearest even (:func:`f16_bits`); int8 (from byte 4 * c_off) with
     a scale per Q8_BLOCK values of each (slot, KV head) row of keys and of values (:func:`q8_row`;
     the keys' scales tiled as the keys are)."""
-    base = _kv_base(kv16, c_off)
+    base = kv_base(kv16, c_off)
     size = n_kv * cap * head_dim
     v_base = base + size
     nb = (head_dim + Q8_BLOCK - 1) // Q8_BLOCK
@@ -1039,7 +1039,7 @@ def _ov_value_scale(kv16, state, vs_row, d):
 
 
 @njit(cache=True, fastmath=_NO_REASSOC, error_model="numpy")
-def _attend_part(arena, state, q0, nq, hd, k_base, v_base, ks_base, vs_base, cap, lo, p, scale, softcap, qbuf,
+def attend_part(arena, state, q0, nq, hd, k_base, v_base, ks_base, vs_base, cap, lo, p, scale, softcap, qbuf,
                  scores, acc, mx, tot, stream, kv16):
     """Query heads q0 .. q0 + nq - 1 (arena offsets q0 + j*hd) of one KV head (keys at k_base,
     values at v_base in ``state``, counted in the cache format's elements; an int8 cache's
@@ -1101,7 +1101,7 @@ def key_splits(pairs, nthreads, pos0):
 
 
 @njit(cache=True, fastmath=_NO_REASSOC, error_model="numpy")
-def _normalize_into(out, o0, acc, tot, nq, hd):
+def normalize_into(out, o0, acc, tot, nq, hd):
     """out[o0 + j*hd + d] = acc[j*hd + d] / tot[j]: a job's heads when its keys were not split."""
     for j in range(nq):
         inv = np.float32(1.0) / tot[j]
@@ -1110,7 +1110,7 @@ def _normalize_into(out, o0, acc, tot, nq, hd):
 
 
 @njit(cache=True, fastmath=_NO_REASSOC, error_model="numpy")
-def _keep_part(part, job, acc, mx, tot, nq, hd):
+def keep_part(part, job, acc, mx, tot, nq, hd):
     """part[job, j] = (acc[j*hd:(j+1)*hd], mx[j], tot[j]): one key range's partial softmax."""
     for j in range(nq):
         for d in range(hd):
@@ -1120,7 +1120,7 @@ def _keep_part(part, job, acc, mx, tot, nq, hd):
 
 
 @njit(cache=True, fastmath=_NO_REASSOC, error_model="numpy")
-def _combine_parts(out, o0, part, first, stride, nsplit, nq, hd):
+def combine_parts(out, o0, part, first, stride, nsplit, nq, hd):
     """out[o0 + j*hd:] for heads j < nq from the key ranges part[first + r*stride], r < nsplit:
     rescale each range's sums to the common max, add, normalize (flash-decoding's combine).
     :func:`attention` and the batched decode share it, so their rows agree to the bit."""
@@ -1185,7 +1185,7 @@ def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
     kv_write(arena, state, k_off, k_st, v_off, v_st, n_kv, head_dim, c_off, cap, pos0, T, kv16)
     group = n_heads // n_kv
     size = n_kv * cap * head_dim
-    base = _kv_base(kv16, c_off)                    # in elements of the cache's format
+    base = kv_base(kv16, c_off)                    # in elements of the cache's format
     span = pos0 + T if window <= 0 else min(pos0 + T, window)
     pairs = T * n_kv
     splits = key_splits(pairs, nthreads, pos0)
@@ -1212,18 +1212,18 @@ def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
             k1 = lo + n * (s + 1) // splits - 1
             q0 = q_off + t * q_st + kvh * group * hd
             ks, vs = q8_head_scales(c_off, n_kv, cap, hd, kvh)
-            _attend_part(arena, state, q0, group, hd, base + kvh * cap * hd, base + size + kvh * cap * hd,
+            attend_part(arena, state, q0, group, hd, base + kvh * cap * hd, base + size + kvh * cap * hd,
                          ks, vs, cap, k0, k1, scale, softcap, qbuf,
                          scores, acc, mx, tot, T <= STREAM_ROWS, kv16)
             if splits == 1:
-                _normalize_into(arena, o_off + t * o_st + kvh * group * hd, acc, tot, group, hd)
+                normalize_into(arena, o_off + t * o_st + kvh * group * hd, acc, tot, group, hd)
             else:
-                _keep_part(part, job, acc, mx, tot, group, hd)
+                keep_part(part, job, acc, mx, tot, group, hd)
     if splits > 1:                                   # combine the key ranges of each pair
         for pair in range(pairs):
             kvh = pair // T
             t = pair % T
-            _combine_parts(arena, o_off + t * o_st + kvh * group * hd, part, (kvh * splits) * T + t, T, splits,
+            combine_parts(arena, o_off + t * o_st + kvh * group * hd, part, (kvh * splits) * T + t, T, splits,
                            group, hd)
 
 

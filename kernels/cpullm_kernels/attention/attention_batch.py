@@ -3,7 +3,7 @@
 Row s of the arena is sequence s's one new token, at position ``positions[s]``, with its KV cache
 in ``states[slots[s]]``. Every (sequence, KV head, key range) is one job of exactly the work
 :func:`cpullm_kernels.attention.attention.attention` does for that sequence alone with T = 1 (the same key
-ranges, the same ``_attend_part``, the same normalization and combination of ranges), so each
+ranges, the same ``attend_part``, the same normalization and combination of ranges), so each
 row's output is bit-identical to a one-token decode of its sequence. What changes is only that
 the jobs of all sequences share one parallel region: B separate calls cost B regions per layer,
 each a barrier for both threads (measured on a loaded 2-core host: 270 ms of an 8-sequence
@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .attention import (MAX_CHUNKS, STREAM_ROWS, TILE, _attend_part, _combine_parts, _keep_part, _kv_base,
-                        _normalize_into, key_splits, kv_write, q8_head_scales)
+from .attention import (MAX_CHUNKS, STREAM_ROWS, TILE, attend_part, combine_parts, keep_part, kv_base,
+                        normalize_into, key_splits, kv_write, q8_head_scales)
 
 
 @njit(cache=True, parallel=True, fastmath=True, error_model="numpy")
@@ -26,7 +26,7 @@ def attention_decode_batch(arena, states, slots, positions, q_off, q_st, k_off, 
     B = slots.shape[0]
     group = n_heads // n_kv
     size = n_kv * cap * head_dim
-    base = _kv_base(kv16, c_off)
+    base = kv_base(kv16, c_off)
     hd = head_dim
     splits = np.ones(B, np.int64)
     first_job = np.zeros(B + 1, np.int64)
@@ -68,16 +68,16 @@ def attention_decode_batch(arena, states, slots, positions, q_off, q_st, k_off, 
             k1 = lo + n * (r + 1) // sp - 1
             q0 = q_off + s * q_st + kvh * group * hd
             ks, vs = q8_head_scales(c_off, n_kv, cap, hd, kvh)
-            _attend_part(arena, states[slots[s]], q0, group, hd, base + kvh * cap * hd,
+            attend_part(arena, states[slots[s]], q0, group, hd, base + kvh * cap * hd,
                          base + size + kvh * cap * hd, ks, vs, cap, k0, k1,
                          scale, softcap, qbuf, scores, acc, mx, tot, 1 <= STREAM_ROWS, kv16)
             if sp == 1:
-                _normalize_into(arena, o_off + s * o_st + kvh * group * hd, acc, tot, group, hd)
+                normalize_into(arena, o_off + s * o_st + kvh * group * hd, acc, tot, group, hd)
             else:
-                _keep_part(part, job, acc, mx, tot, group, hd)
+                keep_part(part, job, acc, mx, tot, group, hd)
     for s in range(B):                                 # combine the key ranges of each pair
         sp = splits[s]
         if sp > 1:
             for kvh in range(n_kv):
-                _combine_parts(arena, o_off + s * o_st + kvh * group * hd, part, first_job[s] + kvh * sp, 1, sp,
+                combine_parts(arena, o_off + s * o_st + kvh * group * hd, part, first_job[s] + kvh * sp, 1, sp,
                                group, hd)

@@ -21,7 +21,7 @@ _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
 @njit(cache=True, fastmath=True, inline="always")
-def _act(x, act):
+def apply_act(x, act):
     if act == ACT_SILU:
         return x / (np.float32(1.0) + exp_f32(-x))
     inner = np.float32(_SQRT_2_OVER_PI) * (x + np.float32(0.044715) * x * x * x)
@@ -37,10 +37,10 @@ def glu_rows(arena, g_off, g_st, u_off, u_st, o_off, o_st, width, act, r0, r1):
         o = arena[o_off + t * o_st: o_off + t * o_st + width]
         if act == ACT_SILU:
             for j in range(width):
-                o[j] = _act(g[j], ACT_SILU) * u[j]
+                o[j] = apply_act(g[j], ACT_SILU) * u[j]
         else:
             for j in range(width):
-                o[j] = _act(g[j], ACT_GELU_TANH) * u[j]
+                o[j] = apply_act(g[j], ACT_GELU_TANH) * u[j]
 
 
 @njit(cache=True, parallel=True)

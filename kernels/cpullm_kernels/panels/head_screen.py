@@ -71,10 +71,10 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ..rows.q8 import (HAVE_AVX2, QBLOCK, _F32, _I8, _I16, _I32, _I64, _P8, _V8F32, _V8I32, _V16I16,
-                 _block_dot_i32x8, _c64, _decl, _emit_counted_loop, _emit_if, _halves_to_floats, _hsum_v8f32,
-                 _prefetch_ahead, _quantize_blocks_ref,
-                 _quantize_row, _scaled_fma, quantize_act_q16, scale_values)
+from ..rows.llvm_ir import (F32, I8, I16, I32, I64, P8, V8F32, V8I32, V16I16, block_dot_i32x8, const_i64,
+                            declare, emit_counted_loop, emit_if, halves_to_floats, hsum_v8f32,
+                            prefetch_ahead, scaled_fma)
+from ..rows.q8 import HAVE_AVX2, QBLOCK, quantize_blocks_ref, quantize_row, quantize_act_q16, scale_values
 from ..setup import numba_setup
 from .q8_panels import panel_row_dot
 
@@ -98,7 +98,7 @@ MIN_LM_HEAD_BYTES = 64 << 20
 cache between tokens and is cheap to read whole: a 30 MB head decoded 3 % slower through a
 screen, 144-173 MB heads 8-14 % faster."""
 
-_ROUNDING_MARGIN = 1.0 + 2.0 ** -10
+ROUNDING_MARGIN = 1.0 + 2.0 ** -10
 
 SCALE_GROUP = 8
 """Block scales are converted 8 at a time (``vcvtph2ps`` on a vector) at the start of a row, times
@@ -111,7 +111,7 @@ MAX_BLOCKS = 1024
 
 
 @njit(cache=True)
-def _rounding_term(Kp):
+def rounding_term(Kp):
     """Float rounding, relative to Wn |x|, covered by the bound: (Kp/32 + 16) 2^-22, four times
     the worst case of one float32 dot product over Kp/32 blocks (the exact one, the compact one,
     and the float32 sums approx +- bound)."""
@@ -190,8 +190,8 @@ def build_screen_rows(exact_rows, N: int, Kp: int, perm, k_sel: int, rows_per_ch
         n1 = min(N, n0 + rows_per_chunk)
         exact, err_extra = exact_rows(n0, n1)
         exact = exact[:, perm]
-        q8, s8 = _quantize_blocks_ref(exact[:, :k_sel].astype(np.float32), 127, True)
-        q4, s4 = _quantize_blocks_ref(exact[:, k_sel:].astype(np.float32), 7, True)
+        q8, s8 = quantize_blocks_ref(exact[:, :k_sel].astype(np.float32), 127, True)
+        q4, s4 = quantize_blocks_ref(exact[:, k_sel:].astype(np.float32), 7, True)
         hq[n0:n1, :k_sel] = q8.astype(np.int8)
         hq[n0:n1, k_sel:] = _pack_nibbles(q4)
         hs[n0:n1, :k_sel // QBLOCK] = s8
@@ -228,7 +228,7 @@ def screen_activations_ref(xp, k_sel: int):
     from ..rows.q8 import quantize_act_q16_ref
     xp = np.asarray(xp, np.float32)
     sel_q, sel_s = quantize_act_q16_ref(xp[:k_sel], k_sel)
-    rest_q, rest_s = _quantize_blocks_ref(xp[k_sel:].reshape(1, -1), 127, False)
+    rest_q, rest_s = quantize_blocks_ref(xp[k_sel:].reshape(1, -1), 127, False)
     return (np.concatenate([sel_q, rest_q[0].astype(np.int16)]),
             np.concatenate([sel_s, rest_s[0].astype(np.float32)]))
 
@@ -246,9 +246,9 @@ def screen_bounds_ref(x, perm, k_sel: int, hq, hs, hb):
     n_sel = np.sqrt((xp64[:k_sel] ** 2).sum())
     n_rest = np.sqrt((xp64[k_sel:] ** 2).sum())
     delta = np.sqrt(((xp64 - pd.astype(np.float64)) ** 2).sum())
-    extra = delta + _rounding_term(Kp) * np.sqrt(n_sel ** 2 + n_rest ** 2)
+    extra = delta + rounding_term(Kp) * np.sqrt(n_sel ** 2 + n_rest ** 2)
     hb64 = hb.astype(np.float64)
-    bound = (hb64[:, 0] * n_sel + hb64[:, 1] * n_rest + hb64[:, 2] * extra) * _ROUNDING_MARGIN
+    bound = (hb64[:, 0] * n_sel + hb64[:, 1] * n_rest + hb64[:, 2] * extra) * ROUNDING_MARGIN
     return screen_dots_ref(hq, hs, p_q, p_s, k_sel), bound, (x_q, x_s)
 
 
@@ -278,26 +278,26 @@ def _nibble_pair_dot_i32x8(b, module, nib, xp, init, isa):
     ``init`` = -8 * (the same sums of x) turns that into the signed sum of v x, exactly: every
     lane stays below 8 * 15 * 127 in magnitude.
     """
-    v32i8 = ir.VectorType(_I8, 32)
+    v32i8 = ir.VectorType(I8, 32)
     nib = b.xor(nib, ir.Constant(v32i8, [0x88 - 256] * 32))
     lo = b.and_(nib, ir.Constant(v32i8, [0x0F] * 32))          # values 0..15 of both blocks
     hi = b.lshr(nib, ir.Constant(v32i8, [4] * 32))             # values 16..31
     x_lo = b.load(b.bitcast(xp, v32i8.as_pointer()), align=1)
-    x_hi = b.load(b.bitcast(b.gep(xp, [_c64(32)]), v32i8.as_pointer()), align=1)
+    x_hi = b.load(b.bitcast(b.gep(xp, [const_i64(32)]), v32i8.as_pointer()), align=1)
     if isa == "vnni":
-        dpbusd = _decl(module, "llvm.x86.avx512.vpdpbusd.256", _V8I32, [_V8I32, _V8I32, _V8I32])
-        acc = b.call(dpbusd, [init, b.bitcast(lo, _V8I32), b.bitcast(x_lo, _V8I32)])
-        return b.call(dpbusd, [acc, b.bitcast(hi, _V8I32), b.bitcast(x_hi, _V8I32)])
+        dpbusd = declare(module, "llvm.x86.avx512.vpdpbusd.256", V8I32, [V8I32, V8I32, V8I32])
+        acc = b.call(dpbusd, [init, b.bitcast(lo, V8I32), b.bitcast(x_lo, V8I32)])
+        return b.call(dpbusd, [acc, b.bitcast(hi, V8I32), b.bitcast(x_hi, V8I32)])
     if isa == "avx2":
-        ubsw = _decl(module, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [v32i8, v32i8])
-        maddwd = _decl(module, "llvm.x86.avx2.pmadd.wd", _V8I32, [_V16I16, _V16I16])
+        ubsw = declare(module, "llvm.x86.avx2.pmadd.ub.sw", V16I16, [v32i8, v32i8])
+        maddwd = declare(module, "llvm.x86.avx2.pmadd.wd", V8I32, [V16I16, V16I16])
         pairs = b.add(b.call(ubsw, [lo, x_lo]), b.call(ubsw, [hi, x_hi]))   # each |.| <= 4 * 15 * 127
-        return b.add(init, b.call(maddwd, [pairs, ir.Constant(_V16I16, [1] * 16)]))
-    v32i32 = ir.VectorType(_I32, 32)
+        return b.add(init, b.call(maddwd, [pairs, ir.Constant(V16I16, [1] * 16)]))
+    v32i32 = ir.VectorType(I32, 32)
     p = b.add(b.mul(b.zext(lo, v32i32), b.sext(x_lo, v32i32)), b.mul(b.zext(hi, v32i32), b.sext(x_hi, v32i32)))
     out = init
     for k in range(4):
-        out = b.add(out, b.shuffle_vector(p, p, ir.Constant(_V8I32, [4 * lane + k for lane in range(8)])))
+        out = b.add(out, b.shuffle_vector(p, p, ir.Constant(V8I32, [4 * lane + k for lane in range(8)])))
     return out
 
 
@@ -318,74 +318,74 @@ def _define_screen_row_dot(module, isa: str):
     fn = module.globals.get(name)
     if fn is not None:
         return fn
-    fn = ir.Function(module, ir.FunctionType(_F32, [_P8, _P8, _P8, _P8, _P8, _P8, _I64, _I64]), name)
+    fn = ir.Function(module, ir.FunctionType(F32, [P8, P8, P8, P8, P8, P8, I64, I64]), name)
     fn.linkage = "internal"
     fn.attributes.add("alwaysinline")
     fn.attributes.add("nounwind")
     row, srow, x16, x8, corr, xs, nsel, nblk = fn.args
-    zero = ir.Constant(_V8F32, [0.0] * 8)
-    v8i16 = ir.VectorType(_I16, 8)
-    v16i8 = ir.VectorType(_I8, 16)
-    v32i8 = ir.VectorType(_I8, 32)
-    fmuladd = _decl(module, "llvm.fmuladd.v8f32", _V8F32, [_V8F32, _V8F32, _V8F32])
+    zero = ir.Constant(V8F32, [0.0] * 8)
+    v8i16 = ir.VectorType(I16, 8)
+    v16i8 = ir.VectorType(I8, 16)
+    v32i8 = ir.VectorType(I8, 32)
+    fmuladd = declare(module, "llvm.fmuladd.v8f32", V8F32, [V8F32, V8F32, V8F32])
 
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    bufp = b.bitcast(b.alloca(ir.ArrayType(_F32, MAX_BLOCKS), name="factors"), _F32.as_pointer())
-    wsp = b.bitcast(srow, _I16.as_pointer())
-    xsp = b.bitcast(xs, _F32.as_pointer())
-    corrp = b.bitcast(corr, _I32.as_pointer())
-    rest0 = b.gep(row, [b.shl(nsel, _c64(5))])            # first 4-bit byte
-    npair = b.ashr(b.sub(nblk, nsel), _c64(1))
-    even_end = b.and_(npair, _c64(-2))
+    bufp = b.bitcast(b.alloca(ir.ArrayType(F32, MAX_BLOCKS), name="factors"), F32.as_pointer())
+    wsp = b.bitcast(srow, I16.as_pointer())
+    xsp = b.bitcast(xs, F32.as_pointer())
+    corrp = b.bitcast(corr, I32.as_pointer())
+    rest0 = b.gep(row, [b.shl(nsel, const_i64(5))])            # first 4-bit byte
+    npair = b.ashr(b.sub(nblk, nsel), const_i64(1))
+    even_end = b.and_(npair, const_i64(-2))
 
     def factors(b, g, _):                                  # factors[g:g+8] = f16(scales) * xs
         h = b.load(b.bitcast(b.gep(wsp, [g]), v8i16.as_pointer()), align=2)
-        xv = b.load(b.bitcast(b.gep(xsp, [g]), _V8F32.as_pointer()), align=4)
-        b.store(b.fmul(_halves_to_floats(b, h), xv), b.bitcast(b.gep(bufp, [g]), _V8F32.as_pointer()), align=4)
+        xv = b.load(b.bitcast(b.gep(xsp, [g]), V8F32.as_pointer()), align=4)
+        b.store(b.fmul(halves_to_floats(b, h), xv), b.bitcast(b.gep(bufp, [g]), V8F32.as_pointer()), align=4)
         return []
 
-    b, _ = _emit_counted_loop(fn, b, _c64(0), nblk, SCALE_GROUP, [], factors, "factors")
+    b, _ = emit_counted_loop(fn, b, const_i64(0), nblk, SCALE_GROUP, [], factors, "factors")
 
     def int8_block(b, i, acc):                             # the few int8 blocks: one accumulator
-        wp = b.gep(row, [b.shl(i, _c64(5))])
-        _prefetch_ahead(b, module, wp)
-        sums = _block_dot_i32x8(b, module, wp, b.gep(x16, [b.shl(i, _c64(6))]), isa != "generic")
-        return [_scaled_fma(b, module, sums, b.load(b.gep(bufp, [i])), acc[0])]
+        wp = b.gep(row, [b.shl(i, const_i64(5))])
+        prefetch_ahead(b, module, wp)
+        sums = block_dot_i32x8(b, module, wp, b.gep(x16, [b.shl(i, const_i64(6))]), isa != "generic")
+        return [scaled_fma(b, module, sums, b.load(b.gep(bufp, [i])), acc[0])]
 
-    b, (acc_sel,) = _emit_counted_loop(fn, b, _c64(0), nsel, 1, [zero], int8_block, "int8")
+    b, (acc_sel,) = emit_counted_loop(fn, b, const_i64(0), nsel, 1, [zero], int8_block, "int8")
 
     def pair(b, q, acc, nib=None, lone=False):
         """Pair q of the 4-bit blocks (blocks nsel + 2q, + 1) into acc."""
         if nib is None:
-            nib = b.load(b.bitcast(b.gep(rest0, [b.shl(q, _c64(5))]), v32i8.as_pointer()), align=1)
-        init = b.load(b.bitcast(b.gep(corrp, [b.shl(q, _c64(3))]), _V8I32.as_pointer()), align=4)
-        sums = _nibble_pair_dot_i32x8(b, module, nib, b.gep(x8, [b.shl(q, _c64(6))]), init, isa)
-        i = b.add(nsel, b.shl(q, _c64(1)))
+            nib = b.load(b.bitcast(b.gep(rest0, [b.shl(q, const_i64(5))]), v32i8.as_pointer()), align=1)
+        init = b.load(b.bitcast(b.gep(corrp, [b.shl(q, const_i64(3))]), V8I32.as_pointer()), align=4)
+        sums = _nibble_pair_dot_i32x8(b, module, nib, b.gep(x8, [b.shl(q, const_i64(6))]), init, isa)
+        i = b.add(nsel, b.shl(q, const_i64(1)))
         if lone:                                           # one block: lanes 4..7 are zero sums
             f = b.load(b.gep(bufp, [i]))
-            fv = b.insert_element(ir.Constant(_V8F32, ir.Undefined), f, ir.Constant(_I32, 0))
-            fv = b.shuffle_vector(fv, fv, ir.Constant(_V8I32, [0] * 8))
+            fv = b.insert_element(ir.Constant(V8F32, ir.Undefined), f, ir.Constant(I32, 0))
+            fv = b.shuffle_vector(fv, fv, ir.Constant(V8I32, [0] * 8))
         else:                                              # the pair's two factors, 4 lanes each
-            two = b.load(b.bitcast(b.gep(bufp, [i]), ir.VectorType(_F32, 2).as_pointer()), align=4)
-            fv = b.shuffle_vector(two, two, ir.Constant(_V8I32, [0, 0, 0, 0, 1, 1, 1, 1]))
-        return b.call(fmuladd, [b.sitofp(sums, _V8F32), fv, acc])
+            two = b.load(b.bitcast(b.gep(bufp, [i]), ir.VectorType(F32, 2).as_pointer()), align=4)
+            fv = b.shuffle_vector(two, two, ir.Constant(V8I32, [0, 0, 0, 0, 1, 1, 1, 1]))
+        return b.call(fmuladd, [b.sitofp(sums, V8F32), fv, acc])
 
     def two_pairs(b, q, acc):                              # one 64-byte line of the row
-        _prefetch_ahead(b, module, b.gep(rest0, [b.shl(q, _c64(5))]))
-        return pair(b, q, acc[0]), pair(b, b.add(q, _c64(1)), acc[1])
+        prefetch_ahead(b, module, b.gep(rest0, [b.shl(q, const_i64(5))]))
+        return pair(b, q, acc[0]), pair(b, b.add(q, const_i64(1)), acc[1])
 
-    b, (a0, a1) = _emit_counted_loop(fn, b, _c64(0), even_end, 2, [acc_sel, zero], two_pairs, "pairs")
+    b, (a0, a1) = emit_counted_loop(fn, b, const_i64(0), even_end, 2, [acc_sel, zero], two_pairs, "pairs")
 
     def lone_block(b, acc):
-        half = b.load(b.bitcast(b.gep(rest0, [b.shl(npair, _c64(5))]), v16i8.as_pointer()), align=1)
-        widen = ir.Constant(ir.VectorType(_I32, 32), list(range(32)))       # then 16 zero bytes
+        half = b.load(b.bitcast(b.gep(rest0, [b.shl(npair, const_i64(5))]), v16i8.as_pointer()), align=1)
+        widen = ir.Constant(ir.VectorType(I32, 32), list(range(32)))       # then 16 zero bytes
         nib = b.shuffle_vector(half, ir.Constant(v16i8, [0] * 16), widen)
         return pair(b, npair, acc, nib=nib, lone=True)
 
-    odd_block = b.icmp_signed("<", b.add(nsel, b.shl(npair, _c64(1))), nblk)
-    b, a0 = _emit_if(fn, b, b.icmp_signed("<", even_end, npair), a0, lambda b, acc: pair(b, even_end, acc), "odd_pair")
-    b, a1 = _emit_if(fn, b, odd_block, a1, lone_block, "lone_block")
-    b.ret(_hsum_v8f32(b, b.fadd(a0, a1)))
+    odd_block = b.icmp_signed("<", b.add(nsel, b.shl(npair, const_i64(1))), nblk)
+    b, a0 = emit_if(fn, b, b.icmp_signed("<", even_end, npair), a0, lambda b, acc: pair(b, even_end, acc), "odd_pair")
+    b, a1 = emit_if(fn, b, odd_block, a1, lone_block, "lone_block")
+    b.ret(hsum_v8f32(b, b.fadd(a0, a1)))
     return fn
 
 
@@ -404,10 +404,10 @@ def _screen_dot_typer(hq, hs, x16, x8, corr, x_s, n, nsel, nblk, isa):
     def codegen(context, builder, sig, args):
         aq, asc, *acts = (context.make_array(t)(context, builder, v) for t, v in zip(sig.args[:6], args[:6]))
         row, ns, nb = (context.cast(builder, args[k], sig.args[k], types.int64) for k in (6, 7, 8))
-        qrow = builder.gep(builder.bitcast(aq.data, _P8), [builder.mul(row, builder.extract_value(aq.strides, 0))])
-        srow = builder.gep(builder.bitcast(asc.data, _P8), [builder.mul(row, builder.extract_value(asc.strides, 0))])
+        qrow = builder.gep(builder.bitcast(aq.data, P8), [builder.mul(row, builder.extract_value(aq.strides, 0))])
+        srow = builder.gep(builder.bitcast(asc.data, P8), [builder.mul(row, builder.extract_value(asc.strides, 0))])
         fn = _define_screen_row_dot(builder.module, isa)
-        return builder.call(fn, [qrow, srow, *(builder.bitcast(a.data, _P8) for a in acts), ns, nb])
+        return builder.call(fn, [qrow, srow, *(builder.bitcast(a.data, P8) for a in acts), ns, nb])
 
     return sig, codegen
 
@@ -441,7 +441,7 @@ dot product (each row: its cache lines)."""
 
 
 @intrinsic
-def _prefetch_row(typingctx, a, n):
+def prefetch_row(typingctx, a, n):
     """Prefetch every 64-byte line of row n of the C-contiguous 2-D array ``a``."""
     if not (isinstance(a, types.Array) and a.ndim == 2 and isinstance(n, types.Integer)):
         return None
@@ -451,11 +451,11 @@ def _prefetch_row(typingctx, a, n):
         arr = context.make_array(sig.args[0])(context, builder, args[0])
         row = context.cast(builder, args[1], sig.args[1], types.int64)
         stride = builder.extract_value(arr.strides, 0)
-        start = builder.gep(builder.bitcast(arr.data, _P8), [builder.mul(row, stride)])
-        prefetch = _decl(builder.module, "llvm.prefetch.p0", ir.VoidType(), [_P8, _I32, _I32, _I32])
-        with cgutils.for_range_slice(builder, _c64(0), stride, _c64(64)) as (off, _):
-            builder.call(prefetch, [builder.gep(start, [off]), ir.Constant(_I32, 0), ir.Constant(_I32, 3),
-                                    ir.Constant(_I32, 1)])
+        start = builder.gep(builder.bitcast(arr.data, P8), [builder.mul(row, stride)])
+        prefetch = declare(builder.module, "llvm.prefetch.p0", ir.VoidType(), [P8, I32, I32, I32])
+        with cgutils.for_range_slice(builder, const_i64(0), stride, const_i64(64)) as (off, _):
+            builder.call(prefetch, [builder.gep(start, [off]), ir.Constant(I32, 0), ir.Constant(I32, 3),
+                                    ir.Constant(I32, 1)])
         return context.get_dummy_value()
 
     return sig, codegen
@@ -508,7 +508,7 @@ def _rest_activations(p_q, k_sel):
 
 
 @njit(cache=True)
-def _permuted_activations(xp, p_q, p_s, sel_blocks):
+def permuted_activations(xp, p_q, p_s, sel_blocks):
     """What the compact rows read of the permuted activations xp (Kp,): p_q/p_s int16 blocks for
     the first sel_blocks (int8 blocks of the screen), int8 values for the rest (4-bit blocks), with
     their packed form (x8, corr); and, in float64, |xp_sel|^2, |xp_rest|^2 and delta = |xp - p|
@@ -516,7 +516,7 @@ def _permuted_activations(xp, p_q, p_s, sel_blocks):
     Kp = xp.size
     k_sel = sel_blocks * QBLOCK
     quantize_act_q16(xp[:k_sel], p_q[:k_sel], p_s[:sel_blocks])            # int16 for the int8 blocks,
-    _quantize_row(xp[k_sel:], p_q[k_sel:], p_s[sel_blocks:Kp // QBLOCK], 127)   # int8 for the 4-bit ones
+    quantize_row(xp[k_sel:], p_q[k_sel:], p_s[sel_blocks:Kp // QBLOCK], 127)   # int8 for the 4-bit ones
     x8, corr = _rest_activations(p_q, k_sel)
     s_sel, s_rest, s_d = 0.0, 0.0, 0.0
     for k in range(Kp):
@@ -552,12 +552,12 @@ def _dots_par(hq, hs, p_q, x8, corr, p_s, sel_blocks, out):
 
 
 @njit(cache=True, parallel=True)
-def _bounds_pass(hq, hs, hb, p_q, x8, corr, p_s, sel_blocks, n_sel, n_rest, extra, upper, lower_max, nthreads):
+def bounds_pass(hq, hs, hb, p_q, x8, corr, p_s, sel_blocks, n_sel, n_rest, extra, upper, lower_max, nthreads):
     """upper[n] = approx + bound of every row; lower_max[t] = the largest approx - bound of thread
     t's contiguous range of rows."""
     N = hq.shape[0]
     nblk = p_q.size // QBLOCK
-    margin = np.float32(_ROUNDING_MARGIN)
+    margin = np.float32(ROUNDING_MARGIN)
     per = (N + nthreads - 1) // nthreads
     for t in prange(nthreads):
         lo = min(N, t * per)
@@ -619,9 +619,9 @@ def screen_argmax(x, perm, sel_blocks, hq, hs, hb, w_q, w_s, x_q, x_s, p_q, p_s,
         xd[k] = np.float32(x_q[k]) * x_s[k // QBLOCK]
     for k in range(Kp):
         xp[k] = xd[perm[k]]
-    x8, corr, s_sel, s_rest, delta = _permuted_activations(xp, p_q, p_s, sel_blocks)   # what the compact rows read
-    extra = delta + _rounding_term(Kp) * np.sqrt(s_sel + s_rest)
-    _bounds_pass(hq, hs, hb, p_q, x8, corr, p_s, sel_blocks, np.float32(np.sqrt(s_sel)), np.float32(np.sqrt(s_rest)),
+    x8, corr, s_sel, s_rest, delta = permuted_activations(xp, p_q, p_s, sel_blocks)   # what the compact rows read
+    extra = delta + rounding_term(Kp) * np.sqrt(s_sel + s_rest)
+    bounds_pass(hq, hs, hb, p_q, x8, corr, p_s, sel_blocks, np.float32(np.sqrt(s_sel)), np.float32(np.sqrt(s_rest)),
                  np.float32(extra), upper, lower_max, nthreads)
     lower = lower_max[0]
     for t in range(1, nthreads):
@@ -669,13 +669,13 @@ def rows_scratch(M: int, N: int, Kp: int) -> tuple:
 
 @njit(cache=True, parallel=True)
 def _bounds_pass_rows(hq, hs, hb, p_q, x8, corr, p_s, sel_blocks, norms, M, upper, lower_max, nthreads):
-    """:func:`_bounds_pass` for M activation rows at once: upper[m, n] = approx + bound of compact
+    """:func:`bounds_pass` for M activation rows at once: upper[m, n] = approx + bound of compact
     row n against activation row m, lower_max[m, t] = the largest approx - bound of thread t's
     rows. Each thread goes through its contiguous rows ROWS_TILE at a time and scores a tile
     against every activation row before the next (the compact head is read once)."""
     N = hq.shape[0]
     nblk = p_q.shape[1] // QBLOCK
-    margin = np.float32(_ROUNDING_MARGIN)
+    margin = np.float32(ROUNDING_MARGIN)
     per = (N + nthreads - 1) // nthreads
     for t in prange(nthreads):
         lo = min(N, t * per)
@@ -717,12 +717,12 @@ def screen_argmax_rows(X, M, perm, sel_blocks, hq, hs, hb, w_q, w_s, x_q, x_s, p
             xd[k] = np.float32(x_q[m, k]) * x_s[m, k // QBLOCK]
         for k in range(Kp):
             xp[k] = xd[perm[k]]
-        x8m, cm, s_sel, s_rest, delta = _permuted_activations(xp, p_q[m], p_s[m], sel_blocks)
+        x8m, cm, s_sel, s_rest, delta = permuted_activations(xp, p_q[m], p_s[m], sel_blocks)
         x8[m, :x8m.size] = x8m
         corr[m, :cm.size] = cm
         norms[m, 0] = np.float32(np.sqrt(s_sel))
         norms[m, 1] = np.float32(np.sqrt(s_rest))
-        norms[m, 2] = np.float32(delta + _rounding_term(Kp) * np.sqrt(s_sel + s_rest))
+        norms[m, 2] = np.float32(delta + rounding_term(Kp) * np.sqrt(s_sel + s_rest))
     _bounds_pass_rows(hq, hs, hb, p_q, x8, corr, p_s, sel_blocks, norms, M, upper, lower_max, nthreads)
     N = hq.shape[0]
     per = (N + nthreads - 1) // nthreads
@@ -768,9 +768,9 @@ def screen_upper(x, perm, sel_blocks, hq, hs, hb, x_q, x_s, p_q, p_s, xd, xp, up
         xd[k] = np.float32(x_q[k]) * x_s[k // QBLOCK]
     for k in range(Kp):
         xp[k] = xd[perm[k]]
-    x8, corr, s_sel, s_rest, delta = _permuted_activations(xp, p_q, p_s, sel_blocks)
-    extra = delta + _rounding_term(Kp) * np.sqrt(s_sel + s_rest)
-    _bounds_pass(hq, hs, hb, p_q, x8, corr, p_s, sel_blocks, np.float32(np.sqrt(s_sel)), np.float32(np.sqrt(s_rest)),
+    x8, corr, s_sel, s_rest, delta = permuted_activations(xp, p_q, p_s, sel_blocks)
+    extra = delta + rounding_term(Kp) * np.sqrt(s_sel + s_rest)
+    bounds_pass(hq, hs, hb, p_q, x8, corr, p_s, sel_blocks, np.float32(np.sqrt(s_sel)), np.float32(np.sqrt(s_rest)),
                  np.float32(extra), upper, lower_max, nthreads)
     lower = lower_max[0]
     for t in range(1, nthreads):

@@ -9,7 +9,7 @@ what changes is the exact path it must reproduce, kquant.matvec, and so the boun
 The exact path. ``formats.matmul_rows`` quantizes the lm_head's input x (K,) with
 ``kquant.quantize_act_q8``: x_q int8 (Kp,) (zero past K), x_s float32 per block of 32 (max|v| /
 127), x_m float32 per 16 (x_s times the exact integer sum); the logit of row n is
-``_kq_row_dot(w, x_q, x_s, x_m, n, fmt, BEST_ISA)``, the row routine of ``kquant.matvec``. The
+``kq_row_dot(w, x_q, x_s, x_m, n, fmt, BEST_ISA)``, the row routine of ``kquant.matvec``. The
 screen computes its survivors with that very routine on the same three arrays, so its token is
 ``argmax(kquant.matvec(...))`` bit for bit (lowest index on ties), never an approximation.
 
@@ -83,9 +83,9 @@ import numpy as np
 from numba import njit, prange
 
 from ..rows.gguf_blocks import block_format, dequantize_parts_ref
-from .head_screen import (_ROUNDING_MARGIN, ROW_PREFETCH, _bounds_pass, _permuted_activations, _prefetch_row,
-                          _rounding_term, build_screen_rows, screen_activations_ref, screen_dots_ref)
-from ..rows.kquant import BEST_ISA, _kq_row_dot, quantize_act_q8, quantize_act_q8_ref
+from .head_screen import (ROUNDING_MARGIN, ROW_PREFETCH, bounds_pass, permuted_activations, prefetch_row,
+                          rounding_term, build_screen_rows, screen_activations_ref, screen_dots_ref)
+from ..rows.kquant import BEST_ISA, kq_row_dot, quantize_act_q8, quantize_act_q8_ref
 from ..rows.q8 import QBLOCK
 
 _ISA = BEST_ISA
@@ -158,9 +158,9 @@ def screen_bounds_blocks_ref(x, perm, k_sel: int, hq, hs, hb):
     n_sel = np.sqrt((xp64[:k_sel] ** 2).sum())
     n_rest = np.sqrt((xp64[k_sel:] ** 2).sum())
     delta = np.sqrt(((xp64 - pd.astype(np.float64)) ** 2).sum())
-    extra = delta + _rounding_term(Kp) * (np.sqrt(n_sel ** 2 + n_rest ** 2) + delta)
+    extra = delta + rounding_term(Kp) * (np.sqrt(n_sel ** 2 + n_rest ** 2) + delta)
     hb64 = hb.astype(np.float64)
-    bound = (hb64[:, 0] * n_sel + hb64[:, 1] * n_rest + hb64[:, 2] * extra) * _ROUNDING_MARGIN
+    bound = (hb64[:, 0] * n_sel + hb64[:, 1] * n_rest + hb64[:, 2] * extra) * ROUNDING_MARGIN
     return screen_dots_ref(hq, hs, p_q, p_s, k_sel), bound, (x_q, x_s, x_m)
 
 
@@ -194,7 +194,7 @@ returns -1 (the full head), and core/cpullm/compile/head_screen.py gives it no s
 def _row_logit(fmt, w, x_q, x_s, x_m, n):
     """kquant.matvec's value of row n of a Q6_K matrix: the same row routine (format and ISA
     compile-time constants)."""
-    return _kq_row_dot(w, x_q, x_s, x_m, n, 14, _ISA)
+    return kq_row_dot(w, x_q, x_s, x_m, n, 14, _ISA)
 
 
 @njit(cache=True, parallel=True)
@@ -207,7 +207,7 @@ def _exact_rows_blocks(fmt, w, x_q, x_s, x_m, rows, vals, counts, nthreads):
         end = lo + counts[t]
         for i in range(lo, end):
             if i + ROW_PREFETCH < end:
-                _prefetch_row(w, rows[i + ROW_PREFETCH])
+                prefetch_row(w, rows[i + ROW_PREFETCH])
             vals[i] = _row_logit(fmt, w, x_q, x_s, x_m, rows[i])
 
 
@@ -247,9 +247,9 @@ def screen_argmax_blocks(x, perm, sel_blocks, hq, hs, hb, w, fmt, x_q, x_s, x_m,
     for k in range(Kp):
         c = perm[k]
         xp[k] = np.float32(x_q[c]) * x_s[c // QBLOCK]
-    x8, corr, s_sel, s_rest, delta = _permuted_activations(xp, p_q, p_s, sel_blocks)   # what the compact rows read
-    extra = delta + _rounding_term(Kp) * (np.sqrt(s_sel + s_rest) + delta)
-    _bounds_pass(hq, hs, hb, p_q, x8, corr, p_s, sel_blocks, np.float32(np.sqrt(s_sel)), np.float32(np.sqrt(s_rest)),
+    x8, corr, s_sel, s_rest, delta = permuted_activations(xp, p_q, p_s, sel_blocks)   # what the compact rows read
+    extra = delta + rounding_term(Kp) * (np.sqrt(s_sel + s_rest) + delta)
+    bounds_pass(hq, hs, hb, p_q, x8, corr, p_s, sel_blocks, np.float32(np.sqrt(s_sel)), np.float32(np.sqrt(s_rest)),
                  np.float32(extra), upper, lower_max, nthreads)
     lower = lower_max[0]
     for t in range(1, nthreads):

@@ -57,13 +57,13 @@ activations. The numpy reference :func:`matmul_ref` follows the same steps
 (tests/test_kernels_kquant_panels.py holds every ISA to it bit for bit).
 
 ISA variants (``ISAS``; ``CPULLM_KQ_PANELS_ISA`` picks a lesser one, with a numba cache of its
-own): ``vnni`` (AVX-512 VNNI: ``vpdpbusd`` on zmm, by inline assembly as in q8._vnni_block_sums,
+own): ``vnni`` (AVX-512 VNNI: ``vpdpbusd`` on zmm, by inline assembly as in llvm_ir.vnni_block_sums,
 since LLVM's tuning for some Intel hosts rewrites the instruction), ``avx2`` (``vpmaddubsw`` +
 ``vpmaddwd``, two ymm halves of a panel) and ``generic`` (portable IR).
 
 Streaming: a register tile is 1, 2, 4 or 8 activation rows by one panel, or, for a lone row
 (decode), by GROUP = 4 panels at once (4 weight streams); every 64-byte line of a panel's
-super-block is prefetched into L2 ``q8.PREFETCH_BYTES`` (4 KiB) ahead, the fastest of the
+super-block is prefetched into L2 ``llvm_ir.PREFETCH_BYTES`` (4 KiB) ahead, the fastest of the
 distances and levels tried (25-28 GB/s streaming 1B-sized matrices against 20-21 with no prefetch).
 
 Entry points:
@@ -89,10 +89,11 @@ from numba.extending import intrinsic
 from ..setup import numba_setup  # code-generation settings first
 from ..rows.gguf_blocks import Q4_K as _Q4_K_FMT
 from ..rows.gguf_blocks import Q6_K as _Q6_K_FMT
-from ..rows.gguf_blocks import _k_low4, k_scales_mins, q6_k_quants
+from ..rows.gguf_blocks import k_low4, k_scales_mins, q6_k_quants
 from ..rows.kquant import quantize_act_q8
-from ..rows.q8 import (_F32, _I8, _I16, _I32, _I64, _P8, HAVE_AVX2, _c64, _decl, _emit_counted_loop,
-                 _halves_to_floats, _prefetch_ahead, half_to_float)
+from ..rows.llvm_ir import (F32, I8, I16, I32, I64, P8, const_i64, declare, emit_counted_loop,
+                            halves_to_floats, prefetch_ahead)
+from ..rows.q8 import HAVE_AVX2, half_to_float
 
 Q4_K, Q6_K = _Q4_K_FMT.ggml_type, _Q6_K_FMT.ggml_type
 FORMATS = (Q4_K, Q6_K)
@@ -155,7 +156,7 @@ def pack(fmt, raw) -> np.ndarray:
     if fmt == Q4_K:
         nsb = raw.shape[1] // 144
         b = raw.reshape(N, nsb, 144)
-        q = _k_low4(b[..., 16:144].reshape(-1, 128)).reshape(N, nsb, 8, 4, 2, 4)    # (n, s, j, t, h, e)
+        q = k_low4(b[..., 16:144].reshape(-1, 128)).reshape(N, nsb, 8, 4, 2, 4)    # (n, s, j, t, h, e)
         qb = (q[..., 0, :] | (q[..., 1, :] << 4)).astype(np.uint8)                 # (n, s, j, t, e)
         parts = [_lanes(b[..., 0:2], G, nsb, 2).reshape(G, nsb, 32),
                  _lanes(b[..., 2:4], G, nsb, 2).reshape(G, nsb, 32),
@@ -262,12 +263,12 @@ def matmul_ref(fmt, packed, N: int, x_q, x_s, x_m) -> np.ndarray:
 # the register tile (LLVM IR)
 # ================================================================================================
 
-_V16I32 = ir.VectorType(_I32, 16)
-_V16F32 = ir.VectorType(_F32, 16)
-_V64I8 = ir.VectorType(_I8, 64)
-_V16I16 = ir.VectorType(_I16, 16)
-_V32I8 = ir.VectorType(_I8, 32)
-_V8I32 = ir.VectorType(_I32, 8)
+_V16I32 = ir.VectorType(I32, 16)
+_V16F32 = ir.VectorType(F32, 16)
+_V64I8 = ir.VectorType(I8, 64)
+_V16I16 = ir.VectorType(I16, 16)
+_V32I8 = ir.VectorType(I8, 32)
+_V8I32 = ir.VectorType(I32, 8)
 
 
 def _splat_i8(b, v):
@@ -275,18 +276,18 @@ def _splat_i8(b, v):
 
 
 def _splat(b, scalar, vty):
-    v = b.insert_element(ir.Constant(vty, ir.Undefined), scalar, ir.Constant(_I32, 0))
-    return b.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, vty.count), [0] * vty.count))
+    v = b.insert_element(ir.Constant(vty, ir.Undefined), scalar, ir.Constant(I32, 0))
+    return b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, vty.count), [0] * vty.count))
 
 
 def _fsplat(b, v):
     """IR: float v in every lane of a <16 x float>."""
-    return b.shuffle_vector(b.insert_element(ir.Constant(_V16F32, ir.Undefined), v, ir.Constant(_I32, 0)),
+    return b.shuffle_vector(b.insert_element(ir.Constant(_V16F32, ir.Undefined), v, ir.Constant(I32, 0)),
                             ir.Constant(_V16F32, ir.Undefined), ir.Constant(_V16I32, [0] * 16))
 
 
 def _load(b, p, off, ty, align=1):
-    return b.load(b.bitcast(b.gep(p, [off if isinstance(off, ir.Value) else _c64(off)]), ty.as_pointer()),
+    return b.load(b.bitcast(b.gep(p, [off if isinstance(off, ir.Value) else const_i64(off)]), ty.as_pointer()),
                   align=align)
 
 
@@ -348,15 +349,15 @@ def _avx2_sums(b, module, fmt, vecs, xptrs):
     the two ymm halves (rows 0-7, 8-15) of the panel. int16 partial sums stay below 2^15: Q4_K's
     8 products of a lane pair at most 8 * 2 * 15 * 127 = 30480; Q6_K's quants reach 63, so its
     pairs of products (32004) go to int32 two at a time."""
-    maddubs = _decl(module, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [_V32I8, _V32I8])
-    maddwd = _decl(module, "llvm.x86.avx2.pmadd.wd", _V8I32, [_V16I16, _V16I16])
+    maddubs = declare(module, "llvm.x86.avx2.pmadd.ub.sw", _V16I16, [_V32I8, _V32I8])
+    maddwd = declare(module, "llvm.x86.avx2.pmadd.wd", _V8I32, [_V16I16, _V16I16])
     ones = ir.Constant(_V16I16, [1] * 16)
     per = 8 if fmt == Q4_K else 2
-    halves = [[b.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 32), list(range(32 * h, 32 * h + 32)))) for v in vecs]
+    halves = [[b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, 32), list(range(32 * h, 32 * h + 32)))) for v in vecs]
               for h in range(2)]
     out = []
     for xp in xptrs:
-        xs = [b.bitcast(_splat(b, _load(b, xp, 4 * u, _I32), _V8I32), _V32I8) for u in range(len(vecs))]
+        xs = [b.bitcast(_splat(b, _load(b, xp, 4 * u, I32), _V8I32), _V32I8) for u in range(len(vecs))]
         res = []
         for h in range(2):
             s32 = None
@@ -376,13 +377,13 @@ def _avxvnni_sums(b, module, vecs, xptrs):
     """IR: :func:`_vnni_sums` by the VEX-encoded ``vpdpbusd`` (AVX-VNNI) on the two ymm halves
     (rows 0-7, 8-15) of the panel: the 4 products of a lane summed straight into int32, exact
     for any quants up to 8 bits (no int16 step, unlike :func:`_avx2_sums`)."""
-    v8i32 = ir.VectorType(_I32, 8)
-    dpbusd = _decl(module, "llvm.x86.avx512.vpdpbusd.256", v8i32, [v8i32] * 3)
+    v8i32 = ir.VectorType(I32, 8)
+    dpbusd = declare(module, "llvm.x86.avx512.vpdpbusd.256", v8i32, [v8i32] * 3)
     halves = [[b.shuffle_vector(b.bitcast(v, _V16I32), b.bitcast(v, _V16I32),
                                 ir.Constant(v8i32, list(range(8 * h, 8 * h + 8)))) for v in vecs] for h in range(2)]
     out = []
     for xp in xptrs:
-        xs = [_splat(b, _load(b, xp, 4 * u, _I32), v8i32) for u in range(len(vecs))]
+        xs = [_splat(b, _load(b, xp, 4 * u, I32), v8i32) for u in range(len(vecs))]
         res = []
         for h in range(2):
             acc = ir.Constant(v8i32, [0] * 8)
@@ -395,13 +396,13 @@ def _avxvnni_sums(b, module, vecs, xptrs):
 
 def _generic_sums(b, vecs, xptrs):
     """IR: :func:`_vnni_sums` in portable IR (widen, multiply, add the 4 products of a lane)."""
-    v64i32 = ir.VectorType(_I32, 64)
+    v64i32 = ir.VectorType(I32, 64)
     wide = [b.zext(v, v64i32) for v in vecs]
     out = []
     for xp in xptrs:
         s = None
         for u, w in enumerate(wide):
-            x4 = b.bitcast(_splat(b, _load(b, xp, 4 * u, _I32), _V16I32), _V64I8)
+            x4 = b.bitcast(_splat(b, _load(b, xp, 4 * u, I32), _V16I32), _V64I8)
             p = b.mul(w, b.sext(x4, v64i32))
             s = p if s is None else b.add(s, p)
         q = [b.shuffle_vector(s, s, ir.Constant(_V16I32, list(range(e, 64, 4)))) for e in range(4)]
@@ -424,7 +425,7 @@ def _code(b, word, i):
     """IR: byte i of each lane's word as <16 x i32> (one byte shuffle)."""
     zero = ir.Constant(_V64I8, [0] * 64)
     mask = [x for lane in range(16) for x in (4 * lane + i, 64, 64, 64)]
-    return b.bitcast(b.shuffle_vector(b.bitcast(word, _V64I8), zero, ir.Constant(ir.VectorType(_I32, 64), mask)),
+    return b.bitcast(b.shuffle_vector(b.bitcast(word, _V64I8), zero, ir.Constant(ir.VectorType(I32, 64), mask)),
                      _V16I32)
 
 
@@ -437,43 +438,43 @@ def _define_tile(module, fmt: int, isa: str, TR: int, V: int):
     fn = module.globals.get(name)
     if fn is not None:
         return fn
-    fnty = ir.FunctionType(ir.VoidType(), [_P8, _I64, _P8, _I64, _P8, _I64, _P8, _I64, _P8, _I64])
+    fnty = ir.FunctionType(ir.VoidType(), [P8, I64, P8, I64, P8, I64, P8, I64, P8, I64])
     fn = ir.Function(module, fnty, name)
     fn.linkage = "internal"
     fn.attributes.add("nounwind")
     wp, nsb, xq, xqst, xs, xsst, xm, xmst, out, ost = fn.args
-    fma = _decl(module, "llvm.fma.v16f32", _V16F32, [_V16F32, _V16F32, _V16F32])
+    fma = declare(module, "llvm.fma.v16f32", _V16F32, [_V16F32, _V16F32, _V16F32])
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     sbytes = SB_BYTES[fmt]
-    pbytes = b.mul(nsb, _c64(sbytes))
-    wpan = [b.gep(wp, [b.mul(pbytes, _c64(v))]) for v in range(V)]
-    xrow = [b.gep(xq, [b.mul(xqst, _c64(t))]) for t in range(TR)]
-    xsrow = [b.bitcast(b.gep(xs, [b.mul(xsst, _c64(t))]), _F32.as_pointer()) for t in range(TR)]
-    xmrow = [b.bitcast(b.gep(xm, [b.mul(xmst, _c64(t))]), _F32.as_pointer()) for t in range(TR)]
+    pbytes = b.mul(nsb, const_i64(sbytes))
+    wpan = [b.gep(wp, [b.mul(pbytes, const_i64(v))]) for v in range(V)]
+    xrow = [b.gep(xq, [b.mul(xqst, const_i64(t))]) for t in range(TR)]
+    xsrow = [b.bitcast(b.gep(xs, [b.mul(xsst, const_i64(t))]), F32.as_pointer()) for t in range(TR)]
+    xmrow = [b.bitcast(b.gep(xm, [b.mul(xmst, const_i64(t))]), F32.as_pointer()) for t in range(TR)]
     nsub, sub = (8, 32) if fmt == Q4_K else (16, 16)
     zero = ir.Constant(_V16F32, [0.0] * 16)
 
     def superblock(bb, s, accs):
         fsplat = lambda v: _fsplat(bb, v)  # noqa: E731
-        sbps = [bb.gep(wpan[v], [bb.mul(s, _c64(sbytes))]) for v in range(V)]
+        sbps = [bb.gep(wpan[v], [bb.mul(s, const_i64(sbytes))]) for v in range(V)]
         for sbp in sbps:
             for line in range(0, sbytes, 64):
-                _prefetch_ahead(bb, module, bb.gep(sbp, [_c64(line)]), 2)
-        ds = [_halves_to_floats(bb, _load(bb, sbp, 0, _V16I16, 2)) for sbp in sbps]
+                prefetch_ahead(bb, module, bb.gep(sbp, [const_i64(line)]), 2)
+        ds = [halves_to_floats(bb, _load(bb, sbp, 0, _V16I16, 2)) for sbp in sbps]
         words = [_code_words(bb, sbp) for sbp in sbps] if fmt == Q4_K else None
         ms = [zero] * (TR * V)
         accs = list(accs)
         for j in range(nsub):
-            k0 = bb.add(bb.mul(s, _c64(SUPER)), _c64(j * sub))          # first activation of the sub-block
+            k0 = bb.add(bb.mul(s, const_i64(SUPER)), const_i64(j * sub))          # first activation of the sub-block
             xp = [bb.gep(xrow[t], [k0]) for t in range(TR)]
-            blk = bb.add(bb.mul(s, _c64(SUPER // 32)), _c64(j * sub // 32))
+            blk = bb.add(bb.mul(s, const_i64(SUPER // 32)), const_i64(j * sub // 32))
             xsv = [fsplat(bb.load(bb.gep(xsrow[t], [blk]), align=4)) for t in range(TR)]
             if fmt == Q4_K:
-                i2 = bb.mul(blk, _c64(2))
+                i2 = bb.mul(blk, const_i64(2))
                 xmv = [fsplat(bb.fadd(bb.load(bb.gep(xmrow[t], [i2]), align=4),
-                                      bb.load(bb.gep(xmrow[t], [bb.add(i2, _c64(1))]), align=4))) for t in range(TR)]
+                                      bb.load(bb.gep(xmrow[t], [bb.add(i2, const_i64(1))]), align=4))) for t in range(TR)]
             else:
-                i16 = bb.add(bb.mul(s, _c64(16)), _c64(j))
+                i16 = bb.add(bb.mul(s, const_i64(16)), const_i64(j))
                 xmv = [fsplat(bb.load(bb.gep(xmrow[t], [i16]), align=4)) for t in range(TR)]
             for v, sbp in enumerate(sbps):
                 vecs = _unpacked(bb, fmt, sbp, j, high_in_place=isa == "vnni")
@@ -489,21 +490,21 @@ def _define_tile(module, fmt: int, isa: str, TR: int, V: int):
                     sc = _code(bb, words[v][2 * (j // 4)], j % 4)
                     mnf = bb.sitofp(_code(bb, words[v][2 * (j // 4) + 1], j % 4), _V16F32)
                 else:
-                    sc = bb.sext(_load(bb, sbp, 32 + 16 * j, ir.VectorType(_I8, 16)), _V16I32)
+                    sc = bb.sext(_load(bb, sbp, 32 + 16 * j, ir.VectorType(I8, 16)), _V16I32)
                 scf = bb.sitofp(sc, _V16F32)
                 fj = bb.fmul(ds[v], scf)
                 for t in range(TR):
                     a = t * V + v
                     accs[a] = bb.call(fma, [bb.sitofp(sums[t], _V16F32), bb.fmul(fj, xsv[t]), accs[a]])
                     ms[a] = bb.call(fma, [mnf if fmt == Q4_K else scf, xmv[t], ms[a]])
-        offs = [bb.fneg(_halves_to_floats(bb, _load(bb, sbp, 32, _V16I16, 2))) if fmt == Q4_K
+        offs = [bb.fneg(halves_to_floats(bb, _load(bb, sbp, 32, _V16I16, 2))) if fmt == Q4_K
                 else bb.fmul(ds[v], ir.Constant(_V16F32, [-32.0] * 16)) for v, sbp in enumerate(sbps)]
         return [bb.call(fma, [offs[a % V], ms[a], accs[a]]) for a in range(TR * V)]
 
-    b, accs = _emit_counted_loop(fn, b, _c64(0), nsb, 1, [zero] * (TR * V), superblock, "superblocks")
+    b, accs = emit_counted_loop(fn, b, const_i64(0), nsb, 1, [zero] * (TR * V), superblock, "superblocks")
     for t in range(TR):
         for v in range(V):
-            b.store(accs[t * V + v], b.bitcast(b.gep(out, [b.add(b.mul(ost, _c64(t)), _c64(64 * v))]),
+            b.store(accs[t * V + v], b.bitcast(b.gep(out, [b.add(b.mul(ost, const_i64(t)), const_i64(64 * v))]),
                                                _V16F32.as_pointer()), align=4)
     b.ret_void()
     return fn
@@ -521,16 +522,16 @@ def _make_tile(isa: str, TR: int, V: int):
             aw, axq, axs, axm, aout = (context.make_array(sig.args[i])(context, builder, args[i]) for i in (1, 3, 4, 5, 7))
             fmt_, g_, t0_, ot_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (0, 2, 6, 8))
             st = lambda a: builder.extract_value(a.strides, 0)  # noqa: E731
-            p8 = lambda a: builder.bitcast(a.data, _P8)  # noqa: E731
-            nsb = builder.ashr(builder.extract_value(axq.shape, 1), _c64(8))
+            p8 = lambda a: builder.bitcast(a.data, P8)  # noqa: E731
+            nsb = builder.ashr(builder.extract_value(axq.shape, 1), const_i64(8))
             xs = [builder.gep(p8(axq), [builder.mul(t0_, st(axq))]), st(axq),
                   builder.gep(p8(axs), [builder.mul(t0_, st(axs))]), st(axs),
                   builder.gep(p8(axm), [builder.mul(t0_, st(axm))]), st(axm),
                   builder.gep(p8(aout), [builder.mul(ot_, st(aout))]), st(aout)]
-            with builder.if_else(builder.icmp_signed("==", fmt_, _c64(Q4_K))) as (q4, q6):
+            with builder.if_else(builder.icmp_signed("==", fmt_, const_i64(Q4_K))) as (q4, q6):
                 for f, branch in ((Q4_K, q4), (Q6_K, q6)):
                     with branch:
-                        wptr = builder.gep(p8(aw), [builder.mul(builder.mul(g_, nsb), _c64(SB_BYTES[f]))])
+                        wptr = builder.gep(p8(aw), [builder.mul(builder.mul(g_, nsb), const_i64(SB_BYTES[f]))])
                         builder.call(_define_tile(builder.module, f, isa, TR, V), [wptr, nsb] + xs)
             return context.get_dummy_value()
 
@@ -600,7 +601,7 @@ def matmul(fmt, w, x_q, x_s, x_m, out, nthreads):
 
 
 @njit(cache=True, parallel=True)
-def _quantize_rows(x, x_q, x_s, x_m):
+def quantize_rows_q8k(x, x_q, x_s, x_m):
     for t in prange(x.shape[0]):
         quantize_act_q8(x[t], x_q[t], x_s[t], x_m[t])
 
@@ -613,7 +614,7 @@ def quantize_rows(x, Kp: int):
     x_q = np.empty((T, Kp), np.int8)
     x_s = np.empty((T, Kp // 32), np.float32)
     x_m = np.empty((T, Kp // 16), np.float32)
-    _quantize_rows(np.ascontiguousarray(xp, np.float32), x_q, x_s, x_m)
+    quantize_rows_q8k(np.ascontiguousarray(xp, np.float32), x_q, x_s, x_m)
     return x_q, x_s, x_m
 
 

@@ -57,10 +57,9 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from ..setup import numba_setup  # code-generation settings first
-from ..rows.q8 import (_F32, _I8, _I16, _I32, _I64, _P8, QBLOCK, HAVE_AVX2, _c64, _decl, _halves_to_floats,
-                 YMM_DOTS, _prefetch_ahead, _vnni_block_sums, _ymm_block_sums,
-                 activation_scratch, half_to_float, quantize_act_q16,
-                 scale_values)
+from ..rows.llvm_ir import (F32, I8, I16, I32, I64, P8, const_i64, declare, halves_to_floats, YMM_DOTS,
+                            prefetch_ahead, vnni_block_sums, ymm_block_sums)
+from ..rows.q8 import QBLOCK, HAVE_AVX2, activation_scratch, half_to_float, quantize_act_q16, scale_values
 
 PANEL = 16
 """Rows per panel: the int32 lanes of one 512-bit register."""
@@ -82,12 +81,12 @@ YMM = ISA in YMM_DOTS
 if ISA not in ISAS:
     raise ImportError(f"CPULLM_Q8_PANELS_ISA={ISA!r}: this CPU runs {', '.join(ISAS)}")
 
-_V16I32 = ir.VectorType(_I32, 16)
-_V16F32 = ir.VectorType(_F32, 16)
-_V32I8 = ir.VectorType(_I8, 32)
-_V32I16 = ir.VectorType(_I16, 32)
-_V16I16 = ir.VectorType(_I16, 16)
-_V8I32 = ir.VectorType(_I32, 8)
+_V16I32 = ir.VectorType(I32, 16)
+_V16F32 = ir.VectorType(F32, 16)
+_V32I8 = ir.VectorType(I8, 32)
+_V32I16 = ir.VectorType(I16, 32)
+_V16I16 = ir.VectorType(I16, 16)
+_V8I32 = ir.VectorType(I32, 8)
 
 TILES = ((8, 1), (4, 2), (2, 4), (1, 4))
 """Register tiles (batch rows TR, panels V) a group of 4 panels is covered with: B is cut into
@@ -157,26 +156,26 @@ def panels_matmul_ref(wp, sp, N: int, x_q, x_s):
 # ================================================================================================
 
 def _splat(b, scalar, vty):
-    v = b.insert_element(ir.Constant(vty, ir.Undefined), scalar, ir.Constant(_I32, 0))
-    return b.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, vty.count), [0] * vty.count))
+    v = b.insert_element(ir.Constant(vty, ir.Undefined), scalar, ir.Constant(I32, 0))
+    return b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, vty.count), [0] * vty.count))
 
 
 def _pair_dot(b, module, acc, w, a, isa):
     """IR: acc (<16 x i32>, one lane a row) + the row's pair of weights (w: <32 x i16>, lanes 2l,
     2l + 1) times the activation pair (a: <16 x i32>, the pair as int16 halves, every lane)."""
     if isa == "vnni":
-        dpwssd = _decl(module, "llvm.x86.avx512.vpdpwssd.512", _V16I32, [_V16I32, _V16I32, _V16I32])
+        dpwssd = declare(module, "llvm.x86.avx512.vpdpwssd.512", _V16I32, [_V16I32, _V16I32, _V16I32])
         return b.call(dpwssd, [acc, a, b.bitcast(w, _V16I32)])
     if isa == "avx2":
-        maddwd = _decl(module, "llvm.x86.avx2.pmadd.wd", _V8I32, [_V16I16, _V16I16])
+        maddwd = declare(module, "llvm.x86.avx2.pmadd.wd", _V8I32, [_V16I16, _V16I16])
         a16 = b.bitcast(b.shuffle_vector(a, a, ir.Constant(_V8I32, list(range(8)))), _V16I16)
         lo = b.shuffle_vector(w, w, ir.Constant(_V16I32, list(range(16))))
         hi = b.shuffle_vector(w, w, ir.Constant(_V16I32, list(range(16, 32))))
         prod = b.shuffle_vector(b.call(maddwd, [lo, a16]), b.call(maddwd, [hi, a16]),
                                 ir.Constant(_V16I32, list(range(16))))
         return b.add(acc, prod)
-    w32 = b.sext(w, ir.VectorType(_I32, 32))
-    a32 = b.sext(b.bitcast(a, _V32I16), ir.VectorType(_I32, 32))
+    w32 = b.sext(w, ir.VectorType(I32, 32))
+    a32 = b.sext(b.bitcast(a, _V32I16), ir.VectorType(I32, 32))
     p = b.mul(w32, a32)
     ev = b.shuffle_vector(p, p, ir.Constant(_V16I32, list(range(0, 32, 2))))
     od = b.shuffle_vector(p, p, ir.Constant(_V16I32, list(range(1, 32, 2))))
@@ -189,25 +188,25 @@ def _define_tile(module, isa: str, TR: int, V: int, locality: int):
     out[t, 16 v .. 16 v + 15] = the rows of panel v (at wp + v * panel_bytes, scales at
     sp + v * panel_bytes / 16) against activation row t. Strides in bytes.
 
-    Each of the V weight streams is prefetched ``q8.PREFETCH_BYTES`` ahead, every 64-byte line of
+    Each of the V weight streams is prefetched ``llvm_ir.PREFETCH_BYTES`` ahead, every 64-byte line of
     every block (8 a block): an 8-row step over Qwen2.5-0.5B's lm_head took 6.5 ms against 9.2
     with 2 prefetches a block; one row, memory-bound either way, is unchanged."""
     name = f"cpullm_q8_panel_tile_{isa}_{TR}x{V}_l{locality}"
     fn = module.globals.get(name)
     if fn is not None:
         return fn
-    fnty = ir.FunctionType(ir.VoidType(), [_P8, _P8, _I64, _P8, _I64, _P8, _I64, _I64, _P8, _I64])
+    fnty = ir.FunctionType(ir.VoidType(), [P8, P8, I64, P8, I64, P8, I64, I64, P8, I64])
     fn = ir.Function(module, fnty, name)
     fn.linkage = "internal"
     fn.attributes.add("nounwind")
     wp, sp, pbytes, xq, xqst, xs, xsst, nb, out, ost = fn.args
-    fma = _decl(module, "llvm.fma.v16f32", _V16F32, [_V16F32, _V16F32, _V16F32])
+    fma = declare(module, "llvm.fma.v16f32", _V16F32, [_V16F32, _V16F32, _V16F32])
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    sbytes = b.ashr(pbytes, _c64(4))
-    wpan = [b.gep(wp, [b.mul(pbytes, _c64(v))]) for v in range(V)]
-    span = [b.gep(sp, [b.mul(sbytes, _c64(v))]) for v in range(V)]
-    xrow = [b.gep(xq, [b.mul(xqst, _c64(t))]) for t in range(TR)]
-    xsrow = [b.bitcast(b.gep(xs, [b.mul(xsst, _c64(t))]), _F32.as_pointer()) for t in range(TR)]
+    sbytes = b.ashr(pbytes, const_i64(4))
+    wpan = [b.gep(wp, [b.mul(pbytes, const_i64(v))]) for v in range(V)]
+    span = [b.gep(sp, [b.mul(sbytes, const_i64(v))]) for v in range(V)]
+    xrow = [b.gep(xq, [b.mul(xqst, const_i64(t))]) for t in range(TR)]
+    xsrow = [b.bitcast(b.gep(xs, [b.mul(xsst, const_i64(t))]), F32.as_pointer()) for t in range(TR)]
     # int32 sums of a block: 2 chains a (row, panel) when the tile is small, so that vpdpwssd's
     # latency is hidden (the integer sum is exact: any split gives the same value)
     chains = 2 if TR * V <= 4 else 1
@@ -215,46 +214,46 @@ def _define_tile(module, isa: str, TR: int, V: int, locality: int):
     zero_i = ir.Constant(_V16I32, [0] * 16)
 
     def block(b, i, accs):
-        boff = b.shl(i, _c64(9))                    # 512 bytes a panel-block
+        boff = b.shl(i, const_i64(9))                    # 512 bytes a panel-block
         for v in range(V):
             for line in range(0, PANEL_BLOCK_BYTES, 64):   # every line: see _define_tile
-                _prefetch_ahead(b, module, b.gep(wpan[v], [b.add(boff, _c64(line))]), locality)
-        xoff = b.shl(i, _c64(6))                    # 64 bytes of int16 activations a block
+                prefetch_ahead(b, module, b.gep(wpan[v], [b.add(boff, const_i64(line))]), locality)
+        xoff = b.shl(i, const_i64(6))                    # 64 bytes of int16 activations a block
         if isa == "vnni":
             # the activation pointers as they are (i8*): cast to i32* they measured an 8-row decode
             # step 18 % slower (LLVM's address arithmetic around the routine)
-            sums = _vnni_block_sums(b, [b.gep(wpan[v], [boff]) for v in range(V)],
+            sums = vnni_block_sums(b, [b.gep(wpan[v], [boff]) for v in range(V)],
                                     [b.gep(xrow[t], [xoff]) for t in range(TR)], "vpmovsxbw", 32, chains)
         else:
             sums = [[[zero_i] * chains for _ in range(V)] for _ in range(TR)]
             for p in range(16):
-                w = [b.sext(b.load(b.bitcast(b.gep(wpan[v], [b.add(boff, _c64(32 * p))]), _V32I8.as_pointer()),
+                w = [b.sext(b.load(b.bitcast(b.gep(wpan[v], [b.add(boff, const_i64(32 * p))]), _V32I8.as_pointer()),
                                    align=1), _V32I16) for v in range(V)]
                 for t in range(TR):
-                    pair = b.load(b.bitcast(b.gep(xrow[t], [b.add(xoff, _c64(4 * p))]), _I32.as_pointer()), align=2)
+                    pair = b.load(b.bitcast(b.gep(xrow[t], [b.add(xoff, const_i64(4 * p))]), I32.as_pointer()), align=2)
                     a = _splat(b, pair, _V16I32)
                     for v in range(V):
                         c = p % chains
                         sums[t][v][c] = _pair_dot(b, module, sums[t][v][c], w[v], a, isa)
-        soff = b.shl(i, _c64(5))                    # 32 bytes of scales a panel-block
-        sc = [_halves_to_floats(b, b.load(b.bitcast(b.gep(span[v], [soff]), _V16I16.as_pointer()), align=2))
+        soff = b.shl(i, const_i64(5))                    # 32 bytes of scales a panel-block
+        sc = [halves_to_floats(b, b.load(b.bitcast(b.gep(span[v], [soff]), _V16I16.as_pointer()), align=2))
               for v in range(V)]
         new = []
         for t in range(TR):
             xsv = b.load(b.gep(xsrow[t], [i]), align=4)
-            xsv = b.shuffle_vector(b.insert_element(ir.Constant(_V16F32, ir.Undefined), xsv, ir.Constant(_I32, 0)),
+            xsv = b.shuffle_vector(b.insert_element(ir.Constant(_V16F32, ir.Undefined), xsv, ir.Constant(I32, 0)),
                                    ir.Constant(_V16F32, ir.Undefined), ir.Constant(_V16I32, [0] * 16))
             for v in range(V):
                 s = sums[t][v][0] if chains == 1 else b.add(sums[t][v][0], sums[t][v][1])
                 new.append(b.call(fma, [b.sitofp(s, _V16F32), b.fmul(sc[v], xsv), accs[t * V + v]]))
         return new
 
-    from ..rows.q8 import _emit_counted_loop
-    b, accs = _emit_counted_loop(fn, b, _c64(0), nb, 1, [zero_f] * (TR * V), block, "blocks")
+    from ..rows.llvm_ir import emit_counted_loop
+    b, accs = emit_counted_loop(fn, b, const_i64(0), nb, 1, [zero_f] * (TR * V), block, "blocks")
     for t in range(TR):
-        orow = b.gep(out, [b.mul(ost, _c64(t))])
+        orow = b.gep(out, [b.mul(ost, const_i64(t))])
         for v in range(V):
-            b.store(accs[t * V + v], b.bitcast(b.gep(orow, [_c64(64 * v)]), _V16F32.as_pointer()), align=4)
+            b.store(accs[t * V + v], b.bitcast(b.gep(orow, [const_i64(64 * v)]), _V16F32.as_pointer()), align=4)
     b.ret_void()
     return fn
 
@@ -262,7 +261,7 @@ def _define_tile(module, isa: str, TR: int, V: int, locality: int):
 YMM_TILES = ((6, 1), (4, 1), (2, 2), (1, 4))
 """The 256-bit variants' register tiles (batch rows TR, panels V): a panel is two vectors of 8
 rows, so a tile holds TR x 2V int32 sums; 6 x 1 is the largest that fits the 16 ymm registers
-beside its operands (:func:`q8._ymm_block_sums`), and its 12 independent sums keep two
+beside its operands (:func:`llvm_ir.ymm_block_sums`), and its 12 independent sums keep two
 ``vpdpwssd`` a cycle busy through the instruction's latency (an 8-row tile, as IR, spilled)."""
 
 
@@ -276,21 +275,21 @@ def _define_tile_ymm(module, isa: str, TR: int, V: int, locality: int):
     fn = module.globals.get(name)
     if fn is not None:
         return fn
-    fnty = ir.FunctionType(ir.VoidType(), [_P8, _P8, _I64, _P8, _I64, _P8, _I64, _I64, _P8, _I64])
+    fnty = ir.FunctionType(ir.VoidType(), [P8, P8, I64, P8, I64, P8, I64, I64, P8, I64])
     fn = ir.Function(module, fnty, name)
     fn.linkage = "internal"
     fn.attributes.add("nounwind")
     wp, sp, pbytes, xq, xqst, xs, xsst, nb, out, ost = fn.args
-    v8f32 = ir.VectorType(_F32, 8)
-    v8i16 = ir.VectorType(_I16, 8)
-    fma = _decl(module, "llvm.fma.v8f32", v8f32, [v8f32, v8f32, v8f32])
+    v8f32 = ir.VectorType(F32, 8)
+    v8i16 = ir.VectorType(I16, 8)
+    fma = declare(module, "llvm.fma.v8f32", v8f32, [v8f32, v8f32, v8f32])
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    sbytes = b.ashr(pbytes, _c64(4))
-    wpan = [b.gep(wp, [b.mul(pbytes, _c64(v))]) for v in range(V)]
-    span = [b.gep(sp, [b.mul(sbytes, _c64(v))]) for v in range(V)]
-    xrow = [b.gep(xq, [b.mul(xqst, _c64(t))]) for t in range(TR)]
-    xsrow = [b.bitcast(b.gep(xs, [b.mul(xsst, _c64(t))]), _F32.as_pointer()) for t in range(TR)]
-    oacc = [[b.bitcast(b.gep(out, [b.add(b.mul(ost, _c64(t)), _c64(32 * h))]), v8f32.as_pointer())
+    sbytes = b.ashr(pbytes, const_i64(4))
+    wpan = [b.gep(wp, [b.mul(pbytes, const_i64(v))]) for v in range(V)]
+    span = [b.gep(sp, [b.mul(sbytes, const_i64(v))]) for v in range(V)]
+    xrow = [b.gep(xq, [b.mul(xqst, const_i64(t))]) for t in range(TR)]
+    xsrow = [b.bitcast(b.gep(xs, [b.mul(xsst, const_i64(t))]), F32.as_pointer()) for t in range(TR)]
+    oacc = [[b.bitcast(b.gep(out, [b.add(b.mul(ost, const_i64(t)), const_i64(32 * h))]), v8f32.as_pointer())
              for h in range(2 * V)] for t in range(TR)]       # half h of the tile: 8 floats, 32 bytes
     zero_f = ir.Constant(v8f32, [0.0] * 8)
     for t in range(TR):
@@ -298,29 +297,29 @@ def _define_tile_ymm(module, isa: str, TR: int, V: int, locality: int):
             b.store(zero_f, oacc[t][h], align=4)
 
     def block(b, i, accs):
-        boff = b.shl(i, _c64(9))                    # 512 bytes a panel-block
+        boff = b.shl(i, const_i64(9))                    # 512 bytes a panel-block
         for v in range(V):
             for line in range(0, PANEL_BLOCK_BYTES, 64):
-                _prefetch_ahead(b, module, b.gep(wpan[v], [b.add(boff, _c64(line))]), locality)
-        xoff = b.shl(i, _c64(6))                    # 64 bytes of int16 activations a block
+                prefetch_ahead(b, module, b.gep(wpan[v], [b.add(boff, const_i64(line))]), locality)
+        xoff = b.shl(i, const_i64(6))                    # 64 bytes of int16 activations a block
         # half h = 2 v + e: rows 8 e .. 8 e + 7 of panel v, the low / high 16 bytes of each pair
-        sums = _ymm_block_sums(b, [b.gep(wpan[h // 2], [b.add(boff, _c64(16 * (h % 2)))]) for h in range(2 * V)],
+        sums = ymm_block_sums(b, [b.gep(wpan[h // 2], [b.add(boff, const_i64(16 * (h % 2)))]) for h in range(2 * V)],
                                [b.gep(xrow[t], [xoff]) for t in range(TR)], "vpmovsxbw", 32, isa)
-        soff = b.shl(i, _c64(5))                    # 32 bytes of scales a panel-block
-        sc = [_halves_to_floats(b, b.load(b.bitcast(b.gep(span[h // 2], [b.add(soff, _c64(16 * (h % 2)))]),
+        soff = b.shl(i, const_i64(5))                    # 32 bytes of scales a panel-block
+        sc = [halves_to_floats(b, b.load(b.bitcast(b.gep(span[h // 2], [b.add(soff, const_i64(16 * (h % 2)))]),
                                                     v8i16.as_pointer()), align=2))
               for h in range(2 * V)]
         for t in range(TR):
             xsv = b.load(b.gep(xsrow[t], [i]), align=4)
-            xsv = b.shuffle_vector(b.insert_element(ir.Constant(v8f32, ir.Undefined), xsv, ir.Constant(_I32, 0)),
+            xsv = b.shuffle_vector(b.insert_element(ir.Constant(v8f32, ir.Undefined), xsv, ir.Constant(I32, 0)),
                                    ir.Constant(v8f32, ir.Undefined), ir.Constant(_V8I32, [0] * 8))
             for h in range(2 * V):
                 prev = b.load(oacc[t][h], align=4)
                 b.store(b.call(fma, [b.sitofp(sums[t][h], v8f32), b.fmul(sc[h], xsv), prev]), oacc[t][h], align=4)
         return []
 
-    from ..rows.q8 import _emit_counted_loop
-    b, _ = _emit_counted_loop(fn, b, _c64(0), nb, 1, [], block, "blocks")
+    from ..rows.llvm_ir import emit_counted_loop
+    b, _ = emit_counted_loop(fn, b, const_i64(0), nb, 1, [], block, "blocks")
     b.ret_void()
     return fn
 
@@ -340,17 +339,17 @@ def _make_tile(isa: str, TR: int, V: int):
             xqst = builder.extract_value(axq.strides, 0)
             xsst = builder.extract_value(axs.strides, 0)
             ost = builder.extract_value(aout.strides, 0)
-            nb = builder.ashr(builder.extract_value(axq.shape, 1), _c64(5))
-            pbytes = builder.shl(nb, _c64(9))
-            p8 = lambda a: builder.bitcast(a.data, _P8)  # noqa: E731
+            nb = builder.ashr(builder.extract_value(axq.shape, 1), const_i64(5))
+            pbytes = builder.shl(nb, const_i64(9))
+            p8 = lambda a: builder.bitcast(a.data, P8)  # noqa: E731
             wptr = builder.gep(p8(awp), [builder.mul(g_, pbytes)])
-            sptr = builder.gep(p8(asp), [builder.mul(g_, builder.ashr(pbytes, _c64(4)))])
+            sptr = builder.gep(p8(asp), [builder.mul(g_, builder.ashr(pbytes, const_i64(4)))])
             xptr = builder.gep(p8(axq), [builder.mul(t0_, xqst)])
             sxptr = builder.gep(p8(axs), [builder.mul(t0_, xsst)])
-            optr = builder.gep(p8(aout), [builder.add(builder.mul(ot_, ost), builder.shl(on_, _c64(2)))])
+            optr = builder.gep(p8(aout), [builder.add(builder.mul(ot_, ost), builder.shl(on_, const_i64(2)))])
             operands = [wptr, sptr, pbytes, xptr, xqst, sxptr, xsst, nb, optr, ost]
             define = _define_tile_ymm if isa in YMM_DOTS else _define_tile
-            long_rows = builder.icmp_signed(">=", nb, _c64(LONG_ROW_K // QBLOCK))
+            long_rows = builder.icmp_signed(">=", nb, const_i64(LONG_ROW_K // QBLOCK))
             with builder.if_else(long_rows) as (long_, short):
                 with long_:
                     builder.call(define(builder.module, isa, TR, V, 2), operands)
@@ -477,7 +476,7 @@ def _fma32(typingctx, a, b, c):
         return None
 
     def codegen(context, builder, sig, args):
-        fma = _decl(builder.module, "llvm.fma.f32", _F32, [_F32, _F32, _F32])
+        fma = declare(builder.module, "llvm.fma.f32", F32, [F32, F32, F32])
         return builder.call(fma, list(args))
 
     return types.float32(a, b, c), codegen
@@ -529,7 +528,7 @@ def dequantized_rows(wp, sp, Kp: int, n0: int, n1: int):
 
 
 @njit(cache=True, parallel=True)
-def _quantize_rows_par(x, x_q, x_s):
+def quantize_rows_par(x, x_q, x_s):
     for t in prange(x.shape[0]):
         quantize_act_q16(x[t], x_q[t], x_s[t])
 
@@ -558,7 +557,7 @@ def matmul_panels(x, wp, sp, N: int, out):
     T, K = x.shape
     Kp = (K + QBLOCK - 1) // QBLOCK * QBLOCK
     x_q, x_s = activation_scratch(T, Kp)
-    _quantize_rows_par(x, x_q, x_s)
+    quantize_rows_par(x, x_q, x_s)
     step = act_chunk_rows(Kp)
     nthreads = numba.get_num_threads()
     if T <= step:

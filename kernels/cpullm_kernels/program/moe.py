@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from ..ops.elementwise import ACT_SILU, _act
+from ..ops.elementwise import ACT_SILU, apply_act
 from .formats import matmul_rows
 
 ROUTE_SOFTMAX_TOPK = 0      # softmax over every expert, then the k largest (Qwen-MoE)
@@ -77,7 +77,7 @@ def _expert(wq, ws, wf, wb, table, e, inter, act, x, out, nthreads):
             inter, x, u, nthreads)
     for b in range(B):
         for j in range(inter):
-            g[b, j] = _act(g[b, j], act) * u[b, j]
+            g[b, j] = apply_act(g[b, j], act) * u[b, j]
     _matmul(wq, ws, wf, wb, row[TABLE_DOWN], row[TABLE_DOWN + 1], row[TABLE_DOWN + 2], row[TABLE_DOWN + 3],
             H, g, out, nthreads)
 

@@ -152,7 +152,7 @@ def _deq_q5_1(b):
     return q * _f16(b, 0)[:, None] + _f16(b, 2)[:, None]
 
 
-def _k_low4(qs: np.ndarray) -> np.ndarray:
+def k_low4(qs: np.ndarray) -> np.ndarray:
     """qs u8 (nb, 128) of Q4_K / Q5_K -> low 4 bits of the quants (nb, 8, 32) by sub-block."""
     qs = qs.reshape(-1, 4, 1, 32)
     return np.concatenate([qs & 15, qs >> 4], axis=2).reshape(-1, 8, 32)
@@ -167,13 +167,13 @@ def _k_apply(q, b):
 
 
 def _deq_q4_k(b):
-    return _k_apply(_k_low4(b[:, 16:144]), b)
+    return _k_apply(k_low4(b[:, 16:144]), b)
 
 
 def _deq_q5_k(b):
     qh = b[:, 16:48]                                        # (nb, 32): bit s of qh[l] -> sub-block s
     high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1
-    return _k_apply(_k_low4(b[:, 48:176]) | (high << 4), b)
+    return _k_apply(k_low4(b[:, 48:176]) | (high << 4), b)
 
 
 def q6_k_quants(b: np.ndarray) -> np.ndarray:
@@ -234,7 +234,7 @@ def dequantize_parts_ref(data, fmt, shape) -> tuple[np.ndarray, np.ndarray]:
             q += _bits32(b[:, 4:8]) * 16.0
         s, c = q * f16(0), np.repeat(f16(2), 32, axis=1)
     elif name in ("Q4_K", "Q5_K"):
-        q = _k_low4(b[:, 16:144] if name == "Q4_K" else b[:, 48:176]).astype(np.float64)   # (nb, 8, 32)
+        q = k_low4(b[:, 16:144] if name == "Q4_K" else b[:, 48:176]).astype(np.float64)   # (nb, 8, 32)
         if name == "Q5_K":
             q += ((b[:, None, 16:48] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) * 16.0
         sc, mn = k_scales_mins(b[:, 4:16])

@@ -6,7 +6,7 @@ The weights are read in their own block format (layouts: :mod:`cpullm_kernels.ro
 never requantized. The activation vector is quantized per block of 32 to **int8**
 (:func:`quantize_act_q8`):
 
-    x_q int8 (K,)         q = rint(v / d), d = max|v| / 127 per block of 32 (q8._quantize_row)
+    x_q int8 (K,)         q = rint(v / d), d = max|v| / 127 per block of 32 (q8.quantize_row)
     x_s float32 (K / 32,) d
     x_m float32 (K / 16,) x_s[i // 2] * sum(x_q[16 i:16 i + 16])   (the offsets' partner, below)
 
@@ -43,7 +43,7 @@ reference (:func:`matvec_ref`):
 * ``generic``: portable LLVM IR (widen, multiply, add); what LLVM makes of it for the host.
 
 Each row's dot product is an LLVM IR routine inlined into a numba ``prange`` over rows (static
-schedule: one contiguous range of rows per thread), with a software prefetch q8.PREFETCH_BYTES
+schedule: one contiguous range of rows per thread), with a software prefetch llvm_ir.PREFETCH_BYTES
 ahead in the weight stream.
 
 Entry points (all @njit, callable from other @njit code; ``fmt`` is the ggml type number):
@@ -61,8 +61,9 @@ from numba.extending import intrinsic
 
 from ..setup import numba_setup
 from .gguf_blocks import BY_TYPE, FORMATS, dequantize_ref
-from .q8 import (_HALF_IN_HARDWARE, PREFETCH_BYTES, _c64, _decl, _emit_counted_loop, _hsum_v8f32,
-                 _ir_half_to_float, _ir_half_to_float_fresh, _quantize_blocks_ref, _quantize_row)
+from .llvm_ir import (HALF_IN_HARDWARE, PREFETCH_BYTES, const_i64, declare, emit_counted_loop, hsum_v8f32,
+                      half_to_float_ir, half_to_float_ir_fresh)
+from .q8 import quantize_blocks_ref, quantize_row
 
 ISA_GENERIC, ISA_AVX2, ISA_VNNI512, ISA_AVXVNNI = 0, 1, 2, 3
 ISA_NAMES = {ISA_GENERIC: "generic", ISA_AVX2: "avx2", ISA_VNNI512: "vnni512", ISA_AVXVNNI: "avxvnni"}
@@ -96,7 +97,7 @@ def quantize_act_q8(x, x_q, x_s, x_m):
     K = x.size
     if K % 32 != 0 or x_q.size != K or x_s.size * 32 != K or x_m.size * 16 != K:
         raise ValueError("quantize_act_q8: need K % 32 == 0, x_q (K,), x_s (K//32,), x_m (K//16,)")
-    _quantize_row(x, x_q, x_s, 127)
+    quantize_row(x, x_q, x_s, 127)
     for i in range(x_m.size):
         s = 0
         for j in range(16):
@@ -107,7 +108,7 @@ def quantize_act_q8(x, x_q, x_s, x_m):
 def quantize_act_q8_ref(x):
     """numpy reference of :func:`quantize_act_q8`: x (K,) -> (x_q int8, x_s float32, x_m float32)."""
     x = np.asarray(x, np.float32)
-    q, s = _quantize_blocks_ref(x.reshape(1, -1), 127, False)
+    q, s = quantize_blocks_ref(x.reshape(1, -1), 127, False)
     x_q = q[0].astype(np.int8)
     x_s = s[0].astype(np.float32)
     sums = x_q.astype(np.int32).reshape(-1, 16).sum(1).astype(np.float32)
@@ -144,13 +145,13 @@ def _idx(*ix):
 
 def _load(b, p, off, ty):
     """Unaligned load of ``ty`` at byte offset ``off`` (int or i64 value) of the i8* p."""
-    off = _c64(off) if isinstance(off, int) else off
+    off = const_i64(off) if isinstance(off, int) else off
     return b.load(b.bitcast(b.gep(p, [off]), ty.as_pointer()), align=1)
 
 
 def _f16_at(b, p, off):
     """float32 of the binary16 at byte offset ``off`` of p."""
-    return _ir_half_to_float_fresh(b, _load(b, p, off, _I16))
+    return half_to_float_ir_fresh(b, _load(b, p, off, _I16))
 
 
 def _splat(b, scalar, n):
@@ -269,16 +270,16 @@ class _Q8_0(_Legacy):
 def _halves8(b, gp, offs):
     """<8 x float> of the binary16 values at byte offsets ``offs`` of gp (one vcvtph2ps on x86
     with F16C: the 8 bits gathered through GPRs into a vector written whole, as
-    q8._ir_half_to_float_fresh does for one value)."""
+    llvm_ir.half_to_float_ir_fresh does for one value)."""
     v = ir.Constant(_vec(_I16, 8), [0] * 8)
     for i, off in enumerate(offs):
         v = b.insert_element(v, _load(b, gp, off, _I16), ir.Constant(_I32, i))
-    if _HALF_IN_HARDWARE and numba_setup.HOST_IS_X86:
+    if HALF_IN_HARDWARE and numba_setup.HOST_IS_X86:
         cvt = ir.InlineAsm(ir.FunctionType(_vec(_F32, 8), [_vec(_I16, 8)]), "vcvtph2ps $1, $0", "=x,x")
         return b.call(cvt, [v])
     out = ir.Constant(_vec(_F32, 8), [0.0] * 8)
     for i in range(8):
-        out = b.insert_element(out, _ir_half_to_float(b, b.extract_element(v, ir.Constant(_I32, i))),
+        out = b.insert_element(out, half_to_float_ir(b, b.extract_element(v, ir.Constant(_I32, i))),
                                ir.Constant(_I32, i))
     return out
 
@@ -315,7 +316,7 @@ class _Legacy8(_Format):
         return _Group(factors=factors, offset=offset)
 
     def quants(self, b, st, gp, j):
-        return self.one.quants(b, st, b.gep(gp, [_c64(self.one.bytes * j)]), 0)
+        return self.one.quants(b, st, b.gep(gp, [const_i64(self.one.bytes * j)]), 0)
 
     def pair_vnni(self, b, st, gp, j):
         """(<64 x i8> quants, <16 x float> factors) of blocks j, j + 1 for one zmm vpdpbusd, or
@@ -445,15 +446,15 @@ def _dot(b, module, q, x, isa, signed):
     if signed:                                  # |q| . (x with q's sign): exact for q = -128 too
         if n != 32:
             raise ValueError("signed quants go one block at a time")
-        sign = _decl(module, "llvm.x86.avx2.psign.b", v32i8, [v32i8, v32i8])
+        sign = declare(module, "llvm.x86.avx2.psign.b", v32i8, [v32i8, v32i8])
         x = b.call(sign, [x, q])
         q = b.select(b.icmp_signed("<", q, _splat_c(_I8, 32, 0)), b.sub(_splat_c(_I8, 32, 0), q), q)
     if isa == ISA_AVX2:
-        maddubs = _decl(module, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), [v32i8, v32i8])
-        maddwd = _decl(module, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [_vec(_I16, 16)] * 2)
+        maddubs = declare(module, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), [v32i8, v32i8])
+        maddwd = declare(module, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [_vec(_I16, 16)] * 2)
         return b.call(maddwd, [b.call(maddubs, [q, x]), _splat_c(_I16, 16, 1)])
     vi = _vec(_I32, n // 4)     # AVX-VNNI (n = 32): LLVM selects the VEX form without AVX-512
-    dpbusd = _decl(module, f"llvm.x86.avx512.vpdpbusd.{8 * n}", vi, [vi, vi, vi])
+    dpbusd = declare(module, f"llvm.x86.avx512.vpdpbusd.{8 * n}", vi, [vi, vi, vi])
     return b.call(dpbusd, [ir.Constant(vi, [0] * (n // 4)), b.bitcast(q, vi), b.bitcast(x, vi)])
 
 
@@ -466,12 +467,12 @@ def _avx2_pair(b, module, F, st, gp, j, xq, blk0):
     block j + 1's; the factors follow (each old lane pair shares one factor, Q6_K's 16-weight
     sub-blocks included)."""
     v32i8, v16i16 = _vec(_I8, 32), _vec(_I16, 16)
-    maddubs = _decl(module, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8])
-    maddwd = _decl(module, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [v16i16] * 2)
-    haddw = _decl(module, "llvm.x86.avx2.phadd.w", v16i16, [v16i16] * 2)
+    maddubs = declare(module, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8])
+    maddwd = declare(module, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [v16i16] * 2)
+    haddw = declare(module, "llvm.x86.avx2.phadd.w", v16i16, [v16i16] * 2)
     m = []
     for e in range(2):
-        x = _load(b, xq, b.shl(b.add(blk0, _c64(j + e)), _c64(5)), v32i8)
+        x = _load(b, xq, b.shl(b.add(blk0, const_i64(j + e)), const_i64(5)), v32i8)
         m.append(b.call(maddubs, [F.quants(b, st, gp, j + e), x]))
     sums = b.call(maddwd, [b.call(haddw, m), _splat_c(_I16, 16, 1)])
     f = b.shuffle_vector(F.factor(b, st, j), F.factor(b, st, j + 1), _idx(0, 2, 8, 10, 4, 6, 12, 14))
@@ -481,7 +482,7 @@ def _avx2_pair(b, module, F, st, gp, j, xq, blk0):
 def _hsum(b, v):
     if v.type.count == 16:
         v = b.fadd(_lanes(b, v, list(range(8))), _lanes(b, v, list(range(8, 16))))
-    return _hsum_v8f32(b, v)
+    return hsum_v8f32(b, v)
 
 
 def _define_row_dot(module, fmt_id: int, isa: int):
@@ -507,8 +508,8 @@ def _define_row_dot(module, fmt_id: int, isa: int):
     wide_step = 2 if isa == ISA_VNNI512 else 1
     v8f, v16f = _vec(_F32, 8), _vec(_F32, 16)
     zero8, zero16 = ir.Constant(v8f, [0.0] * 8), ir.Constant(v16f, [0.0] * 16)
-    fmuladds = {L: _decl(module, f"llvm.fmuladd.v{L}f32", _vec(_F32, L), [_vec(_F32, L)] * 3) for L in (8, 16)}
-    prefetch = _decl(module, "llvm.prefetch.p0", ir.VoidType(), [_P8, _I32, _I32, _I32])
+    fmuladds = {L: declare(module, f"llvm.fmuladd.v{L}f32", _vec(_F32, L), [_vec(_F32, L)] * 3) for L in (8, 16)}
+    prefetch = declare(module, "llvm.prefetch.p0", ir.VoidType(), [_P8, _I32, _I32, _I32])
 
     b = ir.IRBuilder(fn.append_basic_block("entry"))
     xs = b.bitcast(xs_raw, _F32.as_pointer())
@@ -517,12 +518,12 @@ def _define_row_dot(module, fmt_id: int, isa: int):
     def one_group(b, F, W, g, acc, first_slot):
         """File block (or 8-block group) g of format F; its 32-weight blocks alternate between
         acc[0] and acc[1] from first_slot, W blocks per integer dot."""
-        gp = b.gep(w, [b.mul(g, _c64(F.bytes))])
+        gp = b.gep(w, [b.mul(g, const_i64(F.bytes))])
         for line in range(0, F.bytes, 64):
-            b.call(prefetch, [b.gep(gp, [_c64(PREFETCH_BYTES + line)]), ir.Constant(_I32, 0),
+            b.call(prefetch, [b.gep(gp, [const_i64(PREFETCH_BYTES + line)]), ir.Constant(_I32, 0),
                               ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
-        blk0 = b.mul(g, _c64(F.G))                  # first 32-weight block of the group
-        st = F.group(b, gp, b.gep(xs, [blk0]), b.gep(xm, [b.shl(blk0, _c64(1))]))
+        blk0 = b.mul(g, const_i64(F.G))                  # first 32-weight block of the group
+        st = F.group(b, gp, b.gep(xs, [blk0]), b.gep(xm, [b.shl(blk0, const_i64(1))]))
         acc = list(acc)
         if st.offset is not None:
             acc[2] = b.fadd(acc[2], st.offset)
@@ -540,7 +541,7 @@ def _define_row_dot(module, fmt_id: int, isa: int):
                 qs = [F.quants(b, st, gp, j + e) for e in range(W)]
                 fs = [F.factor(b, st, j + e) for e in range(W)]
                 q, f = (qs[0], fs[0]) if W == 1 else (_concat(b, *qs), _concat(b, *fs))
-            x = _load(b, xq, b.shl(b.add(blk0, _c64(j)), _c64(5)), _vec(_I8, 32 * W))
+            x = _load(b, xq, b.shl(b.add(blk0, const_i64(j)), const_i64(5)), _vec(_I8, 32 * W))
             sums = _dot(b, module, q, x, isa, F.signed)
             slot = (first_slot + s) % 2
             acc[slot] = b.call(fmuladds[8 * W], [b.sitofp(sums, _vec(_F32, 8 * W)), f, acc[slot]])
@@ -550,17 +551,17 @@ def _define_row_dot(module, fmt_id: int, isa: int):
         if wide is not None:                       # groups of 8 blocks, then the rest one by one
             W = wide_step
             zero = zero16 if W == 2 else zero8
-            b, (a0, a1, off) = _emit_counted_loop(fn, b, _c64(0), b.ashr(ng, _c64(3)), 1, [zero, zero, zero8],
+            b, (a0, a1, off) = emit_counted_loop(fn, b, const_i64(0), b.ashr(ng, const_i64(3)), 1, [zero, zero, zero8],
                                                   lambda b, g, acc: one_group(b, wide, W, g, acc, 0), "groups")
             if W == 2:
                 a0, a1 = (b.fadd(_lanes(b, a, list(range(8))), _lanes(b, a, list(range(8, 16)))) for a in (a0, a1))
-            start = b.and_(ng, _c64(-8))
+            start = b.and_(ng, const_i64(-8))
             accs = [a0, a1, off]
         else:
-            start, accs = _c64(0), [zero8, zero8, zero8]
-        pairs_end = b.and_(ng, _c64(-2))           # two file blocks per step, then an odd one
-        b, accs = _emit_counted_loop(fn, b, start, pairs_end, 2, accs,
-                                     lambda b, g, acc: one_group(b, F1, 1, b.add(g, _c64(1)),
+            start, accs = const_i64(0), [zero8, zero8, zero8]
+        pairs_end = b.and_(ng, const_i64(-2))           # two file blocks per step, then an odd one
+        b, accs = emit_counted_loop(fn, b, start, pairs_end, 2, accs,
+                                     lambda b, g, acc: one_group(b, F1, 1, b.add(g, const_i64(1)),
                                                                  one_group(b, F1, 1, g, acc, 0), 1),
                                      "pairs")
         b, accs = _emit_if_list(fn, b, b.icmp_signed("<", pairs_end, ng), accs,
@@ -568,9 +569,9 @@ def _define_row_dot(module, fmt_id: int, isa: int):
     else:
         W = wide_step
         zero = zero16 if W == 2 else zero8
-        b, accs = _emit_counted_loop(fn, b, _c64(0), ng, 1, [zero, zero, zero8],
+        b, accs = emit_counted_loop(fn, b, const_i64(0), ng, 1, [zero, zero, zero8],
                                      lambda b, g, acc: one_group(b, F1, W, g, acc, 0), "groups")
-    total = b.fadd(_hsum(b, b.fadd(accs[0], accs[1])), _hsum_v8f32(b, accs[2]))
+    total = b.fadd(_hsum(b, b.fadd(accs[0], accs[1])), hsum_v8f32(b, accs[2]))
     b.ret(total)
     return fn
 
@@ -595,7 +596,7 @@ def _emit_if_list(fn, b, cond, accs, step, name):
 
 
 @intrinsic
-def _kq_row_dot(typingctx, w, x_q, x_s, x_m, n, fmt, isa):
+def kq_row_dot(typingctx, w, x_q, x_s, x_m, n, fmt, isa):
     """float32 dot of row n of the raw blocks w (uint8 2-D) with (x_q, x_s, x_m); ``fmt`` (ggml
     type) and ``isa`` compile-time constants. No bounds checks."""
     ok = (isinstance(w, types.Array) and w.dtype == types.uint8 and w.ndim == 2
@@ -614,7 +615,7 @@ def _kq_row_dot(typingctx, w, x_q, x_s, x_m, n, fmt, isa):
         aw, axq, axs, axm = (context.make_array(t)(context, builder, v) for t, v in zip(sig.args[:4], args[:4]))
         row = context.cast(builder, args[4], sig.args[4], types.int64)
         stride = builder.extract_value(aw.strides, 0)
-        ng = builder.sdiv(builder.extract_value(aw.shape, 1), _c64(_FORMATS_IR[fmt_id].bytes))
+        ng = builder.sdiv(builder.extract_value(aw.shape, 1), const_i64(_FORMATS_IR[fmt_id].bytes))
         wrow = builder.gep(builder.bitcast(aw.data, _P8), [builder.mul(row, stride)])
         fn = _define_row_dot(builder.module, fmt_id, isa_id)
         return builder.call(fn, [wrow, builder.bitcast(axq.data, _P8), builder.bitcast(axs.data, _P8),
@@ -643,14 +644,14 @@ def unpack_group_quants(typingctx, w, n, g, tq, r, o, fmt):
         at = context.make_array(sig.args[3])(context, builder, args[3])
         n_, g_, r_, o_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 2, 4, 5))
         wrow = builder.gep(builder.bitcast(aw.data, _P8), [builder.mul(n_, builder.extract_value(aw.strides, 0))])
-        gp = builder.gep(wrow, [builder.mul(g_, _c64(F.bytes))])
+        gp = builder.gep(wrow, [builder.mul(g_, const_i64(F.bytes))])
         dst = builder.gep(builder.bitcast(at.data, _P8), [builder.add(builder.mul(r_, builder.extract_value(at.strides, 0)), o_)])
         bias = getattr(F, "bias", 0) if not getattr(F, "has_min", True) else 0
         for j in range(F.G):
             q = F.quants(builder, None, gp, j)
             if bias:                                     # Q4_0 / Q5_0: signed q - bias, no offset
                 q = builder.sub(q, _splat_c(_I8, 32, bias))
-            builder.store(q, builder.bitcast(builder.gep(dst, [_c64(32 * j)]), _vec(_I8, 32).as_pointer()), align=1)
+            builder.store(q, builder.bitcast(builder.gep(dst, [const_i64(32 * j)]), _vec(_I8, 32).as_pointer()), align=1)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -684,21 +685,21 @@ def matvec_generic(fmt, w, x_q, x_s, x_m, out):
     _check(fmt, w, x_q, x_s, x_m, out)
     for n in prange(w.shape[0]):
         if fmt == 12:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 12, 0)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 12, 0)
         elif fmt == 14:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 14, 0)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 14, 0)
         elif fmt == 8:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 8, 0)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 8, 0)
         elif fmt == 2:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 2, 0)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 2, 0)
         elif fmt == 13:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 13, 0)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 13, 0)
         elif fmt == 3:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 3, 0)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 3, 0)
         elif fmt == 6:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 6, 0)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 6, 0)
         else:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 7, 0)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 7, 0)
 
 
 @njit(cache=True, parallel=True)
@@ -707,21 +708,21 @@ def matvec_avx2(fmt, w, x_q, x_s, x_m, out):
     _check(fmt, w, x_q, x_s, x_m, out)
     for n in prange(w.shape[0]):
         if fmt == 12:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 12, 1)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 12, 1)
         elif fmt == 14:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 14, 1)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 14, 1)
         elif fmt == 8:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 8, 1)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 8, 1)
         elif fmt == 2:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 2, 1)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 2, 1)
         elif fmt == 13:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 13, 1)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 13, 1)
         elif fmt == 3:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 3, 1)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 3, 1)
         elif fmt == 6:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 6, 1)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 6, 1)
         else:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 7, 1)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 7, 1)
 
 
 @njit(cache=True, parallel=True)
@@ -730,21 +731,21 @@ def matvec_vnni512(fmt, w, x_q, x_s, x_m, out):
     _check(fmt, w, x_q, x_s, x_m, out)
     for n in prange(w.shape[0]):
         if fmt == 12:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 12, 2)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 12, 2)
         elif fmt == 14:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 14, 2)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 14, 2)
         elif fmt == 8:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 8, 2)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 8, 2)
         elif fmt == 2:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 2, 2)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 2, 2)
         elif fmt == 13:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 13, 2)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 13, 2)
         elif fmt == 3:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 3, 2)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 3, 2)
         elif fmt == 6:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 6, 2)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 6, 2)
         else:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 7, 2)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 7, 2)
 
 
 @njit(cache=True, parallel=True)
@@ -753,21 +754,21 @@ def matvec_avxvnni(fmt, w, x_q, x_s, x_m, out):
     _check(fmt, w, x_q, x_s, x_m, out)
     for n in prange(w.shape[0]):
         if fmt == 12:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 12, 3)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 12, 3)
         elif fmt == 14:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 14, 3)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 14, 3)
         elif fmt == 8:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 8, 3)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 8, 3)
         elif fmt == 2:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 2, 3)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 2, 3)
         elif fmt == 13:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 13, 3)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 13, 3)
         elif fmt == 3:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 3, 3)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 3, 3)
         elif fmt == 6:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 6, 3)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 6, 3)
         else:
-            out[n] = _kq_row_dot(w, x_q, x_s, x_m, n, 7, 3)
+            out[n] = kq_row_dot(w, x_q, x_s, x_m, n, 7, 3)
 
 
 MATVECS = {ISA_GENERIC: matvec_generic, ISA_AVX2: matvec_avx2, ISA_VNNI512: matvec_vnni512,

@@ -157,7 +157,7 @@ def restricted_target_env(isa: str) -> dict:
 _configured: int | None = None
 
 
-def _openblas_libs():
+def openblas_libs():
     """(set_num_threads, get_num_threads) ctypes functions of every OpenBLAS loaded in this process.
 
     Found through /proc/self/maps (Linux); numpy's OpenBLAS is ``scipy_openblas64_`` with suffixed
@@ -206,7 +206,7 @@ _BLAS: list = []
 
 def set_blas_threads(n: int) -> bool:
     """Set the thread count of every loaded OpenBLAS (numpy's included); False if none found."""
-    libs = _openblas_libs()
+    libs = openblas_libs()
     for setter, _ in libs:
         setter(int(n))
     return bool(libs)
@@ -220,7 +220,7 @@ class blas_threads:
         self.saved: list = []
 
     def __enter__(self):
-        libs = _openblas_libs()
+        libs = openblas_libs()
         self.saved = [(setter, getter()) for setter, getter in libs]
         for setter, _ in libs:
             setter(self.n)

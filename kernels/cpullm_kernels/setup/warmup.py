@@ -184,17 +184,17 @@ def _kernels(unit: str) -> list:
         "gated_delta": [(gated_delta.gated_delta, (ARENA, ARENA, WF, *[i64] * 20, f64, i64))],
         # prefill's batched q8 LINEARs (row-contiguous activations, as every LINEAR of the shared
         # blocks reads and writes whole buffers; the panel kernel itself is also what run links)
-        "gemm": [(q8_panels._quantize_rows_par, (f32_2, i16_2, f32_2)),
+        "gemm": [(q8_panels.quantize_rows_par, (f32_2, i16_2, f32_2)),
                  (q8_panels.panels_matmul, (WQ, WS, i64, i16_2, f32_2, f32_2, i64))],
         # prefill's batched raw-block LINEARs (kquant_gemm's integer GEMM, the k-quant panels) and short prompts
-        "kquant_gemm": [(q8_gemm._quantize_rows_q16, (f32_2, i16_2, f32_2)),
-                        (kquant_gemm._quantize_rows, (f32_2, i16_2, f32_2, i64)),
-                        (kquant_gemm._gemm_blocks, (i64, i16_2, f32_2, wb2, i64, f32_2, f32_2, i64)),
-                        (kquant_gemm._block_sums, (i16_2, f32_2, i64, f32_2)),
-                        (kquant_gemm._matvec_rows, (i64, f32_2, wb2, f32_2, _arr(nt.int8), ARENA, ARENA))],
+        "kquant_gemm": [(q8_gemm.quantize_rows_q16, (f32_2, i16_2, f32_2)),
+                        (kquant_gemm.quantize_rows_i8, (f32_2, i16_2, f32_2, i64)),
+                        (kquant_gemm.kquant_gemm_blocks, (i64, i16_2, f32_2, wb2, i64, f32_2, f32_2, i64)),
+                        (kquant_gemm.kquant_block_sums, (i16_2, f32_2, i64, f32_2)),
+                        (kquant_gemm.kquant_matvec_rows, (i64, f32_2, wb2, f32_2, _arr(nt.int8), ARENA, ARENA))],
         # prefill's Q4_K / Q6_K LINEARs in panels: rows quantized, then the panel kernel into a
         # row-strided view of the arena (only a program with such panels)
-        "kpanels_gemm": [(kquant_panels._quantize_rows, (f32_2, _arr(nt.int8, 2), f32_2, f32_2)),
+        "kpanels_gemm": [(kquant_panels.quantize_rows_q8k, (f32_2, _arr(nt.int8, 2), f32_2, f32_2)),
                          (kquant_panels.matmul, (i64, WB, _arr(nt.int8, 2), f32_2, f32_2,
                                                  nt.Array(nt.float32, 2, "A"), i64))],
         # the raw-block LINEAR and EMBED rows, as interpreter.run calls them (linked, not compiled, there)

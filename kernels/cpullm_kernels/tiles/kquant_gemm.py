@@ -42,7 +42,7 @@ from ..setup import numba_setup
 from . import q8_gemm as g8
 from ..rows.gguf_blocks import BY_TYPE, block_format, dequantize_ref
 from ..rows.kquant import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, matvec, quantize_act_q8, unpack_group_quants
-from ..rows.q8 import QBLOCK, _pool, _quantize_row, activation_scratch, half_to_float
+from ..rows.q8 import QBLOCK, worker_pool, quantize_row, activation_scratch, half_to_float
 
 MIN_ROWS = 3
 """Fewest rows sent through dequantize + sgemm: below, a matvec per row reads the blocks once
@@ -275,7 +275,7 @@ def _decode_pack_chunk(fmt, w, n0, b0, nblocks, tq, wp, sp, C):
                 sp[bb * NR + r] = 0.0
     for g in range(NR // 16):
         for bb in range(nblocks):
-            g8._pack_rows16(tq, 16 * g, bb, wp, bb * 16 * 2 * NR + g * 32)
+            g8.pack_rows16(tq, 16 * g, bb, wp, bb * 16 * 2 * NR + g * 32)
 
 
 # ---- Q6_K: int16 weights sc (q - 32), activations rounded to 15 bits -----------------------------
@@ -336,7 +336,7 @@ def _pack_rows16_i16(typingctx, tq16, n0, blk, wp, off):
         rows = [builder.load(builder.bitcast(builder.gep(base, [builder.mul(stride, ir.Constant(ir.IntType(64), r))]),
                                              v16i32.as_pointer()), align=1) for r in range(16)]
         dst = builder.gep(awp.data, [off_])
-        for p, vec in enumerate(g8._transpose16(builder, rows)):
+        for p, vec in enumerate(g8.transpose16(builder, rows)):
             q = builder.bitcast(builder.gep(dst, [ir.Constant(ir.IntType(64), p * 2 * g8.NR)]), v16i32.as_pointer())
             builder.store(vec, q, align=4)
         return context.get_dummy_value()
@@ -359,7 +359,7 @@ def _decode_pack_chunk_q6_k(w, n0, b0, nblocks, tq16, wp, sp):
 
 
 @njit(cache=True, parallel=True)
-def _gemm_blocks(fmt, x_q, x_s, w, T, out, C, nthreads):
+def kquant_gemm_blocks(fmt, x_q, x_s, w, T, out, C, nthreads):
     """out[:T] = the W8A16 product on the blocks' quants (without the offsets, which go to C).
 
     The panel / chunk / tile loop of ``q8_gemm._gemm_panels``, packing from the raw blocks.
@@ -389,15 +389,15 @@ def _gemm_blocks(fmt, x_q, x_s, w, T, out, C, nthreads):
                 else:
                     _decode_pack_chunk(fmt, w, n0, b0, nblk, tq, wp, sp, C)
                 for t0 in range(0, e0, TR):
-                    g8._w8a16_tile(wp, sp, x_q, x_s, t0, b0 * QBLOCK, out, t0, n0, nblk, first)
+                    g8.w8a16_tile(wp, sp, x_q, x_s, t0, b0 * QBLOCK, out, t0, n0, nblk, first)
                 for t0 in range(e0, Tp, TR):
-                    g8._w8a16_tile(wp, sp, x_q, x_s, t0, b0 * QBLOCK, edge, t0 - e0, 0, nblk, first)
+                    g8.w8a16_tile(wp, sp, x_q, x_s, t0, b0 * QBLOCK, edge, t0 - e0, 0, nblk, first)
             for t in range(e0, T):
                 out[t, n0:n0 + ncols] = edge[t - e0, :ncols]
 
 
 @njit(cache=True, parallel=True)
-def _block_sums(x_q, x_s, T, xsum):
+def kquant_block_sums(x_q, x_s, T, xsum):
     """xsum[t, b] = x_s[t, b] * sum of x_q[t, 32 b:32 b + 32] for t < T."""
     for t in prange(T):
         for b in range(xsum.shape[1]):
@@ -418,14 +418,14 @@ def matmul_int(fmt, x, w, out):
     Tp = (T + g8.TR - 1) // g8.TR * g8.TR
     x_q, x_s = activation_scratch(Tp, K)
     if fmt == Q6_K:
-        _quantize_rows(x, x_q, x_s, Q6_K_ACT_QMAX)
+        quantize_rows_i8(x, x_q, x_s, Q6_K_ACT_QMAX)
     else:
-        g8._quantize_rows_q16(x, x_q, x_s)
+        g8.quantize_rows_q16(x, x_q, x_s)
     C = np.zeros((w.shape[0], nb), np.float32)
-    _gemm_blocks(fmt, x_q, x_s, w, T, out, C, numba.get_num_threads())
+    kquant_gemm_blocks(fmt, x_q, x_s, w, T, out, C, numba.get_num_threads())
     if fmt in _HAS_MIN:
         xsum = np.empty((T, nb), np.float32)
-        _block_sums(x_q, x_s, T, xsum)
+        kquant_block_sums(x_q, x_s, T, xsum)
         # single-threaded OpenBLAS: its threads spinning against numba's just-finished ones made
         # a 256-token SmolLM2 Q4_1 prefill 4.8x slower on 2 threads (56 against 273 tok/s on 1)
         with numba_setup.blas_threads(1):
@@ -433,13 +433,13 @@ def matmul_int(fmt, x, w, out):
 
 
 @njit(cache=True, parallel=True)
-def _quantize_rows(x, x_q, x_s, qmax):
+def quantize_rows_i8(x, x_q, x_s, qmax):
     """Rows of x float32 (T, K) -> x_q int16 (Tp, K) / x_s float32 (Tp, K // 32) with quants up
-    to qmax (q8._quantize_row); rows >= T zero."""
+    to qmax (q8.quantize_row); rows >= T zero."""
     T = x.shape[0]
     for t in prange(x_q.shape[0]):
         if t < T:
-            _quantize_row(x[t], x_q[t], x_s[t], qmax)
+            quantize_row(x[t], x_q[t], x_s[t], qmax)
         else:
             x_q[t, :] = 0
             x_s[t, :] = 0.0
@@ -448,10 +448,10 @@ def _quantize_rows(x, x_q, x_s, qmax):
 def matmul_int_ref(x, w, fmt, shape):
     """numpy reference of :func:`matmul_int` (float64): rows of x rounded to int16 blocks of 32
     (quants up to 32767, Q6_K's up to Q6_K_ACT_QMAX), times the exactly dequantized weights."""
-    from ..rows.q8 import _quantize_blocks_ref
+    from ..rows.q8 import quantize_blocks_ref
     qmax = Q6_K_ACT_QMAX if block_format(fmt).ggml_type == Q6_K else 32767
     K = x.shape[1]
-    q, d = _quantize_blocks_ref(x.reshape(-1, K), qmax, False)
+    q, d = quantize_blocks_ref(x.reshape(-1, K), qmax, False)
     xr = q.astype(np.float64) * np.repeat(d.astype(np.float64), 32, axis=1)
     return xr @ dequantize_ref(w, fmt, shape).astype(np.float64).T
 
@@ -480,7 +480,7 @@ def _matmul_split(fmt, x, w, out, parts: int):
     N = w.shape[0]
     bounds = [min(N, (N * p // parts + 15) // 16 * 16) for p in range(parts)] + [N]
     with numba_setup.blas_threads(1):
-        futs = [_pool(parts - 1).submit(_matmul_rows, fmt, x, w, out, bounds[p], bounds[p + 1])
+        futs = [worker_pool(parts - 1).submit(_matmul_rows, fmt, x, w, out, bounds[p], bounds[p + 1])
                 for p in range(1, parts)]
         _matmul_rows(fmt, x, w, out, bounds[0], bounds[1])
         for f in futs:
@@ -488,7 +488,7 @@ def _matmul_split(fmt, x, w, out, parts: int):
 
 
 @njit(cache=True)
-def _matvec_rows(fmt, x, w, out, x_q, x_s, x_m):
+def kquant_matvec_rows(fmt, x, w, out, x_q, x_s, x_m):
     for t in range(x.shape[0]):
         quantize_act_q8(x[t], x_q, x_s, x_m)
         matvec(fmt, w, x_q, x_s, x_m, out[t])
@@ -515,7 +515,7 @@ def matmul(fmt, x, w, out):
     _check(fmt, x, w, out)
     T, K = x.shape
     if T < MIN_ROWS:
-        _matvec_rows(fmt, x, w, out, np.empty(K, np.int8), np.empty(K // 32, np.float32),
+        kquant_matvec_rows(fmt, x, w, out, np.empty(K, np.int8), np.empty(K // 32, np.float32),
                      np.empty(K // 16, np.float32))
         return
     if g8.GEMM_ISA is not None and fmt in INT_FORMATS:
@@ -529,7 +529,7 @@ def matmul_sgemm(fmt, x, w, out):
     fmt = int(fmt)
     _check(fmt, x, w, out)
     parts = numba.get_num_threads()          # the count the caller (cpullm.run.forward.Forward) set
-    if parts > 1 and w.shape[0] >= 64 * parts and numba_setup._openblas_libs():
+    if parts > 1 and w.shape[0] >= 64 * parts and numba_setup.openblas_libs():
         _matmul_split(fmt, x, w, out, parts)
     else:
         _matmul_rows(fmt, x, w, out, 0, w.shape[0])

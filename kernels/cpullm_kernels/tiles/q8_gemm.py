@@ -4,8 +4,8 @@ or AVX2), its panel packing, and a driver on q8 block-32 weights.
     out (T, N) = x (T, K) @ W.T,   W = q8 block-32 (w_q int8 (N, Kp), w_s uint16 (N, Kp // 32))
 
 Users: kquant_gemm's integer GEMM (prefill over raw GGUF blocks) runs the micro-kernel
-(:func:`_w8a16_tile`) on panels it packs from the blocks' own quants with :func:`_pack_rows16` /
-:func:`_transpose16`, with this module's activation quantizer, scratch, tile and chunk sizes.
+(:func:`w8a16_tile`) on panels it packs from the blocks' own quants with :func:`pack_rows16` /
+:func:`transpose16`, with this module's activation quantizer, scratch, tile and chunk sizes.
 :func:`matmul_w8a16` runs the same micro-kernel on q8 block-32 weights, where its tests
 (tests/test_kernels_q8_gemm.py) and benchmarks reach it. The runtime's q8 LINEAR is
 kernels/cpullm_kernels/panels/q8_panels.py.
@@ -28,7 +28,7 @@ and the weights stay 1 byte each in memory. Two variants (``GEMM_ISA``), one cod
 * ``avx2`` (x86 with AVX2, FMA and F16C): ``vpmaddwd`` + ``vpaddd`` on ymm, tile 4 x 2 vectors of
   8 lanes with the float32 accumulators in an L1/L2-resident panel buffer (the 16 ymm registers
   hold the int32 block sums, two weight vectors, the broadcast and the product). A block's 16
-  steps are one inline-assembly routine (:func:`q8._ymm_block_sums`): written as IR, LLVM
+  steps are one inline-assembly routine (:func:`llvm_ir.ymm_block_sums`): written as IR, LLVM
   reassociates each accumulator's adds, keeps all 16 weight vectors live and spills (half the
   speed). With the routine it beats dequantize + sgemm by about 1.25x at T=512.
 * ``avxvnni`` (AVX2 + AVX-VNNI without AVX-512: Intel's client CPUs): the same with one VEX
@@ -67,8 +67,9 @@ from numba.extending import intrinsic
 
 from ..setup import numba_setup
 from ..rows.q8 import HAVE_AVX2 as q8_HAVE_AVX2
-from ..rows.q8 import (QBLOCK, _c64, _decl, _vnni_block_sums, _ymm_block_sums, activation_scratch, half_to_float, matvec_q8_ref, padded_k, quantize_act_q16,
-                 quantize_act_q16_ref)
+from ..rows.llvm_ir import const_i64, declare, vnni_block_sums, ymm_block_sums
+from ..rows.q8 import (QBLOCK, activation_scratch, half_to_float, matvec_q8_ref, padded_k, quantize_act_q16,
+                       quantize_act_q16_ref)
 
 HAVE_VNNI512 = numba_setup.HOST_IS_X86 and {"avx512f", "avx512bw", "avx512vnni"} <= numba_setup.HOST_FEATURES
 """True when this CPU runs the AVX-512 VNNI variant of the micro-kernel."""
@@ -94,7 +95,7 @@ elif GEMM_ISA == "avxvnni":
     LANES, TR, V = 8, 6, 2
 else:
     LANES, TR, V = 8, 4, 2
-NR = LANES * V        # weight rows per panel (a multiple of the 16 rows _pack_rows16 packs)
+NR = LANES * V        # weight rows per panel (a multiple of the 16 rows pack_rows16 packs)
 KC_BLOCKS = 32
 """Blocks of 32 packed and multiplied at a time: 1024 values of 64 rows (AVX-512) or 16 rows (AVX2)
 as int16. Each chunk reloads and stores the panel's sums in ``out``, so fewer, larger chunks win
@@ -113,7 +114,7 @@ _I16, _I32, _I64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
 _F32 = ir.FloatType()
 _VI32 = ir.VectorType(_I32, LANES)
 _VF32 = ir.VectorType(_F32, LANES)
-_V16I32 = ir.VectorType(_I32, 16)   # 16 packed rows (_pack_rows16), whatever LANES is
+_V16I32 = ir.VectorType(_I32, 16)   # 16 packed rows (pack_rows16), whatever LANES is
 
 
 def _splat(b, scalar, vty):
@@ -141,13 +142,13 @@ def _define_tile(module):
     fn.attributes.add("nounwind")
     wp, sp, xq, xq_st, xs, xs_st, nb, c, c_st, init = fn.args
     entry, zero, load, loop, done = (fn.append_basic_block(s) for s in ("entry", "zero", "load", "loop", "done"))
-    fmuladd = _decl(module, f"llvm.fmuladd.v{LANES}f32", _VF32, [_VF32, _VF32, _VF32])
+    fmuladd = declare(module, f"llvm.fmuladd.v{LANES}f32", _VF32, [_VF32, _VF32, _VF32])
 
     b = ir.IRBuilder(entry)
-    cvec = [[b.bitcast(b.gep(c, [b.add(b.mul(c_st, _c64(t)), _c64(LANES * v))]), _VF32.as_pointer())
+    cvec = [[b.bitcast(b.gep(c, [b.add(b.mul(c_st, const_i64(t)), const_i64(LANES * v))]), _VF32.as_pointer())
              for v in range(V)] for t in range(TR)]
-    xrows = [b.gep(xq, [b.mul(xq_st, _c64(t))]) for t in range(TR)]
-    srows = [b.gep(xs, [b.mul(xs_st, _c64(t))]) for t in range(TR)]
+    xrows = [b.gep(xq, [b.mul(xq_st, const_i64(t))]) for t in range(TR)]
+    srows = [b.gep(xs, [b.mul(xs_st, const_i64(t))]) for t in range(TR)]
     b.cbranch(init, zero, load)
 
     zeros = ir.Constant(_VF32, [0.0] * LANES)
@@ -165,18 +166,18 @@ def _define_tile(module):
     blk = b.phi(_I64)
     if FACC_IN_REGS:
         acc = [[b.phi(_VF32) for v in range(V)] for t in range(TR)]
-    wblk = b.gep(wp, [b.mul(blk, _c64(16 * 2 * NR))])
-    k0 = b.mul(blk, _c64(QBLOCK))
+    wblk = b.gep(wp, [b.mul(blk, const_i64(16 * 2 * NR))])
+    k0 = b.mul(blk, const_i64(QBLOCK))
     xpairs = [b.bitcast(b.gep(xrows[t], [k0]), _I32.as_pointer()) for t in range(TR)]
     if LANES == 16:                     # V weight vectors of 16 rows' int16 pairs, the next pair 4 NR bytes on
         w8 = b.bitcast(wblk, ir.IntType(8).as_pointer())
-        sums = _vnni_block_sums(b, [b.gep(w8, [_c64(4 * LANES * v)]) for v in range(V)], xpairs, "vmovdqu64", 4 * NR)
+        sums = vnni_block_sums(b, [b.gep(w8, [const_i64(4 * LANES * v)]) for v in range(V)], xpairs, "vmovdqu64", 4 * NR)
         dots = [[sums[t][v][0] for v in range(V)] for t in range(TR)]
     else:                               # V vectors of 8 rows' int16 pairs, the next pair 4 NR bytes on
         w8 = b.bitcast(wblk, ir.IntType(8).as_pointer())
-        dots = _ymm_block_sums(b, [b.gep(w8, [_c64(4 * LANES * v)]) for v in range(V)], xpairs, "vmovdqu",
+        dots = ymm_block_sums(b, [b.gep(w8, [const_i64(4 * LANES * v)]) for v in range(V)], xpairs, "vmovdqu",
                                4 * NR, GEMM_ISA)
-    ws = [b.load(b.bitcast(b.gep(sp, [b.add(b.mul(blk, _c64(NR)), _c64(LANES * v))]), _VF32.as_pointer()), align=4)
+    ws = [b.load(b.bitcast(b.gep(sp, [b.add(b.mul(blk, const_i64(NR)), const_i64(LANES * v))]), _VF32.as_pointer()), align=4)
           for v in range(V)]
     new = [[None] * V for _ in range(TR)]
     for t in range(TR):
@@ -186,9 +187,9 @@ def _define_tile(module):
             new[t][v] = b.call(fmuladd, [b.sitofp(dots[t][v], _VF32), b.fmul(ws[v], xs_t), prev])
             if not FACC_IN_REGS:
                 b.store(new[t][v], cvec[t][v], align=4)
-    nxt = b.add(blk, _c64(1))
-    blk.add_incoming(_c64(0), zero)
-    blk.add_incoming(_c64(0), load)
+    nxt = b.add(blk, const_i64(1))
+    blk.add_incoming(const_i64(0), zero)
+    blk.add_incoming(const_i64(0), load)
     blk.add_incoming(nxt, loop)
     if FACC_IN_REGS:
         for t in range(TR):
@@ -208,7 +209,7 @@ def _define_tile(module):
 
 
 @intrinsic
-def _w8a16_tile(typingctx, wp, sp, xq, xs, t0, k0, c, ct, cn, nblocks, init):
+def w8a16_tile(typingctx, wp, sp, xq, xs, t0, k0, c, ct, cn, nblocks, init):
     """Micro-kernel call: c[ct:ct + TR, cn:cn + NR] += (or with ``init``, =) packed chunk (wp, sp)
     times rows t0.. of (xq, xs) from value k0 / block k0 // 32 on, over ``nblocks`` blocks (>= 1).
     c float32 2-D, rows contiguous, any row stride. No bounds checks."""
@@ -227,11 +228,11 @@ def _w8a16_tile(typingctx, wp, sp, xq, xs, t0, k0, c, ct, cn, nblocks, init):
         awp, asp, axq, axs = (context.make_array(ty)(context, builder, v) for ty, v in zip(sig.args[:4], args[:4]))
         ac = context.make_array(sig.args[6])(context, builder, args[6])
         t0_, k0_, ct_, cn_, nb_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (4, 5, 7, 8, 9))
-        xq_st = builder.ashr(builder.extract_value(axq.strides, 0), _c64(1))   # bytes -> int16
-        xs_st = builder.ashr(builder.extract_value(axs.strides, 0), _c64(2))   # bytes -> float32
-        c_st = builder.ashr(builder.extract_value(ac.strides, 0), _c64(2))
+        xq_st = builder.ashr(builder.extract_value(axq.strides, 0), const_i64(1))   # bytes -> int16
+        xs_st = builder.ashr(builder.extract_value(axs.strides, 0), const_i64(2))   # bytes -> float32
+        c_st = builder.ashr(builder.extract_value(ac.strides, 0), const_i64(2))
         xq_p = builder.gep(axq.data, [builder.add(builder.mul(t0_, xq_st), k0_)])
-        xs_p = builder.gep(axs.data, [builder.add(builder.mul(t0_, xs_st), builder.ashr(k0_, _c64(5)))])
+        xs_p = builder.gep(axs.data, [builder.add(builder.mul(t0_, xs_st), builder.ashr(k0_, const_i64(5)))])
         c_p = builder.gep(ac.data, [builder.add(builder.mul(ct_, c_st), cn_)])
         fn = _define_tile(builder.module)
         builder.call(fn, [awp.data, asp.data, xq_p, xq_st, xs_p, xs_st, nb_, c_p, c_st, args[10]])
@@ -240,7 +241,7 @@ def _w8a16_tile(typingctx, wp, sp, xq, xs, t0, k0, c, ct, cn, nblocks, init):
     return sig, codegen
 
 
-def _transpose16(b, rows):
+def transpose16(b, rows):
     """16 <16 x i32> vectors -> their transpose (out[p][r] = rows[r][p]): 4 stages of 16
     two-source shuffles, each swapping one bit of the vector index with one of the lane index."""
     vecs = list(rows)
@@ -260,7 +261,7 @@ def _transpose16(b, rows):
 
 
 @intrinsic
-def _pack_rows16(typingctx, w_q, n0, blk, wp, off):
+def pack_rows16(typingctx, w_q, n0, blk, wp, off):
     """Pack one block of 16 weight rows: rows n0 .. n0 + 15 of w_q (int8 (N, Kp)), values
     32 blk .. 32 blk + 31, sign-extended to int16 pairs and transposed so that pair p of row
     n0 + lane lands at int16 offset ``off + p * 2 * NR + 2 * lane`` of wp. No bounds checks."""
@@ -277,15 +278,15 @@ def _pack_rows16(typingctx, w_q, n0, blk, wp, off):
         n0_, blk_, off_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 2, 4))
         stride = builder.extract_value(aw.strides, 0)
         base = builder.gep(builder.bitcast(aw.data, ir.IntType(8).as_pointer()),
-                           [builder.add(builder.mul(n0_, stride), builder.shl(blk_, _c64(5)))])
+                           [builder.add(builder.mul(n0_, stride), builder.shl(blk_, const_i64(5)))])
         v32i8, v32i16 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(_I16, 32)
         rows = []
         for r in range(16):
-            p = builder.bitcast(builder.gep(base, [builder.mul(stride, _c64(r))]), v32i8.as_pointer())
+            p = builder.bitcast(builder.gep(base, [builder.mul(stride, const_i64(r))]), v32i8.as_pointer())
             rows.append(builder.bitcast(builder.sext(builder.load(p, align=1), v32i16), _V16I32))
         dst = builder.gep(awp.data, [off_])
-        for p, vec in enumerate(_transpose16(builder, rows)):
-            q = builder.bitcast(builder.gep(dst, [_c64(p * 2 * NR)]), _V16I32.as_pointer())
+        for p, vec in enumerate(transpose16(builder, rows)):
+            q = builder.bitcast(builder.gep(dst, [const_i64(p * 2 * NR)]), _V16I32.as_pointer())
             builder.store(vec, q, align=4)
         return context.get_dummy_value()
 
@@ -305,7 +306,7 @@ def _pack_chunk(w_q, w_s, n0, b0, nblocks, wp, sp):
                 sp[bb * NR + 16 * g + lane] = half_to_float(w_s[n, b0 + bb]) if n < N else np.float32(0.0)
         if g0 + 16 <= N:
             for bb in range(nblocks):
-                _pack_rows16(w_q, g0, b0 + bb, wp, bb * 16 * 2 * NR + g * 32)
+                pack_rows16(w_q, g0, b0 + bb, wp, bb * 16 * 2 * NR + g * 32)
             continue
         for lane in range(16):                     # the last, partial group of rows
             n = g0 + lane
@@ -321,7 +322,7 @@ def _pack_chunk(w_q, w_s, n0, b0, nblocks, wp, sp):
 
 
 @njit(cache=True, parallel=True)
-def _quantize_rows_q16(x, x_q, x_s):
+def quantize_rows_q16(x, x_q, x_s):
     """x float32 (T, K) -> rows of x_q int16 (Tp, Kp) / x_s float32 (Tp, Kp // 32); rows >= T zero."""
     T = x.shape[0]
     for t in prange(x_q.shape[0]):
@@ -361,9 +362,9 @@ def _gemm_panels(x_q, x_s, w_q, w_s, T, out, nthreads):
                 first = b0 == 0
                 _pack_chunk(w_q, w_s, n0, b0, nblk, wp, sp)
                 for t0 in range(0, e0, TR):
-                    _w8a16_tile(wp, sp, x_q, x_s, t0, b0 * QBLOCK, out, t0, n0, nblk, first)
+                    w8a16_tile(wp, sp, x_q, x_s, t0, b0 * QBLOCK, out, t0, n0, nblk, first)
                 for t0 in range(e0, Tp, TR):
-                    _w8a16_tile(wp, sp, x_q, x_s, t0, b0 * QBLOCK, edge, t0 - e0, 0, nblk, first)
+                    w8a16_tile(wp, sp, x_q, x_s, t0, b0 * QBLOCK, edge, t0 - e0, 0, nblk, first)
             for t in range(e0, T):
                 out[t, n0:n0 + ncols] = edge[t - e0, :ncols]
 
@@ -390,7 +391,7 @@ def matmul_w8a16(x, w_q, w_s, out):
     Kp = w_q.shape[1]
     Tp = (T + TR - 1) // TR * TR
     x_q, x_s = activation_scratch(Tp, Kp)
-    _quantize_rows_q16(x, x_q, x_s)
+    quantize_rows_q16(x, x_q, x_s)
     _gemm_panels(x_q, x_s, w_q, w_s, T, out, numba.get_num_threads())
 
 
