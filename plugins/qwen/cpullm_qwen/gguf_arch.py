@@ -2,7 +2,7 @@
 checkpoints."""
 from __future__ import annotations
 
-from cpullm.plugin import DENSE_LAYER_NAMES, QK_NORM_LAYER_NAMES, GGUFArch, meta_int
+from cpullm.plugin import DENSE_LAYER_NAMES, QK_NORM_LAYER_NAMES, ConversionError, GGUFArch, meta_int
 
 from .qwen3_moe import MAX_EXPERTS
 
@@ -77,7 +77,6 @@ def moe_config_extras(meta: dict, hp: dict, tensor_names: tuple) -> dict:
     n_experts = meta_int(meta, arch, "expert_count", 1, MAX_EXPERTS)
     gating = meta.get(f"{arch}.expert_gating_func", SOFTMAX_GATING)
     if gating != SOFTMAX_GATING:
-        from cpullm.errors import ConversionError
         raise ConversionError(f"GGUF {arch}.expert_gating_func = {gating!r}: cpullm runs {arch} with llama.cpp's "
                               f"softmax gating ({SOFTMAX_GATING}) only; the file is not a Qwen3-MoE model")
     out = config_extras(meta, hp, tensor_names)
