@@ -41,20 +41,17 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from ..ops.vmath import exp_f32, tanh_f32
+from ..rows.llvm_ir import F32, I8, I16, I32, I64, P8, const_i64, declare
 
 TILE = 16
 """Key slots per tile (the vector width of the score kernel)."""
 
-_I32, _I64, _F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
-_P8 = ir.IntType(8).as_pointer()
-_VF = ir.VectorType(_F32, TILE)
-_PF = _F32.as_pointer()
-_I16 = ir.IntType(16)
-_I8 = ir.IntType(8)
+_VF = ir.VectorType(F32, TILE)
+_PF = F32.as_pointer()
 _HALF = ir.HalfType()
-_VI16 = ir.VectorType(_I16, TILE)
-_VI8 = ir.VectorType(_I8, TILE)
-_VI32 = ir.VectorType(_I32, TILE)
+_VI16 = ir.VectorType(I16, TILE)
+_VI8 = ir.VectorType(I8, TILE)
+_VI32 = ir.VectorType(I32, TILE)
 
 KV_F32, KV_F16, KV_Q8 = 0, 1, 2
 """KV storage formats as the instruction table codes them (cpullm.compile.kvformat names them)."""
@@ -127,18 +124,9 @@ def padded_cap(cap: int) -> int:
     return (int(cap) + TILE - 1) // TILE * TILE
 
 
-def _c64(v):
-    return ir.Constant(_I64, v)
-
-
-def _decl(module, name, ret, args):
-    fn = module.globals.get(name)
-    return fn if fn is not None else ir.Function(module, ir.FunctionType(ret, args), name)
-
-
 def _splat(b, x):
-    v = b.insert_element(ir.Constant(_VF, ir.Undefined), x, ir.Constant(_I32, 0))
-    return b.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, TILE), [0] * TILE))
+    v = b.insert_element(ir.Constant(_VF, ir.Undefined), x, ir.Constant(I32, 0))
+    return b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, TILE), [0] * TILE))
 
 
 def _vload(b, p, off):
@@ -179,8 +167,8 @@ def _vstore(b, v, p, off):
 
 def _prefetch(b, p, off):
     """Prefetch (read, to L1) the cache line of element ``p[off]`` (any address: never faults)."""
-    fn = _decl(b.module, "llvm.prefetch.p0", ir.VoidType(), [_P8, _I32, _I32, _I32])
-    b.call(fn, [b.bitcast(b.gep(p, [off]), _P8), ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+    fn = declare(b.module, "llvm.prefetch.p0", ir.VoidType(), [P8, I32, I32, I32])
+    b.call(fn, [b.bitcast(b.gep(p, [off]), P8), ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
 
 def _counted_loop(fn, b, n, name):
@@ -191,13 +179,13 @@ def _counted_loop(fn, b, n, name):
     pre = b.block
     b.branch(head)
     bh = ir.IRBuilder(head)
-    i = bh.phi(_I64)
-    i.add_incoming(_c64(0), pre)
+    i = bh.phi(I64)
+    i.add_incoming(const_i64(0), pre)
     bh.cbranch(bh.icmp_signed("<", i, n), body, end)
     bb = ir.IRBuilder(body)
 
     def close(b_last):
-        i.add_incoming(b_last.add(i, _c64(1)), b_last.block)
+        i.add_incoming(b_last.add(i, const_i64(1)), b_last.block)
         b_last.branch(head)
     return bb, i, ir.IRBuilder(end), close
 
@@ -212,7 +200,7 @@ def _remainder_pass(fn, b, nrest, emit, name):
         cases.append((nh, blk))
     sw = b.switch(nrest, end)
     for nh, blk in cases:
-        sw.add_case(_c64(nh), blk)
+        sw.add_case(const_i64(nh), blk)
         bb = ir.IRBuilder(blk)
         r = emit(bb, nh)
         last = r if isinstance(r, ir.IRBuilder) else bb
@@ -223,8 +211,8 @@ def _remainder_pass(fn, b, nrest, emit, name):
 def _elem(widen):
     """(LLVM pointer type, bytes) of one cache element for a widen mode."""
     if widen == WIDEN_I8:
-        return _I8.as_pointer(), 1
-    return (_I16.as_pointer(), 2) if widen else (_PF, 4)
+        return I8.as_pointer(), 1
+    return (I16.as_pointer(), 2) if widen else (_PF, 4)
 
 
 def _dims_loop(fn, b_pre, start, stop, step, accs_in, name, q, hd, tile, widen, pf, esize):
@@ -233,7 +221,7 @@ def _dims_loop(fn, b_pre, start, stop, step, accs_in, name, q, hd, tile, widen, 
     q[j * hd + d] * tile[d * 16 : d * 16 + 16] by FMA (the keys widened as loaded, prefetched pf
     bytes ahead when pf). Returns (builder after the loop, the accumulators there)."""
     module = fn.module
-    fma = _decl(module, "llvm.fmuladd.v16f32", _VF, [_VF, _VF, _VF])
+    fma = declare(module, "llvm.fmuladd.v16f32", _VF, [_VF, _VF, _VF])
     nh = len(accs_in)
     pre_block = b_pre.block
     head = fn.append_basic_block(name + "_head")
@@ -241,7 +229,7 @@ def _dims_loop(fn, b_pre, start, stop, step, accs_in, name, q, hd, tile, widen, 
     end = fn.append_basic_block(name + "_end")
     b_pre.branch(head)
     bh = ir.IRBuilder(head)
-    d = bh.phi(_I64)
+    d = bh.phi(I64)
     accs = [[bh.phi(_VF) for _ in range(len(accs_in[0]))] for _ in range(nh)]
     d.add_incoming(start, pre_block)
     for j in range(nh):
@@ -251,15 +239,15 @@ def _dims_loop(fn, b_pre, start, stop, step, accs_in, name, q, hd, tile, widen, 
     bb = ir.IRBuilder(body)
     new = [list(a) for a in accs]
     for k in range(step):
-        dk = bb.add(d, _c64(k))
-        kv = _vload_kv(bb, tile, bb.mul(dk, _c64(TILE)), widen)
+        dk = bb.add(d, const_i64(k))
+        kv = _vload_kv(bb, tile, bb.mul(dk, const_i64(TILE)), widen)
         if pf:
-            _prefetch(bb, tile, bb.add(bb.mul(dk, _c64(TILE)), _c64(pf // esize)))
+            _prefetch(bb, tile, bb.add(bb.mul(dk, const_i64(TILE)), const_i64(pf // esize)))
         for j in range(nh):
-            qj = bb.load(bb.gep(q, [bb.add(bb.mul(hd, _c64(j)), dk)]), align=4)
+            qj = bb.load(bb.gep(q, [bb.add(bb.mul(hd, const_i64(j)), dk)]), align=4)
             slot = k % len(new[j])
             new[j][slot] = bb.call(fma, [_splat(bb, qj), kv, new[j][slot]])
-    d.add_incoming(bb.add(d, _c64(step)), body)
+    d.add_incoming(bb.add(d, const_i64(step)), body)
     for j in range(nh):
         for a, v in zip(accs[j], new[j]):
             a.add_incoming(v, body)
@@ -279,7 +267,7 @@ def _dot_range(fn, b, start, stop, accs_in, name, q, hd, tile, widen, pf, esize)
     (``accs_in``), added pairwise, then the dimensions past the last whole P one by one.
     Returns (builder after, one sum vector per head)."""
     P = len(accs_in[0])
-    dmain = b.add(start, b.mul(b.sdiv(b.sub(stop, start), _c64(P)), _c64(P)))
+    dmain = b.add(start, b.mul(b.sdiv(b.sub(stop, start), const_i64(P)), const_i64(P)))
     b2, accs = _dims_loop(fn, b, start, dmain, P, accs_in, name + "m", q, hd, tile, widen, pf, esize)
     sums = [[_pairwise(b2, list(accs[j]))] for j in range(len(accs))]
     b3, fin = _dims_loop(fn, b2, dmain, stop, 1, sums, name + "t", q, hd, tile, widen, pf, esize)
@@ -307,14 +295,14 @@ def _define_scores(module, nh: int, pf: int, widen: int = 0):
     if fn is not None:
         return fn
     tile_ty, esize = _elem(widen)
-    fn = _new_function(module, name, [_PF, _I64, tile_ty, _PF, _I64])
+    fn = _new_function(module, name, [_PF, I64, tile_ty, _PF, I64])
     q, hd, tile, out, out_st = fn.args
     P = {1: 8, 2: 4, 3: 2, 4: 2}[nh]
     zero = ir.Constant(_VF, [0.0] * TILE)
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    b3, fin = _dot_range(fn, b, _c64(0), hd, [[zero] * P for _ in range(nh)], "d", q, hd, tile, widen, pf, esize)
+    b3, fin = _dot_range(fn, b, const_i64(0), hd, [[zero] * P for _ in range(nh)], "d", q, hd, tile, widen, pf, esize)
     for j in range(nh):
-        _vstore(b3, fin[j], out, b3.mul(out_st, _c64(j)))
+        _vstore(b3, fin[j], out, b3.mul(out_st, const_i64(j)))
     b3.ret_void()
     return fn
 
@@ -330,40 +318,40 @@ def _define_scores_q8(module, nh: int, pf: int):
     fn = module.globals.get(name)
     if fn is not None:
         return fn
-    fn = _new_function(module, name, [_PF, _I64, _P8, _PF, _PF, _I64])
+    fn = _new_function(module, name, [_PF, I64, P8, _PF, _PF, I64])
     q, hd, tile, sc, out, out_st = fn.args
     P = {1: 8, 2: 4, 3: 2, 4: 2}[nh]
-    fma = _decl(module, "llvm.fmuladd.v16f32", _VF, [_VF, _VF, _VF])
+    fma = declare(module, "llvm.fmuladd.v16f32", _VF, [_VF, _VF, _VF])
     zero = ir.Constant(_VF, [0.0] * TILE)
     entry = fn.append_basic_block("entry")
     b = ir.IRBuilder(entry)
-    nb = b.sdiv(b.add(hd, _c64(Q8_BLOCK - 1)), _c64(Q8_BLOCK))
+    nb = b.sdiv(b.add(hd, const_i64(Q8_BLOCK - 1)), const_i64(Q8_BLOCK))
     head = fn.append_basic_block("blk_head")
     body = fn.append_basic_block("blk_body")
     end = fn.append_basic_block("blk_end")
     b.branch(head)
     bh = ir.IRBuilder(head)
-    blk = bh.phi(_I64)
+    blk = bh.phi(I64)
     totals = [bh.phi(_VF) for _ in range(nh)]
-    blk.add_incoming(_c64(0), entry)
+    blk.add_incoming(const_i64(0), entry)
     for t in totals:
         t.add_incoming(zero, entry)
     bh.cbranch(bh.icmp_signed("<", blk, nb), body, end)
     bb = ir.IRBuilder(body)
-    d0 = bb.mul(blk, _c64(Q8_BLOCK))
-    d1 = bb.add(d0, _c64(Q8_BLOCK))
+    d0 = bb.mul(blk, const_i64(Q8_BLOCK))
+    d1 = bb.add(d0, const_i64(Q8_BLOCK))
     d1 = bb.select(bb.icmp_signed("<", d1, hd), d1, hd)
     if pf:      # the scales are 4 * n_blocks bytes per 16 * head_dim of keys: ~pf / 8 ahead
-        _prefetch(bb, sc, bb.add(bb.mul(blk, _c64(TILE)), _c64(pf // 8 // 4)))
+        _prefetch(bb, sc, bb.add(bb.mul(blk, const_i64(TILE)), const_i64(pf // 8 // 4)))
     bl, sums = _dot_range(fn, bb, d0, d1, [[zero] * P for _ in range(nh)], "qd", q, hd, tile, WIDEN_I8, pf, 1)
-    svec = _vload(bl, sc, bl.mul(blk, _c64(TILE)))
+    svec = _vload(bl, sc, bl.mul(blk, const_i64(TILE)))
     for j in range(nh):
         totals[j].add_incoming(bl.call(fma, [sums[j], svec, totals[j]]), bl.block)
-    blk.add_incoming(bl.add(blk, _c64(1)), bl.block)
+    blk.add_incoming(bl.add(blk, const_i64(1)), bl.block)
     bl.branch(head)
     be = ir.IRBuilder(end)
     for j in range(nh):
-        _vstore(be, totals[j], out, be.mul(out_st, _c64(j)))
+        _vstore(be, totals[j], out, be.mul(out_st, const_i64(j)))
     be.ret_void()
     return fn
 
@@ -381,32 +369,32 @@ def _define_pv(module, nh: int, nv: int, pf: int, widen: int = 0, q8: bool = Fal
     if fn is not None:
         return fn
     v_ty, esize = _elem(widen)
-    fn = _new_function(module, name, [_PF, _I64, v_ty, _I64, _I64, _PF, _I64] + ([_PF, _I64] if q8 else []))
+    fn = _new_function(module, name, [_PF, I64, v_ty, I64, I64, _PF, I64] + ([_PF, I64] if q8 else []))
     s, s_st, v, v_st, n, acc, acc_st = fn.args[:7]
     vs, vs_st = fn.args[7:] if q8 else (None, None)
-    fma = _decl(module, "llvm.fmuladd.v16f32", _VF, [_VF, _VF, _VF])
+    fma = declare(module, "llvm.fmuladd.v16f32", _VF, [_VF, _VF, _VF])
     entry = fn.append_basic_block("entry")
     b = ir.IRBuilder(entry)
-    init = [[_vload(b, acc, b.add(b.mul(acc_st, _c64(j)), _c64(16 * e))) for e in range(nv)] for j in range(nh)]
-    pf_rows = b.add(b.sdiv(_c64(pf // esize), v_st), _c64(1)) if pf else None
+    init = [[_vload(b, acc, b.add(b.mul(acc_st, const_i64(j)), const_i64(16 * e))) for e in range(nv)] for j in range(nh)]
+    pf_rows = b.add(b.sdiv(const_i64(pf // esize), v_st), const_i64(1)) if pf else None
     head = fn.append_basic_block("i_head")
     body = fn.append_basic_block("i_body")
     end = fn.append_basic_block("i_end")
     b.branch(head)
     bh = ir.IRBuilder(head)
-    i = bh.phi(_I64)
+    i = bh.phi(I64)
     accs = [[bh.phi(_VF) for _ in range(nv)] for _ in range(nh)]
-    i.add_incoming(_c64(0), entry)
+    i.add_incoming(const_i64(0), entry)
     for j in range(nh):
         for e in range(nv):
             accs[j][e].add_incoming(init[j][e], entry)
     bh.cbranch(bh.icmp_signed("<", i, n), body, end)
     bb = ir.IRBuilder(body)
     vrow = bb.mul(i, v_st)
-    vv = [_vload_kv(bb, v, bb.add(vrow, _c64(16 * e)), widen) for e in range(nv)]
+    vv = [_vload_kv(bb, v, bb.add(vrow, const_i64(16 * e)), widen) for e in range(nv)]
     if q8:                   # each 16 columns times their block's scale
         srow = bb.mul(i, vs_st)
-        scales = [_splat(bb, bb.load(bb.gep(vs, [bb.add(srow, _c64(k))]), align=4))
+        scales = [_splat(bb, bb.load(bb.gep(vs, [bb.add(srow, const_i64(k))]), align=4))
                   for k in range((16 * nv + Q8_BLOCK - 1) // Q8_BLOCK)]
         vv = [bb.fmul(vv[e], scales[16 * e // Q8_BLOCK]) for e in range(nv)]
         if pf:
@@ -414,18 +402,18 @@ def _define_pv(module, nh: int, nv: int, pf: int, widen: int = 0, q8: bool = Fal
     if pf:                   # the same columns, ~pf bytes ahead (at least one row)
         ahead = bb.add(vrow, bb.mul(v_st, pf_rows))
         for e in range(nv):
-            _prefetch(bb, v, bb.add(ahead, _c64(16 * e)))
+            _prefetch(bb, v, bb.add(ahead, const_i64(16 * e)))
     for j in range(nh):
-        w = _splat(bb, bb.load(bb.gep(s, [bb.add(bb.mul(s_st, _c64(j)), i)]), align=4))
+        w = _splat(bb, bb.load(bb.gep(s, [bb.add(bb.mul(s_st, const_i64(j)), i)]), align=4))
         for e in range(nv):
             nxt = bb.call(fma, [w, vv[e], accs[j][e]])
             accs[j][e].add_incoming(nxt, body)
-    i.add_incoming(bb.add(i, _c64(1)), body)
+    i.add_incoming(bb.add(i, const_i64(1)), body)
     bb.branch(head)
     be = ir.IRBuilder(end)
     for j in range(nh):
         for e in range(nv):
-            _vstore(be, accs[j][e], acc, be.add(be.mul(acc_st, _c64(j)), _c64(16 * e)))
+            _vstore(be, accs[j][e], acc, be.add(be.mul(acc_st, const_i64(j)), const_i64(16 * e)))
     be.ret_void()
     return fn
 
@@ -436,9 +424,9 @@ def _ptr(context, builder, aty, arr, off, half=False, byte=False):
     a = context.make_array(aty)(context, builder, arr)
     data = a.data
     if byte:
-        data = builder.bitcast(a.data, _I8.as_pointer())
+        data = builder.bitcast(a.data, I8.as_pointer())
     elif half:
-        data = builder.bitcast(a.data, _I16.as_pointer())
+        data = builder.bitcast(a.data, I16.as_pointer())
     return builder.gep(data, [off])
 
 
@@ -474,13 +462,13 @@ def _scores_typer(q, q_off, nq, hd, kt, t_off, out, o_off, o_st, pf, widen=0, sc
                 return _define_scores_q8(builder.module, nh, pf_)
             return _define_scores(builder.module, nh, pf_, w_)
         # heads in passes of 4, then one pass of the remaining 1-3
-        full = builder.sdiv(nq_, _c64(HEADS_PER_PASS))
+        full = builder.sdiv(nq_, const_i64(HEADS_PER_PASS))
         bb, k, after, close = _counted_loop(fn_, builder, full, "sc4")
-        j0 = bb.mul(k, _c64(HEADS_PER_PASS))
+        j0 = bb.mul(k, const_i64(HEADS_PER_PASS))
         bb.call(define(HEADS_PER_PASS),
                 [bb.gep(qp, [bb.mul(j0, hd_)]), hd_, tp, *extra, bb.gep(op, [bb.mul(j0, o_st_)]), o_st_])
         close(bb)
-        rest0 = after.mul(full, _c64(HEADS_PER_PASS))
+        rest0 = after.mul(full, const_i64(HEADS_PER_PASS))
         after2 = _remainder_pass(fn_, after, after.sub(nq_, rest0), lambda br, nh: br.call(
             define(nh), [br.gep(qp, [br.mul(rest0, hd_)]), hd_, tp, *extra, br.gep(op, [br.mul(rest0, o_st_)]),
                          o_st_]), "sc")
@@ -526,37 +514,37 @@ def _pv_typer(s, s_off, s_st, nq, v, v_off, v_st, n, acc, hd, pf, widen=0, vs=No
         vs_st_ = c[12] if q8 else None
         sp = _ptr(context, builder, sig.args[0], args[0], c[1])
         vp = _ptr(context, builder, sig.args[4], args[4], c[5], half=bool(w_), byte=w_ == WIDEN_I8)
-        ap = _ptr(context, builder, sig.args[8], args[8], _c64(0))
+        ap = _ptr(context, builder, sig.args[8], args[8], const_i64(0))
         s_st_, nq_, v_st_, n_, hd_ = c[2], c[3], c[6], c[7], c[9]
         fn_ = builder.function
         module = builder.module
         b = builder
         def scales(bc, e):          # q8: the scales of the block holding column e, and their row stride
-            return [bc.gep(vsp, [bc.sdiv(e, _c64(Q8_BLOCK))]), vs_st_] if q8 else []
+            return [bc.gep(vsp, [bc.sdiv(e, const_i64(Q8_BLOCK))]), vs_st_] if q8 else []
 
         # head passes (4 heads, then one of the remaining 1-3) x column chunks (64 values, then 16)
         def columns(bh, nh, j0):
             s_j = bh.gep(sp, [bh.mul(j0, s_st_)])
             a_j = bh.gep(ap, [bh.mul(j0, hd_)])
-            wide = bh.sdiv(hd_, _c64(16 * PV_VECTORS))
+            wide = bh.sdiv(hd_, const_i64(16 * PV_VECTORS))
             bc, m, after_c, close_c = _counted_loop(fn_, bh, wide, f"pvc{nh}")
-            e0 = bc.mul(m, _c64(16 * PV_VECTORS))
+            e0 = bc.mul(m, const_i64(16 * PV_VECTORS))
             bc.call(_define_pv(module, nh, PV_VECTORS, pf_, w_, q8),
                     [s_j, s_st_, bc.gep(vp, [e0]), v_st_, n_, bc.gep(a_j, [e0]), hd_] + scales(bc, e0))
             close_c(bc)
-            e_rest = after_c.mul(wide, _c64(16 * PV_VECTORS))
-            nrest = after_c.sdiv(after_c.sub(hd_, e_rest), _c64(16))
+            e_rest = after_c.mul(wide, const_i64(16 * PV_VECTORS))
+            nrest = after_c.sdiv(after_c.sub(hd_, e_rest), const_i64(16))
             bd, m2, after_d, close_d = _counted_loop(fn_, after_c, nrest, f"pvd{nh}")
-            e1 = bd.add(e_rest, bd.mul(m2, _c64(16)))
+            e1 = bd.add(e_rest, bd.mul(m2, const_i64(16)))
             bd.call(_define_pv(module, nh, 1, pf_, w_, q8),
                     [s_j, s_st_, bd.gep(vp, [e1]), v_st_, n_, bd.gep(a_j, [e1]), hd_] + scales(bd, e1))
             close_d(bd)
             return after_d
 
-        npass = b.sdiv(nq_, _c64(HEADS_PER_PASS))
+        npass = b.sdiv(nq_, const_i64(HEADS_PER_PASS))
         bh, k, after_h, close_h = _counted_loop(fn_, b, npass, "pvh4")
-        close_h(columns(bh, HEADS_PER_PASS, bh.mul(k, _c64(HEADS_PER_PASS))))
-        rest0 = after_h.mul(npass, _c64(HEADS_PER_PASS))
+        close_h(columns(bh, HEADS_PER_PASS, bh.mul(k, const_i64(HEADS_PER_PASS))))
+        rest0 = after_h.mul(npass, const_i64(HEADS_PER_PASS))
         b = _remainder_pass(fn_, after_h, after_h.sub(nq_, rest0), lambda br, nh: columns(br, nh, rest0), "pv")
         builder.position_at_end(b.block)
         return context.get_dummy_value()
@@ -638,9 +626,9 @@ def _widen16_typer(src, s_off, out, o_off, widen):
         so = context.cast(builder, args[1], sig.args[1], types.int64)
         oo = context.cast(builder, args[3], sig.args[3], types.int64)
         sp = _ptr(context, builder, sig.args[0], args[0], so, half=sig.args[0].dtype == types.float32)
-        sp = builder.bitcast(sp, _I16.as_pointer())
+        sp = builder.bitcast(sp, I16.as_pointer())
         op = _ptr(context, builder, sig.args[2], args[2], oo)
-        _vstore(builder, _vload_kv(builder, sp, _c64(0), _widen_mode() if widen is None else widen), op, _c64(0))
+        _vstore(builder, _vload_kv(builder, sp, const_i64(0), _widen_mode() if widen is None else widen), op, const_i64(0))
         return context.get_dummy_value()
     return sig, codegen
 
@@ -669,8 +657,8 @@ def _load_h(typingctx, arr, idx):
         i = context.cast(builder, args[1], sig.args[1], types.int64)
         p = _ptr(context, builder, sig.args[0], args[0], i, half=True)
         h = builder.load(p, align=2)
-        vec = builder.insert_element(ir.Constant(_VI16, ir.Undefined), h, ir.Constant(_I32, 0))
-        return builder.extract_element(_widen_h16(builder, vec, _widen_mode()), ir.Constant(_I32, 0))
+        vec = builder.insert_element(ir.Constant(_VI16, ir.Undefined), h, ir.Constant(I32, 0))
+        return builder.extract_element(_widen_h16(builder, vec, _widen_mode()), ir.Constant(I32, 0))
     return sig, codegen
 
 
@@ -696,7 +684,7 @@ def _load_b(typingctx, arr, idx):
 
     def codegen(context, builder, sig, args):
         i = context.cast(builder, args[1], sig.args[1], types.int64)
-        return builder.sitofp(builder.load(_ptr(context, builder, sig.args[0], args[0], i, byte=True), align=1), _F32)
+        return builder.sitofp(builder.load(_ptr(context, builder, sig.args[0], args[0], i, byte=True), align=1), F32)
     return sig, codegen
 
 
@@ -709,7 +697,7 @@ def _store_b(typingctx, arr, idx, q):
 
     def codegen(context, builder, sig, args):
         i = context.cast(builder, args[1], sig.args[1], types.int64)
-        builder.store(builder.trunc(args[2], _I8), _ptr(context, builder, sig.args[0], args[0], i, byte=True), align=1)
+        builder.store(builder.trunc(args[2], I8), _ptr(context, builder, sig.args[0], args[0], i, byte=True), align=1)
         return context.get_dummy_value()
     return sig, codegen
 
@@ -724,7 +712,7 @@ def _store_h(typingctx, arr, idx, bits):
     def codegen(context, builder, sig, args):
         i = context.cast(builder, args[1], sig.args[1], types.int64)
         p = _ptr(context, builder, sig.args[0], args[0], i, half=True)
-        builder.store(builder.trunc(args[2], _I16), p, align=2)
+        builder.store(builder.trunc(args[2], I16), p, align=2)
         return context.get_dummy_value()
     return sig, codegen
 
@@ -737,7 +725,7 @@ def _f32_bits(typingctx, x):
     sig = types.int64(x)
 
     def codegen(context, builder, sig, args):
-        return builder.zext(builder.bitcast(args[0], _I32), _I64)
+        return builder.zext(builder.bitcast(args[0], I32), I64)
     return sig, codegen
 
 

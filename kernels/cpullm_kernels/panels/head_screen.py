@@ -613,19 +613,7 @@ def screen_argmax(x, perm, sel_blocks, hq, hs, hb, w_q, w_s, x_q, x_s, p_q, p_s,
     x_s float32 (Kp//32,), p_s float32 (padded_blocks(Kp),), xd/xp float32 (Kp,), upper float32 (N,), rows int64 (N,),
     vals float32 (N,), lower_max float32 / counts int64 (>= nthreads,): scratch.
     """
-    Kp = perm.size
-    quantize_act_q16(x, x_q, x_s)                       # exactly what the matvec reads
-    for k in range(Kp):
-        xd[k] = np.float32(x_q[k]) * x_s[k // QBLOCK]
-    for k in range(Kp):
-        xp[k] = xd[perm[k]]
-    x8, corr, s_sel, s_rest, delta = permuted_activations(xp, p_q, p_s, sel_blocks)   # what the compact rows read
-    extra = delta + rounding_term(Kp) * np.sqrt(s_sel + s_rest)
-    bounds_pass(hq, hs, hb, p_q, x8, corr, p_s, sel_blocks, np.float32(np.sqrt(s_sel)), np.float32(np.sqrt(s_rest)),
-                 np.float32(extra), upper, lower_max, nthreads)
-    lower = lower_max[0]
-    for t in range(1, nthreads):
-        lower = max(lower, lower_max[t])
+    lower = screen_upper(x, perm, sel_blocks, hq, hs, hb, x_q, x_s, p_q, p_s, xd, xp, upper, lower_max, nthreads)
     if not np.isfinite(lower):
         return -1, 0
     _survivor_rows(upper, lower, rows, counts, nthreads)
@@ -762,14 +750,26 @@ def screen_upper(x, perm, sel_blocks, hq, hs, hb, x_q, x_s, p_q, p_s, xd, xp, up
     upper bound on its q8 logit and x_q/x_s with the activations the exact rows read
     (:func:`exact_logits`); returns the largest lower bound (float32; not finite: the bounds
     are of no use, run the full head). Arguments as :func:`screen_argmax`'s."""
-    Kp = perm.size
-    quantize_act_q16(x, x_q, x_s)
-    for k in range(Kp):
+    quantize_act_q16(x, x_q, x_s)                       # exactly what the matvec reads
+    for k in range(perm.size):
         xd[k] = np.float32(x_q[k]) * x_s[k // QBLOCK]
-    for k in range(Kp):
+    for k in range(perm.size):
         xp[k] = xd[perm[k]]
-    x8, corr, s_sel, s_rest, delta = permuted_activations(xp, p_q, p_s, sel_blocks)
-    extra = delta + rounding_term(Kp) * np.sqrt(s_sel + s_rest)
+    return permuted_bounds(xp, p_q, p_s, sel_blocks, hq, hs, hb, False, upper, lower_max, nthreads)
+
+
+@njit(cache=True)
+def permuted_bounds(xp, p_q, p_s, sel_blocks, hq, hs, hb, delta_in_rounding, upper, lower_max, nthreads):
+    """The bounds pass on activations already dequantized and permuted (xp float32 (Kp,)): fills
+    upper (N,) with every row's upper bound and returns the largest lower bound. The compact rows'
+    error margin is ``delta + rounding * sqrt(s_sel + s_rest)``; with ``delta_in_rounding`` (the
+    k-quant screen, whose exact rows read int8 activations) the rounding term also scales delta."""
+    Kp = xp.size
+    x8, corr, s_sel, s_rest, delta = permuted_activations(xp, p_q, p_s, sel_blocks)   # what the compact rows read
+    spread = np.sqrt(s_sel + s_rest)
+    if delta_in_rounding:
+        spread = spread + delta
+    extra = delta + rounding_term(Kp) * spread
     bounds_pass(hq, hs, hb, p_q, x8, corr, p_s, sel_blocks, np.float32(np.sqrt(s_sel)), np.float32(np.sqrt(s_rest)),
                  np.float32(extra), upper, lower_max, nthreads)
     lower = lower_max[0]

@@ -83,8 +83,8 @@ import numpy as np
 from numba import njit, prange
 
 from ..rows.gguf_blocks import block_format, dequantize_parts_ref
-from .head_screen import (ROUNDING_MARGIN, ROW_PREFETCH, bounds_pass, permuted_activations, prefetch_row,
-                          rounding_term, build_screen_rows, screen_activations_ref, screen_dots_ref)
+from .head_screen import (ROUNDING_MARGIN, ROW_PREFETCH, build_screen_rows, permuted_bounds, prefetch_row,
+                          rounding_term, screen_activations_ref, screen_dots_ref)
 from ..rows.kquant import BEST_ISA, kq_row_dot, quantize_act_q8, quantize_act_q8_ref
 from ..rows.q8 import QBLOCK
 
@@ -247,13 +247,7 @@ def screen_argmax_blocks(x, perm, sel_blocks, hq, hs, hb, w, fmt, x_q, x_s, x_m,
     for k in range(Kp):
         c = perm[k]
         xp[k] = np.float32(x_q[c]) * x_s[c // QBLOCK]
-    x8, corr, s_sel, s_rest, delta = permuted_activations(xp, p_q, p_s, sel_blocks)   # what the compact rows read
-    extra = delta + rounding_term(Kp) * (np.sqrt(s_sel + s_rest) + delta)
-    bounds_pass(hq, hs, hb, p_q, x8, corr, p_s, sel_blocks, np.float32(np.sqrt(s_sel)), np.float32(np.sqrt(s_rest)),
-                 np.float32(extra), upper, lower_max, nthreads)
-    lower = lower_max[0]
-    for t in range(1, nthreads):
-        lower = max(lower, lower_max[t])
+    lower = permuted_bounds(xp, p_q, p_s, sel_blocks, hq, hs, hb, True, upper, lower_max, nthreads)
     if not np.isfinite(lower):
         return -1, 0
     _survivor_rows_ge(upper, lower, rows, counts, nthreads)

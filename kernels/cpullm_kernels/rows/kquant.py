@@ -61,8 +61,8 @@ from numba.extending import intrinsic
 
 from ..setup import numba_setup
 from .gguf_blocks import BY_TYPE, FORMATS, dequantize_ref
-from .llvm_ir import (HALF_IN_HARDWARE, PREFETCH_BYTES, const_i64, declare, emit_counted_loop, hsum_v8f32,
-                      half_to_float_ir, half_to_float_ir_fresh)
+from .llvm_ir import (F32, HALF_IN_HARDWARE, I8, I16, I32, I64, P8, PREFETCH_BYTES, const_i64, declare,
+                      emit_counted_loop, emit_if, half_to_float_ir, half_to_float_ir_fresh, hsum_v8f32)
 from .q8 import quantize_blocks_ref, quantize_row
 
 ISA_GENERIC, ISA_AVX2, ISA_VNNI512, ISA_AVXVNNI = 0, 1, 2, 3
@@ -126,9 +126,7 @@ def matvec_ref(w, fmt, shape, x_q, x_s):
 # LLVM IR: per-format unpacking
 # ================================================================================================
 
-_I1, _I8, _I16, _I32, _I64 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
-_F32 = ir.FloatType()
-_P8 = _I8.as_pointer()
+_I1 = ir.IntType(1)
 
 
 def _vec(t, n):
@@ -140,7 +138,7 @@ def _splat_c(t, n, v):
 
 
 def _idx(*ix):
-    return ir.Constant(_vec(_I32, len(ix)), list(ix))
+    return ir.Constant(_vec(I32, len(ix)), list(ix))
 
 
 def _load(b, p, off, ty):
@@ -151,11 +149,11 @@ def _load(b, p, off, ty):
 
 def _f16_at(b, p, off):
     """float32 of the binary16 at byte offset ``off`` of p."""
-    return half_to_float_ir_fresh(b, _load(b, p, off, _I16))
+    return half_to_float_ir_fresh(b, _load(b, p, off, I16))
 
 
 def _splat(b, scalar, n):
-    v = b.insert_element(ir.Constant(_vec(scalar.type, n), ir.Undefined), scalar, ir.Constant(_I32, 0))
+    v = b.insert_element(ir.Constant(_vec(scalar.type, n), ir.Undefined), scalar, ir.Constant(I32, 0))
     return b.shuffle_vector(v, v, _idx(*([0] * n)))
 
 
@@ -171,17 +169,17 @@ def _concat(b, a, c):
 
 def _nibbles16(b, qs):
     """<16 x i8> bytes -> <32 x i8> (low nibbles, then high nibbles): the 32-weight formats' quants."""
-    lo = b.and_(qs, _splat_c(_I8, 16, 15))
-    hi = b.lshr(qs, _splat_c(_I8, 16, 4))
+    lo = b.and_(qs, _splat_c(I8, 16, 15))
+    hi = b.lshr(qs, _splat_c(I8, 16, 4))
     return _concat(b, lo, hi)
 
 
 def _bits32_to_16s(b, p, off):
     """The little-endian 32-bit word at p + off -> <32 x i8>: 16 where bit j is set, else 0."""
-    qh = _load(b, p, off, _vec(_I8, 4))
+    qh = _load(b, p, off, _vec(I8, 4))
     spread = _lanes(b, qh, [j // 8 for j in range(32)])
-    sel = b.and_(spread, ir.Constant(_vec(_I8, 32), [1 << (j % 8) for j in range(32)]))
-    return b.select(b.icmp_unsigned("!=", sel, _splat_c(_I8, 32, 0)), _splat_c(_I8, 32, 16), _splat_c(_I8, 32, 0))
+    sel = b.and_(spread, ir.Constant(_vec(I8, 32), [1 << (j % 8) for j in range(32)]))
+    return b.select(b.icmp_unsigned("!=", sel, _splat_c(I8, 32, 0)), _splat_c(I8, 32, 16), _splat_c(I8, 32, 0))
 
 
 class _Group:
@@ -219,13 +217,13 @@ class _Format:
 
 def _xm32(b, xm, n):
     """<n x float>: the n 32-block sums x_m[2i] + x_m[2i + 1] from the float* xm."""
-    v = b.load(b.bitcast(xm, _vec(_F32, 2 * n).as_pointer()), align=4)
+    v = b.load(b.bitcast(xm, _vec(F32, 2 * n).as_pointer()), align=4)
     return b.fadd(_lanes(b, v, list(range(0, 2 * n, 2))), _lanes(b, v, list(range(1, 2 * n, 2))))
 
 
 def _offset_vec(b, scalar):
     """<8 x float> with ``scalar`` in lane 0, zeros elsewhere (an offset sum's contribution)."""
-    return b.insert_element(ir.Constant(_vec(_F32, 8), [0.0] * 8), scalar, ir.Constant(_I32, 0))
+    return b.insert_element(ir.Constant(_vec(F32, 8), [0.0] * 8), scalar, ir.Constant(I32, 0))
 
 
 class _Legacy(_Format):
@@ -239,19 +237,19 @@ class _Legacy(_Format):
         d = _f16_at(b, gp, 0)
         factors = _splat(b, b.fmul(d, b.load(xs, align=4)), 8)
         xsum = _xm32(b, xm, 1)
-        xsum = b.extract_element(xsum, ir.Constant(_I32, 0))
+        xsum = b.extract_element(xsum, ir.Constant(I32, 0))
         if self.has_min:            # w = d q + m
             off = b.fmul(_f16_at(b, gp, 2), xsum)
         elif self.bias:             # w = d (q - bias)
-            off = b.fmul(b.fmul(d, ir.Constant(_F32, -float(self.bias))), xsum)
+            off = b.fmul(b.fmul(d, ir.Constant(F32, -float(self.bias))), xsum)
         else:
             off = None
         return _Group(factors=factors, offset=None if off is None else _offset_vec(b, off))
 
     def quants(self, b, st, gp, j):
         if self.signed:
-            return _load(b, gp, self.qs_off, _vec(_I8, 32))
-        q = _nibbles16(b, _load(b, gp, self.qs_off, _vec(_I8, 16)))
+            return _load(b, gp, self.qs_off, _vec(I8, 32))
+        q = _nibbles16(b, _load(b, gp, self.qs_off, _vec(I8, 16)))
         if self.qh_off is not None:
             q = b.or_(q, _bits32_to_16s(b, gp, self.qh_off))
         return q
@@ -271,16 +269,16 @@ def _halves8(b, gp, offs):
     """<8 x float> of the binary16 values at byte offsets ``offs`` of gp (one vcvtph2ps on x86
     with F16C: the 8 bits gathered through GPRs into a vector written whole, as
     llvm_ir.half_to_float_ir_fresh does for one value)."""
-    v = ir.Constant(_vec(_I16, 8), [0] * 8)
+    v = ir.Constant(_vec(I16, 8), [0] * 8)
     for i, off in enumerate(offs):
-        v = b.insert_element(v, _load(b, gp, off, _I16), ir.Constant(_I32, i))
+        v = b.insert_element(v, _load(b, gp, off, I16), ir.Constant(I32, i))
     if HALF_IN_HARDWARE and numba_setup.HOST_IS_X86:
-        cvt = ir.InlineAsm(ir.FunctionType(_vec(_F32, 8), [_vec(_I16, 8)]), "vcvtph2ps $1, $0", "=x,x")
+        cvt = ir.InlineAsm(ir.FunctionType(_vec(F32, 8), [_vec(I16, 8)]), "vcvtph2ps $1, $0", "=x,x")
         return b.call(cvt, [v])
-    out = ir.Constant(_vec(_F32, 8), [0.0] * 8)
+    out = ir.Constant(_vec(F32, 8), [0.0] * 8)
     for i in range(8):
-        out = b.insert_element(out, half_to_float_ir(b, b.extract_element(v, ir.Constant(_I32, i))),
-                               ir.Constant(_I32, i))
+        out = b.insert_element(out, half_to_float_ir(b, b.extract_element(v, ir.Constant(I32, i))),
+                               ir.Constant(I32, i))
     return out
 
 
@@ -305,12 +303,12 @@ class _Legacy8(_Format):
     def group(self, b, gp, xs, xm):
         one, bb = self.one, self.one.bytes
         d = _halves8(b, gp, [bb * i for i in range(8)])
-        xsv = b.load(b.bitcast(xs, _vec(_F32, 8).as_pointer()), align=4)
+        xsv = b.load(b.bitcast(xs, _vec(F32, 8).as_pointer()), align=4)
         factors = b.fmul(d, xsv)
         if one.has_min:             # w = d q + m
             offset = b.fmul(_halves8(b, gp, [bb * i + 2 for i in range(8)]), _xm32(b, xm, 8))
         elif one.bias:              # w = d (q - bias)
-            offset = b.fmul(b.fmul(d, _splat_c(_F32, 8, -float(one.bias))), _xm32(b, xm, 8))
+            offset = b.fmul(b.fmul(d, _splat_c(F32, 8, -float(one.bias))), _xm32(b, xm, 8))
         else:
             offset = None
         return _Group(factors=factors, offset=offset)
@@ -329,25 +327,25 @@ class _Legacy8(_Format):
         one = self.one
         if one.qh_off is not None or one.signed:
             return None
-        qa = _load(b, gp, one.bytes * j + one.qs_off, _vec(_I8, 16))
-        qb = _load(b, gp, one.bytes * (j + 1) + one.qs_off, _vec(_I8, 16))
+        qa = _load(b, gp, one.bytes * j + one.qs_off, _vec(I8, 16))
+        qb = _load(b, gp, one.bytes * (j + 1) + one.qs_off, _vec(I8, 16))
         z = b.shuffle_vector(qa, qb, _idx(*(list(range(16)) * 2 + list(range(16, 32)) * 2)))
-        q = b.and_(z, ir.Constant(_vec(_I8, 64), ([15] * 16 + [0xF0] * 16) * 2))
+        q = b.and_(z, ir.Constant(_vec(I8, 64), ([15] * 16 + [0xF0] * 16) * 2))
         if not hasattr(st, "factors16"):          # [f, f / 16], once per group
-            st.factors16 = _concat(b, st.factors, b.fmul(st.factors, _splat_c(_F32, 8, 1.0 / 16)))
+            st.factors16 = _concat(b, st.factors, b.fmul(st.factors, _splat_c(F32, 8, 1.0 / 16)))
         f = _lanes(b, st.factors16, [j] * 4 + [8 + j] * 4 + [j + 1] * 4 + [9 + j] * 4)
         return q, f
 
 
 def _k_scales_mins(b, gp):
     """The 12-byte scales field of Q4_K / Q5_K at gp + 4 -> (sc, mn) <8 x i32> (6 bits each)."""
-    s = _load(b, gp, 4, _vec(_I8, 16))            # bytes 4..19 of the block: scales + 4 bytes of qh/qs
+    s = _load(b, gp, 4, _vec(I8, 16))            # bytes 4..19 of the block: scales + 4 bytes of qh/qs
 
     def pick(ix):
-        return b.zext(_lanes(b, s, ix), _vec(_I32, 8))
+        return b.zext(_lanes(b, s, ix), _vec(I32, 8))
 
     def c(vals):
-        return ir.Constant(_vec(_I32, 8), vals)
+        return ir.Constant(_vec(I32, 8), vals)
 
     top2 = lambda v: b.and_(b.shl(b.lshr(v, c([6] * 8)), c([4] * 8)), c([0] * 4 + [0x30] * 4))  # noqa: E731
     lo = [0, 1, 2, 3, 8, 9, 10, 11]
@@ -367,7 +365,7 @@ class _QK(_Format):
         self.qh_off, self.qs_off = qh_off, qs_off
 
     def group(self, b, gp, xs, xm):
-        v8f = _vec(_F32, 8)
+        v8f = _vec(F32, 8)
         sc, mn = _k_scales_mins(b, gp)
         d, dmin = _f16_at(b, gp, 0), _f16_at(b, gp, 2)
         xsv = b.load(b.bitcast(xs, v8f.as_pointer()), align=4)
@@ -376,12 +374,12 @@ class _QK(_Format):
         return _Group(factors=factors, offset=b.fmul(mins, _xm32(b, xm, 8)))
 
     def quants(self, b, st, gp, j):
-        qs = _load(b, gp, self.qs_off + 32 * (j // 2), _vec(_I8, 32))
-        q = b.and_(qs, _splat_c(_I8, 32, 15)) if j % 2 == 0 else b.lshr(qs, _splat_c(_I8, 32, 4))
+        qs = _load(b, gp, self.qs_off + 32 * (j // 2), _vec(I8, 32))
+        q = b.and_(qs, _splat_c(I8, 32, 15)) if j % 2 == 0 else b.lshr(qs, _splat_c(I8, 32, 4))
         if self.qh_off is not None:                 # bit j of qh[l] is bit 4 of weight 32 j + l
-            qh = _load(b, gp, self.qh_off, _vec(_I8, 32))
-            hb = b.shl(qh, _splat_c(_I8, 32, 4 - j)) if j < 4 else b.lshr(qh, _splat_c(_I8, 32, j - 4))
-            q = b.or_(q, b.and_(hb, _splat_c(_I8, 32, 16)))
+            qh = _load(b, gp, self.qh_off, _vec(I8, 32))
+            hb = b.shl(qh, _splat_c(I8, 32, 4 - j)) if j < 4 else b.lshr(qh, _splat_c(I8, 32, j - 4))
+            q = b.or_(q, b.and_(hb, _splat_c(I8, 32, 16)))
         return q
 
 
@@ -391,24 +389,24 @@ class _Q6_K(_Format):
     G = 8
 
     def group(self, b, gp, xs, xm):
-        v16f = _vec(_F32, 16)
+        v16f = _vec(F32, 16)
         d = _f16_at(b, gp, 208)
-        dsc = b.fmul(_splat(b, d, 16), b.sitofp(_load(b, gp, 192, _vec(_I8, 16)), v16f))   # (16,)
-        xsv = b.load(b.bitcast(xs, _vec(_F32, 8).as_pointer()), align=4)
+        dsc = b.fmul(_splat(b, d, 16), b.sitofp(_load(b, gp, 192, _vec(I8, 16)), v16f))   # (16,)
+        xsv = b.load(b.bitcast(xs, _vec(F32, 8).as_pointer()), align=4)
         factors = b.fmul(dsc, _lanes(b, xsv, [i // 2 for i in range(16)]))
         xmv = b.load(b.bitcast(xm, v16f.as_pointer()), align=4)
         t = b.fmul(dsc, xmv)
         t8 = b.fadd(_lanes(b, t, list(range(8))), _lanes(b, t, list(range(8, 16))))
-        return _Group(factors=factors, offset=b.fmul(t8, _splat_c(_F32, 8, -32.0)))
+        return _Group(factors=factors, offset=b.fmul(t8, _splat_c(F32, 8, -32.0)))
 
     def quants(self, b, st, gp, j):
         h, k = divmod(j, 4)
-        ql = _load(b, gp, 64 * h + 32 * (k % 2), _vec(_I8, 32))
-        low = b.and_(ql, _splat_c(_I8, 32, 15)) if k < 2 else b.lshr(ql, _splat_c(_I8, 32, 4))
-        qh = _load(b, gp, 128 + 32 * h, _vec(_I8, 32))
+        ql = _load(b, gp, 64 * h + 32 * (k % 2), _vec(I8, 32))
+        low = b.and_(ql, _splat_c(I8, 32, 15)) if k < 2 else b.lshr(ql, _splat_c(I8, 32, 4))
+        qh = _load(b, gp, 128 + 32 * h, _vec(I8, 32))
         sh = 4 - 2 * k                              # bits 2k, 2k+1 of qh -> bits 4, 5
-        hb = b.shl(qh, _splat_c(_I8, 32, sh)) if sh >= 0 else b.lshr(qh, _splat_c(_I8, 32, -sh))
-        return b.or_(low, b.and_(hb, _splat_c(_I8, 32, 0x30)))
+        hb = b.shl(qh, _splat_c(I8, 32, sh)) if sh >= 0 else b.lshr(qh, _splat_c(I8, 32, -sh))
+        return b.or_(low, b.and_(hb, _splat_c(I8, 32, 0x30)))
 
     def factor(self, b, st, j):
         return _lanes(b, st.factors, [2 * j] * 4 + [2 * j + 1] * 4)
@@ -438,22 +436,22 @@ def _dot(b, module, q, x, isa, signed):
     sum of the products 4i .. 4i + 3."""
     n = q.type.count
     if isa == ISA_GENERIC:
-        v = _vec(_I32, n)
+        v = _vec(I32, n)
         p = b.mul(b.sext(q, v) if signed else b.zext(q, v), b.sext(x, v))
         p = b.add(_lanes(b, p, list(range(0, n, 2))), _lanes(b, p, list(range(1, n, 2))))
         return b.add(_lanes(b, p, list(range(0, n // 2, 2))), _lanes(b, p, list(range(1, n // 2, 2))))
-    v32i8 = _vec(_I8, 32)
+    v32i8 = _vec(I8, 32)
     if signed:                                  # |q| . (x with q's sign): exact for q = -128 too
         if n != 32:
             raise ValueError("signed quants go one block at a time")
         sign = declare(module, "llvm.x86.avx2.psign.b", v32i8, [v32i8, v32i8])
         x = b.call(sign, [x, q])
-        q = b.select(b.icmp_signed("<", q, _splat_c(_I8, 32, 0)), b.sub(_splat_c(_I8, 32, 0), q), q)
+        q = b.select(b.icmp_signed("<", q, _splat_c(I8, 32, 0)), b.sub(_splat_c(I8, 32, 0), q), q)
     if isa == ISA_AVX2:
-        maddubs = declare(module, "llvm.x86.avx2.pmadd.ub.sw", _vec(_I16, 16), [v32i8, v32i8])
-        maddwd = declare(module, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [_vec(_I16, 16)] * 2)
-        return b.call(maddwd, [b.call(maddubs, [q, x]), _splat_c(_I16, 16, 1)])
-    vi = _vec(_I32, n // 4)     # AVX-VNNI (n = 32): LLVM selects the VEX form without AVX-512
+        maddubs = declare(module, "llvm.x86.avx2.pmadd.ub.sw", _vec(I16, 16), [v32i8, v32i8])
+        maddwd = declare(module, "llvm.x86.avx2.pmadd.wd", _vec(I32, 8), [_vec(I16, 16)] * 2)
+        return b.call(maddwd, [b.call(maddubs, [q, x]), _splat_c(I16, 16, 1)])
+    vi = _vec(I32, n // 4)     # AVX-VNNI (n = 32): LLVM selects the VEX form without AVX-512
     dpbusd = declare(module, f"llvm.x86.avx512.vpdpbusd.{8 * n}", vi, [vi, vi, vi])
     return b.call(dpbusd, [ir.Constant(vi, [0] * (n // 4)), b.bitcast(q, vi), b.bitcast(x, vi)])
 
@@ -466,15 +464,15 @@ def _avx2_pair(b, module, F, st, gp, j, xq, blk0):
     128-bit half h, lanes 4h, 4h + 1 block j's weights 16h .. 16h + 15, lanes 4h + 2, 4h + 3
     block j + 1's; the factors follow (each old lane pair shares one factor, Q6_K's 16-weight
     sub-blocks included)."""
-    v32i8, v16i16 = _vec(_I8, 32), _vec(_I16, 16)
+    v32i8, v16i16 = _vec(I8, 32), _vec(I16, 16)
     maddubs = declare(module, "llvm.x86.avx2.pmadd.ub.sw", v16i16, [v32i8, v32i8])
-    maddwd = declare(module, "llvm.x86.avx2.pmadd.wd", _vec(_I32, 8), [v16i16] * 2)
+    maddwd = declare(module, "llvm.x86.avx2.pmadd.wd", _vec(I32, 8), [v16i16] * 2)
     haddw = declare(module, "llvm.x86.avx2.phadd.w", v16i16, [v16i16] * 2)
     m = []
     for e in range(2):
         x = _load(b, xq, b.shl(b.add(blk0, const_i64(j + e)), const_i64(5)), v32i8)
         m.append(b.call(maddubs, [F.quants(b, st, gp, j + e), x]))
-    sums = b.call(maddwd, [b.call(haddw, m), _splat_c(_I16, 16, 1)])
+    sums = b.call(maddwd, [b.call(haddw, m), _splat_c(I16, 16, 1)])
     f = b.shuffle_vector(F.factor(b, st, j), F.factor(b, st, j + 1), _idx(0, 2, 8, 10, 4, 6, 12, 14))
     return sums, f
 
@@ -500,28 +498,28 @@ def _define_row_dot(module, fmt_id: int, isa: int):
     fn = module.globals.get(name)
     if fn is not None:
         return fn
-    fn = ir.Function(module, ir.FunctionType(_F32, [_P8, _P8, _P8, _P8, _I64]), name)
+    fn = ir.Function(module, ir.FunctionType(F32, [P8, P8, P8, P8, I64]), name)
     fn.linkage = "internal"
     fn.attributes.add("alwaysinline")
     fn.attributes.add("nounwind")
     w, xq, xs_raw, xm_raw, ng = fn.args
     wide_step = 2 if isa == ISA_VNNI512 else 1
-    v8f, v16f = _vec(_F32, 8), _vec(_F32, 16)
+    v8f, v16f = _vec(F32, 8), _vec(F32, 16)
     zero8, zero16 = ir.Constant(v8f, [0.0] * 8), ir.Constant(v16f, [0.0] * 16)
-    fmuladds = {L: declare(module, f"llvm.fmuladd.v{L}f32", _vec(_F32, L), [_vec(_F32, L)] * 3) for L in (8, 16)}
-    prefetch = declare(module, "llvm.prefetch.p0", ir.VoidType(), [_P8, _I32, _I32, _I32])
+    fmuladds = {L: declare(module, f"llvm.fmuladd.v{L}f32", _vec(F32, L), [_vec(F32, L)] * 3) for L in (8, 16)}
+    prefetch = declare(module, "llvm.prefetch.p0", ir.VoidType(), [P8, I32, I32, I32])
 
     b = ir.IRBuilder(fn.append_basic_block("entry"))
-    xs = b.bitcast(xs_raw, _F32.as_pointer())
-    xm = b.bitcast(xm_raw, _F32.as_pointer())
+    xs = b.bitcast(xs_raw, F32.as_pointer())
+    xm = b.bitcast(xm_raw, F32.as_pointer())
 
     def one_group(b, F, W, g, acc, first_slot):
         """File block (or 8-block group) g of format F; its 32-weight blocks alternate between
         acc[0] and acc[1] from first_slot, W blocks per integer dot."""
         gp = b.gep(w, [b.mul(g, const_i64(F.bytes))])
         for line in range(0, F.bytes, 64):
-            b.call(prefetch, [b.gep(gp, [const_i64(PREFETCH_BYTES + line)]), ir.Constant(_I32, 0),
-                              ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+            b.call(prefetch, [b.gep(gp, [const_i64(PREFETCH_BYTES + line)]), ir.Constant(I32, 0),
+                              ir.Constant(I32, 3), ir.Constant(I32, 1)])
         blk0 = b.mul(g, const_i64(F.G))                  # first 32-weight block of the group
         st = F.group(b, gp, b.gep(xs, [blk0]), b.gep(xm, [b.shl(blk0, const_i64(1))]))
         acc = list(acc)
@@ -541,10 +539,10 @@ def _define_row_dot(module, fmt_id: int, isa: int):
                 qs = [F.quants(b, st, gp, j + e) for e in range(W)]
                 fs = [F.factor(b, st, j + e) for e in range(W)]
                 q, f = (qs[0], fs[0]) if W == 1 else (_concat(b, *qs), _concat(b, *fs))
-            x = _load(b, xq, b.shl(b.add(blk0, const_i64(j)), const_i64(5)), _vec(_I8, 32 * W))
+            x = _load(b, xq, b.shl(b.add(blk0, const_i64(j)), const_i64(5)), _vec(I8, 32 * W))
             sums = _dot(b, module, q, x, isa, F.signed)
             slot = (first_slot + s) % 2
-            acc[slot] = b.call(fmuladds[8 * W], [b.sitofp(sums, _vec(_F32, 8 * W)), f, acc[slot]])
+            acc[slot] = b.call(fmuladds[8 * W], [b.sitofp(sums, _vec(F32, 8 * W)), f, acc[slot]])
         return acc
 
     if F1.G == 1:
@@ -564,7 +562,7 @@ def _define_row_dot(module, fmt_id: int, isa: int):
                                      lambda b, g, acc: one_group(b, F1, 1, b.add(g, const_i64(1)),
                                                                  one_group(b, F1, 1, g, acc, 0), 1),
                                      "pairs")
-        b, accs = _emit_if_list(fn, b, b.icmp_signed("<", pairs_end, ng), accs,
+        b, accs = emit_if(fn, b, b.icmp_signed("<", pairs_end, ng), accs,
                                 lambda b, acc: one_group(b, F1, 1, pairs_end, acc, 0), "odd")
     else:
         W = wide_step
@@ -574,25 +572,6 @@ def _define_row_dot(module, fmt_id: int, isa: int):
     total = b.fadd(_hsum(b, b.fadd(accs[0], accs[1])), hsum_v8f32(b, accs[2]))
     b.ret(total)
     return fn
-
-
-def _emit_if_list(fn, b, cond, accs, step, name):
-    """IR: ``accs = step(b, accs) if cond else accs`` for a list of values."""
-    pre = b.block
-    body, done = fn.append_basic_block(name), fn.append_basic_block(name + "_done")
-    b.cbranch(cond, body, done)
-    b = ir.IRBuilder(body)
-    new = step(b, accs)
-    last = b.block
-    b.branch(done)
-    b = ir.IRBuilder(done)
-    out = []
-    for a, n in zip(accs, new):
-        phi = b.phi(a.type)
-        phi.add_incoming(a, pre)
-        phi.add_incoming(n, last)
-        out.append(phi)
-    return b, out
 
 
 @intrinsic
@@ -616,10 +595,10 @@ def kq_row_dot(typingctx, w, x_q, x_s, x_m, n, fmt, isa):
         row = context.cast(builder, args[4], sig.args[4], types.int64)
         stride = builder.extract_value(aw.strides, 0)
         ng = builder.sdiv(builder.extract_value(aw.shape, 1), const_i64(_FORMATS_IR[fmt_id].bytes))
-        wrow = builder.gep(builder.bitcast(aw.data, _P8), [builder.mul(row, stride)])
+        wrow = builder.gep(builder.bitcast(aw.data, P8), [builder.mul(row, stride)])
         fn = _define_row_dot(builder.module, fmt_id, isa_id)
-        return builder.call(fn, [wrow, builder.bitcast(axq.data, _P8), builder.bitcast(axs.data, _P8),
-                                 builder.bitcast(axm.data, _P8), ng])
+        return builder.call(fn, [wrow, builder.bitcast(axq.data, P8), builder.bitcast(axs.data, P8),
+                                 builder.bitcast(axm.data, P8), ng])
 
     return sig, codegen
 
@@ -643,15 +622,15 @@ def unpack_group_quants(typingctx, w, n, g, tq, r, o, fmt):
         aw = context.make_array(sig.args[0])(context, builder, args[0])
         at = context.make_array(sig.args[3])(context, builder, args[3])
         n_, g_, r_, o_ = (context.cast(builder, args[i], sig.args[i], types.int64) for i in (1, 2, 4, 5))
-        wrow = builder.gep(builder.bitcast(aw.data, _P8), [builder.mul(n_, builder.extract_value(aw.strides, 0))])
+        wrow = builder.gep(builder.bitcast(aw.data, P8), [builder.mul(n_, builder.extract_value(aw.strides, 0))])
         gp = builder.gep(wrow, [builder.mul(g_, const_i64(F.bytes))])
-        dst = builder.gep(builder.bitcast(at.data, _P8), [builder.add(builder.mul(r_, builder.extract_value(at.strides, 0)), o_)])
+        dst = builder.gep(builder.bitcast(at.data, P8), [builder.add(builder.mul(r_, builder.extract_value(at.strides, 0)), o_)])
         bias = getattr(F, "bias", 0) if not getattr(F, "has_min", True) else 0
         for j in range(F.G):
             q = F.quants(builder, None, gp, j)
             if bias:                                     # Q4_0 / Q5_0: signed q - bias, no offset
-                q = builder.sub(q, _splat_c(_I8, 32, bias))
-            builder.store(q, builder.bitcast(builder.gep(dst, [const_i64(32 * j)]), _vec(_I8, 32).as_pointer()), align=1)
+                q = builder.sub(q, _splat_c(I8, 32, bias))
+            builder.store(q, builder.bitcast(builder.gep(dst, [const_i64(32 * j)]), _vec(I8, 32).as_pointer()), align=1)
         return context.get_dummy_value()
 
     return sig, codegen

@@ -255,8 +255,9 @@ def emit_counted_loop(fn, b, start, end, step, accs, body, name):
 
 
 def emit_if(fn, b, cond, acc, step, name):
-    """IR: ``acc = step(b, acc) if cond else acc`` for one <8 x float> value, the step in a block of its own.
-    Returns (builder at the end of an open block after it, the value)."""
+    """IR: ``acc = step(b, acc) if cond else acc``, the step in a block of its own; ``acc`` is one
+    value or a list of values. Returns (builder at the end of an open block after it, the value or
+    values after it)."""
     pre = b.block
     body, done = fn.append_basic_block(name), fn.append_basic_block(name + "_done")
     b.cbranch(cond, body, done)
@@ -265,7 +266,11 @@ def emit_if(fn, b, cond, acc, step, name):
     last = b.block
     b.branch(done)
     b = ir.IRBuilder(done)
-    r = b.phi(V8F32)
-    r.add_incoming(acc, pre)
-    r.add_incoming(new, last)
-    return b, r
+    one = not isinstance(acc, (list, tuple))
+    out = []
+    for a, n in zip([acc] if one else acc, [new] if one else new):
+        phi = b.phi(a.type)
+        phi.add_incoming(a, pre)
+        phi.add_incoming(n, last)
+        out.append(phi)
+    return b, out[0] if one else out

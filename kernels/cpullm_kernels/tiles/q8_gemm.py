@@ -67,7 +67,7 @@ from numba.extending import intrinsic
 
 from ..setup import numba_setup
 from ..rows.q8 import HAVE_AVX2 as q8_HAVE_AVX2
-from ..rows.llvm_ir import const_i64, declare, vnni_block_sums, ymm_block_sums
+from ..rows.llvm_ir import F32, I16, I32, I64, const_i64, declare, vnni_block_sums, ymm_block_sums
 from ..rows.q8 import (QBLOCK, activation_scratch, half_to_float, matvec_q8_ref, padded_k, quantize_act_q16,
                        quantize_act_q16_ref)
 
@@ -110,16 +110,14 @@ copied out at the end. With the sums in registers (AVX-512), the buffer and its 
 of the GEMM's time; the AVX2 tile, which loads and stores its sums every block, keeps them in the
 compact buffer (summing into ``out`` gained nothing there)."""
 
-_I16, _I32, _I64 = ir.IntType(16), ir.IntType(32), ir.IntType(64)
-_F32 = ir.FloatType()
-_VI32 = ir.VectorType(_I32, LANES)
-_VF32 = ir.VectorType(_F32, LANES)
-_V16I32 = ir.VectorType(_I32, 16)   # 16 packed rows (pack_rows16), whatever LANES is
+_VI32 = ir.VectorType(I32, LANES)
+_VF32 = ir.VectorType(F32, LANES)
+_V16I32 = ir.VectorType(I32, 16)   # 16 packed rows (pack_rows16), whatever LANES is
 
 
 def _splat(b, scalar, vty):
-    v = b.insert_element(ir.Constant(vty, ir.Undefined), scalar, ir.Constant(_I32, 0))
-    return b.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, vty.count), [0] * vty.count))
+    v = b.insert_element(ir.Constant(vty, ir.Undefined), scalar, ir.Constant(I32, 0))
+    return b.shuffle_vector(v, v, ir.Constant(ir.VectorType(I32, vty.count), [0] * vty.count))
 
 
 def _define_tile(module):
@@ -134,8 +132,8 @@ def _define_tile(module):
     fn = module.globals.get(name)
     if fn is not None:
         return fn
-    p16, pf = _I16.as_pointer(), _F32.as_pointer()
-    fnty = ir.FunctionType(ir.VoidType(), [p16, pf, p16, _I64, pf, _I64, _I64, pf, _I64, ir.IntType(1)])
+    p16, pf = I16.as_pointer(), F32.as_pointer()
+    fnty = ir.FunctionType(ir.VoidType(), [p16, pf, p16, I64, pf, I64, I64, pf, I64, ir.IntType(1)])
     fn = ir.Function(module, fnty, name)
     fn.linkage = "internal"
     fn.attributes.add("alwaysinline")
@@ -163,12 +161,12 @@ def _define_tile(module):
     b.branch(loop)
 
     b = ir.IRBuilder(loop)
-    blk = b.phi(_I64)
+    blk = b.phi(I64)
     if FACC_IN_REGS:
         acc = [[b.phi(_VF32) for v in range(V)] for t in range(TR)]
     wblk = b.gep(wp, [b.mul(blk, const_i64(16 * 2 * NR))])
     k0 = b.mul(blk, const_i64(QBLOCK))
-    xpairs = [b.bitcast(b.gep(xrows[t], [k0]), _I32.as_pointer()) for t in range(TR)]
+    xpairs = [b.bitcast(b.gep(xrows[t], [k0]), I32.as_pointer()) for t in range(TR)]
     if LANES == 16:                     # V weight vectors of 16 rows' int16 pairs, the next pair 4 NR bytes on
         w8 = b.bitcast(wblk, ir.IntType(8).as_pointer())
         sums = vnni_block_sums(b, [b.gep(w8, [const_i64(4 * LANES * v)]) for v in range(V)], xpairs, "vmovdqu64", 4 * NR)
@@ -279,7 +277,7 @@ def pack_rows16(typingctx, w_q, n0, blk, wp, off):
         stride = builder.extract_value(aw.strides, 0)
         base = builder.gep(builder.bitcast(aw.data, ir.IntType(8).as_pointer()),
                            [builder.add(builder.mul(n0_, stride), builder.shl(blk_, const_i64(5)))])
-        v32i8, v32i16 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(_I16, 32)
+        v32i8, v32i16 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(I16, 32)
         rows = []
         for r in range(16):
             p = builder.bitcast(builder.gep(base, [builder.mul(stride, const_i64(r))]), v32i8.as_pointer())
