@@ -95,9 +95,10 @@ def test_temperature_alone_is_never_screened():
                            np.empty(10, np.float32)) == -1
 
 
-def test_band_rows_refuses_nan_bounds():
-    up = np.array([0.0, np.nan, 1.0], np.float32)
-    assert band_rows(up, -1.0, np.inf, np.zeros(3, np.int64), 0) == -1
+def test_band_rows_refuses_nan_and_infinite_bounds():
+    for bad in (np.nan, np.inf):            # +inf: below no threshold, yet never a candidate either
+        up = np.array([0.0, bad, 1.0], np.float32)
+        assert band_rows(up, -1.0, np.inf, np.zeros(3, np.int64), 0) == -1
     rows = np.zeros(3, np.int64)
     assert band_rows(np.array([0.0, 2.0, 1.0], np.float32), 0.5, 2.0, rows, 0) == 1 and rows[0] == 2
 

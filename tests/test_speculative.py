@@ -273,8 +273,11 @@ def test_pacer_backs_off_when_guesses_fail_and_grows_when_they_hold():
             w += 1
         waits.append(w)
     assert waits == [1, 2, 4, 8, 16, 32, 32]
-    p.record(p.k, p.k)
-    assert p.cooldown == 1
+    assert p.k == 1
+    p.record(1, 1)                                  # one guess, kept: the draft grows, the backoff stands
+    assert p.k == 2 and p.cooldown == 32
+    p.record(2, 2)
+    assert p.k == 4 and p.cooldown == 1
     # failures between passes that keep one guess still back off; two kept end the backoff
     p.record(p.k, 0)
     for want in (2, 4):

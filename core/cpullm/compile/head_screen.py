@@ -266,7 +266,7 @@ class RowsScreen:
         from cpullm_kernels.panels.head_screen import rows_scratch, screen_argmax_rows
         if self.scratch is None:
             self.X = np.zeros((self.max_m, self.k), np.float32)
-            self.scratch = rows_scratch(self.max_m, self.n_rows, self.kp)
+            self.scratch = rows_scratch(self.max_m, self.n_rows, self.kp, max(1, numba.config.NUMBA_NUM_THREADS))
         X = self.X[:m]
         X[:] = arena[self.x_off: self.x_off + m * self.x_st].reshape(m, self.x_st)[:, :self.k]
         got = screen_argmax_rows(self.X, m, *self.head, *self.scratch, self.tokens, nthreads,

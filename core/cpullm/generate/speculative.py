@@ -166,7 +166,8 @@ class Pacer:
             return
         if accepted == drafted:
             self.k = min(self.max, self.k * 2)
-            self.cooldown = 1
+            if accepted >= 2:           # one kept guess barely pays a pass: the backoff stands
+                self.cooldown = 1
         elif accepted == 0:
             self.k = max(1, self.k // 2)
             self.wait = self.cooldown

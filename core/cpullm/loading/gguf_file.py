@@ -462,6 +462,7 @@ def plan_tensors(reader, spec: ArchSpec, hp: dict) -> tuple[list[PlannedTensor],
     """
     by_name = {t.name: t for t in reader.tensors}
     unknown, plan, bad_types = [], [], []
+    stacked: list[tuple[str, list]] = []      # (name, slices) of each 3-D expert tensor
     tied = "output.weight" not in by_name
     if not tied and "token_embd.weight" in by_name:
         tied = _tensors_identical(by_name["output.weight"], by_name["token_embd.weight"])
@@ -475,7 +476,13 @@ def plan_tensors(reader, spec: ArchSpec, hp: dict) -> tuple[list[PlannedTensor],
         if t.tensor_type.name not in SUPPORTED_TENSOR_TYPES:
             bad_types.append(f"{t.name} ({t.tensor_type.name})")
         if EXPERT_INDEX in hf:
-            plan += _expert_slices(t, hf, len(plan))
+            experts = _expert_slices(t, hf, len(plan))
+            if stacked and len(experts) != len(stacked[0][1]):
+                raise ConversionError(f"tensor {limits.shown(t.name, 80)} stacks {len(experts)} experts but "
+                                      f"{limits.shown(stacked[0][0], 80)} stacks {len(stacked[0][1])}; "
+                                      "every expert tensor holds all the experts: the file is damaged")
+            stacked.append((t.name, experts))
+            plan += experts
             continue
         p = PlannedTensor(hf, t, _hf_shape(t))
         if spec.permute_qk and re.search(r"\.attn_q\.", t.name):

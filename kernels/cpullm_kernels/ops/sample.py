@@ -228,11 +228,12 @@ SCREEN_W_SLACK = 1e-4
 @njit(cache=True)
 def band_rows(upper, lo, hi, rows, start):
     """Append to rows[start:] the rows n with lo <= upper[n] < hi, ascending; returns the new
-    count, or -1 when an upper bound is NaN (the screen is of no use this step)."""
+    count, or -1 when an upper bound is NaN or +inf (such a row would be neither a candidate nor
+    one of the others: the screen is of no use this step)."""
     c = start
     for n in range(upper.size):
         u = upper[n]
-        if u != u:
+        if u != u or u == np.inf:
             return -1
         if lo <= u < hi:
             rows[c] = n

@@ -643,16 +643,17 @@ ROWS_TILE = 32
 read from memory once and scored against every activation row from the cache."""
 
 
-def rows_scratch(M: int, N: int, Kp: int) -> tuple:
-    """The scratch of :func:`screen_argmax_rows` for up to M activation rows, an lm_head of N rows
-    and padded width Kp: (x_q, x_s, p_q, p_s, x8, corr, norms, xd, xp, upper, rows, vals,
-    lower_max (M, 64), counts (64,))."""
+def rows_scratch(M: int, N: int, Kp: int, threads: int) -> tuple:
+    """The scratch of :func:`screen_argmax_rows` for up to M activation rows, an lm_head of N rows,
+    padded width Kp and up to ``threads`` threads (numba's pool size: every thread t < nthreads
+    writes lower_max[:, t] and counts[t]): (x_q, x_s, p_q, p_s, x8, corr, norms, xd, xp, upper,
+    rows, vals, lower_max (M, threads), counts (threads,))."""
     nb, npair = Kp // QBLOCK, (Kp // QBLOCK + 1) // 2
     return (np.zeros((M, Kp), np.int16), np.zeros((M, nb), np.float32), np.zeros((M, Kp), np.int16),
             np.zeros((M, padded_blocks(Kp)), np.float32), np.zeros((M, 64 * npair), np.int8),
             np.zeros((M, 8 * npair), np.int32), np.zeros((M, 3), np.float32), np.zeros(Kp, np.float32),
             np.zeros(Kp, np.float32), np.zeros((M, N), np.float32), np.zeros(N, np.int64),
-            np.zeros(N, np.float32), np.zeros((M, 64), np.float32), np.zeros(64, np.int64))
+            np.zeros(N, np.float32), np.zeros((M, threads), np.float32), np.zeros(threads, np.int64))
 
 
 @njit(cache=True, parallel=True)
@@ -697,7 +698,7 @@ def screen_argmax_rows(X, M, perm, sel_blocks, hq, hs, hb, w_q, w_s, x_q, x_s, p
 
     X float32 (>= M, K) (C-contiguous); the rest as :func:`screen_argmax` and :func:`rows_scratch`
     (per activation row m: x_q[m], x_s[m], p_q[m], p_s[m], x8[m], corr[m], norms[m], upper[m]);
-    tokens int64 (>= M,). nthreads <= 64."""
+    tokens int64 (>= M,). nthreads <= the ``threads`` the scratch was made for."""
     Kp = perm.size
     for m in range(M):
         quantize_act_q16(X[m], x_q[m], x_s[m])          # exactly what the matvec reads

@@ -10,7 +10,7 @@ Paths, chosen by :func:`matmul`:
   KC_BLOCKS blocks is unpacked into int8 quants by the decode kernels' own IR
   (``kquant.unpack_group_quants``: Q8_0 q, Q4_0 q - 8, Q5_0 q - 16 signed; the others' q
   unsigned) and a float32 scale a per block of 32 (d, or d sc for the K-quants), packed with
-  ``q8_gemm._pack_rows16`` and multiplied. The formats with a min (w = a q + c: Q4_1 / Q5_1
+  ``q8_gemm.pack_rows16`` and multiplied. The formats with a min (w = a q + c: Q4_1 / Q5_1
   c = m, Q4_K / Q5_K c = -dmin mn) add the offsets afterwards as one float32 product of rank
   K / 32:
   out += xsum (T, K/32) @ C (N, K/32).T with xsum[t, b] = x_s[t, b] * sum of x_q[t]'s block b,
@@ -313,7 +313,7 @@ def _unpack_q6_k_rows(w, n0, b0, nblocks, tq16):
 
 @intrinsic
 def _pack_rows16_i16(typingctx, tq16, n0, blk, wp, off):
-    """q8_gemm._pack_rows16 for int16 rows: rows n0 .. n0 + 15 of tq16 (int16 2-D), values
+    """q8_gemm.pack_rows16 for int16 rows: rows n0 .. n0 + 15 of tq16 (int16 2-D), values
     32 blk .. 32 blk + 31, transposed into wp as that kernel does (pair p of row n0 + lane at
     int16 offset off + p * 2 * NR + 2 * lane). No bounds checks."""
     ok = (isinstance(tq16, types.Array) and tq16.dtype == types.int16 and tq16.ndim == 2

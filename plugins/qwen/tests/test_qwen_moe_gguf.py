@@ -172,3 +172,14 @@ def test_expert_tensor_that_is_not_3d_is_refused(checkpoint, tmp_path):
                       extra_tensors={"blk.0.ffn_gate_exps.weight": flat})
     with pytest.raises(ConversionError, match=r"blk\.0\.ffn_gate_exps\.weight.*3-D"):
         cpullm.load(path, quant="f32", use_cache=False)
+
+
+def test_expert_tensors_stacking_different_counts_are_refused(checkpoint, tmp_path):
+    d, _, _, _ = checkpoint
+    store = TensorStore(d)
+    tensors = {n: store.get(n) for n in store.names()}
+    fewer = np.zeros((CONFIG["num_experts"] - 1, CONFIG["moe_intermediate_size"], CONFIG["hidden_size"]), np.float32)
+    path = write_gguf(tmp_path / "fewer.gguf", "qwen3moe", _fields(CONFIG), tensors, skip=("blk.0.ffn_gate_exps.weight",),
+                      extra_tensors={"blk.0.ffn_gate_exps.weight": fewer})
+    with pytest.raises(ConversionError, match=rf"ffn_gate_exps\.weight'? stacks {CONFIG['num_experts'] - 1} experts but"):
+        cpullm.load(path, quant="f32", use_cache=False)
