@@ -96,3 +96,23 @@ def test_run_command_uses_its_threads_flag(model, seen, capsys):
     assert _in_fresh_thread(lambda: main(["run", str(model.model_dir), "-p", "hello", "-n", "3",
                                           "--threads", "1", "--ctx", "96"])) == 0
     assert seen and {n for _, n in seen} == {1}, seen
+
+
+def test_load_and_engine_warm_up_run_their_kernels_on_a_thread_that_ends(tmp_path, seen):
+    """libgomp keeps an OpenMP team for every thread that started a parallel region; two teams on
+    2 cores stop its threads spinning between regions (0.81x decode on the scheduler's thread).
+    So neither the load nor the engine's warm-up runs a kernel on the caller's thread."""
+    d = make_random_checkpoint(dict(SMOLLM2_LIKE, model_type="llama"), tmp_path / "m", seed=5)
+    m = cpullm.load(d, quant="int8", threads=1, n_ctx=96, max_chunk=16)
+    with m.engine(parallel=2):
+        pass
+    assert seen and {t for t, _ in seen} == {"cpullm-load"}, seen
+    assert not [t for t in threading.enumerate() if t.name == "cpullm-load"]
+
+
+def test_on_passing_thread_returns_raises_and_ends():
+    from cpullm_kernels.setup.numba_setup import on_passing_thread
+    assert on_passing_thread(lambda a, b=0: threading.current_thread().name + str(a + b), 1, b=2) == "cpullm-load3"
+    with pytest.raises(KeyError, match="boom"):
+        on_passing_thread(lambda: {}["boom"])
+    assert not [t for t in threading.enumerate() if t.name == "cpullm-load"]

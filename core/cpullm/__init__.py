@@ -29,13 +29,19 @@ def load(path, quant: str | None = None, threads: int | None = None, **kwargs):
     ``use_cache``, ``mlock``, ``mmap``). ``speculative`` ("off", "lookup", "draft", "auto"),
     ``draft_model`` and ``draft_max`` set speculative decoding (:meth:`cpullm.model.Model.speculate`).
     """
+    from cpullm_kernels.setup.numba_setup import on_passing_thread
+
     from .model import Model
 
-    spec = {k: kwargs.pop(k) for k in ("speculative", "draft_model", "draft_max") if k in kwargs}
-    model = Model.load(path, quant=quant, threads=threads, **kwargs)
-    if spec:
-        model.speculate(spec.get("speculative"), spec.get("draft_model"), spec.get("draft_max"))
-    return model
+    def load_it():
+        spec = {k: kwargs.pop(k) for k in ("speculative", "draft_model", "draft_max") if k in kwargs}
+        model = Model.load(path, quant=quant, threads=threads, **kwargs)
+        if spec:
+            model.speculate(spec.get("speculative"), spec.get("draft_model"), spec.get("draft_max"))
+        return model
+    # the load's kernels run on a thread that ends with it, so the thread that decodes later, this one
+    # or another, holds the process's only OpenMP team (numba_setup.on_passing_thread says why)
+    return on_passing_thread(load_it)
 
 
 # The package's layout (scripts/code_stats.py and tests/test_stages.py read it): the stage

@@ -256,3 +256,31 @@ def configure(threads: int | None = None) -> int:
 def configured_threads() -> int:
     """The thread count set by :func:`configure` (configuring the default first if needed)."""
     return _configured if _configured is not None else configure(None)
+
+
+def on_passing_thread(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` on a thread of its own that ends when it returns (its result
+    returned, its exception raised here).
+
+    libgomp keeps an OpenMP team for every thread that has started a parallel region, as long as
+    that thread lives, and spins a team's threads between regions only while the process holds no
+    more OpenMP threads than CPUs. A model loaded (warm-up, prefill) on the main thread and then
+    run on another (the server's scheduler, chat's answer thread) left two teams on 2 cores and
+    decoded at 0.81x the main thread's rate (71.2 against 57.7 tok/s: benchmarks/ab/thread_decode.py);
+    work that ends with its thread leaves no team behind."""
+    import threading
+
+    box: list = []
+
+    def run():
+        try:
+            box.append((True, fn(*args, **kwargs)))
+        except BaseException as exc:          # handed to the caller's thread
+            box.append((False, exc))
+    t = threading.Thread(target=run, name="cpullm-load", daemon=True)
+    t.start()
+    t.join()
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value

@@ -130,12 +130,12 @@ def load_model(args):
     if any(v is not None for v in spec):
         from cpullm.generate.speculative import resolve
         resolve(spec[0] or ("draft" if spec[1] else None), spec[2], spec[1])   # bad flags fail before loading
-    model = cpullm.load(name, quant=args.quant, threads=args.threads, n_ctx=args.ctx,
-                        cache_dir=args.cache_dir, use_cache=not args.no_cache, mlock=args.mlock,
-                        mmap=args.mmap, kv_dtype=getattr(args, "kv_dtype", None))
+    speculation = {}
     if any(v is not None for v in spec):
-        model.speculate(*spec)
-    return model
+        speculation = dict(zip(("speculative", "draft_model", "draft_max"), spec))
+    return cpullm.load(name, quant=args.quant, threads=args.threads, n_ctx=args.ctx,
+                       cache_dir=args.cache_dir, use_cache=not args.no_cache, mlock=args.mlock,
+                       mmap=args.mmap, kv_dtype=getattr(args, "kv_dtype", None), **speculation)
 
 
 def progress_printer(label: str):
