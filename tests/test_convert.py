@@ -646,3 +646,16 @@ def test_a_plugin_redefining_an_architecture_is_reported_not_used(tiny_arch_plug
         assert reg.gguf_architectures["tinyarch"].plugin == "_TinyArchPlugin"
     finally:
         plugins.unregister_for_tests(Clash)
+
+
+def test_a_failed_gguf_write_leaves_the_file_there_as_it_was(tmp_path):
+    """write_gguf writes a temporary file and replaces the target only when it is whole."""
+    from cpullm.convert.gguf_writer import write_gguf
+    path = tmp_path / "model.gguf"
+    write_tiny_gguf(path)
+    before = path.read_bytes()
+    with pytest.raises(ConversionError, match="no GGUF name for 1 tensors"):
+        write_gguf(path, "llama", {"head_count": 4}, {"model.no_such.weight": np.zeros((4, 4), np.float32)},
+                   layout=_layout("llama"))
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf"]

@@ -124,6 +124,19 @@ def write_gguf(path: str | os.PathLike, arch: str, fields: Mapping[str, object],
     layout = layout or arch_spec(arch)
     n_head = int(fields["head_count"])
     n_head_kv = int(fields.get("head_count_kv", n_head))
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")    # the file at ``path`` is replaced only whole
+    try:
+        _write(gguf, tmp, arch, fields, tensors, layout, qtype, metadata, extra_tensors, skip, add_metadata,
+               n_head, n_head_kv)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def _write(gguf, path, arch, fields, tensors, layout, qtype, metadata, extra_tensors, skip, add_metadata,
+           n_head, n_head_kv) -> None:
     writer = gguf.GGUFWriter(str(path), arch)   # looked up at call time: tests may subclass it
     for name, value in fields.items():
         getattr(writer, f"add_{name}")(value)
@@ -159,6 +172,11 @@ def write_gguf(path: str | os.PathLike, arch: str, fields: Mapping[str, object],
         raise ConversionError(f"the experts of {gaps[0]} are not numbered 0..E-1 (got "
                               f"{sorted(stacks[gaps[0]])[:8]}...); give every expert's matrix, or none")
     for g, parts in stacks.items():
+        shapes = {parts[e].shape for e in parts}
+        if len(shapes) > 1:
+            writer.close()
+            raise ConversionError(f"the experts of {g} differ in shape ({sorted(shapes)[:3]}); every expert's "
+                                  "matrix of one kind has the same shape")
         add(g, np.stack([parts[e] for e in range(len(parts))]))
     if unnamed:
         writer.close()
@@ -170,4 +188,3 @@ def write_gguf(path: str | os.PathLike, arch: str, fields: Mapping[str, object],
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return Path(path)

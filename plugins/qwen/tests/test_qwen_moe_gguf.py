@@ -183,3 +183,14 @@ def test_expert_tensors_stacking_different_counts_are_refused(checkpoint, tmp_pa
                       extra_tensors={"blk.0.ffn_gate_exps.weight": fewer})
     with pytest.raises(ConversionError, match=rf"ffn_gate_exps\.weight'? stacks {CONFIG['num_experts'] - 1} experts but"):
         cpullm.load(path, quant="f32", use_cache=False)
+
+
+def test_experts_of_different_shapes_are_refused_and_nothing_is_written(checkpoint, tmp_path):
+    d, _, _, _ = checkpoint
+    store = TensorStore(d)
+    tensors = {n: store.get(n) for n in store.names()}
+    name = "model.layers.0.mlp.experts.1.up_proj.weight"
+    tensors[name] = tensors[name][:-1]
+    with pytest.raises(ConversionError, match=r"experts of blk\.0\.ffn_up_exps\.weight differ in shape"):
+        write_gguf(tmp_path / "ragged.gguf", "qwen3moe", _fields(CONFIG), tensors)
+    assert list(tmp_path.iterdir()) == []
