@@ -623,15 +623,21 @@ def screen_argmax(x, perm, sel_blocks, hq, hs, hb, w_q, w_s, x_q, x_s, p_q, p_s,
     if total > max_rows:
         return -2, total
     _exact_rows(w_q, w_s, x_q, x_s, rows, vals, counts, nthreads)
-    N = upper.size
+    return _best_survivor(rows, vals, counts, upper.size, nthreads), total
+
+
+@njit(cache=True, inline="always")
+def _best_survivor(rows, vals, counts, N, nthreads):
+    """The row of the largest exact logit among the survivors (thread t's counts[t] rows from
+    t * ceil(N / nthreads) on, rows ascending: strict > keeps the lowest index)."""
     per = (N + nthreads - 1) // nthreads
     best, best_v = -1, np.float32(0.0)
-    for t in range(nthreads):                           # rows ascending: strict > keeps the lowest index
+    for t in range(nthreads):
         lo = min(N, t * per)
         for i in range(lo, lo + counts[t]):
             if best < 0 or vals[i] > best_v:
                 best, best_v = rows[i], vals[i]
-    return best, total
+    return best
 
 
 # ================================================================================================
@@ -714,7 +720,6 @@ def screen_argmax_rows(X, M, perm, sel_blocks, hq, hs, hb, w_q, w_s, x_q, x_s, p
         norms[m, 2] = np.float32(delta + rounding_term(Kp) * np.sqrt(s_sel + s_rest))
     _bounds_pass_rows(hq, hs, hb, p_q, x8, corr, p_s, sel_blocks, norms, M, upper, lower_max, nthreads)
     N = hq.shape[0]
-    per = (N + nthreads - 1) // nthreads
     total = 0
     for m in range(M):
         lower = lower_max[m, 0]
@@ -730,13 +735,7 @@ def screen_argmax_rows(X, M, perm, sel_blocks, hq, hs, hb, w_q, w_s, x_q, x_s, p
             return -2
         total += found
         _exact_rows(w_q, w_s, x_q[m], x_s[m], rows, vals, counts, nthreads)
-        best, best_v = -1, np.float32(0.0)
-        for t in range(nthreads):                       # rows ascending: strict > keeps the lowest index
-            lo = min(N, t * per)
-            for i in range(lo, lo + counts[t]):
-                if best < 0 or vals[i] > best_v:
-                    best, best_v = rows[i], vals[i]
-        tokens[m] = best
+        tokens[m] = _best_survivor(rows, vals, counts, N, nthreads)
     return total
 
 

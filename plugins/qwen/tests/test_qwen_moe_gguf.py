@@ -163,10 +163,15 @@ def test_block_experts_run_as_they_are(qtype, tmp_path, monkeypatch):
     assert _rel(dec, ref) < 0.03
 
 
+def _tensors(d) -> dict:
+    """Every tensor of the checkpoint directory d, by its transformers name."""
+    store = TensorStore(d)
+    return {n: store.get(n) for n in store.names()}
+
+
 def test_expert_tensor_that_is_not_3d_is_refused(checkpoint, tmp_path):
     d, _, _, _ = checkpoint
-    store = TensorStore(d)
-    tensors = {n: store.get(n) for n in store.names()}
+    tensors = _tensors(d)
     flat = np.zeros((CONFIG["moe_intermediate_size"] * CONFIG["num_experts"], CONFIG["hidden_size"]), np.float32)
     path = write_gguf(tmp_path / "flat.gguf", "qwen3moe", _fields(CONFIG), tensors, skip=("blk.0.ffn_gate_exps.weight",),
                       extra_tensors={"blk.0.ffn_gate_exps.weight": flat})
@@ -176,8 +181,7 @@ def test_expert_tensor_that_is_not_3d_is_refused(checkpoint, tmp_path):
 
 def test_expert_tensors_stacking_different_counts_are_refused(checkpoint, tmp_path):
     d, _, _, _ = checkpoint
-    store = TensorStore(d)
-    tensors = {n: store.get(n) for n in store.names()}
+    tensors = _tensors(d)
     fewer = np.zeros((CONFIG["num_experts"] - 1, CONFIG["moe_intermediate_size"], CONFIG["hidden_size"]), np.float32)
     path = write_gguf(tmp_path / "fewer.gguf", "qwen3moe", _fields(CONFIG), tensors, skip=("blk.0.ffn_gate_exps.weight",),
                       extra_tensors={"blk.0.ffn_gate_exps.weight": fewer})
@@ -187,8 +191,7 @@ def test_expert_tensors_stacking_different_counts_are_refused(checkpoint, tmp_pa
 
 def test_experts_of_different_shapes_are_refused_and_nothing_is_written(checkpoint, tmp_path):
     d, _, _, _ = checkpoint
-    store = TensorStore(d)
-    tensors = {n: store.get(n) for n in store.names()}
+    tensors = _tensors(d)
     name = "model.layers.0.mlp.experts.1.up_proj.weight"
     tensors[name] = tensors[name][:-1]
     with pytest.raises(ConversionError, match=r"experts of blk\.0\.ffn_up_exps\.weight differ in shape"):
