@@ -71,7 +71,7 @@ def test_every_row_is_independent_of_the_batch_and_the_threads():
     alone = np.zeros((17, N), np.float32)
     for t in range(17):
         qp.panels_matmul(wp, sp, N, x_q[t:t + 1], x_s[t:t + 1], alone[t:t + 1], 1)
-    for B in range(1, 18):                                   # tiles of 8, 4, 2 and 1 rows
+    for B in range(1, 18):                                   # every tile, and 8 + each rest
         for threads in (1, 2):
             out = np.zeros((B, N), np.float32)
             qp.panels_matmul(wp, sp, N, x_q[:B], x_s[:B], out, threads)
@@ -132,7 +132,7 @@ out = {}
 for N, K in ((130, 4864), (257, 896)):
     w_q, w_s = q8.quantize_weight_q8(rng.standard_normal((N, K)).astype(np.float32))
     wp, sp = qp.pack_panels(w_q, w_s)
-    for B in (11, 8):                   # every register tile of every variant
+    for B in (*range(1, 9), 11):        # every register tile of every variant
         x = rng.standard_normal((B, K)).astype(np.float32)
         Kp = w_q.shape[1]
         x_q, x_s = np.zeros((B, Kp), np.int16), np.zeros((B, Kp // 32), np.float32)
