@@ -287,6 +287,27 @@ def test_the_head_choice_follows_the_timings(tiny_model):
     assert picks.count(False) == 2
 
 
+def test_the_rows_choice_carries_a_loss_to_more_rows():
+    """RowsScreen keeps times per row count; where the screen was slower at fewer rows, a larger
+    count takes the full head without timing the screen first (every EXPLORE-th pass still tries
+    it), and a count below the loss still explores both heads."""
+    from cpullm.compile.head_screen import RowsScreen
+    rs = object.__new__(RowsScreen)                # the choice only: no model needed
+    rs.times, rs.passes = {}, {}
+    for _ in range(2):
+        assert rs.choose(3) is True
+        rs.record(3, True, 2.0)
+        assert rs.choose(3) is False
+        rs.record(3, False, 1.0)
+    picks = [rs.choose(5) for _ in range(rs.EXPLORE)]
+    assert picks.count(True) == 1 and picks[-1] is True
+    assert rs.choose(2) is True                    # fewer rows than the loss: explored as before
+    for _ in range(2):
+        rs.record(7, True, 0.5)
+        rs.record(7, False, 1.0)
+    assert rs.choose(7) is True                    # its own times decide once it has them
+
+
 def test_greedy_generation_uses_the_screen_and_sampling_does_not(tiny_model, monkeypatch):
     ex = tiny_model.executor
     calls = {"argmax": 0, "decode": 0}

@@ -288,6 +288,20 @@ def test_pacer_backs_off_when_guesses_fail_and_grows_when_they_hold():
     assert p.cooldown == 1 and p.k == 3
 
 
+def test_pacer_counts_a_pass_slower_than_its_tokens_as_a_failure():
+    """A pass that took longer than plain steps would for the tokens it gave (rows that cost a
+    step each: raw ggml blocks) shrinks the draft and backs off, even when guesses were kept."""
+    p = Pacer(8)
+    p.record(4, 2, cost=1.2)                        # 3 tokens for 1.2 steps: pays
+    assert p.k == 3 and p.wait == 0
+    p.record(3, 1, cost=2.6)                        # 2 tokens for 2.6 steps: lost
+    assert p.k == 1 and p.wait == 1 and p.budget() == 0
+    p.record(1, 1, cost=1.9)                        # 2 tokens for 1.9 steps: pays, grows
+    assert p.k == 2
+    p.record(2, 2, cost=3.5)                        # all kept, 3 tokens for 3.5 steps: lost all the same
+    assert p.k == 1 and p.wait == 2
+
+
 @pytest.mark.parametrize("bad", [0, 33, -1, 2.5, True])
 def test_draft_max_out_of_range_names_the_fix(bad):
     with pytest.raises(ConfigError, match="--draft-max must be an integer in 1..32"):
@@ -329,7 +343,8 @@ def test_draft_model_guesses_and_the_output_stays_exact(tmp_path):
 
 def test_auto_uses_a_draft_only_when_its_measured_costs_pay():
     import types
-    from cpullm.generate.speculative import DraftModel, draft_pays, expected_tokens
+    from cpullm.generate.speculative import (DraftModel, PROBE_EVERY, RECENT_ROUNDS, draft_pays,
+                                             expected_tokens)
     assert expected_tokens(0.0, 4) == 1.0 and abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
     # a draft step 0.4 of a plain step, a verify pass 1.3: 3.36 tokens at acceptance 0.8 (pays), 2.31 at 0.6
     assert draft_pays(1.0, 0.4, 1.3, 4, 0.8) and not draft_pays(1.0, 0.4, 1.3, 4, 0.6)
@@ -338,10 +353,18 @@ def test_auto_uses_a_draft_only_when_its_measured_costs_pay():
     assert dm.pays(1.0, None, 4)                      # the draft not measured yet: tried
     dm.step_s, dm.steps = 4.0, 10
     assert dm.pays(1.0, 1.3, 4)                       # at the prior acceptance (0.8)
-    dm.drafted, dm.accepted = 100, 60
+    for _ in range(10):
+        dm.scored(10, 6)
     assert not dm.pays(1.0, 1.3, 4)                   # at the measured one
     dm.step_s = 1.0                                   # a cheap draft pays at 0.6
     assert dm.pays(1.0, 1.3, 4)
+    dm.step_s = 4.0
+    # a draft that stopped paying is tried again now and then, and its recent rounds decide
+    picks = [dm.pays(1.0, 1.3, 4) for _ in range(2 * PROBE_EVERY)]
+    assert picks.count(True) == 2 and picks[PROBE_EVERY - 1]
+    for _ in range(RECENT_ROUNDS):
+        dm.scored(10, 10)                             # the text turned to one it guesses
+    assert dm.acceptance == 1.0 and dm.pays(1.0, 1.3, 4)
 
 
 def test_the_constraint_mask_applies_to_guessed_tokens(tmp_path, monkeypatch):

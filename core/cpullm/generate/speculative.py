@@ -26,9 +26,15 @@ Adaptive length (:class:`Pacer`): the number of guesses follows each sequence's 
 (doubling while every guess is kept, falling to what was kept plus one), and a sequence whose
 guesses keep failing (open-ended chat) waits 1, 2, 4, ... 32 steps before it guesses again (a
 pass that kept a single guess does not shorten the wait: failures between such passes still back
-off), so its decode costs at most a few percent more than plain decode.
+off), so its decode costs at most a few percent more than plain decode. A pass that gave fewer
+tokens than plain steps would have in its time counts as a failure too: what a row costs
+depends on the weight format (raw ggml blocks run a row at a time: 5 rows of Qwen2.5-0.5B's
+Q5_0 cost 2.8 steps, of its INT8 panels 1.0-1.2), so half-kept guesses that pay on one format
+lose on another (open-ended chat on the Q5_0 GGUF: 0.955x plain without this rule).
 """
 from __future__ import annotations
+
+from collections import deque
 
 import attrs
 import numpy as np
@@ -101,6 +107,8 @@ def resolve(mode: str | None = None, draft_max: int | None = None, draft=None) -
 
 PRIOR_ACCEPTANCE = 0.8           # a draft's acceptance before MIN_DRAFTED of its guesses were scored
 MIN_DRAFTED = 32
+RECENT_ROUNDS = 16               # a draft's acceptance is measured over its last rounds (the text changes)
+PROBE_EVERY = 32                 # a draft that does not pay is tried again after this many refusals
 
 
 def expected_tokens(acceptance: float, k: int) -> float:
@@ -161,15 +169,19 @@ class Pacer:
             return 0
         return self.k
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, drafted: int, accepted: int, cost: float | None = None) -> None:
+        """A pass scored ``drafted`` guesses and kept ``accepted``; ``cost``: its time in plain
+        decode steps (None: not measured). It lost when it gave fewer tokens (the guesses kept and
+        its own) than plain steps would have in that time."""
         if drafted <= 0:
             return
-        if accepted == drafted:
+        lost = cost is not None and accepted + 1 < cost
+        if accepted == drafted and not lost:
             self.k = min(self.max, self.k * 2)
             if accepted >= 2:           # one kept guess barely pays a pass: the backoff stands
                 self.cooldown = 1
-        elif accepted == 0:
-            self.k = max(1, self.k // 2)
+        elif accepted == 0 or lost:
+            self.k = max(1, min(self.k // 2, accepted) if accepted else self.k // 2)
             self.wait = self.cooldown
             self.cooldown = min(MAX_COOLDOWN, self.cooldown * 2)
         else:
@@ -212,25 +224,44 @@ class DraftModel:
         self.free: list = []
         self.step_s = 0.0
         self.steps = 0
-        self.drafted = 0                # its guesses scored, and kept (its acceptance: auto's choice)
+        self.drafted = 0                # its guesses scored, and kept (all time)
         self.accepted = 0
+        self.recent: deque = deque(maxlen=RECENT_ROUNDS)   # (scored, kept) of its last rounds
+        self.refused = 0                # auto's refusals since the draft last ran
+
+    def scored(self, drafted: int, accepted: int) -> None:
+        """A verify pass scored ``drafted`` of its guesses and kept ``accepted``."""
+        self.drafted += drafted
+        self.accepted += accepted
+        self.recent.append((drafted, accepted))
 
     @property
     def acceptance(self) -> float:
-        """Its guesses' measured acceptance (PRIOR_ACCEPTANCE until MIN_DRAFTED were scored)."""
-        return self.accepted / self.drafted if self.drafted >= MIN_DRAFTED else PRIOR_ACCEPTANCE
+        """Its guesses' acceptance over the last RECENT_ROUNDS rounds (PRIOR_ACCEPTANCE until
+        MIN_DRAFTED guesses were scored)."""
+        drafted = sum(d for d, _ in self.recent)
+        return sum(a for _, a in self.recent) / drafted if drafted >= MIN_DRAFTED else PRIOR_ACCEPTANCE
 
     def pays(self, step_s: float | None, verify_s: float | None, k: int) -> bool:
         """``auto``'s choice: whether guessing ``k`` tokens with this draft beats plain steps of the
         target (``step_s`` a plain pass, ``verify_s`` a verify pass, both measured by the
-        scheduler; None: not yet) at the acceptance measured so far. A draft step not measured
-        yet is tried once; before a plain step was measured, no."""
+        scheduler; None: not yet) at the acceptance measured over its recent rounds. A draft step
+        not measured yet is tried once; before a plain step was measured, no. A draft refused
+        PROBE_EVERY times in a row is tried once more, so a text it guesses well again (a chat
+        that turns to quoting) gets it back."""
         if step_s is None:
             return False
         if self.steps == 0:
             return True
-        return draft_pays(step_s, self.step_s / self.steps, verify_s if verify_s is not None else step_s, k,
-                          self.acceptance)
+        if draft_pays(step_s, self.step_s / self.steps, verify_s if verify_s is not None else step_s, k,
+                      self.acceptance):
+            self.refused = 0
+            return True
+        self.refused += 1
+        if self.refused >= PROBE_EVERY:
+            self.refused = 0
+            return True
+        return False
 
     @staticmethod
     def check_pair(draft_model, target_model) -> None:
