@@ -88,12 +88,14 @@ _V32I16 = ir.VectorType(I16, 32)
 _V16I16 = ir.VectorType(I16, 16)
 _V8I32 = ir.VectorType(I32, 8)
 
-TILES = ((8, 1), (7, 1), (6, 1), (5, 1), (4, 2), (3, 2), (2, 4), (1, 4))
+TILES = ((8, 1), (5, 1), (4, 2), (3, 2), (2, 4), (1, 4))
 """Register tiles (batch rows TR, panels V) a group of 4 panels is covered with: B is cut into
-tiles of 8 rows and one tile of the 1-7 left, so every weight is read from memory once and each
-row's arithmetic done once (a tile of TR rows takes 4 // V passes over the group, from L1/L2).
-Cut as 4 + 1, a verify pass of 5 rows at Qwen2.5-0.5B took 28.3 ms against 23.6 for 4 rows. TR x
-V int32 sums plus TR x V float accumulators stay in registers (AVX-512: 32 zmm)."""
+tiles of 8 rows, then the rest into one tile of 5, 4, 3, 2 or 1 rows (6 and 7 into two), so the
+weights are read from memory once and a verify pass's 2, 3 or 5 rows (1, 2 or 4 guesses) take one
+tile (a tile of TR rows takes 4 // V passes over the group, the later ones from L1/L2). Cut as
+4 + 1, a verify pass of 5 rows at Qwen2.5-0.5B took 28.3 ms, as one tile 21.0 (one row: 20 ms);
+tiles of 6 and 7 rows would add 0.75 s to a cold start's compile for passes the pacer rarely
+makes. TR x V float accumulators stay in registers (AVX-512: 32 zmm)."""
 GROUP = 4
 """Panels a thread's work is counted in (64 rows)."""
 
@@ -367,7 +369,7 @@ LONG_ROW_K = 4096
 """Rows at least this long prefetch into L2, not L1: their int16 activations (>= 8 KiB a row) and
 a stream pulled into L1 4 KiB ahead evict each other."""
 
-_t8x1, _t7x1, _t6x1, _t5x1, _t4x2, _t3x2, _t2x4, _t1x4 = (_make_tile(ISA, TR, V) for TR, V in TILES)
+_t8x1, _t5x1, _t4x2, _t3x2, _t2x4, _t1x4 = (_make_tile(ISA, TR, V) for TR, V in TILES)
 _y6x1, _y5x1, _y4x1, _y3x1, _y2x2, _y1x4 = (_make_tile(ISA, TR, V) for TR, V in YMM_TILES)
 YMM_TILE_ROWS = YMM_TILES[0][0]
 """Rows of the 256-bit variants' accumulator buffer (:func:`_group_ymm`)."""
@@ -416,15 +418,16 @@ def _group_zmm(wp, sp, g, x_q, x_s, out, o_n, acc):
             _t8x1(wp, sp, g + v, x_q, x_s, t0, out, t0, o_n + 16 * v)
         t0 += 8
     r = B - t0
-    if r >= 5:
+    if r == 5:
         for v in range(4):
-            if r == 7:
-                _t7x1(wp, sp, g + v, x_q, x_s, t0, out, t0, o_n + 16 * v)
-            elif r == 6:
-                _t6x1(wp, sp, g + v, x_q, x_s, t0, out, t0, o_n + 16 * v)
-            else:
-                _t5x1(wp, sp, g + v, x_q, x_s, t0, out, t0, o_n + 16 * v)
-    elif r >= 3:
+            _t5x1(wp, sp, g + v, x_q, x_s, t0, out, t0, o_n + 16 * v)
+        r = 0
+    elif r > 5:                         # 6, 7: 4 rows, then 2 or 3
+        for v in range(0, 4, 2):
+            _t4x2(wp, sp, g + v, x_q, x_s, t0, out, t0, o_n + 16 * v)
+        t0 += 4
+        r -= 4
+    if r >= 3:
         for v in range(0, 4, 2):
             if r == 4:
                 _t4x2(wp, sp, g + v, x_q, x_s, t0, out, t0, o_n + 16 * v)
