@@ -204,6 +204,8 @@ def main(argv=None) -> int:
         save(res)
     if "chat" in parts:                     # plain vs the default mode (auto: lookup, backing off)
         res["chat"] = []
+        ids, _ = edit_prompt(model, a.module)   # warm the verify path (see "edit")
+        run_cpullm(model, ids, 48, "lookup", a.draft_max)
         for text in CHAT_PROMPTS:
             ids = chat_ids(model, text)
             run_cpullm(model, ids[:32], 8, "auto", a.draft_max)             # warm the paths

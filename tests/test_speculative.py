@@ -288,20 +288,6 @@ def test_pacer_backs_off_when_guesses_fail_and_grows_when_they_hold():
     assert p.cooldown == 1 and p.k == 3
 
 
-def test_pacer_counts_a_pass_slower_than_its_tokens_as_a_failure():
-    """A pass that took longer than plain steps would for the tokens it gave (rows that cost a
-    step each: raw ggml blocks) shrinks the draft and backs off, even when guesses were kept."""
-    p = Pacer(8)
-    p.record(4, 2, cost=1.2)                        # 3 tokens for 1.2 steps: pays
-    assert p.k == 3 and p.wait == 0
-    p.record(3, 1, cost=2.6)                        # 2 tokens for 2.6 steps: lost
-    assert p.k == 1 and p.wait == 1 and p.budget() == 0
-    p.record(1, 1, cost=1.9)                        # 2 tokens for 1.9 steps: pays, grows
-    assert p.k == 2
-    p.record(2, 2, cost=3.5)                        # all kept, 3 tokens for 3.5 steps: lost all the same
-    assert p.k == 1 and p.wait == 2
-
-
 @pytest.mark.parametrize("bad", [0, 33, -1, 2.5, True])
 def test_draft_max_out_of_range_names_the_fix(bad):
     with pytest.raises(ConfigError, match="--draft-max must be an integer in 1..32"):

@@ -86,7 +86,6 @@ class Scheduler:
         self.spec = speculative if speculative is not None and speculative.on else None
         self.spec_stats = SpecStats()       # every sequence's, summed (bench, /health)
         self.plain_pass_s = self.verify_pass_s = None   # recent decode passes' seconds (auto's draft choice)
-        self.plain_pass_by_rows: dict[int, float] = {}  # sequences in a plain pass -> its recent seconds
         if self.spec is not None and self.spec.draft is not None:
             self.spec.draft.attach(self.n_slots)
 
@@ -256,7 +255,6 @@ class Scheduler:
         compiled = compile_seconds() - c0
         dt = max(0.0, time.perf_counter() - t0 - compiled)
         self.plain_pass_s = _recent(self.plain_pass_s, dt)
-        self.plain_pass_by_rows[len(batch)] = _recent(self.plain_pass_by_rows.get(len(batch)), dt)
         masks.join()
         for seq, row, tok in zip(batch, logits, tokens):
             seq.stats.decode_s += dt
@@ -337,9 +335,7 @@ class Scheduler:
             seq.stats.decode_steps += kept
             seq.stats.compile_s += compiled
             if guesses:
-                # the pass's time in plain steps of this batch's size (unknown until one ran)
-                plain = self.plain_pass_by_rows.get(len(batch))
-                seq.spec.pacer.record(len(guesses), accepted, dt / plain if plain else None)
+                seq.spec.pacer.record(len(guesses), accepted)
                 if seq.spec.from_draft:
                     self.spec.draft.scored(len(guesses), accepted)
                 for st in (seq.spec.stats, self.spec_stats):

@@ -26,11 +26,8 @@ Adaptive length (:class:`Pacer`): the number of guesses follows each sequence's 
 (doubling while every guess is kept, falling to what was kept plus one), and a sequence whose
 guesses keep failing (open-ended chat) waits 1, 2, 4, ... 32 steps before it guesses again (a
 pass that kept a single guess does not shorten the wait: failures between such passes still back
-off), so its decode costs at most a few percent more than plain decode. A pass that gave fewer
-tokens than plain steps would have in its time counts as a failure too: what a row costs
-depends on the weight format (raw ggml blocks run a row at a time: 5 rows of Qwen2.5-0.5B's
-Q5_0 cost 2.8 steps, of its INT8 panels 1.0-1.2), so half-kept guesses that pay on one format
-lose on another (open-ended chat on the Q5_0 GGUF: 0.955x plain without this rule).
+off), so its decode costs at most a few percent more than plain decode. The pacing follows the
+guesses alone, not timings, so greedy lookup makes the same passes in every run.
 """
 from __future__ import annotations
 
@@ -169,19 +166,15 @@ class Pacer:
             return 0
         return self.k
 
-    def record(self, drafted: int, accepted: int, cost: float | None = None) -> None:
-        """A pass scored ``drafted`` guesses and kept ``accepted``; ``cost``: its time in plain
-        decode steps (None: not measured). It lost when it gave fewer tokens (the guesses kept and
-        its own) than plain steps would have in that time."""
+    def record(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
             return
-        lost = cost is not None and accepted + 1 < cost
-        if accepted == drafted and not lost:
+        if accepted == drafted:
             self.k = min(self.max, self.k * 2)
             if accepted >= 2:           # one kept guess barely pays a pass: the backoff stands
                 self.cooldown = 1
-        elif accepted == 0 or lost:
-            self.k = max(1, min(self.k // 2, accepted) if accepted else self.k // 2)
+        elif accepted == 0:
+            self.k = max(1, self.k // 2)
             self.wait = self.cooldown
             self.cooldown = min(MAX_COOLDOWN, self.cooldown * 2)
         else:
