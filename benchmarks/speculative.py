@@ -92,7 +92,8 @@ def run_llama(path: str, ids, gen_tokens: int, threads: int, lookup: bool, n_ctx
 
 def verify_costs(model, ks=(1, 2, 4, 8), reps: int = 7, prompt_len: int = 256) -> dict:
     """Median seconds of a plain greedy decode step and of a verify pass of k guesses (k + 1 rows)
-    at position ``prompt_len``, and their ratios: the greedy verify pass as speculative decoding
+    at position ``prompt_len``, and their ratios (``verify_k{k}_x``: the median ratio of each
+    pass to the step timed just before it): the greedy verify pass as speculative decoding
     runs it (``verify_argmax``: the lm_head through the multi-row head screen or whole, whichever
     its timings found faster), and with the lm_head forced through the screen and whole
     (``_screen`` / ``_full``, where the model has a screen), and the verify pass that returns
@@ -112,21 +113,31 @@ def verify_costs(model, ks=(1, 2, 4, 8), reps: int = 7, prompt_len: int = 256) -
             out.append(time.perf_counter() - t0)
         slot.position = pos
         return statistics.median(out[warm:])
-    def plain_step():
-        return timed(lambda: fwd.step([slot], [42], greedy=[True]))
+    def once(fn):
+        slot.position = pos
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        slot.position = pos
+        return dt
 
     timed(lambda: fwd.step([slot], [42], greedy=[True]), warm=6)     # (the screen's choice settles)
     steps = []
     out = {"rows_screen": rs is not None}
     for k in ks:
-        # each k against a step timed just before it: a drift of the host's speed during the run
-        # (page cache, another process) moves both sides of the ratio alike
-        step = plain_step()
-        steps.append(step)
+        # each k against plain steps timed in turn with its passes: the host's memory speed drifts
+        # by a third over seconds on a shared VM (a 4B step: 115-163 ms in one minute), and a
+        # pass of k + 1 rows, compute-bound where a step is memory-bound, does not follow it
         rows = [[42] * (k + 1)]
-        t = timed(lambda: fwd.verify_argmax([slot], rows), warm=6)
+        timed(lambda: fwd.verify_argmax([slot], rows), warm=6)
+        st, vt = [], []
+        for _ in range(3 * reps):
+            st.append(once(lambda: fwd.step([slot], [42], greedy=[True])))
+            vt.append(once(lambda: fwd.verify_argmax([slot], rows)))
+        step, t = statistics.median(st), statistics.median(vt)
+        steps.append(step)
         out[f"verify_k{k}_s"] = t
-        out[f"verify_k{k}_x"] = t / step
+        out[f"verify_k{k}_x"] = statistics.median([v / s for v, s in zip(vt, st)])
         if rs is not None:
             for name, forced in (("screen", True), ("full", False)):
                 rs.choose = lambda m, forced=forced: forced
