@@ -193,8 +193,7 @@ def main(argv=None) -> int:
         r = res["edit"] = {"workload": what, "prompt_tokens": len(ids)}
     if "edit" in parts:
         # warm every path: a verify pass's first run in a process loads the batched step and
-        # touches its rows' arena pages (5 rows: 104 ms against 21 after), which the pacer would
-        # count as a lost pass and the timing as decode time
+        # touches its rows' arena pages (5 rows: 104 ms against 21 after), decode time otherwise
         run_cpullm(model, ids[:64], 8, "off", a.draft_max)
         run_cpullm(model, ids, 48, "lookup", a.draft_max)
         plain = run_cpullm(model, ids, a.gen_tokens, "off", a.draft_max)

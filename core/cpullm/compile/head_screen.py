@@ -248,7 +248,7 @@ class RowsScreen:
         """True: read the lm_head of a group of ``m`` rows through the screen. Until both heads
         were timed twice at ``m``, the screen counts as slower when it was slower at fewer rows
         (its cost grows with the rows, the full head's barely): a lookup run's passes come in
-        many sizes, and timing the screen twice at each cost a code edit's 36 passes 7 %."""
+        many sizes, and timing the screen twice at each cost a code edit's 36 passes 6 %."""
         ts, tp = self._times(m)
         self.passes[m] = n = self.passes.get(m, 0) + 1
         if len(ts) >= 2 and len(tp) >= 2:
