@@ -390,3 +390,45 @@ def test_cli_flags_are_checked_before_the_model_loads():
     args.model = "no-such-model-anywhere"
     with pytest.raises(ConfigError, match="give --draft-model MODEL"):
         load_model(args)
+
+
+def test_a_lone_stream_decodes_plainly_until_the_batched_step_is_compiled(tmp_path, monkeypatch):
+    """SpecConfig.compile_first (the CLI's run and chat): while the batched step is not compiled,
+    a lone sequence makes no verify pass and a child compiles the step (asked once a step);
+    then it speculates. The tokens are plain decoding's throughout."""
+    import attrs
+    d = make_random_checkpoint(FAMILIES["llama"], tmp_path / "l", seed=8)
+    m = cpullm.load(d, quant="int8", threads=2, n_ctx=128, max_chunk=16)
+    prompt = _prompt(13, seed=5)
+    plain = list(m.generate_ids(prompt, 24, ignore_eos=True))
+    oracle = Oracle(prompt, plain, lambda done: K)                   # every guess right
+    monkeypatch.setattr(SeqSpec, "lookup", lambda spec, history, k: oracle(spec, history, k))
+    dec = m.forward.decoder
+    ready, started = [False], []
+    monkeypatch.setattr(dec, "compiled", lambda states: ready[0])
+    monkeypatch.setattr(dec, "compile_in_background", lambda states: started.append(states))
+    cfg = attrs.evolve(resolve("lookup", K), compile_first=True)
+    for is_ready in (False, True):
+        ready[0], started[:] = is_ready, []
+        sch = Scheduler(m.forward, slots=1, prefill_chunk=16, speculative=cfg)
+        seq = sch.add(Sequence(prompt, 24, SamplingParams()))
+        sch.run_until_idle()
+        assert seq.generated == plain
+        if is_ready:
+            assert sch.spec_stats.verify_passes > 0 and not started
+        else:
+            assert sch.spec_stats.verify_passes == 0 and len(started) > 0
+
+
+def test_the_batched_steps_signature_is_the_one_it_compiles(tmp_path):
+    """BatchDecoder.fused_signature names the types a verify pass calls the step with: after one
+    pass the step counts as compiled, so a background compile of that signature is the one used."""
+    d = make_random_checkpoint(FAMILIES["llama"], tmp_path / "l", seed=8)
+    m = cpullm.load(d, quant="int8", threads=2, n_ctx=128, max_chunk=16)
+    fwd = m.forward
+    slot = fwd.new_slot()
+    fwd.prefill(slot, _prompt(9, seed=3))
+    fwd.verify_argmax([slot], [_prompt(3, seed=4)])
+    from cpullm.run.batch import _fused
+    assert fwd.decoder.fused_signature(slot.table) in _fused.overloads
+    assert fwd.decoder.compiled(slot.table)

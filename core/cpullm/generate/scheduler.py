@@ -86,6 +86,7 @@ class Scheduler:
         self.spec = speculative if speculative is not None and speculative.on else None
         self.spec_stats = SpecStats()       # every sequence's, summed (bench, /health)
         self.plain_pass_s = self.verify_pass_s = None   # recent decode passes' seconds (auto's draft choice)
+        self._step_compiled = False         # the batched step is compiled (_verify_ready)
         if self.spec is not None and self.spec.draft is not None:
             self.spec.draft.attach(self.n_slots)
 
@@ -231,7 +232,7 @@ class Scheduler:
         batch = [s for s in self.running if s.phase == DECODE and s.pending is not None]
         if not batch:
             return
-        drafts = self._drafts(batch) if self.spec is not None else None
+        drafts = self._drafts(batch) if self.spec is not None and self._verify_ready(batch) else None
         if drafts is not None and any(drafts):
             self._verify_all(batch, drafts, events)
             return
@@ -264,6 +265,18 @@ class Scheduler:
                        full_logits=lambda s=seq.slot: self.forward.lone_logits(s))
 
     # ---- speculation ---------------------------------------------------------------------------
+    def _verify_ready(self, batch: list[Sequence]) -> bool:
+        """Whether this step may verify guesses: always, unless the config asks to compile the
+        batched step first (SpecConfig.compile_first) and a lone sequence would wait for it."""
+        if not self.spec.compile_first or self._step_compiled or len(batch) > 1:
+            return True
+        decoder, states = self.forward.decoder, batch[0].slot.table
+        if decoder.compiled(states):
+            self._step_compiled = True
+            return True
+        decoder.compile_in_background(states)
+        return False
+
     def _drafts(self, batch: list[Sequence]) -> list[list[int]]:
         """Each sequence's guesses of its next tokens (maybe none), within its pacing, its
         remaining tokens and context, and the rows one pass can run."""

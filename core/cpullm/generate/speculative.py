@@ -75,10 +75,14 @@ class SpecStats:
 @attrs.frozen
 class SpecConfig:
     """How a runner speculates: ``mode`` (one of MODES), at most ``draft_max`` guesses per pass,
-    and the ``draft`` model (:class:`DraftModel`) when there is one."""
+    and the ``draft`` model (:class:`DraftModel`) when there is one. ``compile_first``: a lone
+    sequence decodes plainly while the batched step that verifies guesses is not compiled yet,
+    and a child process compiles it (the CLI's first run on a fresh machine keeps decoding instead
+    of stopping for it)."""
     mode: str = DEFAULT_MODE
     draft_max: int = DEFAULT_DRAFT_MAX
     draft: object = None
+    compile_first: bool = False
 
     @property
     def on(self) -> bool:

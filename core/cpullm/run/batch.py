@@ -23,6 +23,11 @@ opcode (it reads a position or a state), not a model.
 """
 from __future__ import annotations
 
+import atexit
+import os
+import pickle
+import subprocess
+import sys
 import time
 
 import numba
@@ -35,6 +40,7 @@ from cpullm_kernels.program import interpreter as K
 from cpullm_kernels.program import program_table as P
 from cpullm_kernels.attention.attention import attention
 from cpullm_kernels.attention.attention_batch import attention_decode_batch
+from cpullm_kernels.setup.warmup import is_cached
 from cpullm_kernels.program.formats import matmul_rows
 from cpullm_kernels.ops.elementwise import binary_rows, glu_rows
 from cpullm_kernels.ops.norm import layernorm_rows, rmsnorm_rows
@@ -169,6 +175,16 @@ def _fused(I, F, a, b, arena, states, slots, rows0, nrows, positions, wq, ws, wf
             _serial_rows(I, F, r, r + 1, arena, wf, T)
 
 
+_COMPILE_CHILD = r"""
+import os, pickle, sys
+if sys.path and sys.path[0] in ("", os.getcwd()):
+    del sys.path[0]            # the working directory must not shadow the installed package
+from cpullm_kernels.setup import warmup  # noqa: F401  (the cache lock, the code-generation settings)
+from cpullm.run.batch import _fused
+_fused.compile(pickle.loads(bytes.fromhex(sys.argv[1])))
+"""
+
+
 class BatchDecoder:
     """Decode steps of many sequences on one executor's program (its arena and weights; each
     sequence's state is its own)."""
@@ -182,6 +198,7 @@ class BatchDecoder:
         self.xq = np.zeros((rows, ex.xq.size), np.int16)         # batch rows' int16 activations
         self.xs = np.zeros((rows, ex.xs.size), np.float32)
         self.rt = np.zeros(5, np.int64)
+        self._compiler: subprocess.Popen | None = None      # compile_in_background's child
         # greedy rows' lm_head through the executor's head screen (decode_argmax): the head cut at
         # the screened LINEAR, the rest run only when the screen cannot answer
         sc = ex.program.meta.get("head_screen")
@@ -189,6 +206,42 @@ class BatchDecoder:
         if self.rows_screen is not None:
             self.head_pre = self._fused_segments(self._segments(ex.first_head, self.rows_screen.row))
             self.head_lm = self._fused_segments(self._segments(self.rows_screen.row, ex.n_instr))
+
+    # ---- compiling the step ---------------------------------------------------------------------
+    def fused_signature(self, states: np.ndarray) -> tuple:
+        """The argument types :func:`_fused` is called with on this program and ``states`` (a
+        slot table), as :meth:`_run` calls it."""
+        ex = self.ex
+        seq = np.zeros(1, np.int64)
+        args = (ex.I, ex.F, 0, 0, ex.arena, states, seq, seq, seq, seq, ex.wq, ex.ws, ex.wf, ex.wb, self.xq,
+                self.xs, np.int64(1), numba.get_num_threads(), self.has_linear, True, ex.kv16)
+        return tuple(numba.typeof(a) for a in args)
+
+    def compiled(self, states: np.ndarray) -> bool:
+        """Whether a step on ``states`` would run without compiling: the batched step is in this
+        process or numba's cache, or a child started by :meth:`compile_in_background` is done
+        (if it failed, the step compiles here on first use, as without it)."""
+        child = self._compiler
+        if child is not None:
+            return child.poll() is not None
+        return is_cached(_fused, self.fused_signature(states))
+
+    def compile_in_background(self, states: np.ndarray) -> None:
+        """Compile the batched step for ``states`` into numba's cache in a child process at a
+        lower priority, once: the first verify pass of a fresh machine otherwise stops decoding
+        while it compiles (21.7 s of CPU for SmolLM2's Q4_1 GGUF on 2 cores,
+        benchmarks/results/2026-12-06-cold-start.md). The child is stopped at exit; numba
+        replaces cache files whole, so a stopped child leaves none half-written."""
+        if self._compiler is not None:
+            return
+        sig = pickle.dumps(self.fused_signature(states)).hex()
+        try:
+            self._compiler = subprocess.Popen([sys.executable, "-c", _COMPILE_CHILD, sig],
+                                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                              stderr=subprocess.DEVNULL, preexec_fn=lambda: os.nice(10))
+        except OSError:
+            return                  # compiled here on first use instead
+        atexit.register(_stop, self._compiler)
 
     @property
     def max_rows(self) -> int:
@@ -346,3 +399,9 @@ class BatchDecoder:
         slots, rows0, nrows, positions = seqs
         for s in range(len(slots)):
             call(ex.arena, int(nrows[s]), int(positions[s]), False, row0=int(rows0[s]))
+
+
+def _stop(child: subprocess.Popen) -> None:
+    if child.poll() is None:
+        child.kill()
+        child.wait()

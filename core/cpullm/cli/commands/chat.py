@@ -14,7 +14,8 @@ import re
 import sys
 import threading
 
-from .common import add_model_options, add_speculative_options, add_sampling_options, load_model, positive_int
+from .common import (add_model_options, add_sampling_options, add_speculative_options, compile_first,
+                     load_model, positive_int)
 
 HELP = ("commands: /reset (forget the conversation), /system TEXT (set the system message; "
         "/system alone clears it), /help, /exit (or Ctrl-D). Ctrl-C stops an answer.")
@@ -147,7 +148,7 @@ def run(args) -> int:
         tpl = require_template(resolve_model_dir(args.model))
         if args.system:
             render_template(tpl, _probe(args.system))
-    model = load_model(args)
+    model = compile_first(load_model(args))
     require_template(model)
     conv = Conversation(model)
     if args.system:

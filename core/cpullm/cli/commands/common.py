@@ -118,6 +118,15 @@ def settle_model_args(args, spare: str | None = None) -> None:
         args.n_gpu_layers = None
 
 
+def compile_first(model):
+    """Make a lone stream decode plainly while the batched step that verifies speculative guesses
+    is compiled in a child process (a fresh machine's first run keeps decoding instead of
+    stopping for it: cpullm.generate.speculative.SpecConfig.compile_first)."""
+    import attrs
+    model.speculative = attrs.evolve(model.speculative, compile_first=True)
+    return model
+
+
 def load_model(args):
     import cpullm
 

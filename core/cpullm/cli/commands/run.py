@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import sys
 
-from .common import add_model_options, add_speculative_options, add_sampling_options, load_model, progress_printer
+from .common import (add_model_options, add_sampling_options, add_speculative_options, compile_first,
+                     load_model, progress_printer)
 
 
 def add_parser(sub):
@@ -182,7 +183,7 @@ def run(args) -> int:
     if spec is not None:
         from cpullm.generate.constraints import load_llguidance
         load_llguidance()                   # a missing extra is an error before the model loads
-    model = load_model(args)
+    model = compile_first(load_model(args))
     if args.prompt_cache:
         model.use_prompt_cache(args.prompt_cache)
     stats = GenerationStats()
