@@ -26,6 +26,12 @@ from ..errors import ConversionError
 from ..loading.family import GGUFArch
 
 
+# Tensors llama.cpp's converter always writes as F32, whatever the file type: expert routers, the
+# shared expert's gate, convolution kernels, and tensors not named ``.weight``. Rows that are not
+# whole blocks are also kept F32 (llama.cpp falls back to F16 there).
+ALWAYS_F32 = re.compile(r"\.(ffn_gate_inp|ffn_gate_inp_shexp|ssm_conv1d)\.weight$|^(?!.*\.weight$)")
+
+
 def gguf_arch_for_model_type(model_type: str) -> GGUFArch:
     """The installed GGUFArch whose converted checkpoints have ``model_type``."""
     for arch in gguf_architectures().values():
@@ -168,8 +174,8 @@ def _write(gguf, path, arch, fields, tensors, layout, qtype, metadata, extra_ten
     tensor_layouts = layout.tensor_layouts(written)
     def add(g: str, w: np.ndarray) -> None:
         t = gguf.GGMLQuantizationType[qtype]
-        # rows that are not whole blocks (a conv kernel's 4 taps) stay F32, as llama.cpp keeps them
-        if w.ndim >= 2 and qtype != "F32" and w.shape[-1] % gguf.GGML_QUANT_SIZES[t][0] == 0:
+        whole_blocks = w.shape[-1] % gguf.GGML_QUANT_SIZES[t][0] == 0 if w.ndim else False
+        if w.ndim >= 2 and qtype != "F32" and whole_blocks and not ALWAYS_F32.search(g):
             q = gguf.quants.quantize(w.reshape(-1, w.shape[-1]), t)     # row by row, any leading dims
             writer.add_tensor(g, q.reshape(*w.shape[:-1], q.shape[-1]), raw_dtype=t)
         else:
