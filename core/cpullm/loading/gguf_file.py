@@ -504,13 +504,14 @@ def plan_tensors(reader, spec: ArchSpec, hp: dict) -> tuple[list[PlannedTensor],
     by_name = {t.name: t for t in reader.tensors}
     unknown, plan, bad_types, misshapen = [], [], [], []
     layouts = spec.tensor_layouts(reader.metadata)
-    n_layers = hp["num_hidden_layers"]
+    n_layers, nextn = hp["num_hidden_layers"], hp.get("nextn_predict_layers", 0)
     stacked: list[tuple[str, list]] = []      # (name, slices) of each 3-D expert tensor
     tied = "output.weight" not in by_name
     if not tied and "token_embd.weight" in by_name:
         tied = _tensors_identical(by_name["output.weight"], by_name["token_embd.weight"])
     for t in reader.tensors:
-        if DROPPED_TENSORS.match(t.name) or (tied and t.name == "output.weight") or _beyond(t.name, n_layers):
+        if DROPPED_TENSORS.match(t.name) or (tied and t.name == "output.weight") or \
+                _prediction_block(t.name, n_layers, nextn):
             continue
         hf = hf_tensor_name(t.name, spec)
         if hf is None:
@@ -593,11 +594,11 @@ def _missing_tensors(by_name: dict, spec: ArchSpec, n_layers: int, meta: dict) -
     return [n for n in need if n not in by_name]
 
 
-def _beyond(name: str, n_layers: int) -> bool:
-    """A tensor of a block past the model's layers: llama.cpp's multi-token-prediction (nextn)
-    blocks, which cpullm does not run (hyperparameters counts them out of num_hidden_layers)."""
+def _prediction_block(name: str, n_layers: int, nextn: int) -> bool:
+    """A tensor of one of the ``nextn`` multi-token-prediction blocks llama.cpp appends after the
+    decoder's ``n_layers``: not run by cpullm, so not read."""
     m = re.match(r"^blk\.(\d+)\.", name)
-    return m is not None and int(m.group(1)) >= n_layers
+    return m is not None and n_layers <= int(m.group(1)) < n_layers + nextn
 
 
 def _layout_mismatch(layout: GGUFLayout, shape: tuple) -> str:
@@ -678,9 +679,10 @@ def hyperparameters(meta: dict, reader, spec: GGUFArch | None = None) -> dict:
     hp = {
         "arch": arch,
         "hidden_size": hidden,
+        # absent (an all-experts MLP): None, which build_config accepts only if the arch says so
         "intermediate_size": _meta_int(meta, arch, "feed_forward_length", 1, limits.MAX_INTERMEDIATE,
-                                       per_layer=True) if f"{arch}.feed_forward_length" in meta else None,   # none: see build_config
-        "num_hidden_layers": _decoder_layers(meta, arch),
+                                       per_layer=True) if f"{arch}.feed_forward_length" in meta else None,
+        **_decoder_layers(meta, arch),
         "num_attention_heads": heads,
         "num_key_value_heads": kv,
         "max_position_embeddings": _meta_int(meta, arch, "context_length", 1, limits.MAX_CONTEXT, default=2048),
@@ -714,11 +716,12 @@ def hyperparameters(meta: dict, reader, spec: GGUFArch | None = None) -> dict:
     return hp
 
 
-def _decoder_layers(meta: dict, arch: str) -> int:
-    """``block_count`` less llama.cpp's trailing multi-token-prediction blocks
-    (``nextn_predict_layers``): cpullm runs the decoder, not the draft head."""
+def _decoder_layers(meta: dict, arch: str) -> dict:
+    """``num_hidden_layers``: ``block_count`` less llama.cpp's trailing multi-token-prediction
+    blocks (``nextn_predict_layers``, also returned): cpullm runs the decoder, not the draft head."""
     blocks = _meta_int(meta, arch, "block_count", 1, limits.MAX_LAYERS)
-    return blocks - _meta_int(meta, arch, "nextn_predict_layers", 0, blocks - 1, default=0)
+    nextn = _meta_int(meta, arch, "nextn_predict_layers", 0, blocks - 1, default=0)
+    return {"num_hidden_layers": blocks - nextn, "nextn_predict_layers": nextn}
 
 
 def rope_scaling(meta: dict, arch: str, reader, hp: dict) -> dict | None:
