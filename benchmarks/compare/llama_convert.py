@@ -80,16 +80,18 @@ and the report counts every tensor of the GGUF but the embedding as read per dec
 
 def writer_has_table(model_dir: Path) -> bool:
     """Whether cpullm's GGUF writer knows the checkpoint's architecture (an installed plugin declares
-    its GGUF table); llama.cpp's converter makes the GGUF of the others."""
+    its GGUF table, for a uniform decoder); llama.cpp's converter makes the GGUF of the others."""
     from cpullm.convert.gguf_writer import gguf_arch_for_model_type
     from cpullm.errors import ConversionError
 
     cfg = _text_config(json.loads((Path(model_dir) / "config.json").read_text()))
     try:
-        gguf_arch_for_model_type(cfg.get("model_type"))
+        arch = gguf_arch_for_model_type(cfg.get("model_type"))
     except ConversionError:
         return False
-    return True
+    # gguf._header_fields writes the header of a uniform decoder: hybrid architectures (per-layer
+    # tensors, e.g. Qwen3.5's qwen35 with its ssm.* keys) are left to llama.cpp's converter
+    return arch.layer_tensors is None
 
 
 def llama_cpp_converter(work_dir: Path, say=print) -> Path:

@@ -13,8 +13,8 @@ from . import limits
 from .graph import blocks
 from .graph.decoder import decoder_stack, glu_silu, lm_head_rule, standard_rules
 from .errors import ConfigError, ConversionError, UnsupportedConfigError
-from .loading.family import (Args, FamilySpec, GGUFArch, KernelSpec, OpSpec, RopeSpec, RopeType,
-                     require, text_config)
+from .loading.family import (Args, FamilySpec, GGUFArch, GGUFLayout, KernelSpec, OpSpec, RopeSpec,
+                             RopeType, require, text_config)
 from .loading.gguf_file import DENSE_LAYER_NAMES, QK_NORM_LAYER_NAMES, meta_int
 from .hookspecs import hookimpl
 from .graph.ir import GraphBuilder, Op
@@ -36,7 +36,8 @@ __all__ = [
     "ToolFormat", "ReasoningFormat", "ToolCall", "MalformedCall", "WS", "json_rule", "lark_string",
     "object_schema", "parse_json_call", "parse_tagged_json_call", "tagged_json_call_body",
     # ops, kernels, RoPE scalings, GGUF architectures
-    "OpSpec", "OpMatrix", "KernelSpec", "RopeType", "GGUFArch", "DENSE_LAYER_NAMES", "QK_NORM_LAYER_NAMES",
+    "OpSpec", "OpMatrix", "KernelSpec", "RopeType", "GGUFArch", "GGUFLayout", "DENSE_LAYER_NAMES",
+    "QK_NORM_LAYER_NAMES",
     "meta_int", "limits",
     # the errors a plugin raises (each message names the fix)
     "ConfigError", "UnsupportedConfigError", "ConversionError",

@@ -14,6 +14,7 @@ checkpoint and converting the file back gives the checkpoint again.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Callable, Iterable, Mapping
 
@@ -23,6 +24,12 @@ from ..loading.gguf_file import (EXPERT_INDEX, GLOBAL_TENSOR_NAMES, arch_spec, g
                                  permute_qk)
 from ..errors import ConversionError
 from ..loading.family import GGUFArch
+
+
+# Tensors llama.cpp's converter always writes as F32, whatever the file type: expert routers, the
+# shared expert's gate, convolution kernels, and tensors not named ``.weight``. Rows that are not
+# whole blocks are also kept F32 (llama.cpp falls back to F16 there).
+ALWAYS_F32 = re.compile(r"\.(ffn_gate_inp|ffn_gate_inp_shexp|ssm_conv1d)\.weight$|^(?!.*\.weight$)")
 
 
 def gguf_arch_for_model_type(model_type: str) -> GGUFArch:
@@ -45,8 +52,11 @@ def gguf_tensor_name(hf_name: str, layout: GGUFArch) -> str | None:
     parts = hf_name.split(".")
     if len(parts) < 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
         return None
+    whole = {hf: g for g, hf in layout.layer_names.items()}.get(".".join(parts[3:]))
+    if whole is not None:                   # an entry naming the whole tensor (GGUFArch.layer_names)
+        return f"blk.{parts[2]}.{whole}"
     leaf, kind = ".".join(parts[3:-1]), parts[-1]
-    inverse = {hf: g for g, hf in layout.layer_names.items()}
+    inverse = {hf: g for g, hf in layout.layer_names.items() if "." not in g}
     if leaf in inverse:
         return f"blk.{parts[2]}.{inverse[leaf]}.{kind}"
     stacked = _expert_leaf(leaf, layout)
@@ -75,14 +85,30 @@ def expert_index(hf_name: str, layout: GGUFArch) -> int | None:
     return None if stacked is None else stacked[1]
 
 
-def to_gguf_layout(gguf_name: str, w: np.ndarray, layout: GGUFArch, n_head: int, n_head_kv: int) -> np.ndarray:
-    """One float32 tensor in llama.cpp's layout: q/k rows permuted, norms stored as ``1 + w``."""
+def to_gguf_layout(gguf_name: str, w: np.ndarray, layout: GGUFArch, n_head: int, n_head_kv: int,
+                   tensor_layouts: Mapping | None = None) -> np.ndarray:
+    """One float32 tensor in llama.cpp's layout: q/k rows permuted, norms stored as ``1 + w``, and
+    the architecture's own reorders, rescales and reshapes (``GGUFArch.tensor_layouts``, computed
+    from the file's metadata) applied as the inverse of reading."""
+    w = np.asarray(w, dtype=np.float32)
     if layout.permute_qk and ".attn_q." in gguf_name:
         w = permute_qk(w, n_head)
     elif layout.permute_qk and ".attn_k." in gguf_name:
         w = permute_qk(w, n_head_kv)
     if layout.norm_offset and gguf_name.endswith("norm.weight"):
         w = w + np.float32(1.0)
+    own = (tensor_layouts or {}).get(re.sub(r"^blk\.\d+\.", "", gguf_name))
+    if own is not None:
+        if own.gguf_shape is not None:
+            w = w.reshape(own.gguf_shape)
+        if own.add_one:
+            w = w + np.float32(1.0)
+        if own.to_gguf is not None:
+            w = np.asarray(own.to_gguf(w), dtype=np.float32)
+        if own.columns is not None:
+            w = w[..., np.argsort(own.columns)]
+        if own.rows is not None:
+            w = w[np.argsort(own.rows)]
     return np.ascontiguousarray(w, dtype=np.float32)
 
 
@@ -144,9 +170,12 @@ def _write(gguf, path, arch, fields, tensors, layout, qtype, metadata, extra_ten
         _add_metadata(writer, key, value)
     if add_metadata is not None:
         add_metadata(writer)
+    written = {k: v.value for k, v in writer.kv_data[0].items()}
+    tensor_layouts = layout.tensor_layouts(written)
     def add(g: str, w: np.ndarray) -> None:
-        if w.ndim >= 2 and qtype != "F32":
-            t = gguf.GGMLQuantizationType[qtype]
+        t = gguf.GGMLQuantizationType[qtype]
+        whole_blocks = w.shape[-1] % gguf.GGML_QUANT_SIZES[t][0] == 0 if w.ndim else False
+        if w.ndim >= 2 and qtype != "F32" and whole_blocks and not ALWAYS_F32.search(g):
             q = gguf.quants.quantize(w.reshape(-1, w.shape[-1]), t)     # row by row, any leading dims
             writer.add_tensor(g, q.reshape(*w.shape[:-1], q.shape[-1]), raw_dtype=t)
         else:
@@ -160,7 +189,7 @@ def _write(gguf, path, arch, fields, tensors, layout, qtype, metadata, extra_ten
             continue
         if g in skip:
             continue
-        w = to_gguf_layout(g, np.asarray(w), layout, n_head, n_head_kv)
+        w = to_gguf_layout(g, np.asarray(w), layout, n_head, n_head_kv, tensor_layouts)
         e = expert_index(hf_name, layout)
         if e is None:
             add(g, w)

@@ -303,6 +303,38 @@ class RopeType:
     plugin: str | None = None
 
 
+@attrs.frozen
+class GGUFLayout:
+    """How llama.cpp stores one tensor other than transformers does, beyond its name (an entry
+    of :attr:`GGUFArch.tensor_layouts`). Reading applies, in order: the row and column gathers,
+    ``to_hf`` on the values, ``- 1`` for ``add_one``, the reshape to ``hf_shape``; cpullm's writer
+    applies the inverse (``to_gguf``, scatters, reshape to ``gguf_shape``).
+
+    gguf_shape  the stored shape (numpy order, ggml's ne reversed); a file whose tensor has
+                another is refused, naming it (None: not checked)
+    hf_shape    transformers' shape when it differs from the stored one (same number of values)
+    rows        int array: transformers row i is stored row ``rows[i]`` (a permutation; whole rows
+                of quantized blocks move, so the tensor still runs as it is stored)
+    columns     int array: the same over the last axis (runs as stored only when it moves whole blocks)
+    to_hf       elementwise function of the stored float32 values (``np.log(-a)``); its inverse is
+    to_gguf     the writer's (both or neither)
+    add_one     stored as ``1 + w``
+    """
+
+    gguf_shape: tuple | None = None
+    hf_shape: tuple | None = None
+    rows: Any = None
+    columns: Any = None
+    to_hf: Callable | None = None
+    to_gguf: Callable | None = None
+    add_one: bool = False
+
+    @property
+    def moves_values(self) -> bool:
+        """True when the stored bytes cannot be run as they are (values change, not just order)."""
+        return self.to_hf is not None or self.add_one
+
+
 @attrs.define
 class GGUFArch:
     """How one GGUF ``general.architecture`` becomes a Hugging Face checkpoint (hook
@@ -314,8 +346,15 @@ class GGUFArch:
     architectures    config.json ``architectures`` of the converted checkpoint
     layer_names      GGUF layer leaf -> transformers leaf (``blk.N.<leaf>.weight`` ->
                      ``model.layers.N.<hf leaf>.weight``); :data:`cpullm.loading.gguf_file.DENSE_LAYER_NAMES`
-                     and ``QK_NORM_LAYER_NAMES`` hold llama.cpp's standard ones to build on
+                     and ``QK_NORM_LAYER_NAMES`` hold llama.cpp's standard ones to build on. A key
+                     with its kind (``"ssm_dt.bias"``) or a tensor stored without one (``"ssm_a"``,
+                     ``blk.N.ssm_a``) maps to the whole transformers name after ``model.layers.N.``
     required_layer_leaves  GGUF leaves every layer must have (a file missing one is refused)
+    layer_tensors    ``(meta, layer) -> names after "blk.N."`` a layer must have, for architectures
+                     whose layers differ (hybrid); given, it replaces ``required_layer_leaves``
+    tensor_layouts   ``(meta) -> {name: GGUFLayout}``: tensors llama.cpp reorders, rescales or
+                     reshapes, by name without ``blk.N.`` (``"attn_qkv.weight"``, ``"ssm_a"``,
+                     ``"output_norm.weight"``), from the file's metadata; read with ``meta_int``
     permute_qk       llama.cpp permuted the q/k rows of this architecture (undone on convert)
     norm_offset      llama.cpp stores this architecture's norm weights as ``1 + w``
     head_dim_keys    metadata keys (after ``{name}.``) that give head_dim, first present wins;
@@ -342,6 +381,8 @@ class GGUFArch:
     norm_offset: bool = False
     head_dim_keys: tuple = ("attention.key_length",)
     config_extras: Callable = lambda meta, hp, tensor_names: {}
+    layer_tensors: Callable | None = None
+    tensor_layouts: Callable = lambda meta: {}
     sentencepiece: str = "metaspace"
     pre_tokenizer_splits: dict = attrs.field(factory=dict)
     end_of_turn_tokens: tuple = ()

@@ -21,7 +21,7 @@ import numpy as np
 
 from .. import limits
 from ..errors import ConversionError
-from .family import GGUFArch
+from .family import GGUFArch, GGUFLayout
 from .plugins import discover
 
 # ggml quantization types this converter accepts (names of gguf.GGMLQuantizationType).
@@ -100,7 +100,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)\.(weight|bias)$")
+_LAYER_TENSOR = re.compile(r"^blk\.(\d+)\.([a-z0-9_]+)(?:\.(weight|bias))?$")
 _GLOBAL_TENSOR = re.compile(r"^([a-z0-9_]+)\.(weight|bias)$")
 
 
@@ -120,7 +120,10 @@ def hf_tensor_name(gguf_name: str, spec: ArchSpec) -> str | None:
     m = _LAYER_TENSOR.match(gguf_name)
     if m:
         layer, leaf, kind = m.groups()
-        hf_leaf = spec.layer_names.get(leaf)
+        whole = spec.layer_names.get(leaf if kind is None else f"{leaf}.{kind}")
+        if whole is not None:                  # an entry naming the whole tensor ("ssm_a", "ssm_dt.bias")
+            return f"model.layers.{layer}.{whole}"
+        hf_leaf = spec.layer_names.get(leaf) if kind is not None else None
         return None if hf_leaf is None else f"model.layers.{layer}.{hf_leaf}.{kind}"
     m = _GLOBAL_TENSOR.match(gguf_name)
     if m:
@@ -404,6 +407,8 @@ class PlannedTensor:
     shape: tuple[int, ...]          # HF (row-major) shape
     permute_heads: int = 0          # >0: unpermute rows with this many heads
     subtract_one: bool = False
+    layout: GGUFLayout | None = None  # the architecture's reorder / rescale / reshape of this tensor
+    stored_shape: tuple[int, ...] | None = None   # row-major as stored, when it is not ``shape``
 
     @property
     def nbytes(self) -> int:
@@ -426,18 +431,54 @@ def _dequantize(t) -> np.ndarray:
 
 def materialize(p: PlannedTensor) -> np.ndarray:
     """Dequantize and transform one planned tensor: float32 array of shape ``p.shape``."""
-    w = _dequantize(p.source)
-    if tuple(w.shape) != p.shape:
+    return to_hf(p, _dequantize(p.source))
+
+
+def to_hf(p: PlannedTensor, w: np.ndarray) -> np.ndarray:
+    """The stored values ``w`` (float32) of a planned tensor in transformers' shape and convention."""
+    stored = p.stored_shape or p.shape
+    if tuple(w.shape) != stored:
         try:
-            w = w.reshape(p.shape)
+            w = w.reshape(stored)
         except ValueError as exc:
             raise ConversionError(f"tensor {p.source.name}: dequantized to shape {w.shape}, expected "
-                                  f"{p.shape}; the file is damaged") from exc
+                                  f"{stored}; the file is damaged") from exc
     if p.permute_heads:
         w = unpermute_qk(w, p.permute_heads)
-    if p.subtract_one:
+    layout = p.layout
+    if layout is not None:
+        if layout.rows is not None:
+            w = w[layout.rows]
+        if layout.columns is not None:
+            w = w[..., layout.columns]
+        if layout.to_hf is not None:
+            w = np.asarray(layout.to_hf(w), dtype=np.float32)
+    if p.subtract_one or (layout is not None and layout.add_one):
         w = w - np.float32(1.0)
-    return w
+    return w.reshape(p.shape)
+
+
+def reorder_blocks(p: PlannedTensor, data: np.ndarray, fmt) -> np.ndarray | None:
+    """The stored blocks (uint8 (rows, row bytes), ``fmt`` a cpullm_kernels BlockFormat) of a
+    planned matrix in transformers' order, or None when its layout cannot be run on blocks (values
+    change, or columns move within a block)."""
+    layout = p.layout
+    if layout is None:
+        return data
+    if layout.moves_values or len(p.shape) != 2:
+        return None
+    if layout.rows is not None:
+        data = data[layout.rows]
+    if layout.columns is not None:
+        if len(layout.columns) % fmt.block_weights:
+            return None
+        cols = np.asarray(layout.columns).reshape(-1, fmt.block_weights)   # one row per block
+        starts = cols[:, 0]
+        if np.any(starts % fmt.block_weights) or np.any(cols - starts[:, None] != np.arange(fmt.block_weights)):
+            return None
+        order = starts // fmt.block_weights
+        data = data.reshape(data.shape[0], -1, fmt.block_bytes)[:, order].reshape(data.shape[0], -1)
+    return np.ascontiguousarray(data)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -461,13 +502,16 @@ def plan_tensors(reader, spec: ArchSpec, hp: dict) -> tuple[list[PlannedTensor],
     All unknown names and all missing required tensors are reported in one ConversionError.
     """
     by_name = {t.name: t for t in reader.tensors}
-    unknown, plan, bad_types = [], [], []
+    unknown, plan, bad_types, misshapen = [], [], [], []
+    layouts = spec.tensor_layouts(reader.metadata)
+    n_layers, nextn = hp["num_hidden_layers"], hp.get("nextn_predict_layers", 0)
     stacked: list[tuple[str, list]] = []      # (name, slices) of each 3-D expert tensor
     tied = "output.weight" not in by_name
     if not tied and "token_embd.weight" in by_name:
         tied = _tensors_identical(by_name["output.weight"], by_name["token_embd.weight"])
     for t in reader.tensors:
-        if DROPPED_TENSORS.match(t.name) or (tied and t.name == "output.weight"):
+        if DROPPED_TENSORS.match(t.name) or (tied and t.name == "output.weight") or \
+                _prediction_block(t.name, n_layers, nextn):
             continue
         hf = hf_tensor_name(t.name, spec)
         if hf is None:
@@ -485,6 +529,15 @@ def plan_tensors(reader, spec: ArchSpec, hp: dict) -> tuple[list[PlannedTensor],
             plan += experts
             continue
         p = PlannedTensor(hf, t, _hf_shape(t))
+        layout = layouts.get(re.sub(r"^blk\.\d+\.", "", t.name))
+        if layout is not None:
+            wrong = _layout_mismatch(layout, p.shape)
+            if wrong:
+                misshapen.append(f"{t.name} {wrong}")
+                continue
+            p.layout = layout
+            if layout.hf_shape is not None and tuple(layout.hf_shape) != p.shape:
+                p.stored_shape, p.shape = p.shape, tuple(int(d) for d in layout.hf_shape)
         if spec.permute_qk and re.search(r"\.attn_q\.", t.name):
             p.permute_heads = hp["num_attention_heads"]
         elif spec.permute_qk and re.search(r"\.attn_k\.", t.name):
@@ -495,7 +548,11 @@ def plan_tensors(reader, spec: ArchSpec, hp: dict) -> tuple[list[PlannedTensor],
     if bad_types:
         raise ConversionError(f"cannot convert tensors of these ggml types: {', '.join(bad_types[:8])}; "
                               f"supported: {', '.join(SUPPORTED_TENSOR_TYPES)}. Use a GGUF quantized with one of those")
-    missing = _missing_tensors(by_name, spec, hp["num_hidden_layers"])
+    if misshapen:
+        raise ConversionError(f"cannot convert this GGUF: tensors whose shape disagrees with its metadata: "
+                              f"{'; '.join(misshapen[:6])}. The file is damaged or not a {hp['arch']} model; "
+                              "download it again")
+    missing = _missing_tensors(by_name, spec, n_layers, reader.metadata)
     if unknown or missing:
         parts = []
         if unknown:
@@ -528,10 +585,34 @@ def _expert_slices(t: "GGUFTensor", hf_pattern: str, planned: int) -> list[Plann
             for e in range(n_experts)]
 
 
-def _missing_tensors(by_name: dict, spec: ArchSpec, n_layers: int) -> list[str]:
+def _missing_tensors(by_name: dict, spec: ArchSpec, n_layers: int, meta: dict) -> list[str]:
     need = ["token_embd.weight", "output_norm.weight"]
-    need += [f"blk.{i}.{leaf}.weight" for i in range(n_layers) for leaf in spec.required_layer_leaves]
+    if spec.layer_tensors is not None:
+        need += [f"blk.{i}.{name}" for i in range(n_layers) for name in spec.layer_tensors(meta, i)]
+    else:
+        need += [f"blk.{i}.{leaf}.weight" for i in range(n_layers) for leaf in spec.required_layer_leaves]
     return [n for n in need if n not in by_name]
+
+
+def _prediction_block(name: str, n_layers: int, nextn: int) -> bool:
+    """A tensor of one of the ``nextn`` multi-token-prediction blocks llama.cpp appends after the
+    decoder's ``n_layers``: not run by cpullm, so not read."""
+    m = re.match(r"^blk\.(\d+)\.", name)
+    return m is not None and n_layers <= int(m.group(1)) < n_layers + nextn
+
+
+def _layout_mismatch(layout: GGUFLayout, shape: tuple) -> str:
+    """Why a stored tensor of ``shape`` (row-major) does not fit its layout, or ""."""
+    if layout.gguf_shape is not None and tuple(layout.gguf_shape) != shape:
+        return f"has shape {list(shape)}, expected {list(layout.gguf_shape)}"
+    count = int(np.prod(shape, dtype=np.int64))
+    if layout.hf_shape is not None and int(np.prod(layout.hf_shape, dtype=np.int64)) != count:
+        return f"has {count} values, expected {int(np.prod(layout.hf_shape, dtype=np.int64))}"
+    if layout.rows is not None and len(layout.rows) != shape[0]:
+        return f"has {shape[0]} rows, expected {len(layout.rows)}"
+    if layout.columns is not None and len(layout.columns) != shape[-1]:
+        return f"has {shape[-1]} columns, expected {len(layout.columns)}"
+    return ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -598,9 +679,10 @@ def hyperparameters(meta: dict, reader, spec: GGUFArch | None = None) -> dict:
     hp = {
         "arch": arch,
         "hidden_size": hidden,
+        # absent (an all-experts MLP): None, which build_config accepts only if the arch says so
         "intermediate_size": _meta_int(meta, arch, "feed_forward_length", 1, limits.MAX_INTERMEDIATE,
-                                       per_layer=True),
-        "num_hidden_layers": _meta_int(meta, arch, "block_count", 1, limits.MAX_LAYERS),
+                                       per_layer=True) if f"{arch}.feed_forward_length" in meta else None,
+        **_decoder_layers(meta, arch),
         "num_attention_heads": heads,
         "num_key_value_heads": kv,
         "max_position_embeddings": _meta_int(meta, arch, "context_length", 1, limits.MAX_CONTEXT, default=2048),
@@ -632,6 +714,14 @@ def hyperparameters(meta: dict, reader, spec: GGUFArch | None = None) -> dict:
                               "row for; the file is damaged")
     hp["vocab_size"] = vocab
     return hp
+
+
+def _decoder_layers(meta: dict, arch: str) -> dict:
+    """``num_hidden_layers``: ``block_count`` less llama.cpp's trailing multi-token-prediction
+    blocks (``nextn_predict_layers``, also returned): cpullm runs the decoder, not the draft head."""
+    blocks = _meta_int(meta, arch, "block_count", 1, limits.MAX_LAYERS)
+    nextn = _meta_int(meta, arch, "nextn_predict_layers", 0, blocks - 1, default=0)
+    return {"num_hidden_layers": blocks - nextn, "nextn_predict_layers": nextn}
 
 
 def rope_scaling(meta: dict, arch: str, reader, hp: dict) -> dict | None:
@@ -721,5 +811,12 @@ def build_config(meta: dict, reader, spec: ArchSpec, hp: dict, tied: bool) -> di
         "use_cache": True,
         "torch_dtype": "bfloat16",
     }
-    cfg.update(spec.config_extras(meta, hp, tuple(t.name for t in reader.tensors)))
+    extras = spec.config_extras(meta, hp, tuple(t.name for t in reader.tensors))
+    cfg.update(extras)
+    if cfg["intermediate_size"] is None:
+        if "intermediate_size" in extras:     # the architecture has no dense MLP width (all experts)
+            del cfg["intermediate_size"]
+            return cfg
+        raise ConversionError(f"the GGUF metadata lacks {arch}.feed_forward_length; the file is incomplete "
+                              "or damaged")
     return cfg

@@ -91,17 +91,14 @@ class GGUFStore:
         """The tensor as float32 in transformers' shape and convention (what ``convert`` writes,
         before its bf16 rounding): the supported block formats dequantized by the runtime's own
         parallel kernel, others by the ``gguf`` package."""
-        from .gguf_file import materialize, unpermute_qk
+        from .gguf_file import materialize, to_hf
         from cpullm_kernels.rows.gguf_blocks import FORMATS
         p = self._plan[name]
         t = p.source
-        if t.tensor_type.name in FORMATS and len(p.shape) == 2:
+        stored = p.stored_shape or p.shape
+        if t.tensor_type.name in FORMATS and len(stored) == 2:
             from cpullm_kernels.tiles.kquant_gemm import dequantize
-            w = dequantize(FORMATS[t.tensor_type.name], np.ascontiguousarray(t.data), p.shape[1])
-            if p.permute_heads:
-                w = unpermute_qk(w, p.permute_heads)
-            if p.subtract_one:
-                w -= np.float32(1.0)
+            w = to_hf(p, dequantize(FORMATS[t.tensor_type.name], np.ascontiguousarray(t.data), stored[1]))
         else:
             w = materialize(p)
         if out is None:
@@ -126,11 +123,12 @@ class GGUFStore:
     def blocks(self, name: str):
         """(format name, uint8 (rows, row bytes)) for a matrix stored in a block format the runtime
         executes as it is, else None (F32 / F16 / BF16 and other ggml types, vectors, tensors
-        ``convert`` transforms by value)."""
-        from .gguf_file import unpermute_qk
+        ``convert`` transforms by value or reorders within blocks); rows an architecture's layout
+        reorders are moved whole (cpullm.loading.gguf_file.reorder_blocks)."""
+        from .gguf_file import reorder_blocks, unpermute_qk
         from cpullm_kernels.rows.gguf_blocks import FORMATS
         p = self._plan.get(name)
-        if p is None or len(p.shape) != 2 or p.subtract_one:
+        if p is None or len(p.shape) != 2 or p.subtract_one or p.stored_shape is not None:
             return None
         fmt = p.source.tensor_type.name
         if fmt not in FORMATS:
@@ -141,7 +139,8 @@ class GGUFStore:
                                   f"shape {p.shape}; the file is damaged")
         if p.permute_heads:
             data = np.ascontiguousarray(unpermute_qk(data, p.permute_heads))
-        return fmt, data
+        data = reorder_blocks(p, data, FORMATS[fmt])
+        return None if data is None else (fmt, data)
 
     def nbytes(self) -> int:
         """Bytes of the tensors the model reads (a tied output tensor counted once)."""

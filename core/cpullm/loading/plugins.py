@@ -318,8 +318,11 @@ def _check_gguf_arch(arch) -> GGUFArch:
     if missing:
         raise PluginError(f"GGUFArch {arch.name!r}: required_layer_leaves {missing} have no entry "
                           "in layer_names")
-    if not callable(arch.config_extras):
-        raise PluginError(f"GGUFArch {arch.name!r}: config_extras must be callable")
+    for field in ("config_extras", "tensor_layouts"):
+        if not callable(getattr(arch, field)):
+            raise PluginError(f"GGUFArch {arch.name!r}: {field} must be callable")
+    if arch.layer_tensors is not None and not callable(arch.layer_tensors):
+        raise PluginError(f"GGUFArch {arch.name!r}: layer_tensors must be callable or None")
     if arch.sentencepiece not in SENTENCEPIECE_STYLES:
         raise PluginError(f"GGUFArch {arch.name!r}: sentencepiece must be one of "
                           f"{', '.join(SENTENCEPIECE_STYLES)}, not {arch.sentencepiece!r}")

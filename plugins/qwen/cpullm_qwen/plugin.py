@@ -26,5 +26,6 @@ def cpullm_kernels():
 @hookimpl
 def cpullm_gguf_architectures():
     from .gguf_arch import QWEN2, QWEN3, QWEN3_MOE
+    from .gguf_qwen35 import QWEN35, QWEN35_MOE
 
-    return [QWEN2, QWEN3, QWEN3_MOE]
+    return [QWEN2, QWEN3, QWEN3_MOE, QWEN35, QWEN35_MOE]
