@@ -432,3 +432,27 @@ def test_the_batched_steps_signature_is_the_one_it_compiles(tmp_path):
     from cpullm.run.batch import _fused
     assert fwd.decoder.fused_signature(slot.table) in _fused.overloads
     assert fwd.decoder.compiled(slot.table)
+
+
+@pytest.mark.cold
+def test_the_background_compile_fills_the_cache(tmp_path):
+    """BatchDecoder.compile_in_background's child compiles the batched step into numba's cache
+    in the state a fresh machine is in after its first token: every kernel the step calls is
+    cached, the step itself is not (the child must start numba's threading layer for the parallel
+    kernels it loads)."""
+    from pathlib import Path
+    from cpullm.run.batch import _fused
+    d = make_random_checkpoint(FAMILIES["llama"], tmp_path / "l", seed=8)
+    m = cpullm.load(d, quant="int8", threads=2, n_ctx=128, max_chunk=16)
+    fwd = m.forward
+    slot = fwd.new_slot()
+    fwd.prefill(slot, _prompt(9, seed=3))
+    fwd.verify_argmax([slot], [_prompt(3, seed=4)])          # the step and its kernels, cached
+    index = Path(_fused._cache._cache_file._index_path)
+    for f in index.parent.glob(index.name[:-len(".nbi")] + ".*"):
+        f.unlink()                                             # the step's own entries only
+    dec = fwd.decoder
+    dec.compile_in_background(slot.table)
+    assert dec._compiler.wait(timeout=900) == 0
+    key = _fused._cache._index_key(dec.fused_signature(slot.table), _fused.targetctx.codegen())
+    assert key in _fused._cache._cache_file._load_index()

@@ -24,7 +24,6 @@ opcode (it reads a position or a state), not a model.
 from __future__ import annotations
 
 import atexit
-import os
 import pickle
 import subprocess
 import sys
@@ -177,9 +176,12 @@ def _fused(I, F, a, b, arena, states, slots, rows0, nrows, positions, wq, ws, wf
 
 _COMPILE_CHILD = r"""
 import os, pickle, sys
+os.nice(10)                    # below the decoding parent
 if sys.path and sys.path[0] in ("", os.getcwd()):
     del sys.path[0]            # the working directory must not shadow the installed package
 from cpullm_kernels.setup import warmup  # noqa: F401  (the cache lock, the code-generation settings)
+import numba
+numba.get_num_threads()        # starts the threading layer: parallel callees loaded from the cache link to it
 from cpullm.run.batch import _fused
 _fused.compile(pickle.loads(bytes.fromhex(sys.argv[1])))
 """
@@ -238,7 +240,7 @@ class BatchDecoder:
         try:
             self._compiler = subprocess.Popen([sys.executable, "-c", _COMPILE_CHILD, sig],
                                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                              stderr=subprocess.DEVNULL, preexec_fn=lambda: os.nice(10))
+                                              stderr=subprocess.DEVNULL)
         except OSError:
             return                  # compiled here on first use instead
         atexit.register(_stop, self._compiler)
