@@ -27,9 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from cpullm import limits
 from cpullm.plugin import (DENSE_LAYER_NAMES, QK_NORM_LAYER_NAMES, ConversionError, GGUFArch, GGUFLayout,
-                           meta_int)
+                           limits, meta_int)
 
 from .gguf_arch import END_OF_TURN_TOKENS, PRE_TOKENIZER_SPLITS, SOFTMAX_GATING
 from .qwen3_moe import MAX_EXPERTS
