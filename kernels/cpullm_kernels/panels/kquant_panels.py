@@ -62,9 +62,13 @@ since LLVM's tuning for some Intel hosts rewrites the instruction), ``avx2`` (``
 ``vpmaddwd``, two ymm halves of a panel) and ``generic`` (portable IR).
 
 Streaming: a register tile is 1, 2, 4 or 8 activation rows by one panel, or, for a lone row
-(decode), by GROUP = 4 panels at once (4 weight streams); every 64-byte line of a panel's
-super-block is prefetched into L2 ``llvm_ir.PREFETCH_BYTES`` (4 KiB) ahead, the fastest of the
-distances and levels tried (25-28 GB/s streaming 1B-sized matrices against 20-21 with no prefetch).
+(decode), by GROUP = 4 panels at once (4 weight streams). Tiles of 2 rows and more prefetch every
+64-byte line of a panel's super-block into L2 ``llvm_ir.PREFETCH_BYTES`` (4 KiB) ahead: without it
+5 rows of an 8192 x 2048 Q4_K matrix took 0.60 ms instead of 0.40. Lone-row tiles leave the
+stream to the hardware prefetcher: the software prefetches slowed decode's streams by 10-45 %
+(Zen 4, AVX-512 and AVX2 code, 2 threads, Q4_K / Q6_K at 8192 x 2048, 2048 x 8192 and a 128256-row
+head; the 1.24B Q4_K_M decoded at 30.7-33.0 tok/s with them and 33.9-36.0 without, restricted to
+AVX2 27.6-30.6 and 31.0-34.1: benchmarks/results/2026-12-06-panel-prefetch.md).
 
 Entry points:
 
@@ -429,12 +433,12 @@ def _code(b, word, i):
                      _V16I32)
 
 
-def _define_tile(module, fmt: int, isa: str, TR: int, V: int):
+def _define_tile(module, fmt: int, isa: str, TR: int, V: int, prefetch: bool = True):
     """void @tile(i8* w, i64 nsb, i8* xq, i64 xq_stride, i8* xs, i64 xs_stride, i8* xm,
     i64 xm_stride, i8* out, i64 out_stride): out[t, 16 v .. 16 v + 15] for t < TR, v < V = the
     16 rows of panel v (the panels at w, each nsb super-blocks) against activation row t. Strides
     in bytes."""
-    name = f"cpullm_kq_panel_tile_{fmt}_{isa}_{TR}x{V}"
+    name = f"cpullm_kq_panel_tile_{fmt}_{isa}_{TR}x{V}" + ("" if prefetch else "_nopf")
     fn = module.globals.get(name)
     if fn is not None:
         return fn
@@ -457,7 +461,7 @@ def _define_tile(module, fmt: int, isa: str, TR: int, V: int):
     def superblock(bb, s, accs):
         fsplat = lambda v: _fsplat(bb, v)  # noqa: E731
         sbps = [bb.gep(wpan[v], [bb.mul(s, const_i64(sbytes))]) for v in range(V)]
-        for sbp in sbps:
+        for sbp in sbps if prefetch else ():
             for line in range(0, sbytes, 64):
                 prefetch_ahead(bb, module, bb.gep(sbp, [const_i64(line)]), 2)
         ds = [halves_to_floats(bb, _load(bb, sbp, 0, _V16I16, 2)) for sbp in sbps]
@@ -510,7 +514,7 @@ def _define_tile(module, fmt: int, isa: str, TR: int, V: int):
     return fn
 
 
-def _make_tile(isa: str, TR: int, V: int):
+def _make_tile(isa: str, TR: int, V: int, prefetch: bool = True):
     @intrinsic
     def tile(typingctx, fmt, w, g, x_q, x_s, x_m, t0, out, o_t):
         """Register tile: out[o_t + t, 16 v .. 16 v + 15] for t < TR, v < V = panel g + v's rows
@@ -532,7 +536,7 @@ def _make_tile(isa: str, TR: int, V: int):
                 for f, branch in ((Q4_K, q4), (Q6_K, q6)):
                     with branch:
                         wptr = builder.gep(p8(aw), [builder.mul(builder.mul(g_, nsb), const_i64(SB_BYTES[f]))])
-                        builder.call(_define_tile(builder.module, f, isa, TR, V), [wptr, nsb] + xs)
+                        builder.call(_define_tile(builder.module, f, isa, TR, V, prefetch), [wptr, nsb] + xs)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -543,8 +547,8 @@ GROUP = 4
 """Panels a thread's work is counted in: a lone activation row (decode) takes the 4 as one tile,
 4 weight streams at once (one stream a tile read a Q4_K matrix at 20 GB/s, four at 24)."""
 
-_tile8, _tile4, _tile2, _tile1 = (_make_tile(ISA, t, 1) for t in TILES)
-_tile1x4 = _make_tile(ISA, 1, GROUP)
+_tile8, _tile4, _tile2, _tile1 = (_make_tile(ISA, t, 1, prefetch=t > 1) for t in TILES)
+_tile1x4 = _make_tile(ISA, 1, GROUP, prefetch=False)
 
 
 @njit(cache=True, nogil=True)
