@@ -255,7 +255,8 @@ def main(argv=None) -> int:
     for depth in args.depths:
         deepest = args.work / f"{args.model}-x{max(args.depths)}"
         truncate = args.truncate and depth < max(args.depths)
-        d = deepest if truncate else write_synthetic(args.model, depth, args.work / f"{args.model}-x{depth}")
+        d = (write_synthetic(args.model, max(args.depths), deepest) if truncate
+             else write_synthetic(args.model, depth, args.work / f"{args.model}-x{depth}"))
         ggufs = {}
         if args.llama_bench or any(q.startswith("gguf:") for q in args.quants):
             ggufs = llama_files(d, args.work / "gguf", args.threads, deepest if truncate else None, depth)

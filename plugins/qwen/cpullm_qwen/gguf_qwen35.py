@@ -191,27 +191,22 @@ def moe_config_extras(meta: dict, hp: dict, tensor_names: tuple) -> dict:
                                                         1, 1 << 20)}
 
 
-QWEN35 = GGUFArch(
-    name="qwen35",
-    model_type="qwen3_5_text",
-    architectures=("Qwen3_5ForCausalLM",),
-    layer_names=DENSE_NAMES,
-    required_layer_leaves=("attn_norm", "post_attention_norm"),
-    layer_tensors=_layer_tensors(DENSE_MLP),
-    tensor_layouts=tensor_layouts,
-    config_extras=config_extras,
-    pre_tokenizer_splits=PRE_TOKENIZER_SPLITS,
-    end_of_turn_tokens=END_OF_TURN_TOKENS,
-)
-QWEN35_MOE = GGUFArch(
-    name="qwen35moe",
-    model_type="qwen3_5_moe_text",
-    architectures=("Qwen3_5MoeForCausalLM",),
-    layer_names=MOE_NAMES,
-    required_layer_leaves=("attn_norm", "post_attention_norm"),
-    layer_tensors=_layer_tensors(MOE_MLP),
-    tensor_layouts=tensor_layouts,
-    config_extras=moe_config_extras,
-    pre_tokenizer_splits=PRE_TOKENIZER_SPLITS,
-    end_of_turn_tokens=END_OF_TURN_TOKENS,
-)
+def _hybrid_arch(name: str, model_type: str, architecture: str, layer_names: dict, mlp, extras) -> GGUFArch:
+    """A llama.cpp Qwen3.5 architecture: what the dense and the MoE one differ in is their MLP."""
+    return GGUFArch(
+        name=name,
+        model_type=model_type,
+        architectures=(architecture,),
+        layer_names=layer_names,
+        required_layer_leaves=("attn_norm", "post_attention_norm"),
+        layer_tensors=_layer_tensors(mlp),
+        tensor_layouts=tensor_layouts,
+        config_extras=extras,
+        pre_tokenizer_splits=PRE_TOKENIZER_SPLITS,
+        end_of_turn_tokens=END_OF_TURN_TOKENS,
+    )
+
+
+QWEN35 = _hybrid_arch("qwen35", "qwen3_5_text", "Qwen3_5ForCausalLM", DENSE_NAMES, DENSE_MLP, config_extras)
+QWEN35_MOE = _hybrid_arch("qwen35moe", "qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", MOE_NAMES, MOE_MLP,
+                          moe_config_extras)
