@@ -62,10 +62,10 @@ since LLVM's tuning for some Intel hosts rewrites the instruction), ``avx2`` (``
 ``vpmaddwd``, two ymm halves of a panel) and ``generic`` (portable IR).
 
 Streaming: a register tile is 1, 2, 4 or 8 activation rows by one panel, or, for a lone row
-(decode), by GROUP = 4 panels at once (4 weight streams). Tiles of 2 rows and more prefetch every
-64-byte line of a panel's super-block into L2 ``llvm_ir.PREFETCH_BYTES`` (4 KiB) ahead: without it
-5 rows of an 8192 x 2048 Q4_K matrix took 0.60 ms instead of 0.40. Lone-row tiles leave the
-stream to the hardware prefetcher: the software prefetches slowed decode's streams by 10-45 %
+(decode), by GROUP = 4 panels at once (4 weight streams). Tiles of one panel prefetch every
+64-byte line of its super-block into L2 ``llvm_ir.PREFETCH_BYTES`` (4 KiB) ahead: without it
+5 rows of an 8192 x 2048 Q4_K matrix took 0.60 ms instead of 0.40. Decode's tile of 4 panels
+leaves its streams to the hardware prefetcher: the software prefetches slowed them by 10-45 %
 (Zen 4, AVX-512 and AVX2 code, 2 threads, Q4_K / Q6_K at 8192 x 2048, 2048 x 8192 and a 128256-row
 head; the 1.24B Q4_K_M decoded at 30.7-33.0 tok/s with them and 33.9-36.0 without, restricted to
 AVX2 27.6-30.6 and 31.0-34.1: benchmarks/results/2026-12-06-panel-prefetch.md).
@@ -547,7 +547,7 @@ GROUP = 4
 """Panels a thread's work is counted in: a lone activation row (decode) takes the 4 as one tile,
 4 weight streams at once (one stream a tile read a Q4_K matrix at 20 GB/s, four at 24)."""
 
-_tile8, _tile4, _tile2, _tile1 = (_make_tile(ISA, t, 1, prefetch=t > 1) for t in TILES)
+_tile8, _tile4, _tile2, _tile1 = (_make_tile(ISA, t, 1) for t in TILES)
 _tile1x4 = _make_tile(ISA, 1, GROUP, prefetch=False)
 
 

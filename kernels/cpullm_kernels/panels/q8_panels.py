@@ -192,11 +192,13 @@ def _define_tile(module, isa: str, TR: int, V: int, locality: int):
     out[t, 16 v .. 16 v + 15] = the rows of panel v (at wp + v * panel_bytes, scales at
     sp + v * panel_bytes / 16) against activation row t. Strides in bytes.
 
-    Tiles of 2 rows and more prefetch each of the V weight streams ``llvm_ir.PREFETCH_BYTES`` ahead,
+    Tiles of one panel (V = 1: one weight stream) prefetch it ``llvm_ir.PREFETCH_BYTES`` ahead,
     every 64-byte line of every block (8 a block): an 8-row step over Qwen2.5-0.5B's lm_head took
-    6.5 ms against 9.2 with 2 prefetches a block. ``locality`` 0: no prefetch, for a lone row
-    (decode), which the hardware prefetcher streams faster alone: the 1.24B decoded at 97-98 % of
-    a plain read's rate without them, 67-86 % with them (benchmarks/results/2026-12-06-panel-prefetch.md)."""
+    6.5 ms against 9.2 with 2 prefetches a block, and without any the 5- and 8-row tiles take
+    1.1-1.4x longer. ``locality`` 0: no prefetch, for the tiles of 2 or 4 panels (decode's 1 x 4,
+    and 2 x 4, 4 x 2, 3 x 2, 2 x 2), whose streams the hardware prefetcher runs faster alone:
+    with the prefetches they took 1.02-1.42x as long, and the 1.24B decoded at 67-86 % of a
+    plain read's rate against 97-98 % (benchmarks/results/2026-12-06-panel-prefetch.md)."""
     name = f"cpullm_q8_panel_tile_{isa}_{TR}x{V}_l{locality}"
     fn = module.globals.get(name)
     if fn is not None:
@@ -338,7 +340,7 @@ def _make_tile(isa: str, TR: int, V: int, prefetch: bool = True):
         """Register tile: out[o_t + t, o_n + 16 v + l] for t < TR, v < V, l < 16 = panel g + v's
         row l against activation row t0 + t (out must have those 16 V columns). No bounds checks.
         Rows of at least LONG_ROW_K values prefetch into L2, shorter ones into L1; none with
-        ``prefetch`` False (the lone-row tiles)."""
+        ``prefetch`` False (the tiles of several panels)."""
         sig = types.void(wp, sp, g, x_q, x_s, t0, out, o_t, o_n)
 
         def codegen(context, builder, sig, args):
@@ -374,8 +376,8 @@ LONG_ROW_K = 4096
 """Rows at least this long prefetch into L2, not L1: their int16 activations (>= 8 KiB a row) and
 a stream pulled into L1 4 KiB ahead evict each other."""
 
-_t8x1, _t5x1, _t4x2, _t3x2, _t2x4, _t1x4 = (_make_tile(ISA, TR, V, prefetch=TR > 1) for TR, V in TILES)
-_y6x1, _y5x1, _y4x1, _y3x1, _y2x2, _y1x4 = (_make_tile(ISA, TR, V, prefetch=TR > 1) for TR, V in YMM_TILES)
+_t8x1, _t5x1, _t4x2, _t3x2, _t2x4, _t1x4 = (_make_tile(ISA, TR, V, prefetch=V == 1) for TR, V in TILES)
+_y6x1, _y5x1, _y4x1, _y3x1, _y2x2, _y1x4 = (_make_tile(ISA, TR, V, prefetch=V == 1) for TR, V in YMM_TILES)
 YMM_TILE_ROWS = YMM_TILES[0][0]
 """Rows of the 256-bit variants' accumulator buffer (:func:`_group_ymm`)."""
 
