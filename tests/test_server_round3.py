@@ -213,6 +213,26 @@ def test_five_times_more_clients_than_slots_are_answered_or_refused_cleanly(busy
 # Graceful shutdown: SIGTERM stops accepting, refuses the waiting, lets the running finish
 # ---------------------------------------------------------------------------------------------
 
+def test_events_and_output_lines_stay_one_line_whatever_the_text(tmp_path):
+    """A sampled token can decode to U+0085, U+2028 or U+2029, which JSON leaves raw but
+    str.splitlines (httpx's iter_lines, JSONL readers) treats as line ends: escaped, not split."""
+    from httpx._decoders import LineDecoder
+    from cpullm.serve.jobs import OutputWriter
+    from cpullm.serve.openai import json_text
+
+    obj = {"choices": [{"text": "a\x85b\u2028c\u2029d\u00e9\u4e2d\n\x0b\x1c"}]}
+    text = json_text(obj)
+    assert text.splitlines() == [text] and json.loads(text) == obj and "\u00e9\u4e2d" in text
+    event = f"data: {text}\n\n"
+    assert [ln for ln in LineDecoder().decode(event) if ln] == [f"data: {text}"]
+    out = tmp_path / "out.jsonl"
+    w = OutputWriter(str(out))
+    w.write(obj)
+    w.write(obj)
+    w.close()
+    assert [json.loads(ln) for ln in out.read_text("utf-8").splitlines()] == [obj, obj]
+
+
 def test_sigterm_lets_running_generations_finish_and_refuses_the_rest():
     import signal
     import threading

@@ -44,7 +44,9 @@ class _Collect:
         self.lines: list[str] = []
 
     def write(self, obj: dict) -> None:
-        self.lines.append(json.dumps(obj, ensure_ascii=False, separators=(",", ":")))
+        from ..serve.openai import json_text
+
+        self.lines.append(json_text(obj))
 
 
 class _NoProgress:

@@ -41,7 +41,7 @@ from .engine import DEFAULT_MAX_QUEUE, Engine, Job, job_pieces
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import ServerMetrics, available as metrics_available, unavailable_text
 from .openai import (LogprobCursor, choice_sampling, choices_count, merge_choices, DEFAULT_MAX_TOKENS_CAP, DEFAULT_REQUEST_TIMEOUT_S, Api, ApiError, RequestSpec,
-                     error_body, json_bytes, shutting_down_error, surrogate_path)
+                     error_body, json_bytes, json_text, shutting_down_error, surrogate_path)
 
 if TYPE_CHECKING:
     from starlette.exceptions import HTTPException
@@ -550,10 +550,10 @@ async def _merged_events(streams, spec: RequestSpec):
                 c["index"] = i
             if spec.include_usage:
                 obj["usage"] = None
-            yield json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+            yield json_text(obj)
         if usage is not None:
             usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-            yield json.dumps({**last, "choices": [], "usage": usage}, ensure_ascii=False, separators=(",", ":"))
+            yield json_text({**last, "choices": [], "usage": usage})
     finally:
         for t in tasks:
             t.cancel()
@@ -683,7 +683,7 @@ async def _sse_events(api: Api, spec: RequestSpec, job: Job, pieces, rid, create
         _, body = error_body(exc)
         if not isinstance(exc, CpullmError):
             traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
-        yield json.dumps(body, ensure_ascii=False)
+        yield json_text(body)
     finally:
         job.cancel.set()
     yield "[DONE]"

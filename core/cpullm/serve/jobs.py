@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from .openai import surrogate_path
+from .openai import json_bytes, surrogate_path
 
 URLS = ("/v1/chat/completions", "/v1/completions")
 MAX_LINE_BYTES = 4 * 2**20          # as the server's default --max-request-bytes
@@ -159,7 +159,7 @@ class OutputWriter:
             raise ConfigError(f"cannot write the batch output {path} ({exc.strerror})") from None
 
     def write(self, obj: dict) -> None:
-        data = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n"
+        data = json_bytes(obj) + b"\n"
         view = memoryview(data)
         while view:
             n = os.write(self.fd, view)

@@ -63,8 +63,19 @@ def error_body(exc: Exception) -> tuple[int, dict]:
     return status, {"error": {"message": str(exc), "type": typ, "param": param, "code": code}}
 
 
+# JSON keeps U+0085, U+2028 and U+2029 raw inside strings, but str.splitlines (httpx's
+# iter_lines, many JSONL readers) breaks a line at them: a token that decodes to one would cut
+# an SSE event or a batch output line in two. Escaped, the value is the same and the line whole.
+_LINE_BREAKS_ESCAPED = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}
+
+
+def json_text(obj) -> str:
+    """Compact JSON on one line for any line reader: UTF-8 as is, line separators escaped."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS_ESCAPED)
+
+
 def json_bytes(obj) -> bytes:
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return json_text(obj).encode("utf-8")
 
 
 def shutting_down_error() -> ApiError:
@@ -528,7 +539,7 @@ class Api:
             c["choices"] = [{"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}]
         if usage is not None or spec.include_usage:
             c["usage"] = usage
-        return json.dumps(c, ensure_ascii=False, separators=(",", ":"))
+        return json_text(c)
 
 
 def _version() -> str:

@@ -4,7 +4,6 @@ The prompt is the argument after the model, or ``-p``; without one, a terminal o
 (``cpullm chat``, as Ollama's ``run`` does) and piped standard input is read as the prompt."""
 from __future__ import annotations
 
-import json
 import sys
 
 from .common import (add_model_options, add_sampling_options, add_speculative_options, compile_first,
@@ -201,7 +200,9 @@ def run(args) -> int:
             out["prompt_cache"] = model.prompt_cache_status
         if args.prompt_cache:
             model.save_prompt_cache()
-        print(json.dumps(out, ensure_ascii=False))
+        from ...serve.openai import json_text
+
+        print(json_text(out))
         return 0
     from .chat import terminal_safe
     for piece in pieces:            # a model's text must not drive the terminal (--json: exact, escaped)
