@@ -33,30 +33,36 @@ def test_units_follow_the_graph_ops():
     assert "gated_delta" in hybrid and hybrid[-1] == "run+linear_state"
     assert "layernorm" not in units and warmup.units_for(LLAMA_OPS | {"LAYERNORM"}, "int8", False)[-1] == "run+layernorm"
     gguf = warmup.units_for(LLAMA_OPS, "gguf", False, q8_prefill=False, blocks=True, embed_blocks=False)
-    assert gguf[-1] == "run+blocks" and "embed_blocks" not in gguf and "gemm" not in gguf
+    assert gguf[-1] == "run+blocks+panels" and "embed_blocks" not in gguf and "gemm" not in gguf
     assert "gemm" not in warmup.units_for(LLAMA_OPS, "f32", linear_state=False)   # f32 prefill: sgemm
     # the KV format: only its own attention specialization (float32 caches: kv16 None)
     assert "attention" in units and "attention_f16" not in units
     f16 = warmup.units_for(LLAMA_OPS, "gguf", False, q8_prefill=False, blocks=True, embed_blocks=False, kv16=True)
-    assert "attention_f16" in f16 and "attention" not in f16 and f16[-1] == "run+blocks+kv16"
+    assert "attention_f16" in f16 and "attention" not in f16 and f16[-1] == "run+blocks+panels+kv16"
     q8 = warmup.units_for(LLAMA_OPS, "int8", False, kv16=2)                  # attention.KV_Q8
     assert "attention_q8" in q8 and not {"attention", "attention_f16"} & set(q8) and q8[-1] == "run+kv8"
     assert warmup._kernels("run+kv8")[0][1][-1] == warmup._kernels("attention_q8")[0][1][-1] == numba.types.int8
     # the Q4_K / Q6_K panel GEMM only for a program that may hold such panels
-    assert "kpanels_gemm" in warmup.units_for(LLAMA_OPS, "q4", False)                      # default: as blocks
+    q4 = warmup.units_for(LLAMA_OPS, "q4", False)                                        # default: as blocks
+    assert {"kpanels_gemm", "blocks_panels"} <= set(q4) and "blocks" not in q4 and q4[-1] == "run+blocks+panels+embed_blocks"
     q4_1 = warmup.units_for(LLAMA_OPS, "gguf", False, q8_prefill=False, blocks=True, embed_blocks=False, panels=False)
-    assert "kpanels_gemm" not in q4_1 and "blocks" in q4_1
+    assert "kpanels_gemm" not in q4_1 and "blocks" in q4_1 and "blocks_panels" not in q4_1
+    assert q4_1[-1] == "run+blocks"
+    # and the decode driver without the panel kernel: its operand None, as the executor passes it
+    assert warmup._kernels("blocks")[0][1][7] == numba.types.none != warmup._kernels("blocks_panels")[0][1][7]
+    # the block driver's specialization holds the q8 and f32 rows: no separate q8 driver beside it
+    assert "linear" not in q4_1 and "linear" in warmup.units_for(LLAMA_OPS, "int8", False)
     assert "kpanels_gemm" not in warmup.units_for(LLAMA_OPS, "int8", False, panels=True)  # no blocks at all
 
 
 def test_split_gives_each_unit_to_one_process_and_keeps_groups_together():
     units = warmup.units_for(LLAMA_OPS | {"GATED_DELTA", "SOFTCAP", "LAYERNORM"}, "gguf", linear_state=True)
-    assert {"linear", "gemm", "blocks", "norm", "layernorm"} <= set(units)
+    assert {"gemm", "blocks_panels", "norm", "layernorm"} <= set(units) and "linear" not in units
     for locked in (True, False):
         mine, child = warmup.split(units, cache_locked=locked)
         assert sorted(mine + child) == sorted(u for u in units if not u.startswith("run"))
         assert not set(mine) & set(child)
-        for a, b in (("linear", "gemm"), ("blocks", "kquant_gemm"), ("norm", "layernorm")):
+        for a, b in (("blocks_panels", "gemm"), ("blocks_panels", "kquant_gemm"), ("norm", "layernorm")):
             if a in units and b in units:                         # one group: their shared helpers once
                 assert (a in mine) == (b in mine), (a, b, locked)
     # with the cache lock the prefill GEMMs (which interpreter.run does not link) go to the child,
@@ -68,7 +74,7 @@ def test_split_gives_each_unit_to_one_process_and_keeps_groups_together():
     # without it the q8 and block helpers, which the load compiles too (weight quantizer, head
     # screen, GGUF dequantizer), stay in this process
     mine, child = warmup.split(units, cache_locked=False)
-    assert {"linear", "gemm", "blocks", "kquant_gemm"} <= set(mine)
+    assert {"gemm", "blocks_panels", "kquant_gemm"} <= set(mine)
     assert "attention" in child                    # the largest movable unit
 
 
@@ -95,8 +101,28 @@ _SIGNATURES = r"""
 import json, sys
 import cpullm
 from cpullm_kernels.setup import warmup
+from numba.core import event
+
+compiled = []      # (phase, nested in another compile, "module.qualname", signature) of every numba compile
+
+
+class Compiles(event.Listener):
+    depth = 0
+
+    def on_start(self, ev):
+        Compiles.depth += 1
+
+    def on_end(self, ev):
+        Compiles.depth -= 1
+        f = ev.data["dispatcher"].py_func
+        compiled.append((phase, Compiles.depth > 0, f"{f.__module__}.{f.__qualname__}", str(tuple(ev.data["args"]))))
+
+
+phase = "load"
+event.register("numba:compile", Compiles())
 m = cpullm.load(sys.argv[1], threads=1, n_ctx=128, cache_dir=sys.argv[2],
                 quant=sys.argv[3] if len(sys.argv) > 3 else None)
+phase = "run"
 fwd = m.forward
 for n in (9, 2, 1):                     # batched prefill (GEMM), a short prompt, one row
     slot = fwd.new_slot()
@@ -110,21 +136,26 @@ assert warmup.run_unit(warmup.run_flags(m.executor.I)) == m.kernel_units[-1]
 for unit in m.kernel_units:
     for disp, sig in warmup._kernels(unit):
         want.setdefault(f"{disp.py_func.__module__}.{disp.py_func.__qualname__}", set()).add(str(tuple(sig)))
-print(json.dumps({"used": used, "want": {k: sorted(v) for k, v in want.items()}}))
+print(json.dumps({"used": used, "want": {k: sorted(v) for k, v in want.items()}, "compiled": compiled}))
 """
 
 
 def used_kernel_signatures(model_path, cache_dir, quant: str | None = None) -> dict:
     """In a fresh process, after prefills and decodes of several lengths: {kernel: signatures it
-    ran with}, having checked that every kernel ran with exactly the signatures the warm-up
-    compiled (Model.kernel_units)."""
+    has}, having checked that nothing compiled after the load and that every unit kernel the load
+    compiled on its own (not as a callee inside another kernel's compile, which depends on what
+    numba's cache already held) has a signature of the warm-up's units (Model.kernel_units): a
+    kernel run with another signature would compile on its first call."""
     args = [sys.executable, "-c", _SIGNATURES, str(model_path), str(cache_dir)] + ([quant] if quant else [])
     r = subprocess.run(args, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     used, want = out["used"], out["want"]
-    for name, sigs in used.items():
-        assert sorted(sigs) == sorted(want.get(name, [])), name
+    assert [c for c in out["compiled"] if c[0] != "load"] == []
+    for _, nested, name, sig in out["compiled"]:          # (used: every unit's kernels; the load's own
+        assert nested or name not in used or sig in want.get(name, []), (name, sig)   # quantizers aside)
+    for name, sigs in want.items():
+        assert set(sigs) <= set(used[name]), name
     return used
 
 
@@ -308,7 +339,8 @@ print(json.dumps({"compiled": compiled, "units": m.kernel_units}))
 def test_a_first_run_compiles_up_front_only_what_the_first_token_needs(tmp_path, monkeypatch):
     """From an empty numba cache, in one process (the event API sees every compile): the load
     compiles all the first token needs (nothing compiles during its prefill and decode step); the
-    Q4_K / Q6_K panel kernels, which a file of Q4_1 blocks never runs, are never compiled; the
+    Q4_K / Q6_K panel kernels (prefill's and decode's), which a file of Q4_1 blocks never runs, are
+    never compiled; the
     batched decode step is compiled only when first used."""
     pytest.importorskip("gguf")
     import numpy as np
@@ -341,4 +373,6 @@ def test_a_first_run_compiles_up_front_only_what_the_first_token_needs(tmp_path,
     assert by_phase.get("first token", set()) == set()
     everything = set().union(*by_phase.values())
     assert name(kquant_panels.quantize_rows_q8k) not in everything      # the panel GEMM's
+    assert name(kquant_panels.matmul) not in everything                 # nor decode's panel kernel
+    assert "linear" not in out["units"] and "blocks" in out["units"]     # one LINEAR driver: the block one
     assert name(batch._fused) in by_phase["batch"] and name(batch._fused) not in by_phase["load"]

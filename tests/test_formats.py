@@ -67,11 +67,11 @@ def test_a_format_s_drivers_agree_with_its_prefill_and_dense_values(case):
     xs = np.zeros(T * Kp // 32 * 3, np.float32)
     for lone in (True, False):
         out = np.zeros((T, N), np.float32)
-        FM.matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, x, out, xq, xs, lone, 1)
+        FM.matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, wb, x, out, xq, xs, lone, 1)
         assert np.abs(out - want).max() / scale < 0.02
         for t in (0, T - 1):                                     # a row alone: the same numbers
             one = np.zeros((1, N), np.float32)
-            FM.matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, x[t: t + 1], one, xq, xs, lone, 1)
+            FM.matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, wb, x[t: t + 1], one, xq, xs, lone, 1)
             if kind != P.WEIGHT_F32 or lone:
                 assert np.array_equal(one[0], out[t]), (case, lone, t)
 

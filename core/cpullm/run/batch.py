@@ -141,7 +141,7 @@ def _per_sequence(I, F, a, b, arena, states, slots, rows0, nrows, positions, wf,
 
 
 @njit(cache=True)
-def _linear_batch(I, r, arena, wq, ws, wf, wb, xq, xs, T, nthreads):
+def _linear_batch(I, r, arena, wq, ws, wf, wb, wbp, xq, xs, T, nthreads):
     """LINEAR r over rows [0, T) (formats.matmul_rows, every weight format): q8, Q4_K / Q6_K panels
     and f32 in one pass over the weights for all rows, other raw blocks a row at a time; every q8
     or block row equals a lone decode's bit for bit. Then the bias."""
@@ -151,7 +151,7 @@ def _linear_batch(I, r, arena, wq, ws, wf, wb, xq, xs, T, nthreads):
     x = arena[x_off: x_off + T * x_st].reshape((T, x_st))[:, :Kd]
     rows = arena[o_off: o_off + T * o_st].reshape((T, o_st))      # C-contiguous: the kernels' one specialization
     matmul_rows(I[r, P.LINEAR_KIND], I[r, P.LINEAR_W_OFF], I[r, P.LINEAR_S_OFF], I[r, P.LINEAR_KP], N, wq, ws, wf,
-                wb, x, rows, xq.reshape(-1), xs.reshape(-1), False, nthreads)
+                wb, wbp, x, rows, xq.reshape(-1), xs.reshape(-1), False, nthreads)
     if b_off >= 0:
         for t in range(T):
             for n in range(N):
@@ -159,14 +159,14 @@ def _linear_batch(I, r, arena, wq, ws, wf, wb, xq, xs, T, nthreads):
 
 
 @njit(cache=True)
-def _fused(I, F, a, b, arena, states, slots, rows0, nrows, positions, wq, ws, wf, wb, xq, xs, T, nthreads,
+def _fused(I, F, a, b, arena, states, slots, rows0, nrows, positions, wq, ws, wf, wb, wbp, xq, xs, T, nthreads,
            has_linear, decode, kv16):
     """Instructions [a, b) of a batch in one compiled call: LINEARs, SERIAL_ROW_OPS and
     PER_SEQUENCE_OPS, as the separate segments run them (no Python between ops)."""
     for r in range(a, b):
         op = I[r, P.COL_OP]
         if op == P.OP_LINEAR:
-            _linear_batch(I, r, arena, wq, ws, wf, wb, xq, xs, T, nthreads)
+            _linear_batch(I, r, arena, wq, ws, wf, wb, wbp, xq, xs, T, nthreads)
         elif op == P.OP_ROPE or op == P.OP_ATTENTION or op == P.OP_GATED_DELTA or op == P.OP_POS_EMBED:
             _per_sequence(I, F, r, r + 1, arena, states, slots, rows0, nrows, positions, wf, nthreads, has_linear,
                           decode, kv16)
@@ -215,7 +215,7 @@ class BatchDecoder:
         slot table), as :meth:`_run` calls it."""
         ex = self.ex
         seq = np.zeros(1, np.int64)
-        args = (ex.I, ex.F, 0, 0, ex.arena, states, seq, seq, seq, seq, ex.wq, ex.ws, ex.wf, ex.wb, self.xq,
+        args = (ex.I, ex.F, 0, 0, ex.arena, states, seq, seq, seq, seq, ex.wq, ex.ws, ex.wf, ex.wb, ex.wbp, self.xq,
                 self.xs, np.int64(1), numba.get_num_threads(), self.has_linear, True, ex.kv16)
         return tuple(numba.typeof(a) for a in args)
 
@@ -370,7 +370,7 @@ class BatchDecoder:
                 K.run(ex.I, ex.F, seg[1], seg[2], ex.tokens, self.rt, ex.arena, states[0], ex.wq, ex.ws, ex.wf,
                       ex.xq, ex.xs, *ex.optional_operands(states[0]))     # (row ops: no state read)
             elif kind == "fused":
-                _fused(ex.I, ex.F, seg[1], seg[2], ex.arena, states, *seqs, ex.wq, ex.ws, ex.wf, ex.wb, self.xq,
+                _fused(ex.I, ex.F, seg[1], seg[2], ex.arena, states, *seqs, ex.wq, ex.ws, ex.wf, ex.wb, ex.wbp, self.xq,
                        self.xs, np.int64(T), numba.get_num_threads(), self.has_linear, True, ex.kv16)
             elif kind == "serial":
                 _serial_rows(ex.I, ex.F, seg[1], seg[2], ex.arena, ex.wf, np.int64(T))

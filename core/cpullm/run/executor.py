@@ -65,6 +65,7 @@ class Executor:
         flags = run_flags(self.I)
         wb = _read_only(self.wq.view(np.uint8)) if flags["blocks"] or flags["embed_blocks"] else None
         self.wb = wb if flags["blocks"] else None                  # LINEARs over raw ggml blocks
+        self.wbp = wb if flags["panels"] else None                 # ... Q4_K / Q6_K ones (panels)
         self.wb_embed = wb if flags["embed_blocks"] else None      # an EMBED table of raw blocks
         self.wf_layernorm = self.wf if flags["layernorm"] else None
         self.has_linear_state = bool(flags["linear_state"])              # GATED_DELTA reads the state
@@ -152,9 +153,10 @@ class Executor:
               self.wq, self.ws, self.wf, self.xq, self.xs, *self.optional_operands(state))
 
     def optional_operands(self, state: np.ndarray) -> tuple:
-        """run()'s last arguments: linear_state (``state`` where GATED_DELTA reads it), wb, wb_embed,
-        wf_layernorm (None where unused), kv16."""
-        return state if self.has_linear_state else None, self.wb, self.wb_embed, self.wf_layernorm, self.kv16
+        """run()'s last arguments: linear_state (``state`` where GATED_DELTA reads it), wb, wb_panels,
+        wb_embed, wf_layernorm (None where unused), kv16."""
+        return (state if self.has_linear_state else None, self.wb, self.wbp, self.wb_embed, self.wf_layernorm,
+                self.kv16)
 
     def _rows(self, r: int) -> int:
         return int(self.rt[0] if self.I[r, P.COL_SECTION] == P.SECTION_BODY else self.rt[3])

@@ -258,7 +258,7 @@ def matrix_bytes(kind, N: int, K: int, Kp: int, w_off: int, s_off: int) -> int:
 # ---- a batch of rows in one compiled call -----------------------------------------------------------
 
 @njit(cache=True)
-def matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, x, out, xq, xs, f32_lone, nthreads):
+def matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, wbp, x, out, xq, xs, f32_lone, nthreads):
     """out[:, :N] = x (T, K) @ W.T from inside a compiled call: the one-token decode (T = 1), a
     decode batch's rows (the batch decoder's fused segments), the rows routed to an expert. Each
     row's activations are quantized on their own, exactly as a lone decode quantizes them, and the
@@ -269,7 +269,10 @@ def matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, x, out, xq, xs, f32_l
 
     ``out`` (T, >= N) C-contiguous. Scratch, flat: ``xq`` int16 (>= T * Kp; raw blocks use its
     bytes as int8), ``xs`` float32 (>= T * Kp // 32 * 3). ``wb``: wq's bytes, None when no matrix
-    of raw blocks can reach here (numba then compiles no block kernel). Leaves the last row's
+    of raw blocks can reach here (numba then compiles no block kernel); ``wbp`` the same for Q4_K
+    / Q6_K matrices, which the compiler may store in panels (warmup.run_flags): None keeps the
+    panel kernel out (9.4 of the 19.3 s of CPU a Q4_1 file's block driver took to compile on a
+    2-core Zen 4). Leaves the last row's
     quantized activations at the start of the scratch (the interpreter's refinement reads them)."""
     T, K = x.shape
     nb = Kp // 32
@@ -298,7 +301,9 @@ def matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, x, out, xq, xs, f32_l
                 x_m[t, j] = 0.0
         w = wb[w_off: w_off + N * row_bytes]
         if s_off >= PANELED:                # Q4_K / Q6_K in panels of 16 rows
-            matmul_kpanels(fmt, w, x_q, x_s, x_m, out, nthreads)
+            if wbp is None:
+                raise ValueError("cpullm formats: a matrix in Q4_K / Q6_K panels needs wbp")
+            matmul_kpanels(fmt, wbp[w_off: w_off + N * row_bytes], x_q, x_s, x_m, out, nthreads)
         else:
             w2 = w.reshape((N, row_bytes))
             for t in range(T):

@@ -45,11 +45,12 @@ EXTERNAL_SIGNATURES = {
 
 
 @njit(cache=True)
-def linear_rows(I, r, arena, wq, ws, wf, wb, xq, xs, T, refine, nthreads):
+def linear_rows(I, r, arena, wq, ws, wf, wb, wbp, xq, xs, T, refine, nthreads):
     """LINEAR r one row of activations at a time (decode; T is 1 or the head's few rows), each row
     through :func:`cpullm_kernels.program.formats.matmul_rows` as a batch of one, whatever the
     weight format; then the bias. ``wb``: wq's bytes for a program with raw-block LINEARs, else
-    None (no block kernel compiled). ``xq`` / ``xs``: the executor's one-row scratch (xs sized
+    None (no block kernel compiled); ``wbp``: the same for one with Q4_K / Q6_K LINEARs (their panel
+    kernel). ``xq`` / ``xs``: the executor's one-row scratch (xs sized
     max_k // 32 * 3: raw blocks' scales and 16-sums)."""
     x_off, x_st, o_off, o_st = I[r, P.LINEAR_X_OFF], I[r, P.LINEAR_X_ST], I[r, P.LINEAR_OUT_OFF], I[r, P.LINEAR_OUT_ST]
     K, N, kind = I[r, P.LINEAR_K], I[r, P.LINEAR_N], I[r, P.LINEAR_KIND]
@@ -67,12 +68,12 @@ def linear_rows(I, r, arena, wq, ws, wf, wb, xq, xs, T, refine, nthreads):
     for t in range(T):
         x = arena[x_off + t * x_st: x_off + t * x_st + K]
         out = arena[o_off + t * o_st: o_off + t * o_st + N]
-        matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, x.reshape((1, K)), out.reshape((1, N)), xq, xs,
+        matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, wbp, x.reshape((1, K)), out.reshape((1, N)), xq, xs,
                     True, nthreads)
         if refine:
             for j in range(K):
                 res[0, j] = x[j] - np.float32(x_q[j]) * xs[j // 32]
-            matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, res, extra, xq, xs, True, nthreads)
+            matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, wbp, res, extra, xq, xs, True, nthreads)
             for n in range(N):
                 out[n] += extra[0, n]
         if b_off >= 0:
@@ -81,8 +82,8 @@ def linear_rows(I, r, arena, wq, ws, wf, wb, xq, xs, T, refine, nthreads):
 
 
 @njit(cache=True)
-def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_state, wb, wb_embed, wf_layernorm,
-        kv16):
+def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_state, wb, wb_panels, wb_embed,
+        wf_layernorm, kv16):
     """Execute instructions [start, end) with runtime values ``rt`` = [T, pos0, head_row0,
     head_rows, threads] (threads: numba's thread count for this call, which attention splits
     its work by).
@@ -91,7 +92,8 @@ def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_s
     and None for one without: numba then prunes that branch at compile time, so a model without
     such layers never compiles the gated-delta kernels (about a seventh of a cold start).
     ``wb`` is ``wq`` viewed as uint8 for a program whose LINEARs read raw-block (GGUF format)
-    weights, ``wb_embed`` the same for one whose EMBED table is raw blocks, ``wf_layernorm`` is
+    weights, ``wb_panels`` the same for one with Q4_K / Q6_K LINEARs (the panel kernel), ``wb_embed``
+    the same for one whose EMBED table is raw blocks, ``wf_layernorm`` is
     ``wf`` for one with LAYERNORM: each None otherwise, and the same pruning keeps the block
     kernels out of an int8 program's compile, the block dequantizer (2 s of a cold start) out of a
     GGUF whose table is Q8_0, the layer norm out of an RMSNorm model's. ``kv16`` is the attention
@@ -105,7 +107,7 @@ def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_s
         T = head_rows if head else T_body
         par = T > 1
         if op == OP_LINEAR:
-            linear_rows(I, r, arena, wq, ws, wf, wb, xq, xs, T, head and T_body > 1, nthreads)
+            linear_rows(I, r, arena, wq, ws, wf, wb, wb_panels, xq, xs, T, head and T_body > 1, nthreads)
         elif op == OP_RMSNORM:
             x_off, x_st, o_off, o_st = I[r, P.NORM_X_OFF], I[r, P.NORM_X_ST], I[r, P.NORM_OUT_OFF], I[r, P.NORM_OUT_ST]
             width, group, w_off, eps = I[r, P.NORM_WIDTH], I[r, P.NORM_GROUP], I[r, P.NORM_W_OFF], F[r, P.F_NORM_EPS]

@@ -61,7 +61,7 @@ def _matmul(wq, ws, wf, wb, kind, w_off, s_off, Kp, N, x, out, nthreads):
     B = x.shape[0]
     xq = np.zeros(B * Kp, np.int16)
     xs = np.zeros(B * (Kp // 32) * 3, np.float32)
-    matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, x, out, xq, xs, True, nthreads)
+    matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, wb, x, out, xq, xs, True, nthreads)
 
 
 @njit(cache=True)

@@ -99,10 +99,11 @@ WB = _arr(nt.uint8, readonly=True)       # wq's bytes, for raw-block (GGUF forma
 BLOCK_QUANTS = ("q4", "gguf")             # quant modes whose programs hold raw-block weights
 
 
-RUN_FLAGS = ("linear_state", "blocks", "embed_blocks", "layernorm", "kv16")
+RUN_FLAGS = ("linear_state", "blocks", "panels", "embed_blocks", "layernorm", "kv16")
 """interpreter.run's optional operands, in its argument order: each an array for a program with
 the instructions that read it (GATED_DELTA run by the interpreter; a LINEAR over raw ggml blocks;
-an EMBED table of raw blocks; LAYERNORM), None otherwise, and numba compiles one specialization
+one of Q4_K / Q6_K blocks, which the compiler may store in panels; an EMBED table of raw blocks;
+LAYERNORM), None otherwise, and numba compiles one specialization
 of run per combination, without the kernels of the None ones. ``kv16``: the KV caches' format
 code (attention.KV_*; 0 or False: float32), whose operand (attention.kv_operand) is None for
 float32 caches, an int64 for float16 ones, an int8 for 8-bit ones."""
@@ -116,14 +117,18 @@ def run_flags(I) -> dict:
     from ..program.formats import weight_format
     mine = I[:, P.COL_IMPL] == P.IMPL_INTERPRETER
     op = I[:, P.COL_OP]
+    from ..panels.kquant_panels import FORMATS as PANEL_FORMATS, PANELED
     flags = {"linear_state": bool(np.any(mine & (op == P.OP_GATED_DELTA))), "blocks": False,
-             "embed_blocks": False, "layernorm": bool(np.any(mine & (op == P.OP_LAYERNORM))),
+             "panels": False, "embed_blocks": False, "layernorm": bool(np.any(mine & (op == P.OP_LAYERNORM))),
              "kv16": int(np.max(I[op == P.OP_ATTENTION, P.ATTENTION_KV_FORMAT], initial=KV_F32))}
     for opcode, kind_col, flag in ((P.OP_LINEAR, P.LINEAR_KIND, "run_flag"), (P.OP_EMBED, P.EMBED_KIND, "embed_flag")):
         for kind in np.unique(I[mine & (op == opcode), kind_col]):       # the operands its formats read
             name = getattr(weight_format(kind), flag)
             if name:
                 flags[name] = True
+    # the same test as the compiler's BlockPlan.warmup_flags: the format, paneled or not
+    blocks = mine & (op == P.OP_LINEAR) & (I[:, P.LINEAR_KIND] == P.WEIGHT_BLOCKS)
+    flags["panels"] = bool(np.isin(I[blocks, P.LINEAR_S_OFF] % PANELED, PANEL_FORMATS).any())
     return flags
 
 
@@ -141,7 +146,7 @@ def _flag_name(flag: str, value) -> str:
 def run_signature(flags: dict) -> tuple:
     """The signature of interpreter.run as the executor calls it with these RUN_FLAGS."""
     from ..attention.attention import KV_Q8
-    optional = {"linear_state": ARENA, "blocks": WB, "embed_blocks": WB, "layernorm": WF,
+    optional = {"linear_state": ARENA, "blocks": WB, "panels": WB, "embed_blocks": WB, "layernorm": WF,
                 "kv16": nt.int8 if flags.get("kv16") == KV_Q8 else i64}
     return (PROG_I, PROG_F, i64, i64, INTS, INTS, ARENA, ARENA, WQ, WS, WF, XQ, ARENA,
             *(optional[f] if flags.get(f) else nt.none for f in RUN_FLAGS))
@@ -163,8 +168,8 @@ def _kernels(unit: str) -> list:
     f32_2, i16_2, wb2 = _arr(nt.float32, 2), _arr(nt.int16, 2), _arr(nt.uint8, 2, readonly=True)
     table = {
         # LINEAR's decode driver, as interpreter.run calls it: without raw blocks, and (unit "blocks") with
-        "linear": [(interpreter.linear_rows, (PROG_I, i64, ARENA, WQ, WS, WF, nt.none, XQ, ARENA, i64, nt.boolean,
-                                              i64))],
+        "linear": [(interpreter.linear_rows, (PROG_I, i64, ARENA, WQ, WS, WF, nt.none, nt.none, XQ, ARENA, i64,
+                                              nt.boolean, i64))],
         "norm": [(norm.rmsnorm_rows, (ARENA, *[i64] * 6, WF, i64, f64, i64, i64)),
                  (norm.rmsnorm_par, (ARENA, *[i64] * 6, WF, i64, f64, i64))],
         "layernorm": [(norm.layernorm_rows, (ARENA, *[i64] * 6, WF, i64, i64, f64, i64, i64)),
@@ -198,7 +203,11 @@ def _kernels(unit: str) -> list:
                          (kquant_panels.matmul, (i64, WB, _arr(nt.int8, 2), f32_2, f32_2,
                                                  nt.Array(nt.float32, 2, "A"), i64))],
         # the raw-block LINEAR and EMBED rows, as interpreter.run calls them (linked, not compiled, there)
-        "blocks": [(interpreter.linear_rows, (PROG_I, i64, ARENA, WQ, WS, WF, WB, XQ, ARENA, i64, nt.boolean, i64))],
+        # (without and with the Q4_K / Q6_K panel kernel; either also holds the q8 and f32 rows)
+        "blocks": [(interpreter.linear_rows, (PROG_I, i64, ARENA, WQ, WS, WF, WB, nt.none, XQ, ARENA, i64,
+                                              nt.boolean, i64))],
+        "blocks_panels": [(interpreter.linear_rows, (PROG_I, i64, ARENA, WQ, WS, WF, WB, WB, XQ, ARENA, i64,
+                                                     nt.boolean, i64))],
         "embed_blocks": [(formats.embed_row_into, (*[i64] * 4, WQ, WS, WF, WB, i64, nt.float32, ARENA))],
         # routed experts (kernels.moe), called by the executor: q8 / f32 experts, and raw blocks
         "moe": [(moe.moe, (ARENA, INTS, PROG_I, WQ, WS, WF, nt.none, INTS, i64))],
@@ -213,16 +222,21 @@ UNITS = {
     # unit: (IR op names that need it, None: every program (interpreter.run links its kernels
     # whatever the ops), compile cost (CPU seconds of the compiling thread, measured one by one on
     # the 2-core Xeon (AVX-512 VNNI) of benchmarks/results/2026-12-06-cold-start.md where given
-    # there, else on a 2-core Zen 4), sharing group, linked by interpreter.run). Units of one group call the same helpers (the q8
-    # activation quantizer and matvec; the block matvec and dequantizer), so they go to the same
-    # process: compiled twice they would cost twice. The prefill GEMMs are called by the executor,
-    # not by interpreter.run, so run can compile while they do.
-    "linear": (None, 4.9, "q8", True),
-    "gemm": (("LINEAR",), 4.2, "q8", False),
-    "blocks": (None, 12.0, "blocks", True),     # every block format's matvec
-    "embed_blocks": (None, 2.2, "blocks", True),
-    "kquant_gemm": (("LINEAR",), 6.6, "blocks", False),
-    "kpanels_gemm": (("LINEAR",), 4.6, "blocks", False),
+    # there, else on a 2-core Zen 4), sharing group, linked by interpreter.run). Units of one group
+    # call the same helpers (the q8 activation quantizer and panels, which the block driver calls
+    # too; the block matvec and dequantizer), so they go to the same process: compiled twice they
+    # would cost twice. The prefill GEMMs are called by the executor, not by interpreter.run, so
+    # run can compile while they do.
+    "linear": (None, 4.9, "matmul", True),
+    "gemm": (("LINEAR",), 4.2, "matmul", False),
+    # the block driver with every block format's matvec and the q8 / f32 rows; + the Q4_K / Q6_K
+    # panel kernel (15.1 and 24.3 s on the Zen 4, where the other units took 0.9-1.6x, about 1.3x,
+    # the Xeon's)
+    "blocks": (None, 11.5, "matmul", True),
+    "blocks_panels": (None, 18.5, "matmul", True),
+    "embed_blocks": (None, 2.2, "matmul", True),
+    "kquant_gemm": (("LINEAR",), 6.6, "matmul", False),
+    "kpanels_gemm": (("LINEAR",), 4.6, "matmul", False),
     "norm": (None, 0.5, "norm", True),
     "layernorm": (("LAYERNORM",), 1.8, "norm", True),
     "rope": (None, 0.9, "rope", True),
@@ -239,7 +253,7 @@ UNITS = {
     "moe": (("MOE",), 8.0, "moe", False),
     "moe_blocks": (("MOE",), 8.0, "moe", False),
 }
-LOAD_GROUPS = ("q8", "blocks")
+LOAD_GROUPS = ("matmul",)
 """Groups whose helpers the loading process may compile itself while the child runs (the INT8
 and 4-bit weight quantizers, the head screen, the GGUF dequantizer). Without the cache lock
 (:mod:`cpullm_kernels.setup.numba_cache_lock`) they stay in this process: two processes must then never
@@ -278,7 +292,12 @@ def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True,
             continue
         if unit == ("moe" if blocks else "moe_blocks"):       # one of the two specializations
             continue
-        if unit in ("kquant_gemm", "blocks") and (not blocks or (unit == "kquant_gemm" and GEMM_ISA is None)):
+        if unit in ("kquant_gemm", "blocks", "blocks_panels") and (not blocks or (unit == "kquant_gemm"
+                                                                                and GEMM_ISA is None)):
+            continue
+        if unit == ("blocks" if panels else "blocks_panels"):   # one of the two specializations
+            continue
+        if unit == "linear" and blocks:          # the block driver's specialization holds q8 and f32 too
             continue
         if unit == "kpanels_gemm" and not (blocks and panels):
             continue
@@ -288,7 +307,8 @@ def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True,
             continue
         if needs is None or ops & set(needs):
             out.append(unit)
-    out.append(run_unit({"linear_state": linear_state, "blocks": blocks, "embed_blocks": embed_blocks,
+    out.append(run_unit({"linear_state": linear_state, "blocks": blocks, "panels": blocks and panels,
+                         "embed_blocks": embed_blocks,
                          "layernorm": "LAYERNORM" in ops, "kv16": kv16}))
     return out
 
