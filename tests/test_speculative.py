@@ -12,7 +12,7 @@ from cpullm.errors import ConfigError
 from cpullm.generate.sampling import SamplingParams
 from cpullm.generate.scheduler import Scheduler
 from cpullm.generate.sequence import Sequence
-from cpullm.generate.speculative import LookupIndex, Pacer, SeqSpec, resolve
+from cpullm.generate.speculative import REF_ROW_COST, LookupIndex, Pacer, SeqSpec, resolve
 from cpullm.testing import make_random_checkpoint
 from cpullm_gemma.tiny_configs import GEMMA2_2B_LIKE, GEMMA3_270M_LIKE
 from cpullm_qwen.tiny_configs import QWEN2_SLIDING_UNTIED, QWEN35_TEXT_ONLY
@@ -71,6 +71,7 @@ def test_verify_rows_are_one_token_steps_for_every_family(family_dir, quant):
     name, d = family_dir
     m = cpullm.load(d, quant=quant, threads=2, n_ctx=96, max_chunk=16)
     check_verify_is_exact(m, _prompt(), _prompt(K + 1, seed=1))
+    assert m.forward.guess_row_cost == 0.0         # q8 panels and f32: one read for all of a pass's rows
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3_5_linear"])     # 4-bit on two structures: attention, linear attention
@@ -78,6 +79,9 @@ def test_verify_rows_are_one_token_steps_in_4_bit(name, tmp_path):
     d = make_random_checkpoint(FAMILIES[name], tmp_path / name, seed=0)
     m = cpullm.load(d, quant="q4", threads=2, n_ctx=96, max_chunk=16)
     check_verify_is_exact(m, _prompt(), _prompt(K + 1, seed=1))
+    # rows of 144 weights: Q5_0 blocks (multiplied a row at a time in a verify pass) beside Q8_0
+    # ones (q8 panels, read once)
+    assert 0.0 < m.forward.guess_row_cost < 1.0
 
 
 def test_verify_of_a_gguf_run_as_it_is(tmp_path):
@@ -88,6 +92,7 @@ def test_verify_of_a_gguf_run_as_it_is(tmp_path):
     m = cpullm.load(path, threads=2, n_ctx=96, max_chunk=16)
     assert m.quant == "gguf"
     check_verify_is_exact(m, _prompt(), _prompt(K + 1, seed=2))
+    assert m.forward.guess_row_cost == 0.0         # Q8_0 runs as q8 panels: read once for all rows
 
 
 def test_sliding_window_survives_a_rejection_past_the_window(tmp_path):
@@ -286,6 +291,17 @@ def test_pacer_backs_off_when_guesses_fail_and_grows_when_they_hold():
         p.record(p.k, 0)
     p.record(4, 2)
     assert p.cooldown == 1 and p.k == 3
+    # where a guessed row costs more than an INT8 program's (REF_ROW_COST), the waits grow with it
+    assert Pacer(8, REF_ROW_COST / 2).wait_scale == 1.0
+    q = Pacer(8, row_cost=5 * REF_ROW_COST)
+    waits = []
+    for _ in range(7):
+        q.record(q.k, 0)
+        w = 0
+        while q.budget() == 0:
+            w += 1
+        waits.append(w)
+    assert waits == [5, 10, 20, 40, 80, 160, 160]
 
 
 @pytest.mark.parametrize("bad", [0, 33, -1, 2.5, True])

@@ -285,7 +285,7 @@ class Scheduler:
         want = []
         for seq in batch:
             if seq.spec is None:
-                seq.spec = SeqSpec(cfg)
+                seq.spec = SeqSpec(cfg, self.forward.guess_row_cost)
             room = min(seq.max_new_tokens - len(seq.generated) - 1, self.n_ctx - seq.slot.position - 1)
             want.append(max(0, min(seq.spec.pacer.budget(), room)) if room > 0 else 0)
         drafts = [seq.spec.lookup(seq.history, k) if k else [] for seq, k in zip(batch, want)]

@@ -26,8 +26,11 @@ Adaptive length (:class:`Pacer`): the number of guesses follows each sequence's 
 (doubling while every guess is kept, falling to what was kept plus one), and a sequence whose
 guesses keep failing (open-ended chat) waits 1, 2, 4, ... 32 steps before it guesses again (a
 pass that kept a single guess does not shorten the wait: failures between such passes still back
-off), so its decode costs at most a few percent more than plain decode. The pacing follows the
-guesses alone, not timings, so greedy lookup makes the same passes in every run.
+off), so its decode costs at most a few percent more than plain decode. Those waits are for an
+INT8 program, whose verify pass reads the weights once whatever its rows; where a guessed row
+costs more (raw ggml blocks multiplied a row at a time), they grow in proportion
+(:data:`REF_ROW_COST`). The pacing follows the guesses and the program's formats, not timings,
+so greedy lookup makes the same passes in every run.
 """
 from __future__ import annotations
 
@@ -47,7 +50,14 @@ the same either way."""
 DEFAULT_DRAFT_MAX = 8
 MAX_DRAFT_MAX = 32
 LOOKUP_NGRAMS = (4, 3, 2)        # the longest earlier match first
-MAX_COOLDOWN = 32                # steps a sequence waits after guesses that failed, at most
+MAX_COOLDOWN = 32                # steps a sequence waits after guesses that failed, at most (see REF_ROW_COST)
+REF_ROW_COST = 0.06
+"""The cost of a guessed row, in decode steps, that the waits of 1..MAX_COOLDOWN steps are for:
+an INT8 program's, whose verify pass reads every weight once for all rows (one guess: 1.06 steps
+at Qwen2.5-0.5B, benchmarks/results/2026-12-06-verify-after-prefetch.md). Where a guessed row
+costs more (Forward.guess_row_cost: raw blocks multiplied a row at a time, 0.5 steps more per
+row for Qwen2.5-0.5B's Q5_0 GGUF), the waits grow by the same factor, so a failed guess costs
+open-ended chat the same share of its decode time."""
 
 
 @attrs.define
@@ -156,13 +166,16 @@ class LookupIndex:
 
 
 class Pacer:
-    """How many guesses a sequence makes next (0: none this step), from how the last ones fared."""
+    """How many guesses a sequence makes next (0: none this step), from how the last ones fared
+    and what a guessed row costs (``row_cost``, in decode steps: the waits after failures scale
+    with it past REF_ROW_COST)."""
 
-    def __init__(self, draft_max: int):
+    def __init__(self, draft_max: int, row_cost: float = 0.0):
         self.max = int(draft_max)
         self.k = min(4, self.max)
         self.wait = 0                   # steps left before guessing again
-        self.cooldown = 1               # the wait after the next failure
+        self.cooldown = 1               # the wait after the next failure, in REF_ROW_COST units
+        self.wait_scale = max(1.0, float(row_cost) / REF_ROW_COST)
 
     def budget(self) -> int:
         if self.wait > 0:
@@ -179,7 +192,7 @@ class Pacer:
                 self.cooldown = 1
         elif accepted == 0:
             self.k = max(1, self.k // 2)
-            self.wait = self.cooldown
+            self.wait = round(self.cooldown * self.wait_scale)
             self.cooldown = min(MAX_COOLDOWN, self.cooldown * 2)
         else:
             self.k = max(1, min(self.max, accepted + 1))
@@ -188,12 +201,13 @@ class Pacer:
 
 
 class SeqSpec:
-    """One sequence's speculation: its lookup index, pacing, statistics and draft-model slot."""
+    """One sequence's speculation: its lookup index, pacing, statistics and draft-model slot.
+    ``row_cost``: what a guessed row costs its model (Forward.guess_row_cost)."""
 
-    def __init__(self, cfg: SpecConfig):
+    def __init__(self, cfg: SpecConfig, row_cost: float = 0.0):
         self.cfg = cfg
         self.index = LookupIndex() if cfg.mode in ("lookup", "auto") else None
-        self.pacer = Pacer(cfg.draft_max)
+        self.pacer = Pacer(cfg.draft_max, row_cost)
         self.stats = SpecStats()
         self.from_draft = False         # the guesses being verified are the draft model's
         self.draft_slot = None          # a cpullm.run.forward.Slot of the draft model (DraftModel)

@@ -77,6 +77,9 @@ class Forward:
         # through the lm_head screen) when every LINEAR's format gives a batched row the same
         # numbers (q8, raw ggml blocks: one kernel); f32 matrices sum in another order
         self.lone_path_identical = all(weight_format(k).decode_exact for k in executor.linear_kinds())
+        # what one more row of a verify pass costs, in decode steps: the bytes a pass reads again
+        # for each row (the step itself is bound by reading its bytes once)
+        self.guess_row_cost = executor.row_at_a_time_share()
 
     # ---- threads -----------------------------------------------------------------------------
     def use_threads(self) -> None:

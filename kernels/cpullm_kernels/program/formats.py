@@ -91,6 +91,10 @@ class WeightFormat:
     decode_exact: bool
     """The batch decoder's rows equal a one-token decode bit for bit (f32's batch kernel is not
     promised to: cpullm_kernels.rows.batch_linear)."""
+    one_pass: Callable
+    """(s_off) -> whether :func:`matmul_rows` reads the matrix once for a batch of rows (q8, f32,
+    Q4_K / Q6_K panels) or once per row (other raw blocks, a row at a time): what an extra row of
+    a verify pass costs."""
     run_flag: str | None
     """interpreter.run's optional operand a LINEAR of this format needs (warmup.RUN_FLAGS)."""
     embed_flag: str | None
@@ -227,14 +231,14 @@ def _blocks_screen(s_off):
 FORMATS = {f.kind: f for f in (
     WeightFormat(WEIGHT_F32, "f32", pack=_f32_pack, spans=_f32_spans, row_bytes=lambda Kp, s_off: 4 * Kp,
                  slot=_f32_slot, prefill=_f32_prefill, dense=_f32_dense, screen=lambda s_off: None,
-                 decode_exact=False, run_flag=None, embed_flag=None),
+                 decode_exact=False, one_pass=lambda s_off: True, run_flag=None, embed_flag=None),
     WeightFormat(WEIGHT_Q8, "q8", pack=_q8_pack, spans=_q8_spans, row_bytes=lambda Kp, s_off: Kp + Kp // 16,
                  slot=_q8_slot, prefill=_q8_prefill, dense=_q8_dense, screen=lambda s_off: "q8",
-                 decode_exact=True, run_flag=None, embed_flag=None),
+                 decode_exact=True, one_pass=lambda s_off: True, run_flag=None, embed_flag=None),
     WeightFormat(WEIGHT_BLOCKS, "blocks", pack=_blocks_pack, spans=_blocks_spans,
                  row_bytes=lambda Kp, s_off: BY_TYPE[s_off % PANELED].row_bytes(Kp), slot=_blocks_slot,
                  prefill=_blocks_prefill, dense=_blocks_dense, screen=_blocks_screen, decode_exact=True,
-                 run_flag="blocks", embed_flag="embed_blocks"),
+                 one_pass=lambda s_off: s_off >= PANELED, run_flag="blocks", embed_flag="embed_blocks"),
 )}
 """kind -> WeightFormat, every kind a program may store."""
 
