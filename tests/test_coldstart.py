@@ -47,6 +47,7 @@ def test_units_follow_the_graph_ops():
     assert {"kpanels_gemm", "blocks_panels"} <= set(q4) and "blocks" not in q4 and q4[-1] == "run+blocks+panels+embed_blocks"
     q4_1 = warmup.units_for(LLAMA_OPS, "gguf", False, q8_prefill=False, blocks=True, embed_blocks=False, panels=False)
     assert "kpanels_gemm" not in q4_1 and "blocks" in q4_1 and "blocks_panels" not in q4_1
+    assert "kquant_gemm" in q4_1 and "kquant_gemm_q6k" not in q4_1 and "kquant_gemm_q6k" in q4
     assert q4_1[-1] == "run+blocks"
     # and the decode driver without the panel kernel: its operand None, as the executor passes it
     assert warmup._kernels("blocks")[0][1][7] == numba.types.none != warmup._kernels("blocks_panels")[0][1][7]
@@ -374,5 +375,6 @@ def test_a_first_run_compiles_up_front_only_what_the_first_token_needs(tmp_path,
     everything = set().union(*by_phase.values())
     assert name(kquant_panels.quantize_rows_q8k) not in everything      # the panel GEMM's
     assert name(kquant_panels.matmul) not in everything                 # nor decode's panel kernel
+    assert name(kquant_gemm.quantize_rows_i8) not in everything         # nor the Q6_K GEMM's quantizer
     assert "linear" not in out["units"] and "blocks" in out["units"]     # one LINEAR driver: the block one
     assert name(batch._fused) in by_phase["batch"] and name(batch._fused) not in by_phase["load"]

@@ -193,10 +193,12 @@ def _kernels(unit: str) -> list:
                  (q8_panels.panels_matmul, (WQ, WS, i64, i16_2, f32_2, f32_2, i64))],
         # prefill's batched raw-block LINEARs (kquant_gemm's integer GEMM, the k-quant panels) and short prompts
         "kquant_gemm": [(q8_gemm.quantize_rows_q16, (f32_2, i16_2, f32_2)),
-                        (kquant_gemm.quantize_rows_i8, (f32_2, i16_2, f32_2, i64)),
                         (kquant_gemm.kquant_gemm_blocks, (i64, i16_2, f32_2, wb2, i64, f32_2, f32_2, i64)),
                         (kquant_gemm.kquant_block_sums, (i16_2, f32_2, i64, f32_2)),
                         (kquant_gemm.kquant_matvec_rows, (i64, f32_2, wb2, f32_2, _arr(nt.int8), ARENA, ARENA))],
+        # ... its activation quantizer for Q6_K matrices (kquant_gemm.matmul_int), only a program
+        # that may hold Q6_K blocks
+        "kquant_gemm_q6k": [(kquant_gemm.quantize_rows_i8, (f32_2, i16_2, f32_2, i64))],
         # prefill's Q4_K / Q6_K LINEARs in panels: rows quantized, then the panel kernel into a
         # row-strided view of the arena (only a program with such panels)
         "kpanels_gemm": [(kquant_panels.quantize_rows_q8k, (f32_2, _arr(nt.int8, 2), f32_2, f32_2)),
@@ -235,7 +237,8 @@ UNITS = {
     "blocks": (None, 11.5, "matmul", True),
     "blocks_panels": (None, 18.5, "matmul", True),
     "embed_blocks": (None, 2.2, "matmul", True),
-    "kquant_gemm": (("LINEAR",), 6.6, "matmul", False),
+    "kquant_gemm": (("LINEAR",), 5.4, "matmul", False),
+    "kquant_gemm_q6k": (("LINEAR",), 1.2, "matmul", False),     # (1.6-1.7 s on the Zen 4)
     "kpanels_gemm": (("LINEAR",), 4.6, "matmul", False),
     "norm": (None, 0.5, "norm", True),
     "layernorm": (("LAYERNORM",), 1.8, "norm", True),
@@ -292,14 +295,14 @@ def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True,
             continue
         if unit == ("moe" if blocks else "moe_blocks"):       # one of the two specializations
             continue
-        if unit in ("kquant_gemm", "blocks", "blocks_panels") and (not blocks or (unit == "kquant_gemm"
-                                                                                and GEMM_ISA is None)):
+        if unit in ("kquant_gemm", "kquant_gemm_q6k", "blocks", "blocks_panels") and (
+                not blocks or (unit.startswith("kquant_gemm") and GEMM_ISA is None)):
             continue
         if unit == ("blocks" if panels else "blocks_panels"):   # one of the two specializations
             continue
         if unit == "linear" and blocks:          # the block driver's specialization holds q8 and f32 too
             continue
-        if unit == "kpanels_gemm" and not (blocks and panels):
+        if unit in ("kpanels_gemm", "kquant_gemm_q6k") and not (blocks and panels):
             continue
         if unit == "embed_blocks" and not embed_blocks:
             continue
