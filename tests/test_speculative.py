@@ -265,19 +265,24 @@ def test_lookup_proposes_what_followed_the_last_occurrence():
     assert LookupIndex().propose(4) == []
 
 
-def test_pacer_backs_off_when_guesses_fail_and_grows_when_they_hold():
-    p = Pacer(8)
-    assert p.budget() == 4
-    p.record(4, 4)
-    assert p.budget() == 8
+def _waits_after_failures(p: Pacer, n: int = 7) -> list[int]:
+    """The steps ``p`` waits after each of ``n`` passes whose guesses all fail."""
     waits = []
-    for _ in range(7):
+    for _ in range(n):
         p.record(p.k, 0)
         w = 0
         while p.budget() == 0:
             w += 1
         waits.append(w)
-    assert waits == [1, 2, 4, 8, 16, 32, 32]
+    return waits
+
+
+def test_pacer_backs_off_when_guesses_fail_and_grows_when_they_hold():
+    p = Pacer(8)
+    assert p.budget() == 4
+    p.record(4, 4)
+    assert p.budget() == 8
+    assert _waits_after_failures(p) == [1, 2, 4, 8, 16, 32, 32]
     assert p.k == 1
     p.record(1, 1)                                  # one guess, kept: the draft grows, the backoff stands
     assert p.k == 2 and p.cooldown == 32
@@ -293,15 +298,7 @@ def test_pacer_backs_off_when_guesses_fail_and_grows_when_they_hold():
     assert p.cooldown == 1 and p.k == 3
     # where a guessed row costs more than an INT8 program's (REF_ROW_COST), the waits grow with it
     assert Pacer(8, REF_ROW_COST / 2).wait_scale == 1.0
-    q = Pacer(8, row_cost=5 * REF_ROW_COST)
-    waits = []
-    for _ in range(7):
-        q.record(q.k, 0)
-        w = 0
-        while q.budget() == 0:
-            w += 1
-        waits.append(w)
-    assert waits == [5, 10, 20, 40, 80, 160, 160]
+    assert _waits_after_failures(Pacer(8, row_cost=5 * REF_ROW_COST)) == [5, 10, 20, 40, 80, 160, 160]
 
 
 @pytest.mark.parametrize("bad", [0, 33, -1, 2.5, True])
