@@ -303,13 +303,12 @@ def matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, wbp, x, out, xq, xs, 
                 x_s[t, j] = 0.0
             for j in range(K // 16, 2 * nb):
                 x_m[t, j] = 0.0
-        w = wb[w_off: w_off + N * row_bytes]
         if s_off >= PANELED:                # Q4_K / Q6_K in panels of 16 rows
             if wbp is None:
                 raise ValueError("cpullm formats: a matrix in Q4_K / Q6_K panels needs wbp")
             matmul_kpanels(fmt, wbp[w_off: w_off + N * row_bytes], x_q, x_s, x_m, out, nthreads)
         else:
-            w2 = w.reshape((N, row_bytes))
+            w2 = wb[w_off: w_off + N * row_bytes].reshape((N, row_bytes))
             for t in range(T):
                 matvec_blocks(fmt, w2, x_q[t], x_s[t], x_m[t], out[t, :N])
     elif kind == WEIGHT_F32:

@@ -114,12 +114,12 @@ def run_flags(I) -> dict:
     the operands accordingly)."""
     import numpy as np
     from ..attention.attention import KV_F32
+    from ..panels.kquant_panels import FORMATS as PANEL_FORMATS, PANELED
     from ..program.formats import weight_format
     mine = I[:, P.COL_IMPL] == P.IMPL_INTERPRETER
     op = I[:, P.COL_OP]
-    from ..panels.kquant_panels import FORMATS as PANEL_FORMATS, PANELED
     flags = {"linear_state": bool(np.any(mine & (op == P.OP_GATED_DELTA))), "blocks": False,
-             "panels": False, "embed_blocks": False, "layernorm": bool(np.any(mine & (op == P.OP_LAYERNORM))),
+             "embed_blocks": False, "layernorm": bool(np.any(mine & (op == P.OP_LAYERNORM))),
              "kv16": int(np.max(I[op == P.OP_ATTENTION, P.ATTENTION_KV_FORMAT], initial=KV_F32))}
     for opcode, kind_col, flag in ((P.OP_LINEAR, P.LINEAR_KIND, "run_flag"), (P.OP_EMBED, P.EMBED_KIND, "embed_flag")):
         for kind in np.unique(I[mine & (op == opcode), kind_col]):       # the operands its formats read
