@@ -102,12 +102,25 @@ def test_positional_prompt_and_piped_stdin_give_the_same_text():
 
 
 def test_piped_chat_has_no_banner_or_prompt_marks():
+    """Piped lines are turns and stdout holds exactly the answers, each ended by one newline
+    (a random model's answer may itself hold newlines, so the answers are computed here)."""
+    import cpullm
+    from cpullm.cli.commands.chat import terminal_safe
+    from cpullm.generate.chat import Conversation
+
     r = _cli("chat", chat_model_dir(), "-t", 1, "-c", 256, "-n", 3, "--no-stats",
-             stdin=b"hello\nand again\n")
-    out = r.stdout.decode()
+             "--temperature", 0, stdin=b"hello\nand again\n")
+    out = r.stdout.decode("utf-8", "surrogateescape")
     assert r.returncode == 0, r.stderr.decode()
     assert ">>>" not in out and "cpullm chat:" not in out and "/help" not in out
-    assert out.count("\n") == 2                 # one answer line per piped turn
+    model = cpullm.load(chat_model_dir(), threads=1, n_ctx=256)
+    conv, expected = Conversation(model), ""
+    for line in ("hello", "and again"):
+        ids, _ = conv.prompt(line, reserve=3)
+        answer = "".join(model.generate(ids, max_new_tokens=3, temperature=0.0))
+        conv.add(line, answer)
+        expected += terminal_safe(answer) + "\n"
+    assert out == expected
 
 
 def test_run_without_a_prompt_on_a_terminal_opens_the_chat():
