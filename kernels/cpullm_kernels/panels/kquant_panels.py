@@ -61,10 +61,10 @@ own): ``vnni`` (AVX-512 VNNI: ``vpdpbusd`` on zmm, by inline assembly as in llvm
 since LLVM's tuning for some Intel hosts rewrites the instruction), ``avx2`` (``vpmaddubsw`` +
 ``vpmaddwd``, two ymm halves of a panel) and ``generic`` (portable IR).
 
-Streaming: a register tile is 1, 2, 4 or 8 activation rows by one panel, or, for a lone row
-(decode), by GROUP = 4 panels at once (4 weight streams). Tiles of one panel prefetch every
-64-byte line of its super-block into L2 ``llvm_ir.PREFETCH_BYTES`` (4 KiB) ahead: without it
-5 rows of an 8192 x 2048 Q4_K matrix took 0.60 ms instead of 0.40. Decode's tile of 4 panels
+Streaming: a register tile is 1, 2, 4 or 8 activation rows by one panel (AVX2: 1, 2, 3, 6;
+:data:`TILES`), or, for a lone row (decode), by GROUP = 4 panels at once (4 weight streams).
+Tiles of one panel prefetch every 64-byte line of its super-block into L2
+``llvm_ir.PREFETCH_BYTES`` (4 KiB) ahead: without it 5 rows of an 8192 x 2048 Q4_K matrix took 0.60 ms instead of 0.40. Decode's tile of 4 panels
 leaves its streams to the hardware prefetcher: with software prefetches it took 0.92-1.46x as
 long, 1.13x at the median (Zen 4, AVX-512 and AVX2 code, 2 threads, Q4_K / Q6_K at 8192 x 2048,
 2048 x 8192 and a 128256-row head: 14 interleaved A/Bs), and the 1.24B Q4_K_M decoded at
@@ -126,9 +126,17 @@ ISA = os.environ.get("CPULLM_KQ_PANELS_ISA") or ISAS[0]
 if ISA not in ISAS:
     raise ImportError(f"CPULLM_KQ_PANELS_ISA={ISA!r}: this CPU runs {', '.join(ISAS)}")
 
-TILES = (8, 4, 2, 1)
-"""Batch rows a register tile takes: B is cut into tiles of 8, 4, 2 and 1 rows, each reading the
-panel's quants once and unpacking them once for all its rows."""
+TILES = {"avx2": (6, 3, 2, 1)}.get(ISA, (8, 4, 2, 1))
+"""Batch rows a register tile takes, largest first: B is cut into tiles of these sizes, each
+reading the panel's quants once and unpacking them once for all its rows. AVX2 keeps a row's 16
+lanes in two ymm halves, so 8 rows of float sums (32 registers) spill from its 16: 6 and 3 rows
+ran Q4_K at 121-133 GMAC/s on 2 Zen 4 cores where 8 ran 107-116."""
+FIRST_TILE = {("vnni", Q4_K): 1, ("avx2", Q6_K): 1}
+"""(ISA, format) -> index in TILES of the largest tile that format takes (else 0): measured at
+8192 x 2048 and 2048 x 8192, B = 512, medians of 9 interleaved runs, 2 Zen 4 cores: vnni Q4_K 4
+rows 289-302 GMAC/s, 8 rows 263-268 (Q6_K: 8 rows 204-213, 4 rows 185-202); avx2 Q6_K 3 rows
+90-95, 6 rows 82-84, 8 rows 85 (benchmarks/ab/panel_tiles.py). The tile changes no number:
+every lane runs the same float steps whatever tile holds its row."""
 
 
 PANELED = 256
@@ -548,31 +556,35 @@ GROUP = 4
 """Panels a thread's work is counted in: a lone activation row (decode) takes the 4 as one tile,
 4 weight streams at once (one stream a tile read a Q4_K matrix at 20 GB/s, four at 24)."""
 
-_tile8, _tile4, _tile2, _tile1 = (_make_tile(ISA, t, 1) for t in TILES)
+_tile_a, _tile_b, _tile2, _tile1 = (_make_tile(ISA, t, 1) for t in TILES)
+_TILE_A, _TILE_B = TILES[0], TILES[1]
+_Q4_K_FIRST, _Q6_K_FIRST = FIRST_TILE.get((ISA, Q4_K), 0), FIRST_TILE.get((ISA, Q6_K), 0)
 _tile1x4 = _make_tile(ISA, 1, GROUP, prefetch=False)
 
 
 @njit(cache=True, nogil=True)
 def _panels(fmt, w, g, npanels, x_q, x_s, x_m, out):
     """Panels g .. g + npanels - 1 against every row of x: out (B, 16 npanels). A lone last row
-    takes a group of GROUP panels as one tile."""
+    of an odd B takes a group of GROUP panels as one tile."""
     B = x_q.shape[0]
     whole = npanels == GROUP
+    rows = B - 1 if whole and B % 2 == 1 else B
+    first = _Q4_K_FIRST if fmt == Q4_K else _Q6_K_FIRST
     for v in range(npanels):
         o = out[:, 16 * v:]
         t0 = 0
-        while B - t0 >= 8:
-            _tile8(fmt, w, g + v, x_q, x_s, x_m, t0, o, t0)
-            t0 += 8
-        if B - t0 >= 4:
-            _tile4(fmt, w, g + v, x_q, x_s, x_m, t0, o, t0)
-            t0 += 4
-        if B - t0 >= 2:
+        while first == 0 and rows - t0 >= _TILE_A:
+            _tile_a(fmt, w, g + v, x_q, x_s, x_m, t0, o, t0)
+            t0 += _TILE_A
+        while rows - t0 >= _TILE_B:
+            _tile_b(fmt, w, g + v, x_q, x_s, x_m, t0, o, t0)
+            t0 += _TILE_B
+        if rows - t0 >= 2:
             _tile2(fmt, w, g + v, x_q, x_s, x_m, t0, o, t0)
             t0 += 2
-        if B - t0 >= 1 and not whole:
+        if rows - t0 >= 1:
             _tile1(fmt, w, g + v, x_q, x_s, x_m, t0, o, t0)
-    if B % 2 == 1 and whole:
+    if rows < B:
         _tile1x4(fmt, w, g, x_q, x_s, x_m, B - 1, out, B - 1)
 
 
