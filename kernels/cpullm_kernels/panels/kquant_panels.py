@@ -64,12 +64,12 @@ since LLVM's tuning for some Intel hosts rewrites the instruction), ``avx2`` (``
 Streaming: a register tile is 1, 2, 4 or 8 activation rows by one panel (AVX2: 1, 2, 3, 6;
 :data:`TILES`), or, for a lone row (decode), by GROUP = 4 panels at once (4 weight streams).
 Tiles of one panel prefetch every 64-byte line of its super-block into L2
-``llvm_ir.PREFETCH_BYTES`` (4 KiB) ahead: without it 5 rows of an 8192 x 2048 Q4_K matrix took 0.60 ms instead of 0.40. Decode's tile of 4 panels
-leaves its streams to the hardware prefetcher: with software prefetches it took 0.92-1.46x as
-long, 1.13x at the median (Zen 4, AVX-512 and AVX2 code, 2 threads, Q4_K / Q6_K at 8192 x 2048,
-2048 x 8192 and a 128256-row head: 14 interleaved A/Bs), and the 1.24B Q4_K_M decoded at
-30.7-33.0 tok/s with them and 33.9-36.0 without, restricted to AVX2 27.6-30.6 and 31.0-34.1
-(benchmarks/results/2026-12-06-panel-prefetch.md).
+``llvm_ir.PREFETCH_BYTES`` (4 KiB) ahead: without it 5 rows of an 8192 x 2048 Q4_K matrix took
+0.60 ms instead of 0.40. Decode's tile of 4 panels leaves its streams to the hardware
+prefetcher: with software prefetches it took 0.92-1.46x as long, 1.13x at the median (Zen 4,
+AVX-512 and AVX2 code, 2 threads, Q4_K / Q6_K at 8192 x 2048, 2048 x 8192 and a 128256-row head:
+14 interleaved A/Bs), and the 1.24B Q4_K_M decoded at 30.7-33.0 tok/s with them and 33.9-36.0
+without, restricted to AVX2 27.6-30.6 and 31.0-34.1 (benchmarks/results/2026-12-06-panel-prefetch.md).
 
 Entry points:
 
