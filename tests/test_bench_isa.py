@@ -1,23 +1,15 @@
 """benchmarks/isa.py: where llama.cpp's files come from for a model that is a GGUF file only."""
-import importlib.util
 import sys
 import types
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_isa():
-    spec = importlib.util.spec_from_file_location("cpullm_bench_isa", ROOT / "benchmarks" / "isa.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from bench_scripts import load_benchmark
 
 
 def test_a_model_that_is_one_gguf_is_requantized_from_that_file(tmp_path, monkeypatch):
     """The store's offline models are GGUF files without a checkpoint: both runtimes start from
     the file's values, each format is written once, and no F32 writer is asked for."""
-    isa = _load_isa()
+    isa = load_benchmark("isa")
     mdir = tmp_path / "smollm2"
     mdir.mkdir()
     (mdir / "model.Q4_1.gguf").write_bytes(b"GGUF")
@@ -43,7 +35,7 @@ def test_a_model_that_is_one_gguf_is_requantized_from_that_file(tmp_path, monkey
 
 
 def test_a_checkpoint_directory_is_not_taken_for_a_gguf_model(tmp_path):
-    isa = _load_isa()
+    isa = load_benchmark("isa")
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
     assert isa._only_gguf(tmp_path) is None

@@ -4,8 +4,6 @@ slow). The floors sit far above what was measured, so they cannot flake, yet far
 wrong block kernel gives (a single mis-scaled sub-block moves the KL by orders of magnitude)."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,18 +12,9 @@ import cpullm
 
 pytest.importorskip("gguf")
 from test_gguf_run import write  # noqa: E402,F401  (the tiny-GGUF fixture)
+from bench_scripts import load_benchmark  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _fidelity():
-    spec = importlib.util.spec_from_file_location("cpullm_bench_fidelity", ROOT / "benchmarks" / "fidelity.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-fidelity = _fidelity()
+fidelity = load_benchmark("fidelity")
 
 
 def test_kl_per_position_matches_the_definition():

@@ -7,10 +7,8 @@ input (past the scaled sliding windows of 8). The full-size plans (no weights wr
 checkpoints hold: parameter counts and, where known, shard sizes. The weight statistics, the
 streaming writer's bounds, atomicity and the tokenizer are checked on small cases.
 """
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,21 +19,12 @@ import cpullm
 from cpullm import testing
 from cpullm.generate.chat import render_chat
 from cpullm.loading.tensors import TensorStore
+from bench_scripts import load_benchmark
 
 torch = pytest.importorskip("torch", reason="torch is a test dependency (pip install -e '.[test]')")
 transformers = pytest.importorskip("transformers", reason="transformers is a test dependency")
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_synth():
-    spec = importlib.util.spec_from_file_location("cpullm_bench_synth", ROOT / "benchmarks" / "synth.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-synth = _load_synth()
+synth = load_benchmark("synth")
 MODELS = synth.model_names()
 SCALE = 16
 IDS_RNG = np.random.default_rng(11)

@@ -4,8 +4,8 @@
                                         [--rows 512] [--tiles 8,6,5,4,3,2] [--rounds 9] [--threads 2]
 
 ``kquant_panels.matmul`` cuts a prefill chunk's B rows into register tiles (``TILES``, the
-largest a format takes per ``FIRST_TILE``). This builds the same tile (``_make_tile``) at each of
-``--tiles`` rows and runs a random N x K matrix against B quantized activation rows with only
+largest skipped per ``SKIP_LARGEST_TILE``). This builds the same tile (``_make_tile``) at each
+of ``--tiles`` rows and runs a random N x K matrix against B quantized activation rows with only
 that tile, panels split over the threads as ``matmul`` splits them; the rows a tile size leaves
 over are not computed, so each time is per row it computed. Each variant's output is checked
 identical to ``matmul``'s first. Rounds interleave the variants; it prints the median of each

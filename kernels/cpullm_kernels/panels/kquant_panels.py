@@ -131,8 +131,8 @@ TILES = {"avx2": (6, 3, 2, 1)}.get(ISA, (8, 4, 2, 1))
 reading the panel's quants once and unpacking them once for all its rows. AVX2 keeps a row's 16
 lanes in two ymm halves, so 8 rows of float sums (32 registers) spill from its 16: 6 and 3 rows
 ran Q4_K at 121-133 GMAC/s on 2 Zen 4 cores where 8 ran 107-116."""
-FIRST_TILE = {("vnni", Q4_K): 1, ("avx2", Q6_K): 1}
-"""(ISA, format) -> index in TILES of the largest tile that format takes (else 0): measured at
+SKIP_LARGEST_TILE = {("vnni", Q4_K), ("avx2", Q6_K)}
+"""(ISA, format) pairs that start at the second of TILES, not the largest: measured at
 8192 x 2048 and 2048 x 8192, B = 512, medians of 9 interleaved runs, 2 Zen 4 cores: vnni Q4_K 4
 rows 289-302 GMAC/s, 8 rows 263-268 (Q6_K: 8 rows 204-213, 4 rows 185-202); avx2 Q6_K 3 rows
 90-95, 6 rows 82-84, 8 rows 85 (benchmarks/ab/panel_tiles.py). The tile changes no number:
@@ -558,7 +558,7 @@ GROUP = 4
 
 _tile_a, _tile_b, _tile2, _tile1 = (_make_tile(ISA, t, 1) for t in TILES)
 _TILE_A, _TILE_B = TILES[0], TILES[1]
-_Q4_K_FIRST, _Q6_K_FIRST = FIRST_TILE.get((ISA, Q4_K), 0), FIRST_TILE.get((ISA, Q6_K), 0)
+_Q4_K_SKIPS_A, _Q6_K_SKIPS_A = (ISA, Q4_K) in SKIP_LARGEST_TILE, (ISA, Q6_K) in SKIP_LARGEST_TILE
 _tile1x4 = _make_tile(ISA, 1, GROUP, prefetch=False)
 
 
@@ -569,11 +569,11 @@ def _panels(fmt, w, g, npanels, x_q, x_s, x_m, out):
     B = x_q.shape[0]
     whole = npanels == GROUP
     rows = B - 1 if whole and B % 2 == 1 else B
-    first = _Q4_K_FIRST if fmt == Q4_K else _Q6_K_FIRST
+    skip_a = _Q4_K_SKIPS_A if fmt == Q4_K else _Q6_K_SKIPS_A
     for v in range(npanels):
         o = out[:, 16 * v:]
         t0 = 0
-        while first == 0 and rows - t0 >= _TILE_A:
+        while not skip_a and rows - t0 >= _TILE_A:
             _tile_a(fmt, w, g + v, x_q, x_s, x_m, t0, o, t0)
             t0 += _TILE_A
         while rows - t0 >= _TILE_B:

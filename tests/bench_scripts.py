@@ -1,0 +1,13 @@
+"""Load a script of benchmarks/ as a module by its path (the repository root stays off sys.path)."""
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as the module ``cpullm_bench_<name>``."""
+    spec = importlib.util.spec_from_file_location(f"cpullm_bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
