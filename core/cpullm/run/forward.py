@@ -23,7 +23,7 @@ import numba
 import numpy as np
 
 from ..errors import ContextOverflowError
-from .executor import Executor, lazy_zeros
+from .executor import Executor, aligned_zeros, lazy_zeros
 from cpullm_kernels.program.formats import weight_format
 from ..compile import kvformat
 
@@ -90,7 +90,7 @@ class Forward:
     # ---- slots -------------------------------------------------------------------------------
     def slots(self, n: int) -> list[Slot]:
         """``n`` fresh slots sharing one (n, state_floats) table, planned now (the scheduler's)."""
-        table = np.zeros((int(n), self.state_floats), np.float32)
+        table = aligned_zeros((int(n), self.state_floats))
         return [Slot(table, i) for i in range(int(n))]
 
     def new_slot(self) -> Slot:
