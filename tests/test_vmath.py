@@ -44,3 +44,34 @@ def test_loops_over_them_vectorize(kernel):
     asm = fresh.inspect_asm(fresh.signatures[0])
     assert re.search(r"vfmadd\w+ps\s+[^\n]*%[yz]mm", asm), "exp polynomial not vectorized"   # 8 or 16 lanes
     assert "expf" not in asm and "tanhf" not in asm
+
+
+def _x_over_every_range():
+    rng = np.random.default_rng(5)
+    x = np.concatenate([rng.uniform(-120, 120, 1 << 18), rng.standard_normal(1 << 18) * 4,
+                        [0.0, -0.0, 1e-30, -1e-30, 0.5, -0.5, 88.376, 88.38, -87.336, -87.34, np.inf, -np.inf]])
+    return np.concatenate([x, np.zeros(-x.size % 16)]).astype(np.float32)
+
+
+def test_exp_f32_ir_is_exp_f32_bit_for_bit():
+    """The IR form (vectors in the attention softmax) against exp_f32 in a numba loop compiled with
+    the attention kernels' flags, which is what it replaced there."""
+    from cpullm_kernels.attention.attention import _NO_REASSOC
+
+    @numba.njit(fastmath=_NO_REASSOC)
+    def loop(x, out):
+        for i in range(x.size):
+            out[i] = vmath.exp_f32(x[i])
+    x = _x_over_every_range()
+    want, got = np.empty_like(x), np.empty_like(x)
+    loop(x, want)
+    vmath.exp_array_ir(x, got)
+    assert np.array_equal(want.view(np.int32), got.view(np.int32))
+
+
+def test_tanh_f32_ir_absolute_error():
+    x = np.concatenate([np.linspace(-30, 30, 600_000, dtype=np.float32), np.float32([0.0, 1e-6, -1e-6, 5.0] + [0.0] * 12)])
+    got = np.empty_like(x)
+    vmath.tanh_array_ir(x, got)
+    assert np.abs(got - np.tanh(x.astype(np.float64))).max() < 3e-7
+    assert (np.abs(got) <= 1.0).all()

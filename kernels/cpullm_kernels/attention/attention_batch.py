@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .attention import (MAX_CHUNKS, STREAM_ROWS, TILE, attend_part, combine_parts, keep_part, kv_base,
+from .attention import (MAX_CHUNKS, STREAM_ROWS, TILE, aligned_scratch, attend_part, combine_parts, keep_part, kv_base,
                         normalize_into, key_splits, kv_write, q8_head_scales)
 
 
@@ -48,11 +48,11 @@ def attention_decode_batch(arena, states, slots, positions, q_off, q_st, k_off, 
     part = np.empty((jobs, group, hd + 2), np.float32)
     nchunk = min(jobs, MAX_CHUNKS)
     for c in prange(nchunk):
-        qbuf = np.empty(group * hd, np.float32)
-        acc = np.empty(group * hd, np.float32)
+        qbuf = aligned_scratch(group * hd)
+        acc = aligned_scratch(group * hd)
         mx = np.empty(group, np.float32)
         tot = np.empty(group, np.float32)
-        scores = np.empty(group * (max_span + 2 * TILE), np.float32)
+        scores = aligned_scratch(group * (max_span + 2 * TILE))
         for job in range(c, jobs, nchunk):
             s = job_seq[job]
             local = job - first_job[s]

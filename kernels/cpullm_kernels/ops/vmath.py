@@ -77,3 +77,80 @@ def tanh_array(x, out):
     """out[i] = tanh_f32(x[i]) (1-D float32; for tests and benchmarks)."""
     for i in range(x.size):
         out[i] = tanh_f32(x[i])
+
+
+def exp_f32_ir(b: ir.IRBuilder, x):
+    """:func:`exp_f32` as LLVM IR on a float or a vector of floats ``x``, the same operations in
+    the same order (no fast-math flags, so no contraction or reassociation either way), hence the
+    same bits: for kernels written in IR, where numba's loops over :func:`exp_f32` ran scalar (the
+    attention softmax: 0.4 ns an element, 0.03 as vectors)."""
+    ty = x.type
+    lanes = ty.count if isinstance(ty, ir.VectorType) else 0
+    i32 = ir.IntType(32)
+    ity = ir.VectorType(i32, lanes) if lanes else i32
+
+    def c(v, t=ty):
+        return ir.Constant(t, [v] * lanes if lanes else v)
+
+    fl = "v%df32" % lanes if lanes else "f32"
+    floor = b.module.globals.get("llvm.floor." + fl) or ir.Function(
+        b.module, ir.FunctionType(ty, [ty]), "llvm.floor." + fl)
+    f32 = lambda v: float(np.float32(v))  # noqa: E731  (the constants as numba's np.float32 casts them)
+    x = b.select(b.fcmp_ordered(">", c(f32(_EXP_LO)), x), c(f32(_EXP_LO)), x)   # max(x, LO)
+    x = b.select(b.fcmp_ordered("<", c(f32(_EXP_HI)), x), c(f32(_EXP_HI)), x)   # min(., HI)
+    n = b.call(floor, [b.fadd(b.fmul(x, c(f32(_LOG2E))), c(0.5))])
+    r = b.fsub(x, b.fmul(n, c(f32(_LN2_HI))))
+    r = b.fsub(r, b.fmul(n, c(f32(_LN2_LO_NEG))))
+    p = c(f32(1.9875691500e-4))
+    for k in (1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1):
+        p = b.fadd(b.fmul(p, r), c(f32(k)))
+    y = b.fadd(b.fadd(b.fmul(p, b.fmul(r, r)), r), c(1.0))
+    e = b.shl(b.add(b.fptosi(n, ity), c(127, ity)), c(23, ity))
+    return b.fmul(y, b.bitcast(e, ty))
+
+
+def tanh_f32_ir(b: ir.IRBuilder, x):
+    """:func:`tanh_f32` as LLVM IR on a float or a vector of floats (plain IEEE operations: the
+    same bits in a vector lane as in a scalar, which numba's fast-math division does not promise)."""
+    ty = x.type
+    lanes = ty.count if isinstance(ty, ir.VectorType) else 0
+
+    def c(v):
+        return ir.Constant(ty, [v] * lanes if lanes else v)
+    return b.fsub(c(1.0), b.fdiv(c(2.0), b.fadd(exp_f32_ir(b, b.fmul(c(2.0), x)), c(1.0))))
+
+
+@intrinsic
+def _map16(typingctx, src, dst, which):
+    """dst[:16] = exp (which 0) or tanh (which 1) of src[:16] by :func:`exp_f32_ir` /
+    :func:`tanh_f32_ir` on one 16-float vector (for tests)."""
+    if not (isinstance(src, types.Array) and isinstance(dst, types.Array)
+            and isinstance(which, types.IntegerLiteral)):
+        return None
+    fn = (exp_f32_ir, tanh_f32_ir)[which.literal_value]
+
+    def codegen(context, builder, sig, args):
+        vt = ir.VectorType(ir.FloatType(), 16)
+        sp = builder.bitcast(context.make_array(sig.args[0])(context, builder, args[0]).data, vt.as_pointer())
+        dp = builder.bitcast(context.make_array(sig.args[1])(context, builder, args[1]).data, vt.as_pointer())
+        builder.store(fn(builder, builder.load(sp, align=4)), dp, align=4)
+        return context.get_dummy_value()
+    return types.void(src, dst, which), codegen
+
+
+@njit(cache=True, error_model="numpy")
+def exp_array_ir(x, out):
+    """out[i] = exp_f32_ir(x[i]) in vectors of 16 (x.size a multiple of 16; for tests)."""
+    if x.size % 16 or out.size < x.size:
+        raise ValueError("x.size must be a multiple of 16, out as large")
+    for i in range(0, x.size, 16):
+        _map16(x[i:i + 16], out[i:i + 16], 0)
+
+
+@njit(cache=True, error_model="numpy")
+def tanh_array_ir(x, out):
+    """out[i] = tanh_f32_ir(x[i]) in vectors of 16 (x.size a multiple of 16; for tests)."""
+    if x.size % 16 or out.size < x.size:
+        raise ValueError("x.size must be a multiple of 16, out as large")
+    for i in range(0, x.size, 16):
+        _map16(x[i:i + 16], out[i:i + 16], 1)
