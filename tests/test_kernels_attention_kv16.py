@@ -3,11 +3,17 @@ float16 to float32 is exact on both code paths (F16C's fpext and the integer one
 attention() over a float16 cache equals the numpy reference with float16-rounded keys and values
 on awkward shapes (head_dim 64/80/128/256 and 8, GQA, sliding windows, softcap, odd lengths,
 key ranges split across threads)."""
+import json
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from numba import njit
 
 from cpullm_kernels.attention import attention as A
+from cpullm_kernels.setup import numba_setup
 
 rng = np.random.default_rng(16)
 
@@ -113,3 +119,47 @@ def test_kv16_cache_layout_and_views():
         for h in range(nkv):
             np.testing.assert_array_equal(kt[h, t // 16, :, t % 16], k[t, h * hd:(h + 1) * hd].astype(np.float16))
             np.testing.assert_array_equal(vc[h, t], v[t, h * hd:(h + 1) * hd].astype(np.float16))
+
+
+_OUTPUTS = r"""
+import hashlib, json, sys
+import numpy as np
+from cpullm_kernels.attention import attention as A
+rng = np.random.default_rng(7)
+out = {"pv_vectors": A.PV_VECTORS}
+for nh, nkv, hd, T, window, softcap, code in [(9, 3, 64, 200, 0, 0.0, 1), (9, 3, 64, 37, 0, 0.0, 0),
+        (4, 1, 256, 130, 64, 0.0, 1), (8, 2, 64, 70, 0, 30.0, 1), (14, 2, 64, 90, 0, 0.0, 2), (4, 2, 48, 33, 0, 0.0, 1)]:
+    cap = A.padded_cap(T + 40)
+    qst, kst = nh * hd, nkv * hd
+    arena = np.zeros(T * (2 * qst + 2 * kst), np.float32)
+    arena[: T * (qst + 2 * kst)] = rng.standard_normal(T * (qst + 2 * kst)).astype(np.float32) * 2
+    q, k, v, o = 0, T * qst, T * (qst + kst), T * (qst + 2 * kst)
+    state = np.zeros(2 * nkv * cap * hd + 2 * nkv * cap * A.q8_blocks(hd), np.float32)
+    for pos0, t in ((0, min(T, 40)), (min(T, 40), T - min(T, 40))):   # a prefill chunk, then the rest
+        if t:
+            A.attention(arena, state, q + pos0 * qst, qst, k + pos0 * kst, kst, v + pos0 * kst, kst, o + pos0 * qst,
+                        qst, nh, nkv, hd, 0, cap, np.float32(hd ** -0.5), np.float32(softcap), window, pos0, t, 2,
+                        A.kv_operand(code))
+    out[f"{nh}/{nkv}/{hd}/{T}/{window}/{softcap}/{code}"] = hashlib.sha256(arena[o:].tobytes()).hexdigest()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.cold
+def test_value_pass_width_gives_the_same_bits(tmp_path):
+    """The value pass takes 4 vectors of 16 dimensions on AVX-512 and 1 on 256-bit targets (its
+    accumulators would spill there): compiled as for each, in processes of their own, prefill and
+    decode give the same bits."""
+    try:
+        avx2 = numba_setup.restricted_target_env("avx2")
+    except ValueError as e:
+        pytest.skip(str(e))
+    got = {}
+    for name, extra in (("host", {}), ("avx2", avx2)):
+        env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / name), **extra)
+        r = subprocess.run([sys.executable, "-c", _OUTPUTS], env=env, capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-2000:]
+        got[name] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["avx2"].pop("pv_vectors") == 1
+    got["host"].pop("pv_vectors")
+    assert got["host"] == got["avx2"]

@@ -110,14 +110,24 @@ def exp_f32_ir(b: ir.IRBuilder, x):
 
 
 def tanh_f32_ir(b: ir.IRBuilder, x):
-    """:func:`tanh_f32` as LLVM IR on a float or a vector of floats (plain IEEE operations: the
-    same bits in a vector lane as in a scalar, which numba's fast-math division does not promise)."""
+    """:func:`tanh_f32` as LLVM IR on a float or a vector of floats, its division rounded once
+    (:func:`fdiv_ieee`): the same bits in a vector lane as in a scalar, on every instruction set."""
     ty = x.type
     lanes = ty.count if isinstance(ty, ir.VectorType) else 0
 
     def c(v):
         return ir.Constant(ty, [v] * lanes if lanes else v)
-    return b.fsub(c(1.0), b.fdiv(c(2.0), b.fadd(exp_f32_ir(b, b.fmul(c(2.0), x)), c(1.0))))
+    return b.fsub(c(1.0), fdiv_ieee(b, c(2.0), b.fadd(exp_f32_ir(b, b.fmul(c(2.0), x)), c(1.0))))
+
+
+def fdiv_ieee(b: ir.IRBuilder, x, y):
+    """x / y rounded once, as IEEE division, also inside a numba function compiled with fastmath:
+    numba adds its fast-math flags to every float operation of the module that has none, and
+    under their "arcp" (multiply by the reciprocal allowed) AVX2 and AVX-512 code rounded the
+    soft-capped attention scores differently. This one gets "nsz", which changes nothing here."""
+    d = b.fdiv(x, y)
+    d.flags.append("nsz")
+    return d
 
 
 @intrinsic
