@@ -37,6 +37,7 @@ from ..graph.blocks import PRECISIONS
 from ..graph.ir import Graph, GraphError, Node, Op, VIEW_OPS, plain_attrs, plugin_spec
 from cpullm_kernels.program import program_table as P
 from cpullm_kernels.program.formats import weight_format
+from .aligned import aligned_empty, aligned_zeros
 from .quant_blocks import BLOCK_QUANTS, BlockPlan, q8_0_as_q8, quantize_q4_rows, stored_blocks
 
 QUANT_MODES = ("int8", "f32", "q4", "gguf")     # q4 / gguf: raw ggml blocks (cpullm.compile.quant_blocks)
@@ -96,8 +97,8 @@ class _Blob:
 
     def build(self) -> np.ndarray:
         if not self.parts:
-            return np.zeros(16, self.dtype)
-        return np.concatenate(self.parts)
+            return aligned_zeros(16, self.dtype)
+        return np.concatenate(self.parts, out=aligned_empty(self.size, self.dtype))
 
 
 class _Scratch:

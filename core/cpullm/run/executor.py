@@ -15,6 +15,7 @@ import time
 import numba
 import numpy as np
 
+from ..compile.aligned import aligned_zeros
 from ..compile.compiler import Program
 from ..errors import ContextOverflowError, PromptError
 from cpullm_kernels.program import interpreter as K
@@ -507,17 +508,6 @@ def _plugin_calls(ex: Executor, calls: dict, ops: dict | None, impl: str) -> dic
         raise PluginError(f"the program uses plugin ops that are not installed: {missing}; install the "
                           "plugin again or clear the cache (`cpullm cache clear`)")
     return {int(r): _PluginCall(ex, c, ops[c["op"]], impl) for r, c in calls.items()}
-
-
-def aligned_zeros(shape, dtype=np.float32) -> np.ndarray:
-    """Zeros whose data starts on a 64-byte boundary (a cache line, an AVX-512 vector). numpy
-    takes arrays of 128 KiB and more from malloc's mapped chunks, which start 16 bytes into a
-    page, so every 64-byte load of the arena straddled two cache lines."""
-    shape = (int(shape),) if np.isscalar(shape) else tuple(int(d) for d in shape)
-    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    buf = np.zeros(nbytes + 64, np.uint8)
-    skip = -buf.ctypes.data % 64
-    return buf[skip: skip + nbytes].view(dtype).reshape(shape)
 
 
 def lazy_zeros(n: int) -> np.ndarray:

@@ -23,9 +23,10 @@ import numba
 import numpy as np
 
 from ..errors import ContextOverflowError
-from .executor import Executor, aligned_zeros, lazy_zeros
+from .executor import Executor, lazy_zeros
 from cpullm_kernels.program.formats import weight_format
 from ..compile import kvformat
+from ..compile.aligned import aligned_zeros
 
 
 class Slot:
