@@ -16,8 +16,6 @@ of the per-round old/new ratios (the figure a loaded machine disturbs least). Ru
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,23 +28,11 @@ from cpullm.compile.aligned import aligned_zeros
 from cpullm_kernels.attention import attention as new
 from cpullm_kernels.setup.numba_setup import configure
 
-REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from baseline import load_at_revision  # noqa: E402  (benchmarks/ab/baseline.py)
+
 SHAPES = {"smollm2": (9, 3, 64), "qwen2.5-0.5b": (14, 2, 64), "gemma3-270m": (4, 1, 256), "llama-1b": (32, 8, 64)}
 KV = {"f32": 0, "f16": 1, "q8_0": 2}
-
-
-def load_baseline(rev: str, tmp: Path):
-    path = "kernels/cpullm_kernels/attention/attention.py"
-    proc = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{path}"], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"attention_ab: git show {rev}:{path} failed: {proc.stderr.strip()}")
-    src = tmp / "attention_baseline.py"
-    src.write_text(proc.stdout)
-    spec = importlib.util.spec_from_file_location("cpullm_kernels.attention.attention_baseline", src)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def run_shape(mods, shape, T, chunk, code, threads, rounds):
@@ -91,7 +77,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     threads = configure(args.threads)
     with tempfile.TemporaryDirectory(prefix="cpullm-attention-ab-") as tmp:
-        old = load_baseline(args.old_rev, Path(tmp))
+        old = load_at_revision(args.old_rev, "kernels/cpullm_kernels/attention/attention.py",
+                               "cpullm_kernels.attention.attention_baseline", Path(tmp))
         print(f"threads {threads}, {args.tokens} tokens in chunks of {args.chunk}, KV {args.kv}, "
               f"value vectors per pass: old {old.PV_VECTORS}, new {new.PV_VECTORS}")
         for name in args.shapes.split(","):

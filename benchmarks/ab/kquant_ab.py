@@ -4,7 +4,7 @@
                                       [--shape 2048x8192] [--formats Q4_1,Q4_K] [--rounds 11] [--mb 64]
 
 The baseline ("old") is ``git show REV:PATH`` of this repository, written into a temporary
-directory and imported from there as a module of cpullm_kernels (its relative imports find the
+directory and imported from there as cpullm_kernels.rows.kquant_baseline (its relative imports find the
 working tree's helpers); nothing is written into the package folder.
 
 Each round runs one pass of the old kernel, one of the new and one plain parallel read
@@ -17,8 +17,6 @@ and whether the two outputs are bit-identical (else their largest difference / l
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,23 +30,8 @@ from cpullm_kernels.rows import kquant as new
 from cpullm_kernels.setup.bandwidth import as_words, read_sum_u32
 from cpullm_kernels.setup.numba_setup import configure
 
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def load_baseline(rev: str, path: str, tmp: Path):
-    """``git show REV:PATH`` of this repository as the module cpullm_kernels.kquant_baseline, its
-    source kept in ``tmp``."""
-    proc = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{path}"], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"kquant_ab: git show {rev}:{path} failed: {proc.stderr.strip()}")
-    src = tmp / "kquant_baseline.py"
-    src.write_text(proc.stdout)
-    spec = importlib.util.spec_from_file_location("cpullm_kernels.kquant_baseline", src)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from baseline import load_at_revision  # noqa: E402  (benchmarks/ab/baseline.py)
 
 
 def main(argv=None) -> int:
@@ -62,7 +45,7 @@ def main(argv=None) -> int:
     ap.add_argument("--old-path", default="kernels/cpullm_kernels/rows/kquant.py", help="the kernel's file at that revision")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="cpullm-kquant-ab-") as tmp:
-        return run(args, load_baseline(args.old_rev, args.old_path, Path(tmp)))
+        return run(args, load_at_revision(args.old_rev, args.old_path, "cpullm_kernels.rows.kquant_baseline", Path(tmp)))
 
 
 def run(args, old) -> int:
