@@ -4,8 +4,9 @@
                                       [--shape 2048x8192] [--formats Q4_1,Q4_K] [--rounds 11] [--mb 64]
 
 The baseline ("old") is ``git show REV:PATH`` of this repository, written into a temporary
-directory and imported from there as cpullm_kernels.rows.kquant_baseline (its relative imports find the
-working tree's helpers); nothing is written into the package folder.
+directory and imported from there as cpullm_kernels.rows.kquant_baseline (its relative imports
+find the working tree's helpers; benchmarks/ab/baseline.py); nothing is written into the package
+folder.
 
 Each round runs one pass of the old kernel, one of the new and one plain parallel read
 (``bandwidth.read_sum_u32``) over the same copies of a random N x K matrix of blocks (``--mb``
