@@ -131,12 +131,22 @@ TILES = {"avx2": (6, 3, 2, 1)}.get(ISA, (8, 4, 2, 1))
 reading the panel's quants once and unpacking them once for all its rows. AVX2 keeps a row's 16
 lanes in two ymm halves, so 8 rows of float sums (32 registers) spill from its 16: 6 and 3 rows
 ran Q4_K at 121-133 GMAC/s on 2 Zen 4 cores where 8 ran 107-116."""
-SKIP_LARGEST_TILE = {("vnni", Q4_K), ("avx2", Q6_K)}
+
+MINS_APART = ISA == "avx2"
+"""Whether a super-block's min sums (the mins times the activations' sums) run in a loop of their
+own after its quants' sums, not beside them: the same steps in the same order per lane, but the
+min sums' registers are free while the quants are multiplied. On AVX2 (16 ymm registers, a row's
+16 lanes in two) the 6-row tile then ran Q4_K at 135-143 GMAC/s where it ran 104-132, Q6_K at
+105-113 where it ran 55-85 (2 Zen 4 cores, B = 512, 8192 x 2048 and 2048 x 8192, two runs of
+benchmarks/ab/panel_tiles.py each, the two builds one after the other). With AVX-512's 32 zmm it
+cost Q4_K's 4-row tile (227-273 GMAC/s against 280-292), so only AVX2."""
+
+SKIP_LARGEST_TILE = {("vnni", Q4_K)}
 """(ISA, format) pairs that start at the second of TILES, not the largest: measured at
 8192 x 2048 and 2048 x 8192, B = 512, medians of 9 interleaved runs, 2 Zen 4 cores: vnni Q4_K 4
-rows 289-302 GMAC/s, 8 rows 263-268 (Q6_K: 8 rows 204-213, 4 rows 185-202); avx2 Q6_K 3 rows
-90-95, 6 rows 82-84, 8 rows 85 (benchmarks/ab/panel_tiles.py). The tile changes no number:
-every lane runs the same float steps whatever tile holds its row."""
+rows 289-302 GMAC/s, 8 rows 263-268 (Q6_K: 8 rows 204-213, 4 rows 185-202)
+(benchmarks/ab/panel_tiles.py). The tile changes no number: every lane runs the same float steps
+whatever tile holds its row."""
 
 
 PANELED = 256
@@ -447,7 +457,7 @@ def _define_tile(module, fmt: int, isa: str, TR: int, V: int, prefetch: bool = T
     i64 xm_stride, i8* out, i64 out_stride): out[t, 16 v .. 16 v + 15] for t < TR, v < V = the
     16 rows of panel v (the panels at w, each nsb super-blocks) against activation row t. Strides
     in bytes."""
-    name = f"cpullm_kq_panel_tile_{fmt}_{isa}_{TR}x{V}" + ("" if prefetch else "_nopf")
+    name = f"cpullm_kq_panel_tile_{fmt}_{isa}_{TR}x{V}" + ("" if prefetch else "_nopf") + ("_ma" if MINS_APART else "")
     fn = module.globals.get(name)
     if fn is not None:
         return fn
@@ -509,7 +519,24 @@ def _define_tile(module, fmt: int, isa: str, TR: int, V: int, prefetch: bool = T
                 for t in range(TR):
                     a = t * V + v
                     accs[a] = bb.call(fma, [bb.sitofp(sums[t], _V16F32), bb.fmul(fj, xsv[t]), accs[a]])
-                    ms[a] = bb.call(fma, [mnf if fmt == Q4_K else scf, xmv[t], ms[a]])
+                    if not MINS_APART:
+                        ms[a] = bb.call(fma, [mnf if fmt == Q4_K else scf, xmv[t], ms[a]])
+        for j in range(nsub) if MINS_APART else ():   # the min sums, after the quants' (registers)
+            blk = bb.add(bb.mul(s, const_i64(SUPER // 32)), const_i64(j * sub // 32))
+            if fmt == Q4_K:
+                i2 = bb.mul(blk, const_i64(2))
+                xmv = [fsplat(bb.fadd(bb.load(bb.gep(xmrow[t], [i2]), align=4),
+                                      bb.load(bb.gep(xmrow[t], [bb.add(i2, const_i64(1))]), align=4))) for t in range(TR)]
+            else:
+                i16 = bb.add(bb.mul(s, const_i64(16)), const_i64(j))
+                xmv = [fsplat(bb.load(bb.gep(xmrow[t], [i16]), align=4)) for t in range(TR)]
+            for v, sbp in enumerate(sbps):
+                if fmt == Q4_K:
+                    mw = bb.sitofp(_code(bb, words[v][2 * (j // 4) + 1], j % 4), _V16F32)
+                else:
+                    mw = bb.sitofp(bb.sext(_load(bb, sbp, 32 + 16 * j, ir.VectorType(I8, 16)), _V16I32), _V16F32)
+                for t in range(TR):
+                    ms[t * V + v] = bb.call(fma, [mw, xmv[t], ms[t * V + v]])
         offs = [bb.fneg(halves_to_floats(bb, _load(bb, sbp, 32, _V16I16, 2))) if fmt == Q4_K
                 else bb.fmul(ds[v], ir.Constant(_V16F32, [-32.0] * 16)) for v, sbp in enumerate(sbps)]
         return [bb.call(fma, [offs[a % V], ms[a], accs[a]]) for a in range(TR * V)]
