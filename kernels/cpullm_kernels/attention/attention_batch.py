@@ -14,8 +14,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .attention import (MAX_CHUNKS, STREAM_ROWS, TILE, aligned_scratch, attend_part, combine_parts, keep_part, kv_base,
-                        normalize_into, key_splits, kv_write, q8_head_scales)
+from .attention import (MAX_CHUNKS, STREAM_ROWS, TILE, aligned_scratch, attend_part, combine_parts, keep_part,
+                        kv_base, normalize_into, key_splits, kv_write, q8_head_scales)
 
 
 @njit(cache=True, parallel=True, fastmath=True, error_model="numpy")

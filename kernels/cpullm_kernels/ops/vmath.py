@@ -81,9 +81,11 @@ def tanh_array(x, out):
 
 def exp_f32_ir(b: ir.IRBuilder, x):
     """:func:`exp_f32` as LLVM IR on a float or a vector of floats ``x``, the same operations in
-    the same order (no fast-math flags, so no contraction or reassociation either way), hence the
-    same bits: for kernels written in IR, where numba's loops over :func:`exp_f32` ran scalar (the
-    attention softmax: 0.4 ns an element, 0.03 as vectors)."""
+    the same order, hence the same bits inside a function compiled as numba compiles one with
+    fastmath without "reassoc" and "contract" (the flags numba then adds reorder and fuse
+    nothing). For kernels written in IR, where numba left loops over :func:`exp_f32` scalar: the
+    attention softmax ran at 0.4 ns an element a pass, and took 0.81 ms in vectors where it took
+    1.77 (a SmolLM2 layer's 512-token prefill, AVX2, one thread)."""
     ty = x.type
     lanes = ty.count if isinstance(ty, ir.VectorType) else 0
     i32 = ir.IntType(32)
