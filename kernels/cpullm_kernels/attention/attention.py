@@ -1188,8 +1188,9 @@ def attend_part(arena, state, q0, nq, hd, k_base, v_base, ks_base, vs_base, cap,
 @njit(cache=True, inline="always")
 def aligned_scratch(n):
     """n float32 of scratch starting on a 64-byte boundary. The kernels load the scores and sums
-    in 64-byte vectors; numba's np.empty aligns to 16 bytes, and a row that straddles cache lines
-    made one run of SmolLM2's prefill attention take 5.9 ms and the next 3.2 (AVX2, 512 tokens)."""
+    in 64-byte vectors, and numba's np.empty does not promise that alignment: with rows that
+    straddled cache lines one run of SmolLM2's prefill attention took 5.9 ms and the next 3.2
+    (AVX2, 512 tokens)."""
     buf = np.empty(n + TILE, np.float32)
     skip = (64 - buf.ctypes.data % 64) % 64 // 4
     return buf[skip: skip + n]
