@@ -58,6 +58,29 @@ def test_kernel_equals_reference_for_every_batch_size(fmt, N, K):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+def test_many_matrices_at_once_give_each_matrix_s_own_numbers(fmt):
+    """matmul_many: several matrices, each on its own rows into its own rows and columns of one
+    output, bit for bit what matmul gives each alone (the routed experts' path)."""
+    K = 512
+    packed = [KP.pack(fmt, _raw(fmt, N, K, seed=N)) for N in (48, 80, 16)]
+    w = np.concatenate(packed)
+    _, x_q, x_s, x_m = _acts(7, K, seed=2)
+    spans = [(0, 3, 2, 0), (0, 3, 2, 48), (3, 4, 5, 0)]     # rows of x, rows of out, column
+    table, off = [], 0
+    for p, N, (r0, nr, o0, col0) in zip(packed, (48, 80, 16), spans):
+        table.append([off, N, r0, nr, o0, col0])
+        off += p.size
+    out = np.full((9, 128), np.nan, np.float32)
+    KP.matmul_many(fmt, w, np.array(table, np.int64), x_q, x_s, x_m, out, 2)
+    for p, (_, N, r0, nr, o0, col0) in zip(packed, table):
+        alone = np.empty((nr, N), np.float32)
+        KP.matmul(fmt, p, x_q[r0: r0 + nr], x_s[r0: r0 + nr], x_m[r0: r0 + nr], alone, 2)
+        assert np.array_equal(out[o0: o0 + nr, col0: col0 + N], alone)
+    with pytest.raises(ValueError, match="outside"):
+        KP.matmul_many(fmt, w, np.array([[0, 48, 5, 4, 6, 0]], np.int64), x_q, x_s, x_m, out, 2)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_prefill_entry_quantizes_like_decode(fmt):
     N, K = 32, 512
     packed = KP.pack(fmt, _raw(fmt, N, K, seed=3))

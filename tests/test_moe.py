@@ -134,6 +134,35 @@ def test_quantized_experts_batch_invariant_and_close_to_f32(quant):
     assert err < (0.02 if quant == "int8" else 0.03), err
 
 
+@pytest.mark.parametrize("quant", ["int8", "q4"])
+def test_chosen_experts_at_once_equal_one_expert_at_a_time(quant):
+    """The routed experts' matrices of a step go through two calls (every gate and up, then every
+    down: formats.matmul_many) where they went three an expert: the same numbers, bit for bit,
+    for a decode row and for a batch whose rows share experts."""
+    H, V, E, k, inter = 256, 40, 8, 2, 256
+    a = _arrays(H, V, E, inter, 0, False, seed=2)
+    graph = _graph(H, V, E, k, inter, "softmax_topk", True, 0, False, experts_only=True)
+    ex = Executor(compile_graph(graph, _ArrayWeights(a), quant=quant, n_ctx=32, max_chunk=8))
+    call = next(iter(ex.moe.values()))
+    rng = np.random.default_rng(7)
+    for T in (1, 5):
+        x = rng.standard_normal((T, H)).astype(np.float32)
+        idx, wts = np.empty((T, k), np.int64), np.empty((T, k), np.float32)
+        M.route(x, a["layers.0.moe.router"], k, M.ROUTE_SOFTMAX_TOPK, True, idx, wts)
+        counts = np.bincount(idx.ravel(), minlength=E + 1).astype(np.int64)
+        start = np.concatenate([[0], np.cumsum(counts[:E])]).astype(np.int64)
+        pairs = np.argsort(idx.ravel(), kind="stable").astype(np.int64)     # t * k + j, by expert
+        assert M._all_at_once(call.table, counts, E, inter, H)
+        got = np.empty((T * k, H), np.float32)
+        M._chosen_at_once(ex.wq, ex.ws, call.wb, call.table, counts, start, pairs, x, k, inter,
+                          M.ACT_SILU, got, 2)
+        for e in np.flatnonzero(counts[:E]):
+            mine = pairs[start[e]: start[e] + counts[e]]
+            want = np.empty((len(mine), H), np.float32)
+            M._expert(ex.wq, ex.ws, ex.wf, call.wb, call.table, e, inter, M.ACT_SILU, x[mine // k], want, 2)
+            np.testing.assert_array_equal(got[mine], want)
+
+
 def _as_q4(name, w):
     """An expert matrix as q4 mode stores it, dequantized (others unchanged)."""
     from cpullm_kernels.rows.gguf_blocks import dequantize_ref

@@ -77,6 +77,7 @@ Entry points:
     fields_ref(fmt, packed, N, K) -> the rows' numbers (d, dmin, sc, mn, q)   numpy
     dequantize_ref(fmt, packed, N, K) -> float32 (N, K)                       numpy
     matmul(fmt, w, x_q (B, Kp), x_s, x_m, out (B, >= N), nthreads)            @njit, parallel
+    matmul_many(fmt, w, mats, x_q, x_s, x_m, out, nthreads)                   several matrices at once
     matmul_float(fmt, x float32 (T, K), w, N, out)                            prefill (quantizes x)
     scaled_row_into(fmt, w, Kp, n, scale, out)                                @njit, an EMBED row
     matmul_ref(fmt, packed, N, x_q, x_s, x_m) -> float32 (B, N)               numpy
@@ -642,6 +643,47 @@ def matmul(fmt, w, x_q, x_s, x_m, out, nthreads):
         for grp in range(c * ngroups // nth, (c + 1) * ngroups // nth):
             g = grp * GROUP
             _panels(fmt, w, g, min(GROUP, npan - g), x_q, x_s, x_m, out[:, g * PANEL:])
+
+
+@njit(cache=True, parallel=True)
+def matmul_many(fmt, w, mats, x_q, x_s, x_m, out, nthreads):
+    """Several matrices of one format in one parallel region: for each row m of ``mats`` (int64
+    (M, 6): w_off, N, row0, nrows, out_row0, col0), out[out_row0 .. + nrows, col0 .. col0 + N] =
+    the matrix of N rows at w[w_off:] (:func:`pack`'s layout) against rows row0 .. row0 + nrows
+    of (x_q, x_s, x_m) (:func:`matmul`'s shapes, one Kp for all). Work items are (matrix, group of
+    GROUP panels), split over the threads in contiguous ranges: a routed layer's 8 experts of
+    768 x 2048 took 0.24 ms as 8 calls of :func:`matmul` and 0.18 ms as one matrix of their rows
+    (Zen 4, 2 threads), the difference being the calls' thread starts and their ragged ends. Each
+    row's numbers are :func:`matmul`'s (the same tiles per group)."""
+    Kp = x_q.shape[1]
+    nsb = Kp // SUPER
+    row_bytes = nsb * block_bytes(fmt)
+    if fmt != Q4_K and fmt != Q6_K:
+        raise ValueError("kquant_panels.matmul_many: the format must be Q4_K or Q6_K")
+    M = mats.shape[0]
+    first = np.zeros(M + 1, np.int64)
+    for m in range(M):
+        N = mats[m, 1]
+        if (Kp % SUPER != 0 or nsb == 0 or N % PANEL != 0 or mats[m, 0] < 0
+                or mats[m, 0] + N * row_bytes > w.shape[0] or mats[m, 2] < 0
+                or mats[m, 2] + mats[m, 3] > x_q.shape[0] or mats[m, 3] < 0 or mats[m, 4] < 0
+                or mats[m, 4] + mats[m, 3] > out.shape[0] or mats[m, 5] < 0 or mats[m, 5] + N > out.shape[1]):
+            raise ValueError("kquant_panels.matmul_many: a matrix or its rows lie outside the operands")
+        first[m + 1] = first[m] + (N // PANEL + GROUP - 1) // GROUP
+    total = first[M]
+    nth = max(1, min(nthreads, total))
+    for c in prange(nth):
+        m = 0
+        for item in range(c * total // nth, (c + 1) * total // nth):
+            while item >= first[m + 1]:
+                m += 1
+            w_off, N, r0, nr, o0, col0 = mats[m, 0], mats[m, 1], mats[m, 2], mats[m, 3], mats[m, 4], mats[m, 5]
+            if nr == 0:
+                continue
+            g = (item - first[m]) * GROUP
+            npan = N // PANEL
+            _panels(fmt, w[w_off: w_off + N * row_bytes], g, min(GROUP, npan - g), x_q[r0: r0 + nr],
+                    x_s[r0: r0 + nr], x_m[r0: r0 + nr], out[o0: o0 + nr, col0 + g * PANEL:])
 
 
 @njit(cache=True, parallel=True)

@@ -482,6 +482,44 @@ def panels_matmul(wp, sp, N, x_q, x_s, out, nthreads):
                     out[t, nfull * GROUP * PANEL + j] = edge[t, j]
 
 
+@njit(cache=True, parallel=True)
+def panels_matmul_many(wq, ws, mats, x_q, x_s, out, nthreads):
+    """Several q8 panel matrices in one parallel region: for each row m of ``mats`` (int64
+    (M, 7): w_off, s_off, N, row0, nrows, out_row0, col0; N a multiple of ROW_ALIGN),
+    out[out_row0 .. + nrows, col0 .. col0 + N] = the matrix at wq[w_off:] / ws[s_off:] (:func:`panels_matmul`'s
+    layout) against rows row0 .. row0 + nrows of (x_q, x_s), one Kp for all. Work items are
+    (matrix, group of GROUP panels) split over the threads in contiguous ranges, so the routed
+    experts of a layer cost one thread start, not one a matrix; each row's numbers are
+    :func:`panels_matmul`'s (the same tiles per group)."""
+    Kp = x_q.shape[1]
+    nb = Kp // QBLOCK
+    M = mats.shape[0]
+    first = np.zeros(M + 1, np.int64)
+    for m in range(M):
+        N = mats[m, 2]
+        if (Kp % QBLOCK != 0 or N % ROW_ALIGN != 0 or mats[m, 0] < 0 or mats[m, 1] < 0
+                or mats[m, 0] + N * Kp > wq.shape[0] or mats[m, 1] + N * nb > ws.shape[0]
+                or mats[m, 3] < 0 or mats[m, 4] < 0 or mats[m, 3] + mats[m, 4] > x_q.shape[0] or mats[m, 5] < 0
+                or mats[m, 5] + mats[m, 4] > out.shape[0] or mats[m, 6] < 0 or mats[m, 6] + N > out.shape[1]):
+            raise ValueError("panels_matmul_many: a matrix or its rows lie outside the operands")
+        first[m + 1] = first[m] + N // (GROUP * PANEL)
+    total = first[M]
+    nth = max(1, min(nthreads, total))
+    for c in prange(nth):
+        acc = np.empty((YMM_TILE_ROWS, GROUP * PANEL), np.float32)
+        m = 0
+        for item in range(c * total // nth, (c + 1) * total // nth):
+            while item >= first[m + 1]:
+                m += 1
+            w_off, s_off, N, r0, nr = mats[m, 0], mats[m, 1], mats[m, 2], mats[m, 3], mats[m, 4]
+            o0, col0 = mats[m, 5], mats[m, 6]
+            if nr == 0:
+                continue
+            grp = item - first[m]
+            _group(wq[w_off: w_off + N * Kp], ws[s_off: s_off + N * nb], grp * GROUP, x_q[r0: r0 + nr],
+                   x_s[r0: r0 + nr], out[o0: o0 + nr], col0 + grp * GROUP * PANEL, acc)
+
+
 @njit(cache=True, nogil=True)
 def _quantize_rows(x, x_q, x_s):
     for t in range(x.shape[0]):

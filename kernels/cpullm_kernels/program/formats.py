@@ -41,8 +41,9 @@ from numba import njit
 
 from ..panels.kquant_panels import PANELED
 from ..panels.kquant_panels import matmul as matmul_kpanels
+from ..panels.kquant_panels import matmul_many as matmul_kpanels_many
 from ..panels.kquant_panels import scaled_row_into as scaled_kpanel_row_into
-from ..panels.q8_panels import padded_rows, panels_matmul, scaled_row_into
+from ..panels.q8_panels import ROW_ALIGN, padded_rows, panels_matmul, panels_matmul_many, scaled_row_into
 from ..rows.batch_linear import linear_rows_f32
 from ..rows.gguf_blocks import BY_TYPE
 from ..rows.kquant import matvec as matvec_blocks
@@ -280,13 +281,11 @@ def matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, wbp, x, out, xq, xs, 
     quantized activations at the start of the scratch (the interpreter's refinement reads them)."""
     T, K = x.shape
     nb = Kp // 32
+    quantize_rows_into(kind, Kp, x, xq, xs)
     if kind == WEIGHT_Q8:
-        x_q = xq[:T * Kp].reshape((T, Kp))
-        x_s = xs[:T * nb].reshape((T, nb))
-        for t in range(T):
-            quantize_act_q16(x[t], x_q[t], x_s[t])
         Np = padded_rows(N)
-        panels_matmul(wq[w_off: w_off + Np * Kp], ws[s_off: s_off + Np * nb], N, x_q, x_s, out, nthreads)
+        panels_matmul(wq[w_off: w_off + Np * Kp], ws[s_off: s_off + Np * nb], N, xq[:T * Kp].reshape((T, Kp)),
+                      xs[:T * nb].reshape((T, nb)), out, nthreads)
     elif kind == WEIGHT_BLOCKS:
         if wb is None:
             raise ValueError("cpullm formats: a matrix of raw ggml blocks needs wb")
@@ -295,14 +294,6 @@ def matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, wbp, x, out, xq, xs, 
         x_q = xq.view(np.int8)[:T * Kp].reshape((T, Kp))
         x_s = xs[:T * nb].reshape((T, nb))
         x_m = xs[T * nb: T * nb + T * 2 * nb].reshape((T, 2 * nb))
-        for t in range(T):
-            quantize_act_q8(x[t], x_q[t, :K], x_s[t, :K // 32], x_m[t, :K // 16])
-            for j in range(K, Kp):          # padding weights are zero: their activations too
-                x_q[t, j] = 0
-            for j in range(K // 32, nb):
-                x_s[t, j] = 0.0
-            for j in range(K // 16, 2 * nb):
-                x_m[t, j] = 0.0
         if s_off >= PANELED:                # Q4_K / Q6_K in panels of 16 rows
             if wbp is None:
                 raise ValueError("cpullm formats: a matrix in Q4_K / Q6_K panels needs wbp")
@@ -320,6 +311,70 @@ def matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, wbp, x, out, xq, xs, 
             linear_rows_f32(x, w, out[:, :N])
     else:
         raise ValueError("cpullm formats: unknown weight kind")
+
+
+@njit(cache=True)
+def quantize_rows_into(kind, Kp, x, xq, xs):
+    """The activations of rows x (T, K) as :func:`matmul_rows` multiplies them by a matrix of
+    ``kind``, each row alone: q8 int16 in xq[:T * Kp], scales in xs[:T * Kp // 32]; raw blocks
+    int8 in xq's bytes, scales xs[:T nb], the sums of 16 xs[T nb: 3 T nb] (nb = Kp // 32), zero
+    past K; float32 nothing (its kernels read x)."""
+    T, K = x.shape
+    nb = Kp // 32
+    if kind == WEIGHT_Q8:
+        x_q = xq[:T * Kp].reshape((T, Kp))
+        x_s = xs[:T * nb].reshape((T, nb))
+        for t in range(T):
+            quantize_act_q16(x[t], x_q[t], x_s[t])
+    elif kind == WEIGHT_BLOCKS:
+        x_q = xq.view(np.int8)[:T * Kp].reshape((T, Kp))
+        x_s = xs[:T * nb].reshape((T, nb))
+        x_m = xs[T * nb: T * nb + T * 2 * nb].reshape((T, 2 * nb))
+        for t in range(T):
+            quantize_act_q8(x[t], x_q[t, :K], x_s[t, :K // 32], x_m[t, :K // 16])
+            for j in range(K, Kp):          # padding weights are zero: their activations too
+                x_q[t, j] = 0
+            for j in range(K // 32, nb):
+                x_s[t, j] = 0.0
+            for j in range(K // 16, 2 * nb):
+                x_m[t, j] = 0.0
+
+
+@njit(cache=True)
+def many_at_once(kind, s_off, N):
+    """Whether :func:`matmul_many` takes a matrix of ``kind`` (s_off its scales' offset or ggml
+    type) with N rows: q8 panels of whole groups, Q4_K / Q6_K panels."""
+    if kind == WEIGHT_Q8:
+        return N % ROW_ALIGN == 0
+    return kind == WEIGHT_BLOCKS and s_off >= PANELED
+
+
+@njit(cache=True)
+def matmul_many(kind, fmt, Kp, wq, ws, wbp, mats, x, out, xq, xs, nthreads):
+    """Several matrices of one kind (and ggml type ``fmt`` for panels) in one parallel region:
+    for each row m of ``mats`` (int64 (M, 7): w_off, s_off, N, row0, nrows, out_row0, col0),
+    out[out_row0 .. + nrows, col0 .. col0 + N] = rows row0 .. row0 + nrows of x (T, K) times the matrix,
+    each row's activations quantized alone (:func:`quantize_rows_into`), so every number is
+    :func:`matmul_rows`'. Every matrix must pass :func:`many_at_once`; scratch as matmul_rows'."""
+    T = x.shape[0]
+    nb = Kp // 32
+    quantize_rows_into(kind, Kp, x, xq, xs)
+    if kind == WEIGHT_Q8:
+        panels_matmul_many(wq, ws, mats, xq[:T * Kp].reshape((T, Kp)), xs[:T * nb].reshape((T, nb)), out,
+                           nthreads)
+    elif kind == WEIGHT_BLOCKS:
+        if wbp is None:
+            raise ValueError("cpullm formats: a matrix in Q4_K / Q6_K panels needs wbp")
+        m6 = np.empty((mats.shape[0], 6), np.int64)       # s_off (the ggml type) dropped
+        for m in range(mats.shape[0]):
+            m6[m, 0] = mats[m, 0]
+            for c in range(1, 6):
+                m6[m, c] = mats[m, c + 1]
+        matmul_kpanels_many(fmt, wbp, m6, xq.view(np.int8)[:T * Kp].reshape((T, Kp)),
+                            xs[:T * nb].reshape((T, nb)), xs[T * nb: T * nb + T * 2 * nb].reshape((T, 2 * nb)),
+                            out, nthreads)
+    else:
+        raise ValueError("cpullm formats: matmul_many takes q8 and Q4_K / Q6_K panels")
 
 
 @njit(cache=True, inline="always")
