@@ -480,6 +480,15 @@ def _define_tile(module, fmt: int, isa: str, TR: int, V: int, prefetch: bool = T
 
     def superblock(bb, s, accs):
         fsplat = lambda v: _fsplat(bb, v)  # noqa: E731
+
+        def act_sums(blk, j):
+            """Per row, the activations' sums that sub-block j's min (Q4_K) or scale (Q6_K) multiplies."""
+            if fmt == Q4_K:
+                i2 = bb.mul(blk, const_i64(2))
+                return [fsplat(bb.fadd(bb.load(bb.gep(xmrow[t], [i2]), align=4),
+                                       bb.load(bb.gep(xmrow[t], [bb.add(i2, const_i64(1))]), align=4))) for t in range(TR)]
+            i16 = bb.add(bb.mul(s, const_i64(16)), const_i64(j))
+            return [fsplat(bb.load(bb.gep(xmrow[t], [i16]), align=4)) for t in range(TR)]
         sbps = [bb.gep(wpan[v], [bb.mul(s, const_i64(sbytes))]) for v in range(V)]
         for sbp in sbps if prefetch else ():
             for line in range(0, sbytes, 64):
@@ -493,13 +502,7 @@ def _define_tile(module, fmt: int, isa: str, TR: int, V: int, prefetch: bool = T
             xp = [bb.gep(xrow[t], [k0]) for t in range(TR)]
             blk = bb.add(bb.mul(s, const_i64(SUPER // 32)), const_i64(j * sub // 32))
             xsv = [fsplat(bb.load(bb.gep(xsrow[t], [blk]), align=4)) for t in range(TR)]
-            if fmt == Q4_K:
-                i2 = bb.mul(blk, const_i64(2))
-                xmv = [fsplat(bb.fadd(bb.load(bb.gep(xmrow[t], [i2]), align=4),
-                                      bb.load(bb.gep(xmrow[t], [bb.add(i2, const_i64(1))]), align=4))) for t in range(TR)]
-            else:
-                i16 = bb.add(bb.mul(s, const_i64(16)), const_i64(j))
-                xmv = [fsplat(bb.load(bb.gep(xmrow[t], [i16]), align=4)) for t in range(TR)]
+            xmv = None if MINS_APART else act_sums(blk, j)
             for v, sbp in enumerate(sbps):
                 vecs = _unpacked(bb, fmt, sbp, j, high_in_place=isa == "vnni")
                 if isa == "vnni":
@@ -512,7 +515,7 @@ def _define_tile(module, fmt: int, isa: str, TR: int, V: int, prefetch: bool = T
                     sums = _generic_sums(bb, vecs, xp)
                 if fmt == Q4_K:
                     sc = _code(bb, words[v][2 * (j // 4)], j % 4)
-                    mnf = bb.sitofp(_code(bb, words[v][2 * (j // 4) + 1], j % 4), _V16F32)
+                    mnf = None if MINS_APART else bb.sitofp(_code(bb, words[v][2 * (j // 4) + 1], j % 4), _V16F32)
                 else:
                     sc = bb.sext(_load(bb, sbp, 32 + 16 * j, ir.VectorType(I8, 16)), _V16I32)
                 scf = bb.sitofp(sc, _V16F32)
@@ -523,14 +526,7 @@ def _define_tile(module, fmt: int, isa: str, TR: int, V: int, prefetch: bool = T
                     if not MINS_APART:
                         ms[a] = bb.call(fma, [mnf if fmt == Q4_K else scf, xmv[t], ms[a]])
         for j in range(nsub) if MINS_APART else ():   # the min sums, after the quants' (registers)
-            blk = bb.add(bb.mul(s, const_i64(SUPER // 32)), const_i64(j * sub // 32))
-            if fmt == Q4_K:
-                i2 = bb.mul(blk, const_i64(2))
-                xmv = [fsplat(bb.fadd(bb.load(bb.gep(xmrow[t], [i2]), align=4),
-                                      bb.load(bb.gep(xmrow[t], [bb.add(i2, const_i64(1))]), align=4))) for t in range(TR)]
-            else:
-                i16 = bb.add(bb.mul(s, const_i64(16)), const_i64(j))
-                xmv = [fsplat(bb.load(bb.gep(xmrow[t], [i16]), align=4)) for t in range(TR)]
+            xmv = act_sums(bb.add(bb.mul(s, const_i64(SUPER // 32)), const_i64(j * sub // 32)), j)
             for v, sbp in enumerate(sbps):
                 if fmt == Q4_K:
                     mw = bb.sitofp(_code(bb, words[v][2 * (j // 4) + 1], j % 4), _V16F32)
