@@ -281,7 +281,7 @@ def matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, wbp, x, out, xq, xs, 
     quantized activations at the start of the scratch (the interpreter's refinement reads them)."""
     T, K = x.shape
     nb = Kp // 32
-    quantize_rows_into(kind, Kp, x, xq, xs)
+    quantize_rows_into(kind, Kp, x, xq, xs, wb)
     if kind == WEIGHT_Q8:
         Np = padded_rows(N)
         panels_matmul(wq[w_off: w_off + Np * Kp], ws[s_off: s_off + Np * nb], N, xq[:T * Kp].reshape((T, Kp)),
@@ -314,11 +314,12 @@ def matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, wbp, x, out, xq, xs, 
 
 
 @njit(cache=True)
-def quantize_rows_into(kind, Kp, x, xq, xs):
+def quantize_rows_into(kind, Kp, x, xq, xs, wb):
     """The activations of rows x (T, K) as :func:`matmul_rows` multiplies them by a matrix of
     ``kind``, each row alone: q8 int16 in xq[:T * Kp], scales in xs[:T * Kp // 32]; raw blocks
     int8 in xq's bytes, scales xs[:T nb], the sums of 16 xs[T nb: 3 T nb] (nb = Kp // 32), zero
-    past K; float32 nothing (its kernels read x)."""
+    past K; float32 nothing (its kernels read x). ``wb``: the raw blocks' bytes, None in a program
+    without them (numba then compiles no int8 quantizer here)."""
     T, K = x.shape
     nb = Kp // 32
     if kind == WEIGHT_Q8:
@@ -327,6 +328,8 @@ def quantize_rows_into(kind, Kp, x, xq, xs):
         for t in range(T):
             quantize_act_q16(x[t], x_q[t], x_s[t])
     elif kind == WEIGHT_BLOCKS:
+        if wb is None:
+            raise ValueError("cpullm formats: a matrix of raw ggml blocks needs wb")
         x_q = xq.view(np.int8)[:T * Kp].reshape((T, Kp))
         x_s = xs[:T * nb].reshape((T, nb))
         x_m = xs[T * nb: T * nb + T * 2 * nb].reshape((T, 2 * nb))
@@ -358,7 +361,7 @@ def matmul_many(kind, fmt, Kp, wq, ws, wbp, mats, x, out, xq, xs, nthreads):
     :func:`matmul_rows`'. Every matrix must pass :func:`many_at_once`; scratch as matmul_rows'."""
     T = x.shape[0]
     nb = Kp // 32
-    quantize_rows_into(kind, Kp, x, xq, xs)
+    quantize_rows_into(kind, Kp, x, xq, xs, wbp)
     if kind == WEIGHT_Q8:
         panels_matmul_many(wq, ws, mats, xq[:T * Kp].reshape((T, Kp)), xs[:T * nb].reshape((T, nb)), out,
                            nthreads)
