@@ -65,7 +65,7 @@ def test_many_matrices_at_once_give_each_matrix_s_own_numbers(fmt):
     packed = [KP.pack(fmt, _raw(fmt, N, K, seed=N)) for N in (48, 80, 16)]
     w = np.concatenate(packed)
     _, x_q, x_s, x_m = _acts(7, K, seed=2)
-    spans = [(0, 3, 2, 0), (0, 3, 2, 48), (3, 4, 5, 0)]     # rows of x, rows of out, column
+    spans = [(0, 3, 2, 0), (0, 3, 2, 48), (3, 4, 5, 0)]     # first row of x, rows, first row of out, column
     table, off = [], 0
     for p, N, (r0, nr, o0, col0) in zip(packed, (48, 80, 16), spans):
         table.append([off, N, r0, nr, o0, col0])

@@ -66,21 +66,20 @@ def test_kernel_equals_reference_and_float64(N, K):
 def test_many_matrices_at_once_give_each_matrix_s_own_numbers():
     """panels_matmul_many: several matrices, each on its own rows into its own rows and columns
     of one output, bit for bit what panels_matmul gives each alone (the routed experts' path)."""
-    K = 320
-    mats = [_weights(N, K, seed=N) for N in (64, 128, 64)]
-    packed = [qp.pack_panels(w_q, w_s) for w_q, w_s in mats]
+    K, sizes = 320, (64, 128, 64)
+    packed = [qp.pack_panels(*_weights(N, K, seed=N)) for N in sizes]
     wq = np.concatenate([wp for wp, _ in packed])
     ws = np.concatenate([sp for _, sp in packed])
     _, x_q, x_s = _acts(7, K, seed=3)
-    # (rows of x, rows of out, column): matrix 1 reads the rows matrix 0 reads and writes beside it
+    # (first row of x, rows, first row of out, column): matrix 1 reads matrix 0's rows, writes beside it
     spans = [(0, 3, 2, 0), (0, 3, 2, 64), (3, 4, 5, 0)]
     table, w_off, s_off = [], 0, 0
-    for (wp, sp), (N, _), (r0, nr, o0, col0) in zip(packed, [(64, 0), (128, 0), (64, 0)], spans):
-        table.append([w_off, s_off, N, r0, nr, o0, col0])
+    for (wp, sp), N, span in zip(packed, sizes, spans):
+        table.append([w_off, s_off, N, *span])
         w_off, s_off = w_off + wp.size, s_off + sp.size
     out = np.full((9, 192), np.nan, np.float32)
     qp.panels_matmul_many(wq, ws, np.array(table, np.int64), x_q, x_s, out, 2)
-    for (wp, sp), (N, r0, nr, o0, col0) in zip(packed, [(t[2], *t[3:]) for t in table]):
+    for (wp, sp), N, (r0, nr, o0, col0) in zip(packed, sizes, spans):
         alone = np.empty((nr, N), np.float32)
         qp.panels_matmul(wp, sp, N, x_q[r0: r0 + nr], x_s[r0: r0 + nr], alone, 2)
         assert np.array_equal(out[o0: o0 + nr, col0: col0 + N], alone)
