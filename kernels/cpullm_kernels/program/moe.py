@@ -95,7 +95,7 @@ ROUTER_LANES = 16
 meet in a fixed tree. Independent lanes vectorize without reordering any float step, so the bits
 are the same on every ISA and for every batch. One sum in order waits an add latency per product:
 Qwen3-30B-A3B's 128 x 2048 router took 0.21 ms a token and layer that way, 0.02-0.04 ms in
-lanes split over 2 threads (Zen 4), where the layer's chosen Q4_K_M experts take about 0.9 ms."""
+lanes split over 2 threads (Zen 4), where the whole op takes about 0.9 ms a layer (Q4_K_M)."""
 
 
 @njit(cache=True, inline="always")
