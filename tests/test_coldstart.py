@@ -50,7 +50,7 @@ def test_units_follow_the_graph_ops():
     assert "kquant_gemm" in q4_1 and "kquant_gemm_q6k" not in q4_1 and "kquant_gemm_q6k" in q4
     assert q4_1[-1] == "run+blocks"
     # and the decode driver without the panel kernel: its operand None, as the executor passes it
-    assert warmup._kernels("blocks")[0][1][7] == numba.types.none != warmup._kernels("blocks_panels")[0][1][7]
+    assert warmup._kernels("blocks")[-1][1][7] == numba.types.none != warmup._kernels("blocks_panels")[-1][1][7]
     # the block driver's specialization holds the q8 and f32 rows: no separate q8 driver beside it
     assert "linear" not in q4_1 and "linear" in warmup.units_for(LLAMA_OPS, "int8", False)
     assert "kpanels_gemm" not in warmup.units_for(LLAMA_OPS, "int8", False, panels=True)  # no blocks at all
@@ -66,11 +66,11 @@ def test_split_gives_each_unit_to_one_process_and_keeps_groups_together():
         for a, b in (("blocks_panels", "gemm"), ("blocks_panels", "kquant_gemm"), ("norm", "layernorm")):
             if a in units and b in units:                         # one group: their shared helpers once
                 assert (a in mine) == (b in mine), (a, b, locked)
-    # with the cache lock the prefill GEMMs (which interpreter.run does not link) go to the child,
+    # with the cache lock the prefill GEMMs (which interpreter.run does not call) go to the child,
     # after the units run links, so run compiles here while the child compiles them
     mine, child = warmup.split(units, cache_locked=True)
     assert {"gemm", "kquant_gemm"} <= set(child)
-    linked = [warmup.linked_by_run(u) for u in child]
+    linked = [warmup.called_by_run(u) for u in child]
     assert linked == sorted(linked, reverse=True)
     # without it the q8 and block helpers, which the load compiles too (weight quantizer, head
     # screen, GGUF dequantizer), stay in this process

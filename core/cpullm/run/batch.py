@@ -32,18 +32,20 @@ import time
 import numba
 import numpy as np
 from numba import njit
+from numba import types as nt
 
 from ..compile.head_screen import RowsScreen
 from .executor import Executor
 from cpullm_kernels.program import interpreter as K
 from cpullm_kernels.program import program_table as P
-from cpullm_kernels.attention.attention import attention
-from cpullm_kernels.attention.attention_batch import attention_decode_batch
+from cpullm_kernels.attention.attention import ATTENTION
+from cpullm_kernels.attention.attention_batch import ATTENTION_DECODE_BATCH
+from cpullm_kernels.program.formats import MATMUL_ROWS
+from cpullm_kernels.setup.operand_types import ARENA, INTS, WF, WQ, WS, XQ, array, f64, i64
 from cpullm_kernels.setup.warmup import is_cached
-from cpullm_kernels.program.formats import matmul_rows
 from cpullm_kernels.ops.elementwise import binary_rows, glu_rows
 from cpullm_kernels.ops.norm import layernorm_rows, rmsnorm_rows
-from cpullm_kernels.attention.gated_delta import gated_delta
+from cpullm_kernels.attention.gated_delta import GATED_DELTA
 from cpullm_kernels.ops.rope import rope_rows
 from cpullm_kernels.ops.pointwise import pos_embed_rows
 
@@ -54,6 +56,11 @@ PER_SEQUENCE_OPS = (P.OP_ROPE, P.OP_ATTENTION, P.OP_GATED_DELTA, P.OP_POS_EMBED)
 # batch runs them serially with the same row kernels (the parallel versions call them per row:
 # the same numbers).
 SERIAL_ROW_OPS = (P.OP_RMSNORM, P.OP_LAYERNORM, P.OP_GLU, P.OP_ADD, P.OP_SIGMOID_MUL)
+
+# The large kernels a step calls through their address (cpullm_kernels.setup.addressed): linked,
+# the fused step compiled them all again (27-29 s of CPU for the default model).
+attention_decode_batch_at, gated_delta_at = ATTENTION_DECODE_BATCH.call, GATED_DELTA.call
+attention_at, matmul_rows_at = ATTENTION.call, MATMUL_ROWS.call
 
 
 @njit(cache=True)
@@ -92,13 +99,14 @@ def _per_sequence(I, F, a, b, arena, states, slots, rows0, nrows, positions, wf,
     for r in range(a, b):
         op = I[r, P.COL_OP]
         if decode and op == P.OP_ATTENTION:
-            attention_decode_batch(arena, states, slots, positions, I[r, P.ATTENTION_Q_OFF], I[r, P.ATTENTION_Q_ST],
-                                   I[r, P.ATTENTION_K_OFF], I[r, P.ATTENTION_K_ST], I[r, P.ATTENTION_V_OFF],
-                                   I[r, P.ATTENTION_V_ST], I[r, P.ATTENTION_OUT_OFF], I[r, P.ATTENTION_OUT_ST],
-                                   I[r, P.ATTENTION_N_HEADS], I[r, P.ATTENTION_N_KV_HEADS], I[r, P.ATTENTION_HEAD_DIM],
-                                   I[r, P.ATTENTION_CACHE_OFF], I[r, P.ATTENTION_CAP], F[r, P.F_ATTENTION_SCALE],
-                                   F[r, P.F_ATTENTION_SOFTCAP], np.int64(F[r, P.F_ATTENTION_WINDOW]), nthreads,
-                                   kv16)
+            attention_decode_batch_at(arena, states, slots, positions, I[r, P.ATTENTION_Q_OFF],
+                                      I[r, P.ATTENTION_Q_ST], I[r, P.ATTENTION_K_OFF], I[r, P.ATTENTION_K_ST],
+                                      I[r, P.ATTENTION_V_OFF], I[r, P.ATTENTION_V_ST], I[r, P.ATTENTION_OUT_OFF],
+                                      I[r, P.ATTENTION_OUT_ST], I[r, P.ATTENTION_N_HEADS],
+                                      I[r, P.ATTENTION_N_KV_HEADS], I[r, P.ATTENTION_HEAD_DIM],
+                                      I[r, P.ATTENTION_CACHE_OFF], I[r, P.ATTENTION_CAP], F[r, P.F_ATTENTION_SCALE],
+                                      F[r, P.F_ATTENTION_SOFTCAP], np.int64(F[r, P.F_ATTENTION_WINDOW]), nthreads,
+                                      kv16)
             continue
         for s in range(slots.shape[0]):
             state = states[slots[s]]
@@ -111,26 +119,26 @@ def _per_sequence(I, F, a, b, arena, states, slots, rows0, nrows, positions, wf,
             elif op == P.OP_ATTENTION:
                 q_st, k_st = I[r, P.ATTENTION_Q_ST], I[r, P.ATTENTION_K_ST]
                 v_st, o_st = I[r, P.ATTENTION_V_ST], I[r, P.ATTENTION_OUT_ST]
-                attention(arena, state, I[r, P.ATTENTION_Q_OFF] + row0 * q_st, q_st,
-                          I[r, P.ATTENTION_K_OFF] + row0 * k_st, k_st, I[r, P.ATTENTION_V_OFF] + row0 * v_st, v_st,
-                          I[r, P.ATTENTION_OUT_OFF] + row0 * o_st, o_st, I[r, P.ATTENTION_N_HEADS],
-                          I[r, P.ATTENTION_N_KV_HEADS], I[r, P.ATTENTION_HEAD_DIM], I[r, P.ATTENTION_CACHE_OFF],
-                          I[r, P.ATTENTION_CAP], F[r, P.F_ATTENTION_SCALE], F[r, P.F_ATTENTION_SOFTCAP],
-                          np.int64(F[r, P.F_ATTENTION_WINDOW]), pos0, T, nthreads, kv16)
+                attention_at(arena, state, I[r, P.ATTENTION_Q_OFF] + row0 * q_st, q_st,
+                             I[r, P.ATTENTION_K_OFF] + row0 * k_st, k_st, I[r, P.ATTENTION_V_OFF] + row0 * v_st, v_st,
+                             I[r, P.ATTENTION_OUT_OFF] + row0 * o_st, o_st, I[r, P.ATTENTION_N_HEADS],
+                             I[r, P.ATTENTION_N_KV_HEADS], I[r, P.ATTENTION_HEAD_DIM], I[r, P.ATTENTION_CACHE_OFF],
+                             I[r, P.ATTENTION_CAP], F[r, P.F_ATTENTION_SCALE], F[r, P.F_ATTENTION_SOFTCAP],
+                             np.int64(F[r, P.F_ATTENTION_WINDOW]), pos0, T, nthreads, kv16)
             elif op == P.OP_GATED_DELTA:
                 if has_linear:
                     qkv_st, z_st, b_st = I[r, P.GATED_DELTA_QKV_ST], I[r, P.GATED_DELTA_Z_ST], I[r, P.GATED_DELTA_B_ST]
                     a_st, out_st = I[r, P.GATED_DELTA_A_ST], I[r, P.GATED_DELTA_OUT_ST]
-                    gated_delta(arena, state, wf, I[r, P.GATED_DELTA_QKV_OFF] + row0 * qkv_st, qkv_st,
-                                I[r, P.GATED_DELTA_Z_OFF] + row0 * z_st, z_st,
-                                I[r, P.GATED_DELTA_B_OFF] + row0 * b_st, b_st,
-                                I[r, P.GATED_DELTA_A_OFF] + row0 * a_st, a_st,
-                                I[r, P.GATED_DELTA_OUT_OFF] + row0 * out_st, out_st,
-                                I[r, P.GATED_DELTA_NK], I[r, P.GATED_DELTA_DK], I[r, P.GATED_DELTA_NV],
-                                I[r, P.GATED_DELTA_DV], I[r, P.GATED_DELTA_CONV_K], I[r, P.GATED_DELTA_CONV_W_OFF],
-                                I[r, P.GATED_DELTA_DT_OFF], I[r, P.GATED_DELTA_ALOG_OFF],
-                                I[r, P.GATED_DELTA_NORM_OFF], I[r, P.GATED_DELTA_STATE_OFF],
-                                F[r, P.F_GATED_DELTA_EPS], T)
+                    gated_delta_at(arena, state, wf, I[r, P.GATED_DELTA_QKV_OFF] + row0 * qkv_st, qkv_st,
+                                   I[r, P.GATED_DELTA_Z_OFF] + row0 * z_st, z_st,
+                                   I[r, P.GATED_DELTA_B_OFF] + row0 * b_st, b_st,
+                                   I[r, P.GATED_DELTA_A_OFF] + row0 * a_st, a_st,
+                                   I[r, P.GATED_DELTA_OUT_OFF] + row0 * out_st, out_st,
+                                   I[r, P.GATED_DELTA_NK], I[r, P.GATED_DELTA_DK], I[r, P.GATED_DELTA_NV],
+                                   I[r, P.GATED_DELTA_DV], I[r, P.GATED_DELTA_CONV_K], I[r, P.GATED_DELTA_CONV_W_OFF],
+                                   I[r, P.GATED_DELTA_DT_OFF], I[r, P.GATED_DELTA_ALOG_OFF],
+                                   I[r, P.GATED_DELTA_NORM_OFF], I[r, P.GATED_DELTA_STATE_OFF],
+                                   F[r, P.F_GATED_DELTA_EPS], T)
             elif op == P.OP_POS_EMBED:
                 # absolute rows, as rope_rows: row t of the sequence is at position pos0 - row0 + t
                 pos_embed_rows(arena, I[r, P.UNARY_X_OFF], I[r, P.UNARY_X_ST], I[r, P.UNARY_OUT_OFF],
@@ -150,8 +158,8 @@ def _linear_batch(I, r, arena, wq, ws, wf, wb, wbp, xq, xs, T, nthreads):
     b_off = I[r, P.LINEAR_BIAS_OFF]
     x = arena[x_off: x_off + T * x_st].reshape((T, x_st))[:, :Kd]
     rows = arena[o_off: o_off + T * o_st].reshape((T, o_st))      # C-contiguous: the kernels' one specialization
-    matmul_rows(I[r, P.LINEAR_KIND], I[r, P.LINEAR_W_OFF], I[r, P.LINEAR_S_OFF], I[r, P.LINEAR_KP], N, wq, ws, wf,
-                wb, wbp, x, rows, xq.reshape(-1), xs.reshape(-1), False, nthreads)
+    matmul_rows_at(I[r, P.LINEAR_KIND], I[r, P.LINEAR_W_OFF], I[r, P.LINEAR_S_OFF], I[r, P.LINEAR_KP], N, wq, ws, wf,
+                   wb, wbp, x, rows, xq.reshape(-1), xs.reshape(-1), False, nthreads)
     if b_off >= 0:
         for t in range(T):
             for n in range(N):
@@ -182,9 +190,23 @@ if sys.path and sys.path[0] in ("", os.getcwd()):
 from cpullm_kernels.setup import warmup  # noqa: F401  (the cache lock, the code-generation settings)
 import numba
 numba.get_num_threads()        # starts the threading layer: parallel callees loaded from the cache link to it
-from cpullm.run.batch import _fused
-_fused.compile(pickle.loads(bytes.fromhex(sys.argv[1])))
+from cpullm.run.batch import _fused, fused_callees
+sig = pickle.loads(bytes.fromhex(sys.argv[1]))
+_fused.compile(sig)
+for callee, argtypes in fused_callees(sig):
+    callee.bind(argtypes)
 """
+
+
+def fused_callees(sig: tuple) -> list:
+    """[(Addressed, argument types)] that :func:`_fused` called with argument types ``sig`` calls
+    through their address, besides the gated-delta kernel (a warm-up unit of the models that have
+    it): the matmul of a step's rows, attention one sequence at a time, the batch's attention."""
+    states, wb, wbp, kv = sig[5], sig[13], sig[14], sig[21]
+    return [(MATMUL_ROWS, (i64, i64, i64, i64, i64, WQ, WS, WF, wb, wbp, array(nt.float32, 2, layout="A"),
+                           array(nt.float32, 2), XQ, ARENA, nt.boolean, i64)),
+            (ATTENTION, (ARENA, ARENA, *[i64] * 13, f64, f64, i64, i64, i64, i64, kv)),
+            (ATTENTION_DECODE_BATCH, (ARENA, states, INTS, INTS, *[i64] * 13, f64, f64, i64, i64, kv))]
 
 
 class BatchDecoder:
@@ -226,13 +248,14 @@ class BatchDecoder:
         child = self._compiler
         if child is not None:
             return child.poll() is not None
-        return is_cached(_fused, self.fused_signature(states))
+        sig = self.fused_signature(states)
+        return is_cached(_fused, sig) and all(c.bound(a) or is_cached(c.dispatcher, a) for c, a in fused_callees(sig))
 
     def compile_in_background(self, states: np.ndarray) -> None:
         """Compile the batched step for ``states`` into numba's cache in a child process at a
         lower priority, once: the first verify pass of a fresh machine otherwise stops decoding
-        while it compiles (21.7 s of CPU for SmolLM2's Q4_1 GGUF on 2 cores,
-        benchmarks/results/2026-12-06-cold-start.md). The child is stopped at exit; numba
+        while it compiles (11-15 s of CPU for SmolLM2's Q4_1 GGUF on 2 cores, the kernels it calls
+        by address included: benchmarks/results/2026-12-07-cold-start-addressed.md). The child is stopped at exit; numba
         replaces cache files whole, so a stopped child leaves none half-written."""
         if self._compiler is not None:
             return

@@ -43,6 +43,8 @@ from numba.extending import intrinsic, overload
 from ..ops.vmath import exp_f32, exp_f32_ir, fdiv_ieee, tanh_f32_ir
 from ..rows.llvm_ir import F32, I8, I16, I32, I64, P8, const_i64, declare
 from ..setup import numba_setup
+from ..setup.addressed import Addressed
+from ..setup.operand_types import ARENA, f64, i64
 
 TILE = 16
 """Key slots per tile (the vector width of the score kernel)."""
@@ -78,6 +80,11 @@ def kv_operand(code: int):
     if code == KV_Q8:
         return np.int8(KV_Q8)
     return None
+
+
+KV_OPERANDS = (types.none, i64, types.int8)
+"""The types of :func:`kv_operand` (float32, float16, int8 caches): the specializations an addressed
+call of attention may take."""
 
 
 def _kv_kind(kv) -> int:
@@ -1185,6 +1192,25 @@ def attend_part(arena, state, q0, nq, hd, k_base, v_base, ks_base, vs_base, cap,
                     aj[d] += w * (_load_kv(kv16, state, r0 + d) * _value_scale(kv16, state, vs_base + slot * nb, d))
 
 
+ATTEND_PART = Addressed(attend_part, types.none, [
+    (ARENA, ARENA, *[i64] * 10, f64, f64, ARENA, ARENA, ARENA, ARENA, ARENA, types.boolean, kv)
+    for kv in KV_OPERANDS])
+"""attend_part, called through its address (cpullm_kernels.setup.addressed) by the parallel loops of
+:func:`attention` and the batched decode: linked, its code was compiled again inside each (with
+the two linked, attention took 8.9-9.9 s of a cold start's CPU, 3.4 s without attend_part's 2 s)."""
+attend_part_at = ATTEND_PART.call
+attend_part_ready = ATTEND_PART.ensure
+
+
+@njit(cache=True, inline="always")
+def attend_part_bind(arena, kv16):
+    """Bind attend_part's specialization for ``kv16`` before a parallel region calls it (a worker
+    thread must not bind: cpullm_kernels.setup.addressed)."""
+    z, f = np.int64(0), np.float64(0.0)
+    attend_part_ready(arena, arena, z, z, z, z, z, z, z, z, z, z, f, f, arena, arena, arena, arena, arena, False,
+                      kv16)
+
+
 @njit(cache=True, inline="always")
 def aligned_scratch(n):
     """n float32 of scratch starting on a 64-byte boundary. The kernels load the scores and sums
@@ -1299,6 +1325,7 @@ def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
     hd = head_dim
     part = np.empty((jobs, group, hd + 2), np.float32) if splits > 1 else np.empty((1, 1, 1), np.float32)
     nchunk = min(jobs, MAX_CHUNKS)
+    attend_part_bind(arena, kv16)
     for c in prange(nchunk):
         qbuf = aligned_scratch(group * hd)
         acc = aligned_scratch(group * hd)
@@ -1318,9 +1345,9 @@ def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
             k1 = lo + n * (s + 1) // splits - 1
             q0 = q_off + t * q_st + kvh * group * hd
             ks, vs = q8_head_scales(c_off, n_kv, cap, hd, kvh)
-            attend_part(arena, state, q0, group, hd, base + kvh * cap * hd, base + size + kvh * cap * hd,
-                         ks, vs, cap, k0, k1, scale, softcap, qbuf,
-                         scores, acc, mx, tot, T <= STREAM_ROWS, kv16)
+            attend_part_at(arena, state, q0, group, hd, base + kvh * cap * hd, base + size + kvh * cap * hd,
+                           ks, vs, cap, k0, k1, scale, softcap, qbuf,
+                           scores, acc, mx, tot, T <= STREAM_ROWS, kv16)
             if splits == 1:
                 normalize_into(arena, o_off + t * o_st + kvh * group * hd, acc, tot, group, hd)
             else:
@@ -1331,6 +1358,12 @@ def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
             t = pair % T
             combine_parts(arena, o_off + t * o_st + kvh * group * hd, part, (kvh * splits) * T + t, T, splits,
                            group, hd)
+
+
+ATTENTION = Addressed(attention, types.none, [
+    (ARENA, ARENA, *[i64] * 13, f64, f64, i64, i64, i64, i64, kv) for kv in KV_OPERANDS])
+"""attention as interpreter.run and the batched step call it, through its address
+(cpullm_kernels.setup.addressed)."""
 
 
 def q8_dequantize_ref(x, head_dim):

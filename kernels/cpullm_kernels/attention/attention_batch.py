@@ -12,10 +12,12 @@ Qwen2.5-0.5B step spent in per-sequence RoPE and attention calls).
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
 
-from .attention import (MAX_CHUNKS, STREAM_ROWS, TILE, aligned_scratch, attend_part, combine_parts, keep_part,
-                        kv_base, normalize_into, key_splits, kv_write, q8_head_scales)
+from ..setup.addressed import Addressed
+from ..setup.operand_types import ARENA, INTS, array, f64, i64
+from .attention import (KV_OPERANDS, MAX_CHUNKS, STREAM_ROWS, TILE, aligned_scratch, attend_part_at, attend_part_bind,
+                        combine_parts, keep_part, kv_base, normalize_into, key_splits, kv_write, q8_head_scales)
 
 
 @njit(cache=True, parallel=True, fastmath=True, error_model="numpy")
@@ -47,6 +49,7 @@ def attention_decode_batch(arena, states, slots, positions, q_off, q_st, k_off, 
             job_seq[j] = s
     part = np.empty((jobs, group, hd + 2), np.float32)
     nchunk = min(jobs, MAX_CHUNKS)
+    attend_part_bind(arena, kv16)
     for c in prange(nchunk):
         qbuf = aligned_scratch(group * hd)
         acc = aligned_scratch(group * hd)
@@ -68,9 +71,9 @@ def attention_decode_batch(arena, states, slots, positions, q_off, q_st, k_off, 
             k1 = lo + n * (r + 1) // sp - 1
             q0 = q_off + s * q_st + kvh * group * hd
             ks, vs = q8_head_scales(c_off, n_kv, cap, hd, kvh)
-            attend_part(arena, states[slots[s]], q0, group, hd, base + kvh * cap * hd,
-                         base + size + kvh * cap * hd, ks, vs, cap, k0, k1,
-                         scale, softcap, qbuf, scores, acc, mx, tot, 1 <= STREAM_ROWS, kv16)
+            attend_part_at(arena, states[slots[s]], q0, group, hd, base + kvh * cap * hd,
+                           base + size + kvh * cap * hd, ks, vs, cap, k0, k1,
+                           scale, softcap, qbuf, scores, acc, mx, tot, 1 <= STREAM_ROWS, kv16)
             if sp == 1:
                 normalize_into(arena, o_off + s * o_st + kvh * group * hd, acc, tot, group, hd)
             else:
@@ -81,3 +84,8 @@ def attention_decode_batch(arena, states, slots, positions, q_off, q_st, k_off, 
             for kvh in range(n_kv):
                 combine_parts(arena, o_off + s * o_st + kvh * group * hd, part, first_job[s] + kvh * sp, 1, sp,
                                group, hd)
+
+
+ATTENTION_DECODE_BATCH = Addressed(attention_decode_batch, types.none, [
+    (ARENA, array(types.float32, 2), INTS, INTS, *[i64] * 13, f64, f64, i64, i64, kv) for kv in KV_OPERANDS])
+"""attention_decode_batch as the batched step calls it, through its address (cpullm_kernels.setup.addressed)."""

@@ -13,9 +13,11 @@ Prefill uses the same token recurrence (transformers' chunked form is the same m
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
 
 from ..ops.vmath import exp_f32
+from ..setup.addressed import Addressed
+from ..setup.operand_types import ARENA, WF, f64, i64
 
 
 @njit(cache=True, parallel=True, fastmath=True)
@@ -108,6 +110,10 @@ def gated_delta(arena, state, wf, qkv_off, qkv_st, z_off, z_st, b_off, b_st, a_o
     S_off = s_off + conv_dim * (conv_k - 1)
     _recurrence(arena, state, wf, qkv_off, qkv_st, z_off, z_st, b_off, b_st, a_off, a_st,
                 o_off, o_st, nk, dk, nv, dv, dt_off, alog_off, norm_off, S_off, eps, T)
+
+
+GATED_DELTA = Addressed(gated_delta, types.none, [(ARENA, ARENA, WF, *[i64] * 20, f64, i64)])
+"""gated_delta as the batched step calls it, through its address (cpullm_kernels.setup.addressed)."""
 
 
 def state_size(nk: int, dk: int, nv: int, dv: int, conv_k: int) -> int:

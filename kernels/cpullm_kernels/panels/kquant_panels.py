@@ -93,6 +93,8 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from ..setup import numba_setup  # code-generation settings first
+from ..setup.addressed import Addressed
+from ..setup.operand_types import WB, array, i64
 from ..rows.gguf_blocks import Q4_K as _Q4_K_FMT
 from ..rows.gguf_blocks import Q6_K as _Q6_K_FMT
 from ..rows.gguf_blocks import k_low4, k_scales_mins, q6_k_quants
@@ -639,6 +641,10 @@ def matmul(fmt, w, x_q, x_s, x_m, out, nthreads):
         for grp in range(c * ngroups // nth, (c + 1) * ngroups // nth):
             g = grp * GROUP
             _panels(fmt, w, g, min(GROUP, npan - g), x_q, x_s, x_m, out[:, g * PANEL:])
+
+MATMUL = Addressed(matmul, types.none, [
+    (i64, WB, array(types.int8, 2), array(types.float32, 2), array(types.float32, 2), array(types.float32, 2), i64)])
+""":func:`matmul` as formats.matmul_rows calls it, through its address (cpullm_kernels.setup.addressed)."""
 
 
 @njit(cache=True, parallel=True)

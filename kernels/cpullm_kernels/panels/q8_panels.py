@@ -57,6 +57,8 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from ..setup import numba_setup  # code-generation settings first
+from ..setup.addressed import Addressed
+from ..setup.operand_types import WQ, WS, array, i64
 from ..rows.llvm_ir import (F32, I8, I16, I32, I64, P8, const_i64, declare, halves_to_floats, YMM_DOTS,
                             prefetch_ahead, vnni_block_sums, ymm_block_sums)
 from ..rows.q8 import QBLOCK, HAVE_AVX2, activation_scratch, half_to_float, quantize_act_q16, scale_values
@@ -480,6 +482,10 @@ def panels_matmul(wp, sp, N, x_q, x_s, out, nthreads):
             for t in range(B):
                 for j in range(N - nfull * GROUP * PANEL):
                     out[t, nfull * GROUP * PANEL + j] = edge[t, j]
+
+PANELS_MATMUL = Addressed(panels_matmul, types.none, [
+    (WQ, WS, i64, array(types.int16, 2), array(types.float32, 2), array(types.float32, 2), i64)])
+"""panels_matmul as formats.matmul_rows calls it, through its address (cpullm_kernels.setup.addressed)."""
 
 
 @njit(cache=True, parallel=True)

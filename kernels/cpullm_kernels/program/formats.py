@@ -38,18 +38,21 @@ from typing import Callable
 
 import numpy as np
 from numba import njit
+from numba import types as nt
 
+from ..panels.kquant_panels import MATMUL as KPANELS_MATMUL
 from ..panels.kquant_panels import PANELED
-from ..panels.kquant_panels import matmul as matmul_kpanels
 from ..panels.kquant_panels import matmul_many as matmul_kpanels_many
 from ..panels.kquant_panels import scaled_row_into as scaled_kpanel_row_into
-from ..panels.q8_panels import ROW_ALIGN, padded_rows, panels_matmul, panels_matmul_many, scaled_row_into
+from ..panels.q8_panels import PANELS_MATMUL, ROW_ALIGN, padded_rows, panels_matmul_many, scaled_row_into
 from ..rows.batch_linear import linear_rows_f32
 from ..rows.gguf_blocks import BY_TYPE
-from ..rows.kquant import matvec as matvec_blocks
+from ..rows.kquant import MATVEC
 from ..rows.kquant import quantize_act_q8
 from ..rows.q8 import matvec_f32, quantize_act_q16
 from ..tiles.kquant_gemm import dequantize_rows_into
+from ..setup.addressed import Addressed
+from ..setup.operand_types import ARENA, WB, WF, WQ, WS, XQ, array, i64
 from .program_table import WEIGHT_BLOCKS, WEIGHT_F32, WEIGHT_Q8
 
 ITEM_BYTES = {"wq": 1, "ws": 2, "wf": 4}
@@ -260,6 +263,12 @@ def matrix_bytes(kind, N: int, K: int, Kp: int, w_off: int, s_off: int) -> int:
     return _nbytes(spans)
 
 
+# The matrix kernels matmul_rows calls through their address (cpullm_kernels.setup.addressed, declared
+# beside each): linked, each was compiled again inside every specialization of matmul_rows and
+# every caller above it.
+panels_matmul_at, kpanels_matmul_at, blocks_matvec_at = PANELS_MATMUL.call, KPANELS_MATMUL.call, MATVEC.call
+
+
 # ---- a batch of rows in one compiled call -----------------------------------------------------------
 
 @njit(cache=True)
@@ -284,8 +293,8 @@ def matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, wbp, x, out, xq, xs, 
     quantize_rows_into(kind, Kp, x, xq, xs, wb)
     if kind == WEIGHT_Q8:
         Np = padded_rows(N)
-        panels_matmul(wq[w_off: w_off + Np * Kp], ws[s_off: s_off + Np * nb], N, xq[:T * Kp].reshape((T, Kp)),
-                      xs[:T * nb].reshape((T, nb)), out, nthreads)
+        panels_matmul_at(wq[w_off: w_off + Np * Kp], ws[s_off: s_off + Np * nb], N, xq[:T * Kp].reshape((T, Kp)),
+                         xs[:T * nb].reshape((T, nb)), out, nthreads)
     elif kind == WEIGHT_BLOCKS:
         if wb is None:
             raise ValueError("cpullm formats: a matrix of raw ggml blocks needs wb")
@@ -297,11 +306,11 @@ def matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, wbp, x, out, xq, xs, 
         if s_off >= PANELED:                # Q4_K / Q6_K in panels of 16 rows
             if wbp is None:
                 raise ValueError("cpullm formats: a matrix in Q4_K / Q6_K panels needs wbp")
-            matmul_kpanels(fmt, wbp[w_off: w_off + N * row_bytes], x_q, x_s, x_m, out, nthreads)
+            kpanels_matmul_at(fmt, wbp[w_off: w_off + N * row_bytes], x_q, x_s, x_m, out, nthreads)
         else:
             w2 = wb[w_off: w_off + N * row_bytes].reshape((N, row_bytes))
             for t in range(T):
-                matvec_blocks(fmt, w2, x_q[t], x_s[t], x_m[t], out[t, :N])
+                blocks_matvec_at(fmt, w2, x_q[t], x_s[t], x_m[t], out[t, :N])
     elif kind == WEIGHT_F32:
         w = wf[w_off: w_off + N * K].reshape((N, K))
         if f32_lone:
@@ -311,6 +320,15 @@ def matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, wbp, x, out, xq, xs, 
             linear_rows_f32(x, w, out[:, :N])
     else:
         raise ValueError("cpullm formats: unknown weight kind")
+
+
+WB_KINDS = (nt.none, WB)                # a program without / with raw-block matrices
+MATMUL_ROWS = Addressed(matmul_rows, nt.none, [
+    (i64, i64, i64, i64, i64, WQ, WS, WF, wb, wbp, array(nt.float32, 2, layout=layout), array(nt.float32, 2), XQ,
+     ARENA, nt.boolean, i64)
+    for layout in ("C", "A") for wb in WB_KINDS for wbp in WB_KINDS])
+"""matmul_rows as the LINEAR driver (x one C-contiguous row) and the batched step (x a strided view)
+call it, through its address (cpullm_kernels.setup.addressed)."""
 
 
 @njit(cache=True)

@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit
+from numba import types as nt
 
-from ..attention.attention import attention
+from ..attention.attention import ATTENTION
 from ..ops.elementwise import binary_par, binary_rows, copy_rows, glu_par, glu_rows, unary_rows
 from ..attention.gated_delta import gated_delta
 from ..ops.pointwise import act_par, act_rows, pos_embed_rows
 from ..ops.norm import layernorm_par, layernorm_rows, rmsnorm_par, rmsnorm_rows
 from ..ops.rope import rope_par, rope_rows
-from .formats import embed_row_into, int8_activations, matmul_rows
+from ..setup.addressed import Addressed
+from .formats import WB_KINDS, MATMUL_ROWS, embed_row_into, int8_activations
+from ..setup.operand_types import ARENA, PROG_I, WF, WQ, WS, XQ, i64
 from . import program_table as P
 from .program_table import (  # noqa: F401  (re-exported: the opcodes and weight kinds by their old home)
     NF, NI, OP_ADD, OP_ATTENTION, OP_EMBED, OP_GATED_DELTA, OP_GLU, OP_LAYERNORM, OP_LINEAR, OP_PLUGIN,
@@ -42,6 +45,11 @@ EXTERNAL_SIGNATURES = {
                     "a_off, a_st, o_off, o_st, nk, dk, nv, dv, conv_k, conv_w_off, dt_off, alog_off, "
                     "norm_off, s_off, eps, T)",
 }
+
+
+# The large kernels the interpreter calls through their address (cpullm_kernels.setup.addressed):
+# linked, each was compiled again inside run (5.5 s of the default model's cold start).
+attention_at, matmul_rows_at = ATTENTION.call, MATMUL_ROWS.call
 
 
 @njit(cache=True)
@@ -68,17 +76,22 @@ def linear_rows(I, r, arena, wq, ws, wf, wb, wbp, xq, xs, T, refine, nthreads):
     for t in range(T):
         x = arena[x_off + t * x_st: x_off + t * x_st + K]
         out = arena[o_off + t * o_st: o_off + t * o_st + N]
-        matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, wbp, x.reshape((1, K)), out.reshape((1, N)), xq, xs,
-                    True, nthreads)
+        matmul_rows_at(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, wbp, x.reshape((1, K)), out.reshape((1, N)), xq,
+                       xs, True, nthreads)
         if refine:
             for j in range(K):
                 res[0, j] = x[j] - np.float32(x_q[j]) * xs[j // 32]
-            matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, wbp, res, extra, xq, xs, True, nthreads)
+            matmul_rows_at(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, wbp, res, extra, xq, xs, True, nthreads)
             for n in range(N):
                 out[n] += extra[0, n]
         if b_off >= 0:
             for n in range(N):
                 out[n] += wf[b_off + n]
+
+
+LINEAR_ROWS = Addressed(linear_rows, nt.none, [
+    (PROG_I, i64, ARENA, WQ, WS, WF, wb, wbp, XQ, ARENA, i64, nt.boolean, i64) for wb in WB_KINDS for wbp in WB_KINDS])
+linear_rows_at = LINEAR_ROWS.call
 
 
 @njit(cache=True)
@@ -107,7 +120,7 @@ def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_s
         T = head_rows if head else T_body
         par = T > 1
         if op == OP_LINEAR:
-            linear_rows(I, r, arena, wq, ws, wf, wb, wb_panels, xq, xs, T, head and T_body > 1, nthreads)
+            linear_rows_at(I, r, arena, wq, ws, wf, wb, wb_panels, xq, xs, T, head and T_body > 1, nthreads)
         elif op == OP_RMSNORM:
             x_off, x_st, o_off, o_st = I[r, P.NORM_X_OFF], I[r, P.NORM_X_ST], I[r, P.NORM_OUT_OFF], I[r, P.NORM_OUT_ST]
             width, group, w_off, eps = I[r, P.NORM_WIDTH], I[r, P.NORM_GROUP], I[r, P.NORM_W_OFF], F[r, P.F_NORM_EPS]
@@ -135,12 +148,12 @@ def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_s
                 rope_rows(arena, x_off, x_st, o_off, o_st, n_heads, head_dim, rotary_dim, wf, freq_off, scaling,
                           pos0, row0, T)
         elif op == OP_ATTENTION:
-            attention(arena, state, I[r, P.ATTENTION_Q_OFF], I[r, P.ATTENTION_Q_ST], I[r, P.ATTENTION_K_OFF],
-                      I[r, P.ATTENTION_K_ST], I[r, P.ATTENTION_V_OFF], I[r, P.ATTENTION_V_ST],
-                      I[r, P.ATTENTION_OUT_OFF], I[r, P.ATTENTION_OUT_ST], I[r, P.ATTENTION_N_HEADS],
-                      I[r, P.ATTENTION_N_KV_HEADS], I[r, P.ATTENTION_HEAD_DIM], I[r, P.ATTENTION_CACHE_OFF],
-                      I[r, P.ATTENTION_CAP], F[r, P.F_ATTENTION_SCALE], F[r, P.F_ATTENTION_SOFTCAP],
-                      np.int64(F[r, P.F_ATTENTION_WINDOW]), pos0, T, nthreads, kv16)
+            attention_at(arena, state, I[r, P.ATTENTION_Q_OFF], I[r, P.ATTENTION_Q_ST], I[r, P.ATTENTION_K_OFF],
+                         I[r, P.ATTENTION_K_ST], I[r, P.ATTENTION_V_OFF], I[r, P.ATTENTION_V_ST],
+                         I[r, P.ATTENTION_OUT_OFF], I[r, P.ATTENTION_OUT_ST], I[r, P.ATTENTION_N_HEADS],
+                         I[r, P.ATTENTION_N_KV_HEADS], I[r, P.ATTENTION_HEAD_DIM], I[r, P.ATTENTION_CACHE_OFF],
+                         I[r, P.ATTENTION_CAP], F[r, P.F_ATTENTION_SCALE], F[r, P.F_ATTENTION_SOFTCAP],
+                         np.int64(F[r, P.F_ATTENTION_WINDOW]), pos0, T, nthreads, kv16)
         elif op == OP_GLU:
             g_off, g_st, u_off, u_st = I[r, P.GLU_GATE_OFF], I[r, P.GLU_GATE_ST], I[r, P.GLU_UP_OFF], I[r, P.GLU_UP_ST]
             o_off, o_st, width, act = I[r, P.GLU_OUT_OFF], I[r, P.GLU_OUT_ST], I[r, P.GLU_WIDTH], I[r, P.GLU_ACT]

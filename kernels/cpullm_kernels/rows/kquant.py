@@ -60,6 +60,8 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 from ..setup import numba_setup
+from ..setup.addressed import Addressed
+from ..setup.operand_types import ARENA, array
 from .gguf_blocks import BY_TYPE, FORMATS, dequantize_ref
 from .llvm_ir import (F32, HALF_IN_HARDWARE, I8, I16, I32, I64, P8, PREFETCH_BYTES, const_i64, declare,
                       emit_counted_loop, emit_if, half_to_float_ir, half_to_float_ir_fresh, hsum_v8f32)
@@ -761,3 +763,8 @@ x_q int8 (K,), x_s float32 (K // 32,), x_m float32 (K // 16,) from :func:`quanti
 out float32 (N,). Parallel over rows; callable from @njit code. Raises ValueError on an
 unsupported fmt or inconsistent shapes. The fastest ISA variant this CPU runs (``BEST_ISA``).
 """
+MATVEC = Addressed(matvec, types.none, [(types.int64, array(types.uint8, 2, readonly=True), array(types.int8), ARENA,
+                                         ARENA, ARENA)])
+""":func:`matvec` as formats.matmul_rows and kquant_gemm's short prompts call it, through its address
+(cpullm_kernels.setup.addressed)."""
+matvec_at = MATVEC.call

@@ -13,8 +13,10 @@ whatever call came first (the first prefill). :class:`Warmup` instead compiles, 
   arrays, int64 scalars), so nothing is compiled twice;
 * the groups balanced between this process and a child (numba writes each compiled kernel to
   its cache, the parent then loads it; the child starts while the parent still reads the
-  weights); :func:`cpullm_kernels.program.interpreter.run`, which links them all, last and alone, so
-  every kernel it calls, used by the program's ops or not, is compiled before it.
+  weights); :func:`cpullm_kernels.program.interpreter.run` last. It links the small row kernels
+  and calls the large ones (attention, the LINEAR driver and its matrix kernels) through their
+  address (:mod:`cpullm_kernels.setup.addressed`), so it compiles without them, and they need only
+  be compiled (here or by the child) before its first call.
 
 Units that call the same helpers form one group and go to one process (compiled in both they
 would cost twice). Two processes writing one numba cache are safe only with
@@ -80,22 +82,9 @@ def compile_seconds() -> float:
 # ---- the signatures the executor calls the kernels with --------------------------------------------
 
 
-def _arr(dtype, ndim: int = 1, readonly: bool = False):
-    return nt.Array(dtype, ndim, "C", readonly=readonly)
-
-
-ARENA = _arr(nt.float32)                 # arena, state, x_s scratch
-WF = _arr(nt.float32, readonly=True)     # program arrays are read-only (Executor makes them so)
-WQ = _arr(nt.int8, readonly=True)
-WS = _arr(nt.uint16, readonly=True)
-PROG_I = _arr(nt.int64, 2, readonly=True)
-PROG_F = _arr(nt.float64, 2, readonly=True)
-INTS = _arr(nt.int64)                    # tokens, rt
-XQ = _arr(nt.int16)
-i64, f64 = nt.int64, nt.float64
-
-
-WB = _arr(nt.uint8, readonly=True)       # wq's bytes, for raw-block (GGUF format) weights
+from .operand_types import (  # noqa: E402  (the signatures' operand types)
+    ARENA, INTS, PROG_F, PROG_I, WB, WF, WQ, WS, XQ, array as _arr, f64, i64,
+)
 BLOCK_QUANTS = ("q4", "gguf")             # quant modes whose programs hold raw-block weights
 
 
@@ -152,11 +141,31 @@ def run_signature(flags: dict) -> tuple:
             *(optional[f] if flags.get(f) else nt.none for f in RUN_FLAGS))
 
 
+def _addressed(*callees) -> list:
+    """[(dispatcher, signature)] of kernels called through their address with one declared
+    signature each (the matrix kernels formats.matmul_rows calls)."""
+    return [(c.dispatcher, c.signatures[0]) for c in callees]
+
+
+def _attention_kernels(attention, kv) -> list:
+    """attention.attention for the KV operand type ``kv``, after the attend_part it calls by address."""
+    part = attention.ATTEND_PART
+    return [(part.dispatcher, part.signatures[part.match((*part.signatures[0][:-1], kv))]),
+            (attention.attention, (ARENA, ARENA, *[i64] * 13, f64, f64, i64, i64, i64, i64, kv))]
+
+
+def _matmul_rows_sig(wb, wbp) -> tuple:
+    """formats.matmul_rows as the LINEAR driver (interpreter.linear_rows) calls it, one row."""
+    return (i64, i64, i64, i64, i64, WQ, WS, WF, wb, wbp, _arr(nt.float32, 2), _arr(nt.float32, 2), XQ, ARENA,
+            nt.boolean, i64)
+
+
 def _kernels(unit: str) -> list:
     """[(dispatcher, signature)] of one unit, callees before callers where both are listed."""
     from ..attention import attention, gated_delta
     from ..ops import elementwise, norm, pointwise, rope
     from ..panels import kquant_panels, q8_panels
+    from ..rows import kquant
     from ..program import formats, interpreter, moe
     from ..tiles import kquant_gemm, q8_gemm
     if unit.startswith("run"):
@@ -168,7 +177,8 @@ def _kernels(unit: str) -> list:
     f32_2, i16_2, wb2 = _arr(nt.float32, 2), _arr(nt.int16, 2), _arr(nt.uint8, 2, readonly=True)
     table = {
         # LINEAR's decode driver, as interpreter.run calls it: without raw blocks, and (unit "blocks") with
-        "linear": [(interpreter.linear_rows, (PROG_I, i64, ARENA, WQ, WS, WF, nt.none, nt.none, XQ, ARENA, i64,
+        "linear": [(formats.matmul_rows, _matmul_rows_sig(nt.none, nt.none)),
+                   (interpreter.linear_rows, (PROG_I, i64, ARENA, WQ, WS, WF, nt.none, nt.none, XQ, ARENA, i64,
                                               nt.boolean, i64))],
         "norm": [(norm.rmsnorm_rows, (ARENA, *[i64] * 6, WF, i64, f64, i64, i64)),
                  (norm.rmsnorm_par, (ARENA, *[i64] * 6, WF, i64, f64, i64))],
@@ -176,10 +186,10 @@ def _kernels(unit: str) -> list:
                       (norm.layernorm_par, (ARENA, *[i64] * 6, WF, i64, i64, f64, i64))],
         "rope": [(rope.rope_rows, (ARENA, *[i64] * 7, WF, i64, f64, i64, i64, i64)),
                  (rope.rope_par, (ARENA, *[i64] * 7, WF, i64, f64, i64, i64))],
-        "attention": [(attention.attention, (ARENA, ARENA, *[i64] * 13, f64, f64, i64, i64, i64, i64, nt.none))],
-        "attention_f16": [(attention.attention, (ARENA, ARENA, *[i64] * 13, f64, f64, i64, i64, i64, i64, i64))],
-        "attention_q8": [(attention.attention, (ARENA, ARENA, *[i64] * 13, f64, f64, i64, i64, i64, i64,
-                                                nt.int8))],
+        # (attend_part, which attention calls through its address, then attention)
+        "attention": _attention_kernels(attention, nt.none),
+        "attention_f16": _attention_kernels(attention, i64),
+        "attention_q8": _attention_kernels(attention, nt.int8),
         "glu": [(elementwise.glu_rows, (ARENA, *[i64] * 10)), (elementwise.glu_par, (ARENA, *[i64] * 9))],
         "binary": [(elementwise.binary_rows, (ARENA, *[i64] * 10)), (elementwise.binary_par, (ARENA, *[i64] * 9))],
         "unary": [(elementwise.unary_rows, (ARENA, *[i64] * 6, f64, i64, i64))],
@@ -187,10 +197,13 @@ def _kernels(unit: str) -> list:
         "act": [(pointwise.act_rows, (ARENA, *[i64] * 8)), (pointwise.act_par, (ARENA, *[i64] * 7))],
         "pos_embed": [(pointwise.pos_embed_rows, (ARENA, *[i64] * 5, WF, *[i64] * 5))],
         "gated_delta": [(gated_delta.gated_delta, (ARENA, ARENA, WF, *[i64] * 20, f64, i64))],
-        # prefill's batched q8 LINEARs (row-contiguous activations, as every LINEAR of the shared
-        # blocks reads and writes whole buffers; the panel kernel itself is also what run links)
-        "gemm": [(q8_panels.quantize_rows_par, (f32_2, i16_2, f32_2)),
-                 (q8_panels.panels_matmul, (WQ, WS, i64, i16_2, f32_2, f32_2, i64))],
+        # the q8 panel kernel (unit "q8_panels": matmul_rows calls it through its address, so it
+        # compiles once, anywhere) and prefill's batched q8 LINEARs (row-contiguous activations, as
+        # every LINEAR of the shared blocks reads and writes whole buffers)
+        "q8_panels": _addressed(q8_panels.PANELS_MATMUL),
+        "gemm": [(q8_panels.quantize_rows_par, (f32_2, i16_2, f32_2))],
+        # the raw-block matvec (matmul_rows and the short prompts' kquant_matvec_rows call it by address)
+        "block_matvec": _addressed(kquant.MATVEC),
         # prefill's batched raw-block LINEARs (kquant_gemm's integer GEMM, the k-quant panels) and short prompts
         "kquant_gemm": [(q8_gemm.quantize_rows_q16, (f32_2, i16_2, f32_2)),
                         (kquant_gemm.kquant_gemm_blocks, (i64, i16_2, f32_2, wb2, i64, f32_2, f32_2, i64)),
@@ -204,11 +217,14 @@ def _kernels(unit: str) -> list:
         "kpanels_gemm": [(kquant_panels.quantize_rows_q8k, (f32_2, _arr(nt.int8, 2), f32_2, f32_2)),
                          (kquant_panels.matmul, (i64, WB, _arr(nt.int8, 2), f32_2, f32_2,
                                                  nt.Array(nt.float32, 2, "A"), i64))],
-        # the raw-block LINEAR and EMBED rows, as interpreter.run calls them (linked, not compiled, there)
+        # the raw-block LINEAR and EMBED rows, as interpreter.run calls them (the matrix kernels first:
+        # formats.matmul_rows calls them through their address)
         # (without and with the Q4_K / Q6_K panel kernel; either also holds the q8 and f32 rows)
-        "blocks": [(interpreter.linear_rows, (PROG_I, i64, ARENA, WQ, WS, WF, WB, nt.none, XQ, ARENA, i64,
+        "blocks": [(formats.matmul_rows, _matmul_rows_sig(WB, nt.none)),
+                   (interpreter.linear_rows, (PROG_I, i64, ARENA, WQ, WS, WF, WB, nt.none, XQ, ARENA, i64,
                                               nt.boolean, i64))],
-        "blocks_panels": [(interpreter.linear_rows, (PROG_I, i64, ARENA, WQ, WS, WF, WB, WB, XQ, ARENA, i64,
+        "blocks_panels": [*_addressed(kquant_panels.MATMUL), (formats.matmul_rows, _matmul_rows_sig(WB, WB)),
+                          (interpreter.linear_rows, (PROG_I, i64, ARENA, WQ, WS, WF, WB, WB, XQ, ARENA, i64,
                                                      nt.boolean, i64))],
         "embed_blocks": [(formats.embed_row_into, (*[i64] * 4, WQ, WS, WF, WB, i64, nt.float32, ARENA))],
         # routed experts (kernels.moe), called by the executor: q8 / f32 experts, and raw blocks
@@ -219,36 +235,37 @@ def _kernels(unit: str) -> list:
 
 
 # kernels.pointwise: CPU seconds as the table below (act_rows + act_par, pos_embed_rows)
-ACT_COST, POS_EMBED_COST = 0.9, 0.15
+ACT_COST, POS_EMBED_COST = 1.2, 0.2
 UNITS = {
-    # unit: (IR op names that need it, None: every program (interpreter.run links its kernels
-    # whatever the ops), compile cost (CPU seconds of the compiling thread, measured one by one on
-    # the 2-core Xeon (AVX-512 VNNI) of benchmarks/results/2026-12-06-cold-start.md where given
-    # there, else on a 2-core Zen 4), sharing group, linked by interpreter.run). Units of one group
-    # call the same helpers (the q8 activation quantizer and panels, which the block driver calls
-    # too; the block matvec and dequantizer), so they go to the same process: compiled twice they
-    # would cost twice. The prefill GEMMs are called by the executor, not by interpreter.run, so
-    # run can compile while they do.
-    "linear": (None, 4.9, "matmul", True),
-    "gemm": (("LINEAR",), 4.2, "matmul", False),
-    # the block driver with every block format's matvec and the q8 / f32 rows; + the Q4_K / Q6_K
-    # panel kernel (15.1 and 24.3 s on the Zen 4, where the other units took 0.9-1.6x, about 1.3x,
-    # the Xeon's)
-    "blocks": (None, 11.5, "matmul", True),
-    "blocks_panels": (None, 18.5, "matmul", True),
-    "embed_blocks": (None, 2.2, "matmul", True),
-    "kquant_gemm": (("LINEAR",), 5.4, "matmul", False),
-    "kquant_gemm_q6k": (("LINEAR",), 1.2, "matmul", False),     # (1.6-1.7 s on the Zen 4)
-    "kpanels_gemm": (("LINEAR",), 4.6, "matmul", False),
-    "norm": (None, 0.5, "norm", True),
+    # unit: (IR op names that need it, None: every program (interpreter.run calls its kernels
+    # whatever the ops), compile cost (CPU seconds of the compiling thread, each unit compiled in
+    # warm-up order into an empty cache on the 2-core Zen 4 (AVX-512 VNNI) of
+    # benchmarks/results/2026-12-07-cold-start-addressed.md), sharing group, called by
+    # interpreter.run). Units of one group link the same helpers (the activation quantizers, the
+    # block dequantizer), so they go to the same process: compiled twice they would cost twice.
+    # Kernels called through their address (the q8 panels, the block matvec, attend_part) are
+    # units of their own: compiled once anywhere, loaded by the others. The prefill GEMMs are
+    # called by the executor, not by interpreter.run, so run can compile while they do.
+    "q8_panels": (None, 4.0, "q8_panels", True),
+    "block_matvec": (None, 1.5, "block_matvec", True),
+    "linear": (None, 3.9, "matmul", True),
+    "gemm": (("LINEAR",), 0.8, "matmul", False),
+    # the block driver with the q8 / f32 rows; + the Q4_K / Q6_K panel kernel
+    "blocks": (None, 6.6, "matmul", True),
+    "blocks_panels": (None, 10.5, "matmul", True),
+    "embed_blocks": (None, 2.7, "matmul", True),
+    "kquant_gemm": (("LINEAR",), 7.5, "matmul", False),
+    "kquant_gemm_q6k": (("LINEAR",), 1.4, "matmul", False),
+    "kpanels_gemm": (("LINEAR",), 4.8, "matmul", False),
+    "norm": (None, 0.7, "norm", True),
     "layernorm": (("LAYERNORM",), 1.8, "norm", True),
-    "rope": (None, 0.9, "rope", True),
-    "attention": (None, 11.6, "attention", True),         # float32 KV caches
-    "attention_f16": (None, 6.9, "attention", True),      # float16 KV caches
-    "attention_q8": (None, 11.6, "attention", True),      # 8-bit KV caches
-    "glu": (None, 0.9, "glu", True),
-    "binary": (None, 0.7, "binary", True),
-    "unary": (None, 0.3, "unary", True),
+    "rope": (None, 1.3, "rope", True),
+    "attention": (None, 5.4, "attention", True),          # float32 KV caches
+    "attention_f16": (None, 5.8, "attention", True),      # float16 KV caches
+    "attention_q8": (None, 4.9, "attention", True),       # 8-bit KV caches
+    "glu": (None, 1.2, "glu", True),
+    "binary": (None, 0.8, "binary", True),
+    "unary": (None, 0.4, "unary", True),
     "copy": (None, 0.1, "copy", True),
     "act": (None, ACT_COST, "pointwise", True),
     "pos_embed": (None, POS_EMBED_COST, "pointwise", True),
@@ -261,9 +278,8 @@ LOAD_GROUPS = ("matmul",)
 and 4-bit weight quantizers, the head screen, the GGUF dequantizer). Without the cache lock
 (:mod:`cpullm_kernels.setup.numba_cache_lock`) they stay in this process: two processes must then never
 compile signatures of one function at the same time."""
-RUN_COST = 4.5
-"""interpreter.run itself (every callee already compiled: numba still generates machine code for
-the whole call tree it links)."""
+RUN_COST = 2.0
+"""interpreter.run itself with the row kernels it links (the large ones it calls by address)."""
 PARENT_HEAD_START = 2.0
 """Seconds of other work (weights, checksums, the loader's own kernels) this process does before
 it compiles: the split gives the child that much more."""
@@ -295,7 +311,7 @@ def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True,
             continue
         if unit == ("moe" if blocks else "moe_blocks"):       # one of the two specializations
             continue
-        if unit in ("kquant_gemm", "kquant_gemm_q6k", "blocks", "blocks_panels") and (
+        if unit in ("kquant_gemm", "kquant_gemm_q6k", "blocks", "blocks_panels", "block_matvec") and (
                 not blocks or (unit.startswith("kquant_gemm") and GEMM_ISA is None)):
             continue
         if unit == ("blocks" if panels else "blocks_panels"):   # one of the two specializations
@@ -316,16 +332,17 @@ def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True,
     return out
 
 
-def linked_by_run(unit: str) -> bool:
+def called_by_run(unit: str) -> bool:
+    """Whether interpreter.run calls the unit's kernels (so they are loaded before its first call)."""
     return UNITS[unit][3]
 
 
 def split(units: list[str], cache_locked: bool | None = None) -> tuple[list[str], list[str]]:
     """(this process's units, the child's), whole groups each. With the cache lock the groups
-    holding a unit ``run`` does not link go to the child (this process compiles ``run`` meanwhile),
+    holding a unit ``run`` does not call go to the child (this process compiles ``run`` meanwhile),
     then the others, largest first, to the side with less work so far (this process starts with
     PARENT_HEAD_START and RUN_COST). Without the lock the :data:`LOAD_GROUPS` stay here. The
-    child's list has the units ``run`` links first, so ``run`` can start before the child ends."""
+    child's list has the units ``run`` calls first, so the first step can run before the child ends."""
     if cache_locked is None:
         cache_locked = numba_cache_lock.INSTALLED
     groups: dict[str, list[str]] = {}
@@ -334,7 +351,7 @@ def split(units: list[str], cache_locked: bool | None = None) -> tuple[list[str]
             groups.setdefault(UNITS[u][2], []).append(u)
     cost = {g: sum(UNITS[u][1] for u in us) for g, us in groups.items()}
     if cache_locked:
-        here, there = [], [g for g, us in groups.items() if not all(map(linked_by_run, us))]
+        here, there = [], [g for g, us in groups.items() if not all(map(called_by_run, us))]
     else:
         here, there = [g for g in groups if g in LOAD_GROUPS], []
     load_here = PARENT_HEAD_START + RUN_COST + sum(cost[g] for g in here)
@@ -348,7 +365,7 @@ def split(units: list[str], cache_locked: bool | None = None) -> tuple[list[str]
             load_here += cost[g]
     mine = [u for g in here for u in groups[g]]
     child = [u for g in there for u in groups[g]]
-    return mine, sorted(child, key=lambda u: not linked_by_run(u))
+    return mine, sorted(child, key=lambda u: not called_by_run(u))
 
 
 # ---- the cache ---------------------------------------------------------------------------------------
@@ -439,8 +456,8 @@ def use_child() -> bool:
 
 class Warmup:
     """Compile ``units`` (from :func:`units_for`): :meth:`start` hands the child its share right
-    away (nothing happens when every unit is cached); :meth:`finish` compiles the rest here, waits
-    for the child's units that ``run`` links, loads them, compiles ``run`` while the child still
+    away (nothing happens when every unit is cached); :meth:`finish` compiles the rest here and
+    ``run``, waits for the child's units that ``run`` calls and loads them while the child still
     compiles the prefill GEMMs, then waits for those. ``seconds`` is the compile time it spent
     (0.0 when everything came from the cache)."""
 
@@ -512,18 +529,18 @@ class Warmup:
             for u in here:
                 compile_unit(u)
                 self.progress.step()
-            linked = [u for u in self.child_units if linked_by_run(u)]
+            for u in runs:                 # (it calls the large kernels by address: they need not be loaded)
+                compile_unit(u)
+                self.progress.step()
+            linked = [u for u in self.child_units if called_by_run(u)]
             self._wait_for_child(linked)
             for u in linked:               # loads what the child wrote (compiles what it did not)
                 compile_unit(u)
                 if u not in self.reported:
                     self.progress.step()
-            for u in runs:
-                compile_unit(u)
-                self.progress.step()
             self._wait_for_child(self.child_units)
             for u in self.child_units:
-                if not linked_by_run(u):
+                if not called_by_run(u):
                     compile_unit(u)
                     if u not in self.reported:
                         self.progress.step()
