@@ -58,7 +58,7 @@ PER_SEQUENCE_OPS = (P.OP_ROPE, P.OP_ATTENTION, P.OP_GATED_DELTA, P.OP_POS_EMBED)
 SERIAL_ROW_OPS = (P.OP_RMSNORM, P.OP_LAYERNORM, P.OP_GLU, P.OP_ADD, P.OP_SIGMOID_MUL)
 
 # The large kernels a step calls through their address (cpullm_kernels.setup.addressed): linked,
-# the fused step compiled them all again (27-29 s of CPU for the default model).
+# the fused step compiled them all again (26-30 s of CPU for the default model).
 attention_decode_batch_at, gated_delta_at = ATTENTION_DECODE_BATCH.call, GATED_DELTA.call
 attention_at, matmul_rows_at = ATTENTION.call, MATMUL_ROWS.call
 
@@ -255,8 +255,9 @@ class BatchDecoder:
         """Compile the batched step for ``states`` into numba's cache in a child process at a
         lower priority, once: the first verify pass of a fresh machine otherwise stops decoding
         while it compiles (11-15 s of CPU for SmolLM2's Q4_1 GGUF on 2 cores, the kernels it calls
-        by address included: benchmarks/results/2026-12-07-cold-start-addressed.md). The child is stopped at exit; numba
-        replaces cache files whole, so a stopped child leaves none half-written."""
+        by address included: benchmarks/results/2026-12-07-cold-start-addressed.md). The child is
+        stopped at exit; numba replaces cache files whole, so a stopped child leaves none
+        half-written."""
         if self._compiler is not None:
             return
         sig = pickle.dumps(self.fused_signature(states)).hex()

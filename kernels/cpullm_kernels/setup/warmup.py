@@ -456,8 +456,8 @@ def use_child() -> bool:
 
 class Warmup:
     """Compile ``units`` (from :func:`units_for`): :meth:`start` hands the child its share right
-    away (nothing happens when every unit is cached); :meth:`finish` compiles the rest here and
-    ``run``, waits for the child's units that ``run`` calls and loads them while the child still
+    away (nothing happens when every unit is cached); :meth:`finish` compiles the rest here, waits
+    for the child's units that ``run`` calls, loads them, compiles ``run`` while the child still
     compiles the prefill GEMMs, then waits for those. ``seconds`` is the compile time it spent
     (0.0 when everything came from the cache)."""
 
@@ -529,15 +529,15 @@ class Warmup:
             for u in here:
                 compile_unit(u)
                 self.progress.step()
-            for u in runs:                 # (it calls the large kernels by address: they need not be loaded)
-                compile_unit(u)
-                self.progress.step()
             linked = [u for u in self.child_units if called_by_run(u)]
             self._wait_for_child(linked)
             for u in linked:               # loads what the child wrote (compiles what it did not)
                 compile_unit(u)
                 if u not in self.reported:
                     self.progress.step()
+            for u in runs:                 # (it links the row kernels, in either process's units)
+                compile_unit(u)
+                self.progress.step()
             self._wait_for_child(self.child_units)
             for u in self.child_units:
                 if not called_by_run(u):
