@@ -32,16 +32,14 @@ import time
 import numba
 import numpy as np
 from numba import njit
-from numba import types as nt
 
 from ..compile.head_screen import RowsScreen
 from .executor import Executor
 from cpullm_kernels.program import interpreter as K
 from cpullm_kernels.program import program_table as P
-from cpullm_kernels.attention.attention import ATTENTION
-from cpullm_kernels.attention.attention_batch import ATTENTION_DECODE_BATCH
-from cpullm_kernels.program.formats import MATMUL_ROWS
-from cpullm_kernels.setup.operand_types import ARENA, INTS, WF, WQ, WS, XQ, array, f64, i64
+from cpullm_kernels.attention.attention import ATTENTION, attention_signature
+from cpullm_kernels.attention.attention_batch import ATTENTION_DECODE_BATCH, attention_decode_batch_signature
+from cpullm_kernels.program.formats import MATMUL_ROWS, matmul_rows_signature
 from cpullm_kernels.setup.warmup import is_cached
 from cpullm_kernels.ops.elementwise import binary_rows, glu_rows
 from cpullm_kernels.ops.norm import layernorm_rows, rmsnorm_rows
@@ -202,11 +200,9 @@ def fused_callees(sig: tuple) -> list:
     """[(Addressed, argument types)] that :func:`_fused` called with argument types ``sig`` calls
     through their address, besides the gated-delta kernel (a warm-up unit of the models that have
     it): the matmul of a step's rows, attention one sequence at a time, the batch's attention."""
-    states, wb, wbp, kv = sig[5], sig[13], sig[14], sig[21]
-    return [(MATMUL_ROWS, (i64, i64, i64, i64, i64, WQ, WS, WF, wb, wbp, array(nt.float32, 2, layout="A"),
-                           array(nt.float32, 2), XQ, ARENA, nt.boolean, i64)),
-            (ATTENTION, (ARENA, ARENA, *[i64] * 13, f64, f64, i64, i64, i64, i64, kv)),
-            (ATTENTION_DECODE_BATCH, (ARENA, states, INTS, INTS, *[i64] * 13, f64, f64, i64, i64, kv))]
+    wb, wbp, kv = sig[13], sig[14], sig[21]
+    return [(MATMUL_ROWS, matmul_rows_signature(wb, wbp, "A")), (ATTENTION, attention_signature(kv)),
+            (ATTENTION_DECODE_BATCH, attention_decode_batch_signature(kv))]
 
 
 class BatchDecoder:

@@ -1192,9 +1192,12 @@ def attend_part(arena, state, q0, nq, hd, k_base, v_base, ks_base, vs_base, cap,
                     aj[d] += w * (_load_kv(kv16, state, r0 + d) * _value_scale(kv16, state, vs_base + slot * nb, d))
 
 
-ATTEND_PART = Addressed(attend_part, types.none, [
-    (ARENA, ARENA, *[i64] * 10, f64, f64, ARENA, ARENA, ARENA, ARENA, ARENA, types.boolean, kv)
-    for kv in KV_OPERANDS])
+def attend_part_signature(kv) -> tuple:
+    """attend_part's argument types for the KV operand type ``kv`` (one of KV_OPERANDS)."""
+    return (ARENA, ARENA, *[i64] * 10, f64, f64, ARENA, ARENA, ARENA, ARENA, ARENA, types.boolean, kv)
+
+
+ATTEND_PART = Addressed(attend_part, types.none, [attend_part_signature(kv) for kv in KV_OPERANDS])
 """attend_part, called through its address (cpullm_kernels.setup.addressed) by the parallel loops of
 :func:`attention` and the batched decode: linked, its code was compiled again inside each (with
 the two linked, attention took 8.9-9.9 s of a cold start's CPU, 3.4 s without attend_part's 2 s)."""
@@ -1360,8 +1363,12 @@ def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
                            group, hd)
 
 
-ATTENTION = Addressed(attention, types.none, [
-    (ARENA, ARENA, *[i64] * 13, f64, f64, i64, i64, i64, i64, kv) for kv in KV_OPERANDS])
+def attention_signature(kv) -> tuple:
+    """attention's argument types for the KV operand type ``kv`` (one of KV_OPERANDS)."""
+    return (ARENA, ARENA, *[i64] * 13, f64, f64, i64, i64, i64, i64, kv)
+
+
+ATTENTION = Addressed(attention, types.none, [attention_signature(kv) for kv in KV_OPERANDS])
 """attention as interpreter.run and the batched step call it, through its address
 (cpullm_kernels.setup.addressed)."""
 

@@ -86,6 +86,11 @@ def attention_decode_batch(arena, states, slots, positions, q_off, q_st, k_off, 
                                group, hd)
 
 
+def attention_decode_batch_signature(kv) -> tuple:
+    """attention_decode_batch's argument types for the KV operand type ``kv`` (one of KV_OPERANDS)."""
+    return (ARENA, array(types.float32, 2), INTS, INTS, *[i64] * 13, f64, f64, i64, i64, kv)
+
+
 ATTENTION_DECODE_BATCH = Addressed(attention_decode_batch, types.none, [
-    (ARENA, array(types.float32, 2), INTS, INTS, *[i64] * 13, f64, f64, i64, i64, kv) for kv in KV_OPERANDS])
+    attention_decode_batch_signature(kv) for kv in KV_OPERANDS])
 """attention_decode_batch as the batched step calls it, through its address (cpullm_kernels.setup.addressed)."""

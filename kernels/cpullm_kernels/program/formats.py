@@ -323,10 +323,16 @@ def matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, wbp, x, out, xq, xs, 
 
 
 WB_KINDS = (nt.none, WB)                # a program without / with raw-block matrices
+
+
+def matmul_rows_signature(wb, wbp, layout: str = "C") -> tuple:
+    """matmul_rows' argument types for the operand types ``wb`` / ``wbp`` and rows x of ``layout``."""
+    return (i64, i64, i64, i64, i64, WQ, WS, WF, wb, wbp, array(nt.float32, 2, layout=layout), array(nt.float32, 2),
+            XQ, ARENA, nt.boolean, i64)
+
+
 MATMUL_ROWS = Addressed(matmul_rows, nt.none, [
-    (i64, i64, i64, i64, i64, WQ, WS, WF, wb, wbp, array(nt.float32, 2, layout=layout), array(nt.float32, 2), XQ,
-     ARENA, nt.boolean, i64)
-    for layout in ("C", "A") for wb in WB_KINDS for wbp in WB_KINDS])
+    matmul_rows_signature(wb, wbp, layout) for layout in ("C", "A") for wb in WB_KINDS for wbp in WB_KINDS])
 """matmul_rows as the LINEAR driver (x one C-contiguous row) and the batched step (x a strided view)
 call it, through its address (cpullm_kernels.setup.addressed)."""
 

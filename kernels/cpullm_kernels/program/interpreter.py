@@ -89,8 +89,12 @@ def linear_rows(I, r, arena, wq, ws, wf, wb, wbp, xq, xs, T, refine, nthreads):
                 out[n] += wf[b_off + n]
 
 
-LINEAR_ROWS = Addressed(linear_rows, nt.none, [
-    (PROG_I, i64, ARENA, WQ, WS, WF, wb, wbp, XQ, ARENA, i64, nt.boolean, i64) for wb in WB_KINDS for wbp in WB_KINDS])
+def linear_rows_signature(wb, wbp) -> tuple:
+    """linear_rows' argument types for the operand types ``wb`` / ``wbp`` (None or WB)."""
+    return (PROG_I, i64, ARENA, WQ, WS, WF, wb, wbp, XQ, ARENA, i64, nt.boolean, i64)
+
+
+LINEAR_ROWS = Addressed(linear_rows, nt.none, [linear_rows_signature(wb, wbp) for wb in WB_KINDS for wbp in WB_KINDS])
 """linear_rows as :func:`run` calls it, through its address (cpullm_kernels.setup.addressed)."""
 linear_rows_at = LINEAR_ROWS.call
 

@@ -149,15 +149,15 @@ def _addressed(*callees) -> list:
 
 def _attention_kernels(attention, kv) -> list:
     """attention.attention for the KV operand type ``kv``, after the attend_part it calls by address."""
-    part = attention.ATTEND_PART
-    return [(part.dispatcher, part.signatures[part.match((*part.signatures[0][:-1], kv))]),
-            (attention.attention, (ARENA, ARENA, *[i64] * 13, f64, f64, i64, i64, i64, i64, kv))]
+    return [(attention.attend_part, attention.attend_part_signature(kv)),
+            (attention.attention, attention.attention_signature(kv))]
 
 
-def _matmul_rows_sig(wb, wbp) -> tuple:
-    """formats.matmul_rows as the LINEAR driver (interpreter.linear_rows) calls it, one row."""
-    return (i64, i64, i64, i64, i64, WQ, WS, WF, wb, wbp, _arr(nt.float32, 2), _arr(nt.float32, 2), XQ, ARENA,
-            nt.boolean, i64)
+def _linear_driver(formats, interpreter, wb, wbp) -> list:
+    """The LINEAR decode driver (interpreter.linear_rows) for the operand types ``wb`` / ``wbp``,
+    after the matmul_rows it calls by address (one C-contiguous row)."""
+    return [(formats.matmul_rows, formats.matmul_rows_signature(wb, wbp)),
+            (interpreter.linear_rows, interpreter.linear_rows_signature(wb, wbp))]
 
 
 def _kernels(unit: str) -> list:
@@ -177,9 +177,7 @@ def _kernels(unit: str) -> list:
     f32_2, i16_2, wb2 = _arr(nt.float32, 2), _arr(nt.int16, 2), _arr(nt.uint8, 2, readonly=True)
     table = {
         # LINEAR's decode driver, as interpreter.run calls it: without raw blocks, and (unit "blocks") with
-        "linear": [(formats.matmul_rows, _matmul_rows_sig(nt.none, nt.none)),
-                   (interpreter.linear_rows, (PROG_I, i64, ARENA, WQ, WS, WF, nt.none, nt.none, XQ, ARENA, i64,
-                                              nt.boolean, i64))],
+        "linear": _linear_driver(formats, interpreter, nt.none, nt.none),
         "norm": [(norm.rmsnorm_rows, (ARENA, *[i64] * 6, WF, i64, f64, i64, i64)),
                  (norm.rmsnorm_par, (ARENA, *[i64] * 6, WF, i64, f64, i64))],
         "layernorm": [(norm.layernorm_rows, (ARENA, *[i64] * 6, WF, i64, i64, f64, i64, i64)),
@@ -220,12 +218,8 @@ def _kernels(unit: str) -> list:
         # the raw-block LINEAR and EMBED rows, as interpreter.run calls them (the matrix kernels first:
         # formats.matmul_rows calls them through their address)
         # (without and with the Q4_K / Q6_K panel kernel; either also holds the q8 and f32 rows)
-        "blocks": [(formats.matmul_rows, _matmul_rows_sig(WB, nt.none)),
-                   (interpreter.linear_rows, (PROG_I, i64, ARENA, WQ, WS, WF, WB, nt.none, XQ, ARENA, i64,
-                                              nt.boolean, i64))],
-        "blocks_panels": [*_addressed(kquant_panels.MATMUL), (formats.matmul_rows, _matmul_rows_sig(WB, WB)),
-                          (interpreter.linear_rows, (PROG_I, i64, ARENA, WQ, WS, WF, WB, WB, XQ, ARENA, i64,
-                                                     nt.boolean, i64))],
+        "blocks": _linear_driver(formats, interpreter, WB, nt.none),
+        "blocks_panels": [*_addressed(kquant_panels.MATMUL), *_linear_driver(formats, interpreter, WB, WB)],
         "embed_blocks": [(formats.embed_row_into, (*[i64] * 4, WQ, WS, WF, WB, i64, nt.float32, ARENA))],
         # routed experts (kernels.moe), called by the executor: q8 / f32 experts, and raw blocks
         "moe": [(moe.moe, (ARENA, INTS, PROG_I, WQ, WS, WF, nt.none, INTS, i64))],
