@@ -44,7 +44,7 @@ from ..ops.vmath import exp_f32, exp_f32_ir, fdiv_ieee, tanh_f32_ir
 from ..rows.llvm_ir import F32, I8, I16, I32, I64, P8, const_i64, declare
 from ..setup import numba_setup
 from ..setup.addressed import Addressed
-from ..setup.operand_types import ARENA, f64, i64
+from ..setup.operand_types import ARENA, array, f64, i64
 
 TILE = 16
 """Key slots per tile (the vector width of the score kernel)."""
@@ -1296,6 +1296,57 @@ over the threads (decode of SmolLM2's 3 KV heads on 2 threads), :func:`attention
 pair's keys so that every thread gets the same number of equal jobs."""
 
 
+@njit(cache=True, error_model="numpy")
+def attend_chunk(arena, state, c, nchunk, jobs, T, splits, window, pos0, q_off, q_st, o_off, o_st, group, hd,
+                 base, size, cap, c_off, n_kv, span, scale, softcap, part, kv16):
+    """Jobs c, c + nchunk, ... of :func:`attention`'s parallel loop, with this chunk's own
+    scratch. A function of its own, called through its address: as the loop's body, numba compiled
+    it into the parallel region's function and again into attention."""
+    qbuf = aligned_scratch(group * hd)
+    acc = aligned_scratch(group * hd)
+    mx = np.empty(group, np.float32)
+    tot = np.empty(group, np.float32)
+    scores = aligned_scratch(group * (span + 2 * TILE))
+    for job in range(c, jobs, nchunk):
+        kvh = job // (T * splits)
+        s = (job // T) % splits
+        t = job % T
+        p = pos0 + t
+        lo = 0
+        if window > 0:
+            lo = max(0, p - window + 1)
+        n = p - lo + 1
+        k0 = lo + n * s // splits                # this job's keys: [k0, k1]
+        k1 = lo + n * (s + 1) // splits - 1
+        q0 = q_off + t * q_st + kvh * group * hd
+        ks, vs = q8_head_scales(c_off, n_kv, cap, hd, kvh)
+        attend_part_at(arena, state, q0, group, hd, base + kvh * cap * hd, base + size + kvh * cap * hd,
+                       ks, vs, cap, k0, k1, scale, softcap, qbuf,
+                       scores, acc, mx, tot, T <= STREAM_ROWS, kv16)
+        if splits == 1:
+            normalize_into(arena, o_off + t * o_st + kvh * group * hd, acc, tot, group, hd)
+        else:
+            keep_part(part, job, acc, mx, tot, group, hd)
+
+
+def attend_chunk_signature(kv) -> tuple:
+    """attend_chunk's argument types for the KV operand type ``kv`` (one of KV_OPERANDS)."""
+    return (ARENA, ARENA, *[i64] * 19, f64, f64, array(types.float32, 3), kv)
+
+
+ATTEND_CHUNK = Addressed(attend_chunk, types.none, [attend_chunk_signature(kv) for kv in KV_OPERANDS])
+attend_chunk_at = ATTEND_CHUNK.call
+attend_chunk_ready = ATTEND_CHUNK.ensure
+
+
+@njit(cache=True, inline="always")
+def attend_chunk_bind(arena, kv16):
+    """Bind attend_chunk's specialization for ``kv16`` before attention's parallel region."""
+    z, f = np.int64(0), np.float64(0.0)
+    attend_chunk_ready(arena, arena, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, z, f, f,
+                       np.empty((1, 1, 1), np.float32), kv16)
+
+
 @njit(cache=True, parallel=True, fastmath=True, error_model="numpy")
 def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
               n_heads, n_kv, head_dim, c_off, cap, scale, softcap, window, pos0, T, nthreads, kv16):
@@ -1329,32 +1380,10 @@ def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
     part = np.empty((jobs, group, hd + 2), np.float32) if splits > 1 else np.empty((1, 1, 1), np.float32)
     nchunk = min(jobs, MAX_CHUNKS)
     attend_part_bind(arena, kv16)
+    attend_chunk_bind(arena, kv16)
     for c in prange(nchunk):
-        qbuf = aligned_scratch(group * hd)
-        acc = aligned_scratch(group * hd)
-        mx = np.empty(group, np.float32)
-        tot = np.empty(group, np.float32)
-        scores = aligned_scratch(group * (span + 2 * TILE))
-        for job in range(c, jobs, nchunk):
-            kvh = job // (T * splits)
-            s = (job // T) % splits
-            t = job % T
-            p = pos0 + t
-            lo = 0
-            if window > 0:
-                lo = max(0, p - window + 1)
-            n = p - lo + 1
-            k0 = lo + n * s // splits                # this job's keys: [k0, k1]
-            k1 = lo + n * (s + 1) // splits - 1
-            q0 = q_off + t * q_st + kvh * group * hd
-            ks, vs = q8_head_scales(c_off, n_kv, cap, hd, kvh)
-            attend_part_at(arena, state, q0, group, hd, base + kvh * cap * hd, base + size + kvh * cap * hd,
-                           ks, vs, cap, k0, k1, scale, softcap, qbuf,
-                           scores, acc, mx, tot, T <= STREAM_ROWS, kv16)
-            if splits == 1:
-                normalize_into(arena, o_off + t * o_st + kvh * group * hd, acc, tot, group, hd)
-            else:
-                keep_part(part, job, acc, mx, tot, group, hd)
+        attend_chunk_at(arena, state, np.int64(c), nchunk, jobs, T, splits, window, pos0, q_off, q_st, o_off, o_st, group, hd,
+                        base, size, cap, c_off, n_kv, span, scale, softcap, part, kv16)
     if splits > 1:                                   # combine the key ranges of each pair
         for pair in range(pairs):
             kvh = pair // T

@@ -268,6 +268,15 @@ def matrix_bytes(kind, N: int, K: int, Kp: int, w_off: int, s_off: int) -> int:
 # every caller above it.
 panels_matmul_at, kpanels_matmul_at, blocks_matvec_at = PANELS_MATMUL.call, KPANELS_MATMUL.call, MATVEC.call
 
+# The float32 kernels, called through their address: compiled on their first call, so a program
+# without float32 LINEARs (every GGUF file of quantized matrices) never compiles them (they took
+# 2 s of the block driver's 6.6 s of CPU as linked callees).
+F32_MATVEC = Addressed(matvec_f32, nt.none, [(array(nt.float32, 2, readonly=True), array(nt.float32, 1, layout=lay),
+                                              array(nt.float32, 1)) for lay in ("C", "A")])
+F32_ROWS = Addressed(linear_rows_f32, nt.none, [(array(nt.float32, 2, layout=lay), array(nt.float32, 2, readonly=True),
+                                                 array(nt.float32, 2, layout="A")) for lay in ("C", "A")])
+matvec_f32_at, linear_rows_f32_at = F32_MATVEC.call, F32_ROWS.call
+
 
 # ---- a batch of rows in one compiled call -----------------------------------------------------------
 
@@ -315,9 +324,9 @@ def matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, wbp, x, out, xq, xs, 
         w = wf[w_off: w_off + N * K].reshape((N, K))
         if f32_lone:
             for t in range(T):
-                matvec_f32(w, x[t], out[t, :N])
+                matvec_f32_at(w, x[t], out[t, :N])
         else:
-            linear_rows_f32(x, w, out[:, :N])
+            linear_rows_f32_at(x, w, out[:, :N])
     else:
         raise ValueError("cpullm formats: unknown weight kind")
 
@@ -337,7 +346,7 @@ MATMUL_ROWS = Addressed(matmul_rows, nt.none, [
 call it, through its address (cpullm_kernels.setup.addressed)."""
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def quantize_rows_into(kind, Kp, x, xq, xs, wb):
     """The activations of rows x (T, K) as :func:`matmul_rows` multiplies them by a matrix of
     ``kind``, each row alone: q8 int16 in xq[:T * Kp], scales in xs[:T * Kp // 32]; raw blocks

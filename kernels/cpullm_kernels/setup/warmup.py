@@ -150,6 +150,7 @@ def _addressed(*callees) -> list:
 def _attention_kernels(attention, kv) -> list:
     """attention.attention for the KV operand type ``kv``, after the attend_part it calls by address."""
     return [(attention.attend_part, attention.attend_part_signature(kv)),
+            (attention.attend_chunk, attention.attend_chunk_signature(kv)),
             (attention.attention, attention.attention_signature(kv))]
 
 
@@ -202,14 +203,19 @@ def _kernels(unit: str) -> list:
         "gemm": [(q8_panels.quantize_rows_par, (f32_2, i16_2, f32_2))],
         # the raw-block matvec (matmul_rows and the short prompts' kquant_matvec_rows call it by address)
         "block_matvec": _addressed(kquant.MATVEC),
+        # the float32 LINEAR's decode matvec (matmul_rows calls it by address; a program without
+        # float32 LINEARs never compiles it)
+        "f32_rows": _addressed(formats.F32_MATVEC),
         # prefill's batched raw-block LINEARs (kquant_gemm's integer GEMM, the k-quant panels) and short prompts
         "kquant_gemm": [(q8_gemm.quantize_rows_q16, (f32_2, i16_2, f32_2)),
-                        (kquant_gemm.kquant_gemm_blocks, (i64, i16_2, f32_2, wb2, i64, f32_2, f32_2, i64)),
+                        (kquant_gemm.kquant_gemm_blocks, (i64, i16_2, f32_2, wb2, i64, f32_2, f32_2, i64, nt.none)),
                         (kquant_gemm.kquant_block_sums, (i16_2, f32_2, i64, f32_2)),
                         (kquant_gemm.kquant_matvec_rows, (i64, f32_2, wb2, f32_2, _arr(nt.int8), ARENA, ARENA))],
         # ... its activation quantizer for Q6_K matrices (kquant_gemm.matmul_int), only a program
         # that may hold Q6_K blocks
-        "kquant_gemm_q6k": [(kquant_gemm.quantize_rows_i8, (f32_2, i16_2, f32_2, i64))],
+        "kquant_gemm_q6k": [(kquant_gemm.quantize_rows_i8, (f32_2, i16_2, f32_2, i64)),
+                            (kquant_gemm.kquant_gemm_blocks, (i64, i16_2, f32_2, wb2, i64, f32_2, f32_2, i64,
+                                                              nt.boolean))],
         # prefill's Q4_K / Q6_K LINEARs in panels: rows quantized, then the panel kernel into a
         # row-strided view of the arena (only a program with such panels)
         "kpanels_gemm": [(kquant_panels.quantize_rows_q8k, (f32_2, _arr(nt.int8, 2), f32_2, f32_2)),
@@ -240,16 +246,17 @@ UNITS = {
     # Kernels called through their address (the q8 panels, the block matvec, attend_part) are
     # units of their own: compiled once anywhere, loaded by the others. The prefill GEMMs are
     # called by the executor, not by interpreter.run, so run can compile while they do.
-    "q8_panels": (None, 4.0, "q8_panels", True),
+    "q8_panels": (None, 2.0, "q8_panels", True),
     "block_matvec": (None, 1.5, "block_matvec", True),
-    "linear": (None, 3.9, "matmul", True),
+    "f32_rows": (("LINEAR", "MOE"), 0.4, "f32_rows", True),
+    "linear": (None, 2.5, "matmul", True),
     "gemm": (("LINEAR",), 0.8, "matmul", False),
     # the block driver with the q8 / f32 rows; + the Q4_K / Q6_K panel kernel
-    "blocks": (None, 6.6, "matmul", True),
-    "blocks_panels": (None, 10.5, "matmul", True),
+    "blocks": (None, 4.3, "matmul", True),
+    "blocks_panels": (None, 8.3, "matmul", True),
     "embed_blocks": (None, 2.7, "matmul", True),
-    "kquant_gemm": (("LINEAR",), 7.5, "matmul", False),
-    "kquant_gemm_q6k": (("LINEAR",), 1.4, "matmul", False),
+    "kquant_gemm": (("LINEAR",), 5.4, "matmul", False),
+    "kquant_gemm_q6k": (("LINEAR",), 5.0, "matmul", False),
     "kpanels_gemm": (("LINEAR",), 4.8, "matmul", False),
     "norm": (None, 0.7, "norm", True),
     "layernorm": (("LAYERNORM",), 1.8, "norm", True),
@@ -280,7 +287,8 @@ it compiles: the split gives the child that much more."""
 
 
 def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True, blocks: bool | None = None,
-              embed_blocks: bool | None = None, kv16: int = 0, panels: bool | None = None) -> list[str]:
+              embed_blocks: bool | None = None, kv16: int = 0, panels: bool | None = None,
+              f32_linear: bool | None = None) -> list[str]:
     """The units a graph with these op names needs, ``run`` last. ``linear_state``: it has
     GATED_DELTA ops the interpreter runs, not a plugin kernel; ``q8_prefill``: a body LINEAR of a
     GGUF run as it is has q8 weights (Q8_0), so prefill needs the q8 GEMM; ``blocks`` /
@@ -288,7 +296,8 @@ def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True,
     ``kv16``: the KV caches' format code (attention.KV_*; True: float16; only that attention
     specialization is compiled); ``panels``: a LINEAR may hold Q4_K / Q6_K blocks, which the
     compiler stores in panels of 16 rows, so prefill needs the panel GEMM (default: as
-    ``blocks``; a file of Q4_0 / Q4_1 / Q5 blocks never runs it)."""
+    ``blocks``; a file of Q4_0 / Q4_1 / Q5 blocks never runs it); ``f32_linear``: a LINEAR keeps
+    float32 weights (default: quant is "f32")."""
     from ..tiles.q8_gemm import GEMM_ISA
     ops = set(op_names)
     if blocks is None:
@@ -297,6 +306,8 @@ def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True,
         embed_blocks = quant in BLOCK_QUANTS
     if panels is None:
         panels = blocks
+    if f32_linear is None:
+        f32_linear = quant == "f32"
     out = []
     for unit, (needs, *_) in UNITS.items():
         if unit == "gated_delta" and not linear_state:
@@ -315,6 +326,8 @@ def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True,
         if unit in ("kpanels_gemm", "kquant_gemm_q6k") and not (blocks and panels):
             continue
         if unit == "embed_blocks" and not embed_blocks:
+            continue
+        if unit == "f32_rows" and not f32_linear:
             continue
         if unit.startswith("attention") and unit != ("attention", "attention_f16", "attention_q8")[int(kv16)]:
             continue
@@ -576,13 +589,16 @@ def warmup_for_graph(graph, quant: str, kernels=(), q8_prefill: bool = True, blo
                      embed_blocks: bool | None = None, kv16: int = 0, panels: bool | None = None) -> Warmup:
     """A started :class:`Warmup` for the units ``graph`` needs (``kernels``: plugin KernelSpecs,
     whose ops the interpreter does not run; the rest: see :func:`units_for`)."""
-    ops, linear_state = set(), False
+    ops, linear_state, f32_linear = set(), False, quant == "f32"
     for n in graph.nodes:
         ops.add(n.op.name)
         if n.op.name == "GATED_DELTA" and not any(int(k.op) == int(n.op) and k.supports(n) for k in kernels):
             linear_state = True
+        if n.op.name == "LINEAR" and n.attr("precision") == "f32":      # kept float32 in every mode
+            f32_linear = True
     kv16 = int(kv16) if "ATTENTION" in ops else 0      # as run_flags reads it off the compiled program
-    return Warmup(units_for(ops, quant, linear_state, q8_prefill, blocks, embed_blocks, kv16, panels)).start()
+    return Warmup(units_for(ops, quant, linear_state, q8_prefill, blocks, embed_blocks, kv16, panels,
+                            f32_linear)).start()
 
 
 __all__ = ["Warmup", "compile_seconds", "compile_unit", "is_cached", "units_for", "split",

@@ -359,10 +359,10 @@ def _gemm_panels(x_q, x_s, w_q, w_s, T, out, nthreads):
                 nblk = min(KC_BLOCKS, nb - b0)
                 first = b0 == 0
                 _pack_chunk(w_q, w_s, n0, b0, nblk, wp, sp)
-                for t0 in range(0, e0, TR):
-                    w8a16_tile(wp, sp, x_q, x_s, t0, b0 * QBLOCK, out, t0, n0, nblk, first)
-                for t0 in range(e0, Tp, TR):
-                    w8a16_tile(wp, sp, x_q, x_s, t0, b0 * QBLOCK, edge, t0 - e0, 0, nblk, first)
+                for t0 in range(0, Tp, TR):     # one call site: the tile is inlined at each
+                    direct = t0 < e0
+                    w8a16_tile(wp, sp, x_q, x_s, t0, b0 * QBLOCK, out if direct else edge,
+                               t0 if direct else t0 - e0, n0 if direct else 0, nblk, first)
             for t in range(e0, T):
                 out[t, n0:n0 + ncols] = edge[t - e0, :ncols]
 
