@@ -9,8 +9,24 @@ from cpullm_kernels.attention import gated_delta as G
 from cpullm_kernels.program import interpreter as K
 from cpullm_kernels.ops import norm as N
 from cpullm_kernels.ops import rope as R
+from cpullm_kernels.program import program_table as P
+from cpullm_kernels.program import row_ops
 
 rng = np.random.default_rng(0)
+
+
+def row_op_par(op, cols, fcols, arena, wf, T, pos0=0, layernorm=False):
+    """One row-op instruction over rows [0, T), as the interpreter runs a prefill chunk
+    (row_ops.row_op_par: a row per task of one parallel region)."""
+    I = np.zeros((1, P.NI), np.int64)
+    F = np.zeros((1, P.NF), np.float64)
+    I[0, P.COL_OP] = op
+    for c, v in cols.items():
+        I[0, c] = v
+    for c, v in fcols.items():
+        F[0, c] = v
+    I.flags.writeable = F.flags.writeable = False
+    row_ops.row_op_par(I, F, 0, arena, wf, wf if layernorm else None, pos0, T)
 
 
 def _arena_with(*mats, extra=0):
@@ -43,7 +59,9 @@ def test_rmsnorm(T, width, group, parallel):
     w = rng.standard_normal(group).astype(np.float32)
     arena, (xo,), end = _arena_with(x, extra=T * width)
     if parallel:
-        N.rmsnorm_par(arena, xo, width + 3, end, width, width, group, w, 0, 1e-6, T)
+        row_op_par(P.OP_RMSNORM, {P.NORM_X_OFF: xo, P.NORM_X_ST: width + 3, P.NORM_OUT_OFF: end,
+                                  P.NORM_OUT_ST: width, P.NORM_WIDTH: width, P.NORM_GROUP: group, P.NORM_W_OFF: 0},
+                   {P.F_NORM_EPS: 1e-6}, arena, w, T)
     else:
         N.rmsnorm_rows(arena, xo, width + 3, end, width, width, group, w, 0, 1e-6, 0, T)
     got = arena[end: end + T * width].reshape(T, width)
@@ -63,7 +81,9 @@ def test_layernorm_against_numpy_and_torch(T, width, group, parallel, bias):
     b_off = group if bias else -1
     arena, (xo,), end = _arena_with(x, extra=T * width)
     if parallel:
-        N.layernorm_par(arena, xo, width + 3, end, width, width, group, wf, 0, b_off, 1e-5, T)
+        row_op_par(P.OP_LAYERNORM, {P.NORM_X_OFF: xo, P.NORM_X_ST: width + 3, P.NORM_OUT_OFF: end,
+                                    P.NORM_OUT_ST: width, P.NORM_WIDTH: width, P.NORM_GROUP: group, P.NORM_W_OFF: 0,
+                                    P.NORM_BIAS_OFF: b_off}, {P.F_NORM_EPS: 1e-5}, arena, wf, T, layernorm=True)
     else:
         N.layernorm_rows(arena, xo, width + 3, end, width, width, group, wf, 0, b_off, 1e-5, 0, T)
     got = arena[end: end + T * width].reshape(T, width)
@@ -114,7 +134,9 @@ def test_rope(rotary_dim):
     x = rng.standard_normal((T, nh * hd)).astype(np.float32)
     inv = (1.0 / 10000 ** (np.arange(0, rotary_dim, 2) / rotary_dim)).astype(np.float32)
     arena, (xo,), end = _arena_with(x, extra=T * nh * hd)
-    R.rope_par(arena, xo, nh * hd + 3, end, nh * hd, nh, hd, rotary_dim, inv, 0, 1.0, pos0, T)
+    row_op_par(P.OP_ROPE, {P.ROPE_X_OFF: xo, P.ROPE_X_ST: nh * hd + 3, P.ROPE_OUT_OFF: end, P.ROPE_OUT_ST: nh * hd,
+                           P.ROPE_N_HEADS: nh, P.ROPE_HEAD_DIM: hd, P.ROPE_ROTARY_DIM: rotary_dim, P.ROPE_FREQ_OFF: 0},
+               {P.F_ROPE_SCALING: 1.0}, arena, inv, T, pos0=pos0)
     got = arena[end: end + T * nh * hd].reshape(T, nh * hd)
     np.testing.assert_allclose(got, R.rope_ref(x, np.arange(pos0, pos0 + T), nh, hd, inv), rtol=1e-5, atol=1e-5)
 
@@ -165,7 +187,9 @@ def test_glu(act):
     T, w = 4, 45
     g, u = rng.standard_normal((2, T, w)).astype(np.float32)
     arena, (go, uo), end = _arena_with(g, u, extra=T * w)
-    E.glu_par(arena, go, w + 3, uo, w + 3, end, w, w, act, T)
+    row_op_par(P.OP_GLU, {P.GLU_GATE_OFF: go, P.GLU_GATE_ST: w + 3, P.GLU_UP_OFF: uo, P.GLU_UP_ST: w + 3,
+                          P.GLU_OUT_OFF: end, P.GLU_OUT_ST: w, P.GLU_WIDTH: w, P.GLU_ACT: act},
+               {}, arena, np.zeros(1, np.float32), T)
     np.testing.assert_allclose(arena[end:end + T * w].reshape(T, w), E.glu_ref(g, u, act), rtol=1e-5, atol=1e-6)
 
 
@@ -235,3 +259,46 @@ def test_as_words_views_whole_words_and_read_rate_counts_them():
     assert r["gbps"] > 0 and r["best_gbps"] >= r["gbps"]
     with pytest.raises(ValueError, match="nothing to read"):
         B.read_rate([q[:3]])
+
+
+def test_row_ops_give_each_row_the_row_kernels_bits_in_parallel_and_serially():
+    """row_ops.row_op (decode) and row_op_par (prefill) call the same compiled row kernels through
+    their address: every row equal to the bit, whichever ran it, and to the kernel called alone."""
+    T, w = 7, 61
+    x, y = (rng.standard_normal((2, T, w)) * 3).astype(np.float32)
+    wts = rng.standard_normal(w).astype(np.float32)
+    cases = [
+        (P.OP_RMSNORM, {P.NORM_X_OFF: 0, P.NORM_X_ST: w + 3, P.NORM_WIDTH: w, P.NORM_GROUP: w, P.NORM_W_OFF: 0},
+         {P.F_NORM_EPS: 1e-6}, lambda a, o: N.rmsnorm_rows(a, 0, w + 3, o, w, w, w, wts, 0, 1e-6, 0, T)),
+        (P.OP_SIGMOID_MUL, {P.BINARY_A_OFF: 0, P.BINARY_A_ST: w + 3, P.BINARY_B_OFF: T * (w + 3),
+                            P.BINARY_B_ST: w + 3, P.BINARY_WIDTH: w}, {},
+         lambda a, o: E.binary_rows(a, 0, w + 3, T * (w + 3), w + 3, o, w, w, E.BIN_SIGMOID_MUL, 0, T)),
+        (P.OP_SOFTCAP, {P.UNARY_X_OFF: 0, P.UNARY_X_ST: w + 3, P.UNARY_WIDTH: w}, {P.F_UNARY_PARAM: 2.5},
+         lambda a, o: E.unary_rows(a, 0, w + 3, o, w, w, E.UN_SOFTCAP, 2.5, 0, T)),
+    ]
+    out_col = {P.OP_RMSNORM: (P.NORM_OUT_OFF, P.NORM_OUT_ST), P.OP_SIGMOID_MUL: (P.BINARY_OUT_OFF, P.BINARY_OUT_ST),
+               P.OP_SOFTCAP: (P.UNARY_OUT_OFF, P.UNARY_OUT_ST)}
+    for op, cols, fcols, alone in cases:
+        arena, _, end = _arena_with(x, y, extra=T * w)
+        results = []
+        for run in ("alone", "serial", "parallel"):
+            a = arena.copy()
+            if run == "alone":
+                alone(a, end)
+            else:
+                I = np.zeros((1, P.NI), np.int64)
+                F = np.zeros((1, P.NF), np.float64)
+                I[0, P.COL_OP] = op
+                I[0, list(out_col[op])] = end, w
+                for c, v in cols.items():
+                    I[0, c] = v
+                for c, v in fcols.items():
+                    F[0, c] = v
+                if run == "serial":
+                    row_ops.row_op(I, F, 0, a, wts, None, 0, 0, T)
+                else:
+                    row_ops.row_op_par(I, F, 0, a, wts, None, 0, T)
+            results.append(a[end: end + T * w])
+        np.testing.assert_array_equal(results[0], results[1])
+        np.testing.assert_array_equal(results[0], results[2])
+        assert not np.isnan(results[0]).any()

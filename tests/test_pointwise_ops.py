@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from cpullm_kernels.ops import pointwise as K
+from cpullm_kernels.program import program_table as P
+from cpullm_kernels.program import row_ops
 
 
 def _arena(x: np.ndarray, stride: int):
@@ -28,7 +30,10 @@ def test_activation_kernels_match_the_reference(act):
     for parallel in (False, True):
         arena, x_off, o_off = _arena(x, 80)
         if parallel:
-            K.act_par(arena, x_off, 80, o_off, 80, 77, kind, 5)
+            I = np.zeros((1, P.NI), np.int64)          # the instruction, run as a prefill chunk runs it
+            I[0, [P.COL_OP, P.UNARY_X_OFF, P.UNARY_X_ST, P.UNARY_OUT_OFF, P.UNARY_OUT_ST, P.UNARY_WIDTH,
+                  P.ACT_KIND]] = P.OP_ACT, x_off, 80, o_off, 80, 77, kind
+            row_ops.row_op_par(I, np.zeros((1, P.NF)), 0, arena, np.zeros(1, np.float32), None, 0, 5)
         else:
             K.act_rows(arena, x_off, 80, o_off, 80, 77, kind, np.int64(0), np.int64(5))
         got = arena[o_off: o_off + 5 * 80].reshape(5, 80)[:, :77]

@@ -11,9 +11,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
+from numba import types as nt
 
 from .vmath import exp_f32, tanh_f32
+from ..setup.addressed import Addressed
+from ..setup.operand_types import ARENA, f64, i64
 
 ACT_SILU = 0
 ACT_GELU_TANH = 1
@@ -43,11 +46,9 @@ def glu_rows(arena, g_off, g_st, u_off, u_st, o_off, o_st, width, act, r0, r1):
                 o[j] = apply_act(g[j], ACT_GELU_TANH) * u[j]
 
 
-@njit(cache=True, parallel=True)
-def glu_par(arena, g_off, g_st, u_off, u_st, o_off, o_st, width, act, T):
-    for t in prange(T):
-        r = np.int64(t)          # one specialization of the row kernel: int64 rows, as the interpreter passes
-        glu_rows(arena, g_off, g_st, u_off, u_st, o_off, o_st, width, act, r, r + 1)
+GLU_ROWS = Addressed(glu_rows, nt.none, [(ARENA, *[i64] * 10)])
+"""glu_rows through its address (cpullm_kernels.program.row_ops calls it so)."""
+
 
 
 def glu_ref(gate: np.ndarray, up: np.ndarray, act: int) -> np.ndarray:
@@ -78,11 +79,9 @@ def binary_rows(arena, a_off, a_st, b_off, b_st, o_off, o_st, width, kind, r0, r
                 o[j] = a[j] / (np.float32(1.0) + exp_f32(-b[j]))
 
 
-@njit(cache=True, parallel=True)
-def binary_par(arena, a_off, a_st, b_off, b_st, o_off, o_st, width, kind, T):
-    for t in prange(T):
-        r = np.int64(t)          # one specialization of the row kernel: int64 rows, as the interpreter passes
-        binary_rows(arena, a_off, a_st, b_off, b_st, o_off, o_st, width, kind, r, r + 1)
+BINARY_ROWS = Addressed(binary_rows, nt.none, [(ARENA, *[i64] * 10)])
+"""binary_rows through its address (cpullm_kernels.program.row_ops calls it so)."""
+
 
 
 def binary_ref(a: np.ndarray, b: np.ndarray, kind: int) -> np.ndarray:
@@ -108,6 +107,10 @@ def unary_rows(arena, x_off, x_st, o_off, o_st, width, kind, c, r0, r1):
         else:
             for j in range(width):
                 o[j] = x[j] * cf
+
+
+UNARY_ROWS = Addressed(unary_rows, nt.none, [(ARENA, *[i64] * 6, f64, i64, i64)])
+"""unary_rows through its address (cpullm_kernels.program.row_ops calls it so)."""
 
 
 def unary_ref(x: np.ndarray, kind: int, c: float) -> np.ndarray:

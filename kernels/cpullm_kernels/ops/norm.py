@@ -7,7 +7,10 @@ folded. LayerNorm: ``out = (x - mean(x)) * rsqrt(var(x) + eps) * w (+ b)``.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
+from numba import types as nt
+from ..setup.addressed import Addressed
+from ..setup.operand_types import ARENA, WF, f64, i64
 
 
 # No "reassoc" fast-math flag: with it, LLVM vectorizes the sum of squares in an order of its
@@ -31,11 +34,9 @@ def rmsnorm_rows(arena, x_off, x_st, o_off, o_st, width, group, wf, w_off, eps, 
                 o[j] = x[j] * inv * w[j]
 
 
-@njit(cache=True, parallel=True)
-def rmsnorm_par(arena, x_off, x_st, o_off, o_st, width, group, wf, w_off, eps, T):
-    for t in prange(T):
-        r = np.int64(t)          # one specialization of the row kernel: int64 rows, as the interpreter passes
-        rmsnorm_rows(arena, x_off, x_st, o_off, o_st, width, group, wf, w_off, eps, r, r + 1)
+RMSNORM_ROWS = Addressed(rmsnorm_rows, nt.none, [(ARENA, *[i64] * 6, WF, i64, f64, i64, i64)])
+"""rmsnorm_rows through its address (cpullm_kernels.program.row_ops calls it so)."""
+
 
 
 def rmsnorm_ref(x: np.ndarray, w: np.ndarray, eps: float, group: int | None = None) -> np.ndarray:
@@ -79,10 +80,9 @@ def layernorm_rows(arena, x_off, x_st, o_off, o_st, width, group, wf, w_off, b_o
                     o[j] = (x[j] - mean) * inv * w[j]
 
 
-@njit(cache=True, parallel=True)
-def layernorm_par(arena, x_off, x_st, o_off, o_st, width, group, wf, w_off, b_off, eps, T):
-    for t in prange(T):
-        layernorm_rows(arena, x_off, x_st, o_off, o_st, width, group, wf, w_off, b_off, eps, t, t + 1)
+LAYERNORM_ROWS = Addressed(layernorm_rows, nt.none, [(ARENA, *[i64] * 6, WF, i64, i64, f64, i64, i64)])
+"""layernorm_rows through its address (cpullm_kernels.program.row_ops calls it so)."""
+
 
 
 def layernorm_ref(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, eps: float,

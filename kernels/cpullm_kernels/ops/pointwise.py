@@ -20,9 +20,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
+from numba import types as nt
 
 from .vmath import exp_f32, tanh_f32
+from ..setup.addressed import Addressed
+from ..setup.operand_types import ARENA, WF, i64
 
 ACT_GELU = 0
 ACT_GELU_TANH = 1
@@ -56,11 +59,9 @@ def act_rows(arena, x_off, x_st, o_off, o_st, width, kind, r0, r1):
                 o[j] = x[j] / (np.float32(1.0) + exp_f32(-x[j]))
 
 
-@njit(cache=True, parallel=True)
-def act_par(arena, x_off, x_st, o_off, o_st, width, kind, T):
-    for t in prange(T):
-        r = np.int64(t)          # one specialization of the row kernel: int64 rows, as the interpreter passes
-        act_rows(arena, x_off, x_st, o_off, o_st, width, kind, r, r + 1)
+ACT_ROWS = Addressed(act_rows, nt.none, [(ARENA, *[i64] * 8)])
+"""act_rows through its address (cpullm_kernels.program.row_ops calls it so)."""
+
 
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
@@ -94,6 +95,10 @@ def pos_embed_rows(arena, x_off, x_st, o_off, o_st, width, wf, t_off, n_rows, fi
         p = wf[t_off + (first + t) * width: t_off + (first + t + 1) * width]
         for j in range(width):
             o[j] = x[j] + p[j]
+
+
+POS_EMBED_ROWS = Addressed(pos_embed_rows, nt.none, [(ARENA, *[i64] * 5, WF, *[i64] * 5)])
+"""pos_embed_rows through its address (cpullm_kernels.program.row_ops calls it so)."""
 
 
 def pos_embed_ref(x: np.ndarray, table: np.ndarray, pos0: int, offset: int = 0) -> np.ndarray:

@@ -6,7 +6,10 @@ Angles are ``float32(pos) * inv_freq`` in float32, as transformers computes them
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
+from numba import types as nt
+from ..setup.addressed import Addressed
+from ..setup.operand_types import ARENA, WF, f64, i64
 
 
 @njit(cache=True, fastmath=False)
@@ -34,13 +37,9 @@ def rope_rows(arena, x_off, x_st, o_off, o_st, n_heads, head_dim, rotary_dim, wf
                 o[i] = x[i]
 
 
-@njit(cache=True, parallel=True)
-def rope_par(arena, x_off, x_st, o_off, o_st, n_heads, head_dim, rotary_dim, wf, f_off,
-             att_scale, pos0, T):
-    for t in prange(T):
-        r = np.int64(t)          # one specialization of the row kernel: int64 rows, as the interpreter passes
-        rope_rows(arena, x_off, x_st, o_off, o_st, n_heads, head_dim, rotary_dim, wf, f_off,
-                  att_scale, pos0, r, r + 1)
+ROPE_ROWS = Addressed(rope_rows, nt.none, [(ARENA, *[i64] * 7, WF, i64, f64, i64, i64, i64)])
+"""rope_rows through its address (cpullm_kernels.program.row_ops calls it so)."""
+
 
 
 def rope_ref(x: np.ndarray, positions: np.ndarray, n_heads: int, head_dim: int,

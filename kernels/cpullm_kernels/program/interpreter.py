@@ -22,13 +22,11 @@ from numba import njit
 from numba import types as nt
 
 from ..attention.attention import ATTENTION
-from ..ops.elementwise import binary_par, binary_rows, copy_rows, glu_par, glu_rows, unary_rows
+from ..ops.elementwise import copy_rows
 from ..attention.gated_delta import gated_delta
-from ..ops.pointwise import act_par, act_rows, pos_embed_rows
-from ..ops.norm import layernorm_par, layernorm_rows, rmsnorm_par, rmsnorm_rows
-from ..ops.rope import rope_par, rope_rows
 from ..setup.addressed import Addressed
 from .formats import WB_KINDS, MATMUL_ROWS, embed_row_into, int8_activations
+from .row_ops import ROW_OP, ROW_OP_PAR, is_row_op
 from ..setup.operand_types import ARENA, PROG_I, WF, WQ, WS, XQ, i64
 from . import program_table as P
 from .program_table import (  # noqa: F401  (re-exported: the opcodes and weight kinds by their old home)
@@ -50,6 +48,7 @@ EXTERNAL_SIGNATURES = {
 # The large kernels the interpreter calls through their address (cpullm_kernels.setup.addressed):
 # linked, each was compiled again inside run (5.5 s of the default model's cold start).
 attention_at, matmul_rows_at = ATTENTION.call, MATMUL_ROWS.call
+row_op_at, row_op_par_at = ROW_OP.call, ROW_OP_PAR.call
 
 
 @njit(cache=True)
@@ -126,32 +125,6 @@ def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_s
         par = T > 1
         if op == OP_LINEAR:
             linear_rows_at(I, r, arena, wq, ws, wf, wb, wb_panels, xq, xs, T, head and T_body > 1, nthreads)
-        elif op == OP_RMSNORM:
-            x_off, x_st, o_off, o_st = I[r, P.NORM_X_OFF], I[r, P.NORM_X_ST], I[r, P.NORM_OUT_OFF], I[r, P.NORM_OUT_ST]
-            width, group, w_off, eps = I[r, P.NORM_WIDTH], I[r, P.NORM_GROUP], I[r, P.NORM_W_OFF], F[r, P.F_NORM_EPS]
-            if par:
-                rmsnorm_par(arena, x_off, x_st, o_off, o_st, width, group, wf, w_off, eps, T)
-            else:
-                rmsnorm_rows(arena, x_off, x_st, o_off, o_st, width, group, wf, w_off, eps, row0, T)
-        elif op == OP_LAYERNORM:
-            if wf_layernorm is None:
-                raise ValueError("cpullm interpreter: a LAYERNORM instruction needs wf_layernorm")
-            x_off, x_st, o_off, o_st = I[r, P.NORM_X_OFF], I[r, P.NORM_X_ST], I[r, P.NORM_OUT_OFF], I[r, P.NORM_OUT_ST]
-            width, group, w_off, eps = I[r, P.NORM_WIDTH], I[r, P.NORM_GROUP], I[r, P.NORM_W_OFF], F[r, P.F_NORM_EPS]
-            b_off = I[r, P.NORM_BIAS_OFF]
-            if par:
-                layernorm_par(arena, x_off, x_st, o_off, o_st, width, group, wf_layernorm, w_off, b_off, eps, T)
-            else:
-                layernorm_rows(arena, x_off, x_st, o_off, o_st, width, group, wf_layernorm, w_off, b_off, eps, row0, T)
-        elif op == OP_ROPE:
-            x_off, x_st, o_off, o_st = I[r, P.ROPE_X_OFF], I[r, P.ROPE_X_ST], I[r, P.ROPE_OUT_OFF], I[r, P.ROPE_OUT_ST]
-            n_heads, head_dim, rotary_dim = I[r, P.ROPE_N_HEADS], I[r, P.ROPE_HEAD_DIM], I[r, P.ROPE_ROTARY_DIM]
-            freq_off, scaling = I[r, P.ROPE_FREQ_OFF], F[r, P.F_ROPE_SCALING]
-            if par:
-                rope_par(arena, x_off, x_st, o_off, o_st, n_heads, head_dim, rotary_dim, wf, freq_off, scaling, pos0, T)
-            else:
-                rope_rows(arena, x_off, x_st, o_off, o_st, n_heads, head_dim, rotary_dim, wf, freq_off, scaling,
-                          pos0, row0, T)
         elif op == OP_ATTENTION:
             attention_at(arena, state, I[r, P.ATTENTION_Q_OFF], I[r, P.ATTENTION_Q_ST], I[r, P.ATTENTION_K_OFF],
                          I[r, P.ATTENTION_K_ST], I[r, P.ATTENTION_V_OFF], I[r, P.ATTENTION_V_ST],
@@ -159,25 +132,6 @@ def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_s
                          I[r, P.ATTENTION_N_KV_HEADS], I[r, P.ATTENTION_HEAD_DIM], I[r, P.ATTENTION_CACHE_OFF],
                          I[r, P.ATTENTION_CAP], F[r, P.F_ATTENTION_SCALE], F[r, P.F_ATTENTION_SOFTCAP],
                          np.int64(F[r, P.F_ATTENTION_WINDOW]), pos0, T, nthreads, kv16)
-        elif op == OP_GLU:
-            g_off, g_st, u_off, u_st = I[r, P.GLU_GATE_OFF], I[r, P.GLU_GATE_ST], I[r, P.GLU_UP_OFF], I[r, P.GLU_UP_ST]
-            o_off, o_st, width, act = I[r, P.GLU_OUT_OFF], I[r, P.GLU_OUT_ST], I[r, P.GLU_WIDTH], I[r, P.GLU_ACT]
-            if par:
-                glu_par(arena, g_off, g_st, u_off, u_st, o_off, o_st, width, act, T)
-            else:
-                glu_rows(arena, g_off, g_st, u_off, u_st, o_off, o_st, width, act, row0, T)
-        elif op == OP_ADD or op == OP_SIGMOID_MUL:
-            a_off, a_st, b_off, b_st = I[r, P.BINARY_A_OFF], I[r, P.BINARY_A_ST], I[r, P.BINARY_B_OFF], I[r, P.BINARY_B_ST]
-            o_off, o_st, width = I[r, P.BINARY_OUT_OFF], I[r, P.BINARY_OUT_ST], I[r, P.BINARY_WIDTH]
-            kind = 0 if op == OP_ADD else 1
-            if par:
-                binary_par(arena, a_off, a_st, b_off, b_st, o_off, o_st, width, kind, T)
-            else:
-                binary_rows(arena, a_off, a_st, b_off, b_st, o_off, o_st, width, kind, row0, T)
-        elif op == OP_SOFTCAP or op == OP_SCALE:
-            kind = 0 if op == OP_SOFTCAP else 1
-            unary_rows(arena, I[r, P.UNARY_X_OFF], I[r, P.UNARY_X_ST], I[r, P.UNARY_OUT_OFF], I[r, P.UNARY_OUT_ST],
-                       I[r, P.UNARY_WIDTH], kind, F[r, P.F_UNARY_PARAM], row0, T)
         elif op == OP_SELECT_ROWS:
             copy_rows(arena, I[r, P.UNARY_X_OFF], I[r, P.UNARY_X_ST], I[r, P.UNARY_OUT_OFF], I[r, P.UNARY_OUT_ST],
                       I[r, P.UNARY_WIDTH], head_row0, head_rows)
@@ -199,16 +153,10 @@ def run(I, F, start, end, tokens, rt, arena, state, wq, ws, wf, xq, xs, linear_s
                         I[r, P.GATED_DELTA_NV], I[r, P.GATED_DELTA_DV], I[r, P.GATED_DELTA_CONV_K],
                         I[r, P.GATED_DELTA_CONV_W_OFF], I[r, P.GATED_DELTA_DT_OFF], I[r, P.GATED_DELTA_ALOG_OFF],
                         I[r, P.GATED_DELTA_NORM_OFF], I[r, P.GATED_DELTA_STATE_OFF], F[r, P.F_GATED_DELTA_EPS], T)
-        elif op == P.OP_ACT:
+        elif is_row_op(op):                 # norms, RoPE, GLU, binary, unary, activations
             if par:
-                act_par(arena, I[r, P.UNARY_X_OFF], I[r, P.UNARY_X_ST], I[r, P.UNARY_OUT_OFF], I[r, P.UNARY_OUT_ST],
-                        I[r, P.UNARY_WIDTH], I[r, P.ACT_KIND], T)
+                row_op_par_at(I, F, r, arena, wf, wf_layernorm, pos0, T)
             else:
-                act_rows(arena, I[r, P.UNARY_X_OFF], I[r, P.UNARY_X_ST], I[r, P.UNARY_OUT_OFF], I[r, P.UNARY_OUT_ST],
-                         I[r, P.UNARY_WIDTH], I[r, P.ACT_KIND], row0, T)
-        elif op == P.OP_POS_EMBED:
-            pos_embed_rows(arena, I[r, P.UNARY_X_OFF], I[r, P.UNARY_X_ST], I[r, P.UNARY_OUT_OFF], I[r, P.UNARY_OUT_ST],
-                           I[r, P.UNARY_WIDTH], wf, I[r, P.POS_TABLE_OFF], I[r, P.POS_ROWS],
-                           pos0 + I[r, P.POS_OFFSET], row0, T)
+                row_op_at(I, F, r, arena, wf, wf_layernorm, pos0, row0, T)
         else:
             raise ValueError("cpullm interpreter: unknown opcode")

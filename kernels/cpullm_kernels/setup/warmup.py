@@ -167,7 +167,7 @@ def _kernels(unit: str) -> list:
     from ..ops import elementwise, norm, pointwise, rope
     from ..panels import kquant_panels, q8_panels
     from ..rows import kquant
-    from ..program import formats, interpreter, moe
+    from ..program import formats, interpreter, moe, row_ops
     from ..tiles import kquant_gemm, q8_gemm
     if unit.startswith("run"):
         parts = unit.split("+")[1:]
@@ -179,22 +179,26 @@ def _kernels(unit: str) -> list:
     table = {
         # LINEAR's decode driver, as interpreter.run calls it: without raw blocks, and (unit "blocks") with
         "linear": _linear_driver(formats, interpreter, nt.none, nt.none),
-        "norm": [(norm.rmsnorm_rows, (ARENA, *[i64] * 6, WF, i64, f64, i64, i64)),
-                 (norm.rmsnorm_par, (ARENA, *[i64] * 6, WF, i64, f64, i64))],
-        "layernorm": [(norm.layernorm_rows, (ARENA, *[i64] * 6, WF, i64, i64, f64, i64, i64)),
-                      (norm.layernorm_par, (ARENA, *[i64] * 6, WF, i64, i64, f64, i64))],
-        "rope": [(rope.rope_rows, (ARENA, *[i64] * 7, WF, i64, f64, i64, i64, i64)),
-                 (rope.rope_par, (ARENA, *[i64] * 7, WF, i64, f64, i64, i64))],
+        # the row kernels (row_ops calls each through its address)
+        "norm": _addressed(norm.RMSNORM_ROWS),
+        "layernorm": _addressed(norm.LAYERNORM_ROWS),
+        "rope": _addressed(rope.ROPE_ROWS),
         # (attend_part, which attention calls through its address, then attention)
         "attention": _attention_kernels(attention, nt.none),
         "attention_f16": _attention_kernels(attention, i64),
         "attention_q8": _attention_kernels(attention, nt.int8),
-        "glu": [(elementwise.glu_rows, (ARENA, *[i64] * 10)), (elementwise.glu_par, (ARENA, *[i64] * 9))],
-        "binary": [(elementwise.binary_rows, (ARENA, *[i64] * 10)), (elementwise.binary_par, (ARENA, *[i64] * 9))],
-        "unary": [(elementwise.unary_rows, (ARENA, *[i64] * 6, f64, i64, i64))],
+        "glu": _addressed(elementwise.GLU_ROWS),
+        "binary": _addressed(elementwise.BINARY_ROWS),
+        "unary": _addressed(elementwise.UNARY_ROWS),
         "copy": [(elementwise.copy_rows, (ARENA, *[i64] * 7))],
-        "act": [(pointwise.act_rows, (ARENA, *[i64] * 8)), (pointwise.act_par, (ARENA, *[i64] * 7))],
-        "pos_embed": [(pointwise.pos_embed_rows, (ARENA, *[i64] * 5, WF, *[i64] * 5))],
+        "act": _addressed(pointwise.ACT_ROWS),
+        "pos_embed": _addressed(pointwise.POS_EMBED_ROWS),
+        # the row ops' dispatcher, one row range (decode) or every row in one parallel region
+        # (prefill): interpreter.run calls both through their address; without and with LAYERNORM
+        "row_ops": [(row_ops.row_op, row_ops.row_op_signature(nt.none)),
+                    (row_ops.row_op_par, row_ops.row_op_par_signature(nt.none))],
+        "row_ops_layernorm": [(row_ops.row_op, row_ops.row_op_signature(WF)),
+                              (row_ops.row_op_par, row_ops.row_op_par_signature(WF))],
         "gated_delta": [(gated_delta.gated_delta, (ARENA, ARENA, WF, *[i64] * 20, f64, i64))],
         # the q8 panel kernel (unit "q8_panels": matmul_rows calls it through its address, so it
         # compiles once, anywhere) and prefill's batched q8 LINEARs (row-contiguous activations, as
@@ -234,54 +238,55 @@ def _kernels(unit: str) -> list:
     return table[unit]
 
 
-# kernels.pointwise: CPU seconds as the table below (act_rows + act_par, pos_embed_rows)
-ACT_COST, POS_EMBED_COST = 1.2, 0.2
 UNITS = {
     # unit: (IR op names that need it, None: every program (interpreter.run calls its kernels
     # whatever the ops), compile cost (CPU seconds of the compiling thread, each unit compiled in
-    # warm-up order into an empty cache on the 2-core Zen 4 (AVX-512 VNNI) of
-    # benchmarks/results/2026-12-07-cold-start-addressed.md), sharing group, called by
+    # warm-up order into an empty cache on the 2-core Ice Lake (AVX-512 VNNI) of
+    # benchmarks/results/2026-12-07-cold-start-row-ops.md), sharing group, called by
     # interpreter.run). Units of one group link the same helpers (the activation quantizers, the
     # block dequantizer), so they go to the same process: compiled twice they would cost twice.
     # Kernels called through their address (the q8 panels, the block matvec, attend_part) are
     # units of their own: compiled once anywhere, loaded by the others. The prefill GEMMs are
     # called by the executor, not by interpreter.run, so run can compile while they do.
-    "q8_panels": (None, 2.0, "q8_panels", True),
-    "block_matvec": (None, 1.5, "block_matvec", True),
-    "f32_rows": (("LINEAR", "MOE"), 0.4, "f32_rows", True),
-    "linear": (None, 2.5, "matmul", True),
-    "gemm": (("LINEAR",), 0.8, "matmul", False),
+    "q8_panels": (None, 3.8, "q8_panels", True),
+    "block_matvec": (None, 1.9, "block_matvec", True),
+    "f32_rows": (("LINEAR", "MOE"), 0.8, "f32_rows", True),
+    "linear": (None, 3.6, "matmul", True),
+    "gemm": (("LINEAR",), 1.2, "matmul", False),
     # the block driver with the q8 / f32 rows; + the Q4_K / Q6_K panel kernel
-    "blocks": (None, 4.3, "matmul", True),
-    "blocks_panels": (None, 8.3, "matmul", True),
-    "embed_blocks": (None, 2.7, "matmul", True),
-    "kquant_gemm": (("LINEAR",), 5.4, "matmul", False),
-    "kquant_gemm_q6k": (("LINEAR",), 5.0, "matmul", False),
-    "kpanels_gemm": (("LINEAR",), 4.8, "matmul", False),
-    "norm": (None, 0.7, "norm", True),
-    "layernorm": (("LAYERNORM",), 1.8, "norm", True),
-    "rope": (None, 1.3, "rope", True),
-    "attention": (None, 5.4, "attention", True),          # float32 KV caches
-    "attention_f16": (None, 5.8, "attention", True),      # float16 KV caches
-    "attention_q8": (None, 4.9, "attention", True),       # 8-bit KV caches
-    "glu": (None, 1.2, "glu", True),
-    "binary": (None, 0.8, "binary", True),
-    "unary": (None, 0.4, "unary", True),
-    "copy": (None, 0.1, "copy", True),
-    "act": (None, ACT_COST, "pointwise", True),
-    "pos_embed": (None, POS_EMBED_COST, "pointwise", True),
-    "gated_delta": (("GATED_DELTA",), 5.2, "gated_delta", True),
-    "moe": (("MOE",), 8.0, "moe", False),
-    "moe_blocks": (("MOE",), 8.0, "moe", False),
+    "blocks": (None, 4.8, "matmul", True),
+    "blocks_panels": (None, 15.8, "matmul", True),
+    "embed_blocks": (None, 3.5, "matmul", True),
+    "kquant_gemm": (("LINEAR",), 5.9, "matmul", False),
+    "kquant_gemm_q6k": (("LINEAR",), 6.1, "matmul", False),
+    "kpanels_gemm": (("LINEAR",), 7.6, "matmul", False),
+    # the row kernels and their dispatcher (which calls them through their address): one group
+    "norm": (None, 0.3, "rows", True),
+    "layernorm": (("LAYERNORM",), 0.65, "rows", True),
+    "rope": (None, 0.5, "rows", True),
+    "glu": (None, 0.85, "rows", True),
+    "binary": (None, 0.4, "rows", True),
+    "unary": (None, 0.35, "rows", True),
+    "act": (None, 0.7, "rows", True),
+    "pos_embed": (None, 0.25, "rows", True),
+    "row_ops": (None, 1.65, "rows", True),
+    "row_ops_layernorm": (("LAYERNORM",), 1.85, "rows", True),
+    "attention": (None, 6.4, "attention", True),          # float32 KV caches
+    "attention_f16": (None, 6.8, "attention", True),      # float16 KV caches
+    "attention_q8": (None, 5.3, "attention", True),       # 8-bit KV caches
+    "copy": (None, 0.2, "copy", True),
+    "gated_delta": (("GATED_DELTA",), 5.3, "gated_delta", True),
+    "moe": (("MOE",), 21.3, "moe", False),
+    "moe_blocks": (("MOE",), 37.2, "moe", False),
 }
 LOAD_GROUPS = ("matmul",)
 """Groups whose helpers the loading process may compile itself while the child runs (the INT8
 and 4-bit weight quantizers, the head screen, the GGUF dequantizer). Without the cache lock
 (:mod:`cpullm_kernels.setup.numba_cache_lock`) they stay in this process: two processes must then never
 compile signatures of one function at the same time."""
-RUN_COST = 2.0
-"""interpreter.run itself with the row kernels it links (the large ones it calls by address)."""
-PARENT_HEAD_START = 2.0
+RUN_COST = 1.5
+"""interpreter.run itself (it links the EMBED and SELECT_ROWS kernels; the others it calls by address)."""
+PARENT_HEAD_START = 1.5
 """Seconds of other work (weights, checksums, the loader's own kernels) this process does before
 it compiles: the split gives the child that much more."""
 
@@ -326,6 +331,8 @@ def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True,
         if unit in ("kpanels_gemm", "kquant_gemm_q6k") and not (blocks and panels):
             continue
         if unit == "embed_blocks" and not embed_blocks:
+            continue
+        if unit == ("row_ops_layernorm" if "LAYERNORM" not in ops else "row_ops"):   # one of the two
             continue
         if unit == "f32_rows" and not f32_linear:
             continue
