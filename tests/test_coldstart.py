@@ -79,6 +79,31 @@ def test_split_gives_each_unit_to_one_process_and_keeps_groups_together():
     assert "attention" in child                    # the largest movable unit
 
 
+def test_the_two_processes_share_what_is_left(monkeypatch):
+    """Out of its own units, each side takes one from the back of the other's list (the costs
+    are an estimate); a unit is handed out once; ``run`` compiles once the units it calls are.
+    Only with numba's cache lock: without it two processes never compile the same helper at once."""
+    monkeypatch.setattr(warmup.numba_cache_lock, "INSTALLED", True)
+    w = warmup.Warmup([], parallel=False)
+    w.mine, w.theirs = ["attention", "norm"], ["blocks", "kquant_gemm"]
+    assert w._next_for_child() == "blocks" and w._next_here() == "attention" and w._next_here() == "norm"
+    assert w._next_here() == "kquant_gemm"                      # taken from the back of the child's
+    assert w._next_for_child() == "" and w._next_here() == "" and w.child_units == ["blocks"]
+    w.mine, w.theirs, w.child_units = ["attention", "copy"], [], []
+    assert w._next_for_child() == "copy" and w.child_units == ["copy"] and w.mine == ["attention"]
+    monkeypatch.setattr(warmup.numba_cache_lock, "INSTALLED", False)
+    assert w._next_for_child() == "" and w.mine == ["attention"]
+
+    compiled = []                    # no child: this process compiles all, run after its callees
+    monkeypatch.setattr(warmup, "compile_unit", compiled.append)
+    monkeypatch.setattr(warmup, "unit_cached", lambda u: False)
+    monkeypatch.setattr(warmup, "split", lambda todo: (["kquant_gemm", "norm"], ["q8_panels", "gemm"]))
+    w = warmup.Warmup(["q8_panels", "gemm", "kquant_gemm", "norm", "run"], parallel=False).start()
+    w.finish()
+    assert sorted(compiled) == ["gemm", "kquant_gemm", "norm", "q8_panels", "run"]
+    assert compiled.index("run") > max(compiled.index("q8_panels"), compiled.index("norm"))
+
+
 def test_progress_line_only_on_a_terminal(monkeypatch):
     monkeypatch.delenv("CPULLM_QUIET", raising=False)      # (CPULLM_QUIET=1 silences it too)
 
@@ -279,10 +304,11 @@ def test_bench_child_ignores_a_cpullm_folder_in_the_working_directory(tiny, tmp_
 
 def test_warmup_child_ignores_a_cpullm_folder_in_the_working_directory(tmp_path):
     (tmp_path / "cpullm").mkdir()
-    r = subprocess.run([sys.executable, "-c", warmup._CHILD, "copy"], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=600)
+    # the child asks for a unit, compiles it, reports it; an empty answer ends it
+    r = subprocess.run([sys.executable, "-c", warmup._CHILD], cwd=tmp_path, input="copy\n\n",
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert r.stdout.split() == ["copy"]
+    assert r.stdout.splitlines() == ["next", "done copy", "next"]
 
 
 @pytest.mark.cold

@@ -13,13 +13,15 @@ whatever call came first (the first prefill). :class:`Warmup` instead compiles, 
   arrays, int64 scalars), so nothing is compiled twice;
 * the groups balanced between this process and a child (numba writes each compiled kernel to
   its cache, the parent then loads it; the child starts while the parent still reads the
-  weights); :func:`cpullm_kernels.program.interpreter.run` last. It links the small row kernels
-  and calls the large ones (attention, the LINEAR driver and its matrix kernels) through their
-  address (:mod:`cpullm_kernels.setup.addressed`), so it compiles without them, and they need only
-  be compiled (here or by the child) before its first call.
+  weights), and shared as they go: a side out of units takes one the other has not started
+  (:class:`Warmup`); :func:`cpullm_kernels.program.interpreter.run` last. It links the EMBED
+  and SELECT_ROWS kernels and calls the others (attention, the LINEAR driver, the row ops)
+  through their address (:mod:`cpullm_kernels.setup.addressed`), so it compiles without them,
+  and they need only be compiled (here or by the child) before its first call.
 
 Units that call the same helpers form one group and go to one process (compiled in both they
-would cost twice). Two processes writing one numba cache are safe only with
+would cost twice; only a side that would otherwise wait takes a unit of the other's group).
+Two processes writing one numba cache are safe only with
 :mod:`cpullm_kernels.setup.numba_cache_lock`; without it the groups whose helpers the load itself
 compiles stay here. ``CPULLM_COMPILE_PROCESSES=1`` keeps everything in this process.
 
@@ -286,7 +288,7 @@ and 4-bit weight quantizers, the head screen, the GGUF dequantizer). Without the
 compile signatures of one function at the same time."""
 RUN_COST = 1.5
 """interpreter.run itself (it links the EMBED and SELECT_ROWS kernels; the others it calls by address)."""
-PARENT_HEAD_START = 1.5
+PARENT_HEAD_START = 2.0
 """Seconds of other work (weights, checksums, the loader's own kernels) this process does before
 it compiles: the split gives the child that much more."""
 
@@ -450,9 +452,13 @@ import os, sys
 if sys.path and sys.path[0] in ("", os.getcwd()):
     del sys.path[0]            # the working directory must not shadow the installed package
 from cpullm_kernels.setup import warmup
-for unit in sys.argv[1:]:
+while True:                    # ask for a unit, compile it, report it; an empty answer ends
+    print("next", flush=True)
+    unit = sys.stdin.readline().strip()
+    if not unit:
+        break
     warmup.compile_unit(unit)
-    print(unit, flush=True)
+    print("done", unit, flush=True)
 """
 
 
@@ -469,22 +475,30 @@ def use_child() -> bool:
 
 
 class Warmup:
-    """Compile ``units`` (from :func:`units_for`): :meth:`start` hands the child its share right
-    away (nothing happens when every unit is cached); :meth:`finish` compiles the rest here, waits
-    for the child's units that ``run`` calls, loads them, compiles ``run`` while the child still
-    compiles the prefill GEMMs, then waits for those. ``seconds`` is the compile time it spent
-    (0.0 when everything came from the cache)."""
+    """Compile ``units`` (from :func:`units_for`): :meth:`start` splits them (:func:`split`) and
+    starts the child (nothing happens when every unit is cached); :meth:`finish` compiles the
+    rest here, ``run`` once the units it calls are compiled, and waits for the child. ``seconds``
+    is the compile time it spent (0.0 when everything came from the cache).
+
+    The split is an estimate (the costs are one machine's, and two compiling processes slow each
+    other down differently on each), so the two sides share the work as they go: the child asks
+    for its next unit and gets the front of its own list, else a unit from the back of this
+    process's; this process, out of its own units, takes one from the back of the child's list
+    (the prefill GEMMs, which ``run`` does not wait for). A unit is handed out once."""
 
     def __init__(self, units: list[str], parallel: bool | None = None):
         self.units = list(units)
         self.parallel = use_child() if parallel is None else parallel
         self.child: subprocess.Popen | None = None
-        self.child_units: list[str] = []
+        self.child_units: list[str] = []        # handed to the child, in order
         self.reader: threading.Thread | None = None
         self.progress: _Progress | None = None
         self.todo: list[str] = []
+        self.mine: list[str] = []               # not handed out yet: this process's share ...
+        self.theirs: list[str] = []             # ... and the child's
+        self.runs: list[str] = []
         self.reported: set = set()
-        self.reported_change = threading.Condition()
+        self.reported_change = threading.Condition()   # guards mine, theirs, child_units, reported
         self.compiled_before = 0.0
         self.seconds = 0.0
         self.finished = False
@@ -496,32 +510,63 @@ class Warmup:
             return self
         self.progress = _Progress(len(self.units))
         self.progress.step(len(self.units) - len(self.todo))
+        self.runs = [u for u in self.todo if u.startswith("run")]
         mine, child = split(self.todo)
+        self.mine = [u for u in mine if u not in self.runs]
+        self.theirs = list(child)
         if self.parallel and child:
-            self._spawn(child)
+            self._spawn()
         return self
 
-    def _spawn(self, units: list[str]) -> None:
+    def _next_for_child(self) -> str:
+        """The child's next unit ('' when none is left): the front of its list, else the back of
+        this process's."""
+        with self.reported_change:
+            if self.theirs:
+                unit = self.theirs.pop(0)
+            elif self.mine and numba_cache_lock.INSTALLED:    # (without the lock: never the same helper
+                unit = self.mine.pop()                        # in both processes at once)
+            else:
+                return ""
+            self.child_units.append(unit)
+            return unit
+
+    def _next_here(self) -> str:
+        """This process's next unit ('' when none is left): the front of its list, else the back
+        of the child's (or all of it, without a child)."""
+        with self.reported_change:
+            if self.mine:
+                return self.mine.pop(0)
+            if self.theirs and (numba_cache_lock.INSTALLED or self.child is None or self.child.poll() is not None):
+                return self.theirs.pop()
+            return ""
+
+    def _spawn(self) -> None:
         try:
-            self.child = subprocess.Popen([sys.executable, "-c", _CHILD, *units], stdout=subprocess.PIPE,
-                                          stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
+            self.child = subprocess.Popen([sys.executable, "-c", _CHILD], stdout=subprocess.PIPE,
+                                          stderr=subprocess.DEVNULL, stdin=subprocess.PIPE, text=True)
         except OSError:
             self.child = None
             return
-        self.child_units = list(units)
 
-        def read():
-            for line in self.child.stdout:
-                unit = line.strip()
-                if unit in units and unit not in self.reported:
-                    with self.reported_change:
-                        self.reported.add(unit)
-                        self.reported_change.notify_all()
-                    self.progress.step()
+        def serve():
+            try:
+                for line in self.child.stdout:
+                    word, _, unit = line.strip().partition(" ")
+                    if word == "next":
+                        self.child.stdin.write(self._next_for_child() + "\n")
+                        self.child.stdin.flush()
+                    elif word == "done" and unit in self.child_units and unit not in self.reported:
+                        with self.reported_change:
+                            self.reported.add(unit)
+                            self.reported_change.notify_all()
+                        self.progress.step()
+            except (OSError, ValueError):       # the child is gone (or being killed)
+                pass
             with self.reported_change:           # end of file: the child is gone
                 self.reported_change.notify_all()
 
-        self.reader = threading.Thread(target=read, name="cpullm-compile-progress", daemon=True)
+        self.reader = threading.Thread(target=serve, name="cpullm-compile-share", daemon=True)
         self.reader.start()
 
     def finish(self) -> float:
@@ -538,26 +583,25 @@ class Warmup:
         t0 = time.perf_counter()
         meanwhile = compile_seconds() - self.compiled_before
         try:
-            runs = [u for u in self.todo if u.startswith("run")]
-            here = [u for u in self.todo if u not in self.child_units and u not in runs]
-            for u in here:
-                compile_unit(u)
-                self.progress.step()
-            linked = [u for u in self.child_units if called_by_run(u)]
-            self._wait_for_child(linked)
-            for u in linked:               # loads what the child wrote (compiles what it did not)
-                compile_unit(u)
-                if u not in self.reported:
+            runs = list(self.runs)
+            while True:
+                if runs and self._run_callees_ready():       # (run links the child's row kernels too)
+                    self._load_child_units(lambda u: called_by_run(u))
+                    compile_unit(runs.pop(0))
                     self.progress.step()
-            for u in runs:                 # (it links the row kernels, in either process's units)
-                compile_unit(u)
-                self.progress.step()
+                    continue
+                unit = self._next_here()
+                if unit:
+                    compile_unit(unit)
+                    self.progress.step()
+                elif runs:                 # nothing left to take: wait for run's callees
+                    self._wait_for_child([u for u in self.child_units if called_by_run(u)])
+                elif self.theirs and self.child is not None and self.child.poll() is None:
+                    self._wait_for_child(self.child_units + self.theirs)    # (no cache lock: not shared)
+                else:
+                    break
             self._wait_for_child(self.child_units)
-            for u in self.child_units:
-                if not called_by_run(u):
-                    compile_unit(u)
-                    if u not in self.reported:
-                        self.progress.step()
+            self._load_child_units(lambda u: True)
             for u in self.units:
                 if u not in self.todo:
                     compile_unit(u)
@@ -568,6 +612,27 @@ class Warmup:
             self.progress.close()
         self.seconds = meanwhile + time.perf_counter() - t0
         return self.seconds
+
+    def _run_callees_ready(self) -> bool:
+        """Whether every unit ``run`` calls is compiled: none waits to be handed out, and the
+        child reported those it was handed (or is gone)."""
+        with self.reported_change:
+            if any(called_by_run(u) for u in self.mine + self.theirs):
+                return False
+            gone = self.child is None or self.child.poll() is not None
+            return gone or all(u in self.reported for u in self.child_units if called_by_run(u))
+
+    def _load_child_units(self, which) -> None:
+        """Load what the child wrote (compiling here what it did not) of its units that ``which``
+        selects."""
+        for u in list(self.child_units):
+            if which(u):
+                compile_unit(u)
+                with self.reported_change:
+                    new = u not in self.reported
+                    self.reported.add(u)
+                if new:
+                    self.progress.step()
 
     def _wait_for_child(self, units: list[str]) -> None:
         """Until the child reported every unit of ``units`` or ended."""
