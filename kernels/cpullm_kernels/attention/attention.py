@@ -1382,8 +1382,8 @@ def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
     attend_part_bind(arena, kv16)
     attend_chunk_bind(arena, kv16)
     for c in prange(nchunk):
-        attend_chunk_at(arena, state, np.int64(c), nchunk, jobs, T, splits, window, pos0, q_off, q_st, o_off, o_st, group, hd,
-                        base, size, cap, c_off, n_kv, span, scale, softcap, part, kv16)
+        attend_chunk_at(arena, state, np.int64(c), nchunk, jobs, T, splits, window, pos0, q_off, q_st, o_off, o_st,
+                        group, hd, base, size, cap, c_off, n_kv, span, scale, softcap, part, kv16)
     if splits > 1:                                   # combine the key ranges of each pair
         for pair in range(pairs):
             kvh = pair // T

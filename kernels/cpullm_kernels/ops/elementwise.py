@@ -50,7 +50,6 @@ GLU_ROWS = Addressed(glu_rows, nt.none, [(ARENA, *[i64] * 10)])
 """glu_rows through its address (cpullm_kernels.program.row_ops calls it so)."""
 
 
-
 def glu_ref(gate: np.ndarray, up: np.ndarray, act: int) -> np.ndarray:
     g = gate.astype(np.float64)
     if act == ACT_SILU:
@@ -81,7 +80,6 @@ def binary_rows(arena, a_off, a_st, b_off, b_st, o_off, o_st, width, kind, r0, r
 
 BINARY_ROWS = Addressed(binary_rows, nt.none, [(ARENA, *[i64] * 10)])
 """binary_rows through its address (cpullm_kernels.program.row_ops calls it so)."""
-
 
 
 def binary_ref(a: np.ndarray, b: np.ndarray, kind: int) -> np.ndarray:

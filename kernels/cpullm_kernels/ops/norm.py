@@ -38,7 +38,6 @@ RMSNORM_ROWS = Addressed(rmsnorm_rows, nt.none, [(ARENA, *[i64] * 6, WF, i64, f6
 """rmsnorm_rows through its address (cpullm_kernels.program.row_ops calls it so)."""
 
 
-
 def rmsnorm_ref(x: np.ndarray, w: np.ndarray, eps: float, group: int | None = None) -> np.ndarray:
     """x (T, width), w (group,) -> (T, width)."""
     T, width = x.shape
@@ -82,7 +81,6 @@ def layernorm_rows(arena, x_off, x_st, o_off, o_st, width, group, wf, w_off, b_o
 
 LAYERNORM_ROWS = Addressed(layernorm_rows, nt.none, [(ARENA, *[i64] * 6, WF, i64, i64, f64, i64, i64)])
 """layernorm_rows through its address (cpullm_kernels.program.row_ops calls it so)."""
-
 
 
 def layernorm_ref(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, eps: float,

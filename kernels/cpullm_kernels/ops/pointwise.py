@@ -63,7 +63,6 @@ ACT_ROWS = Addressed(act_rows, nt.none, [(ARENA, *[i64] * 8)])
 """act_rows through its address (cpullm_kernels.program.row_ops calls it so)."""
 
 
-
 _erf = np.vectorize(math.erf, otypes=[np.float64])
 
 

@@ -41,7 +41,6 @@ ROPE_ROWS = Addressed(rope_rows, nt.none, [(ARENA, *[i64] * 7, WF, i64, f64, i64
 """rope_rows through its address (cpullm_kernels.program.row_ops calls it so)."""
 
 
-
 def rope_ref(x: np.ndarray, positions: np.ndarray, n_heads: int, head_dim: int,
              inv_freq: np.ndarray, att_scale: float = 1.0) -> np.ndarray:
     """x (T, n_heads*head_dim), positions (T,) -> rotated copy."""

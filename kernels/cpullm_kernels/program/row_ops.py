@@ -6,9 +6,8 @@ of the two runs it.
 
 :func:`cpullm_kernels.program.interpreter.run` calls both through their address, and both call
 the row kernels through theirs (cpullm_kernels.setup.addressed), so each row kernel is compiled
-once. Before, a parallel kernel per op held its row kernel, and ``run`` linked them all: numba
-compiled every row kernel three times on a cold start (2-core Ice Lake: the five parallel
-kernels alone took 3.8 s of CPU).
+once: a parallel kernel per op around its own copy, all linked into ``run``, compiled each three
+times (those five parallel kernels took 3.8 s of a cold start's CPU on a 2-core Ice Lake).
 """
 from __future__ import annotations
 
@@ -24,10 +23,6 @@ from ..setup.addressed import Addressed
 from ..setup.operand_types import ARENA, PROG_F, PROG_I, WF, i64
 from . import program_table as P
 
-ROW_OPS = (P.OP_RMSNORM, P.OP_LAYERNORM, P.OP_ROPE, P.OP_GLU, P.OP_ADD, P.OP_SIGMOID_MUL, P.OP_SOFTCAP,
-           P.OP_SCALE, P.OP_ACT, P.OP_POS_EMBED)
-"""The opcodes :func:`row_op` runs."""
-
 rmsnorm_at, layernorm_at, rope_at = RMSNORM_ROWS.call, LAYERNORM_ROWS.call, ROPE_ROWS.call
 glu_at, binary_at, unary_at = GLU_ROWS.call, BINARY_ROWS.call, UNARY_ROWS.call
 act_at, pos_embed_at = ACT_ROWS.call, POS_EMBED_ROWS.call
@@ -38,47 +33,47 @@ act_ready, pos_embed_ready = ACT_ROWS.ensure, POS_EMBED_ROWS.ensure
 
 @njit(cache=True)
 def _row_op(I, F, r, arena, wf, wf_layernorm, pos0, r0, r1):
-    """Instruction r (one of ROW_OPS) over rows [r0, r1) of its operands; ``pos0``: the position
+    """Instruction r (an opcode :func:`is_row_op` accepts) over rows [r0, r1) of its operands; ``pos0``: the position
     of row 0 (RoPE, POS_EMBED). ``wf_layernorm``: ``wf`` for a program with LAYERNORM, else None
     (numba then prunes the layer norm)."""
     op = I[r, P.COL_OP]
     if op == P.OP_RMSNORM:
         rmsnorm_at(arena, I[r, P.NORM_X_OFF], I[r, P.NORM_X_ST], I[r, P.NORM_OUT_OFF], I[r, P.NORM_OUT_ST],
-                     I[r, P.NORM_WIDTH], I[r, P.NORM_GROUP], wf, I[r, P.NORM_W_OFF], F[r, P.F_NORM_EPS], r0, r1)
+                   I[r, P.NORM_WIDTH], I[r, P.NORM_GROUP], wf, I[r, P.NORM_W_OFF], F[r, P.F_NORM_EPS], r0, r1)
     elif op == P.OP_LAYERNORM:
         if wf_layernorm is None:
             raise ValueError("cpullm row ops: a LAYERNORM instruction needs wf_layernorm")
         layernorm_at(arena, I[r, P.NORM_X_OFF], I[r, P.NORM_X_ST], I[r, P.NORM_OUT_OFF], I[r, P.NORM_OUT_ST],
-                       I[r, P.NORM_WIDTH], I[r, P.NORM_GROUP], wf_layernorm, I[r, P.NORM_W_OFF],
-                       I[r, P.NORM_BIAS_OFF], F[r, P.F_NORM_EPS], r0, r1)
+                     I[r, P.NORM_WIDTH], I[r, P.NORM_GROUP], wf_layernorm, I[r, P.NORM_W_OFF],
+                     I[r, P.NORM_BIAS_OFF], F[r, P.F_NORM_EPS], r0, r1)
     elif op == P.OP_ROPE:
         rope_at(arena, I[r, P.ROPE_X_OFF], I[r, P.ROPE_X_ST], I[r, P.ROPE_OUT_OFF], I[r, P.ROPE_OUT_ST],
-                  I[r, P.ROPE_N_HEADS], I[r, P.ROPE_HEAD_DIM], I[r, P.ROPE_ROTARY_DIM], wf, I[r, P.ROPE_FREQ_OFF],
-                  F[r, P.F_ROPE_SCALING], pos0, r0, r1)
+                I[r, P.ROPE_N_HEADS], I[r, P.ROPE_HEAD_DIM], I[r, P.ROPE_ROTARY_DIM], wf, I[r, P.ROPE_FREQ_OFF],
+                F[r, P.F_ROPE_SCALING], pos0, r0, r1)
     elif op == P.OP_GLU:
         glu_at(arena, I[r, P.GLU_GATE_OFF], I[r, P.GLU_GATE_ST], I[r, P.GLU_UP_OFF], I[r, P.GLU_UP_ST],
-                 I[r, P.GLU_OUT_OFF], I[r, P.GLU_OUT_ST], I[r, P.GLU_WIDTH], I[r, P.GLU_ACT], r0, r1)
+               I[r, P.GLU_OUT_OFF], I[r, P.GLU_OUT_ST], I[r, P.GLU_WIDTH], I[r, P.GLU_ACT], r0, r1)
     elif op == P.OP_ADD or op == P.OP_SIGMOID_MUL:
         binary_at(arena, I[r, P.BINARY_A_OFF], I[r, P.BINARY_A_ST], I[r, P.BINARY_B_OFF], I[r, P.BINARY_B_ST],
-                    I[r, P.BINARY_OUT_OFF], I[r, P.BINARY_OUT_ST], I[r, P.BINARY_WIDTH],
-                    0 if op == P.OP_ADD else 1, r0, r1)
+                  I[r, P.BINARY_OUT_OFF], I[r, P.BINARY_OUT_ST], I[r, P.BINARY_WIDTH],
+                  0 if op == P.OP_ADD else 1, r0, r1)
     elif op == P.OP_SOFTCAP or op == P.OP_SCALE:
         unary_at(arena, I[r, P.UNARY_X_OFF], I[r, P.UNARY_X_ST], I[r, P.UNARY_OUT_OFF], I[r, P.UNARY_OUT_ST],
-                   I[r, P.UNARY_WIDTH], 0 if op == P.OP_SOFTCAP else 1, F[r, P.F_UNARY_PARAM], r0, r1)
+                 I[r, P.UNARY_WIDTH], 0 if op == P.OP_SOFTCAP else 1, F[r, P.F_UNARY_PARAM], r0, r1)
     elif op == P.OP_ACT:
         act_at(arena, I[r, P.UNARY_X_OFF], I[r, P.UNARY_X_ST], I[r, P.UNARY_OUT_OFF], I[r, P.UNARY_OUT_ST],
-                 I[r, P.UNARY_WIDTH], I[r, P.ACT_KIND], r0, r1)
+               I[r, P.UNARY_WIDTH], I[r, P.ACT_KIND], r0, r1)
     elif op == P.OP_POS_EMBED:
         pos_embed_at(arena, I[r, P.UNARY_X_OFF], I[r, P.UNARY_X_ST], I[r, P.UNARY_OUT_OFF], I[r, P.UNARY_OUT_ST],
-                       I[r, P.UNARY_WIDTH], wf, I[r, P.POS_TABLE_OFF], I[r, P.POS_ROWS], pos0 + I[r, P.POS_OFFSET],
-                       r0, r1)
+                     I[r, P.UNARY_WIDTH], wf, I[r, P.POS_TABLE_OFF], I[r, P.POS_ROWS], pos0 + I[r, P.POS_OFFSET],
+                     r0, r1)
     else:
         raise ValueError("cpullm row ops: not a row op")
 
 
 @njit(cache=True)
 def row_op(I, F, r, arena, wf, wf_layernorm, pos0, r0, r1):
-    """Instruction r (one of ROW_OPS) over rows [r0, r1), in this thread (:func:`_row_op`)."""
+    """Instruction r over rows [r0, r1), in this thread (:func:`_row_op`)."""
     _row_op(I, F, r, arena, wf, wf_layernorm, pos0, r0, r1)
 
 
@@ -108,7 +103,7 @@ def _bind_row_kernels(arena, wf, wf_layernorm):
 
 @njit(cache=True, parallel=True)
 def row_op_par(I, F, r, arena, wf, wf_layernorm, pos0, T):
-    """Instruction r over rows [0, T), a row per task of one parallel region."""
+    """Instruction r over rows [0, T), the rows split over the threads of one parallel region."""
     _bind_row_kernels(arena, wf, wf_layernorm)
     for t in prange(T):
         row = np.int64(t)
