@@ -585,7 +585,7 @@ class Warmup:
         try:
             runs = list(self.runs)
             while True:
-                if runs and self._run_callees_ready():       # (run links the child's row kernels too)
+                if runs and self._run_callees_ready():       # (it links the copy and EMBED kernels, maybe the child's)
                     self._load_child_units(lambda u: called_by_run(u))
                     compile_unit(runs.pop(0))
                     self.progress.step()
@@ -595,7 +595,7 @@ class Warmup:
                     compile_unit(unit)
                     self.progress.step()
                 elif runs:                 # nothing left to take: wait for run's callees
-                    self._wait_for_child([u for u in self.child_units if called_by_run(u)])
+                    self._wait_for_child([u for u in self.child_units + self.theirs if called_by_run(u)])
                 elif self.theirs and self.child is not None and self.child.poll() is None:
                     self._wait_for_child(self.child_units + self.theirs)    # (no cache lock: not shared)
                 else:
