@@ -269,8 +269,8 @@ def matrix_bytes(kind, N: int, K: int, Kp: int, w_off: int, s_off: int) -> int:
 panels_matmul_at, kpanels_matmul_at, blocks_matvec_at = PANELS_MATMUL.call, KPANELS_MATMUL.call, MATVEC.call
 
 # The float32 kernels, called through their address: compiled on their first call, so a program
-# without float32 LINEARs (every GGUF file of quantized matrices) never compiles them (they took
-# 2 s of the block driver's 6.6 s of CPU as linked callees).
+# without float32 LINEARs (every GGUF file of quantized matrices) never compiles them (linked,
+# they were about 1 s of the block driver's 5-6 s of CPU).
 F32_MATVEC = Addressed(matvec_f32, nt.none, [(array(nt.float32, 2, readonly=True), array(nt.float32, 1, layout=lay),
                                               array(nt.float32, 1)) for lay in ("C", "A")])
 F32_ROWS = Addressed(linear_rows_f32, nt.none, [(array(nt.float32, 2, layout=lay), array(nt.float32, 2, readonly=True),
