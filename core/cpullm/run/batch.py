@@ -41,48 +41,36 @@ from cpullm_kernels.attention.attention import ATTENTION, attention_signature
 from cpullm_kernels.attention.attention_batch import ATTENTION_DECODE_BATCH, attention_decode_batch_signature
 from cpullm_kernels.program.formats import MATMUL_ROWS, matmul_rows_signature
 from cpullm_kernels.setup.warmup import is_cached
-from cpullm_kernels.ops.elementwise import binary_rows, glu_rows
-from cpullm_kernels.ops.norm import layernorm_rows, rmsnorm_rows
 from cpullm_kernels.attention.gated_delta import GATED_DELTA
-from cpullm_kernels.ops.rope import rope_rows
-from cpullm_kernels.ops.pointwise import pos_embed_rows
+from cpullm_kernels.program.row_ops import ROW_OP, row_op_signature
+from cpullm_kernels.setup.operand_types import WF
 
 PER_SEQUENCE_OPS = (P.OP_ROPE, P.OP_ATTENTION, P.OP_GATED_DELTA, P.OP_POS_EMBED)
 # Row-wise ops the interpreter runs as a parallel loop over rows when T > 1. A decode batch has a
 # few rows, each op microseconds of work: a parallel region per op costs more than it saves (on a
 # loaded 2-core host, 2.6 ms of such ops per step at B = 1 became 190 ms at B = 2), so the
-# batch runs them serially with the same row kernels (the parallel versions call them per row:
-# the same numbers).
+# batch runs them serially through the interpreter's own row-op dispatcher (row_ops.row_op: the
+# same row kernels, the same numbers).
 SERIAL_ROW_OPS = (P.OP_RMSNORM, P.OP_LAYERNORM, P.OP_GLU, P.OP_ADD, P.OP_SIGMOID_MUL)
 
 # The large kernels a step calls through their address (cpullm_kernels.setup.addressed): linked,
 # the fused step compiled them all again (26-30 s of CPU for the default model).
 attention_decode_batch_at, gated_delta_at = ATTENTION_DECODE_BATCH.call, GATED_DELTA.call
 attention_at, matmul_rows_at = ATTENTION.call, MATMUL_ROWS.call
+row_op_at = ROW_OP.call
 
 
 @njit(cache=True)
 def _serial_rows(I, F, a, b, arena, wf, T):
-    """Instructions [a, b) (all in SERIAL_ROW_OPS) over rows [0, T), one thread."""
-    r0 = np.int64(0)
+    """Instructions [a, b) (all in SERIAL_ROW_OPS) over rows [0, T), one thread (``wf`` serves
+    LAYERNORM too: one specialization of the dispatcher for every program)."""
+    z = np.int64(0)
     for r in range(a, b):
         op = I[r, P.COL_OP]
-        if op == P.OP_RMSNORM:
-            rmsnorm_rows(arena, I[r, P.NORM_X_OFF], I[r, P.NORM_X_ST], I[r, P.NORM_OUT_OFF], I[r, P.NORM_OUT_ST],
-                         I[r, P.NORM_WIDTH], I[r, P.NORM_GROUP], wf, I[r, P.NORM_W_OFF], F[r, P.F_NORM_EPS], r0, T)
-        elif op == P.OP_LAYERNORM:
-            layernorm_rows(arena, I[r, P.NORM_X_OFF], I[r, P.NORM_X_ST], I[r, P.NORM_OUT_OFF], I[r, P.NORM_OUT_ST],
-                           I[r, P.NORM_WIDTH], I[r, P.NORM_GROUP], wf, I[r, P.NORM_W_OFF], I[r, P.NORM_BIAS_OFF],
-                           F[r, P.F_NORM_EPS], r0, T)
-        elif op == P.OP_GLU:
-            glu_rows(arena, I[r, P.GLU_GATE_OFF], I[r, P.GLU_GATE_ST], I[r, P.GLU_UP_OFF], I[r, P.GLU_UP_ST],
-                     I[r, P.GLU_OUT_OFF], I[r, P.GLU_OUT_ST], I[r, P.GLU_WIDTH], I[r, P.GLU_ACT], r0, T)
-        elif op == P.OP_ADD or op == P.OP_SIGMOID_MUL:
-            binary_rows(arena, I[r, P.BINARY_A_OFF], I[r, P.BINARY_A_ST], I[r, P.BINARY_B_OFF], I[r, P.BINARY_B_ST],
-                        I[r, P.BINARY_OUT_OFF], I[r, P.BINARY_OUT_ST], I[r, P.BINARY_WIDTH],
-                        0 if op == P.OP_ADD else 1, r0, T)
-        else:
+        if not (op == P.OP_RMSNORM or op == P.OP_LAYERNORM or op == P.OP_GLU or op == P.OP_ADD
+                or op == P.OP_SIGMOID_MUL):
             raise ValueError("cpullm batch: not a serial row op")
+        row_op_at(I, F, r, arena, wf, wf, z, z, T)
 
 
 @njit(cache=True)
@@ -109,11 +97,9 @@ def _per_sequence(I, F, a, b, arena, states, slots, rows0, nrows, positions, wf,
         for s in range(slots.shape[0]):
             state = states[slots[s]]
             row0, T, pos0 = rows0[s], nrows[s], positions[s]
-            if op == P.OP_ROPE:
-                # rope_rows takes absolute rows: position pos0 + t for row t, so shift pos0 by row0
-                rope_rows(arena, I[r, P.ROPE_X_OFF], I[r, P.ROPE_X_ST], I[r, P.ROPE_OUT_OFF], I[r, P.ROPE_OUT_ST],
-                          I[r, P.ROPE_N_HEADS], I[r, P.ROPE_HEAD_DIM], I[r, P.ROPE_ROTARY_DIM], wf,
-                          I[r, P.ROPE_FREQ_OFF], F[r, P.F_ROPE_SCALING], pos0 - row0, row0, row0 + T)
+            if op == P.OP_ROPE or op == P.OP_POS_EMBED:
+                # the row kernels take absolute rows: position pos0 + t for row t, so shift pos0 by row0
+                row_op_at(I, F, r, arena, wf, wf, pos0 - row0, row0, row0 + T)
             elif op == P.OP_ATTENTION:
                 q_st, k_st = I[r, P.ATTENTION_Q_ST], I[r, P.ATTENTION_K_ST]
                 v_st, o_st = I[r, P.ATTENTION_V_ST], I[r, P.ATTENTION_OUT_ST]
@@ -137,11 +123,6 @@ def _per_sequence(I, F, a, b, arena, states, slots, rows0, nrows, positions, wf,
                                    I[r, P.GATED_DELTA_DT_OFF], I[r, P.GATED_DELTA_ALOG_OFF],
                                    I[r, P.GATED_DELTA_NORM_OFF], I[r, P.GATED_DELTA_STATE_OFF],
                                    F[r, P.F_GATED_DELTA_EPS], T)
-            elif op == P.OP_POS_EMBED:
-                # absolute rows, as rope_rows: row t of the sequence is at position pos0 - row0 + t
-                pos_embed_rows(arena, I[r, P.UNARY_X_OFF], I[r, P.UNARY_X_ST], I[r, P.UNARY_OUT_OFF],
-                               I[r, P.UNARY_OUT_ST], I[r, P.UNARY_WIDTH], wf, I[r, P.POS_TABLE_OFF],
-                               I[r, P.POS_ROWS], pos0 - row0 + I[r, P.POS_OFFSET], row0, row0 + T)
             else:
                 raise ValueError("cpullm batch: not a per-sequence opcode")
 
@@ -199,10 +180,11 @@ for callee, argtypes in fused_callees(sig):
 def fused_callees(sig: tuple) -> list:
     """[(Addressed, argument types)] that :func:`_fused` called with argument types ``sig`` calls
     through their address, besides the gated-delta kernel (a warm-up unit of the models that have
-    it): the matmul of a step's rows, attention one sequence at a time, the batch's attention."""
+    it): the matmul of a step's rows, attention one sequence at a time, the batch's attention,
+    the row ops."""
     wb, wbp, kv = sig[13], sig[14], sig[21]
     return [(MATMUL_ROWS, matmul_rows_signature(wb, wbp, "A")), (ATTENTION, attention_signature(kv)),
-            (ATTENTION_DECODE_BATCH, attention_decode_batch_signature(kv))]
+            (ATTENTION_DECODE_BATCH, attention_decode_batch_signature(kv)), (ROW_OP, row_op_signature(WF))]
 
 
 class BatchDecoder:
