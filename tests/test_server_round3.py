@@ -4,6 +4,7 @@ body, the "no chat template" error revealing the model's path, a non-ASCII API k
 from __future__ import annotations
 
 import json
+import select
 import socket
 import subprocess
 import sys
@@ -77,6 +78,25 @@ def test_headers_over_16_kib_in_one_read_are_refused(server):
         s.sendall(raw)
         reply = s.recv(65536).decode("latin-1")
     assert reply.startswith("HTTP/1.1 431"), reply[:200]
+
+
+def test_headers_over_16_kib_in_pieces_get_the_same_431(server):
+    # h11 stops buffering an incomplete head at 16 KiB; the answer must not depend on how the
+    # bytes were cut
+    host, port = server.url.rsplit("/", 1)[1].split(":")
+    filler = "".join(f"X-Fill-{i}: {'a' * 1000}\r\n" for i in range(30)).encode()     # ~30 KB
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")
+        reply = b""
+        for i in range(0, len(filler), 4096):
+            if select.select([s], [], [], 0.05)[0]:
+                break                  # answered mid-head: more bytes would only reset the reply
+            s.sendall(filler[i:i + 4096])
+        while chunk := s.recv(65536):
+            reply += chunk
+    head, _, body = reply.decode("latin-1").partition("\r\n\r\n")
+    assert head.startswith("HTTP/1.1 431"), head
+    assert json.loads(body)["error"]["code"] == "headers_too_large"
 
 
 def test_client_hanging_up_while_sending_its_body_is_counted_and_not_logged(server):

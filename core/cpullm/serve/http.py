@@ -77,6 +77,14 @@ async def _send_json(send, status: int, obj, headers=()) -> None:
 MAX_HEADER_BYTES = 16 * 1024        # request line aside: names and values of every header
 
 
+def headers_too_large_error() -> dict:
+    """The 431 body, the same whether the headers arrived whole (the Guard counts them) or in
+    pieces that h11 stopped buffering at its own 16 KiB limit (the protocol answers)."""
+    return {"error": {"message": f"the request headers are over {MAX_HEADER_BYTES // 1024} KiB; send "
+                                 "fewer or shorter headers", "type": "invalid_request_error",
+                      "param": None, "code": "headers_too_large"}}
+
+
 def check_api_keys(keys) -> list[str]:
     """The API keys (a string or a list), each 1..4096 visible ASCII characters (what a client
     can send in an Authorization header); anything else is a ConfigError at start, not a key
@@ -122,10 +130,7 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         if sum(len(k) + len(v) + 4 for k, v in scope["headers"]) > MAX_HEADER_BYTES:
-            return await _send_json(send, 431, {"error": {
-                "message": f"the request headers are over {MAX_HEADER_BYTES // 1024} KiB; send fewer "
-                           "or shorter headers", "type": "invalid_request_error", "param": None,
-                "code": "headers_too_large"}})
+            return await _send_json(send, 431, headers_too_large_error())
         if self.metrics is not None:
             send = self.metrics.counting_send(send, scope["path"])
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
@@ -707,17 +712,43 @@ def header_timeout_protocol(header_timeout: float):
     and sends nothing, or trickles its headers a byte at a time, would hold its connection
     forever. Here each request cycle (a new connection, or the next request on a kept-alive one)
     must have delivered its complete headers ``header_timeout`` seconds after it began, or the
-    connection is closed. The body has its own deadline in the application."""
+    connection is closed. The body has its own deadline in the application.
+
+    Headers too large get the Guard's 431 however they arrive. Sent whole in one read, h11
+    parses them and the Guard counts them; in pieces, h11 stops buffering at 16 KiB with
+    ``error_status_hint`` 431, which uvicorn would answer as a plain-text 400."""
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class HeaderTimeoutProtocol(H11Protocol):
         _header_cycle = 0
         _header_timer = None
+        _protocol_error = None
 
         def connection_made(self, transport):
             super().connection_made(transport)
+            next_event = self.conn.next_event
+
+            def next_event_noting_errors():
+                try:
+                    return next_event()
+                except h11.RemoteProtocolError as exc:
+                    self._protocol_error = exc
+                    raise
+            self.conn.next_event = next_event_noting_errors
             self._arm_header_deadline()
+
+        def send_400_response(self, msg: str) -> None:
+            if getattr(self._protocol_error, "error_status_hint", None) != 431:
+                return super().send_400_response(msg)
+            body = json_bytes(headers_too_large_error())
+            self.transport.write(self.conn.send(h11.Response(
+                status_code=431, reason=b"Request Header Fields Too Large",
+                headers=[(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                         (b"x-content-type-options", b"nosniff"), (b"connection", b"close")])))
+            self.transport.write(self.conn.send(h11.Data(data=body)))
+            self.transport.write(self.conn.send(h11.EndOfMessage()))
+            self.transport.close()
 
         def on_response_complete(self):
             super().on_response_complete()
