@@ -283,6 +283,26 @@ def test_checksum_sees_every_change():
     assert cache_format.checksum(w) != cache_format.checksum(a[:100_000])
 
 
+def test_checksum_is_the_same_on_any_thread_count_and_sees_changes_in_each_threads_part():
+    import numba
+    rng = np.random.default_rng(1)
+    a = rng.integers(0, 256, size=(cache_format._THREADED_WORDS * 8 * 3) + 5, dtype=np.uint8)   # threaded
+    before = numba.get_num_threads()
+    try:
+        sums = set()
+        for n in sorted({1, min(2, numba.config.NUMBA_NUM_THREADS)}):
+            numba.set_num_threads(n)
+            sums.add(cache_format.checksum(a))
+        assert len(sums) == 1
+        c = sums.pop()
+        for i in (3, a.size // 2 + 1, a.size - 9):                  # the first, the last thread's part
+            b = a.copy()
+            b[i] ^= 0x80
+            assert cache_format.checksum(b) != c
+    finally:
+        numba.set_num_threads(before)
+
+
 # ---- concurrency and crashes --------------------------------------------------------------------
 LOADER = textwrap.dedent("""
     import sys, cpullm

@@ -63,7 +63,7 @@ def test_split_gives_each_unit_to_one_process_and_keeps_groups_together():
         mine, child = warmup.split(units, cache_locked=locked)
         assert sorted(mine + child) == sorted(u for u in units if not u.startswith("run"))
         assert not set(mine) & set(child)
-        for a, b in (("blocks_panels", "gemm"), ("blocks_panels", "kquant_gemm"), ("norm", "layernorm")):
+        for a, b in (("blocks_panels", "gemm"), ("kquant_gemm", "kquant_gemm_q6k"), ("norm", "layernorm")):
             if a in units and b in units:                         # one group: their shared helpers once
                 assert (a in mine) == (b in mine), (a, b, locked)
     # with the cache lock the prefill GEMMs (which interpreter.run does not call) go to the child,
@@ -75,7 +75,7 @@ def test_split_gives_each_unit_to_one_process_and_keeps_groups_together():
     # without it the q8 and block helpers, which the load compiles too (weight quantizer, head
     # screen, GGUF dequantizer), stay in this process
     mine, child = warmup.split(units, cache_locked=False)
-    assert {"gemm", "blocks_panels", "kquant_gemm"} <= set(mine)
+    assert {"gemm", "blocks_panels", "kquant_gemm", "act_q16", "act_q8"} <= set(mine)
     assert "attention" in child                    # the largest movable unit
 
 

@@ -43,6 +43,8 @@ from cpullm_kernels.program.formats import MATMUL_ROWS, matmul_rows_signature
 from cpullm_kernels.setup.warmup import is_cached
 from cpullm_kernels.attention.gated_delta import GATED_DELTA
 from cpullm_kernels.program.row_ops import ROW_OP, row_op_signature
+from cpullm_kernels.rows.kquant import QUANTIZE_ACT_Q8
+from cpullm_kernels.rows.q8 import QUANTIZE_ACT_Q16
 from cpullm_kernels.setup.operand_types import WF
 
 PER_SEQUENCE_OPS = (P.OP_ROPE, P.OP_ATTENTION, P.OP_GATED_DELTA, P.OP_POS_EMBED)
@@ -180,10 +182,12 @@ for callee, argtypes in fused_callees(sig):
 def fused_callees(sig: tuple) -> list:
     """[(Addressed, argument types)] that :func:`_fused` called with argument types ``sig`` calls
     through their address, besides the gated-delta kernel (a warm-up unit of the models that have
-    it): the matmul of a step's rows, attention one sequence at a time, the batch's attention,
-    the row ops."""
+    it): the matmul of a step's rows and its quantizer of each row (rows of a strided view: the
+    "A" specializations), attention one sequence at a time, the batch's attention, the row ops."""
     wb, wbp, kv = sig[13], sig[14], sig[21]
-    return [(MATMUL_ROWS, matmul_rows_signature(wb, wbp, "A")), (ATTENTION, attention_signature(kv)),
+    quantizers = [QUANTIZE_ACT_Q16] + ([QUANTIZE_ACT_Q8] if wb != numba.types.none else [])
+    return [(MATMUL_ROWS, matmul_rows_signature(wb, wbp, "A")),
+            *((q, q.signatures[1]) for q in quantizers), (ATTENTION, attention_signature(kv)),
             (ATTENTION_DECODE_BATCH, attention_decode_batch_signature(kv)), (ROW_OP, row_op_signature(WF))]
 
 

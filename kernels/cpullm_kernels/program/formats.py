@@ -48,8 +48,8 @@ from ..panels.q8_panels import PANELS_MATMUL, ROW_ALIGN, padded_rows, panels_mat
 from ..rows.batch_linear import linear_rows_f32
 from ..rows.gguf_blocks import BY_TYPE
 from ..rows.kquant import MATVEC
-from ..rows.kquant import quantize_act_q8
-from ..rows.q8 import matvec_f32, quantize_act_q16
+from ..rows.kquant import quantize_act_q8_at
+from ..rows.q8 import matvec_f32, quantize_act_q16_at
 from ..tiles.kquant_gemm import dequantize_rows_into
 from ..setup.addressed import Addressed
 from ..setup.operand_types import ARENA, WB, WF, WQ, WS, XQ, array, i64
@@ -359,7 +359,7 @@ def quantize_rows_into(kind, Kp, x, xq, xs, wb):
         x_q = xq[:T * Kp].reshape((T, Kp))
         x_s = xs[:T * nb].reshape((T, nb))
         for t in range(T):
-            quantize_act_q16(x[t], x_q[t], x_s[t])
+            quantize_act_q16_at(x[t], x_q[t], x_s[t])
     elif kind == WEIGHT_BLOCKS:
         if wb is None:
             raise ValueError("cpullm formats: a matrix of raw ggml blocks needs wb")
@@ -367,7 +367,7 @@ def quantize_rows_into(kind, Kp, x, xq, xs, wb):
         x_s = xs[:T * nb].reshape((T, nb))
         x_m = xs[T * nb: T * nb + T * 2 * nb].reshape((T, 2 * nb))
         for t in range(T):
-            quantize_act_q8(x[t], x_q[t, :K], x_s[t, :K // 32], x_m[t, :K // 16])
+            quantize_act_q8_at(x[t], x_q[t, :K], x_s[t, :K // 32], x_m[t, :K // 16])
             for j in range(K, Kp):          # padding weights are zero: their activations too
                 x_q[t, j] = 0
             for j in range(K // 32, nb):

@@ -107,6 +107,13 @@ def quantize_act_q8(x, x_q, x_s, x_m):
         x_m[i] = np.float32(s) * x_s[i // 2]
 
 
+QUANTIZE_ACT_Q8 = Addressed(quantize_act_q8, types.none, [
+    (array(types.float32, layout=lay), array(types.int8), ARENA, ARENA) for lay in ("C", "A")])
+""":func:`quantize_act_q8` as formats.matmul_rows and kquant_gemm's short prompts call it for each
+row, through its address (cpullm_kernels.setup.addressed), so it compiles once, not in each caller."""
+quantize_act_q8_at = QUANTIZE_ACT_Q8.call
+
+
 def quantize_act_q8_ref(x):
     """numpy reference of :func:`quantize_act_q8`: x (K,) -> (x_q int8, x_s float32, x_m float32)."""
     x = np.asarray(x, np.float32)

@@ -168,7 +168,7 @@ def _kernels(unit: str) -> list:
     from ..attention import attention, gated_delta
     from ..ops import elementwise, norm, pointwise, rope
     from ..panels import kquant_panels, q8_panels
-    from ..rows import kquant
+    from ..rows import kquant, q8
     from ..program import formats, interpreter, moe, row_ops
     from ..tiles import kquant_gemm, q8_gemm
     if unit.startswith("run"):
@@ -209,6 +209,10 @@ def _kernels(unit: str) -> list:
         "gemm": [(q8_panels.quantize_rows_par, (f32_2, i16_2, f32_2))],
         # the raw-block matvec (matmul_rows and the short prompts' kquant_matvec_rows call it by address)
         "block_matvec": _addressed(kquant.MATVEC),
+        # each row's activations for the q8 / raw-block matrices (matmul_rows and the short
+        # prompts' kquant_matvec_rows call them by address)
+        "act_q16": _addressed(q8.QUANTIZE_ACT_Q16),
+        "act_q8": _addressed(kquant.QUANTIZE_ACT_Q8),
         # the float32 LINEAR's decode matvec (matmul_rows calls it by address; a program without
         # float32 LINEARs never compiles it)
         "f32_rows": _addressed(formats.F32_MATVEC),
@@ -245,22 +249,26 @@ UNITS = {
     # whatever the ops), compile cost (CPU seconds of the compiling thread, each unit compiled in
     # warm-up order into an empty cache on the 2-core Ice Lake (AVX-512 VNNI) of
     # benchmarks/results/2026-12-07-cold-start-row-ops.md), sharing group, called by
-    # interpreter.run). Units of one group link the same helpers (the activation quantizers, the
-    # block dequantizer), so they go to the same process: compiled twice they would cost twice.
-    # Kernels called through their address (the q8 panels, the block matvec, attend_part) are
-    # units of their own: compiled once anywhere, loaded by the others. The prefill GEMMs are
+    # interpreter.run; blocks, kquant_gemm and the quantizers re-measured against the build
+    # before, alternating, scaled to it). Units of one group link the same helpers (the q8 GEMM's
+    # helpers, the block dequantizer), so they go to the same process: compiled twice they would
+    # cost twice. Kernels called through their address (the q8 panels, the block matvec, each
+    # row's activation quantizers, attend_part) are units of their own: compiled once anywhere,
+    # loaded by the others. The prefill GEMMs are
     # called by the executor, not by interpreter.run, so run can compile while they do.
     "q8_panels": (None, 3.8, "q8_panels", True),
     "block_matvec": (None, 1.9, "block_matvec", True),
+    "act_q16": (None, 0.9, "act_q16", True),
+    "act_q8": (None, 1.0, "act_q8", True),
     "f32_rows": (("LINEAR", "MOE"), 0.8, "f32_rows", True),
     "linear": (None, 3.6, "matmul", True),
     "gemm": (("LINEAR",), 1.2, "matmul", False),
     # the block driver with the q8 / f32 rows; + the Q4_K / Q6_K panel kernel
-    "blocks": (None, 4.8, "matmul", True),
+    "blocks": (None, 3.1, "matmul", True),
     "blocks_panels": (None, 15.8, "matmul", True),
     "embed_blocks": (None, 3.5, "matmul", True),
-    "kquant_gemm": (("LINEAR",), 5.9, "matmul", False),
-    "kquant_gemm_q6k": (("LINEAR",), 6.1, "matmul", False),
+    "kquant_gemm": (("LINEAR",), 4.8, "kquant_gemm", False),
+    "kquant_gemm_q6k": (("LINEAR",), 6.1, "kquant_gemm", False),
     "kpanels_gemm": (("LINEAR",), 7.6, "matmul", False),
     # the row kernels and their dispatcher (which calls them through their address): one group
     "norm": (None, 0.3, "rows", True),
@@ -281,7 +289,7 @@ UNITS = {
     "moe": (("MOE",), 21.3, "moe", False),
     "moe_blocks": (("MOE",), 37.2, "moe", False),
 }
-LOAD_GROUPS = ("matmul",)
+LOAD_GROUPS = ("matmul", "kquant_gemm", "act_q16", "act_q8")
 """Groups whose helpers the loading process may compile itself while the child runs (the INT8
 and 4-bit weight quantizers, the head screen, the GGUF dequantizer). Without the cache lock
 (:mod:`cpullm_kernels.setup.numba_cache_lock`) they stay in this process: two processes must then never
@@ -323,7 +331,7 @@ def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True,
             continue
         if unit == ("moe" if blocks else "moe_blocks"):       # one of the two specializations
             continue
-        if unit in ("kquant_gemm", "kquant_gemm_q6k", "blocks", "blocks_panels", "block_matvec") and (
+        if unit in ("kquant_gemm", "kquant_gemm_q6k", "blocks", "blocks_panels", "block_matvec", "act_q8") and (
                 not blocks or (unit.startswith("kquant_gemm") and GEMM_ISA is None)):
             continue
         if unit == ("blocks" if panels else "blocks_panels"):   # one of the two specializations

@@ -41,7 +41,7 @@ from numba.extending import intrinsic
 from ..setup import numba_setup
 from . import q8_gemm as g8
 from ..rows.gguf_blocks import BY_TYPE, block_format, dequantize_ref
-from ..rows.kquant import (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, matvec_at, quantize_act_q8,
+from ..rows.kquant import (Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, matvec_at, quantize_act_q8_at,
                            unpack_group_quants)
 from ..rows.q8 import QBLOCK, worker_pool, quantize_row, activation_scratch, half_to_float
 
@@ -492,7 +492,7 @@ def _matmul_split(fmt, x, w, out, parts: int):
 @njit(cache=True)
 def kquant_matvec_rows(fmt, x, w, out, x_q, x_s, x_m):
     for t in range(x.shape[0]):
-        quantize_act_q8(x[t], x_q, x_s, x_m)
+        quantize_act_q8_at(x[t], x_q, x_s, x_m)
         matvec_at(fmt, w, x_q, x_s, x_m, out[t])
 
 

@@ -68,8 +68,8 @@ from numba.extending import intrinsic
 from ..setup import numba_setup
 from ..rows.q8 import HAVE_AVX2 as q8_HAVE_AVX2
 from ..rows.llvm_ir import F32, I16, I32, I64, const_i64, declare, vnni_block_sums, ymm_block_sums
-from ..rows.q8 import (QBLOCK, activation_scratch, half_to_float, matvec_q8_ref, padded_k, quantize_act_q16,
-                       quantize_act_q16_ref)
+from ..rows.q8 import (QBLOCK, activation_scratch, half_to_float, matvec_q8_ref, padded_k, quantize_act_q16_ready,
+                       quantize_act_q16_at, quantize_act_q16_ref)
 
 HAVE_VNNI512 = numba_setup.HOST_IS_X86 and {"avx512f", "avx512bw", "avx512vnni"} <= numba_setup.HOST_FEATURES
 """True when this CPU runs the AVX-512 VNNI variant of the micro-kernel."""
@@ -321,11 +321,14 @@ def _pack_chunk(w_q, w_s, n0, b0, nblocks, wp, sp):
 
 @njit(cache=True, parallel=True)
 def quantize_rows_q16(x, x_q, x_s):
-    """x float32 (T, K) -> rows of x_q int16 (Tp, Kp) / x_s float32 (Tp, Kp // 32); rows >= T zero."""
+    """x float32 (T, K) -> rows of x_q int16 (Tp, Kp) / x_s float32 (Tp, Kp // 32); rows >= T zero.
+    Each row through the quantizer's address (q8.QUANTIZE_ACT_Q16), bound before the region."""
     T = x.shape[0]
+    if T > 0:
+        quantize_act_q16_ready(x[0], x_q[0], x_s[0])
     for t in prange(x_q.shape[0]):
         if t < T:
-            quantize_act_q16(x[t], x_q[t], x_s[t])
+            quantize_act_q16_at(x[t], x_q[t], x_s[t])
         else:
             x_q[t, :] = 0
             x_s[t, :] = 0.0
