@@ -1296,17 +1296,21 @@ over the threads (decode of SmolLM2's 3 KV heads on 2 threads), :func:`attention
 pair's keys so that every thread gets the same number of equal jobs."""
 
 
+@njit(cache=True, inline="always")
+def job_scratch(group, hd, span):
+    """One chunk's scratch for :func:`attend_part` jobs of ``group`` query heads of ``hd`` over at
+    most ``span`` keys: (qbuf, acc, mx, tot, scores)."""
+    return (aligned_scratch(group * hd), aligned_scratch(group * hd), np.empty(group, np.float32),
+            np.empty(group, np.float32), aligned_scratch(group * (span + 2 * TILE)))
+
+
 @njit(cache=True, error_model="numpy")
 def attend_chunk(arena, state, c, nchunk, jobs, T, splits, window, pos0, q_off, q_st, o_off, o_st, group, hd,
                  base, size, cap, c_off, n_kv, span, scale, softcap, part, kv16):
     """Jobs c, c + nchunk, ... of :func:`attention`'s parallel loop, with this chunk's own
     scratch. A function of its own, called through its address: as the loop's body, numba compiled
     it into the parallel region's function and again into attention."""
-    qbuf = aligned_scratch(group * hd)
-    acc = aligned_scratch(group * hd)
-    mx = np.empty(group, np.float32)
-    tot = np.empty(group, np.float32)
-    scores = aligned_scratch(group * (span + 2 * TILE))
+    qbuf, acc, mx, tot, scores = job_scratch(group, hd, span)
     for job in range(c, jobs, nchunk):
         kvh = job // (T * splits)
         s = (job // T) % splits

@@ -16,7 +16,7 @@ from numba import njit, prange, types
 
 from ..setup.addressed import Addressed
 from ..setup.operand_types import ARENA, INTS, array, f64, i64
-from .attention import (KV_OPERANDS, MAX_CHUNKS, STREAM_ROWS, TILE, aligned_scratch, attend_part_at, attend_part_bind,
+from .attention import (KV_OPERANDS, MAX_CHUNKS, STREAM_ROWS, attend_part_at, attend_part_bind, job_scratch,
                         combine_parts, keep_part, kv_base, normalize_into, key_splits, kv_write, q8_head_scales)
 
 
@@ -51,11 +51,7 @@ def attention_decode_batch(arena, states, slots, positions, q_off, q_st, k_off, 
     nchunk = min(jobs, MAX_CHUNKS)
     attend_part_bind(arena, kv16)
     for c in prange(nchunk):
-        qbuf = aligned_scratch(group * hd)
-        acc = aligned_scratch(group * hd)
-        mx = np.empty(group, np.float32)
-        tot = np.empty(group, np.float32)
-        scores = aligned_scratch(group * (max_span + 2 * TILE))
+        qbuf, acc, mx, tot, scores = job_scratch(group, hd, max_span)
         for job in range(c, jobs, nchunk):
             s = job_seq[job]
             local = job - first_job[s]
