@@ -254,8 +254,8 @@ UNITS = {
     # helpers, the block dequantizer), so they go to the same process: compiled twice they would
     # cost twice. Kernels called through their address (the q8 panels, the block matvec, each
     # row's activation quantizers, attend_part) are units of their own: compiled once anywhere,
-    # loaded by the others. The prefill GEMMs are
-    # called by the executor, not by interpreter.run, so run can compile while they do.
+    # loaded by the others. The prefill GEMMs are called by the executor, not by
+    # interpreter.run, so run can compile while they do.
     "q8_panels": (None, 3.8, "q8_panels", True),
     "block_matvec": (None, 1.9, "block_matvec", True),
     "act_q16": (None, 0.9, "act_q16", True),
