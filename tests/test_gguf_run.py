@@ -225,14 +225,16 @@ def test_gguf_batched_decode_equals_each_request_alone(write, fmt):
 
 def test_a_block_format_gguf_calls_each_kernel_with_the_warmed_signature_only(write, tmp_path):
     """Like the default model (a Q4_1 GGUF): in a fresh process the block kernels run with the
-    signatures the warm-up compiled, and the q8 prefill GEMM (its row quantizer), which no body
-    LINEAR needs, is never compiled; the q8 panel kernel, which the decode calls by address for
-    the Q8_0 head, only with its one declared signature."""
+    signatures the warm-up compiled, and the q8 prefill GEMM (its row quantizer and the q8 panel
+    kernel of several rows), which no body LINEAR needs, is never compiled; the one-row q8 panel
+    kernel, which the decode calls by address for the Q8_0 head, only with its one declared
+    signature."""
     from test_coldstart import used_kernel_signatures
     used = used_kernel_signatures(write("Q4_1"), tmp_path / "cache")
     assert used["cpullm_kernels.program.interpreter.linear_rows"] != []
     assert used["cpullm_kernels.panels.q8_panels.quantize_rows_par"] == []
-    assert len(used["cpullm_kernels.panels.q8_panels.panels_matmul"]) == 1
+    assert len(used["cpullm_kernels.panels.q8_panels.panels_matvec"]) == 1
+    assert used["cpullm_kernels.panels.q8_panels.panels_matmul"] == []
 
 
 def test_gguf_as_is_gets_no_head_screen_but_q4_does(write, monkeypatch):

@@ -145,6 +145,25 @@ def test_bad_shapes_are_refused():
         qp.panels_matmul(wp, sp, 64, x_q[:, :32], x_s[:, :1], np.zeros((2, 64), np.float32), 2)
 
 
+@pytest.mark.parametrize("N,K", SHAPES)
+def test_the_one_row_kernel_gives_the_many_row_kernel_s_bits(N, K):
+    """panels_matvec (decode's kernel: the one-row tile alone) equals panels_matmul on one row, bit
+    for bit, on every thread count, full and partial groups of rows; it refuses a second row."""
+    w_q, w_s = _weights(N, K)
+    wp, sp = qp.pack_panels(w_q, w_s)
+    _, x_q, x_s = _acts(1, K, seed=N)
+    want = np.zeros((1, N), np.float32)
+    qp.panels_matmul(wp, sp, N, x_q, x_s, want, 2)
+    assert np.array_equal(want, qp.panels_matmul_ref(wp, sp, N, x_q, x_s))
+    for threads in (1, 2, 3):
+        got = np.full((1, N + 5), np.nan, np.float32)
+        qp.panels_matvec(wp, sp, N, x_q, x_s, got, threads)
+        assert np.array_equal(got[:, :N], want) and np.isnan(got[:, N:]).all()
+    _, x_q2, x_s2 = _acts(2, K)
+    with pytest.raises(ValueError, match="one row"):
+        qp.panels_matvec(wp, sp, N, x_q2, x_s2, np.zeros((2, N), np.float32), 2)
+
+
 _VARIANT = """
 import json, sys
 import numpy as np
@@ -165,6 +184,10 @@ for N, K in ((130, 4864), (257, 896)):
         o = np.zeros((B, N), np.float32)
         qp.matmul_panels(x, wp, sp, N, o)
         ok = bool(np.array_equal(o, qp.panels_matmul_ref(wp, sp, N, x_q, x_s)))
+        if B == 1:                      # the one-row kernel, the same tile
+            o1 = np.zeros((1, N), np.float32)
+            qp.panels_matvec(wp, sp, N, x_q, x_s, o1, 2)
+            ok = ok and bool(np.array_equal(o1, o))
         out[f"{N}x{K}:{B}"] = [ok, o.view(np.uint32).sum(dtype=np.uint64).item()]
 print(json.dumps(out))
 """

@@ -40,6 +40,7 @@ from cpullm_kernels.program import program_table as P
 from cpullm_kernels.attention.attention import ATTENTION, attention_signature
 from cpullm_kernels.attention.attention_batch import ATTENTION_DECODE_BATCH, attention_decode_batch_signature
 from cpullm_kernels.program.formats import MATMUL_ROWS, matmul_rows_signature
+from cpullm_kernels.panels.q8_panels import PANELS_MATMUL
 from cpullm_kernels.setup.warmup import is_cached
 from cpullm_kernels.attention.gated_delta import GATED_DELTA
 from cpullm_kernels.program.row_ops import ROW_OP, row_op_signature
@@ -182,11 +183,12 @@ for callee, argtypes in fused_callees(sig):
 def fused_callees(sig: tuple) -> list:
     """[(Addressed, argument types)] that :func:`_fused` called with argument types ``sig`` calls
     through their address, besides the gated-delta kernel (a warm-up unit of the models that have
-    it): the matmul of a step's rows and its quantizer of each row (rows of a strided view: the
-    "A" specializations), attention one sequence at a time, the batch's attention, the row ops."""
+    it): the matmul of a step's rows, its q8 panel kernel of several rows, its quantizer of each
+    row (rows of a strided view: the "A" specializations), attention one sequence at a time, the
+    batch's attention, the row ops."""
     wb, wbp, kv = sig[13], sig[14], sig[21]
     quantizers = [QUANTIZE_ACT_Q16] + ([QUANTIZE_ACT_Q8] if wb != numba.types.none else [])
-    return [(MATMUL_ROWS, matmul_rows_signature(wb, wbp, "A")),
+    return [(MATMUL_ROWS, matmul_rows_signature(wb, wbp, "A")), (PANELS_MATMUL, PANELS_MATMUL.signatures[0]),
             *((q, q.signatures[1]) for q in quantizers), (ATTENTION, attention_signature(kv)),
             (ATTENTION_DECODE_BATCH, attention_decode_batch_signature(kv)), (ROW_OP, row_op_signature(WF))]
 

@@ -451,13 +451,10 @@ def _group_zmm(wp, sp, g, x_q, x_s, out, o_n, acc):
 _group = _group_ymm if YMM else _group_zmm
 
 
-@njit(cache=True, parallel=True)
-def panels_matmul(wp, sp, N, x_q, x_s, out, nthreads):
-    """out[:, :N] = the panels' rows against rows of (x_q int16 (B, Kp), x_s float32 (B, Kp // 32)),
-    the module's numerics. wp int8 / sp uint16 flat (pack_panels); out float32 (B, >= N) (the
-    columns past N are left alone). Callers pass C-contiguous 2-D arrays, so that one compiled
-    specialization serves decode, batches and prefill. Groups of 4 panels (64 rows) split over the threads in contiguous
-    ranges; a group that would run past Np, or holds rows past N, goes through a scratch tile."""
+@njit(cache=True, inline="always")
+def _check_panels(wp, sp, N, x_q, x_s, out):
+    """Raise unless the operands fit :func:`panels_matmul`; (groups whose 64 rows are all < N,
+    groups)."""
     B, Kp = x_q.shape
     nb = Kp // QBLOCK
     npan = (N + ROW_ALIGN - 1) // ROW_ALIGN * GROUP
@@ -467,8 +464,18 @@ def panels_matmul(wp, sp, N, x_q, x_s, out, nthreads):
                          "x_s (B, Kp // 32), out (B, >= N)")
     if x_q.strides[1] != 2 or x_s.strides[1] != 4 or out.strides[1] != 4:
         raise ValueError("panels_matmul: rows of x_q, x_s and out must be contiguous")
-    nfull = N // (GROUP * PANEL)            # groups whose 64 rows are all < N
-    ngroups = npan // GROUP
+    return N // (GROUP * PANEL), npan // GROUP
+
+
+@njit(cache=True, parallel=True)
+def panels_matmul(wp, sp, N, x_q, x_s, out, nthreads):
+    """out[:, :N] = the panels' rows against rows of (x_q int16 (B, Kp), x_s float32 (B, Kp // 32)),
+    the module's numerics. wp int8 / sp uint16 flat (pack_panels); out float32 (B, >= N) (the
+    columns past N are left alone). Callers pass C-contiguous 2-D arrays, so that one compiled
+    specialization serves decode, batches and prefill. Groups of 4 panels (64 rows) split over the threads in contiguous
+    ranges; a group that would run past Np, or holds rows past N, goes through a scratch tile."""
+    B = x_q.shape[0]
+    nfull, ngroups = _check_panels(wp, sp, N, x_q, x_s, out)
     nth = max(1, min(nthreads, ngroups))
     for c in prange(nth):
         lo = c * ngroups // nth
@@ -484,9 +491,40 @@ def panels_matmul(wp, sp, N, x_q, x_s, out, nthreads):
                     for j in range(N - nfull * GROUP * PANEL):
                         out[t, nfull * GROUP * PANEL + j] = edge[t, j]
 
+
 PANELS_MATMUL = Addressed(panels_matmul, types.none, [
     (WQ, WS, i64, array(types.int16, 2), array(types.float32, 2), array(types.float32, 2), i64)])
-"""panels_matmul as formats.matmul_rows calls it, through its address (cpullm_kernels.setup.addressed)."""
+"""panels_matmul as formats.matmul_rows calls it for two rows or more (a batched step, a verify
+pass, routed experts), through its address (cpullm_kernels.setup.addressed)."""
+
+_tile_1x4 = _y1x4 if YMM else _t1x4
+
+
+@njit(cache=True, parallel=True)
+def panels_matvec(wp, sp, N, x_q, x_s, out, nthreads):
+    """:func:`panels_matmul` for one row (B = 1: decode, the head of a prefill chunk), bit for bit:
+    the same groups over the threads and the same one-row tile of 4 panels, which is all this
+    kernel holds. panels_matmul's six tiles took 2.5-4.1 s of CPU to compile on a cold start's
+    path, for a model (the default GGUF) whose one q8 matrix, the head, sees one row at a time."""
+    nfull, ngroups = _check_panels(wp, sp, N, x_q, x_s, out)
+    if x_q.shape[0] != 1:
+        raise ValueError("panels_matvec: one row of activations (panels_matmul takes more)")
+    nth = max(1, min(nthreads, ngroups))
+    for c in prange(nth):
+        lo = c * ngroups // nth
+        hi = (c + 1) * ngroups // nth
+        edge = np.empty((1 if hi > nfull else 0, GROUP * PANEL), np.float32)
+        for grp in range(lo, hi):
+            full = grp < nfull
+            _tile_1x4(wp, sp, grp * GROUP, x_q, x_s, 0, out if full else edge, 0,
+                      grp * GROUP * PANEL if full else 0)
+            if not full:                    # the last group holds rows past N: via a scratch tile
+                for j in range(N - nfull * GROUP * PANEL):
+                    out[0, nfull * GROUP * PANEL + j] = edge[0, j]
+
+
+PANELS_MATVEC = Addressed(panels_matvec, types.none, PANELS_MATMUL.signatures)
+"""panels_matvec as formats.matmul_rows calls it for one row, through its address."""
 
 
 @njit(cache=True, parallel=True)

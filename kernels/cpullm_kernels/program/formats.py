@@ -44,7 +44,7 @@ from ..panels.kquant_panels import MATMUL as KPANELS_MATMUL
 from ..panels.kquant_panels import PANELED
 from ..panels.kquant_panels import matmul_many as matmul_kpanels_many
 from ..panels.kquant_panels import scaled_row_into as scaled_kpanel_row_into
-from ..panels.q8_panels import PANELS_MATMUL, ROW_ALIGN, padded_rows, panels_matmul_many, scaled_row_into
+from ..panels.q8_panels import PANELS_MATMUL, PANELS_MATVEC, ROW_ALIGN, padded_rows, panels_matmul_many, scaled_row_into
 from ..rows.batch_linear import linear_rows_f32
 from ..rows.gguf_blocks import BY_TYPE
 from ..rows.kquant import MATVEC
@@ -267,6 +267,7 @@ def matrix_bytes(kind, N: int, K: int, Kp: int, w_off: int, s_off: int) -> int:
 # beside each): linked, each was compiled again inside every specialization of matmul_rows and
 # every caller above it.
 panels_matmul_at, kpanels_matmul_at, blocks_matvec_at = PANELS_MATMUL.call, KPANELS_MATMUL.call, MATVEC.call
+panels_matvec_at = PANELS_MATVEC.call
 
 # The float32 kernels, called through their address: compiled on their first call, so a program
 # without float32 LINEARs (every GGUF file of quantized matrices) never compiles them (linked,
@@ -302,8 +303,12 @@ def matmul_rows(kind, w_off, s_off, Kp, N, wq, ws, wf, wb, wbp, x, out, xq, xs, 
     quantize_rows_into(kind, Kp, x, xq, xs, wb)
     if kind == WEIGHT_Q8:
         Np = padded_rows(N)
-        panels_matmul_at(wq[w_off: w_off + Np * Kp], ws[s_off: s_off + Np * nb], N, xq[:T * Kp].reshape((T, Kp)),
-                         xs[:T * nb].reshape((T, nb)), out, nthreads)
+        wp, sp = wq[w_off: w_off + Np * Kp], ws[s_off: s_off + Np * nb]
+        x_q, x_s = xq[:T * Kp].reshape((T, Kp)), xs[:T * nb].reshape((T, nb))
+        if T == 1:                          # decode: the kernel of the one-row tile alone
+            panels_matvec_at(wp, sp, N, x_q, x_s, out, nthreads)
+        else:
+            panels_matmul_at(wp, sp, N, x_q, x_s, out, nthreads)
     elif kind == WEIGHT_BLOCKS:
         if wb is None:
             raise ValueError("cpullm formats: a matrix of raw ggml blocks needs wb")

@@ -202,10 +202,12 @@ def _kernels(unit: str) -> list:
         "row_ops_layernorm": [(row_ops.row_op, row_ops.row_op_signature(WF)),
                               (row_ops.row_op_par, row_ops.row_op_par_signature(WF))],
         "gated_delta": [(gated_delta.gated_delta, (ARENA, ARENA, WF, *[i64] * 20, f64, i64))],
-        # the q8 panel kernel (unit "q8_panels": matmul_rows calls it through its address, so it
-        # compiles once, anywhere) and prefill's batched q8 LINEARs (row-contiguous activations, as
+        # the q8 panel kernels (matmul_rows calls them through their address, so each compiles
+        # once, anywhere): one row (decode, the head), and two rows or more (prefill's batched q8
+        # LINEARs, routed experts), with prefill's row quantizer (row-contiguous activations, as
         # every LINEAR of the shared blocks reads and writes whole buffers)
-        "q8_panels": _addressed(q8_panels.PANELS_MATMUL),
+        "q8_panels": _addressed(q8_panels.PANELS_MATVEC),
+        "q8_panels_rows": _addressed(q8_panels.PANELS_MATMUL),
         "gemm": [(q8_panels.quantize_rows_par, (f32_2, i16_2, f32_2))],
         # the raw-block matvec (matmul_rows and the short prompts' kquant_matvec_rows call it by address)
         "block_matvec": _addressed(kquant.MATVEC),
@@ -256,7 +258,8 @@ UNITS = {
     # row's activation quantizers, attend_part) are units of their own: compiled once anywhere,
     # loaded by the others. The prefill GEMMs are called by the executor, not by
     # interpreter.run, so run can compile while they do.
-    "q8_panels": (None, 3.8, "q8_panels", True),
+    "q8_panels": (None, 2.1, "q8_panels", True),
+    "q8_panels_rows": (("LINEAR", "MOE"), 3.8, "q8_panels_rows", False),
     "block_matvec": (None, 1.9, "block_matvec", True),
     "act_q16": (None, 0.9, "act_q16", True),
     "act_q8": (None, 1.0, "act_q8", True),
@@ -328,6 +331,9 @@ def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True,
         if unit == "gated_delta" and not linear_state:
             continue
         if unit == "gemm" and (quant == "f32" or (quant in BLOCK_QUANTS and not q8_prefill)):
+            continue
+        if unit == "q8_panels_rows" and "MOE" not in ops and (          # only the q8 prefill GEMM's
+                quant == "f32" or (quant in BLOCK_QUANTS and not q8_prefill)):
             continue
         if unit == ("moe" if blocks else "moe_blocks"):       # one of the two specializations
             continue
