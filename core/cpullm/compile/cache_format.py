@@ -133,7 +133,6 @@ def _lane_hashes(words, n_lanes, lane0, lane1, out):
 
 _THREADED_WORDS = 1 << 17
 """Arrays of fewer uint64 words (1 MiB) are hashed on the calling thread alone."""
-_POOLS: dict = {}
 
 
 def _all_lane_hashes(words: np.ndarray) -> np.ndarray:
@@ -145,10 +144,8 @@ def _all_lane_hashes(words: np.ndarray) -> np.ndarray:
     bounds = [_LANES * p // parts for p in range(parts + 1)]
     futures = []
     if parts > 1:
-        pool = _POOLS.get(parts - 1)
-        if pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-            pool = _POOLS.setdefault(parts - 1, ThreadPoolExecutor(parts - 1, thread_name_prefix="cpullm-checksum"))
+        from cpullm_kernels.rows.q8 import worker_pool
+        pool = worker_pool(parts - 1)
         futures = [pool.submit(_lane_hashes, words, _LANES, bounds[p], bounds[p + 1], out) for p in range(1, parts)]
     _lane_hashes(words, _LANES, bounds[0], bounds[1], out)
     for f in futures:

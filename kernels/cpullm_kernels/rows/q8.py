@@ -397,9 +397,10 @@ _POOL = {}
 
 def worker_pool(n: int):
     """A process-wide ThreadPoolExecutor with n workers (created on first use): kquant_gemm's
-    dequantize + sgemm prefill splits the rows of W over such threads."""
+    dequantize + sgemm prefill splits the rows of W over such threads, the cache's weight
+    checksum its lanes."""
     ex = _POOL.get(n)
     if ex is None:
         from concurrent.futures import ThreadPoolExecutor
-        ex = _POOL.setdefault(n, ThreadPoolExecutor(n, thread_name_prefix="cpullm-prefill"))
+        ex = _POOL.setdefault(n, ThreadPoolExecutor(n, thread_name_prefix="cpullm-worker"))
     return ex

@@ -326,14 +326,14 @@ def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True,
         panels = blocks
     if f32_linear is None:
         f32_linear = quant == "f32"
+    q8_gemm = not (quant == "f32" or (quant in BLOCK_QUANTS and not q8_prefill))    # prefill's q8 GEMM runs
     out = []
     for unit, (needs, *_) in UNITS.items():
         if unit == "gated_delta" and not linear_state:
             continue
-        if unit == "gemm" and (quant == "f32" or (quant in BLOCK_QUANTS and not q8_prefill)):
+        if unit == "gemm" and not q8_gemm:
             continue
-        if unit == "q8_panels_rows" and "MOE" not in ops and (          # only the q8 prefill GEMM's
-                quant == "f32" or (quant in BLOCK_QUANTS and not q8_prefill)):
+        if unit == "q8_panels_rows" and not q8_gemm and "MOE" not in ops:   # the GEMM's or the experts'
             continue
         if unit == ("moe" if blocks else "moe_blocks"):       # one of the two specializations
             continue
