@@ -54,6 +54,14 @@ def test_units_follow_the_graph_ops():
     # the block driver's specialization holds the q8 and f32 rows: no separate q8 driver beside it
     assert "linear" not in q4_1 and "linear" in warmup.units_for(LLAMA_OPS, "int8", False)
     assert "kpanels_gemm" not in warmup.units_for(LLAMA_OPS, "int8", False, panels=True)  # no blocks at all
+    # the row kernels of the graph's ops only; the raw-block matvec of the program's formats only
+    assert {"norm", "rope", "glu", "binary"} <= set(units)
+    assert not {"act", "pos_embed", "unary", "layernorm"} & set(units)
+    assert "act" in warmup.units_for(LLAMA_OPS | {"ACT"}, "int8", False)
+    one = warmup.units_for(LLAMA_OPS, "gguf", False, q8_prefill=False, blocks=True, block_formats=["Q4_1"])
+    assert [u for u in one if u.startswith("block_matvec")] == ["block_matvec_q4_1"]
+    assert len([u for u in q4 if u.startswith("block_matvec")]) == 8          # formats not known: all
+    assert not any(u.startswith("block_matvec") for u in units)
 
 
 def test_split_gives_each_unit_to_one_process_and_keeps_groups_together():

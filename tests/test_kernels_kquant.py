@@ -115,7 +115,10 @@ def test_matvec_reads_strided_row_views(isa):
 
 
 def test_matvec_is_the_best_variant():
-    assert kq.matvec is kq.MATVECS[kq.BEST_ISA]
+    # compiled code's matvec_at calls each format's kernel of the best ISA, compiled on first use
+    for fmt in kq.MATVEC_FORMATS:
+        assert kq.MATVEC[fmt].dispatcher is kq.matvec_kernel(fmt, kq.BEST_ISA)
+    assert kq.matvec_kernel(kq.Q4_1, kq.ISA_GENERIC).py_func.__qualname__ == "matvec_q4_1_generic"
     if kq.HAVE_VNNI512:
         assert kq.BEST_ISA == kq.ISA_VNNI512
 
@@ -129,14 +132,19 @@ def test_matvec_rejects_bad_input():
         kq.matvec(kq.Q6_K, w, x_q, x_s, x_m, np.zeros(4, np.float32))     # 144-byte rows are not Q6_K
     with pytest.raises(ValueError):
         kq.matvec(9, w, x_q, x_s, x_m, np.zeros(4, np.float32))           # Q8_1: not a weight format
+    with pytest.raises(ValueError):                                        # ... nor from compiled code
+        from numba.typed import List
+        _serial_caller(np.array([9]), List([w]), np.zeros(256, np.float32), x_q, x_s, x_m,
+                       List([np.zeros(4, np.float32)]))
 
 
 @njit(cache=False)
 def _serial_caller(fmts, ws, x, x_q, x_s, x_m, outs):
-    # the interpreter pattern: a non-parallel njit function running the (parallel) kernel
+    # the interpreter pattern: a non-parallel njit function running the (parallel) kernel of each
+    # format through its address (a run-time format)
     kq.quantize_act_q8(x, x_q, x_s, x_m)
     for i in range(fmts.size):
-        kq.matvec(fmts[i], ws[i], x_q, x_s, x_m, outs[i])
+        kq.matvec_at(fmts[i], ws[i], x_q, x_s, x_m, outs[i])
 
 
 def test_matvec_from_a_serial_njit_caller():
@@ -166,22 +174,28 @@ def _fresh_asm(dispatcher, *args):
     return fresh.inspect_asm(fresh.signatures[0])
 
 
-def _args():
-    w = gb.random_blocks("Q4_K", 8, 512, RNG)
-    _, x_q, x_s, x_m = _act(512)
-    return kq.Q4_K, w, x_q, x_s, x_m, np.zeros(8, np.float32)
+def _formats_asm(isa, names=("Q4_K", "Q8_0")) -> str:
+    """Assembly of the matvecs of ``names`` on ``isa``: a K-quant and Q8_0 (the 32-weight blocks'
+    path, with vpsignb)."""
+    asm = []
+    for name in names:
+        w = gb.random_blocks(name, 8, 512, RNG)
+        _, x_q, x_s, x_m = _act(512)
+        asm.append(_fresh_asm(kq.matvec_kernel(gb.FORMATS[name].ggml_type, isa), w, x_q, x_s, x_m,
+                              np.zeros(8, np.float32)))
+    return "\n".join(asm)
 
 
 @pytest.mark.skipif(not kq.HAVE_AVX2, reason="x86 AVX2 host only")
 def test_avx2_codegen_uses_byte_multiply_adds():
-    asm = _fresh_asm(kq.matvec_avx2, *_args())
+    asm = _formats_asm(kq.ISA_AVX2)
     for insn in ("vpmaddubsw", "vpmaddwd", "vphaddw", "vcvtdq2ps", "vfmadd", "prefetcht0", "vpsignb"):
         assert insn in asm, f"{insn} missing: the AVX2 k-quant matvec lost its vector code"
 
 
 @pytest.mark.skipif(not kq.HAVE_AVXVNNI, reason="x86 AVX-VNNI host only")
 def test_avxvnni_codegen_uses_vpdpbusd_on_ymm():
-    asm = _fresh_asm(kq.matvec_avxvnni, *_args())
+    asm = _formats_asm(kq.ISA_AVXVNNI)
     assert re.search(r"vpdpbusd\s+[^\n]*%ymm", asm), "the AVX-VNNI k-quant matvec lost its ymm vpdpbusd"
     if not kq.HAVE_VNNI512:      # compiled for a target without AVX-512 (numba_setup.restricted_target_env)
         assert "zmm" not in asm and "{evex}" not in asm, "the AVX-VNNI variant must not need AVX-512"
@@ -189,6 +203,6 @@ def test_avxvnni_codegen_uses_vpdpbusd_on_ymm():
 
 @pytest.mark.skipif(not kq.HAVE_VNNI512, reason="AVX-512 VNNI host only")
 def test_vnni_codegen_uses_vpdpbusd_on_zmm():
-    asm = _fresh_asm(kq.matvec_vnni512, *_args())
+    asm = _formats_asm(kq.ISA_VNNI512)
     assert re.search(r"vpdpbusd\s+[^\n]*%zmm", asm), "the K-quants lost their zmm vpdpbusd"
     assert re.search(r"vpdpbusd\s+[^\n]*%ymm", asm), "the 32-weight formats lost their ymm vpdpbusd"

@@ -73,7 +73,11 @@ class BlockPlan:
 
         def on_blocks(op) -> bool:
             return any(n.op == op and self.fmt(n) not in (None, "Q8_0") for n in graph.nodes)
-        return {"q8_prefill": self.body_has_q8(graph),
+        # the formats of the LINEARs' raw blocks (Q8_0 runs as q8), whose matvecs compile; every
+        # format where routed experts choose theirs when the program is compiled
+        formats = None if any(n.op == Op.MOE for n in graph.nodes) else sorted(
+            {self.fmt(n) for n in graph.nodes if n.op == Op.LINEAR and self.fmt(n) not in (None, "Q8_0")})
+        return {"q8_prefill": self.body_has_q8(graph), "block_formats": formats,
                 "blocks": on_blocks(Op.LINEAR), "embed_blocks": on_blocks(Op.EMBED),
                 "panels": any(n.op == Op.LINEAR and self.fmt(n) is not None
                               and block_format(self.fmt(n)).ggml_type in PANEL_FORMATS for n in graph.nodes)}

@@ -47,7 +47,7 @@ from ..panels.kquant_panels import scaled_row_into as scaled_kpanel_row_into
 from ..panels.q8_panels import PANELS_MATMUL, PANELS_MATVEC, ROW_ALIGN, padded_rows, panels_matmul_many, scaled_row_into
 from ..rows.batch_linear import linear_rows_f32
 from ..rows.gguf_blocks import BY_TYPE
-from ..rows.kquant import MATVEC
+from ..rows.kquant import matvec_at as blocks_matvec_at
 from ..rows.kquant import quantize_act_q8_at
 from ..rows.q8 import matvec_f32, quantize_act_q16_at
 from ..tiles.kquant_gemm import dequantize_rows_into
@@ -266,7 +266,7 @@ def matrix_bytes(kind, N: int, K: int, Kp: int, w_off: int, s_off: int) -> int:
 # The matrix kernels matmul_rows calls through their address (cpullm_kernels.setup.addressed, declared
 # beside each): linked, each was compiled again inside every specialization of matmul_rows and
 # every caller above it.
-panels_matmul_at, kpanels_matmul_at, blocks_matvec_at = PANELS_MATMUL.call, KPANELS_MATMUL.call, MATVEC.call
+panels_matmul_at, kpanels_matmul_at = PANELS_MATMUL.call, KPANELS_MATMUL.call
 panels_matvec_at = PANELS_MATVEC.call
 
 # The float32 kernels, called through their address: compiled on their first call, so a program

@@ -209,8 +209,9 @@ def _kernels(unit: str) -> list:
         "q8_panels": _addressed(q8_panels.PANELS_MATVEC),
         "q8_panels_rows": _addressed(q8_panels.PANELS_MATMUL),
         "gemm": [(q8_panels.quantize_rows_par, (f32_2, i16_2, f32_2))],
-        # the raw-block matvec (matmul_rows and the short prompts' kquant_matvec_rows call it by address)
-        "block_matvec": _addressed(kquant.MATVEC),
+        # each format's raw-block matvec (matmul_rows and the short prompts' kquant_matvec_rows
+        # call it by address)
+        **{block_matvec_unit(f): _addressed(kquant.MATVEC[getattr(kquant, f)]) for f in BLOCK_MATVEC_FORMATS},
         # each row's activations for the q8 / raw-block matrices (matmul_rows and the short
         # prompts' kquant_matvec_rows call them by address)
         "act_q16": _addressed(q8.QUANTIZE_ACT_Q16),
@@ -246,46 +247,56 @@ def _kernels(unit: str) -> list:
     return table[unit]
 
 
+BLOCK_MATVEC_FORMATS = ("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q5_K", "Q4_1", "Q5_0", "Q5_1")
+"""The raw-block formats of kquant.matvec, a warm-up unit each (:func:`block_matvec_unit`)."""
+
+
+def block_matvec_unit(fmt: str) -> str:
+    """The warm-up unit of kquant.matvec for the format named ``fmt`` (ggml's name)."""
+    return f"block_matvec_{fmt.lower()}"
+
+
 UNITS = {
     # unit: (IR op names that need it, None: every program (interpreter.run calls its kernels
     # whatever the ops), compile cost (CPU seconds of the compiling thread, each unit compiled in
     # warm-up order into an empty cache on the 2-core Ice Lake (AVX-512 VNNI) of
-    # benchmarks/results/2026-12-07-cold-start-row-ops.md), sharing group, called by
-    # interpreter.run; blocks, kquant_gemm and the quantizers re-measured against the build
-    # before, alternating, scaled to it). Units of one group link the same helpers (the q8 GEMM's
+    # benchmarks/results/2026-12-07-cold-start-row-ops.md; the default model's units and the
+    # attention ones re-measured in benchmarks/results/2026-12-07-cold-start-formats.md), sharing
+    # group, called by interpreter.run). Units of one group link the same helpers (the q8 GEMM's
     # helpers, the block dequantizer), so they go to the same process: compiled twice they would
     # cost twice. Kernels called through their address (the q8 panels, the block matvec, each
     # row's activation quantizers, attend_part) are units of their own: compiled once anywhere,
     # loaded by the others. The prefill GEMMs are called by the executor, not by
     # interpreter.run, so run can compile while they do.
-    "q8_panels": (None, 2.1, "q8_panels", True),
+    "q8_panels": (None, 1.8, "q8_panels", True),
     "q8_panels_rows": (("LINEAR", "MOE"), 3.8, "q8_panels_rows", False),
-    "block_matvec": (None, 1.9, "block_matvec", True),
-    "act_q16": (None, 0.9, "act_q16", True),
-    "act_q8": (None, 1.0, "act_q8", True),
+    **{block_matvec_unit(f): (None, 0.8, "block_matvec", True) for f in BLOCK_MATVEC_FORMATS},
+    "act_q16": (None, 1.0, "act_q16", True),
+    "act_q8": (None, 0.8, "act_q8", True),
     "f32_rows": (("LINEAR", "MOE"), 0.8, "f32_rows", True),
     "linear": (None, 3.6, "matmul", True),
     "gemm": (("LINEAR",), 1.2, "matmul", False),
     # the block driver with the q8 / f32 rows; + the Q4_K / Q6_K panel kernel
-    "blocks": (None, 3.1, "matmul", True),
+    "blocks": (None, 2.8, "matmul", True),
     "blocks_panels": (None, 15.8, "matmul", True),
     "embed_blocks": (None, 3.5, "matmul", True),
-    "kquant_gemm": (("LINEAR",), 4.8, "kquant_gemm", False),
+    "kquant_gemm": (("LINEAR",), 5.3, "kquant_gemm", False),
     "kquant_gemm_q6k": (("LINEAR",), 6.1, "kquant_gemm", False),
     "kpanels_gemm": (("LINEAR",), 7.6, "matmul", False),
-    # the row kernels and their dispatcher (which calls them through their address): one group
-    "norm": (None, 0.3, "rows", True),
+    # the row kernels and their dispatcher (which calls them through their address, binding only
+    # the kernel of the instruction at hand): one group, a kernel only where its ops are
+    "norm": (("RMSNORM",), 0.3, "rows", True),
     "layernorm": (("LAYERNORM",), 0.65, "rows", True),
-    "rope": (None, 0.5, "rows", True),
-    "glu": (None, 0.85, "rows", True),
-    "binary": (None, 0.4, "rows", True),
-    "unary": (None, 0.35, "rows", True),
-    "act": (None, 0.7, "rows", True),
-    "pos_embed": (None, 0.25, "rows", True),
-    "row_ops": (None, 1.65, "rows", True),
+    "rope": (("ROPE",), 0.6, "rows", True),
+    "glu": (("GLU",), 0.6, "rows", True),
+    "binary": (("ADD", "SIGMOID_MUL"), 0.3, "rows", True),
+    "unary": (("SOFTCAP", "SCALE"), 0.35, "rows", True),
+    "act": (("ACT",), 0.7, "rows", True),
+    "pos_embed": (("POS_EMBED",), 0.25, "rows", True),
+    "row_ops": (None, 1.4, "rows", True),
     "row_ops_layernorm": (("LAYERNORM",), 1.85, "rows", True),
-    "attention": (None, 6.4, "attention", True),          # float32 KV caches
-    "attention_f16": (None, 6.8, "attention", True),      # float16 KV caches
+    "attention": (None, 5.1, "attention", True),          # float32 KV caches
+    "attention_f16": (None, 5.1, "attention", True),      # float16 KV caches
     "attention_q8": (None, 5.3, "attention", True),       # 8-bit KV caches
     "copy": (None, 0.2, "copy", True),
     "gated_delta": (("GATED_DELTA",), 5.3, "gated_delta", True),
@@ -297,16 +308,18 @@ LOAD_GROUPS = ("matmul", "kquant_gemm", "act_q16", "act_q8")
 and 4-bit weight quantizers, the head screen, the GGUF dequantizer). Without the cache lock
 (:mod:`cpullm_kernels.setup.numba_cache_lock`) they stay in this process: two processes must then never
 compile signatures of one function at the same time."""
-RUN_COST = 1.5
+RUN_COST = 1.3
 """interpreter.run itself (it links the EMBED and SELECT_ROWS kernels; the others it calls by address)."""
-PARENT_HEAD_START = 2.0
+PARENT_HEAD_START = 0.6
 """Seconds of other work (weights, checksums, the loader's own kernels) this process does before
-it compiles: the split gives the child that much more."""
+it compiles, less the child's own start (Python and numba imported afresh): the split gives the
+child that much more. Traced cold starts of the default model: the child's first compile began
+0.6 s before this process's, in a slow spell and a fast one."""
 
 
 def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True, blocks: bool | None = None,
               embed_blocks: bool | None = None, kv16: int = 0, panels: bool | None = None,
-              f32_linear: bool | None = None) -> list[str]:
+              f32_linear: bool | None = None, block_formats=None) -> list[str]:
     """The units a graph with these op names needs, ``run`` last. ``linear_state``: it has
     GATED_DELTA ops the interpreter runs, not a plugin kernel; ``q8_prefill``: a body LINEAR of a
     GGUF run as it is has q8 weights (Q8_0), so prefill needs the q8 GEMM; ``blocks`` /
@@ -315,7 +328,8 @@ def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True,
     specialization is compiled); ``panels``: a LINEAR may hold Q4_K / Q6_K blocks, which the
     compiler stores in panels of 16 rows, so prefill needs the panel GEMM (default: as
     ``blocks``; a file of Q4_0 / Q4_1 / Q5 blocks never runs it); ``f32_linear``: a LINEAR keeps
-    float32 weights (default: quant is "f32")."""
+    float32 weights (default: quant is "f32"); ``block_formats``: the ggml names of the formats a
+    LINEAR's raw blocks may have (default: every format), each a kquant.matvec unit."""
     from ..tiles.q8_gemm import GEMM_ISA
     ops = set(op_names)
     if blocks is None:
@@ -337,8 +351,11 @@ def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True,
             continue
         if unit == ("moe" if blocks else "moe_blocks"):       # one of the two specializations
             continue
-        if unit in ("kquant_gemm", "kquant_gemm_q6k", "blocks", "blocks_panels", "block_matvec", "act_q8") and (
+        if unit in ("kquant_gemm", "kquant_gemm_q6k", "blocks", "blocks_panels", "act_q8") and (
                 not blocks or (unit.startswith("kquant_gemm") and GEMM_ISA is None)):
+            continue
+        if unit.startswith("block_matvec_") and not (blocks and (block_formats is None or unit in {
+                block_matvec_unit(f) for f in block_formats})):
             continue
         if unit == ("blocks" if panels else "blocks_panels"):   # one of the two specializations
             continue
@@ -672,7 +689,8 @@ class Warmup:
 
 
 def warmup_for_graph(graph, quant: str, kernels=(), q8_prefill: bool = True, blocks: bool | None = None,
-                     embed_blocks: bool | None = None, kv16: int = 0, panels: bool | None = None) -> Warmup:
+                     embed_blocks: bool | None = None, kv16: int = 0, panels: bool | None = None,
+                     block_formats=None) -> Warmup:
     """A started :class:`Warmup` for the units ``graph`` needs (``kernels``: plugin KernelSpecs,
     whose ops the interpreter does not run; the rest: see :func:`units_for`)."""
     ops, linear_state, f32_linear = set(), False, quant == "f32"
@@ -684,7 +702,7 @@ def warmup_for_graph(graph, quant: str, kernels=(), q8_prefill: bool = True, blo
             f32_linear = True
     kv16 = int(kv16) if "ATTENTION" in ops else 0      # as run_flags reads it off the compiled program
     return Warmup(units_for(ops, quant, linear_state, q8_prefill, blocks, embed_blocks, kv16, panels,
-                            f32_linear)).start()
+                            f32_linear, block_formats)).start()
 
 
 __all__ = ["Warmup", "compile_seconds", "compile_unit", "is_cached", "units_for", "split",
