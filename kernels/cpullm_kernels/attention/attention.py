@@ -1179,17 +1179,39 @@ def attend_part(arena, state, q0, nq, hd, k_base, v_base, ks_base, vs_base, cap,
         if first < n:
             _pv(stream, kv16, scores, c0 + first, width, nq, state, v_base, n - first, acc, hd, vs_base)
     else:                                        # head_dim not a multiple of 16: plain loops
-        s2 = scores[: nq * width].reshape(nq, width)
-        for i in range(n):
-            slot = a + i
-            if slot >= cap:
-                slot -= cap
-            r0 = v_base + slot * hd
-            for j in range(nq):
-                w = s2[j, c0 + i]
-                aj = acc[j * hd: j * hd + hd]
-                for d in range(hd):
-                    aj[d] += w * (_load_kv(kv16, state, r0 + d) * _value_scale(kv16, state, vs_base + slot * nb, d))
+        pv_plain_at(state, scores, c0, width, nq, v_base, vs_base, a, n, cap, acc, hd, kv16)
+
+
+@njit(cache=True, fastmath=_NO_REASSOC, error_model="numpy")
+def pv_plain(state, scores, c0, width, nq, v_base, vs_base, a, n, cap, acc, hd, kv16):
+    """:func:`attend_part`'s weighted sum of values in plain loops, for a head_dim that is not a
+    multiple of 16: acc[j*hd + d] += sum over the n slots a, a + 1, ... (mod cap) of score column
+    c0 + i (rows of ``width``) times the value. A kernel of its own, called through its address
+    and bound only for such a head_dim (no supported model has one): inside attend_part, the
+    float16-cache attention unit compiled in a median of 6.0 s of CPU, without it 5.6 s (5
+    alternating runs, 2-core Ice Lake)."""
+    nb = (hd + Q8_BLOCK - 1) // Q8_BLOCK
+    s2 = scores[: nq * width].reshape(nq, width)
+    for i in range(n):
+        slot = a + i
+        if slot >= cap:
+            slot -= cap
+        r0 = v_base + slot * hd
+        for j in range(nq):
+            w = s2[j, c0 + i]
+            aj = acc[j * hd: j * hd + hd]
+            for d in range(hd):
+                aj[d] += w * (_load_kv(kv16, state, r0 + d) * _value_scale(kv16, state, vs_base + slot * nb, d))
+
+
+def pv_plain_signature(kv) -> tuple:
+    """pv_plain's argument types for the KV operand type ``kv`` (one of KV_OPERANDS)."""
+    return (ARENA, ARENA, *[i64] * 8, ARENA, i64, kv)
+
+
+PV_PLAIN = Addressed(pv_plain, types.none, [pv_plain_signature(kv) for kv in KV_OPERANDS])
+pv_plain_at = PV_PLAIN.call
+pv_plain_ready = PV_PLAIN.ensure
 
 
 def attend_part_signature(kv) -> tuple:
@@ -1206,12 +1228,15 @@ attend_part_ready = ATTEND_PART.ensure
 
 
 @njit(cache=True, inline="always")
-def attend_part_bind(arena, kv16):
+def attend_part_bind(arena, kv16, hd):
     """Bind attend_part's specialization for ``kv16`` before a parallel region calls it (a worker
-    thread must not bind: cpullm_kernels.setup.addressed)."""
+    thread must not bind: cpullm_kernels.setup.addressed), and :func:`pv_plain`'s where head_dim
+    ``hd`` needs it."""
     z, f = np.int64(0), np.float64(0.0)
     attend_part_ready(arena, arena, z, z, z, z, z, z, z, z, z, z, f, f, arena, arena, arena, arena, arena, False,
                       kv16)
+    if hd % TILE != 0:
+        pv_plain_ready(arena, arena, z, z, z, z, z, z, z, z, arena, z, kv16)
 
 
 @njit(cache=True, inline="always")
@@ -1383,7 +1408,7 @@ def attention(arena, state, q_off, q_st, k_off, k_st, v_off, v_st, o_off, o_st,
     hd = head_dim
     part = np.empty((jobs, group, hd + 2), np.float32) if splits > 1 else np.empty((1, 1, 1), np.float32)
     nchunk = min(jobs, MAX_CHUNKS)
-    attend_part_bind(arena, kv16)
+    attend_part_bind(arena, kv16, hd)
     attend_chunk_bind(arena, kv16)
     for c in prange(nchunk):
         attend_chunk_at(arena, state, np.int64(c), nchunk, jobs, T, splits, window, pos0, q_off, q_st, o_off, o_st,

@@ -49,7 +49,7 @@ def attention_decode_batch(arena, states, slots, positions, q_off, q_st, k_off, 
             job_seq[j] = s
     part = np.empty((jobs, group, hd + 2), np.float32)
     nchunk = min(jobs, MAX_CHUNKS)
-    attend_part_bind(arena, kv16)
+    attend_part_bind(arena, kv16, hd)
     for c in prange(nchunk):
         qbuf, acc, mx, tot, scores = job_scratch(group, hd, max_span)
         for job in range(c, jobs, nchunk):
