@@ -341,6 +341,8 @@ def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True,
     if f32_linear is None:
         f32_linear = quant == "f32"
     q8_gemm = not (quant == "f32" or (quant in BLOCK_QUANTS and not q8_prefill))    # prefill's q8 GEMM runs
+    matvecs = {block_matvec_unit(f) for f in (BLOCK_MATVEC_FORMATS if block_formats is None else block_formats)
+               } if blocks else set()                                          # the raw-block matvecs
     out = []
     for unit, (needs, *_) in UNITS.items():
         if unit == "gated_delta" and not linear_state:
@@ -354,8 +356,7 @@ def units_for(op_names, quant: str, linear_state: bool, q8_prefill: bool = True,
         if unit in ("kquant_gemm", "kquant_gemm_q6k", "blocks", "blocks_panels", "act_q8") and (
                 not blocks or (unit.startswith("kquant_gemm") and GEMM_ISA is None)):
             continue
-        if unit.startswith("block_matvec_") and not (blocks and (block_formats is None or unit in {
-                block_matvec_unit(f) for f in block_formats})):
+        if unit.startswith("block_matvec_") and unit not in matvecs:
             continue
         if unit == ("blocks" if panels else "blocks_panels"):   # one of the two specializations
             continue
