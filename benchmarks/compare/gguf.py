@@ -279,10 +279,15 @@ def write_f32_gguf(model_dir, out_path, qtype: str = "F32") -> Path:
 
 
 
-def llama_quantize(src, dst, threads: int, ftype: str = "Q8_0", allow_requantize: bool = False) -> Path:
+def llama_quantize(src, dst, threads: int, ftype: str = "Q8_0", allow_requantize: bool = False,
+                   tool: str | None = None) -> Path:
     """llama.cpp's own quantizer (llama_model_quantize, the C API behind llama-quantize) to
     ``LLAMA_FTYPE_MOSTLY_<ftype>`` (Q8_0, Q4_K_M, Q4_0, ...); ``allow_requantize`` lets ``src`` be
-    quantized already (llama-quantize's --allow-requantize)."""
+    quantized already (llama-quantize's --allow-requantize). ``tool``: a ``llama-quantize``
+    executable to run instead of the ``llama_cpp`` Python package (the one built beside the
+    llama-bench being measured: no package to install)."""
+    if tool is not None:
+        return _quantize_with_tool(tool, src, dst, threads, ftype, allow_requantize)
     import ctypes
 
     import llama_cpp
@@ -306,6 +311,21 @@ def llama_quantize(src, dst, threads: int, ftype: str = "Q8_0", allow_requantize
     if rc != 0 or not tmp.is_file():
         tmp.unlink(missing_ok=True)
         raise SystemExit(f"compare: llama_model_quantize to {ftype} failed with code {rc}: " + " / ".join(tail))
+    os.replace(tmp, dst)
+    return Path(dst)
+
+
+def _quantize_with_tool(tool: str, src, dst, threads: int, ftype: str, allow_requantize: bool) -> Path:
+    import subprocess
+
+    tmp = Path(str(dst) + ".tmp")
+    cmd = [str(tool), *(["--allow-requantize"] if allow_requantize else []), str(src), str(tmp), ftype,
+           str(int(threads))]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0 or not tmp.is_file():
+        tmp.unlink(missing_ok=True)
+        tail = (r.stderr or r.stdout).strip().splitlines()[-5:]
+        raise SystemExit(f"compare: {' '.join(cmd)} failed with code {r.returncode}: " + " / ".join(tail))
     os.replace(tmp, dst)
     return Path(dst)
 
