@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -218,12 +219,10 @@ def best(prev, new: dict) -> dict:
 
 def round_ratios(rounds: list, key: str) -> str:
     """The median (min-max) of the rounds' cpullm / llama.cpp ratios of ``key``; "-" for one round."""
-    r = sorted(x[key] for x in rounds)
+    r = [x[key] for x in rounds]
     if len(r) < 2:
         return "-"
-    mid = len(r) // 2
-    med = r[mid] if len(r) % 2 else (r[mid - 1] + r[mid]) / 2
-    return f"{med:.2f}× ({r[0]:.2f}-{r[-1]:.2f})"
+    return f"{statistics.median(r):.2f}× ({min(r):.2f}-{max(r):.2f})"
 
 
 def table(cells: list) -> str:
