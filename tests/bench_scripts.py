@@ -6,8 +6,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_benchmark(name: str):
-    """benchmarks/<name>.py as the module ``cpullm_bench_<name>``."""
-    spec = importlib.util.spec_from_file_location(f"cpullm_bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    """benchmarks/<name>.py as the module ``cpullm_bench_<name>`` (``name`` may hold a folder:
+    "compare/gguf")."""
+    spec = importlib.util.spec_from_file_location(f"cpullm_bench_{name.replace('/', '_')}",
+                                                  ROOT / "benchmarks" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -1,13 +1,12 @@
 """benchmarks/isa.py: where llama.cpp's files come from (a model that is a GGUF file only, the
 llama-quantize tool) and how the rounds' ratios are reported."""
-import importlib.util
 import sys
 import types
 from pathlib import Path
 
 import pytest
 
-from bench_scripts import ROOT, load_benchmark
+from bench_scripts import load_benchmark
 
 
 def test_a_model_that_is_one_gguf_is_requantized_from_that_file(tmp_path, monkeypatch):
@@ -51,14 +50,6 @@ def test_a_checkpoint_directory_is_not_taken_for_a_gguf_model(tmp_path):
     assert isa._only_gguf(tmp_path) is None                  # two files: which one is not guessed
 
 
-def _compare_gguf():
-    path = ROOT / "benchmarks" / "compare" / "gguf.py"
-    spec = importlib.util.spec_from_file_location("cpullm_bench_compare_gguf", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _tool(tmp_path, body: str) -> str:
     tool = tmp_path / "llama-quantize"
     tool.write_text("#!/bin/sh\n" + body)
@@ -69,7 +60,7 @@ def _tool(tmp_path, body: str) -> str:
 def test_the_llama_quantize_tool_writes_through_a_temporary_name(tmp_path):
     """llama-quantize's arguments as llama.cpp documents them ([--allow-requantize] in out type
     threads), its output renamed into place only when it succeeded."""
-    gg = _compare_gguf()
+    gg = load_benchmark("compare/gguf")
     argv_file = tmp_path / "argv"
     tool = _tool(tmp_path, f'echo "$@" > {argv_file}\necho GGUF > "$3"\n')
     dst = tmp_path / "m-Q8_0.gguf"
@@ -80,7 +71,7 @@ def test_the_llama_quantize_tool_writes_through_a_temporary_name(tmp_path):
 
 
 def test_a_failing_llama_quantize_tool_leaves_nothing_and_says_why(tmp_path):
-    gg = _compare_gguf()
+    gg = load_benchmark("compare/gguf")
     tool = _tool(tmp_path, 'echo "llama_model_quantize: failed to quantize: unknown type" >&2\nexit 1\n')
     dst = tmp_path / "m-Q4_K_M.gguf"
     dst.write_text("the user's file")
