@@ -130,10 +130,11 @@ for fmt in KP.FORMATS:
         packed = KP.pack(fmt, random_blocks(fmt, N, K, rng).reshape(N, -1))
         acts = [quantize_act_q8_ref(r) for r in rng.standard_normal((11, K)).astype(np.float32)]
         x_q, x_s, x_m = (np.stack([a[i] for a in acts]) for i in range(3))
-        o = np.zeros((11, N), np.float32)
-        KP.matmul(fmt, packed, x_q, x_s, x_m, o, 2)
-        ok = bool(np.array_equal(o, KP.matmul_ref(fmt, packed, N, x_q, x_s, x_m)))
-        out[f"{fmt}:{N}x{K}"] = [ok, o.view(np.uint32).sum(dtype=np.uint64).item()]
+        want = KP.matmul_ref(fmt, packed, N, x_q, x_s, x_m)
+        for B in (2, 3, 8, 11):            # every tile of every ISA's TILES, and a lone row
+            o = np.zeros((B, N), np.float32)
+            KP.matmul(fmt, packed, x_q[:B], x_s[:B], x_m[:B], o, 2)
+            out[f"{fmt}:{N}x{K}:{B}"] = [bool(np.array_equal(o, want[:B])), o.view(np.uint32).sum(dtype=np.uint64).item()]
 print(json.dumps(out))
 """
 

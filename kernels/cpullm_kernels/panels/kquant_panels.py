@@ -59,9 +59,10 @@ activations. The numpy reference :func:`matmul_ref` follows the same steps
 ISA variants (``ISAS``; ``CPULLM_KQ_PANELS_ISA`` picks a lesser one, with a numba cache of its
 own): ``vnni`` (AVX-512 VNNI: ``vpdpbusd`` on zmm, by inline assembly as in llvm_ir.vnni_block_sums,
 since LLVM's tuning for some Intel hosts rewrites the instruction), ``avx2`` (``vpmaddubsw`` +
-``vpmaddwd``, two ymm halves of a panel) and ``generic`` (portable IR).
+``vpmaddwd``, two ymm halves of a panel; Q4_K's one-panel tiles a super-block at a time by inline
+assembly, :func:`_avx2_q4k_superblock`) and ``generic`` (portable IR).
 
-Streaming: a register tile is 1, 2, 4 or 8 activation rows by one panel (AVX2: 1, 2, 3, 6;
+Streaming: a register tile is 1, 2, 4 or 8 activation rows by one panel (AVX2: 1, 2, 3, 5;
 :data:`TILES`), or, for a lone row (decode), by GROUP = 4 panels at once (4 weight streams).
 Tiles of one panel prefetch every 64-byte line of its super-block into L2
 ``llvm_ir.PREFETCH_BYTES`` (4 KiB) ahead: without it 5 rows of an 8192 x 2048 Q4_K matrix took
@@ -129,11 +130,15 @@ ISA = os.environ.get("CPULLM_KQ_PANELS_ISA") or ISAS[0]
 if ISA not in ISAS:
     raise ImportError(f"CPULLM_KQ_PANELS_ISA={ISA!r}: this CPU runs {', '.join(ISAS)}")
 
-TILES = {"avx2": (6, 3, 2, 1)}.get(ISA, (8, 4, 2, 1))
+TILES = {"avx2": (5, 3, 2, 1)}.get(ISA, (8, 4, 2, 1))
 """Batch rows a register tile takes, largest first: B is cut into tiles of these sizes, each
 reading the panel's quants once and unpacking them once for all its rows. AVX2 keeps a row's 16
-lanes in two ymm halves, so 8 rows of float sums (32 registers) spill from its 16: 6 and 3 rows
-ran Q4_K at 121-133 GMAC/s on 2 Zen 4 cores where 8 ran 107-116."""
+lanes in two ymm halves, so 8 rows of float sums (32 registers) spill from its 16 (6 and 3 rows
+ran Q4_K at 121-133 GMAC/s on 2 Zen 4 cores where 8 ran 107-116). Its Q4_K tile is assembly of
+2 TR + 6 ymm registers, so at most 5 rows: on 2 Ice Lake cores (B = 512, 9 interleaved rounds)
+5 rows of it ran 8192 x 2048 at 68.2 GMAC/s and 2048 x 8192 at 66.8 where the 6-row IR tile
+ran 53.8 and 51.7; Q6_K's IR tile ran the same at 5 rows as at 6 (69.7 / 75.1 against 69.3 /
+74.5 GMAC/s)."""
 
 MINS_APART = ISA == "avx2"
 """Whether a super-block's min sums (the mins times the activations' sums) run in a loop of their
@@ -399,6 +404,79 @@ def _avx2_sums(b, module, fmt, vecs, xptrs):
     return out
 
 
+def _avx2_q4k_superblock(b, wq, xptrs, sb, fa, cst):
+    """IR: the quants' part of one Q4_K super-block of a one-panel register tile on AVX2, as one
+    inline-assembly routine: for sub-block j = 0 .. 7 in order, each activation row t and ymm
+    half h (panel rows 8 h .. 8 h + 7),
+
+        fa[t][h] = fma(float(S_j), sb[j][t][h], fa[t][h])
+
+    with S_j the exact int32 sums of sub-block j's 32 quants (the four 64-byte vectors at
+    ``wq + 256 j``, unpacked by a shift and a mask) times the int8 activations at
+    ``xptrs[t] + 32 j`` (``vpmaddubsw`` into int16, at most 8 * 2 * 15 * 127 = 30480 a lane, then
+    one ``vpmaddwd`` by ones). ``sb`` points at 8 x TR <16 x float> (the scales f_j x_s, sub-block
+    j's at byte 64 TR j), ``fa`` at TR (the float sums), ``cst`` at 32 bytes of 15 then 16 int16
+    ones. The same float steps as :func:`matmul_ref`; the caller adds the mins.
+
+    Inline assembly, not IR: written as IR, the 6-row tile kept 16 weight halves and 12 float
+    sums live and LLVM spilled (the tile's code, both formats, held 2055 moves to or from the
+    stack beside its 1536 ``vpmaddubsw``). One routine a super-block, not a sub-block: with the
+    address work of eight calls between them, 5-row tiles of it ran 1.13-1.18x the speed of the IR
+    5-row tile, as one routine 1.33x (2 threads, interleaved in one process, Q4_K 8192 x 2048 and
+    2048 x 8192, B = 512).
+    Registers: the 2 TR int16 sums, the four unpacked quant vectors of a 64-byte vector's two
+    halves (each broadcast serves both), a broadcast and a product: 2 TR + 6 <= 16, TR <= 5."""
+    TR = len(xptrs)
+    nacc = 2 * TR
+    nscr = nacc + 6
+    if nscr > 16:
+        raise ValueError(f"a {TR}-row Q4_K tile needs {nscr} ymm registers")
+    reg = lambda i: f"${i}"  # noqa: E731
+    acc = lambda t, h: reg(2 * t + h)  # noqa: E731
+    vec = lambda h, e: reg(nacc + 2 * h + e)  # noqa: E731
+    bx, prod = reg(nacc + 4), reg(nacc + 5)
+    wq_r, cst_r, sb_r, fa_r = (reg(nscr + i) for i in range(4))
+    x_r = lambda t: reg(nscr + 4 + t)  # noqa: E731
+    lines = []
+    for j in range(8):
+        started = set()
+
+        def unpack(h, g):           # 64-byte vector g, half h -> quants u = 2 g (low), 2 g + 1 (high)
+            lo, hi = vec(h, 0), vec(h, 1)
+            lines.extend([f"vmovdqu {256 * j + 64 * g + 32 * h}({wq_r}), {lo}", f"vpsrlw $$4, {lo}, {hi}",
+                          f"vpand ({cst_r}), {lo}, {lo}", f"vpand ({cst_r}), {hi}, {hi}"])
+
+        def madd(v, t, h):
+            if (t, h) in started:
+                lines.extend([f"vpmaddubsw {bx}, {v}, {prod}", f"vpaddw {prod}, {acc(t, h)}, {acc(t, h)}"])
+            else:
+                started.add((t, h))
+                lines.append(f"vpmaddubsw {bx}, {v}, {acc(t, h)}")
+
+        for g in range(4):
+            unpack(0, g)
+            unpack(1, g)
+            for t in range(TR):
+                for e in range(2):
+                    lines.append(f"vpbroadcastd {32 * j + 4 * (2 * g + e)}({x_r(t)}), {bx}")
+                    madd(vec(0, e), t, 0)
+                    madd(vec(1, e), t, 1)
+        tmp = vec(0, 0)
+        for t in range(TR):
+            for h in range(2):
+                off = 64 * t + 32 * h
+                lines.extend([f"vpmaddwd 32({cst_r}), {acc(t, h)}, {acc(t, h)}", f"vcvtdq2ps {acc(t, h)}, {acc(t, h)}",
+                              f"vmovups {off}({fa_r}), {tmp}",
+                              f"vfmadd231ps {64 * TR * j + off}({sb_r}), {acc(t, h)}, {tmp}",
+                              f"vmovups {tmp}, {off}({fa_r})"])
+    ret = ir.LiteralStructType([_V8I32] * nscr)
+    ins = [wq, cst, sb, fa] + list(xptrs)
+    # "~{memory}": the routine reads and writes memory LLVM cannot see through its pointer operands
+    asm = ir.InlineAsm(ir.FunctionType(ret, [x.type for x in ins]), "\n\t".join(lines),
+                       ",".join(["=&x"] * nscr + ["r"] * len(ins) + ["~{memory}"]))
+    b.call(asm, ins)
+
+
 def _avxvnni_sums(b, module, vecs, xptrs):
     """IR: :func:`_vnni_sums` by the VEX-encoded ``vpdpbusd`` (AVX-VNNI) on the two ymm halves
     (rows 0-7, 8-15) of the panel: the 4 products of a lane summed straight into int32, exact
@@ -460,7 +538,9 @@ def _define_tile(module, fmt: int, isa: str, TR: int, V: int, prefetch: bool = T
     i64 xm_stride, i8* out, i64 out_stride): out[t, 16 v .. 16 v + 15] for t < TR, v < V = the
     16 rows of panel v (the panels at w, each nsb super-blocks) against activation row t. Strides
     in bytes."""
-    name = f"cpullm_kq_panel_tile_{fmt}_{isa}_{TR}x{V}" + ("" if prefetch else "_nopf") + ("_ma" if MINS_APART else "")
+    asm_q4k = fmt == Q4_K and isa == "avx2" and V == 1 and TR <= 5     # _avx2_q4k_superblock
+    name = (f"cpullm_kq_panel_tile_{fmt}_{isa}_{TR}x{V}" + ("" if prefetch else "_nopf") + ("_ma" if MINS_APART else "")
+            + ("_asm" if asm_q4k else ""))
     fn = module.globals.get(name)
     if fn is not None:
         return fn
@@ -479,6 +559,12 @@ def _define_tile(module, fmt: int, isa: str, TR: int, V: int, prefetch: bool = T
     xmrow = [b.bitcast(b.gep(xm, [b.mul(xmst, const_i64(t))]), F32.as_pointer()) for t in range(TR)]
     nsub, sub = (8, 32) if fmt == Q4_K else (16, 16)
     zero = ir.Constant(_V16F32, [0.0] * 16)
+    if asm_q4k:                     # the float sums, the sub-block's scales and the constants
+        fa, sbuf, cst = (b.alloca(ty, size=ir.Constant(I32, n)) for ty, n in ((_V16F32, TR), (_V16F32, 8 * TR), (_V32I8, 2)))
+        b.store(ir.Constant(_V32I8, [15] * 32), cst)
+        b.store(ir.Constant(_V16I16, [1] * 16), b.bitcast(b.gep(cst, [ir.Constant(I32, 1)]), _V16I16.as_pointer()))
+        for t in range(TR):
+            b.store(zero, b.gep(fa, [ir.Constant(I32, t)]))
 
     def superblock(bb, s, accs):
         fsplat = lambda v: _fsplat(bb, v)  # noqa: E731
@@ -497,6 +583,26 @@ def _define_tile(module, fmt: int, isa: str, TR: int, V: int, prefetch: bool = T
                 prefetch_ahead(bb, module, bb.gep(sbp, [const_i64(line)]), 2)
         ds = [halves_to_floats(bb, _load(bb, sbp, 0, _V16I16, 2)) for sbp in sbps]
         words = [_code_words(bb, sbp) for sbp in sbps] if fmt == Q4_K else None
+        if asm_q4k:
+            sbp, fat = sbps[0], [bb.gep(fa, [ir.Constant(I32, t)]) for t in range(TR)]
+            for j in range(nsub):
+                blk = bb.add(bb.mul(s, const_i64(SUPER // 32)), const_i64(j))
+                fj = bb.fmul(ds[0], bb.sitofp(_code(bb, words[0][2 * (j // 4)], j % 4), _V16F32))
+                for t in range(TR):
+                    bb.store(bb.fmul(fj, fsplat(bb.load(bb.gep(xsrow[t], [blk]), align=4))),
+                             bb.gep(sbuf, [ir.Constant(I32, TR * j + t)]))
+            k0 = bb.mul(s, const_i64(SUPER))
+            _avx2_q4k_superblock(bb, bb.gep(sbp, [const_i64(256)]), [bb.gep(xrow[t], [k0]) for t in range(TR)],
+                                 bb.bitcast(sbuf, P8), bb.bitcast(fa, P8), bb.bitcast(cst, P8))
+            ms = [zero] * TR
+            for j in range(nsub):
+                xmv = act_sums(bb.add(bb.mul(s, const_i64(SUPER // 32)), const_i64(j)), j)
+                mw = bb.sitofp(_code(bb, words[0][2 * (j // 4) + 1], j % 4), _V16F32)
+                ms = [bb.call(fma, [mw, xmv[t], ms[t]]) for t in range(TR)]
+            off = bb.fneg(halves_to_floats(bb, _load(bb, sbp, 32, _V16I16, 2)))
+            for t in range(TR):
+                bb.store(bb.call(fma, [off, ms[t], bb.load(fat[t])]), fat[t])
+            return []
         ms = [zero] * (TR * V)
         accs = list(accs)
         for j in range(nsub):
@@ -540,7 +646,10 @@ def _define_tile(module, fmt: int, isa: str, TR: int, V: int, prefetch: bool = T
                 else bb.fmul(ds[v], ir.Constant(_V16F32, [-32.0] * 16)) for v, sbp in enumerate(sbps)]
         return [bb.call(fma, [offs[a % V], ms[a], accs[a]]) for a in range(TR * V)]
 
-    b, accs = emit_counted_loop(fn, b, const_i64(0), nsb, 1, [zero] * (TR * V), superblock, "superblocks")
+    b, accs = emit_counted_loop(fn, b, const_i64(0), nsb, 1, [] if asm_q4k else [zero] * (TR * V), superblock,
+                                "superblocks")
+    if asm_q4k:
+        accs = [b.load(b.gep(fa, [ir.Constant(I32, t)])) for t in range(TR)]
     for t in range(TR):
         for v in range(V):
             b.store(accs[t * V + v], b.bitcast(b.gep(out, [b.add(b.mul(ost, const_i64(t)), const_i64(64 * v))]),
