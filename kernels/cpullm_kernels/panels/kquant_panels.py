@@ -538,7 +538,7 @@ def _define_tile(module, fmt: int, isa: str, TR: int, V: int, prefetch: bool = T
     i64 xm_stride, i8* out, i64 out_stride): out[t, 16 v .. 16 v + 15] for t < TR, v < V = the
     16 rows of panel v (the panels at w, each nsb super-blocks) against activation row t. Strides
     in bytes."""
-    asm_q4k = fmt == Q4_K and isa == "avx2" and V == 1 and TR <= 5     # _avx2_q4k_superblock
+    asm_q4k = fmt == Q4_K and isa == "avx2" and MINS_APART and V == 1 and TR <= 5     # _avx2_q4k_superblock
     name = (f"cpullm_kq_panel_tile_{fmt}_{isa}_{TR}x{V}" + ("" if prefetch else "_nopf") + ("_ma" if MINS_APART else "")
             + ("_asm" if asm_q4k else ""))
     fn = module.globals.get(name)
@@ -563,8 +563,6 @@ def _define_tile(module, fmt: int, isa: str, TR: int, V: int, prefetch: bool = T
         fa, sbuf, cst = (b.alloca(ty, size=ir.Constant(I32, n)) for ty, n in ((_V16F32, TR), (_V16F32, 8 * TR), (_V32I8, 2)))
         b.store(ir.Constant(_V32I8, [15] * 32), cst)
         b.store(ir.Constant(_V16I16, [1] * 16), b.bitcast(b.gep(cst, [ir.Constant(I32, 1)]), _V16I16.as_pointer()))
-        for t in range(TR):
-            b.store(zero, b.gep(fa, [ir.Constant(I32, t)]))
 
     def superblock(bb, s, accs):
         fsplat = lambda v: _fsplat(bb, v)  # noqa: E731
@@ -583,8 +581,12 @@ def _define_tile(module, fmt: int, isa: str, TR: int, V: int, prefetch: bool = T
                 prefetch_ahead(bb, module, bb.gep(sbp, [const_i64(line)]), 2)
         ds = [halves_to_floats(bb, _load(bb, sbp, 0, _V16I16, 2)) for sbp in sbps]
         words = [_code_words(bb, sbp) for sbp in sbps] if fmt == Q4_K else None
-        if asm_q4k:
-            sbp, fat = sbps[0], [bb.gep(fa, [ir.Constant(I32, t)]) for t in range(TR)]
+        ms = [zero] * (TR * V)
+        accs = list(accs)
+        if asm_q4k:                 # the quants' sums by _avx2_q4k_superblock, on the float sums in fa
+            fat = [bb.gep(fa, [ir.Constant(I32, t)]) for t in range(TR)]
+            for t in range(TR):
+                bb.store(accs[t], fat[t])
             for j in range(nsub):
                 blk = bb.add(bb.mul(s, const_i64(SUPER // 32)), const_i64(j))
                 fj = bb.fmul(ds[0], bb.sitofp(_code(bb, words[0][2 * (j // 4)], j % 4), _V16F32))
@@ -592,20 +594,10 @@ def _define_tile(module, fmt: int, isa: str, TR: int, V: int, prefetch: bool = T
                     bb.store(bb.fmul(fj, fsplat(bb.load(bb.gep(xsrow[t], [blk]), align=4))),
                              bb.gep(sbuf, [ir.Constant(I32, TR * j + t)]))
             k0 = bb.mul(s, const_i64(SUPER))
-            _avx2_q4k_superblock(bb, bb.gep(sbp, [const_i64(256)]), [bb.gep(xrow[t], [k0]) for t in range(TR)],
+            _avx2_q4k_superblock(bb, bb.gep(sbps[0], [const_i64(256)]), [bb.gep(xrow[t], [k0]) for t in range(TR)],
                                  bb.bitcast(sbuf, P8), bb.bitcast(fa, P8), bb.bitcast(cst, P8))
-            ms = [zero] * TR
-            for j in range(nsub):
-                xmv = act_sums(bb.add(bb.mul(s, const_i64(SUPER // 32)), const_i64(j)), j)
-                mw = bb.sitofp(_code(bb, words[0][2 * (j // 4) + 1], j % 4), _V16F32)
-                ms = [bb.call(fma, [mw, xmv[t], ms[t]]) for t in range(TR)]
-            off = bb.fneg(halves_to_floats(bb, _load(bb, sbp, 32, _V16I16, 2)))
-            for t in range(TR):
-                bb.store(bb.call(fma, [off, ms[t], bb.load(fat[t])]), fat[t])
-            return []
-        ms = [zero] * (TR * V)
-        accs = list(accs)
-        for j in range(nsub):
+            accs = [bb.load(fat[t]) for t in range(TR)]
+        for j in () if asm_q4k else range(nsub):   # the quants' sums in IR
             k0 = bb.add(bb.mul(s, const_i64(SUPER)), const_i64(j * sub))          # first activation of the sub-block
             xp = [bb.gep(xrow[t], [k0]) for t in range(TR)]
             blk = bb.add(bb.mul(s, const_i64(SUPER // 32)), const_i64(j * sub // 32))
@@ -646,10 +638,7 @@ def _define_tile(module, fmt: int, isa: str, TR: int, V: int, prefetch: bool = T
                 else bb.fmul(ds[v], ir.Constant(_V16F32, [-32.0] * 16)) for v, sbp in enumerate(sbps)]
         return [bb.call(fma, [offs[a % V], ms[a], accs[a]]) for a in range(TR * V)]
 
-    b, accs = emit_counted_loop(fn, b, const_i64(0), nsb, 1, [] if asm_q4k else [zero] * (TR * V), superblock,
-                                "superblocks")
-    if asm_q4k:
-        accs = [b.load(b.gep(fa, [ir.Constant(I32, t)])) for t in range(TR)]
+    b, accs = emit_counted_loop(fn, b, const_i64(0), nsb, 1, [zero] * (TR * V), superblock, "superblocks")
     for t in range(TR):
         for v in range(V):
             b.store(accs[t * V + v], b.bitcast(b.gep(out, [b.add(b.mul(ost, const_i64(t)), const_i64(64 * v))]),
