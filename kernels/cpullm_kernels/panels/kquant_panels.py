@@ -60,7 +60,8 @@ ISA variants (``ISAS``; ``CPULLM_KQ_PANELS_ISA`` picks a lesser one, with a numb
 own): ``vnni`` (AVX-512 VNNI: ``vpdpbusd`` on zmm, by inline assembly as in llvm_ir.vnni_block_sums,
 since LLVM's tuning for some Intel hosts rewrites the instruction), ``avx2`` (``vpmaddubsw`` +
 ``vpmaddwd``, two ymm halves of a panel; Q4_K's one-panel tiles a super-block at a time by inline
-assembly, :func:`_avx2_q4k_superblock`) and ``generic`` (portable IR).
+assembly, :func:`_avx2_q4k_superblock`), ``avxvnni`` (the same, but ``vpdpbusd`` on ymm where the
+tile is IR) and ``generic`` (portable IR).
 
 Streaming: a register tile is 1, 2, 4 or 8 activation rows by one panel (AVX2: 1, 2, 3, 5;
 :data:`TILES`), or, for a lone row (decode), by GROUP = 4 panels at once (4 weight streams).
@@ -130,7 +131,10 @@ ISA = os.environ.get("CPULLM_KQ_PANELS_ISA") or ISAS[0]
 if ISA not in ISAS:
     raise ImportError(f"CPULLM_KQ_PANELS_ISA={ISA!r}: this CPU runs {', '.join(ISAS)}")
 
-TILES = {"avx2": (5, 3, 2, 1)}.get(ISA, (8, 4, 2, 1))
+YMM_ISAS = ("avx2", "avxvnni")
+"""The variants that keep a panel's 16 lanes in two ymm halves (16 registers, no AVX-512)."""
+
+TILES = (5, 3, 2, 1) if ISA in YMM_ISAS else (8, 4, 2, 1)
 """Batch rows a register tile takes, largest first: B is cut into tiles of these sizes, each
 reading the panel's quants once and unpacking them once for all its rows. AVX2 keeps a row's 16
 lanes in two ymm halves, so 8 rows of float sums (32 registers) spill from its 16 (6 and 3 rows
@@ -138,16 +142,19 @@ ran Q4_K at 121-133 GMAC/s on 2 Zen 4 cores where 8 ran 107-116). Its Q4_K tile 
 2 TR + 6 ymm registers, so at most 5 rows: on 2 Ice Lake cores (B = 512, 9 interleaved rounds)
 5 rows of it ran 8192 x 2048 at 68.2 GMAC/s and 2048 x 8192 at 66.8 where the 6-row IR tile
 ran 53.8 and 51.7; Q6_K's IR tile ran the same at 5 rows as at 6 (69.7 / 75.1 against 69.3 /
-74.5 GMAC/s)."""
+74.5 GMAC/s). AVX-VNNI takes the same tiles and routine: its IR tiles of 8 rows (``vpdpbusd``,
+mins beside the quants) ran Q4_K at 119-129 GMAC/s and Q6_K at 56-89 on 2 Zen 5 cores restricted
+to AVX2 + AVX-VNNI, these 5-row ones 146-170 and 104-124 (B = 512, two alternating pairs of
+benchmarks/ab/panel_tiles.py runs)."""
 
-MINS_APART = ISA == "avx2"
+MINS_APART = ISA in YMM_ISAS
 """Whether a super-block's min sums (the mins times the activations' sums) run in a loop of their
 own after its quants' sums, not beside them: the same steps in the same order per lane, but the
 min sums' registers are free while the quants are multiplied. On AVX2 (16 ymm registers, a row's
 16 lanes in two) the 6-row tile then ran Q4_K at 135-143 GMAC/s where it ran 104-132, Q6_K at
 105-113 where it ran 55-85 (2 Zen 4 cores, B = 512, 8192 x 2048 and 2048 x 8192, two runs of
 benchmarks/ab/panel_tiles.py each, the two builds one after the other). With AVX-512's 32 zmm it
-cost Q4_K's 4-row tile (227-273 GMAC/s against 280-292), so only AVX2."""
+cost Q4_K's 4-row tile (227-273 GMAC/s against 280-292), so only the ymm variants."""
 
 SKIP_LARGEST_TILE = {("vnni", Q4_K)}
 """(ISA, format) pairs that start at the second of TILES, not the largest: measured at
@@ -405,7 +412,7 @@ def _avx2_sums(b, module, fmt, vecs, xptrs):
 
 
 def _avx2_q4k_superblock(b, wq, xptrs, sb, fa, cst):
-    """IR: the quants' part of one Q4_K super-block of a one-panel register tile on AVX2, as one
+    """IR: the quants' part of one Q4_K super-block of a one-panel register tile on AVX2 and AVX-VNNI, as one
     inline-assembly routine: for sub-block j = 0 .. 7 in order, each activation row t and ymm
     half h (panel rows 8 h .. 8 h + 7),
 
@@ -538,7 +545,7 @@ def _define_tile(module, fmt: int, isa: str, TR: int, V: int, prefetch: bool = T
     i64 xm_stride, i8* out, i64 out_stride): out[t, 16 v .. 16 v + 15] for t < TR, v < V = the
     16 rows of panel v (the panels at w, each nsb super-blocks) against activation row t. Strides
     in bytes."""
-    asm_q4k = fmt == Q4_K and isa == "avx2" and MINS_APART and V == 1 and TR <= 5     # _avx2_q4k_superblock
+    asm_q4k = fmt == Q4_K and isa in YMM_ISAS and MINS_APART and V == 1 and TR <= 5     # _avx2_q4k_superblock
     name = (f"cpullm_kq_panel_tile_{fmt}_{isa}_{TR}x{V}" + ("" if prefetch else "_nopf") + ("_ma" if MINS_APART else "")
             + ("_asm" if asm_q4k else ""))
     fn = module.globals.get(name)
