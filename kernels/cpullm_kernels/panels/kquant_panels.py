@@ -63,7 +63,7 @@ since LLVM's tuning for some Intel hosts rewrites the instruction), ``avx2`` (``
 assembly, :func:`_avx2_q4k_superblock`), ``avxvnni`` (the same, but ``vpdpbusd`` on ymm where the
 tile is IR) and ``generic`` (portable IR).
 
-Streaming: a register tile is 1, 2, 4 or 8 activation rows by one panel (AVX2: 1, 2, 3, 5;
+Streaming: a register tile is 1, 2, 4 or 8 activation rows by one panel (AVX2, AVX-VNNI: 1, 2, 3, 5;
 :data:`TILES`), or, for a lone row (decode), by GROUP = 4 panels at once (4 weight streams).
 Tiles of one panel prefetch every 64-byte line of its super-block into L2
 ``llvm_ir.PREFETCH_BYTES`` (4 KiB) ahead: without it 5 rows of an 8192 x 2048 Q4_K matrix took
