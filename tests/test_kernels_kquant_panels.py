@@ -131,7 +131,7 @@ for fmt in KP.FORMATS:
         acts = [quantize_act_q8_ref(r) for r in rng.standard_normal((11, K)).astype(np.float32)]
         x_q, x_s, x_m = (np.stack([a[i] for a in acts]) for i in range(3))
         want = KP.matmul_ref(fmt, packed, N, x_q, x_s, x_m)
-        for B in (2, 3, 8, 11):            # every tile of every ISA's TILES, and a lone row
+        for B in (1, 2, 3, 8, 11):         # every tile of every ISA's TILES, a lone row (decode) first
             o = np.zeros((B, N), np.float32)
             KP.matmul(fmt, packed, x_q[:B], x_s[:B], x_m[:B], o, 2)
             out[f"{fmt}:{N}x{K}:{B}"] = [bool(np.array_equal(o, want[:B])), o.view(np.uint32).sum(dtype=np.uint64).item()]

@@ -1,17 +1,18 @@
-"""Decode's lone-row panel tile with and without software prefetch, interleaved, beside a plain read.
+"""Decode's lone-row panel tiles, two ways each, interleaved, beside a plain read.
 
     python benchmarks/ab/decode_prefetch.py [--threads 2] [--shapes 8192x2048,2048x8192]
                                             [--formats int8,Q4_K,Q6_K] [--mb 64] [--rounds 8]
 
-Decode (one activation row) runs each matrix through the 1 x GROUP tile of the INT8 panels
-(``q8_panels``) and of the Q4_K / Q6_K panels (``kquant_panels``). Both modules build that tile
-without prefetch instructions; this script builds the same tile with them (``_make_tile(...,
-prefetch=True)``, what every tile did before) and runs both over the same copies of a random N x K
-matrix (``--mb`` megabytes in all: streamed from DRAM), one group of 4 panels after another split
-over the threads as the modules' matmul does, alternating with a plain parallel read of the same
-bytes (``bandwidth.read_sum_u32``). Prints, per format and shape, the median GB/s of each and the
-median of the per-round time ratios (prefetch / none: above 1, the prefetches cost time), after
-checking the two outputs are identical.
+Decode (one activation row) runs the INT8 panels (``q8_panels``) through a tile of 1 x 4 panels
+without prefetch instructions: here against the same tile with them (``_make_tile(...,
+prefetch=True)``). The Q4_K / Q6_K panels (``kquant_panels``) run it through the one-panel tile,
+which prefetches 4 KiB ahead ("panel"): here against the tile of 4 panels without prefetches that
+decode took before ("group"). Both run over the same copies of a random N x K matrix (``--mb``
+megabytes in all: streamed from DRAM), one group of 4 panels after another split over the threads
+as the modules' matmul does, alternating with a plain parallel read of the same bytes
+(``bandwidth.read_sum_u32``). Prints, per format and shape, the median GB/s of each and the median
+of the per-round time ratios (first / second: above 1, the first takes longer), after checking the
+two outputs are identical.
 """
 from __future__ import annotations
 
@@ -40,19 +41,22 @@ def _q8_runner(tile):
     return run
 
 
-def _kq_runner(tile):
+def _kq_runner(tile, V):
+    """Groups of 4 panels split over the threads; each group as 4 / V tiles of V panels."""
     @njit(parallel=True)
     def run(fmt, w, x_q, x_s, x_m, out, nth):
         nsb = x_q.shape[1] // 256
         ngroups = w.shape[0] // (nsb * kp.block_bytes(fmt) * 16) // 4
         for c in prange(nth):
             for grp in range(c * ngroups // nth, (c + 1) * ngroups // nth):
-                tile(fmt, w, grp * 4, x_q, x_s, x_m, 0, out[:, grp * 64:], 0)
+                for g in range(grp * 4, grp * 4 + 4, V):
+                    tile(fmt, w, g, x_q, x_s, x_m, 0, out[:, g * 16:], 0)
     return run
 
 
 def passes(fmt: str, N: int, K: int, copies: int, rng, threads: int):
-    """{"prefetch": fn, "none": fn} each running every copy once, and the bytes of one copy."""
+    """{name: fn} for the two tiles, each running every copy once; their outputs; the bytes of one
+    copy; the arrays."""
     if fmt == "int8":
         ws = [qp.pack_panels(rng.integers(-127, 128, (N, K), dtype=np.int8),
                              np.full((N, K // 32), 0x2000, np.uint16)) for _ in range(copies)]
@@ -66,8 +70,9 @@ def passes(fmt: str, N: int, K: int, copies: int, rng, threads: int):
     F = FORMATS[fmt]
     ws = [kp.pack(F.ggml_type, random_blocks(F, N, K, rng)) for _ in range(copies)]
     x_q, x_s, x_m = kp.quantize_rows(rng.standard_normal((1, K)).astype(np.float32), K)
-    outs = {k: np.empty((1, N), np.float32) for k in ("prefetch", "none")}
-    runs = {k: _kq_runner(kp._make_tile(kp.ISA, 1, kp.GROUP, prefetch=k == "prefetch")) for k in outs}
+    outs = {k: np.empty((1, N), np.float32) for k in ("panel", "group")}
+    runs = {"panel": _kq_runner(kp._make_tile(kp.ISA, 1, 1), 1),
+            "group": _kq_runner(kp._make_tile(kp.ISA, 1, kp.GROUP, prefetch=False), kp.GROUP)}
     fns = {k: (lambda k=k: [runs[k](F.ggml_type, w, x_q, x_s, x_m, outs[k], threads) for w in ws]) for k in outs}
     return fns, outs, ws[0].nbytes, ws
 
@@ -97,19 +102,20 @@ def main(argv=None):
             for f in fns.values():
                 f()
             read()
-            if not np.array_equal(outs["prefetch"], outs["none"]):
+            first, second = fns
+            if not np.array_equal(outs[first], outs[second]):
                 raise SystemExit(f"{fmt} {shape}: the two tiles' outputs differ")
-            times = {k: [] for k in ("prefetch", "none", "read")}
+            times = {k: [] for k in (first, second, "read")}
             for _ in range(a.rounds):
-                for k, f in (("prefetch", fns["prefetch"]), ("none", fns["none"]), ("read", read)):
+                for k, f in ((first, fns[first]), (second, fns[second]), ("read", read)):
                     t = time.perf_counter()
                     f()
                     times[k].append((time.perf_counter() - t) / copies)
             med = {k: float(np.median(v)) for k, v in times.items()}
-            ratio = float(np.median(np.array(times["prefetch"]) / np.array(times["none"])))
-            print(f"{fmt:5s} {shape:>11s}: prefetch {nbytes / med['prefetch'] / 1e9:5.1f} GB/s, "
-                  f"none {nbytes / med['none'] / 1e9:5.1f} GB/s, plain read {nbytes / med['read'] / 1e9:5.1f} GB/s; "
-                  f"time prefetch / none {ratio:.2f}")
+            ratio = float(np.median(np.array(times[first]) / np.array(times[second])))
+            print(f"{fmt:5s} {shape:>11s}: {first} {nbytes / med[first] / 1e9:5.1f} GB/s, "
+                  f"{second} {nbytes / med[second] / 1e9:5.1f} GB/s, plain read {nbytes / med['read'] / 1e9:5.1f} GB/s; "
+                  f"time {first} / {second} {ratio:.2f}")
 
 
 if __name__ == "__main__":

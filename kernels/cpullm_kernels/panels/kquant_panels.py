@@ -64,14 +64,14 @@ assembly, :func:`_avx2_q4k_superblock`), ``avxvnni`` (the same, but ``vpdpbusd``
 tile is IR) and ``generic`` (portable IR).
 
 Streaming: a register tile is 1, 2, 4 or 8 activation rows by one panel (AVX2, AVX-VNNI: 1, 2, 3, 5;
-:data:`TILES`), or, for a lone row (decode), by GROUP = 4 panels at once (4 weight streams).
-Tiles of one panel prefetch every 64-byte line of its super-block into L2
-``llvm_ir.PREFETCH_BYTES`` (4 KiB) ahead: without it 5 rows of an 8192 x 2048 Q4_K matrix took
-0.60 ms instead of 0.40. Decode's tile of 4 panels leaves its streams to the hardware
-prefetcher: with software prefetches it took 0.92-1.46x as long, 1.13x at the median (Zen 4,
-AVX-512 and AVX2 code, 2 threads, Q4_K / Q6_K at 8192 x 2048, 2048 x 8192 and a 128256-row head:
-14 interleaved A/Bs), and the 1.24B Q4_K_M decoded at 30.7-33.0 tok/s with them and 33.9-36.0
-without, restricted to AVX2 27.6-30.6 and 31.0-34.1 (benchmarks/results/2026-12-06-panel-prefetch.md).
+:data:`TILES`), a lone row (decode) included. Tiles prefetch every 64-byte line of their
+super-block into L2 ``llvm_ir.PREFETCH_BYTES`` (4 KiB) ahead: without it 5 rows of an 8192 x 2048
+Q4_K matrix took 0.60 ms instead of 0.40, and a lone row streamed Q4_K from DRAM at 19.4 GB/s
+instead of 29.2 (2 Zen 5 threads). Decode once took its row by 4 panels at once (4 weight streams,
+no prefetch): 24 GB/s against the one-panel tile's 20 on Zen 4, but on Zen 5 (2 threads, 8192 x
+2048 from DRAM, the tiles interleaved) Q4_K 21.6 against 29.2 GB/s, restricted to AVX2 18.9
+against 27.9 and to AVX-VNNI 21.5 against 32.2; Q6_K 24.3 / 24.4, 16.0 / 22.0 and 16.3 / 19.2
+(benchmarks/results/2026-12-08-decode-tile.md).
 
 Entry points:
 
@@ -684,39 +684,33 @@ def _make_tile(isa: str, TR: int, V: int, prefetch: bool = True):
 
 
 GROUP = 4
-"""Panels a thread's work is counted in: a lone activation row (decode) takes the 4 as one tile,
-4 weight streams at once (one stream a tile read a Q4_K matrix at 20 GB/s, four at 24)."""
+"""Panels a thread's work is counted in: a group of 64 rows is a work item of :func:`matmul` and
+:func:`matmul_many`."""
 
 _tile_a, _tile_b, _tile2, _tile1 = (_make_tile(ISA, t, 1) for t in TILES)
 _TILE_A, _TILE_B = TILES[0], TILES[1]
 _Q4_K_SKIPS_A, _Q6_K_SKIPS_A = (ISA, Q4_K) in SKIP_LARGEST_TILE, (ISA, Q6_K) in SKIP_LARGEST_TILE
-_tile1x4 = _make_tile(ISA, 1, GROUP, prefetch=False)
 
 
 @njit(cache=True, nogil=True)
 def _panels(fmt, w, g, npanels, x_q, x_s, x_m, out):
-    """Panels g .. g + npanels - 1 against every row of x: out (B, 16 npanels). A lone last row
-    of an odd B takes a group of GROUP panels as one tile."""
+    """Panels g .. g + npanels - 1 against every row of x: out (B, 16 npanels)."""
     B = x_q.shape[0]
-    whole = npanels == GROUP
-    rows = B - 1 if whole and B % 2 == 1 else B
     skip_a = _Q4_K_SKIPS_A if fmt == Q4_K else _Q6_K_SKIPS_A
     for v in range(npanels):
         o = out[:, 16 * v:]
         t0 = 0
-        while not skip_a and rows - t0 >= _TILE_A:
+        while not skip_a and B - t0 >= _TILE_A:
             _tile_a(fmt, w, g + v, x_q, x_s, x_m, t0, o, t0)
             t0 += _TILE_A
-        while rows - t0 >= _TILE_B:
+        while B - t0 >= _TILE_B:
             _tile_b(fmt, w, g + v, x_q, x_s, x_m, t0, o, t0)
             t0 += _TILE_B
-        if rows - t0 >= 2:
+        if B - t0 >= 2:
             _tile2(fmt, w, g + v, x_q, x_s, x_m, t0, o, t0)
             t0 += 2
-        if rows - t0 >= 1:
+        if B - t0 >= 1:
             _tile1(fmt, w, g + v, x_q, x_s, x_m, t0, o, t0)
-    if rows < B:
-        _tile1x4(fmt, w, g, x_q, x_s, x_m, B - 1, out, B - 1)
 
 
 @njit(cache=True, parallel=True)
