@@ -63,15 +63,15 @@ since LLVM's tuning for some Intel hosts rewrites the instruction), ``avx2`` (``
 assembly, :func:`_avx2_q4k_superblock`), ``avxvnni`` (the same, but ``vpdpbusd`` on ymm where the
 tile is IR) and ``generic`` (portable IR).
 
-Streaming: a register tile is 1, 2, 4 or 8 activation rows by one panel (AVX2, AVX-VNNI: 1, 2, 3, 5;
-:data:`TILES`), a lone row (decode) included. Tiles prefetch every 64-byte line of their
+Streaming: a register tile is 1, 2, 4 or 8 activation rows by one panel (AVX2, AVX-VNNI: 1, 2, 3,
+5; :data:`TILES`), a lone row (decode) included. Tiles prefetch every 64-byte line of their
 super-block into L2 ``llvm_ir.PREFETCH_BYTES`` (4 KiB) ahead: without it 5 rows of an 8192 x 2048
-Q4_K matrix took 0.60 ms instead of 0.40, and a lone row streamed Q4_K from DRAM at 19.4 GB/s
-instead of 29.2 (2 Zen 5 threads). Decode once took its row by 4 panels at once (4 weight streams,
-no prefetch): 24 GB/s against the one-panel tile's 20 on Zen 4, but on Zen 5 (2 threads, 8192 x
-2048 from DRAM, the tiles interleaved) Q4_K 21.6 against 29.2 GB/s, restricted to AVX2 18.9
-against 27.9 and to AVX-VNNI 21.5 against 32.2; Q6_K 24.3 / 24.4, 16.0 / 22.0 and 16.3 / 19.2
-(benchmarks/results/2026-12-08-decode-tile.md).
+Q4_K matrix took 0.60 ms instead of 0.40. Decode once took its row by 4 panels at once (4 weight
+streams, no prefetch; on Zen 4 one stream read Q4_K at 20 GB/s, four at 24). On Zen 5 the
+one-panel tile is faster: a 1.24B Q4_K_M decoded 1.08-1.24x faster on AVX-512, 1.0-1.4x
+restricted to AVX-VNNI and 1.35-1.9x to AVX2 (alternating runs), and from DRAM Q4_K streamed at
+28.2 / 34.1 GB/s where four panels streamed 21.1 / 26.1 (2 threads, 8192 x 2048 / 2048 x 8192,
+benchmarks/ab/decode_prefetch.py; benchmarks/results/2026-12-07-zen5-decode-tile.md).
 
 Entry points:
 
