@@ -67,7 +67,9 @@ Streaming: a register tile is 1, 2, 4 or 8 activation rows by one panel (AVX2, A
 5; :data:`TILES`), a lone row (decode) included. Tiles prefetch every 64-byte line of their
 super-block into L2 ``llvm_ir.PREFETCH_BYTES`` (4 KiB) ahead: without it 5 rows of an 8192 x 2048
 Q4_K matrix took 0.60 ms instead of 0.40. Decode once took its row by 4 panels at once (4 weight
-streams, no prefetch; on Zen 4 one stream read Q4_K at 20 GB/s, four at 24). On Zen 5 the
+streams, no prefetch), chosen on Zen 4: one stream read Q4_K at 20 GB/s, four at 24, and four
+decoded a 1.24B Q4_K_M faster without prefetches than with (benchmarks/results/
+2026-12-06-panel-prefetch.md); this tile was not measured against it there since. On Zen 5 the
 one-panel tile is faster: a 1.24B Q4_K_M decoded 1.08-1.24x faster on AVX-512, 1.0-1.4x
 restricted to AVX-VNNI and 1.35-1.9x to AVX2 (alternating runs), and from DRAM Q4_K streamed at
 28.2 / 34.1 GB/s where four panels streamed 21.1 / 26.1 (2 threads, 8192 x 2048 / 2048 x 8192,
