@@ -2,14 +2,18 @@
 
     python benchmarks/ab/decode_prefetch.py [--threads 2] [--shapes 8192x2048,2048x8192]
                                             [--formats int8,Q4_K,Q6_K] [--mb 64] [--rounds 8]
+                                            [--kq-against group|mins-beside]
 
 Decode (one activation row) runs the INT8 panels (``q8_panels``) through a tile of 1 x 4 panels
 without prefetch instructions: here against the same tile with them (``_make_tile(...,
 prefetch=True)``). The Q4_K / Q6_K panels (``kquant_panels``) run it through the one-panel tile,
-which prefetches 4 KiB ahead ("panel"): here against the tile of 4 panels without prefetches that
-decode took before ("group"). Both run over the same copies of a random N x K matrix (``--mb``
-megabytes in all: streamed from DRAM), one group of 4 panels after another split over the threads
-as the modules' matmul does, alternating with a plain parallel read of the same bytes
+which prefetches 4 KiB ahead and sums a super-block's mins after its quants ("panel"): here
+against the tile of 4 panels without prefetches that decode took before ("group"), or with
+``--kq-against mins-beside`` against the one-panel tile with the min sums beside the quants' (what
+the AVX-512 variant's one-row tile did before, ``kquant_panels.mins_apart``). Both run over the
+same copies of a random N x K matrix (``--mb`` megabytes in all: streamed from DRAM), one group of
+4 panels after another split over the threads as the modules' matmul does, alternating with a
+plain parallel read of the same bytes
 (``bandwidth.read_sum_u32``). Prints, per format and shape, the median GB/s of each and the median
 of the per-round time ratios (first / second: above 1, the first takes longer), after checking the
 two outputs are identical.
@@ -54,7 +58,7 @@ def _kq_runner(tile, V):
     return run
 
 
-def passes(fmt: str, N: int, K: int, copies: int, rng, threads: int):
+def passes(fmt: str, N: int, K: int, copies: int, rng, threads: int, kq_against: str = "group"):
     """{name: fn} for the two tiles, each running every copy once; their outputs; the bytes of one
     copy; the arrays."""
     if fmt == "int8":
@@ -70,9 +74,11 @@ def passes(fmt: str, N: int, K: int, copies: int, rng, threads: int):
     F = FORMATS[fmt]
     ws = [kp.pack(F.ggml_type, random_blocks(F, N, K, rng)) for _ in range(copies)]
     x_q, x_s, x_m = kp.quantize_rows(rng.standard_normal((1, K)).astype(np.float32), K)
-    outs = {k: np.empty((1, N), np.float32) for k in ("panel", "group")}
-    runs = {"panel": _kq_runner(kp._make_tile(kp.ISA, 1, 1), 1),
-            "group": _kq_runner(kp._make_tile(kp.ISA, 1, kp.GROUP, prefetch=False), kp.GROUP)}
+    outs = {k: np.empty((1, N), np.float32) for k in ("panel", kq_against)}
+    other = (_kq_runner(kp._make_tile(kp.ISA, 1, kp.GROUP, prefetch=False, apart=kp.ISA in kp.YMM_ISAS), kp.GROUP)
+             if kq_against == "group"
+             else _kq_runner(kp._make_tile(kp.ISA, 1, 1, apart=False), 1))
+    runs = {"panel": _kq_runner(kp._make_tile(kp.ISA, 1, 1), 1), kq_against: other}
     fns = {k: (lambda k=k: [runs[k](F.ggml_type, w, x_q, x_s, x_m, outs[k], threads) for w in ws]) for k in outs}
     return fns, outs, ws[0].nbytes, ws
 
@@ -84,6 +90,8 @@ def main(argv=None):
     ap.add_argument("--formats", default="int8,Q4_K,Q6_K")
     ap.add_argument("--mb", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--kq-against", choices=("group", "mins-beside"), default="group",
+                    help="what decode's Q4_K / Q6_K tile is timed against (see above)")
     a = ap.parse_args(argv)
     numba.set_num_threads(a.threads)
     rng = np.random.default_rng(0)
@@ -93,7 +101,7 @@ def main(argv=None):
             N, K = (int(v) for v in shape.split("x"))
             one = N * K * (1 if fmt == "int8" else FORMATS[fmt].bits_per_weight / 8)
             copies = max(1, int(a.mb * 1e6 // one))
-            fns, outs, nbytes, arrays = passes(fmt, N, K, copies, rng, a.threads)
+            fns, outs, nbytes, arrays = passes(fmt, N, K, copies, rng, a.threads, a.kq_against)
             words = [as_words(w) for w in arrays]
 
             def read():
@@ -113,9 +121,9 @@ def main(argv=None):
                     times[k].append((time.perf_counter() - t) / copies)
             med = {k: float(np.median(v)) for k, v in times.items()}
             ratio = float(np.median(np.array(times[first]) / np.array(times[second])))
-            print(f"{fmt:5s} {shape:>11s}: {first} {nbytes / med[first] / 1e9:5.1f} GB/s, "
-                  f"{second} {nbytes / med[second] / 1e9:5.1f} GB/s, plain read {nbytes / med['read'] / 1e9:5.1f} GB/s; "
-                  f"time {first} / {second} {ratio:.2f}")
+            gbs = {k: nbytes / v / 1e9 for k, v in med.items()}
+            print(f"{fmt:5s} {shape:>11s}: {first} {gbs[first]:5.1f} GB/s, {second} {gbs[second]:5.1f} GB/s, "
+                  f"plain read {gbs['read']:5.1f} GB/s; time {first} / {second} {ratio:.2f}")
 
 
 if __name__ == "__main__":

@@ -149,14 +149,23 @@ mins beside the quants) ran Q4_K at 119-129 GMAC/s and Q6_K at 56-89 on 2 Zen 5 
 to AVX2 + AVX-VNNI, these 5-row ones 146-170 and 104-124 (B = 512, two alternating pairs of
 benchmarks/ab/panel_tiles.py runs)."""
 
-MINS_APART = ISA in YMM_ISAS
-"""Whether a super-block's min sums (the mins times the activations' sums) run in a loop of their
-own after its quants' sums, not beside them: the same steps in the same order per lane, but the
-min sums' registers are free while the quants are multiplied. On AVX2 (16 ymm registers, a row's
-16 lanes in two) the 6-row tile then ran Q4_K at 135-143 GMAC/s where it ran 104-132, Q6_K at
-105-113 where it ran 55-85 (2 Zen 4 cores, B = 512, 8192 x 2048 and 2048 x 8192, two runs of
-benchmarks/ab/panel_tiles.py each, the two builds one after the other). With AVX-512's 32 zmm it
-cost Q4_K's 4-row tile (227-273 GMAC/s against 280-292), so only the ymm variants."""
+
+def mins_apart(isa: str, TR: int) -> bool:
+    """Whether a tile's super-block min sums (the mins times the activations' sums) run in a loop
+    of their own after its quants' sums, not beside them: the same steps in the same order per
+    lane, but the min sums' registers are free while the quants are multiplied. On AVX2 (16 ymm
+    registers, a row's 16 lanes in two) the 6-row tile then ran Q4_K at 135-143 GMAC/s where it
+    ran 104-132, Q6_K at 105-113 where it ran 55-85 (2 Zen 4 cores, B = 512, 8192 x 2048 and
+    2048 x 8192, two runs of benchmarks/ab/panel_tiles.py each, the two builds one after the
+    other). With AVX-512's 32 zmm it cost Q4_K's 4-row tile (227-273 GMAC/s against 280-292), so
+    there only the one-row tile (decode) takes it: from DRAM it took 0.89-1.04x the time of the
+    one-row tile with the min sums beside (Q6_K; Q4_K 0.96-1.01x), 2 Zen 5 threads, 8192 x 2048
+    and 2048 x 8192, two runs of ``benchmarks/ab/decode_prefetch.py --kq-against mins-beside``;
+    a 4-layer Qwen3-30B-A3B Q4_K_M (its Q6_K lm_head 65 % of a token's bytes) decoded 0.99-1.17x
+    as fast, median 1.035x, over 6 alternating pairs
+    (benchmarks/results/2026-12-07-zen5-decode-tile.md)."""
+    return isa in YMM_ISAS or TR == 1
+
 
 SKIP_LARGEST_TILE = {("vnni", Q4_K)}
 """(ISA, format) pairs that start at the second of TILES, not the largest: measured at
@@ -542,13 +551,14 @@ def _code(b, word, i):
                      _V16I32)
 
 
-def _define_tile(module, fmt: int, isa: str, TR: int, V: int, prefetch: bool = True):
+def _define_tile(module, fmt: int, isa: str, TR: int, V: int, prefetch: bool = True, apart=None):
     """void @tile(i8* w, i64 nsb, i8* xq, i64 xq_stride, i8* xs, i64 xs_stride, i8* xm,
     i64 xm_stride, i8* out, i64 out_stride): out[t, 16 v .. 16 v + 15] for t < TR, v < V = the
     16 rows of panel v (the panels at w, each nsb super-blocks) against activation row t. Strides
-    in bytes."""
-    asm_q4k = fmt == Q4_K and isa in YMM_ISAS and MINS_APART and V == 1 and TR <= 5     # _avx2_q4k_superblock
-    name = (f"cpullm_kq_panel_tile_{fmt}_{isa}_{TR}x{V}" + ("" if prefetch else "_nopf") + ("_ma" if MINS_APART else "")
+    in bytes. ``apart``: :func:`mins_apart`'s choice unless given (benchmarks build the other)."""
+    apart = mins_apart(isa, TR) if apart is None else apart
+    asm_q4k = fmt == Q4_K and isa in YMM_ISAS and apart and V == 1 and TR <= 5     # _avx2_q4k_superblock
+    name = (f"cpullm_kq_panel_tile_{fmt}_{isa}_{TR}x{V}" + ("" if prefetch else "_nopf") + ("_ma" if apart else "")
             + ("_asm" if asm_q4k else ""))
     fn = module.globals.get(name)
     if fn is not None:
@@ -611,7 +621,7 @@ def _define_tile(module, fmt: int, isa: str, TR: int, V: int, prefetch: bool = T
             xp = [bb.gep(xrow[t], [k0]) for t in range(TR)]
             blk = bb.add(bb.mul(s, const_i64(SUPER // 32)), const_i64(j * sub // 32))
             xsv = [fsplat(bb.load(bb.gep(xsrow[t], [blk]), align=4)) for t in range(TR)]
-            xmv = None if MINS_APART else act_sums(blk, j)
+            xmv = None if apart else act_sums(blk, j)
             for v, sbp in enumerate(sbps):
                 vecs = _unpacked(bb, fmt, sbp, j, high_in_place=isa == "vnni")
                 if isa == "vnni":
@@ -624,7 +634,7 @@ def _define_tile(module, fmt: int, isa: str, TR: int, V: int, prefetch: bool = T
                     sums = _generic_sums(bb, vecs, xp)
                 if fmt == Q4_K:
                     sc = _code(bb, words[v][2 * (j // 4)], j % 4)
-                    mnf = None if MINS_APART else bb.sitofp(_code(bb, words[v][2 * (j // 4) + 1], j % 4), _V16F32)
+                    mnf = None if apart else bb.sitofp(_code(bb, words[v][2 * (j // 4) + 1], j % 4), _V16F32)
                 else:
                     sc = bb.sext(_load(bb, sbp, 32 + 16 * j, ir.VectorType(I8, 16)), _V16I32)
                 scf = bb.sitofp(sc, _V16F32)
@@ -632,9 +642,9 @@ def _define_tile(module, fmt: int, isa: str, TR: int, V: int, prefetch: bool = T
                 for t in range(TR):
                     a = t * V + v
                     accs[a] = bb.call(fma, [bb.sitofp(sums[t], _V16F32), bb.fmul(fj, xsv[t]), accs[a]])
-                    if not MINS_APART:
+                    if not apart:
                         ms[a] = bb.call(fma, [mnf if fmt == Q4_K else scf, xmv[t], ms[a]])
-        for j in range(nsub) if MINS_APART else ():   # the min sums, after the quants' (registers)
+        for j in range(nsub) if apart else ():   # the min sums, after the quants' (registers)
             xmv = act_sums(bb.add(bb.mul(s, const_i64(SUPER // 32)), const_i64(j * sub // 32)), j)
             for v, sbp in enumerate(sbps):
                 if fmt == Q4_K:
@@ -656,7 +666,7 @@ def _define_tile(module, fmt: int, isa: str, TR: int, V: int, prefetch: bool = T
     return fn
 
 
-def _make_tile(isa: str, TR: int, V: int, prefetch: bool = True):
+def _make_tile(isa: str, TR: int, V: int, prefetch: bool = True, apart=None):
     @intrinsic
     def tile(typingctx, fmt, w, g, x_q, x_s, x_m, t0, out, o_t):
         """Register tile: out[o_t + t, 16 v .. 16 v + 15] for t < TR, v < V = panel g + v's rows
@@ -678,7 +688,7 @@ def _make_tile(isa: str, TR: int, V: int, prefetch: bool = True):
                 for f, branch in ((Q4_K, q4), (Q6_K, q6)):
                     with branch:
                         wptr = builder.gep(p8(aw), [builder.mul(builder.mul(g_, nsb), const_i64(SB_BYTES[f]))])
-                        builder.call(_define_tile(builder.module, f, isa, TR, V, prefetch), [wptr, nsb] + xs)
+                        builder.call(_define_tile(builder.module, f, isa, TR, V, prefetch, apart), [wptr, nsb] + xs)
             return context.get_dummy_value()
 
         return sig, codegen
