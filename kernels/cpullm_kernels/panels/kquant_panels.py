@@ -66,14 +66,10 @@ tile is IR) and ``generic`` (portable IR).
 Streaming: a register tile is 1, 2, 4 or 8 activation rows by one panel (AVX2, AVX-VNNI: 1, 2, 3,
 5; :data:`TILES`), a lone row (decode) included. Tiles prefetch every 64-byte line of their
 super-block into L2 ``llvm_ir.PREFETCH_BYTES`` (4 KiB) ahead: without it 5 rows of an 8192 x 2048
-Q4_K matrix took 0.60 ms instead of 0.40. Decode once took its row by 4 panels at once (4 weight
-streams, no prefetch), chosen on Zen 4: one stream read Q4_K at 20 GB/s, four at 24, and four
-decoded a 1.24B Q4_K_M faster without prefetches than with (benchmarks/results/
-2026-12-06-panel-prefetch.md); this tile was not measured against it there since. On Zen 5 the
-one-panel tile is faster: a 1.24B Q4_K_M decoded 1.08-1.24x faster on AVX-512, 1.0-1.4x
-restricted to AVX-VNNI and 1.35-1.9x to AVX2 (alternating runs), and from DRAM Q4_K streamed at
-28.2 / 34.1 GB/s where four panels streamed 21.1 / 26.1 (2 threads, 8192 x 2048 / 2048 x 8192,
-benchmarks/ab/decode_prefetch.py; benchmarks/results/2026-12-07-zen5-decode-tile.md).
+Q4_K matrix took 0.60 ms instead of 0.40. For decode, one prefetching panel at a time beat 4
+panels at once without prefetches on Zen 5: a 1.24B Q4_K_M decoded 1.08-1.24x faster (AVX-512;
+AVX2 1.35-1.9x), though on Zen 4 the 4 panels had read Q4_K faster (24 GB/s against 20)
+(benchmarks/results/2026-12-07-zen5-decode-tile.md, benchmarks/ab/decode_prefetch.py).
 
 Entry points:
 
@@ -153,17 +149,12 @@ benchmarks/ab/panel_tiles.py runs)."""
 def mins_apart(isa: str, TR: int) -> bool:
     """Whether a tile's super-block min sums (the mins times the activations' sums) run in a loop
     of their own after its quants' sums, not beside them: the same steps in the same order per
-    lane, but the min sums' registers are free while the quants are multiplied. On AVX2 (16 ymm
-    registers, a row's 16 lanes in two) the 6-row tile then ran Q4_K at 135-143 GMAC/s where it
-    ran 104-132, Q6_K at 105-113 where it ran 55-85 (2 Zen 4 cores, B = 512, 8192 x 2048 and
-    2048 x 8192, two runs of benchmarks/ab/panel_tiles.py each, the two builds one after the
-    other). With AVX-512's 32 zmm it cost Q4_K's 4-row tile (227-273 GMAC/s against 280-292), so
-    there only the one-row tile (decode) takes it: from DRAM it took 0.89-1.04x the time of the
-    one-row tile with the min sums beside (Q6_K; Q4_K 0.96-1.01x), 2 Zen 5 threads, 8192 x 2048
-    and 2048 x 8192, two runs of ``benchmarks/ab/decode_prefetch.py --kq-against mins-beside``;
-    a 4-layer Qwen3-30B-A3B Q4_K_M (its Q6_K lm_head 65 % of a token's bytes) decoded 0.99-1.17x
-    as fast, median 1.035x, over 6 alternating pairs
-    (benchmarks/results/2026-12-07-zen5-decode-tile.md)."""
+    lane, but the min sums' registers are free while the quants are multiplied. The ymm variants'
+    tiles (a row's 16 lanes in two of 16 registers) then ran Q4_K at 135-143 GMAC/s where they ran
+    104-132 (AVX2, 6 rows, 2 Zen 4 cores). With AVX-512's 32 zmm it cost Q4_K's 4-row tile
+    (227-273 GMAC/s against 280-292), so there only the one-row tile (decode) takes it: it streamed
+    Q6_K from DRAM in 0.89-1.04x the time (``benchmarks/ab/decode_prefetch.py --kq-against
+    mins-beside``, 2 Zen 5 threads; benchmarks/results/2026-12-07-zen5-decode-tile.md)."""
     return isa in YMM_ISAS or TR == 1
 
 
