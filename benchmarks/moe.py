@@ -16,7 +16,17 @@ For each depth and each quant mode (int8, q4):
   llama.cpp runs: its 3-D expert tensors, one expert's slice read per choice);
 * with ``--llama-bench PATH``: llama.cpp's Q8_0 and Q4_K_M made from the same checkpoint by its
   own converter and quantizer (benchmarks/compare), decode tok/s by ``llama-bench -n GEN -p 0
-  -t THREADS -r 1`` (one run), right after cpullm's runs of that depth.
+  -t THREADS -r 1`` (one run), right after cpullm's runs of that depth;
+* with ``--llama-batched-bench PATH``: llama.cpp's own 1 and ``--streams`` sequences decoded
+  together (``llama-batched-bench -npl 1,STREAMS``, random prompts of ``--prompt`` tokens), so
+  the streams' gain over one stream has its peer.
+
+The streams' gain has a ceiling set by the routing, not the runtime: a step of N streams reads
+the experts any of them chose (with 128 experts, top 8 and routing spread evenly, 8 streams choose
+about 52 distinct experts a layer, 6.4 times one stream's), so when both are bound by the bytes
+they read, N streams decode at most ``streams_bound`` = N x bytes_per_token /
+streams_bytes_per_step times one stream's rate. The more layers, the more the experts weigh
+against the lm_head that every stream shares, and the lower that ceiling.
 
 ``--cache-dir DIR`` keeps the built programs (cpullm's cache): a first run without the bench lock
 builds them (``--build-only``), the timed run under the lock then loads them (HIT).
@@ -45,6 +55,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 CONFIG_DIR = HERE / "moe_configs"
+LLAMA_PEER = {"int8": "Q8_0", "gguf:Q8_0": "Q8_0", "q4": "Q4_K_M", "gguf:Q4_K_M": "Q4_K_M"}
+"""The llama.cpp file each cpullm mode is compared with: equal bytes per weight."""
 
 
 def write_synthetic(name: str, depth: int, out: Path, seed: int = 0) -> Path:
@@ -138,21 +150,42 @@ def measure(model_dir: Path, quant: str, threads: int, prompt: int, gen: int, st
             toks = fwd.step(slots, toks, greedy=[True] * B)[1]
         return time.perf_counter() - t, sum(c.bytes_read for c in calls) - before
 
-    decode(1, 2)                                # warm-up: compiles, faults the pages in
+    for arr in model.forward.executor.program.arrays.values():
+        _touch(arr)                             # every expert in the page cache before any timing
+    decode(1, 2)                                # warm-up: compiles
     decode(streams, 2)
     one_s, one_read = decode(1, gen)
     many_s, many_read = decode(streams, gen)
     per_token_experts = one_read / gen
     read = dense + router + per_token_experts
+    many_bytes = dense + router + many_read / gen
 
     return {"quant": quant, "weight_formats": model.info()["weight_formats"], "cache": model.cache_status,
             "build_s": round(build_s, 1), "decode_tps": gen / one_s,
             "streams": streams, "streams_tps": streams * gen / many_s, "streams_step_s": many_s / gen,
-            "streams_bytes_per_step": dense + router + many_read / gen,
+            "streams_bytes_per_step": many_bytes, "streams_bound": streams * read / many_bytes,
             "bytes_per_token": read, "active_bytes": active, "read_over_active": read / active,
             "dense_bytes": dense, "router_bytes": router, "experts_per_token": per_token_experts,
             "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "rss_mb": _rss_mb(), "program_bytes": sum(int(a.nbytes) for a in model.forward.executor.program.arrays.values())}
+
+
+def _touch(arr) -> None:
+    """Read one byte of every 4 KiB page of ``arr`` (a mapped program array): a decode step reads
+    experts no earlier step chose, and a page first read from disk inside a timed step would time
+    the disk. 12 layers of Qwen3-30B-A3B at Q8_0 are 8.6 GB, which the page cache of a 24 GB
+    machine keeps."""
+    import numpy as np
+    b = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+    int(b[::4096].sum())
+
+
+def _page_in(path: Path) -> None:
+    """Read ``path`` through once, so that llama.cpp's mapped file is in the page cache before its
+    timed run, as cpullm's program is (:func:`_touch`)."""
+    with open(path, "rb") as fh:
+        while fh.read(1 << 24):
+            pass
 
 
 def _uptime() -> str:
@@ -223,11 +256,69 @@ def llama_decode(files: dict, bench: str, threads: int, gen: int) -> dict:
     """llama-bench decode tok/s of each file (one run)."""
     out = {}
     for ftype, path in files.items():
+        _page_in(path)
         cmd = [bench, "-m", str(path), "-t", str(threads), "-n", str(gen), "-p", "0", "-r", "1", "-o", "json"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         rows = json.loads(proc.stdout) if proc.returncode == 0 else []
         out[ftype] = {"cmd": " ".join(cmd), "tps": rows[0]["avg_ts"] if rows else None,
                       "bytes": Path(path).stat().st_size, "error": proc.stderr[-300:] if not rows else ""}
+    return out
+
+
+def llama_batched(files: dict, tool: str, threads: int, prompt: int, gen: int, streams: int) -> dict:
+    """llama-batched-bench's decode tok/s (every sequence's tokens) of 1 and ``streams`` sequences
+    of each file, and their ratio (one run)."""
+    out = {}
+    for ftype, path in files.items():
+        _page_in(path)
+        ctx = streams * (prompt + gen) + 16
+        cmd = [tool, "-m", str(path), "-t", str(threads), "-c", str(ctx), "-npp", str(prompt), "-ntg", str(gen),
+               "-npl", f"1,{streams}", "--output-format", "jsonl"]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        rows = {}
+        for line in (proc.stdout + "\n" + proc.stderr).splitlines():
+            if line.startswith("{") and '"speed_tg"' in line:
+                row = json.loads(line)
+                rows[row["pl"]] = row["speed_tg"]
+        one, many = rows.get(1), rows.get(streams)
+        out[ftype] = {"cmd": " ".join(cmd), "one_tps": one, "streams_tps": many,
+                      "streams_over_one": many / one if one and many else None,
+                      "error": proc.stderr[-300:] if not (one and many) else ""}
+    return out
+
+
+def full_depth(depths: dict, quants, d1: int, d2: int, full: int) -> dict:
+    """Each mode measured at depths d1 < d2 (``depths[d][quant]``, and ``depths[d]["llama.cpp"]``)
+    extrapolated to ``full`` layers: bytes and memory grow by their per-layer difference, seconds
+    per token and per streams' step likewise; llama.cpp's decode the same way, and each cpullm
+    mode's ratio to its LLAMA_PEER file at full depth."""
+    out = {}
+    for quant in quants:
+        if quant not in depths[d1] or quant not in depths[d2]:
+            continue
+        a, b = depths[d1][quant], depths[d2][quant]
+        ext = {}
+        for key in ("bytes_per_token", "active_bytes", "streams_bytes_per_step", "maxrss_mb", "rss_mb",
+                    "program_bytes"):
+            ext[key] = a[key] + (full - d1) * (b[key] - a[key]) / (d2 - d1)
+        spt = (1 / b["decode_tps"] - 1 / a["decode_tps"]) / (d2 - d1)
+        ext["decode_tps"] = 1 / (1 / a["decode_tps"] + (full - d1) * spt)
+        step = (b["streams_step_s"] - a["streams_step_s"]) / (d2 - d1)
+        ext["streams_tps"] = a["streams"] / (a["streams_step_s"] + (full - d1) * step)
+        ext["streams_over_one"] = ext["streams_tps"] / ext["decode_tps"]
+        ext["streams_bound"] = a["streams"] * ext["bytes_per_token"] / ext["streams_bytes_per_step"]
+        out[quant] = ext
+    theirs = [depths[d].get("llama.cpp", {}) for d in (d1, d2)]
+    for ft in ("Q8_0", "Q4_K_M"):
+        a, b = (t.get(ft, {}).get("tps") for t in theirs)
+        if not (a and b):
+            continue
+        spt = (1 / b - 1 / a) / (d2 - d1)
+        tps = 1 / (1 / a + (full - d1) * spt)
+        out.setdefault("llama.cpp", {})[ft] = {"decode_tps": tps}
+        for quant in quants:
+            if quant in out and LLAMA_PEER.get(quant) == ft:
+                out[quant][f"over_llama_{ft}"] = out[quant]["decode_tps"] / tps
     return out
 
 
@@ -242,6 +333,8 @@ def main(argv=None) -> int:
     p.add_argument("--gen", type=int, default=32)
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--llama-bench", default=os.environ.get("LLAMA_BENCH"), help="llama-bench binary (optional)")
+    p.add_argument("--llama-batched-bench", help="llama-batched-bench binary (optional): llama.cpp's own "
+                                                 "1 and --streams sequences decoded together")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--cache-dir", default="", help="cpullm's program cache (default: no cache, build each time)")
     p.add_argument("--build-only", action="store_true", help="only build (and cache) the programs and GGUFs")
@@ -258,7 +351,7 @@ def main(argv=None) -> int:
         d = (write_synthetic(args.model, max(args.depths), deepest) if truncate
              else write_synthetic(args.model, depth, args.work / f"{args.model}-x{depth}"))
         ggufs = {}
-        if args.llama_bench or any(q.startswith("gguf:") for q in args.quants):
+        if args.llama_bench or args.llama_batched_bench or any(q.startswith("gguf:") for q in args.quants):
             ggufs = llama_files(d, args.work / "gguf", args.threads, deepest if truncate else None, depth)
         row = {}
         for quant in args.quants:      # one process per build, so each peak RSS is its own
@@ -278,30 +371,23 @@ def main(argv=None) -> int:
             row["llama.cpp"]["uptime"] = _uptime()
             print(f"depth {depth} llama.cpp: {json.dumps(row['llama.cpp'])}", flush=True)
             for quant in row:
-                ft = {"int8": "Q8_0", "gguf:Q8_0": "Q8_0", "q4": "Q4_K_M", "gguf:Q4_K_M": "Q4_K_M"}.get(quant)
+                ft = LLAMA_PEER.get(quant)
                 theirs = row["llama.cpp"].get(ft, {}).get("tps")
                 if ft and theirs:
                     row[quant][f"over_llama_{ft}"] = row[quant]["decode_tps"] / theirs
                     print(f"depth {depth} {quant} / llama.cpp {ft}: {row[quant][f'over_llama_{ft}']:.3f}x", flush=True)
+        if args.llama_batched_bench and not args.build_only:
+            row["llama.cpp batched"] = llama_batched(ggufs, args.llama_batched_bench, args.threads, args.prompt,
+                                                     args.gen, args.streams)
+            row["llama.cpp batched"]["uptime"] = _uptime()
+            print(f"depth {depth} llama.cpp batched: {json.dumps(row['llama.cpp batched'])}", flush=True)
         results["depths"][depth] = row
     if args.build_only:
         return 0
     d1, d2 = args.depths
-    for quant in args.quants:
-        if quant not in results["depths"][d1] or quant not in results["depths"][d2]:
-            continue
-        a, b = results["depths"][d1][quant], results["depths"][d2][quant]
-        ext = {}
-        for key in ("bytes_per_token", "active_bytes", "streams_bytes_per_step", "maxrss_mb", "rss_mb",
-                    "program_bytes"):
-            per = (b[key] - a[key]) / (d2 - d1)
-            ext[key] = a[key] + (full - d1) * per
-        spt = (1 / b["decode_tps"] - 1 / a["decode_tps"]) / (d2 - d1)
-        ext["decode_tps"] = 1 / (1 / a["decode_tps"] + (full - d1) * spt)
-        step = (b["streams_step_s"] - a["streams_step_s"]) / (d2 - d1)
-        ext["streams_tps"] = a["streams"] / (a["streams_step_s"] + (full - d1) * step)
-        results.setdefault("full_depth", {})[quant] = ext
-        print(f"full depth {full} {quant}: {json.dumps(ext)}", flush=True)
+    results["full_depth"] = full_depth(results["depths"], args.quants, d1, d2, full)
+    for name, ext in results["full_depth"].items():
+        print(f"full depth {full} {name}: {json.dumps(ext)}", flush=True)
     if args.json:
         tmp = args.json.with_suffix(".tmp")
         tmp.write_text(json.dumps(results, indent=2))
