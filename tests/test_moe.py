@@ -248,3 +248,22 @@ def test_a_moe_program_comes_back_from_the_execution_cache(quant, tmp_path, monk
     second = cpullm.load(d, quant=quant)
     assert second.info()["cache"] == "HIT"
     np.testing.assert_array_equal(first.logits(ids), second.logits(ids))
+
+
+def test_the_memory_bound_reads_each_steps_chosen_experts():
+    """`cpullm bench`'s plain read after a decode step covers what the step read: the dense
+    matrices, the router and the k experts it chose (not every expert, and not none)."""
+    from types import SimpleNamespace
+    from cpullm.bench.memory_bound import decode_weight_bytes, memory_bound, moe_spans
+    H, V, E, k, inter = 64, 24, 16, 2, 64
+    a = _arrays(H, V, E, inter, 0, False)
+    ex = Executor(compile_graph(_graph(H, V, E, k, inter, "softmax_topk", True, 0, False), _ArrayWeights(a),
+                                quant="int8", n_ctx=32, max_chunk=8))
+    fwd = Forward(ex, numba.get_num_threads())
+    call = next(iter(ex.moe.values()))
+    model = SimpleNamespace(program=ex.program, executor=ex, forward=fwd, slot=fwd.new_slot(), n_ctx=32)
+    fwd.step([model.slot], [7])
+    routed = k * call.expert_bytes[0] + 4 * E * H           # the k experts and the float32 router
+    assert sum(v.nbytes for v in moe_spans(ex.program, ex)) == routed
+    r = memory_bound(model, steps=4)
+    assert r["decode_weight_bytes"] == decode_weight_bytes(ex.program) + routed
