@@ -13,3 +13,11 @@ def load_benchmark(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def shell_tool(path: Path, body: str) -> str:
+    """An executable /bin/sh script at ``path`` running ``body``: a stand-in for a llama.cpp tool
+    (its arguments and output are what the test checks). Returns its path as a string."""
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return str(path)

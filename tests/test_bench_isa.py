@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench_scripts import load_benchmark
+from bench_scripts import load_benchmark, shell_tool
 
 
 def test_a_model_that_is_one_gguf_is_requantized_from_that_file(tmp_path, monkeypatch):
@@ -51,10 +51,7 @@ def test_a_checkpoint_directory_is_not_taken_for_a_gguf_model(tmp_path):
 
 
 def _tool(tmp_path, body: str) -> str:
-    tool = tmp_path / "llama-quantize"
-    tool.write_text("#!/bin/sh\n" + body)
-    tool.chmod(0o755)
-    return str(tool)
+    return shell_tool(tmp_path / "llama-quantize", body)
 
 
 def test_the_llama_quantize_tool_writes_through_a_temporary_name(tmp_path):

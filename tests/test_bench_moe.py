@@ -1,14 +1,11 @@
 """benchmarks/moe.py's arithmetic and its reading of llama.cpp's batched decode (no model run)."""
 import pytest
 
-from bench_scripts import load_benchmark
+from bench_scripts import load_benchmark, shell_tool
 
 
 def _tool(tmp_path, body: str) -> str:
-    tool = tmp_path / "llama-batched-bench"
-    tool.write_text("#!/bin/sh\n" + body)
-    tool.chmod(0o755)
-    return str(tool)
+    return shell_tool(tmp_path / "llama-batched-bench", body)
 
 
 def test_llama_batched_reads_the_one_and_many_rows_of_its_jsonl(tmp_path):

@@ -174,13 +174,21 @@ def _as_q4(name, w):
     return dequantize_ref(data, fmt, (w.shape[0], Kp))[:, :w.shape[1]]
 
 
+SPARSE = dict(H=64, V=24, E=16, k=2, inter=64)
+"""A layer of 16 experts, 2 a token: what a step reads of them is countable."""
+
+
+def _sparse_int8():
+    """(executor, forward, its MOE call) of an INT8 program of one SPARSE layer (Qwen3-MoE routing)."""
+    H, V, E, k, inter = (SPARSE[n] for n in ("H", "V", "E", "k", "inter"))
+    ex = Executor(compile_graph(_graph(H, V, E, k, inter, "softmax_topk", True, 0, False),
+                                _ArrayWeights(_arrays(H, V, E, inter, 0, False)), quant="int8", n_ctx=32, max_chunk=8))
+    return ex, Forward(ex, numba.get_num_threads()), next(iter(ex.moe.values()))
+
+
 def test_decode_reads_only_the_chosen_experts():
-    H, V, E, k, inter = 64, 24, 16, 2, 64
-    a = _arrays(H, V, E, inter, 0, False)
-    ex = Executor(compile_graph(_graph(H, V, E, k, inter, "softmax_topk", True, 0, False), _ArrayWeights(a),
-                                quant="int8", n_ctx=32, max_chunk=8))
-    fwd = Forward(ex, numba.get_num_threads())
-    call = next(iter(ex.moe.values()))
+    E, k = SPARSE["E"], SPARSE["k"]
+    ex, fwd, call = _sparse_int8()
     slot = fwd.new_slot()
     fwd.step([slot], [7])
     per_expert = call.expert_bytes[0]
@@ -255,12 +263,8 @@ def test_the_memory_bound_reads_each_steps_chosen_experts():
     matrices, the router and the k experts it chose (not every expert, and not none)."""
     from types import SimpleNamespace
     from cpullm.bench.memory_bound import decode_weight_bytes, memory_bound, moe_spans
-    H, V, E, k, inter = 64, 24, 16, 2, 64
-    a = _arrays(H, V, E, inter, 0, False)
-    ex = Executor(compile_graph(_graph(H, V, E, k, inter, "softmax_topk", True, 0, False), _ArrayWeights(a),
-                                quant="int8", n_ctx=32, max_chunk=8))
-    fwd = Forward(ex, numba.get_num_threads())
-    call = next(iter(ex.moe.values()))
+    H, E, k = SPARSE["H"], SPARSE["E"], SPARSE["k"]
+    ex, fwd, call = _sparse_int8()
     model = SimpleNamespace(program=ex.program, executor=ex, forward=fwd, slot=fwd.new_slot(), n_ctx=32)
     fwd.step([model.slot], [7])
     routed = k * call.expert_bytes[0] + 4 * E * H           # the k experts and the float32 router
